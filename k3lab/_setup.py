@@ -1,0 +1,86 @@
+"""`k3lab.setup()`: the first code cell of every notebook."""
+from __future__ import annotations
+
+import os
+import platform
+import random
+import sys
+from pathlib import Path
+
+PROFILES = ("cpu", "gpu")
+
+
+def _checkout_root(start: Path) -> Path | None:
+    for d in (start, *start.parents):
+        pyproject = d / "pyproject.toml"
+        if pyproject.is_file() and 'name = "k3lab"' in pyproject.read_text():
+            return d
+    return None
+
+
+def setup(seed: int = 0, profile: str | None = None, verbose: bool = True):
+    """Prepare a session: seeds, device, Triton interpreter, versions.
+
+    Args:
+        seed (int): seeds Python's, NumPy's and torch's generators.
+        profile (str | None): "cpu" or "gpu". "gpu" requires CUDA; None picks CUDA when present.
+        verbose (bool): print versions and the chosen device.
+
+    Returns:
+        torch.device: ``cuda`` when used, else ``cpu``.
+
+    Raises:
+        ValueError: ``profile`` is not "cpu", "gpu" or None.
+        RuntimeError: ``profile="gpu"`` without CUDA; a Triton kernel module was imported before
+            ``setup()`` on a CPU-only machine (the interpreter flag would come too late); or the
+            imported k3lab is not the one in the checkout the session runs from.
+    """
+    if profile not in (*PROFILES, None):
+        raise ValueError(f"profile must be one of {PROFILES} or None, got {profile!r}")
+    import numpy as np
+    import torch
+
+    use_cuda = torch.cuda.is_available() and profile != "cpu"
+    if profile == "gpu" and not use_cuda:
+        raise RuntimeError("profile='gpu' but torch.cuda.is_available() is False")
+    if not torch.cuda.is_available():
+        # Triton reads TRITON_INTERPRET when a @triton.jit function is defined, so it must be set
+        # before any kernel module is imported.
+        if os.environ.get("TRITON_INTERPRET") != "1" and any(
+            m.startswith("k3lab.kernels.") for m in sys.modules
+        ):
+            raise RuntimeError(
+                "k3lab.kernels was imported before k3lab.setup(): restart the kernel and call "
+                "k3lab.setup() first so TRITON_INTERPRET=1 is set before kernels are defined"
+            )
+        os.environ["TRITON_INTERPRET"] = "1"
+
+    import k3lab
+
+    here = Path(k3lab.__file__).resolve().parent
+    root = _checkout_root(Path.cwd().resolve())
+    if root is not None and (root / "k3lab").resolve() != here:
+        raise RuntimeError(
+            f"the imported k3lab lives in {here}, not in this checkout ({root}); "
+            f"run `pip install -e {root}` (or `make book`, which does it) in this environment"
+        )
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    device = torch.device("cuda" if use_cuda else "cpu")
+    if verbose:
+        try:
+            import triton
+
+            triton_version = triton.__version__
+        except ImportError:
+            triton_version = "not installed"
+        name = torch.cuda.get_device_name() if use_cuda else platform.processor() or "cpu"
+        print(
+            f"k3lab {k3lab.__version__} | python {platform.python_version()} | torch {torch.__version__}"
+            f" | triton {triton_version} | numpy {np.__version__}"
+        )
+        print(f"device: {device} ({name}) | seed {seed}"
+              + (" | TRITON_INTERPRET=1" if device.type == "cpu" else ""))
+    return device

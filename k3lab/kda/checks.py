@@ -1,0 +1,96 @@
+"""Input validation shared by every KDA entry point (naive, chunk, Triton, KCP)."""
+from __future__ import annotations
+
+import torch
+
+
+def _shape(x: torch.Tensor | None) -> str:
+    return "None" if x is None else str(list(x.shape))
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> int:
+    """Validate ``cu_seqlens`` (int [N+1], 0 = c_0 < c_1 < ... < c_N = T); returns N.
+
+    Raises:
+        ValueError: wrong dtype/rank, not starting at 0, not ending at T, or not strictly increasing
+            (an empty or duplicate offset would be a zero-length sequence).
+    """
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D int32/int64 tensor [N+1] with N >= 1, got dtype "
+            f"{cu_seqlens.dtype} shape {_shape(cu_seqlens)}"
+        )
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or offsets[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {offsets[0]} ... {offsets[-1]}")
+    lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+    if min(lengths) <= 0:
+        i = next(i for i, n in enumerate(lengths) if n <= 0)
+        raise ValueError(
+            f"cu_seqlens must be strictly increasing (no empty or duplicate offsets): "
+            f"cu_seqlens[{i}]={offsets[i]}, cu_seqlens[{i + 1}]={offsets[i + 1]}"
+        )
+    return len(lengths)
+
+
+def check_kda_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    check_values: bool = True,
+) -> int:
+    """Check the shapes and values of KDA inputs; returns N (the number of sequences).
+
+    Expected: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (log-decay, <= 0);
+    beta [B, T, HV]; initial_state [N, HV, K, V]; cu_seqlens int [N+1] with B == 1.
+
+    Raises:
+        ValueError: naming the argument, the shape it got and the one expected; HV not a multiple
+            of H; bad cu_seqlens; g > 0; a NaN or inf in any input (when ``check_values``).
+    """
+    tensors = dict(q=q, k=k, v=v, g=g, beta=beta)
+    for name, x in tensors.items():
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {_shape(q)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape [B, T, H, K] = {list(q.shape)}, got {_shape(k)}")
+    if v.ndim != 4 or v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B, T, HV, V] with B={B}, T={T}, got {_shape(v)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H != 0:
+        raise ValueError(f"v's head count HV={HV} must be a multiple of q/k's H={H} (GVA)")
+    if g.shape != (B, T, HV, K):
+        raise ValueError(f"g must be [B, T, HV, K] = {[B, T, HV, K]}, got {_shape(g)}")
+    if beta.shape != (B, T, HV):
+        raise ValueError(f"beta must be [B, T, HV] = {[B, T, HV]}, got {_shape(beta)}")
+    if T == 0 or K == 0 or V == 0:
+        raise ValueError(f"T, K and V must be positive, got T={T}, K={K}, V={V}")
+    devices = {x.device for x in tensors.values()}
+    if len(devices) > 1:
+        raise ValueError(f"q, k, v, g, beta must be on one device, got {sorted(map(str, devices))}")
+    N = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch must be packed into B=1, got B={B}")
+        N = check_cu_seqlens(cu_seqlens, T)
+    if initial_state is not None and initial_state.shape != (N, HV, K, V):
+        raise ValueError(f"initial_state must be [N, HV, K, V] = {[N, HV, K, V]}, got {_shape(initial_state)}")
+    if check_values:
+        named = dict(tensors, initial_state=initial_state) if initial_state is not None else tensors
+        # One host sync for all value checks.
+        flags = torch.stack(
+            [~torch.isfinite(x).all() for x in named.values()] + [(g > 0).any()]
+        ).tolist()
+        for name, bad in zip(named, flags):
+            if bad:
+                raise ValueError(f"{name} contains NaN or inf")
+        if flags[-1]:
+            raise ValueError(f"g is a log-decay and must be <= 0, got max {g.max().item():.3g}")
+    return N

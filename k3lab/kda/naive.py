@@ -1,0 +1,84 @@
+"""The KDA reference: the recurrence, one token at a time (K3 report, Eq. 3-4; Kimi Linear, Eq. 1)."""
+from __future__ import annotations
+
+import torch
+
+from k3lab.kda.checks import check_kda_inputs
+
+
+def expand_heads(x: torch.Tensor, HV: int) -> torch.Tensor:
+    """Repeat q/k heads [B, T, H, K] -> [B, T, HV, K] for GVA: value head i reads q/k head i // (HV // H)."""
+    H = x.shape[2]
+    return x if H == HV else x.repeat_interleave(HV // H, dim=2)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 stays float64; everything else is computed in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def naive_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kimi Delta Attention by its recurrence, per value head:
+
+        S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T (scale q_t)
+
+    in the reference order: decay S, read k_t^T S, write beta_t k_t (v_t - k_t^T S)^T, read q.
+
+    Args:
+        q (Tensor): [B, T, H, K] queries.
+        k (Tensor): [B, T, H, K] keys (normally L2-normalised).
+        v (Tensor): [B, T, HV, V] values; HV a multiple of H (GVA).
+        g (Tensor): [B, T, HV, K] log-space channel-wise decay, g <= 0 (alpha = exp(g)).
+        beta (Tensor): [B, T, HV] write strengths in (0, 1).
+        scale (float | None): query scale, default K ** -0.5.
+        initial_state (Tensor | None): [N, HV, K, V] state before the first token of each sequence.
+        output_final_state (bool): also return the state after the last token.
+        cu_seqlens (Tensor | None): int [N+1] offsets of N packed sequences (B must be 1).
+
+    Returns:
+        (o, final_state): o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] in the compute
+        dtype (float64 for float64 inputs, else float32), or None.
+
+    Raises:
+        ValueError: bad shapes, HV not a multiple of H, bad cu_seqlens, g > 0, NaN/inf inputs.
+
+    Example:
+        >>> B, T, H, K = 1, 5, 2, 4
+        >>> q, k = torch.randn(B, T, H, K), torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
+        >>> o, s = naive_recurrent_kda(q, k, torch.randn(B, T, H, K), -torch.rand(B, T, H, K),
+        ...                            torch.rand(B, T, H), output_final_state=True)
+        >>> o.shape, s.shape
+        (torch.Size([1, 5, 2, 4]), torch.Size([1, 2, 4, 4]))
+    """
+    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    scale = K**-0.5 if scale is None else scale
+    out_dtype, dt = q.dtype, compute_dtype(q)
+    q, k = expand_heads(q, HV).to(dt) * scale, expand_heads(k, HV).to(dt)
+    v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
+
+    bounds = cu_seqlens.tolist() if cu_seqlens is not None else [0, T]
+    outputs, finals = [], []
+    for n in range(N):
+        b, (t0, t1) = (0, bounds[n : n + 2]) if cu_seqlens is not None else (n, bounds)
+        S = initial_state[n].to(dt) if initial_state is not None else q.new_zeros(HV, K, V)
+        for t in range(t0, t1):
+            S = S * g[b, t].exp()[..., None]
+            read = torch.einsum("hk,hkv->hv", k[b, t], S)
+            S = S + torch.einsum("hk,hv->hkv", k[b, t], beta[b, t, :, None] * (v[b, t] - read))
+            outputs.append(torch.einsum("hk,hkv->hv", q[b, t], S))
+        finals.append(S)
+    o = torch.stack(outputs).view(B, T, HV, V)
+    final_state = torch.stack(finals) if output_final_state else None
+    return o.to(out_dtype), final_state
