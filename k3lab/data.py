@@ -1,0 +1,448 @@
+"""The book's real training text: CPython 3.11 standard-library sources, a byte-level BPE, token shards.
+
+Commands (run from the repository root)::
+
+    python -m k3lab.data build                      # data/corpus.tar.xz -> data/shards/{train,val}.bin
+    python -m k3lab.data build --retrain-tokenizer --update-manifest   # new data/tokenizer.json
+    python -m k3lab.data select --source /path/to/lib/python3.11       # re-make data/corpus.tar.xz
+    python -m k3lab.data info                       # what is built, tokens per split
+
+``build`` is deterministic: it reads the committed corpus (sorted members), puts every 20th file into
+``val``, encodes each file with the committed ``data/tokenizer.json`` followed by ``<|endoftext|>``,
+writes uint16 shards (tmp file + rename) and a manifest with a sha256 per shard, and checks that
+manifest against the committed ``data/manifest.json``. ``data/README.md`` says what the corpus is.
+
+API used by the book and by ``k3lab.lm``::
+
+    tokens = load_split("train")               # np.memmap uint16 [n_tokens]
+    x, y = get_batch(tokens, 8, 128, torch.Generator().manual_seed(0), "cpu")   # int64 [8, 128]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR = Path(os.environ.get("K3LAB_DATA_DIR", ROOT / "data"))
+SPLITS = ("train", "val")
+EOT = "<|endoftext|>"
+DEFAULT_VOCAB_SIZE = 4096
+VAL_EVERY = 20
+MAX_CORPUS_BYTES = 8_000_000
+CORPUS_PREFIX = "Lib"
+# Generated tables (encodings/, pydoc_data/), legacy or GUI-demo packages, tests and third-party code.
+SKIP_DIRS = ("test", "tests", "idle_test", "site-packages", "__pycache__", "encodings", "pydoc_data",
+             "idlelib", "turtledemo", "lib2to3", "distutils")
+BUILD_COMMAND = "python -m k3lab.data build"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same folder and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        # mkstemp creates 0600; give the file the mode an ordinary open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _json_bytes(obj) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# Corpus selection (run once by a maintainer; the result is committed)
+# ---------------------------------------------------------------------------------------------
+
+def select_corpus_files(source: Path, max_bytes: int = MAX_CORPUS_BYTES) -> list[Path]:
+    """The deterministic subset of a CPython ``Lib/`` tree that forms the corpus.
+
+    Rule: every ``*.py`` file in sorted relative-path order, skipping the folders in ``SKIP_DIRS``
+    (tests, site-packages, generated tables, legacy and GUI demos) and ``config-*``; files that are
+    not UTF-8 are skipped; stop before the first file that would take the total past ``max_bytes``.
+
+    Raises:
+        ValueError: ``source`` is not a directory or holds no eligible file.
+    """
+    source = Path(source)
+    if not source.is_dir():
+        raise ValueError(f"source must be a directory (a CPython Lib/ tree), got {source}")
+    chosen, total = [], 0
+    for path in sorted(source.rglob("*.py"), key=lambda p: p.relative_to(source).as_posix()):
+        rel = path.relative_to(source)
+        if any(part in SKIP_DIRS for part in rel.parts[:-1]) or rel.parts[0].startswith("config-"):
+            continue
+        data = path.read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if total + len(data) > max_bytes:
+            break
+        chosen.append(rel)
+        total += len(data)
+    if not chosen:
+        raise ValueError(f"no eligible *.py files under {source}")
+    return chosen
+
+
+def write_corpus_archive(source: Path, out: Path, max_bytes: int = MAX_CORPUS_BYTES) -> dict:
+    """Pack :func:`select_corpus_files` into a reproducible ``.tar.xz`` (fixed mtimes, owners, order)."""
+    files = select_corpus_files(source, max_bytes)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:xz", format=tarfile.GNU_FORMAT) as tar:
+        for rel in files:
+            data = (Path(source) / rel).read_bytes()
+            info = tarfile.TarInfo(f"{CORPUS_PREFIX}/{rel.as_posix()}")
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            tar.addfile(info, io.BytesIO(data))
+    _atomic_write(Path(out), buf.getvalue())
+    return {"files": len(files), "bytes": sum((Path(source) / r).stat().st_size for r in files),
+            "archive_bytes": len(buf.getvalue())}
+
+
+def read_corpus(data_dir: Path = DATA_DIR) -> list[tuple[str, str]]:
+    """The committed corpus as ``(path, text)`` pairs in sorted path order.
+
+    Raises:
+        FileNotFoundError: ``data_dir/corpus.tar.xz`` is missing.
+    """
+    archive = Path(data_dir) / "corpus.tar.xz"
+    if not archive.is_file():
+        raise FileNotFoundError(f"{archive} is missing (it is committed to git: restore it)")
+    files = []
+    with tarfile.open(archive, mode="r:xz") as tar:
+        for member in tar.getmembers():
+            if member.isfile():
+                files.append((member.name, tar.extractfile(member).read().decode("utf-8")))
+    return sorted(files)
+
+
+def split_files(files: list[tuple[str, str]], val_every: int = VAL_EVERY) -> dict[str, list[str]]:
+    """Split by file: the i-th file (0-based, sorted) goes to ``val`` when ``i % val_every == val_every - 1``."""
+    if val_every < 2:
+        raise ValueError(f"val_every must be >= 2, got {val_every}")
+    out = {"train": [], "val": []}
+    for i, (_, text) in enumerate(files):
+        out["val" if i % val_every == val_every - 1 else "train"].append(text)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+def train_tokenizer(texts: list[str], vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """Train a byte-level BPE (GPT-2 style pre-tokenisation, ``<|endoftext|>`` = id 0).
+
+    Args:
+        texts (list[str]): training documents.
+        vocab_size (int): final vocabulary size, 257 <= vocab_size <= 65536 (ids must fit uint16).
+
+    Returns:
+        tokenizers.Tokenizer
+
+    Raises:
+        ValueError: ``vocab_size`` out of range or ``texts`` empty.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if not 257 <= vocab_size <= 65536:
+        raise ValueError(f"vocab_size must be in [257, 65536] (uint16 ids, 256 bytes + EOT), got {vocab_size}")
+    if not texts:
+        raise ValueError("texts must hold at least one document")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def load_tokenizer(data_dir: Path = DATA_DIR):
+    """The committed byte-level BPE tokenizer (``data/tokenizer.json``).
+
+    Returns:
+        tokenizers.Tokenizer: ``encode(text).ids`` and ``decode(ids)`` round-trip any UTF-8 text.
+
+    Raises:
+        FileNotFoundError: the tokenizer file is missing.
+    """
+    from tokenizers import Tokenizer
+
+    path = Path(data_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: restore it from git or run "
+                                f"`{BUILD_COMMAND} --retrain-tokenizer --update-manifest`")
+    return Tokenizer.from_file(str(path))
+
+
+def vocab_size(data_dir: Path = DATA_DIR) -> int:
+    """Vocabulary size of the committed tokenizer (4096 by default), EOT included."""
+    return load_tokenizer(data_dir).get_vocab_size()
+
+
+def encode_documents(tok, texts: list[str]) -> np.ndarray:
+    """Encode documents, each followed by ``<|endoftext|>``; returns uint16 [n_tokens]."""
+    eot = tok.token_to_id(EOT)
+    if eot is None:
+        raise ValueError(f"tokenizer has no {EOT} token")
+    if tok.get_vocab_size() > 65536:
+        raise ValueError(f"vocab size {tok.get_vocab_size()} does not fit uint16")
+    ids: list[int] = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eot)
+    return np.asarray(ids, dtype="<u2")
+
+
+# ---------------------------------------------------------------------------------------------
+# Build
+# ---------------------------------------------------------------------------------------------
+
+def build(
+    data_dir: Path = DATA_DIR,
+    out_dir: Path | None = None,
+    retrain_tokenizer: bool = False,
+    vocab: int = DEFAULT_VOCAB_SIZE,
+    update_manifest: bool = False,
+    verbose: bool = True,
+) -> dict:
+    """Build ``out_dir/{train,val}.bin`` and ``out_dir/manifest.json`` from the committed corpus.
+
+    Args:
+        data_dir (Path): holds ``corpus.tar.xz``, ``tokenizer.json`` and ``manifest.json``.
+        out_dir (Path | None): where shards go; default ``data_dir/shards``.
+        retrain_tokenizer (bool): retrain the BPE on the train split and overwrite ``tokenizer.json``.
+        vocab (int): vocabulary size when retraining.
+        update_manifest (bool): write the new manifest to ``data_dir/manifest.json`` instead of
+            checking against it.
+
+    Returns:
+        dict: the manifest (corpus and tokenizer sha256, per split: file, tokens, bytes, files, sha256).
+
+    Raises:
+        FileNotFoundError: the corpus, the tokenizer (without ``retrain_tokenizer``) or the committed
+            manifest (without ``update_manifest``) is missing.
+        RuntimeError: the built shards differ from the committed manifest; nothing is written then.
+    """
+    data_dir = Path(data_dir)
+    out_dir = Path(out_dir) if out_dir is not None else data_dir / "shards"
+    files = read_corpus(data_dir)
+    splits = split_files(files)
+    if retrain_tokenizer:
+        tok = train_tokenizer(splits["train"], vocab)
+        _atomic_write(data_dir / "tokenizer.json", tok.to_str(pretty=True).encode())
+        if verbose:
+            print(f"trained tokenizer: vocab {tok.get_vocab_size()} -> {data_dir / 'tokenizer.json'}")
+    tok = load_tokenizer(data_dir)
+    tok_bytes = (data_dir / "tokenizer.json").read_bytes()
+
+    manifest = {
+        "corpus": "corpus.tar.xz",
+        "corpus_sha256": _sha256((data_dir / "corpus.tar.xz").read_bytes()),
+        "tokenizer_sha256": _sha256(tok_bytes),
+        "vocab_size": tok.get_vocab_size(),
+        "dtype": "uint16 little-endian",
+        "val_every": VAL_EVERY,
+        "splits": {},
+    }
+    arrays = {}
+    for split in SPLITS:
+        arr = encode_documents(tok, splits[split])
+        arrays[split] = arr
+        manifest["splits"][split] = {
+            "file": f"{split}.bin",
+            "files": len(splits[split]),
+            "bytes": sum(len(t.encode()) for t in splits[split]),
+            "tokens": int(arr.size),
+            "sha256": _sha256(arr.tobytes()),
+        }
+
+    committed = data_dir / "manifest.json"
+    if update_manifest:
+        _atomic_write(committed, _json_bytes(manifest))
+    elif not committed.is_file():
+        raise FileNotFoundError(f"{committed} is missing: restore it from git, or run "
+                                f"`{BUILD_COMMAND} --update-manifest` to write a new one")
+    else:
+        expected = json.loads(committed.read_text())
+        if expected != manifest:
+            diffs = _manifest_diff(expected, manifest)
+            raise RuntimeError(
+                f"the built shards do not match the committed {committed} (nothing written):\n  "
+                + "\n  ".join(diffs)
+                + f"\nIf the corpus or tokenizer changed on purpose, run `{BUILD_COMMAND} --update-manifest`."
+            )
+    for split in SPLITS:
+        _atomic_write(out_dir / f"{split}.bin", arrays[split].tobytes())
+    # Written last: its presence means both shards are complete (the Makefile's stamp).
+    _atomic_write(out_dir / "manifest.json", _json_bytes(manifest))
+    if verbose:
+        for split, info in manifest["splits"].items():
+            print(f"{split:5s}: {info['files']:4d} files, {info['bytes']:>9,d} bytes -> "
+                  f"{info['tokens']:>9,d} tokens ({info['tokens'] / info['bytes']:.3f} tokens/byte) "
+                  f"sha256 {info['sha256'][:12]}")
+        print(f"shards in {out_dir} match {committed}")
+    return manifest
+
+
+def _manifest_diff(expected: dict, got: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(expected) | set(got)):
+        a, b = expected.get(key), got.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _manifest_diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: committed {a!r}, built {b!r}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+def load_split(split: str, shard_dir: Path | None = None) -> np.memmap:
+    """Memory-map one token split.
+
+    Args:
+        split (str): "train" or "val".
+        shard_dir (Path | None): default ``data/shards``.
+
+    Returns:
+        np.memmap: uint16 [n_tokens], read-only; documents separated by ``<|endoftext|>`` (id 0).
+
+    Raises:
+        ValueError: ``split`` is not "train" or "val".
+        FileNotFoundError: the shards are missing or incomplete; the message names the build command.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    shard_dir = Path(shard_dir) if shard_dir is not None else DATA_DIR / "shards"
+    manifest_path, path = shard_dir / "manifest.json", shard_dir / f"{split}.bin"
+    if not manifest_path.is_file() or not path.is_file():
+        raise FileNotFoundError(f"token shards missing in {shard_dir} ({path.name} or manifest.json): "
+                                f"run `{BUILD_COMMAND}` from the repository root (or `make data`)")
+    tokens = json.loads(manifest_path.read_text())["splits"][split]["tokens"]
+    if path.stat().st_size != 2 * tokens:
+        raise FileNotFoundError(f"{path} holds {path.stat().st_size} bytes, the manifest says {2 * tokens}: "
+                                f"rebuild with `{BUILD_COMMAND}`")
+    return np.memmap(path, dtype="<u2", mode="r")
+
+
+def get_batch(
+    tokens: np.ndarray,
+    batch_size: int,
+    seq_len: int,
+    generator: torch.Generator,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows for next-token prediction.
+
+    Args:
+        tokens (np.ndarray): 1-D integer tokens [n] (e.g. :func:`load_split`'s memmap).
+        batch_size (int): B >= 1.
+        seq_len (int): T, 1 <= T < n.
+        generator (torch.Generator): CPU generator that draws the window starts (seeded -> reproducible).
+        device: where x and y go.
+
+    Returns:
+        (x, y): int64 [B, T] each, ``y[:, t] == x[:, t + 1]`` within a window (targets shifted by one).
+
+    Raises:
+        ValueError: ``tokens`` not 1-D integer, ``batch_size`` < 1, ``seq_len`` < 1 or ``seq_len >= n``,
+            ``generator`` not a CPU torch.Generator.
+    """
+    if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens must be a 1-D integer np.ndarray, got {type(tokens).__name__} "
+                         f"{getattr(tokens, 'dtype', '')} shape {getattr(tokens, 'shape', '')}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if not isinstance(seq_len, int) or not 1 <= seq_len < len(tokens):
+        raise ValueError(f"seq_len must be an int in [1, {len(tokens) - 1}] (split length {len(tokens)} "
+                         f"needs seq_len + 1 tokens per window), got {seq_len!r}")
+    if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
+        raise ValueError(f"generator must be a CPU torch.Generator, got {generator!r}")
+    starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=generator).numpy()
+    window = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int64)
+    xy = torch.from_numpy(window)
+    x, y = xy[:, :-1], xy[:, 1:]
+    device = torch.device(device)
+    if device.type == "cuda":
+        return (x.pin_memory().to(device, non_blocking=True),
+                y.pin_memory().to(device, non_blocking=True))
+    return x.contiguous(), y.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m k3lab.data", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("build", help="build data/shards/{train,val}.bin and check them against data/manifest.json")
+    p.add_argument("--data-dir", type=Path, default=DATA_DIR, help="folder with corpus.tar.xz, tokenizer.json, manifest.json")
+    p.add_argument("--out-dir", type=Path, default=None, help="where the shards go (default DATA_DIR/shards)")
+    p.add_argument("--retrain-tokenizer", action="store_true", help="retrain the BPE and overwrite tokenizer.json")
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="vocabulary size when retraining")
+    p.add_argument("--update-manifest", action="store_true", help="write data/manifest.json instead of checking it")
+    p = sub.add_parser("select", help="re-make data/corpus.tar.xz from a CPython Lib/ folder")
+    p.add_argument("--source", type=Path, required=True, help="e.g. /root/.pyenv/versions/3.11.7/lib/python3.11")
+    p.add_argument("--data-dir", type=Path, default=DATA_DIR, help="where corpus.tar.xz goes")
+    p.add_argument("--max-bytes", type=int, default=MAX_CORPUS_BYTES, help="cap on the selected text")
+    p = sub.add_parser("info", help="print the built shards' token counts")
+    p.add_argument("--data-dir", type=Path, default=DATA_DIR, help="folder with shards/")
+    args = parser.parse_args(argv)
+
+    try:
+        if args.cmd == "build":
+            build(args.data_dir, args.out_dir, args.retrain_tokenizer, args.vocab_size, args.update_manifest)
+        elif args.cmd == "select":
+            info = write_corpus_archive(args.source, args.data_dir / "corpus.tar.xz", args.max_bytes)
+            print(f"{info['files']} files, {info['bytes']:,d} bytes -> {args.data_dir / 'corpus.tar.xz'} "
+                  f"({info['archive_bytes']:,d} bytes)")
+        else:
+            for split in SPLITS:
+                tokens = load_split(split, args.data_dir / "shards")
+                print(f"{split}: {len(tokens):,d} tokens")
+            print(f"vocab size: {vocab_size(args.data_dir)}")
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

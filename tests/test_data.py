@@ -1,0 +1,141 @@
+"""k3lab.data: deterministic build, manifest check, memory-mapped shards, random windows."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from k3lab import data
+
+
+@pytest.fixture(scope="module")
+def tiny_data_dir(tmp_path_factory):
+    """A small corpus (real stdlib-like files) with its own tokenizer and committed manifest."""
+    src = tmp_path_factory.mktemp("lib")
+    for i in range(25):
+        (src / f"mod{i:02d}.py").write_text(f'"""Module {i}."""\n\ndef f{i}(x):\n    return x * {i} + 1  # ok\n' * 20)
+    (src / "tests").mkdir()
+    (src / "tests" / "test_x.py").write_text("assert True\n")
+    out = tmp_path_factory.mktemp("data")
+    data.write_corpus_archive(src, out / "corpus.tar.xz")
+    data.build(out, retrain_tokenizer=True, vocab=300, update_manifest=True, verbose=False)
+    return out
+
+
+def test_select_corpus_skips_tests_non_utf8_and_caps(tmp_path):
+    for rel, body in {"a.py": b"x = 1\n", "b/c.py": b"y = 2\n", "tests/t.py": b"t\n",
+                      "site-packages/p.py": b"p\n", "d.py": b"\xff\xfe bad\n", "e.py": b"z" * 100}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(body)
+    chosen = [p.as_posix() for p in data.select_corpus_files(tmp_path, max_bytes=50)]
+    assert chosen == ["a.py", "b/c.py"]
+    with pytest.raises(ValueError, match="source"):
+        data.select_corpus_files(tmp_path / "nope")
+
+
+def test_full_build_is_deterministic_and_matches_committed_manifest(tmp_path):
+    m1 = data.build(out_dir=tmp_path / "a", verbose=False)
+    m2 = data.build(out_dir=tmp_path / "b", verbose=False)
+    assert m1 == m2 == json.loads((data.DATA_DIR / "manifest.json").read_text())
+    for split in data.SPLITS:
+        a = (tmp_path / "a" / f"{split}.bin").read_bytes()
+        assert a == (tmp_path / "b" / f"{split}.bin").read_bytes()
+        assert data._sha256(a) == m1["splits"][split]["sha256"]
+        assert len(a) == 2 * m1["splits"][split]["tokens"]
+    assert m1["vocab_size"] == data.vocab_size() == 4096
+    assert m1["splits"]["train"]["files"] > 10 * m1["splits"]["val"]["files"] > 0
+
+
+def test_retrained_tokenizer_is_deterministic(tiny_data_dir, tmp_path):
+    other = tmp_path / "d"
+    shutil.copytree(tiny_data_dir, other)
+    data.build(other, retrain_tokenizer=True, vocab=300, verbose=False)
+    assert (other / "tokenizer.json").read_bytes() == (tiny_data_dir / "tokenizer.json").read_bytes()
+    assert not any("test_x" in name for name, _ in data.read_corpus(other))
+
+
+def test_manifest_mismatch_is_an_error_and_writes_nothing(tiny_data_dir, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_data_dir, bad, ignore=shutil.ignore_patterns("shards"))
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["splits"]["train"]["tokens"] += 1
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RuntimeError, match=r"(?s)splits\.train\.tokens.*--update-manifest"):
+        data.build(bad, verbose=False)
+    assert not (bad / "shards").exists() or not any((bad / "shards").iterdir())
+    (bad / "manifest.json").unlink()
+    with pytest.raises(FileNotFoundError, match="manifest"):
+        data.build(bad, verbose=False)
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path):
+    target = tmp_path / "x.bin"
+    with pytest.raises(TypeError):
+        data._atomic_write(target, "not bytes")
+    assert list(tmp_path.iterdir()) == []
+    data._atomic_write(target, b"ok")
+    assert target.read_bytes() == b"ok" and [p.name for p in tmp_path.iterdir()] == ["x.bin"]
+
+
+def test_tokenizer_round_trips_real_text():
+    tok = data.load_tokenizer()
+    name, text = data.read_corpus()[3]
+    text = text[:4000] + "\n# non-ASCII: é, 中文, 🙂\n"
+    ids = tok.encode(text).ids
+    assert tok.decode(ids) == text
+    assert max(ids) < data.vocab_size()
+    assert 0.15 < len(ids) / len(text.encode()) < 0.6, name
+
+
+def test_load_split_is_a_uint16_memmap():
+    for split in data.SPLITS:
+        tokens = data.load_split(split)
+        assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16 and tokens.ndim == 1
+        assert tokens.max() < data.vocab_size()
+        assert (tokens == data.load_tokenizer().token_to_id(data.EOT)).sum() > 0
+    with pytest.raises(ValueError, match="split"):
+        data.load_split("test")
+
+
+def test_missing_shards_name_the_build_command(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"python -m k3lab\.data build"):
+        data.load_split("train", shard_dir=tmp_path)
+
+
+def test_get_batch_shapes_shift_and_seeding():
+    tokens = data.load_split("val")
+    B, T = 4, 33
+    x, y = data.get_batch(tokens, B, T, torch.Generator().manual_seed(1), "cpu")
+    assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    # every row is a real window of the split: find it and check the target is the next token
+    flat = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+    for row_x, row_y in zip(x, y):
+        starts = (flat[: len(flat) - T] == row_x[0]).nonzero().flatten()
+        assert any(torch.equal(flat[s:s + T], row_x) and torch.equal(flat[s + 1:s + T + 1], row_y)
+                   for s in starts.tolist())
+    x2, _ = data.get_batch(tokens, B, T, torch.Generator().manual_seed(1), "cpu")
+    x3, _ = data.get_batch(tokens, B, T, torch.Generator().manual_seed(2), "cpu")
+    assert torch.equal(x, x2) and not torch.equal(x, x3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(seq_len=10), "seq_len"),
+    (dict(seq_len=9), None),
+    (dict(seq_len=0), "seq_len"),
+    (dict(batch_size=0), "batch_size"),
+    (dict(generator=None), "generator"),
+], ids=["seq_len_eq_n", "seq_len_n_minus_1", "seq_len_0", "batch_0", "no_generator"])
+def test_get_batch_bad_args(kwargs, match):
+    tokens = np.arange(10, dtype=np.uint16)
+    args = dict(tokens=tokens, batch_size=2, seq_len=4, generator=torch.Generator().manual_seed(0), device="cpu")
+    args.update(kwargs)
+    if match is None:
+        x, y = data.get_batch(**args)
+        assert torch.equal(x[0], torch.arange(9)) and torch.equal(y[0], torch.arange(1, 10))
+    else:
+        with pytest.raises(ValueError, match=match):
+            data.get_batch(**args)
+    with pytest.raises(ValueError, match="tokens"):
+        data.get_batch(np.zeros((2, 5), dtype=np.uint16), 1, 2, torch.Generator(), "cpu")
