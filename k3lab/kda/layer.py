@@ -1,0 +1,246 @@
+"""`KDALayer`: the Kimi Delta Attention token mixer as an nn.Module (K3 report, Sec. 2.1; Kimi Linear,
+Sec. 3).
+
+    q, k = L2Norm(SiLU(ShortConv(W_q x))), L2Norm(SiLU(ShortConv(W_k x)))     [B, T, H, K]
+    v    = SiLU(ShortConv(W_v x))                                              [B, T, HV, V]
+    beta = sigmoid(W_b x)                                                      [B, T, HV]
+    g    = gate(W_f x)  (full-rank decay projection; K3's lower-bounded gate)  [B, T, HV, K]
+    o    = KDA(q, k, v, g, beta)                                               [B, T, HV, V]
+    y    = W_o [ sigmoid(W_g x) * RMSNorm_head(o) ]                            [B, T, d]
+
+The short convolutions are depthwise and causal (kernel 4). For decoding, ``KDACache`` keeps the
+last kernel-1 inputs of each convolution (zero-padded when a sequence is shorter than the kernel)
+and the recurrent state, so running a sequence token by token gives the full-sequence output.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from k3lab.kda.chunk import chunk_kda
+from k3lab.kda.gate import kimi_linear_gate, lower_bounded_gate
+
+GATES = ("lower_bounded", "kimi_linear")
+
+
+@dataclass
+class KDACache:
+    """Decoding state of one ``KDALayer`` for N sequences.
+
+    Attributes:
+        conv_q, conv_k (Tensor): [N, kernel-1, H*K] the last kernel-1 inputs of the q/k convolutions.
+        conv_v (Tensor): [N, kernel-1, HV*V] the same for v.
+        state (Tensor): [N, HV, K, V] the recurrent state S (float32, or float64 for float64 inputs).
+    """
+
+    conv_q: torch.Tensor
+    conv_k: torch.Tensor
+    conv_v: torch.Tensor
+    state: torch.Tensor
+
+
+def _kda_op(device: torch.device):
+    """The KDA kernel used on ``device``: the single place where the fast path plugs in.
+
+    Returns a function with ``chunk_kda``'s signature. On CPU it is always ``k3lab.kda.chunk_kda``
+    (kernel modules are never imported there).
+    """
+    # FlashKDA plug-in point: on CUDA, return k3lab.kernels.kda.flash_kda here once it lands
+    # (import it inside this branch so CPU sessions never load Triton kernels).
+    return chunk_kda
+
+
+def causal_short_conv(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution with a carried state (the ShortConv of KDA), no activation.
+
+    y[t, c] = sum_j weight[c, j] * x[t - (W-1) + j, c], where inputs before a sequence's first token
+    come from ``conv_state`` (zeros when None): each packed sequence starts from its own state.
+
+    Args:
+        x (Tensor): [B, T, C].
+        weight (Tensor): [C, W] per-channel taps (W = kernel width).
+        conv_state (Tensor | None): [N, W-1, C] the W-1 inputs before each sequence.
+        cu_seqlens (Tensor | None): int [N+1] offsets of packed sequences (B == 1); None: N = B.
+
+    Returns:
+        (y [B, T, C], new_state [N, W-1, C]) where new_state holds the last W-1 inputs of each
+        sequence (earlier state rows or zeros fill in when a sequence is shorter than W-1).
+
+    Raises:
+        ValueError: ``conv_state`` is not [N, W-1, C].
+    """
+    B, T, C = x.shape
+    W = weight.shape[1]
+    seqs = x[0].split(cu_seqlens.diff().tolist()) if cu_seqlens is not None else list(x)
+    N = len(seqs)
+    if conv_state is None:
+        conv_state = x.new_zeros(N, W - 1, C)
+    elif conv_state.shape != (N, W - 1, C):
+        raise ValueError(f"conv_state must be [N, W-1, C] = {[N, W - 1, C]}, got {list(conv_state.shape)}")
+    outs, states = [], []
+    for n, xs in enumerate(seqs):
+        # [W-1 + L, C]: the carried inputs, then this sequence.
+        full = torch.cat([conv_state[n].to(xs.dtype), xs])
+        y = F.conv1d(full.T[None], weight[:, None, :].to(xs.dtype), groups=C)[0].T
+        outs.append(y)
+        states.append(full[full.shape[0] - (W - 1):])
+    y = torch.cat(outs)[None] if cu_seqlens is not None else torch.stack(outs)
+    return y, torch.stack(states)
+
+
+class KDALayer(nn.Module):
+    """Kimi Delta Attention layer (K3 report, Sec. 2.1, Eq. 3-5; Kimi Linear, Sec. 3).
+
+    Args:
+        d_model (int): d, the model width.
+        num_heads (int): H, query/key heads.
+        head_dim (int): K, the key head dim (also V unless ``v_head_dim`` is given; K3: 128).
+        num_v_heads (int | None): HV, value heads, a multiple of H (GVA); default H.
+        v_head_dim (int | None): V; default K.
+        conv_size (int): kernel width W of the short convolutions (K3: 4).
+        gate (str): "lower_bounded" (K3, Eq. 5: g = g_min sigmoid(exp(A) z)) or "kimi_linear"
+            (g = -exp(A_log) softplus(z + dt_bias)).
+        lower_bound (float): g_min of the lower-bounded gate (K3: -5).
+        norm_eps (float): eps of the per-head output RMSNorm.
+        chunk_size (int): C for ``chunk_kda``.
+
+    Shapes: ``forward(x [B, T, d]) -> (y [B, T, d], KDACache | None)``.
+
+    Raises:
+        ValueError: non-positive sizes, HV not a multiple of H, unknown gate, conv_size < 1,
+            lower_bound >= 0.
+
+    Example:
+        >>> layer = KDALayer(d_model=64, num_heads=2, head_dim=32)
+        >>> y, cache = layer(torch.randn(1, 10, 64))
+        >>> y.shape, cache.state.shape
+        (torch.Size([1, 10, 64]), torch.Size([1, 2, 32, 32]))
+    """
+
+    def __init__(
+        self, d_model: int, num_heads: int, head_dim: int, num_v_heads: int | None = None,
+        v_head_dim: int | None = None, conv_size: int = 4, gate: str = "lower_bounded",
+        lower_bound: float = -5.0, norm_eps: float = 1e-5, chunk_size: int = 64,
+    ):
+        super().__init__()
+        num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        sizes = dict(d_model=d_model, num_heads=num_heads, head_dim=head_dim, num_v_heads=num_v_heads,
+                     v_head_dim=v_head_dim, conv_size=conv_size, chunk_size=chunk_size)
+        for name, n in sizes.items():
+            if not (isinstance(n, int) and n > 0):
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        if num_v_heads % num_heads:
+            raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads} (GVA)")
+        if gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+        if not lower_bound < 0:
+            raise ValueError(f"lower_bound must be negative, got {lower_bound}")
+        self.H, self.K, self.HV, self.V = num_heads, head_dim, num_v_heads, v_head_dim
+        self.conv_size, self.gate, self.lower_bound, self.chunk_size = conv_size, gate, lower_bound, chunk_size
+        qk_dim, v_dim = num_heads * head_dim, num_v_heads * v_head_dim
+
+        self.q_proj = nn.Linear(d_model, qk_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, qk_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, v_dim, bias=False)
+        # Depthwise taps [C, W]; the last tap multiplies the current token.
+        self.q_conv = nn.Parameter(torch.empty(qk_dim, conv_size))
+        self.k_conv = nn.Parameter(torch.empty(qk_dim, conv_size))
+        self.v_conv = nn.Parameter(torch.empty(v_dim, conv_size))
+        self.b_proj = nn.Linear(d_model, num_v_heads, bias=False)
+        # Full-rank decay projection (K3) to one pre-activation per value head and key channel.
+        self.f_proj = nn.Linear(d_model, num_v_heads * head_dim, bias=False)
+        self.A_log = nn.Parameter(torch.empty(num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(num_v_heads * head_dim))
+        # Full-rank sigmoid output gate and per-head RMSNorm.
+        self.g_proj = nn.Linear(d_model, v_dim, bias=False)
+        self.o_norm = nn.RMSNorm(v_head_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(v_dim, d_model, bias=False)
+        self.reset_gate_parameters()
+
+    def reset_gate_parameters(self) -> None:
+        """Initialise conv taps, A_log and dt_bias (projections keep nn.Linear's init unless the
+        owner re-initialises them).
+
+        A_log: 0 for K3's lower-bounded gate (K3 report); log U(1, 16) for Kimi Linear's gate.
+        dt_bias: softplus^-1(dt) with dt log-uniform in [1e-3, 0.1] (Mamba's init), so both gates
+        start with slow decay on most channels.
+        """
+        with torch.no_grad():
+            bound = 1 / math.sqrt(self.conv_size)
+            for w in (self.q_conv, self.k_conv, self.v_conv):
+                w.uniform_(-bound, bound)
+            if self.gate == "lower_bounded":
+                self.A_log.zero_()
+            else:
+                self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1)))
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """g = gate(W_f x): [B, T, d] -> [B, T, HV, K] log-decay (<= 0), float32 (float64 for float64 x)."""
+        z = _wide(self.f_proj(x)).unflatten(-1, (self.HV, self.K))
+        if self.gate == "lower_bounded":
+            return lower_bounded_gate(z, self.A_log, self.dt_bias, self.lower_bound)
+        return kimi_linear_gate(z, self.A_log, self.dt_bias)
+
+    def forward(
+        self, x: torch.Tensor, cache: KDACache | None = None, cu_seqlens: torch.Tensor | None = None,
+        use_cache: bool = True,
+    ) -> tuple[torch.Tensor, KDACache | None]:
+        """Mix tokens causally.
+
+        Args:
+            x (Tensor): [B, T, d].
+            cache (KDACache | None): state after the previous tokens of each sequence (N = B, or the
+                number of packed sequences with ``cu_seqlens``); None starts from zeros.
+            cu_seqlens (Tensor | None): int [N+1] offsets of packed sequences; requires B == 1.
+            use_cache (bool): return the updated cache (False returns None, e.g. for training).
+
+        Returns:
+            (y [B, T, d] in x's dtype, KDACache | None).
+
+        Raises:
+            ValueError: x is not [B, T, d_model]; a cache whose shapes do not match; and everything
+                ``chunk_kda`` raises (bad cu_seqlens, B > 1 with cu_seqlens, NaN inputs).
+        """
+        d = self.q_proj.in_features
+        if x.ndim != 3 or x.shape[-1] != d:
+            raise ValueError(f"x must be [B, T, d_model={d}], got {list(x.shape)}")
+        if cu_seqlens is not None and x.shape[0] != 1:
+            raise ValueError(f"with cu_seqlens the batch must be packed into B=1, got B={x.shape[0]}")
+        B, T, _ = x.shape
+        c = cache or KDACache(None, None, None, None)
+        q, cq = causal_short_conv(self.q_proj(x), self.q_conv, c.conv_q, cu_seqlens)
+        k, ck = causal_short_conv(self.k_proj(x), self.k_conv, c.conv_k, cu_seqlens)
+        v, cv = causal_short_conv(self.v_proj(x), self.v_conv, c.conv_v, cu_seqlens)
+        q = _l2norm(F.silu(q).unflatten(-1, (self.H, self.K)))
+        k = _l2norm(F.silu(k).unflatten(-1, (self.H, self.K)))
+        v = F.silu(v).unflatten(-1, (self.HV, self.V))
+        beta = torch.sigmoid(_wide(self.b_proj(x)))
+        g = self.log_decay(x)
+        o, state = _kda_op(x.device)(
+            q, k, v, g, beta, initial_state=c.state, output_final_state=use_cache,
+            cu_seqlens=cu_seqlens, chunk_size=self.chunk_size,
+        )
+        o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).unflatten(-1, (self.HV, self.V))
+        y = self.o_proj(o.flatten(-2))
+        return y, (KDACache(cq, ck, cv, state) if use_cache else None)
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """float16/bfloat16 -> float32; float32/float64 unchanged."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim (computed in float32 or wider)."""
+    xf = _wide(x)
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)

@@ -1,0 +1,379 @@
+"""A small decoder-only language model with pluggable parts, and a single-process training loop.
+
+Every chapter's experiment reuses it: chapter 01 swaps the token mixer (softmax attention vs KDA),
+chapter 04 swaps the residual stream (Attention Residuals), later chapters the FFN.
+
+    h0 = Embed(tokens)                                                  [B, T, d]
+    h  = residual(h0, sublayers)      sublayers = [mixer_0, ffn_0, mixer_1, ffn_1, ...]
+    logits = Head(RMSNorm(h))                                           [B, T, vocab]
+
+Each sublayer applies its own pre-RMSNorm and returns its output f(RMSNorm(h)) without adding it:
+the residual module decides how outputs are combined (``PreNormResidual``: h = h + f(h)).
+
+Usage:
+    >>> import k3lab.lm as lm
+    >>> model = lm.LM(lm.LMConfig.tiny(vocab_size=512, mixer="kda"))
+    >>> logits, loss = model(torch.randint(0, 512, (2, 16)), targets=torch.randint(0, 512, (2, 16)))
+    >>> history = lm.train(model, steps=100, batch_size=8, seq_len=128, lr=3e-3, device="cpu")  # reads k3lab.data
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from k3lab.kda.layer import KDALayer
+
+MIXERS = ("kda", "attention", "hybrid")
+
+
+@dataclass
+class LMConfig:
+    """Shape and options of ``LM``.
+
+    Attributes:
+        vocab_size (int): number of token ids.
+        d_model (int): d, the residual width.
+        n_layers (int): number of [mixer, ffn] blocks.
+        n_heads (int): H, attention heads (KDA: query/key heads).
+        head_dim (int): per-head dim (KDA: K = V).
+        mixer (str): "kda", "attention", or "hybrid" (K3's layout: every 4th layer and the last one
+            are attention, the others KDA).
+        ffn_mult (float): SwiGLU hidden width = ffn_mult * d_model, rounded up to a multiple of 16.
+        max_seq_len (int): longest sequence (RoPE table size for attention).
+        n_v_heads (int | None): KDA value heads HV (GVA), default n_heads.
+        kda_gate (str): "lower_bounded" (K3) or "kimi_linear".
+        kda_chunk_size (int): chunk C of the chunkwise KDA.
+        rope_theta (float): RoPE base.
+        norm_eps (float): RMSNorm eps.
+        tie_embeddings (bool): share the embedding matrix with the output head.
+        init_std (float): std of the normal init of linear/embedding weights.
+    """
+
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    head_dim: int = 64
+    mixer: str = "kda"
+    ffn_mult: float = 8 / 3
+    max_seq_len: int = 512
+    n_v_heads: int | None = None
+    kda_gate: str = "lower_bounded"
+    kda_chunk_size: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        ints = dict(vocab_size=self.vocab_size, d_model=self.d_model, n_layers=self.n_layers,
+                    n_heads=self.n_heads, head_dim=self.head_dim, max_seq_len=self.max_seq_len)
+        for name, n in ints.items():
+            if not (isinstance(n, int) and n > 0):
+                raise ValueError(f"LMConfig.{name} must be a positive int, got {n!r}")
+        if self.mixer not in MIXERS:
+            raise ValueError(f"LMConfig.mixer must be one of {MIXERS}, got {self.mixer!r}")
+        if not self.ffn_mult > 0:
+            raise ValueError(f"LMConfig.ffn_mult must be positive, got {self.ffn_mult}")
+        if self.head_dim % 2:
+            raise ValueError(f"LMConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        if self.n_v_heads is not None and (self.n_v_heads <= 0 or self.n_v_heads % self.n_heads):
+            raise ValueError(f"LMConfig.n_v_heads must be a positive multiple of n_heads={self.n_heads}, "
+                             f"got {self.n_v_heads}")
+
+    @property
+    def ffn_hidden(self) -> int:
+        return 16 * math.ceil(self.ffn_mult * self.d_model / 16)
+
+    def layer_mixers(self) -> list[str]:
+        """The mixer of each layer: ["kda", "kda", "kda", "attention", ...]."""
+        if self.mixer != "hybrid":
+            return [self.mixer] * self.n_layers
+        return ["attention" if (i % 4 == 3 or i == self.n_layers - 1) else "kda" for i in range(self.n_layers)]
+
+    @classmethod
+    def tiny(cls, **overrides) -> "LMConfig":
+        """~0.5M non-embedding params: CPU tests and the CPU book (d=128, 2 layers, 2 heads x 64)."""
+        return replace(cls(d_model=128, n_layers=2, n_heads=2, head_dim=64, max_seq_len=256), **overrides)
+
+    @classmethod
+    def small(cls, **overrides) -> "LMConfig":
+        """~13M non-embedding params: GPU experiments (d=512, 6 layers, 8 heads x 64)."""
+        return replace(cls(d_model=512, n_layers=6, n_heads=8, head_dim=64, max_seq_len=1024), **overrides)
+
+
+class RMSNormSublayer(nn.Module):
+    """A sublayer: y = f(RMSNorm(h)) (pre-norm; the residual add is the residual module's job)."""
+
+    def __init__(self, d_model: int, fn: nn.Module, eps: float):
+        super().__init__()
+        self.norm = nn.RMSNorm(d_model, eps=eps)
+        self.fn = fn
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.norm(h))
+
+
+class SwiGLU(nn.Module):
+    """FFN: W_down( SiLU(W_gate x) * W_up x ) (Shazeer 2020, "GLU Variants Improve Transformer")."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def rope_tables(T: int, dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [T, dim/2] for rotary embeddings (Su et al. 2021, RoFormer), float32."""
+    inv_freq = theta ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    angles = torch.arange(T, device=device, dtype=torch.float32)[:, None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (x_i, x_{i+D/2}) of x [B, H, T, D] by position-dependent angles."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.to(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """Causal softmax attention with RoPE, via ``F.scaled_dot_product_attention``: [B, T, d] -> [B, T, d]."""
+
+    def __init__(self, config: LMConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        inner = config.n_heads * config.head_dim
+        self.qkv = nn.Linear(config.d_model, 3 * inner, bias=False)
+        self.out = nn.Linear(inner, config.d_model, bias=False)
+        cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        if T > self.cos.shape[0]:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cos.shape[0]}")
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, self.cos[:T], self.sin[:T]), apply_rope(k, self.cos[:T], self.sin[:T])
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class KDAMixer(nn.Module):
+    """``KDALayer`` as a sublayer function: [B, T, d] -> [B, T, d] (training path, no cache)."""
+
+    def __init__(self, config: LMConfig):
+        super().__init__()
+        self.kda = KDALayer(config.d_model, config.n_heads, config.head_dim, num_v_heads=config.n_v_heads,
+                            gate=config.kda_gate, chunk_size=config.kda_chunk_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kda(x, use_cache=False)[0]
+
+
+class PreNormResidual(nn.Module):
+    """The standard residual stream: h = h + f(h) for each sublayer f in order."""
+
+    def forward(self, h0: torch.Tensor, sublayers: nn.ModuleList) -> torch.Tensor:
+        h = h0
+        for f in sublayers:
+            h = h + f(h)
+        return h
+
+
+class LM(nn.Module):
+    """Decoder-only LM: embed -> residual(h0, sublayers) -> RMSNorm -> head.
+
+    Args:
+        config (LMConfig): shapes and options.
+        residual (nn.Module | None): any module with ``forward(h0 [B, T, d], sublayers) -> [B, T, d]``;
+            default ``PreNormResidual()``.
+
+    ``forward(idx [B, T] int64, targets [B, T] int64 | None) -> (logits [B, T, vocab] float32,
+    loss scalar | None)``; the loss is the mean next-token cross-entropy (nats).
+    """
+
+    def __init__(self, config: LMConfig, residual: nn.Module | None = None):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        layers = []
+        for kind in config.layer_mixers():
+            mixer = CausalSelfAttention(config) if kind == "attention" else KDAMixer(config)
+            layers += [RMSNormSublayer(config.d_model, mixer, config.norm_eps),
+                       RMSNormSublayer(config.d_model, SwiGLU(config.d_model, config.ffn_hidden), config.norm_eps)]
+        self.sublayers = nn.ModuleList(layers)
+        self.residual = PreNormResidual() if residual is None else residual
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        # Scale each sublayer's output projection by 1/sqrt(2 n_layers) (GPT-2) so the stream's
+        # variance does not grow with depth at init.
+        for name, p in self.named_parameters():
+            if name.endswith(("out.weight", "down.weight", "o_proj.weight")):
+                nn.init.normal_(p, std=config.init_std / math.sqrt(2 * config.n_layers))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.config.init_std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        if idx.ndim != 2:
+            raise ValueError(f"idx must be [B, T] token ids, got shape {list(idx.shape)}")
+        h = self.residual(self.embed(idx), self.sublayers)
+        logits = self.head(self.norm(h)).float()
+        if targets is None:
+            return logits, None
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets must have idx's shape {list(idx.shape)}, got {list(targets.shape)}")
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Number of distinct parameters (tied weights counted once); optionally without the token
+    embedding (and a head tied to it)."""
+    params = {id(p): p for p in model.parameters()}
+    if exclude_embedding and hasattr(model, "embed"):
+        params.pop(id(model.embed.weight), None)
+    return sum(p.numel() for p in params.values())
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int, min_lr_ratio: float = 0.1) -> float:
+    """Linear warmup for ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr`` at ``steps``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], amp: bool) -> float:
+    """Mean loss of ``model`` over fixed (x, y) batches."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            total += model(x, y)[1].item()
+    model.train(was_training)
+    return total / len(batches)
+
+
+def train(
+    model: nn.Module,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    lr: float,
+    device: str | torch.device,
+    seed: int = 0,
+    log_every: int = 10,
+    warmup: int | None = None,
+    weight_decay: float = 0.1,
+    grad_clip: float = 1.0,
+    eval_batches: int = 4,
+    max_seconds: float | None = None,
+    data: tuple | None = None,
+    progress: bool = True,
+) -> dict[str, list]:
+    """Train ``model`` (an ``LM`` or anything with ``forward(x, y) -> (logits, loss)``) on next-token
+    prediction with AdamW, linear warmup + cosine decay, gradient clipping, bf16 autocast on CUDA.
+
+    Args:
+        model (nn.Module): moved to ``device``; trained in place.
+        steps (int): optimizer steps.
+        batch_size (int), seq_len (int): B and T of each batch.
+        lr (float): peak learning rate.
+        device (str | torch.device): "cpu" or "cuda".
+        seed (int): seeds the batch sampler (train and val); set model init seeds before building it.
+        log_every (int): log (and evaluate) every this many steps, and at the last step.
+        warmup (int | None): warmup steps, default min(100, steps // 10).
+        weight_decay (float): AdamW decay on matrices (not on norms, biases or 1-D gate params).
+        grad_clip (float): max global gradient norm.
+        eval_batches (int): fixed validation batches evaluated at each log.
+        max_seconds (float | None): stop early after this much training wall time.
+        data (tuple | None): (train_tokens, val_tokens) 1-D integer arrays; default
+            ``k3lab.data.load_split("train")`` and ``("val")``.
+        progress (bool): show a tqdm bar.
+
+    Returns:
+        dict of equal-length lists, one entry per log: step, loss (mean train loss since the last
+        log), val_loss, tokens_per_s (training throughput since the last log), lr, elapsed_s.
+
+    Raises:
+        ValueError: non-positive steps/batch_size/seq_len/log_every, or lr <= 0.
+        FileNotFoundError: the token shards are missing (from ``k3lab.data``; it names the build command).
+    """
+    from tqdm.auto import tqdm
+
+    from k3lab import data as kdata
+
+    for name, n in dict(steps=steps, batch_size=batch_size, seq_len=seq_len, log_every=log_every).items():
+        if not (isinstance(n, int) and n > 0):
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be positive, got {lr}")
+    device = torch.device(device)
+    train_tokens, val_tokens = data if data is not None else (kdata.load_split("train"), kdata.load_split("val"))
+    warmup = min(100, steps // 10) if warmup is None else warmup
+    amp = device.type == "cuda"
+    model.to(device).train()
+
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), fused=amp or None)
+    gen = torch.Generator().manual_seed(seed)
+    val_gen = torch.Generator().manual_seed(seed + 1)
+    val = [kdata.get_batch(val_tokens, batch_size, seq_len, val_gen, device) for _ in range(eval_batches)]
+
+    history = {k: [] for k in ("step", "loss", "val_loss", "tokens_per_s", "lr", "elapsed_s")}
+    running, n_running, t_log, train_time = 0.0, 0, time.perf_counter(), 0.0
+    bar = tqdm(range(steps), disable=not progress, desc=getattr(getattr(model, "config", None), "mixer", "train"))
+    for step in bar:
+        t0 = time.perf_counter()
+        cur_lr = lr_at(step, steps, lr, warmup)
+        for group in opt.param_groups:
+            group["lr"] = cur_lr
+        x, y = kdata.get_batch(train_tokens, batch_size, seq_len, gen, device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        running += loss.item()
+        n_running += 1
+        train_time += time.perf_counter() - t0
+        last = step == steps - 1 or (max_seconds is not None and train_time >= max_seconds)
+        if (step + 1) % log_every == 0 or last:
+            now = time.perf_counter()
+            history["step"].append(step + 1)
+            history["loss"].append(running / n_running)
+            history["val_loss"].append(evaluate(model, val, amp))
+            history["tokens_per_s"].append(n_running * batch_size * seq_len / (now - t_log))
+            history["lr"].append(cur_lr)
+            history["elapsed_s"].append(train_time)
+            bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", val=f"{history['val_loss'][-1]:.3f}",
+                            tok_s=f"{history['tokens_per_s'][-1]:.0f}")
+            running, n_running = 0.0, 0
+            t_log = time.perf_counter()
+        if last:
+            break
+    bar.close()
+    return history
