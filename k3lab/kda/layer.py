@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from k3lab.kda.checks import check_cu_seqlens
 from k3lab.kda.chunk import chunk_kda
 from k3lab.kda.gate import kimi_linear_gate, lower_bounded_gate
 
@@ -216,7 +217,8 @@ class KDALayer(nn.Module):
             raise ValueError(f"x must be [B, T, d_model={d}], got {list(x.shape)}")
         if cu_seqlens is not None and x.shape[0] != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed into B=1, got B={x.shape[0]}")
-        B, T, _ = x.shape
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, x.shape[1])
         c = cache or KDACache(None, None, None, None)
         q, cq = causal_short_conv(self.q_proj(x), self.q_conv, c.conv_q, cu_seqlens)
         k, ck = causal_short_conv(self.k_proj(x), self.k_conv, c.conv_k, cu_seqlens)

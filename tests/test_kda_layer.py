@@ -1,0 +1,179 @@
+"""KDALayer: the formula against a by-hand composition, cached decoding == full sequence (float64),
+varlen packing, the short-conv state, validation."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3lab.kda import KDACache, KDALayer, naive_recurrent_kda
+from k3lab.kda.layer import causal_short_conv
+from k3lab.testing import assert_close
+
+TOL = 1e-12
+
+
+def make_layer(gate="lower_bounded", H=2, HV=4, K=8, V=6, d=24, seed=0, chunk_size=16):
+    torch.manual_seed(seed)
+    layer = KDALayer(d, H, K, num_v_heads=HV, v_head_dim=V, gate=gate, chunk_size=chunk_size).double()
+    # Random (not init-valued) norm weights and biases so every parameter matters.
+    with torch.no_grad():
+        layer.o_norm.weight.uniform_(0.5, 1.5)
+        layer.A_log.normal_(0, 0.5)
+    return layer
+
+
+def x_of(B, T, d=24, seed=1):
+    return torch.randn(B, T, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def by_hand(layer: KDALayer, x: torch.Tensor) -> torch.Tensor:
+    """The layer's equations written out (K3_NOTES, "Layer"), with the naive recurrence."""
+    H, K, HV, V, W = layer.H, layer.K, layer.HV, layer.V, layer.conv_size
+
+    def conv(u, w):  # causal depthwise: left-pad W-1 zeros
+        return F.conv1d(F.pad(u.transpose(1, 2), (W - 1, 0)), w[:, None], groups=u.shape[-1]).transpose(1, 2)
+
+    def l2(u):
+        return u / torch.sqrt((u * u).sum(-1, keepdim=True) + 1e-6)
+
+    q = l2(F.silu(conv(x @ layer.q_proj.weight.T, layer.q_conv)).unflatten(-1, (H, K)))
+    k = l2(F.silu(conv(x @ layer.k_proj.weight.T, layer.k_conv)).unflatten(-1, (H, K)))
+    v = F.silu(conv(x @ layer.v_proj.weight.T, layer.v_conv)).unflatten(-1, (HV, V))
+    beta = torch.sigmoid(x @ layer.b_proj.weight.T)
+    z = (x @ layer.f_proj.weight.T).unflatten(-1, (HV, K)) + layer.dt_bias.view(HV, K)
+    if layer.gate == "lower_bounded":
+        g = layer.lower_bound * torch.sigmoid(layer.A_log.exp()[:, None] * z)
+    else:
+        g = -layer.A_log.exp()[:, None] * F.softplus(z)
+    o, _ = naive_recurrent_kda(q, k, v, g, beta)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.o_norm.eps) * layer.o_norm.weight
+    gate_out = torch.sigmoid(x @ layer.g_proj.weight.T).unflatten(-1, (HV, V))
+    return (gate_out * o).flatten(-2) @ layer.o_proj.weight.T
+
+
+@pytest.mark.parametrize("gate", ["lower_bounded", "kimi_linear"])
+def test_matches_the_equations(gate):
+    layer = make_layer(gate)
+    x = x_of(2, 37)
+    y, _ = layer(x)
+    assert y.shape == x.shape and y.dtype == torch.float64
+    assert_close("y", by_hand(layer, x), y, TOL)
+
+
+@pytest.mark.parametrize("gate", ["lower_bounded", "kimi_linear"])
+def test_token_by_token_decoding_equals_full_sequence(gate):
+    layer = make_layer(gate, seed=2)
+    x = x_of(2, 21, seed=3)
+    y, cache = layer(x)
+    ys, c = [], None
+    for t in range(x.shape[1]):
+        yt, c = layer(x[:, t : t + 1], cache=c)
+        ys.append(yt)
+    assert_close("y", y, torch.cat(ys, dim=1), TOL)
+    for name in ("conv_q", "conv_k", "conv_v", "state"):
+        assert_close(name, getattr(cache, name), getattr(c, name), TOL)
+
+
+def test_prefill_in_uneven_pieces():
+    """Pieces of 1, 2, 3, 17, 5 tokens: conv states shorter than the kernel are carried correctly."""
+    layer = make_layer(seed=4)
+    x = x_of(1, 28, seed=5)
+    y, _ = layer(x)
+    ys, c, t0 = [], None, 0
+    for n in (1, 2, 3, 17, 5):
+        yt, c = layer(x[:, t0 : t0 + n], cache=c)
+        ys.append(yt)
+        t0 += n
+    assert_close("y", y, torch.cat(ys, dim=1), TOL)
+
+
+def test_conv_state_zero_padded_for_short_sequences():
+    layer = make_layer(seed=6)
+    x = x_of(1, 2, seed=7)
+    _, cache = layer(x)
+    assert cache.conv_q.shape == (1, layer.conv_size - 1, layer.H * layer.K)
+    assert torch.equal(cache.conv_q[0, 0], torch.zeros(layer.H * layer.K, dtype=torch.float64))
+    assert_close("conv_q[-2:]", layer.q_proj(x)[0], cache.conv_q[0, 1:], TOL)
+    assert cache.state.shape == (1, layer.HV, layer.K, layer.V)
+
+
+def test_varlen_equals_separate_sequences_with_caches():
+    """Packed sequences (some shorter than the kernel and the chunk) == each run alone, incl. caches,
+    and a second packed call continuing from the packed cache."""
+    layer = make_layer(seed=8)
+    lengths = [1, 3, 20, 2]
+    cu = torch.tensor([0, 1, 4, 24, 26])
+    x = x_of(1, 26, seed=9)
+    y, cache = layer(x, cu_seqlens=cu)
+    x2 = x_of(1, 10, seed=10)
+    cu2 = torch.tensor([0, 2, 3, 9, 10])
+    y2, _ = layer(x2, cache=cache, cu_seqlens=cu2)
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        yn, cn = layer(x[:, a:b])
+        assert_close(f"y[{n}]", yn, y[:, a:b], TOL)
+        assert_close(f"state[{n}]", cn.state[0], cache.state[n], TOL)
+        assert_close(f"conv_v[{n}]", cn.conv_v[0], cache.conv_v[n], TOL)
+        a2, b2 = cu2[n].item(), cu2[n + 1].item()
+        yn2, _ = layer(x2[:, a2:b2], cache=cn)
+        assert_close(f"y2[{n}]", yn2, y2[:, a2:b2], TOL)
+    assert lengths == cu.diff().tolist()
+
+
+def test_causal_short_conv_reference():
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 9, 5, generator=gen, dtype=torch.float64)
+    w = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    state = torch.randn(2, 3, 5, generator=gen, dtype=torch.float64)
+    y, new_state = causal_short_conv(x, w, state)
+    full = torch.cat([state, x], dim=1)
+    ref = torch.stack([(full[:, t : t + 4] * w.T).sum(1) for t in range(9)], dim=1)
+    assert_close("y", ref, y, TOL)
+    assert torch.equal(new_state, x[:, -3:])
+    with pytest.raises(ValueError, match="conv_state"):
+        causal_short_conv(x, w, state[:, :2])
+
+
+def test_gradients_reach_every_parameter():
+    layer = make_layer(seed=12)
+    y, _ = layer(x_of(2, 20, seed=13), use_cache=False)
+    y.pow(2).sum().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().max() > 0, name
+
+
+def test_k3_init():
+    layer = KDALayer(32, 2, 16)
+    assert torch.equal(layer.A_log, torch.zeros(2))
+    g = layer.log_decay(torch.randn(1, 50, 32))
+    assert g.dtype == torch.float32 and (g > -5).all() and (g <= 0).all()
+    _, cache = layer(torch.randn(1, 3, 32), use_cache=False)
+    assert cache is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_v_heads=3), "num_v_heads"),
+    (dict(gate="mamba"), "gate"),
+    (dict(head_dim=0), "head_dim"),
+    (dict(conv_size=0), "conv_size"),
+    (dict(lower_bound=0.5), "lower_bound"),
+], ids=["hv", "gate", "head_dim", "conv_size", "lower_bound"])
+def test_bad_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KDALayer(**{**dict(d_model=16, num_heads=2, head_dim=8), **kwargs})
+
+
+def test_bad_forward_inputs():
+    layer = make_layer(seed=14)
+    with pytest.raises(ValueError, match="x must be"):
+        layer(x_of(1, 4, d=23))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        layer(x_of(2, 4), cu_seqlens=torch.tensor([0, 2, 4]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        layer(x_of(1, 4), cu_seqlens=torch.tensor([0, 2, 2, 4]))
+    _, cache = layer(x_of(2, 4))
+    with pytest.raises(ValueError, match="conv_state"):
+        layer(x_of(3, 1), cache=cache)
+    bad = KDACache(cache.conv_q, cache.conv_k, cache.conv_v, cache.state[:, :1])
+    with pytest.raises(ValueError, match="initial_state"):
+        layer(x_of(2, 1), cache=bad)
