@@ -1,0 +1,374 @@
+"""The book runner: sync, execute (papermill), render (nbconvert), store outputs, check pairs.
+
+Commands (run from the repository root)::
+
+    python -m k3lab.book run                          # every chapter on the CPU defaults (`make book`)
+    python -m k3lab.book run --only 00 01 -p train_steps 50
+    python -m k3lab.book run --profile gpu            # parameters from params/h200.yaml
+    python -m k3lab.book store 01                     # execute on CPU defaults, keep outputs in book/01_*.ipynb
+    python -m k3lab.book check-sync                   # fail if a book/NN_*.py and its .ipynb differ
+
+Every chapter is ``book/NN_name.py`` (jupytext py:percent, the file to edit) paired with
+``book/NN_name.ipynb`` (the same cells plus stored CPU outputs, which nbval compares). ``run`` first
+copies each ``.py``'s cells into its ``.ipynb`` when they differ (keeping the outputs of cells whose code is unchanged),
+then executes the notebook with papermill (kernel ``python3``, working directory ``book/``) into
+``build/notebooks/``, renders ``build/html/``, and prints a table (notebook, status, seconds). It exits
+nonzero when any notebook failed.
+
+The GPU parameter file maps ``all`` and notebook prefixes (``"01"``) or names (``"01_kda"``) to
+parameters; ``-p key value`` overrides them. Only parameters a notebook's ``parameters`` cell
+declares are passed to it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK_DIR = ROOT / "book"
+BUILD_DIR = ROOT / "build"
+PARAMS = {"gpu": ROOT / "params" / "h200.yaml"}
+KERNEL = "python3"
+KERNELSPEC = {"name": KERNEL, "display_name": "Python 3 (ipykernel)", "language": "python"}
+TEXT_FORMAT = "py:percent"
+
+
+@dataclass
+class Result:
+    """One notebook's outcome in a run."""
+
+    name: str
+    status: str
+    seconds: float
+    detail: str = ""
+
+
+def chapters(only: list[str] | None = None, book_dir: Path = BOOK_DIR) -> list[Path]:
+    """The chapter sources ``book/NN_*.py`` in order, optionally filtered.
+
+    Args:
+        only (list[str] | None): prefixes such as ``["00", "01"]`` or full names (``"01_kda"``).
+
+    Raises:
+        ValueError: an entry of ``only`` matches no chapter.
+    """
+    paths = sorted(p for p in Path(book_dir).glob("[0-9][0-9]_*.py"))
+    if not only:
+        return paths
+    chosen = []
+    for key in only:
+        match = [p for p in paths if p.stem == key or p.stem.split("_", 1)[0] == key]
+        if not match:
+            names = ", ".join(p.stem for p in paths) or "none"
+            raise ValueError(f"--only {key!r} matches no chapter in {book_dir} (have: {names})")
+        chosen += [p for p in match if p not in chosen]
+    return sorted(chosen)
+
+
+def _cells(nb) -> list[tuple[str, str, tuple[str, ...]]]:
+    """What a pair must agree on: each cell's type, source and tags."""
+    return [(c.cell_type, c.source.strip(), tuple(sorted(c.metadata.get("tags", []))))
+            for c in nb.cells]
+
+
+def _with_kernelspec(nb):
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
+    nb.metadata.setdefault("language_info", {"name": "python"})
+    return nb
+
+
+def _strip_run_metadata(nb):
+    """Drop papermill's per-run metadata (timestamps, durations) so stored notebooks stay stable."""
+    nb.metadata.pop("papermill", None)
+    for cell in nb.cells:
+        cell.metadata.pop("papermill", None)
+        cell.metadata.pop("execution", None)
+    return nb
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _copy_outputs(stored, source) -> None:
+    """Give each code cell of ``source`` the outputs of the next stored cell with the same code."""
+    code = [c for c in stored.cells if c.cell_type == "code"]
+    i = 0
+    for cell in source.cells:
+        if cell.cell_type != "code":
+            continue
+        j = next((j for j in range(i, len(code)) if code[j].source.strip() == cell.source.strip()), None)
+        if j is not None:
+            cell.outputs, cell.execution_count, i = code[j].outputs, code[j].execution_count, j + 1
+
+
+def sync(py_path: Path) -> bool:
+    """Make ``py_path``'s ``.ipynb`` carry the ``.py``'s cells and a python3 kernelspec.
+
+    Outputs of code cells whose source is unchanged are kept. Returns True when
+    the ``.ipynb`` was (re)written, False when it already agreed.
+    """
+    import jupytext
+
+    ipynb = py_path.with_suffix(".ipynb")
+    source = jupytext.read(py_path, fmt=TEXT_FORMAT)
+    if ipynb.exists():
+        stored = jupytext.read(ipynb)
+        if _cells(stored) == _cells(source) and stored.metadata.get("kernelspec", {}).get("name") == KERNEL:
+            return False
+        _copy_outputs(stored, source)
+    source.metadata.pop("jupytext", None)
+    _atomic_write_text(ipynb, jupytext.writes(_with_kernelspec(source), fmt="ipynb"))
+    return True
+
+
+def check_sync(book_dir: Path = BOOK_DIR) -> list[str]:
+    """Differences between every ``.py``/``.ipynb`` pair (empty when all agree).
+
+    A pair differs when a cell's type, source or tags differ, a cell is missing, or one side of the
+    pair does not exist; the ``.ipynb`` must also name a kernelspec.
+    """
+    import jupytext
+
+    problems = []
+    pys = {p.stem for p in Path(book_dir).glob("[0-9][0-9]_*.py")}
+    for stem in sorted({p.stem for p in Path(book_dir).glob("[0-9][0-9]_*.ipynb")} - pys):
+        problems.append(f"{stem}.ipynb has no {stem}.py (the .py is the source)")
+    for stem in sorted(pys):
+        py, ipynb = Path(book_dir) / f"{stem}.py", Path(book_dir) / f"{stem}.ipynb"
+        if not ipynb.exists():
+            problems.append(f"{ipynb.name} is missing: run `python -m k3lab.book store {stem[:2]}`")
+            continue
+        a, b = _cells(jupytext.read(py, fmt=TEXT_FORMAT)), _cells(jupytext.read(ipynb))
+        if a != b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            where = (f"cell {i}: .py has {a[i][0]} {a[i][1][:60]!r}{' tags ' + str(a[i][2]) if a[i][2] else ''}, "
+                     f".ipynb has {b[i][0]} {b[i][1][:60]!r}{' tags ' + str(b[i][2]) if b[i][2] else ''}"
+                     if i < min(len(a), len(b)) else f"{len(a)} cells in .py, {len(b)} in .ipynb")
+            problems.append(f"{stem}: .py and .ipynb differ at {where}; "
+                            f"run `python -m k3lab.book store {stem[:2]}`")
+        elif not jupytext.read(ipynb).metadata.get("kernelspec"):
+            problems.append(f"{ipynb.name} has no kernelspec: run `python -m k3lab.book store {stem[:2]}`")
+    return problems
+
+
+def parse_value(text: str):
+    """``-p`` values: int, float, true/false, none, else the string itself."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def notebook_parameters(path: Path, profile: str, overrides: dict, params_file: Path | None) -> dict:
+    """Parameters for one notebook: profile, then the parameter file's sections, then ``-p``.
+
+    Only names declared in the notebook's ``parameters`` cell are kept.
+
+    Raises:
+        ValueError: the parameter file is not a mapping of mappings.
+    """
+    import papermill
+    import yaml
+
+    declared = set(papermill.inspect_notebook(str(path)))
+    params = {"profile": profile}
+    if params_file is not None:
+        spec = yaml.safe_load(Path(params_file).read_text()) or {}
+        if not isinstance(spec, dict) or not all(isinstance(v, dict) for v in spec.values()):
+            raise ValueError(f"{params_file} must map 'all' / notebook names to parameter mappings")
+        stem = path.stem
+        for key in ("all", stem.split("_", 1)[0], stem):
+            params.update(spec.get(key, {}))
+    params.update(overrides)
+    return {k: v for k, v in params.items() if k in declared}
+
+
+def _jupyter_env() -> None:
+    # Make "python3" resolve to this interpreter's kernel, not a user-level kernelspec elsewhere.
+    share = str(Path(sys.prefix) / "share" / "jupyter")
+    paths = os.environ.get("JUPYTER_PATH", "")
+    if share not in paths.split(os.pathsep):
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(p for p in (share, paths) if p)
+
+
+def execute(ipynb: Path, out: Path, parameters: dict, timeout: float | None, progress: bool = True):
+    """Execute ``ipynb`` with papermill into ``out`` (kernel python3, cwd = the notebook's folder)."""
+    import papermill
+
+    _jupyter_env()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bar = {"desc": ipynb.stem, "leave": False, "position": 1} if progress else False
+    return papermill.execute_notebook(
+        str(ipynb), str(out), parameters=parameters, kernel_name=KERNEL, language="python",
+        cwd=str(ipynb.parent), progress_bar=bar, execution_timeout=timeout,
+    )
+
+
+def render_html(executed: Path, out: Path) -> None:
+    """Render an executed notebook to a self-contained HTML page (images inlined)."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    body, _ = HTMLExporter().from_notebook_node(nbformat.read(executed, as_version=4))
+    _atomic_write_text(out, body)
+
+
+def _error_detail(exc: BaseException) -> str:
+    name = getattr(exc, "ename", type(exc).__name__)
+    value = str(getattr(exc, "evalue", exc)).strip().splitlines()
+    return f"{name}: {value[0] if value else ''}"[:100]
+
+
+def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None, build_dir=BUILD_DIR,
+        book_dir=BOOK_DIR) -> list[Result]:
+    """Sync, execute and render chapters; returns one :class:`Result` per notebook.
+
+    Raises:
+        ValueError: bad ``profile``, or ``only`` matches no chapter.
+    """
+    from tqdm.auto import tqdm
+
+    if profile not in ("cpu", "gpu"):
+        raise ValueError(f"profile must be 'cpu' or 'gpu', got {profile!r}")
+    if params_file is None:
+        params_file = PARAMS.get(profile)
+    paths = chapters(only, book_dir)
+    results, used = [], set()
+    bar = tqdm(paths, desc="book", unit="notebook", position=0)
+    for py in bar:
+        bar.set_postfix_str(py.stem)
+        start = time.perf_counter()
+        try:
+            if sync(py):
+                tqdm.write(f"synced {py.name} -> {py.with_suffix('.ipynb').name}")
+            ipynb = py.with_suffix(".ipynb")
+            params = notebook_parameters(ipynb, profile, overrides or {}, params_file)
+            used |= set(params)
+            executed = Path(build_dir) / "notebooks" / ipynb.name
+            try:
+                execute(ipynb, executed, params, timeout)
+            finally:
+                if executed.exists():
+                    render_html(executed, Path(build_dir) / "html" / f"{py.stem}.html")
+            results.append(Result(py.stem, "ok", time.perf_counter() - start))
+        except Exception as exc:  # a failed chapter must not stop the others
+            results.append(Result(py.stem, "FAILED", time.perf_counter() - start, _error_detail(exc)))
+    bar.close()
+    unused = sorted(set(overrides or {}) - used)
+    if unused and any(r.status == "ok" for r in results):
+        print(f"warning: no executed notebook declares parameter(s) {unused}; they were not passed",
+              file=sys.stderr)
+    if results:
+        _write_index(results, Path(build_dir) / "html" / "index.html")
+    return results
+
+
+def _write_index(results: list[Result], path: Path) -> None:
+    rows = "\n".join(
+        f'<tr><td><a href="{r.name}.html">{r.name}</a></td><td>{r.status}</td><td>{r.seconds:.1f}</td></tr>'
+        for r in results)
+    _atomic_write_text(path, f"<!doctype html><title>k3lab book</title><h1>k3lab book</h1>\n"
+                             f"<table><tr><th>notebook</th><th>status</th><th>seconds</th></tr>\n{rows}\n</table>\n")
+
+
+def format_table(results: list[Result]) -> str:
+    """The run's summary: notebook, status, seconds (and the error of a failed one)."""
+    width = max([len("notebook")] + [len(r.name) for r in results])
+    lines = [f"{'notebook':<{width}}  {'status':<6}  {'seconds':>8}", "-" * (width + 18)]
+    lines += [f"{r.name:<{width}}  {r.status:<6}  {r.seconds:8.1f}" + (f"  {r.detail}" if r.detail else "")
+              for r in results]
+    lines.append(f"{'total':<{width}}  {'':<6}  {sum(r.seconds for r in results):8.1f}")
+    return "\n".join(lines)
+
+
+def store(keys: list[str], timeout=None, book_dir: Path = BOOK_DIR) -> None:
+    """Execute chapters on the CPU defaults and keep the outputs in ``book/NN_name.ipynb``.
+
+    No parameters are injected (the stored notebook keeps exactly the ``.py``'s cells).
+
+    Raises:
+        ValueError: no key given or a key matches no chapter.
+        papermill.PapermillExecutionError: a cell failed (the ``.ipynb`` is left as it was).
+    """
+    import nbformat
+
+    if not keys:
+        raise ValueError("store needs at least one chapter, e.g. `python -m k3lab.book store 00`")
+    for py in chapters(keys, book_dir):
+        sync(py)
+        ipynb = py.with_suffix(".ipynb")
+        tmp = ipynb.with_name(f".{ipynb.stem}.executing.ipynb")
+        start = time.perf_counter()
+        try:
+            nb = execute(ipynb, tmp, {}, timeout)
+            _atomic_write_text(ipynb, nbformat.writes(_strip_run_metadata(_with_kernelspec(nb))) + "\n")
+        finally:
+            tmp.unlink(missing_ok=True)
+        print(f"stored {ipynb.relative_to(Path(book_dir).parent)} ({time.perf_counter() - start:.1f} s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m k3lab.book", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run", help="execute chapters into build/ and print a table")
+    p.add_argument("--only", nargs="+", metavar="NN", help="chapter prefixes or names (default: all)")
+    p.add_argument("--profile", choices=("cpu", "gpu"), default="cpu",
+                   help="cpu: the notebooks' defaults; gpu: also params/h200.yaml")
+    p.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                   help="override a parameter (int/float/true/false/none/string)")
+    p.add_argument("--params-file", type=Path, default=None, help="parameter YAML instead of the profile's")
+    p.add_argument("--timeout", type=float, default=None, help="per-cell timeout in seconds")
+    p.add_argument("--build-dir", type=Path, default=BUILD_DIR, help="where notebooks/ and html/ go")
+    p = sub.add_parser("store", help="execute on CPU defaults and store outputs in book/NN_*.ipynb")
+    p.add_argument("chapters", nargs="+", metavar="NN", help="chapter prefixes or names")
+    p.add_argument("--timeout", type=float, default=None, help="per-cell timeout in seconds")
+    sub.add_parser("check-sync", help="fail if a book/NN_*.py and its .ipynb differ in cells")
+    args = parser.parse_args(argv)
+
+    if args.cmd == "check-sync":
+        problems = check_sync(BOOK_DIR)
+        for line in problems:
+            print(f"out of sync: {line}", file=sys.stderr)
+        n = len(list(BOOK_DIR.glob("[0-9][0-9]_*.py")))
+        print(f"check-sync: {n} pair(s), {len(problems)} problem(s)")
+        return 1 if problems else 0
+    try:
+        if args.cmd == "store":
+            store(args.chapters, args.timeout, BOOK_DIR)
+            return 0
+        overrides = {k: parse_value(v) for k, v in args.parameter}
+        results = run(args.only, args.profile, overrides, args.params_file, args.timeout, args.build_dir,
+                      BOOK_DIR)
+    except Exception as exc:
+        print(f"error: {_error_detail(exc)}", file=sys.stderr)
+        return 1
+    if not results:
+        print(f"no chapters found in {BOOK_DIR}", file=sys.stderr)
+        return 1
+    print(format_table(results))
+    print(f"executed notebooks: {args.build_dir / 'notebooks'}  html: {args.build_dir / 'html' / 'index.html'}")
+    return 1 if any(r.status != "ok" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""k3lab.book: chapter discovery, .py/.ipynb sync check, parameters, run and store on tiny notebooks."""
+import json
+
+import nbformat
+import pytest
+
+from k3lab import book
+
+OK_NB = '''# %% [markdown]
+# # A tiny chapter
+
+# %% tags=["parameters"]
+profile: str = "cpu"
+steps: int = 2
+
+# %%
+import os
+print(f"profile={profile} steps={steps} cwd={os.path.basename(os.getcwd())}")
+'''
+
+BAD_NB = '''# %% tags=["parameters"]
+profile: str = "cpu"
+
+# %%
+raise ZeroDivisionError("chapter 02 is broken")
+'''
+
+
+@pytest.fixture
+def tiny_book(tmp_path):
+    d = tmp_path / "book"
+    d.mkdir()
+    (d / "01_ok.py").write_text(OK_NB)
+    (d / "02_bad.py").write_text(BAD_NB)
+    (d / "README.md").write_text("not a chapter\n")
+    return d
+
+
+def test_chapters_order_and_only(tiny_book):
+    assert [p.stem for p in book.chapters(None, tiny_book)] == ["01_ok", "02_bad"]
+    assert [p.stem for p in book.chapters(["02", "01_ok"], tiny_book)] == ["01_ok", "02_bad"]
+    with pytest.raises(ValueError, match="'07' matches no chapter"):
+        book.chapters(["07"], tiny_book)
+
+
+def test_sync_adds_kernelspec_and_check_sync_finds_differences(tiny_book):
+    py = tiny_book / "01_ok.py"
+    assert book.check_sync(tiny_book)[0].startswith("01_ok.ipynb is missing")
+    assert book.sync(py) and not book.sync(py)
+    book.sync(tiny_book / "02_bad.py")
+    nb = nbformat.read(py.with_suffix(".ipynb"), as_version=4)
+    assert nb.metadata.kernelspec.name == "python3"
+    assert book.check_sync(tiny_book) == []
+
+    nb.cells[2].source = nb.cells[2].source.replace("steps=", "STEPS=")
+    nbformat.write(nb, py.with_suffix(".ipynb"))
+    (problem,) = book.check_sync(tiny_book)
+    assert "01_ok" in problem and "cell 2" in problem and "store 01" in problem
+
+    nb.cells[2].source = nb.cells[2].source.replace("STEPS=", "steps=")
+    nb.cells[1].metadata["tags"] = []
+    nbformat.write(nb, py.with_suffix(".ipynb"))
+    assert "cell 1" in book.check_sync(tiny_book)[0]
+
+    book.sync(py)
+    assert book.check_sync(tiny_book) == []
+    (tiny_book / "03_orphan.ipynb").write_text(py.with_suffix(".ipynb").read_text())
+    assert book.check_sync(tiny_book) == ["03_orphan.ipynb has no 03_orphan.py (the .py is the source)"]
+
+
+@pytest.mark.parametrize("text, value", [("3", 3), ("-1.5e-3", -1.5e-3), ("True", True), ("none", None),
+                                         ("bf16", "bf16")])
+def test_parse_value(text, value):
+    assert book.parse_value(text) == value and type(book.parse_value(text)) is type(value)
+
+
+def test_parameters_layering_and_filtering(tiny_book, tmp_path):
+    book.sync(tiny_book / "01_ok.py")
+    params_file = tmp_path / "gpu.yaml"
+    params_file.write_text('all: {profile: gpu, steps: 5, unknown: 1}\n"01": {steps: 7}\n"02_bad": {steps: 9}\n')
+    ipynb = tiny_book / "01_ok.ipynb"
+    assert book.notebook_parameters(ipynb, "gpu", {}, params_file) == {"profile": "gpu", "steps": 7}
+    assert book.notebook_parameters(ipynb, "cpu", {"steps": 11}, None) == {"profile": "cpu", "steps": 11}
+    params_file.write_text("- not a mapping\n")
+    with pytest.raises(ValueError, match="must map"):
+        book.notebook_parameters(ipynb, "gpu", {}, params_file)
+
+
+@pytest.mark.timeout(180)
+def test_run_executes_renders_and_reports_failures(tiny_book, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "build"
+    monkeypatch.setattr(book, "BOOK_DIR", tiny_book)
+    code = book.main(["run", "-p", "steps", "3", "--build-dir", str(out)])
+    assert code == 1
+    table = capsys.readouterr().out
+    assert "01_ok" in table and "ok" in table
+    assert "02_bad" in table and "FAILED" in table and "ZeroDivisionError" in table
+
+    executed = nbformat.read(out / "notebooks" / "01_ok.ipynb", as_version=4)
+    printed = "".join(o.get("text", "") for c in executed.cells if c.cell_type == "code" for o in c.outputs)
+    assert "profile=cpu steps=3 cwd=book" in printed
+    assert (out / "notebooks" / "02_bad.ipynb").exists()
+    assert "A tiny chapter" in (out / "html" / "01_ok.html").read_text()
+    assert "02_bad" in (out / "html" / "index.html").read_text()
+
+    assert book.main(["run", "--only", "01", "--build-dir", str(out)]) == 0
+
+
+@pytest.mark.timeout(180)
+def test_store_keeps_outputs_without_parameters_or_run_metadata(tiny_book):
+    book.store(["01"], book_dir=tiny_book)
+    nb = json.loads((tiny_book / "01_ok.ipynb").read_text())
+    outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
+    assert any("profile=cpu steps=2" in "".join(o.get("text", [])) for o in outputs)
+    assert "papermill" not in nb["metadata"]
+    assert all("papermill" not in c["metadata"] and "execution" not in c["metadata"] for c in nb["cells"])
+    assert not any("injected-parameters" in c["metadata"].get("tags", []) for c in nb["cells"])
+    assert book.check_sync(tiny_book)[0].startswith("02_bad.ipynb is missing")
+    with pytest.raises(Exception, match="chapter 02 is broken"):
+        book.store(["02"], book_dir=tiny_book)
+
+
+def test_sync_keeps_outputs_of_unchanged_cells(tiny_book):
+    py = tiny_book / "01_ok.py"
+    book.sync(py)
+    nb = nbformat.read(py.with_suffix(".ipynb"), as_version=4)
+    nb.cells[2].outputs = [nbformat.v4.new_output("stream", name="stdout", text="kept\n")]
+    nbformat.write(nb, py.with_suffix(".ipynb"))
+    py.write_text(OK_NB.replace("steps: int = 2", "steps: int = 4"))
+    assert book.sync(py)
+    nb = nbformat.read(py.with_suffix(".ipynb"), as_version=4)
+    assert nb.cells[1].source.endswith("steps: int = 4") and nb.cells[1].metadata["tags"] == ["parameters"]
+    assert nb.cells[2].outputs[0]["text"] == "kept\n"
