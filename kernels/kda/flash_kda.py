@@ -1,0 +1,181 @@
+"""``flash_kda``: chunkwise KDA in fused Triton kernels, forward and backward (K3 report, Sec. 2.1 and
+Eq. 5; Kimi Linear, Sec. 3.2). The autograd function and the public entry point."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from k3lab.kda.checks import _shape, check_kda_inputs
+from k3lab.kernels.kda.chunk_bwd import kda_dqkw_bwd, kda_intra_bwd, kda_state_bwd
+from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_output_fwd, kda_state_fwd
+from k3lab.kernels.kda.utils import chunk_index
+
+# 8 |lower_bound| must stay below ~88 (float32/bfloat16 exponent range) for the diagonal sub-tiles.
+MIN_LOWER_BOUND = -10.0
+MAX_K = 256
+
+
+class FlashKDAFunction(torch.autograd.Function):
+    """Forward: intra (gate, norms, UT inverse, W, U, Aqk) -> state scan -> output.
+    Backward: re-runs intra and the state scan (only the inputs are saved), then the reverse state
+    scan -> per-chunk dq/dk/dW/dv -> sub-tile score gradients, norm and gate backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, z, beta, A_log, dt_bias, initial_state, scale, lower_bound, cu_seqlens,
+                chunk_indices, chunk_offsets, output_final_state):
+        B, T, H, K = q.shape
+        HV, V = v.shape[2:]
+        flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, z, beta)]
+        G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(*flat, A_log, dt_bias, scale, lower_bound, cu_seqlens,
+                                                   chunk_indices)
+        h, Vn, ht = kda_state_fwd(W, U, KG, G, initial_state, output_final_state, cu_seqlens, chunk_offsets,
+                                  chunk_indices.shape[0])
+        o = kda_output_fwd(QG, h, Aqk, Vn, cu_seqlens, chunk_indices)
+        ctx.save_for_backward(q, k, v, z, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices,
+                              chunk_offsets)
+        ctx.scale, ctx.lower_bound = scale, lower_bound
+        return o.view(B, T, HV, V), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, z, beta, A_log, dt_bias, h0, cu_seqlens, chunk_indices, chunk_offsets = ctx.saved_tensors
+        scale, lb = ctx.scale, ctx.lower_bound
+        B, T, H, K = q.shape
+        HV, V = v.shape[2:]
+        NT = chunk_indices.shape[0]
+        qf, kf, vf, zf, bf = (x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, z, beta))
+        G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(qf, kf, vf, zf, bf, A_log, dt_bias, scale, lb, cu_seqlens,
+                                                   chunk_indices)
+        h, Vn, _ = kda_state_fwd(W, U, KG, G, h0, False, cu_seqlens, chunk_offsets, NT)
+        del U
+        do = do.reshape(B * T, HV, V).contiguous()
+        dh, dVn, dh0 = kda_state_bwd(QG, KG, W, G, Aqk, do, dht.contiguous() if dht is not None else None,
+                                     h0 is not None, cu_seqlens, chunk_offsets, NT)
+        del QG, KG, W, Aqk
+        dqs, dkn, dG, db, dv, dAqk, dAkk = kda_dqkw_bwd(qf, kf, vf, bf, G, Tinv, h, dh, Vn, dVn, do, scale,
+                                                        cu_seqlens, chunk_indices)
+        del h, dh, Vn, dVn, Tinv
+        dq, dk, dz, dbeta, dA_part, dbias_part = kda_intra_bwd(
+            qf, kf, zf, bf, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, db, scale, lb, cu_seqlens, chunk_indices)
+        # GVA: value heads i*G .. i*G+G-1 read q/k head i; their gradients add up.
+        dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
+        dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
+        dA_log = dA_part.sum(0).to(A_log.dtype)
+        ddt_bias = dbias_part.sum(0).view(dt_bias.shape).to(dt_bias.dtype) if dt_bias is not None else None
+        dh0 = dh0.to(h0.dtype) if h0 is not None else None
+        return (dq, dk, dv.view(B, T, HV, V), dz.view(B, T, HV, K), dbeta.view(B, T, HV), dA_log, ddt_bias,
+                dh0, None, None, None, None, None, None)
+
+
+def flash_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    lower_bound: float = -5.0,
+    *,
+    check_values: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kimi Delta Attention with K3's lower-bounded gate, q/k L2 norm and beta sigmoid fused into
+    Triton kernels; differentiable in every tensor argument.
+
+    Computes, per value head (K3 report, Eq. 3-5):
+        q_hat, k_hat = q / ||q||, k / ||k||           (eps 1e-6 under the root, as fla's l2norm)
+        gate   = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))     (log-decay in (lower_bound, 0))
+        b      = sigmoid(beta)
+        S_t = (I - b_t k_hat_t k_hat_t^T) Diag(exp(gate_t)) S_{t-1} + b_t k_hat_t v_t^T,
+        o_t = S_t^T (scale q_hat_t)
+    i.e. ``k3lab.kda.chunk_kda(l2norm(q), l2norm(k), v, lower_bounded_gate(g, A_log, dt_bias, lower_bound),
+    sigmoid(beta), ...)``, and fla-core's ``chunk_kda(..., use_qk_l2norm_in_kernel=True,
+    use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=...)``.
+
+    Dimensions: B batch, T tokens, H q/k heads, HV value heads (a multiple of H: GVA), K key dim
+    (<= 256), V value dim, N sequences (B, or len(cu_seqlens) - 1).
+
+    Args:
+        q (Tensor): [B, T, H, K] queries (not normalised), bf16/fp16/fp32 (fp32 on CPU: the Triton
+            interpreter has no bf16 arithmetic).
+        k (Tensor): [B, T, H, K] keys (not normalised), q's dtype.
+        v (Tensor): [B, T, HV, V] values, q's dtype.
+        g (Tensor): [B, T, HV, K] the gate pre-activation z (the decay projection's output).
+        beta (Tensor): [B, T, HV] write-strength logits.
+        A_log (Tensor): [HV] per-head log scale of the gate (float32 recommended; K3 inits 0).
+        dt_bias (Tensor | None): [HV * K] or [HV, K] gate bias.
+        scale (float | None): query scale, default K ** -0.5.
+        initial_state (Tensor | None): [N, HV, K, V] float32 state before each sequence.
+        output_final_state (bool): also return the state after each sequence.
+        cu_seqlens (Tensor | None): int [N+1] offsets of N packed sequences (B must be 1).
+        lower_bound (float): g_min in [-10, 0) (K3: -5). Beyond -10, 1/Gamma over half a 16-token
+            sub-tile could overflow bf16/fp32.
+        check_values (bool): also reject NaN/inf inputs (one device sync and a read of every input;
+            shapes are always checked). Benchmarks pass False.
+
+    Returns:
+        (o, final_state): o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] float32 or None.
+
+    Raises:
+        ValueError: the errors of ``k3lab.kda.checks.check_kda_inputs`` (shapes, GVA, cu_seqlens,
+            NaN/inf when ``check_values``), and bad A_log/dt_bias shapes, K > 256, mixed dtypes,
+            lower_bound outside [-10, 0).
+        RuntimeError: on a CPU tensor without TRITON_INTERPRET=1 (call ``k3lab.setup()`` first).
+
+    Example:
+        >>> import k3lab; dev = k3lab.setup(verbose=False)
+        >>> from k3lab.kernels.kda import flash_kda
+        >>> B, T, H, K = 1, 20, 1, 16
+        >>> q, k, v, z = (torch.randn(B, T, H, K) for _ in range(4))
+        >>> o, s = flash_kda(q, k, v, z, torch.randn(B, T, H), torch.zeros(H), torch.zeros(H * K),
+        ...                  output_final_state=True)
+        >>> o.shape, s.shape
+        (torch.Size([1, 20, 1, 16]), torch.Size([1, 1, 16, 16]))
+    """
+    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values=False)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    if not isinstance(A_log, torch.Tensor) or A_log.shape != (HV,):
+        raise ValueError(f"A_log must be a [HV] = [{HV}] tensor, got {_shape(A_log) if isinstance(A_log, torch.Tensor) else type(A_log).__name__}")
+    if dt_bias is not None and (not isinstance(dt_bias, torch.Tensor) or dt_bias.numel() != HV * K
+                                or dt_bias.shape not in ((HV * K,), (HV, K))):
+        raise ValueError(f"dt_bias must be [HV * K] = [{HV * K}] or [HV, K] = [{HV}, {K}], got "
+                         f"{_shape(dt_bias) if isinstance(dt_bias, torch.Tensor) else type(dt_bias).__name__}")
+    if not MIN_LOWER_BOUND <= lower_bound < 0:
+        raise ValueError(f"lower_bound must be in [{MIN_LOWER_BOUND}, 0), got {lower_bound}")
+    if K > MAX_K:
+        raise ValueError(f"flash_kda supports K <= {MAX_K}, got K={K}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or len({q.dtype, k.dtype, v.dtype}) > 1:
+        raise ValueError(f"q, k, v must share one of float16/bfloat16/float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("flash_kda on CPU needs TRITON_INTERPRET=1 set before kernels are imported: "
+                           "call k3lab.setup() first")
+    if check_values:
+        named = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log)
+        if dt_bias is not None:
+            named["dt_bias"] = dt_bias
+        if initial_state is not None:
+            named["initial_state"] = initial_state
+        flags = torch.stack([~torch.isfinite(x).all() for x in named.values()]).tolist()
+        for name, bad in zip(named, flags):
+            if bad:
+                raise ValueError(f"{name} contains NaN or inf")
+    scale = K**-0.5 if scale is None else float(scale)
+    if cu_seqlens is None:
+        lengths = [T] * B
+        cu = torch.arange(0, B + 1, dtype=torch.int32, device=q.device) * T
+    else:
+        lengths = cu_seqlens.diff().tolist()
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    chunk_indices, chunk_offsets = chunk_index(lengths, q.device)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    del N
+    return FlashKDAFunction.apply(q, k, v, g, beta, A_log.contiguous(), 
+                                  dt_bias.contiguous() if dt_bias is not None else None, h0, scale,
+                                  float(lower_bound), cu, chunk_indices, chunk_offsets, output_final_state)

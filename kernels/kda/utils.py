@@ -1,0 +1,74 @@
+"""Small Triton helpers shared by the FlashKDA kernels, and the host-side chunk index.
+
+Layout: every per-token tensor is flattened to [T_total, heads, D] (B sequences of length T become one
+packed stream with offsets b*T), so fixed-length and varlen inputs share one code path.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Chunk length C and sub-tile length: 16 is the smallest tl.dot tile and the span over which the
+# lower-bounded gate keeps 1/Gamma (relative to the sub-tile's midpoint) inside bf16's range.
+BT = 64
+BC = 16
+
+
+@triton.jit
+def load_rows(x, t0, n_t, o_r, stride, off, o_c, n_c, CLAMP: tl.constexpr):
+    """Rows t0 + o_r (columns o_c < n_c) of a [T, stride] tensor as float32.
+
+    Rows at or past n_t read as zero, or with CLAMP as row n_t - 1 (for the cumulative gate G, whose
+    padded rows equal the last valid one: padding = no decay).
+    """
+    if CLAMP:
+        o_t = tl.minimum(o_r, n_t - 1)
+        m = (o_c < n_c)[None, :] & (o_r >= 0)[:, None]
+    else:
+        o_t = o_r
+        m = (o_r < n_t)[:, None] & (o_c < n_c)[None, :]
+    p = x + (t0 + o_t).to(tl.int64)[:, None] * stride + off + o_c[None, :]
+    return tl.load(p, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_rows(x, b_x, t0, n_t, o_r, stride, off, o_c, n_c):
+    """Store a [R, C] block into rows t0 + o_r < t0 + n_t, columns o_c < n_c, cast to x's dtype."""
+    m = (o_r < n_t)[:, None] & (o_c < n_c)[None, :]
+    p = x + (t0 + o_r).to(tl.int64)[:, None] * stride + off + o_c[None, :]
+    tl.store(p, b_x.to(x.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def load_vec(x, t0, n_t, o_r, stride, off):
+    """x[t0 + o_r, off] for rows o_r < n_t (zero past n_t), as float32: one scalar per token."""
+    p = x + (t0 + o_r).to(tl.int64) * stride + off
+    return tl.load(p, mask=o_r < n_t, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def l2norm_rows(b_x):
+    """x / sqrt(sum(x^2) + 1e-6) along the last axis (fla's ``l2norm``); zero rows stay zero."""
+    return b_x * (1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + 1e-6))[:, None]
+
+
+def chunk_index(lengths: list[int], device: torch.device, chunk: int = BT) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk table of packed sequences, built on the host (no device sync).
+
+    Args:
+        lengths (list[int]): the N sequence lengths (validated by the caller, all > 0).
+        device (torch.device): where the tables go.
+        chunk (int): chunk length C.
+
+    Returns:
+        (chunk_indices int32 [NT, 2] with (sequence n, chunk j within n) per global chunk,
+         chunk_offsets int32 [N+1] the first global chunk of each sequence).
+    """
+    counts = [triton.cdiv(n, chunk) for n in lengths]
+    pairs = [(n, j) for n, c in enumerate(counts) for j in range(c)]
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    return (torch.tensor(pairs, dtype=torch.int32).view(-1, 2).to(device),
+            torch.tensor(offsets, dtype=torch.int32).to(device))
