@@ -1,0 +1,182 @@
+"""Process launching and the per-rank functions of KCP's tests and notebook.
+
+``launch(fn, R, *args)`` starts R processes (torch.multiprocessing, "spawn"), each joins a gloo
+group with a timeout and returns ``fn(rank, world_size, group, *args)``; the results come back as
+a list. Workers live here because mp.spawn cannot pickle functions defined in a notebook cell.
+
+The checked model is KDA's token mixer without its projections: q, k = L2Norm(SiLU(ShortConv(x))),
+v = SiLU(ShortConv(x)), then KDA; loss = <o, w_o> + <final_state, w_s> with fixed random weights.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from k3lab.kcp.context import make_context
+from k3lab.kcp.conv import kcp_short_conv
+from k3lab.kcp.kcp import kcp_kda
+from k3lab.kcp.naive import naive_kcp_kda, short_conv_reference
+from k3lab.kda import chunk_kda
+
+LEAVES = ("xq", "xk", "xv", "g", "beta", "wq", "wk", "wv", "h0")
+SHARDED = ("xq", "xk", "xv", "g", "beta")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world_size, port, outdir, backend, args):
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        result = fn(rank, world_size, dist.group.WORLD, *args)
+        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn, world_size: int, *args, timeout_s: float = 180.0, backend: str = "gloo") -> list:
+    """Run ``fn(rank, world_size, group, *args)`` on ``world_size`` fresh processes; their results.
+
+    Raises:
+        TimeoutError: not all ranks finished within ``timeout_s`` (they are killed).
+        torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback is in the message).
+    """
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as outdir:
+        procs = mp.start_processes(_entry, args=(fn, world_size, port, outdir, backend, args),
+                                   nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        while not procs.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in procs.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"KCP ranks did not finish within {timeout_s} s")
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world_size)]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One checked configuration: global sizes and document offsets."""
+
+    T: int = 96
+    cu_seqlens: tuple[int, ...] | None = None
+    H: int = 2
+    HV: int = 2
+    K: int = 8
+    V: int = 8
+    W: int = 4
+    with_h0: bool = True
+    chunk_size: int = 16
+    seed: int = 0
+    dtype: str = "float32"
+    folds: tuple[str, ...] = field(default=("sequential", "scan", "naive"))
+
+
+def make_inputs(case: Case) -> dict[str, torch.Tensor]:
+    """Fresh random full-sequence inputs (never zeros) for ``case``, the same on every rank."""
+    gen = torch.Generator().manual_seed(case.seed)
+    dt = getattr(torch, case.dtype)
+    N = len(case.cu_seqlens) - 1 if case.cu_seqlens else 1
+    T, H, HV, K, V, W = case.T, case.H, case.HV, case.K, case.V, case.W
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dt)
+
+    return dict(
+        xq=randn(1, T, H * K), xk=randn(1, T, H * K), xv=randn(1, T, HV * V),
+        g=-(0.02 + 0.5 * torch.rand(1, T, HV, K, generator=gen, dtype=dt)),
+        beta=torch.sigmoid(randn(1, T, HV)),
+        wq=randn(H * K, W) / W, wk=randn(H * K, W) / W, wv=randn(HV * V, W) / W,
+        h0=0.5 * randn(N, HV, K, V),
+        w_o=randn(1, T, HV, V), w_s=randn(N, HV, K, V),
+    )
+
+
+def _mixer(x: dict, case: Case, conv, kda):
+    T = x["xq"].shape[1]
+    q = F.normalize(F.silu(conv(x["xq"], x["wq"])).view(1, T, case.H, case.K), dim=-1, eps=1e-6)
+    k = F.normalize(F.silu(conv(x["xk"], x["wk"])).view(1, T, case.H, case.K), dim=-1, eps=1e-6)
+    v = F.silu(conv(x["xv"], x["wv"])).view(1, T, case.HV, case.V)
+    return kda(q, k, v, x["g"], x["beta"], x["h0"] if case.with_h0 else None)
+
+
+def reference(case: Case) -> dict:
+    """One process, the whole sequence: o, final state and the gradient of every input."""
+    full = make_inputs(case)
+    x = {n: full[n].clone().requires_grad_() for n in LEAVES}
+    cu = list(case.cu_seqlens) if case.cu_seqlens else None
+    cu_t = torch.tensor(cu) if cu else None
+
+    def kda(q, k, v, g, beta, h0):
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_t,
+                         chunk_size=case.chunk_size)
+
+    o, final = _mixer(x, case, lambda y, w: short_conv_reference(y, w, cu), kda)
+    ((o * full["w_o"]).sum() + (final * full["w_s"]).sum()).backward()
+    return dict(o=o.detach(), final=final.detach(), grads={n: x[n].grad for n in LEAVES})
+
+
+def rank_run(rank: int, world_size: int, group, case: Case, fold: str) -> dict:
+    """This rank's part of ``reference(case)`` under KCP (``fold`` "sequential"/"scan") or the
+    gather-everything reference (``fold`` "naive"): local o, final-state rows, local gradients of
+    the sharded inputs, this rank's contribution to the replicated ones, bytes communicated."""
+    full = make_inputs(case)
+    ctx = make_context(case.T, case.cu_seqlens, group)
+    sl = slice(ctx.start, ctx.stop)
+    x = {n: (full[n][:, sl] if n in SHARDED else full[n]).clone().requires_grad_() for n in LEAVES}
+
+    def kda(q, k, v, g, beta, h0):
+        if fold == "naive":
+            return naive_kcp_kda(q, k, v, g, beta, ctx, initial_state=h0, output_final_state=True,
+                                 chunk_size=case.chunk_size)
+        return kcp_kda(q, k, v, g, beta, ctx, initial_state=h0, output_final_state=True, fold=fold,
+                       chunk_size=case.chunk_size)
+
+    o, final = _mixer(x, case, lambda y, w: kcp_short_conv(y, w, ctx), kda)
+    ((o * full["w_o"][:, sl]).sum() + (final * full["w_s"]).sum()).backward()
+    return dict(rank=rank, start=ctx.start, stop=ctx.stop, o=o.detach(), final=final.detach(),
+                grads={n: x[n].grad for n in LEAVES}, comm=list(ctx.comm.records))
+
+
+def check_worker(rank: int, world_size: int, group, cases: list[Case]) -> list[dict]:
+    """Every case under every fold in ``case.folds``, in one process group (spawning is the slow part)."""
+    out = []
+    for case in cases:
+        for fold in case.folds:
+            res = rank_run(rank, world_size, group, case, fold)
+            res.update(case=asdict(case), fold=fold)
+            out.append(res)
+    return out
+
+
+def errors_vs_reference(ref: dict, ranks: list[dict]) -> dict[str, float]:
+    """Relative RMS errors of R ranks' results against ``reference``: per rank for the sharded
+    tensors ("o@r1", "grad_g@r0", ...), summed over ranks for final states and replicated inputs."""
+    from k3lab.testing import rel_rms_error  # noqa: PLC0415
+
+    errs = {}
+    for res in ranks:
+        r, sl = res["rank"], slice(res["start"], res["stop"])
+        errs[f"o@r{r}"] = rel_rms_error(ref["o"][:, sl], res["o"])
+        for n in SHARDED:
+            errs[f"grad_{n}@r{r}"] = rel_rms_error(ref["grads"][n][:, sl], res["grads"][n])
+    errs["final"] = rel_rms_error(ref["final"], sum(res["final"] for res in ranks))
+    for n in ("wq", "wk", "wv", "h0"):
+        if ref["grads"][n] is not None:
+            errs[f"grad_{n}"] = rel_rms_error(ref["grads"][n], sum(res["grads"][n] for res in ranks))
+    return errs
