@@ -1,0 +1,189 @@
+"""``BlockAttnRes`` and ``AttnRes``: drop-in replacements for the residual stream of ``k3lab.lm.LM``.
+
+Both follow the residual interface ``forward(h0 [B, T, d], sublayers) -> [B, T, d]`` (each sublayer
+applies its own pre-norm and returns its output). Three paths compute the same function:
+
+- "naive": ``naive_block_attnres``, autograd through the formula (stacks every read's sources and
+  keeps them for backward: O(L N d) saved per token).
+- "memory" (training default): the block representations are written once into one buffer
+  [N + 1, B, T, d] and read by every later sublayer; each read is ``depth_mix`` (keys, logits and
+  weights recomputed in backward); and the read's output h_l, which the sublayer saves as its input,
+  is not kept: a saved-tensor hook swaps it for a recipe and recomputes it from the buffer and the
+  partial sum in backward (K3's activation manager gives every saved tensor such a policy). Per
+  sublayer this keeps the partial sum where the standard residual keeps its stream h_l, so saved
+  activations match the standard residual's up to the buffer (N + 1 vectors per token) and 4 bytes
+  per token per sublayer (the log-sum-exp).
+- "inference" (default under ``torch.no_grad``): ``block_attnres_inference`` (two-phase, online softmax).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from k3lab.attnres.inference import block_attnres_inference
+from k3lab.attnres.mix import BACKENDS, depth_mix
+from k3lab.attnres.naive import block_sizes, naive_block_attnres
+
+PATHS = ("auto", "naive", "memory", "inference")
+
+
+class _RecomputeInput:
+    """Saved-tensor hooks that replace a sublayer's saved copy of its input h (or a view of it) by a
+    recipe, and rebuild it in backward. One rebuilt h is cached at a time: backward visits one
+    sublayer's nodes together."""
+
+    def __init__(self):
+        self.h, self.recipe, self.key = None, None, None
+        self.cache_key, self.cache = None, None
+
+    def watch(self, h: torch.Tensor, recipe, key: int) -> None:
+        self.h, self.recipe, self.key = h, recipe, key
+
+    def unwatch(self) -> None:
+        self.h, self.recipe, self.key = None, None, None
+
+    def pack(self, t: torch.Tensor):
+        h = self.h
+        if (h is not None and t.dtype == h.dtype and t.device == h.device
+                and t.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()):
+            return (self.key, self.recipe, t.shape, t.stride(), t.storage_offset())
+        return t
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        key, recipe, shape, stride, offset = packed
+        if self.cache_key != key:
+            self.cache_key, self.cache = key, recipe()
+        return self.cache.as_strided(shape, stride, offset)
+
+
+class BlockAttnRes(nn.Module):
+    """Block Attention Residuals (AttnRes paper, Sec. 3.2; K3 report, Sec. 2).
+
+    The L sublayers are cut into N consecutive blocks (``naive.block_sizes``). Sublayer l reads
+    softmax-over-depth weighted sums of [b_0 = h0, completed blocks, partial sum of its own block];
+    the output aggregates [b_0, ..., b_N] with a last query. Pseudo-queries are zero-initialised, so
+    at init every read is the uniform average of its sources.
+
+    Args:
+        d_model (int): d.
+        n_sublayers (int): L (for ``k3lab.lm.LM``: 2 * n_layers).
+        n_blocks (int): N in [1, L]; N = L is full AttnRes.
+        eps (float): RMSNorm eps of the keys.
+        path (str): "auto" (memory when autograd records, inference otherwise), "naive", "memory"
+            or "inference".
+        backend (str | None): mixing backend of the memory path, "torch" or "triton"; None picks
+            "triton" for CUDA inputs and "torch" otherwise.
+
+    Attributes:
+        queries (Parameter): [L + 1, d] float32, zeros at init; row L is the final aggregation's.
+
+    Raises:
+        ValueError: N < 1 or N > L, bad d/L, unknown path or backend; in forward, h0 not [B, T, d]
+            with d = d_model, or len(sublayers) != L.
+
+    Example:
+        >>> res = BlockAttnRes(d_model=64, n_sublayers=8, n_blocks=4)
+        >>> model = k3lab.lm.LM(config, residual=res)     # config.n_layers == 4
+    """
+
+    def __init__(self, d_model: int, n_sublayers: int, n_blocks: int, eps: float = 1e-6,
+                 path: str = "auto", backend: str | None = None):
+        super().__init__()
+        if not (isinstance(d_model, int) and d_model >= 1):
+            raise ValueError(f"d_model must be a positive int, got {d_model!r}")
+        self.sizes = block_sizes(n_sublayers, n_blocks)
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+        self.d_model, self.n_sublayers, self.n_blocks, self.eps = d_model, n_sublayers, n_blocks, eps
+        self.path, self.backend = path, backend
+        self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, n_sublayers={self.n_sublayers}, n_blocks={self.n_blocks}, path={self.path}"
+
+    def forward(self, h0: torch.Tensor, sublayers) -> torch.Tensor:
+        if h0.ndim != 3 or h0.shape[-1] != self.d_model:
+            raise ValueError(f"h0 must be [B, T, d={self.d_model}], got shape {list(h0.shape)}")
+        if len(sublayers) != self.n_sublayers:
+            raise ValueError(f"expected {self.n_sublayers} sublayers, got {len(sublayers)}")
+        path = self.path
+        if path == "auto":
+            path = "memory" if torch.is_grad_enabled() else "inference"
+        if path == "naive":
+            return naive_block_attnres(h0, sublayers, self.queries, self.n_blocks, self.eps)
+        if path == "inference":
+            return block_attnres_inference(h0, sublayers, self.queries, self.n_blocks, self.eps)
+        return self._forward_memory(h0, sublayers)
+
+    def _forward_memory(self, h0: torch.Tensor, sublayers) -> torch.Tensor:
+        backend = self.backend or ("triton" if h0.is_cuda else "torch")
+        eps, Q, N = self.eps, self.queries, self.n_blocks
+        buf = torch.empty((N + 1, *h0.shape), dtype=h0.dtype, device=h0.device)
+        buf[0].copy_(h0.detach())
+        blocks, layer = [h0], 0
+        hooks = _RecomputeInput()
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            for n, size in enumerate(self.sizes, start=1):
+                partial = None
+                for _ in range(size):
+                    h = depth_mix(Q[layer], partial, buf, n, blocks, eps, backend)
+                    hooks.watch(h, _recipe(Q[layer], partial, buf, n, eps, backend), layer)
+                    v = sublayers[layer](h)
+                    hooks.unwatch()
+                    partial = v.to(buf.dtype) if partial is None else partial + v
+                    layer += 1
+                buf[n].copy_(partial.detach())
+                blocks.append(partial)
+            return depth_mix(Q[-1], None, buf, N + 1, blocks, eps, backend)
+
+    @torch.no_grad()
+    def depth_weights(self, h0: torch.Tensor, sublayers) -> torch.Tensor:
+        """Mean depth weights of every read on this input, for heatmaps.
+
+        Returns:
+            Tensor: [L + 1, N + 2] float32 on the CPU; row l holds sublayer l's weights over
+            [b_0, ..., b_{n-1}] in the first n columns and its partial sum's weight in the last column
+            (NaN where a read has no such source); row L is the final aggregation over b_0..b_N.
+        """
+        _, weights = naive_block_attnres(h0, sublayers, self.queries, self.n_blocks, self.eps, return_weights=True)
+        out = torch.full((self.n_sublayers + 1, self.n_blocks + 2), float("nan"))
+        layer = 0
+        for n, size in enumerate(self.sizes, start=1):
+            for k in range(size):
+                out[layer, :n] = weights[layer][:n].cpu()
+                if k > 0:
+                    out[layer, -1] = weights[layer][n].cpu()
+                layer += 1
+        out[-1, : self.n_blocks + 1] = weights[-1].cpu()
+        return out
+
+
+def _recipe(w, partial, buf, n, eps, backend):
+    def rebuild():
+        # The buffer's slots < n are never written after this read, so h is rebuilt exactly.
+        from k3lab.attnres.mix import _kernels
+
+        with torch.no_grad():
+            return _kernels(backend)[0](buf, n, partial, w.detach(), eps)[0]
+
+    return rebuild
+
+
+class AttnRes(BlockAttnRes):
+    """Full Attention Residuals (AttnRes paper, Sec. 3.1): sublayer l reads [h0, v_1, ..., v_l].
+
+    Exactly ``BlockAttnRes`` with one sublayer per block (N = L); tested against ``naive_attnres``,
+    the formula written out separately.
+
+    Args:
+        d_model (int), n_sublayers (int), eps (float), path (str), backend (str | None): as in
+            ``BlockAttnRes``.
+    """
+
+    def __init__(self, d_model: int, n_sublayers: int, eps: float = 1e-6, path: str = "auto",
+                 backend: str | None = None):
+        super().__init__(d_model, n_sublayers, n_sublayers, eps=eps, path=path, backend=backend)

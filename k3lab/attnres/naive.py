@@ -1,0 +1,149 @@
+"""Attention Residuals by the formula: the reference every other path is tested against.
+
+AttnRes paper (Kimi Team, arXiv 2603.15031), Sec. 3; K3 report, Sec. 2 (Block AttnRes in K3).
+
+Full AttnRes. Sources are the embedding v_0 = h0 and the outputs v_1..v_l of the sublayers before
+sublayer l (0-based l = 0..L-1). Sublayer l has a pseudo-query w_l in R^d and reads
+
+    alpha_{l,i} = softmax_i( w_l^T RMSNorm(v_i) )        (float32, over depth i = 0..l)
+    h_l         = sum_i alpha_{l,i} v_i                  (values are not normalised)
+    v_{l+1}     = f_l(h_l)
+
+and a final query w_L aggregates all L+1 sources into the output that goes to the final norm/head.
+
+Block AttnRes. The L sublayers are cut into N consecutive blocks (``block_sizes``). A block's
+representation b_n is the sum of its sublayers' outputs; b_0 = h0. Sublayer l in block n reads the
+completed blocks b_0..b_{n-1} plus the running partial sum of block n (absent for the block's first
+sublayer); the final query reads b_0..b_N. With N = L every block is one sublayer and Block AttnRes
+is full AttnRes.
+
+The RMSNorm on keys has no gain: a gain g would only rescale the query (w^T (g * k) = (w * g)^T k).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def block_sizes(n_sublayers: int, n_blocks: int) -> list[int]:
+    """Sizes of N consecutive blocks covering L sublayers, as even as possible (the first L mod N
+    blocks get one more).
+
+    Args:
+        n_sublayers (int): L >= 1.
+        n_blocks (int): N, 1 <= N <= L.
+
+    Returns:
+        list[int]: N sizes summing to L, e.g. ``block_sizes(10, 4) == [3, 3, 2, 2]``.
+
+    Raises:
+        ValueError: L < 1, N < 1 or N > L (a block cannot be empty).
+    """
+    if not (isinstance(n_sublayers, int) and n_sublayers >= 1):
+        raise ValueError(f"n_sublayers must be an int >= 1, got {n_sublayers!r}")
+    if not (isinstance(n_blocks, int) and 1 <= n_blocks <= n_sublayers):
+        raise ValueError(
+            f"n_blocks must be an int in [1, n_sublayers={n_sublayers}] (a block holds at least one "
+            f"sublayer), got {n_blocks!r}"
+        )
+    q, r = divmod(n_sublayers, n_blocks)
+    return [q + 1 if i < r else q for i in range(n_blocks)]
+
+
+def rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(mean(x^2, -1) + eps), no gain; in x's dtype."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def depth_attention(sources: list[torch.Tensor], w: torch.Tensor, eps: float = 1e-6):
+    """One AttnRes read: softmax over depth of w^T RMSNorm(v_i), weighted sum of the raw v_i.
+
+    Args:
+        sources (list[Tensor]): S >= 1 tensors [..., d] of one shape (any float dtypes).
+        w (Tensor): [d] pseudo-query.
+        eps (float): RMSNorm eps.
+
+    Returns:
+        (h, alpha): h [..., d] in ``sources[0]``'s dtype (computed in float32, float64 stays float64);
+        alpha [S, ...] the depth weights in the compute dtype.
+    """
+    dt = torch.float64 if sources[0].dtype == torch.float64 else torch.float32
+    V = torch.stack([v.to(dt) for v in sources])
+    alpha = (rms_norm(V, eps) @ w.to(dt)).softmax(0)
+    return (alpha[..., None] * V).sum(0).to(sources[0].dtype), alpha
+
+
+def naive_block_attnres(
+    h0: torch.Tensor,
+    sublayers: nn.ModuleList | list,
+    queries: torch.Tensor,
+    n_blocks: int,
+    eps: float = 1e-6,
+    return_weights: bool = False,
+):
+    """Block AttnRes around ``sublayers`` by the formula, differentiable by autograd.
+
+    Args:
+        h0 (Tensor): [B, T, d] embedding output (source b_0).
+        sublayers (ModuleList | list): L callables [B, T, d] -> [B, T, d], each applying its own
+            pre-norm and returning its output (not added).
+        queries (Tensor): [L + 1, d] pseudo-queries; row L is the final aggregation's.
+        n_blocks (int): N in [1, L]; N = L is full AttnRes.
+        eps (float): RMSNorm eps of the keys.
+        return_weights (bool): also return the depth weights.
+
+    Returns:
+        Tensor [B, T, d] (h0's dtype), the input of the final norm; with ``return_weights``, also a
+        list of L + 1 tensors [S_l] float32: each read's weights averaged over tokens, in source
+        order (b_0, ..., completed blocks, partial sum).
+
+    Raises:
+        ValueError: N < 1 or N > L, queries not [L + 1, d], h0 not [B, T, d].
+    """
+    L = len(sublayers)
+    sizes = block_sizes(L, n_blocks)
+    _check_shapes(h0, queries, L)
+    blocks, weights, layer = [h0], [], 0
+    for size in sizes:
+        partial = None
+        for _ in range(size):
+            sources = blocks if partial is None else blocks + [partial]
+            h, alpha = depth_attention(sources, queries[layer], eps)
+            weights.append(alpha.detach().float().flatten(1).mean(1))
+            v = sublayers[layer](h)
+            partial = v if partial is None else partial + v
+            layer += 1
+        blocks.append(partial)
+    out, alpha = depth_attention(blocks, queries[L], eps)
+    weights.append(alpha.detach().float().flatten(1).mean(1))
+    return (out, weights) if return_weights else out
+
+
+def naive_attnres(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Full AttnRes by the formula: sublayer l reads [h0, v_1, ..., v_l] (see the module docstring).
+
+    Written as its own loop (not via ``naive_block_attnres``) so that the N = L equivalence is a test.
+
+    Args:
+        h0 (Tensor): [B, T, d]; sublayers: L callables; queries (Tensor): [L + 1, d]; eps (float).
+
+    Returns:
+        Tensor: [B, T, d] in h0's dtype.
+
+    Raises:
+        ValueError: queries not [L + 1, d], h0 not [B, T, d].
+    """
+    L = len(sublayers)
+    _check_shapes(h0, queries, L)
+    sources = [h0]
+    for layer in range(L):
+        h, _ = depth_attention(sources, queries[layer], eps)
+        sources.append(sublayers[layer](h))
+    return depth_attention(sources, queries[L], eps)[0]
+
+
+def _check_shapes(h0: torch.Tensor, queries: torch.Tensor, L: int) -> None:
+    if h0.ndim != 3:
+        raise ValueError(f"h0 must be [B, T, d], got shape {list(h0.shape)}")
+    if tuple(queries.shape) != (L + 1, h0.shape[-1]):
+        raise ValueError(f"queries must be [L + 1, d] = [{L + 1}, {h0.shape[-1]}], got {list(queries.shape)}")
