@@ -1,0 +1,15 @@
+"""AgentEnv: microVM sandboxes for agentic RL (K3 ran 51M of them), with pause/resume,
+hibernate/wake, snapshot/restore and fork. See ``sandbox.py`` for what is and is not isolated.
+
+Public names: :class:`Sandbox`, :class:`SandboxPool`, :class:`Snapshot`, :class:`ExecResult`,
+:func:`detect_host`, :func:`build_image`, and the errors.
+"""
+from k3lab.agentenv.agent import ExecResult
+from k3lab.agentenv.host import HostInfo, detect_host
+from k3lab.agentenv.image import Image, ImageError, build_image
+from k3lab.agentenv.sandbox import (Sandbox, SandboxCrashed, SandboxError, SandboxPool,
+                                    SandboxStateError, SandboxTimeout, Snapshot, default_root)
+
+__all__ = ["Sandbox", "SandboxPool", "Snapshot", "ExecResult", "HostInfo", "detect_host", "Image",
+           "ImageError", "build_image", "SandboxError", "SandboxCrashed", "SandboxTimeout",
+           "SandboxStateError", "default_root"]

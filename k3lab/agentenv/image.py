@@ -1,0 +1,409 @@
+"""Guest image: kernel + initrd + rootfs built offline from Debian packages, cached and checksummed.
+
+Build (``python -m k3lab.agentenv build`` or :func:`build_image`):
+
+1. Debian packages ``linux-image-<ver>-cloud-amd64`` and ``busybox-static`` are taken from the
+   image cache, else from ``/var/cache/apt/archives``, else fetched once with ``apt-get download``.
+   After the first build everything runs offline.
+2. The kernel: Debian ships a compressed bzImage (LZ4 on bookworm's cloud kernel). The ELF
+   ``vmlinux`` inside is found by scanning for compression magics and decompressing until the
+   output starts with an ELF header (the kernel tree's ``scripts/extract-vmlinux`` idea); QEMU's
+   ``microvm`` boots it directly through its PVH entry point.
+3. The initrd (cpio newc, written here, gzip): busybox plus the virtio modules the cloud kernel
+   builds as modules (virtio, virtio_ring, virtio_mmio, virtio_blk, virtio_console, vsock). Its
+   ``/init`` loads them, mounts ``/dev/vda`` (ext4) and switches root.
+4. The rootfs: a busybox ext4 image made with ``mkfs.ext4 -d`` (no root needed), holding the guest
+   agent (:data:`AGENT_SH`) that serves exec / file write / file read on ``/dev/hvc0``.
+
+The result lives in ``<cache>/images/<key>/`` where ``key`` hashes the package checksums and the
+guest scripts; it is built in a temporary folder and renamed into place (atomic), and
+``image.json`` records the sha256 of every output, checked on every load.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import io
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT_VERSION = 3
+MODULES = (
+    "virtio", "virtio_ring", "virtio_mmio", "virtio_blk", "virtio_console",
+    "vsock", "vmw_vsock_virtio_transport_common", "vmw_vsock_virtio_transport",
+)
+ROOTFS_MIB = 64
+
+# initrd /init: load virtio modules (the devices are found through ACPI), mount the rootfs.
+INIT_SH = r"""#!/bin/busybox sh
+/bin/busybox mkdir -p /proc /sys /dev /newroot
+/bin/busybox mount -t proc proc /proc
+/bin/busybox mount -t sysfs sys /sys
+/bin/busybox mount -t devtmpfs dev /dev
+for m in __MODULES__; do /bin/busybox insmod /lib/modules/$m.ko || echo "k3init: insmod $m failed"; done
+n=0
+while [ ! -b /dev/vda ] && [ $n -lt 500 ]; do /bin/busybox usleep 10000; n=$((n+1)); done
+/bin/busybox mount -t ext4 -o noatime /dev/vda /newroot || { echo "k3init: no rootfs"; /bin/busybox poweroff -f; }
+/bin/busybox umount /proc /sys
+/bin/busybox mount --move /dev /newroot/dev
+exec /bin/busybox switch_root /newroot /sbin/k3init
+"""
+
+# rootfs /sbin/k3init (PID 1): mounts, then keeps the agent running.
+K3INIT_SH = r"""#!/bin/sh
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t tmpfs -o mode=1777 tmp /tmp
+mount -t tmpfs -o mode=755 run /run
+hostname sandbox
+export PATH=/bin:/sbin:/usr/bin:/usr/sbin HOME=/root
+cd /root
+while true; do /sbin/k3agent /dev/hvc0; sleep 0.1; done
+"""
+
+# The guest agent. Requests are one line: "<id> <op> <args...>" (args base64, no spaces).
+#   ping                     -> rc 0
+#   exec <cmd_b64> <secs>    -> runs `sh cmd` in its own session with stdin /dev/null; after
+#                               <secs> the whole process group gets SIGKILL (rc 137, timed out)
+#   write <path_b64> <n> <mode>, then n bytes of base64 data -> writes the decoded file
+#   read <path_b64>          -> the file as stdout
+# Reply frame: "\n@K3 <id> <rc> <timed_out>\n" <out_b64> "\n" <err_b64> "\n@K3END <id>\n".
+# '@' and '\n' are not in the base64 alphabet, so the markers cannot occur inside the payload;
+# empty outputs skip the base64 process (each fork costs milliseconds under TCG).
+AGENT_SH = r"""#!/bin/sh
+exec <"$1" >"$1" 2>/dev/null
+stty raw -echo
+W=/run/k3agent
+mkdir -p $W
+b64() { if [ -s "$1" ]; then base64 -w0 "$1"; fi; }
+reply() {
+  printf '\n@K3 %s %s %s\n' "$1" "$2" "$3"
+  b64 "$W/o"; printf '\n'; b64 "$W/e"
+  printf '\n@K3END %s\n' "$1"
+}
+printf '\n@K3READY\n'
+while read -r id op a b c; do
+  : > "$W/o"; : > "$W/e"; rm -f "$W/to"
+  case "$op" in
+  ping) reply "$id" 0 0 ;;
+  exec)
+    echo "$a" | base64 -d > "$W/cmd"
+    setsid sh "$W/cmd" < /dev/null > "$W/o" 2> "$W/e" &
+    p=$!
+    ( trap 'kill $s 2>/dev/null; exit 0' TERM
+      sleep "$b" & s=$!; wait $s
+      : > "$W/to"; kill -KILL -$p 2>/dev/null ) &
+    w=$!
+    wait $p; rc=$?
+    kill $w 2>/dev/null; wait $w 2>/dev/null
+    t=0; [ -e "$W/to" ] && t=1
+    reply "$id" $rc $t ;;
+  write)
+    path=$(echo "$a" | base64 -d)
+    head -c "$b" > "$W/in.b64"
+    if base64 -d "$W/in.b64" > "$path" 2> "$W/e" && chmod "$c" "$path" 2>> "$W/e"; then rc=0; else rc=1; fi
+    reply "$id" $rc 0 ;;
+  read)
+    path=$(echo "$a" | base64 -d)
+    if cat "$path" > "$W/o" 2> "$W/e"; then rc=0; else rc=1; fi
+    reply "$id" $rc 0 ;;
+  *) echo "unknown op $op" > "$W/e"; reply "$id" 2 0 ;;
+  esac
+done
+"""
+
+
+class ImageError(RuntimeError):
+    """The image cannot be built or fails its checksum."""
+
+
+@dataclass(frozen=True)
+class Image:
+    """A built guest image.
+
+    Attributes:
+        root (Path): the image folder.
+        kernel (Path): ELF vmlinux with a PVH note (boots on QEMU microvm with ``-kernel``).
+        initrd (Path): gzip cpio newc.
+        rootfs (Path): raw ext4 (used read-only, as the qcow2 backing file of every sandbox).
+        kernel_version (str): e.g. "6.1.0-53-cloud-amd64".
+        digest (str): sha256 over the three outputs' sha256s; identifies the image.
+    """
+
+    root: Path
+    kernel: Path
+    initrd: Path
+    rootfs: Path
+    kernel_version: str
+    digest: str
+
+    def verify(self) -> None:
+        """Recompute the outputs' sha256 and compare with ``image.json``.
+
+        Raises:
+            ImageError: a file is missing or its checksum differs.
+        """
+        manifest = json.loads((self.root / "image.json").read_text())
+        for name, want in manifest["outputs"].items():
+            path = self.root / name
+            if not path.is_file():
+                raise ImageError(f"image file missing: {path}")
+            got = _sha256(path)
+            if got != want:
+                raise ImageError(f"checksum mismatch for {path}: expected {want}, got {got}")
+
+
+def default_cache_dir() -> Path:
+    """``$K3LAB_AGENTENV_CACHE``, else ``data/images`` of the k3lab checkout (git-ignored), else
+    ``~/.cache/k3lab/agentenv``."""
+    env = os.environ.get("K3LAB_AGENTENV_CACHE")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2]
+    if (repo / "pyproject.toml").is_file() and (repo / "data").is_dir():
+        return repo / "data" / "images"
+    return Path.home() / ".cache" / "k3lab" / "agentenv"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, check=True, capture_output=True, **kw)
+    except FileNotFoundError as e:
+        raise ImageError(f"{cmd[0]} not found; run `python -m k3lab.agentenv.sysdeps`") from e
+    except subprocess.CalledProcessError as e:
+        raise ImageError(f"{' '.join(cmd)} failed: {e.stderr.decode(errors='replace')[-2000:]}") from e
+
+
+def _latest(paths: list[Path]) -> Path | None:
+    return sorted(paths)[-1] if paths else None
+
+
+def _fetch_debs(debdir: Path) -> dict[str, Path]:
+    """The kernel and busybox-static .debs in ``debdir``, copied from apt's cache or downloaded once."""
+    debdir.mkdir(parents=True, exist_ok=True)
+    patterns = {"kernel": "linux-image-*-cloud-amd64_*_amd64.deb", "busybox": "busybox-static_*_amd64.deb"}
+    found = {k: _latest(list(debdir.glob(p))) for k, p in patterns.items()}
+    apt_cache = Path("/var/cache/apt/archives")
+    for key, pattern in patterns.items():
+        if found[key] is None and apt_cache.is_dir():
+            # linux-image-*-cloud-amd64_* also matches the unversioned meta package; skip it.
+            cands = [p for p in apt_cache.glob(pattern) if not p.name.startswith("linux-image-cloud-amd64_")]
+            if (src := _latest(cands)) is not None:
+                shutil.copy2(src, debdir / src.name)
+                found[key] = debdir / src.name
+    missing = [k for k, v in found.items() if v is None]
+    if missing:
+        pkgs = []
+        if "kernel" in missing:
+            out = _run(["apt-cache", "depends", "linux-image-cloud-amd64"]).stdout.decode()
+            deps = [ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Depends:" in ln]
+            kern = [d for d in deps if d.startswith("linux-image-") and d.endswith("-cloud-amd64")]
+            if not kern:
+                raise ImageError(f"could not resolve linux-image-cloud-amd64 from apt-cache:\n{out}")
+            pkgs.append(kern[0])
+        if "busybox" in missing:
+            pkgs.append("busybox-static")
+        _run(["apt-get", "download", *pkgs], cwd=debdir)
+        found = {k: _latest(list(debdir.glob(p))) for k, p in patterns.items()}
+        found["kernel"] = _latest([p for p in debdir.glob(patterns["kernel"])
+                                   if not p.name.startswith("linux-image-cloud-amd64_")])
+        if None in found.values():
+            raise ImageError(f"apt-get download {pkgs} did not produce the packages in {debdir}")
+    return found
+
+
+def extract_vmlinux(bzimage: bytes) -> bytes:
+    """The ELF kernel inside a compressed bzImage.
+
+    Tries every gzip / xz / lz4 (legacy) / zstd magic offset and returns the first decompression
+    whose output starts with ``\\x7fELF``. gzip and xz use the standard library; lz4 and zstd use
+    the ``lz4`` / ``zstd`` command-line tools (installed by ``k3lab.agentenv.sysdeps``).
+
+    Raises:
+        ImageError: no compressed ELF found.
+    """
+    magics = {b"\x1f\x8b\x08": "gzip", b"\xfd7zXZ\x00": "xz", b"\x02\x21\x4c\x18": "lz4",
+              b"\x28\xb5\x2f\xfd": "zstd"}
+    for magic, kind in magics.items():
+        start = 0
+        while (off := bzimage.find(magic, start)) >= 0:
+            start = off + 1
+            data = bzimage[off:]
+            out = b""
+            try:
+                if kind == "gzip":
+                    out = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(data)
+                elif kind == "xz":
+                    out = lzma.LZMADecompressor().decompress(data)
+                else:
+                    tool = {"lz4": ["lz4", "-dc"], "zstd": ["zstd", "-dc"]}[kind]
+                    # These tools stop with an error at the trailing bytes after the stream, but
+                    # what they wrote before is the complete kernel.
+                    out = subprocess.run(tool, input=data, capture_output=True).stdout
+            except (zlib.error, lzma.LZMAError, FileNotFoundError):
+                continue
+            if out[:4] == b"\x7fELF":
+                return out
+    raise ImageError("no compressed ELF vmlinux found in the kernel image (tried gzip, xz, lz4, zstd;"
+                     " lz4/zstd need their command-line tools)")
+
+
+class _Cpio:
+    """Minimal cpio "newc" writer (the initramfs format, Documentation/driver-api/early-userspace)."""
+
+    def __init__(self) -> None:
+        self.buf = io.BytesIO()
+        self.ino = 1
+
+    def _entry(self, name: str, mode: int, data: bytes = b"", rdev: tuple[int, int] = (0, 0)) -> None:
+        nameb = name.encode() + b"\0"
+        fields = [self.ino, mode, 0, 0, 2 if mode & 0o040000 else 1, 0, len(data), 0, 0,
+                  rdev[0], rdev[1], len(nameb), 0]
+        self.ino += 1
+        hdr = b"070701" + b"".join(b"%08X" % f for f in fields)
+        self.buf.write(hdr + nameb)
+        self.buf.write(b"\0" * (-(len(hdr) + len(nameb)) % 4))
+        self.buf.write(data)
+        self.buf.write(b"\0" * (-len(data) % 4))
+
+    def dir(self, name: str) -> None:
+        self._entry(name, 0o040755)
+
+    def file(self, name: str, data: bytes, perm: int = 0o644) -> None:
+        self._entry(name, 0o100000 | perm, data)
+
+    def symlink(self, name: str, target: str) -> None:
+        self._entry(name, 0o120777, target.encode())
+
+    def chardev(self, name: str, major: int, minor: int) -> None:
+        self._entry(name, 0o020600, rdev=(major, minor))
+
+    def finish(self) -> bytes:
+        self.ino = 0
+        self._entry("TRAILER!!!", 0)
+        return self.buf.getvalue()
+
+
+def _build(out: Path, debs: dict[str, Path]) -> str:
+    work = out / "_work"
+    kx, bx = work / "kernel", work / "busybox"
+    kx.mkdir(parents=True)
+    bx.mkdir(parents=True)
+    _run(["dpkg-deb", "-x", str(debs["kernel"]), str(kx)])
+    _run(["dpkg-deb", "-x", str(debs["busybox"]), str(bx)])
+    vmlinuz = _latest(list((kx / "boot").glob("vmlinuz-*")))
+    if vmlinuz is None:
+        raise ImageError(f"no /boot/vmlinuz-* in {debs['kernel']}")
+    kver = vmlinuz.name.removeprefix("vmlinuz-")
+    (out / "vmlinux").write_bytes(extract_vmlinux(vmlinuz.read_bytes()))
+    busybox = (bx / "bin" / "busybox").read_bytes()
+
+    cpio = _Cpio()
+    for d in ("bin", "dev", "lib", "lib/modules", "proc", "sys", "newroot"):
+        cpio.dir(d)
+    cpio.chardev("dev/console", 5, 1)
+    cpio.file("bin/busybox", busybox, 0o755)
+    cpio.symlink("bin/sh", "busybox")
+    for m in MODULES:
+        hits = list((kx / "lib" / "modules" / kver).rglob(f"{m}.ko"))
+        if not hits:
+            raise ImageError(f"module {m}.ko not found in {debs['kernel']}")
+        cpio.file(f"lib/modules/{m}.ko", hits[0].read_bytes())
+    cpio.file("init", INIT_SH.replace("__MODULES__", " ".join(MODULES)).encode(), 0o755)
+    with gzip.GzipFile(out / "initrd.gz", "wb", mtime=0) as f:
+        f.write(cpio.finish())
+
+    stage = work / "rootfs"
+    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "etc", "proc", "sys", "dev", "tmp", "run",
+              "root", "var/tmp", "home"):
+        (stage / d).mkdir(parents=True, exist_ok=True)
+    shutil.copy2(bx / "bin" / "busybox", stage / "bin" / "busybox")
+    applets = _run([str(stage / "bin" / "busybox"), "--list-full"]).stdout.decode().split()
+    for applet in applets:
+        link = stage / applet
+        if not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to("/bin/busybox")
+    for name, text in (("sbin/k3init", K3INIT_SH), ("sbin/k3agent", AGENT_SH)):
+        (stage / name).write_text(text)
+        (stage / name).chmod(0o755)
+    (stage / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (stage / "etc" / "group").write_text("root:x:0:\n")
+    (stage / "etc" / "hostname").write_text("sandbox\n")
+    _run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-L", "k3root", "-E", "root_owner=0:0",
+          "-d", str(stage), str(out / "rootfs.ext4"), f"{ROOTFS_MIB}M"])
+    shutil.rmtree(work)
+    return kver
+
+
+def build_image(cache_dir: str | os.PathLike | None = None, force: bool = False) -> Image:
+    """Build (once) and return the guest image.
+
+    Args:
+        cache_dir: where .debs and images live; default :func:`default_cache_dir`.
+        force (bool): rebuild even when a verified image exists.
+
+    Returns:
+        Image: verified against its ``image.json`` checksums.
+
+    Raises:
+        ImageError: a package cannot be found or downloaded, a tool is missing (the message names
+            ``python -m k3lab.agentenv.sysdeps``), or a checksum does not match.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    debs = _fetch_debs(cache / "debs")
+    deb_sums = {k: {"file": p.name, "sha256": _sha256(p)} for k, p in debs.items()}
+    key_src = json.dumps({"format": FORMAT_VERSION, "debs": deb_sums, "init": INIT_SH,
+                          "k3init": K3INIT_SH, "agent": AGENT_SH, "modules": MODULES,
+                          "rootfs_mib": ROOTFS_MIB}, sort_keys=True)
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+    final = cache / "images" / key
+    if final.is_dir() and not force:
+        return _load(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=final.parent))
+    try:
+        kver = _build(tmp, debs)
+        outputs = {n: _sha256(tmp / n) for n in ("vmlinux", "initrd.gz", "rootfs.ext4")}
+        manifest = {"format": FORMAT_VERSION, "key": key, "kernel_version": kver, "debs": deb_sums,
+                    "outputs": outputs,
+                    "digest": hashlib.sha256("".join(outputs[n] for n in sorted(outputs)).encode()).hexdigest()}
+        (tmp / "image.json").write_text(json.dumps(manifest, indent=1))
+        for n in outputs:
+            (tmp / n).chmod(0o444)
+        if final.is_dir():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        # Images of older keys (other package versions or guest scripts) are dead weight.
+        for other in final.parent.iterdir():
+            if other != final and (other / "image.json").is_file():
+                shutil.rmtree(other, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return _load(final)
+
+
+def _load(root: Path) -> Image:
+    manifest = json.loads((root / "image.json").read_text())
+    img = Image(root=root, kernel=root / "vmlinux", initrd=root / "initrd.gz",
+                rootfs=root / "rootfs.ext4", kernel_version=manifest["kernel_version"],
+                digest=manifest["digest"])
+    img.verify()
+    return img
