@@ -258,10 +258,10 @@ def kcp_kda(
             initial_state not [N, HV, K, V], unknown ``fold`` or ``kernel``, slab_tokens not a
             multiple of chunk_size.
     """
+    if q.ndim != 4 or q.shape[0] != 1 or q.shape[1] != ctx.T_local:
+        raise ValueError(f"q must be [1, T_local={ctx.T_local}, H, K] on rank {ctx.rank}, got {list(q.shape)}")
     local_cu = torch.tensor(ctx.local_cu_seqlens) if len(ctx.local_docs) > 1 else None
     check_kda_inputs(q, k, v, g, beta, None, local_cu)
-    if q.shape[0] != 1 or q.shape[1] != ctx.T_local:
-        raise ValueError(f"q must be [1, T_local={ctx.T_local}, H, K] on rank {ctx.rank}, got {list(q.shape)}")
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     if initial_state is not None and initial_state.shape != (ctx.N, HV, K, V):
         raise ValueError(f"initial_state must be [N, HV, K, V] = {[ctx.N, HV, K, V]}, got {list(initial_state.shape)}")

@@ -82,6 +82,7 @@ class Case:
     W: int = 4
     with_h0: bool = True
     chunk_size: int = 16
+    slab_tokens: int | None = None
     seed: int = 0
     dtype: str = "float32"
     folds: tuple[str, ...] = field(default=("sequential", "scan", "naive"))
@@ -145,7 +146,7 @@ def rank_run(rank: int, world_size: int, group, case: Case, fold: str) -> dict:
             return naive_kcp_kda(q, k, v, g, beta, ctx, initial_state=h0, output_final_state=True,
                                  chunk_size=case.chunk_size)
         return kcp_kda(q, k, v, g, beta, ctx, initial_state=h0, output_final_state=True, fold=fold,
-                       chunk_size=case.chunk_size)
+                       chunk_size=case.chunk_size, slab_tokens=case.slab_tokens)
 
     o, final = _mixer(x, case, lambda y, w: kcp_short_conv(y, w, ctx), kda)
     ((o * full["w_o"][:, sl]).sum() + (final * full["w_s"]).sum()).backward()
