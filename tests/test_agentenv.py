@@ -1,0 +1,205 @@
+"""AgentEnv sandboxes: exec, files, lifecycle, fork isolation, crash detection, cleanup.
+
+One guest is cold-booted per module (the pool's base snapshot, ~5 s under TCG); every test gets
+its own copy-on-write restore of it (~0.3 s). Needs the system packages installed by
+``python -m k3lab.agentenv.sysdeps`` (``make test`` runs it first).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from k3lab.agentenv import (Sandbox, SandboxCrashed, SandboxPool, SandboxStateError, leftovers)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sandboxes")
+    with SandboxPool(root=root) as p:
+        p.base  # boot once
+        yield p
+
+
+def _nothing_left(pool) -> dict:
+    return leftovers(pool.root, exclude=(pool.base.path,))
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_exec_exit_code_stdout_stderr(pool):
+    with pool.create() as sb:
+        r = sb.exec("echo out; echo err >&2; exit 3", timeout=10)
+        assert (r.exit_code, r.stdout, r.stderr, r.timed_out) == (3, b"out\n", b"err\n", False)
+        # binary-safe and large: every byte value, and 300 KB of output
+        r = sb.exec("i=0; while [ $i -lt 256 ]; do printf \"\\\\$(printf %o $i)\"; i=$((i+1)); done", timeout=30)
+        assert r.stdout == bytes(range(256)), r.stdout[:40]
+        r = sb.exec("head -c 300000 /dev/urandom | base64 -w0 | head -c 300000", timeout=30)
+        assert r.ok and len(r.stdout) == 300000
+        with pytest.raises(ValueError, match="timeout"):
+            sb.exec("true", timeout=0)
+
+
+def test_exec_timeout_kills_command_not_host(pool):
+    with pool.create() as sb:
+        t0 = time.monotonic()
+        r = sb.exec("sleep 300 & sleep 200; echo never", timeout=1.0)
+        assert r.timed_out and r.exit_code == 137 and b"never" not in r.stdout
+        assert time.monotonic() - t0 < 30
+        # the whole process group died (the background sleep too) and the sandbox still serves
+        ps = sb.exec("ps -o args", timeout=10).text
+        assert "sleep 300" not in ps and "sleep 200" not in ps, ps
+        assert sb.exec("echo alive", timeout=10).stdout == b"alive\n"
+
+
+def test_files_roundtrip(pool):
+    data = os.urandom(150_000)
+    with pool.create() as sb:
+        sb.write_file("/root/blob.bin", data, mode=0o600)
+        assert sb.read_file("/root/blob.bin") == data
+        assert sb.exec("stat -c %a /root/blob.bin", timeout=10).stdout == b"600\n"
+        sb.write_file("/tmp/t.txt", "hello\n")
+        assert sb.exec("cat /tmp/t.txt", timeout=10).stdout == b"hello\n"
+        with pytest.raises(FileNotFoundError, match="/nope"):
+            sb.read_file("/nope")
+        with pytest.raises(ValueError, match="absolute"):
+            sb.write_file("relative.txt", b"x")
+
+
+def test_pause_holds_no_cpu_and_resume(pool):
+    with pool.create() as sb:
+        sb.exec("(while true; do :; done) >/dev/null 2>&1 &", timeout=10)  # a busy guest
+        sb.pause()
+        with pytest.raises(SandboxStateError, match="paused"):
+            sb.exec("true")
+        pid = sb.pids()[0]
+        before = _cpu_ticks(pid)
+        time.sleep(1.0)
+        used = _cpu_ticks(pid) - before
+        assert used <= 5, f"paused VM used {used} ticks in 1 s"  # 100 ticks = one busy core
+        sb.resume()
+        assert sb.exec("echo back", timeout=10).stdout == b"back\n"
+
+
+def test_snapshot_restore_in_place(pool):
+    with pool.create() as sb:
+        sb.exec("echo v1 > /tmp/mem; echo v1 > /root/disk; sync", timeout=10)
+        with sb.snapshot() as snap:
+            sb.exec("echo v2 > /tmp/mem; echo v2 > /root/disk; sync", timeout=10)
+            sb.restore(snap)
+            assert sb.exec("cat /tmp/mem /root/disk", timeout=10).stdout == b"v1\nv1\n"
+            with Sandbox.from_snapshot(snap) as other:
+                assert other.exec("cat /tmp/mem", timeout=10).stdout == b"v1\n"
+
+
+@pytest.mark.parametrize("cow_parent", [False, True], ids=["own-ram-parent", "cow-parent"])
+def test_fork_isolation_disk_and_memory(pool, cow_parent):
+    with pool.create(cow=cow_parent) as parent:
+        # memory: a tmpfs file and a live shell process holding a value; disk: an ext4 file
+        parent.exec("echo parent > /tmp/m; echo parent > /root/d; sync;"
+                    " (v=parent; while true; do echo $v > /tmp/live; sleep 0.2; done) >/dev/null 2>&1 &",
+                    timeout=10)
+        a, b = parent.fork(2)
+        try:
+            a.exec("echo A > /tmp/m; echo A > /root/d; echo A-only > /root/new; sync", timeout=10)
+            b.exec("echo B > /tmp/m; echo B > /root/d; sync", timeout=10)
+            drop = "echo 3 > /proc/sys/vm/drop_caches; "  # re-read the disk, not the page cache
+            assert a.exec(drop + "cat /tmp/m /root/d", timeout=10).stdout == b"A\nA\n"
+            assert b.exec(drop + "cat /tmp/m /root/d", timeout=10).stdout == b"B\nB\n"
+            assert parent.exec(drop + "cat /tmp/m /root/d", timeout=10).stdout == b"parent\nparent\n"
+            for sb in (parent, b):
+                assert sb.exec("test -e /root/new", timeout=10).exit_code == 1
+            # the forked process state came along and runs on in each child
+            time.sleep(0.5)
+            assert a.exec("cat /tmp/live", timeout=10).stdout == b"parent\n"
+        finally:
+            a.destroy()
+            b.destroy()
+
+
+@pytest.mark.parametrize("cow", [False, True], ids=["own-ram", "cow"])
+def test_hibernate_releases_everything_and_wakes_exactly(pool, cow):
+    with pool.create(cow=cow) as sb:
+        sb.exec("echo hib > /tmp/m; sleep 1000 >/dev/null 2>&1 & echo $! > /tmp/pid", timeout=10)
+        sb.hibernate()
+        assert sb.state == "hibernated" and sb.pids() == [] and sb.memory() == {"rss": 0, "pss": 0}
+        with pytest.raises(SandboxStateError):
+            sb.exec("true")
+        sb.wake()
+        r = sb.exec("cat /tmp/m; kill -0 $(cat /tmp/pid) && echo running", timeout=10)
+        assert r.stdout == b"hib\nrunning\n"
+        # a copy-on-write sandbox hibernates through a full stream and wakes on its own RAM file
+        assert sb.ram_shared
+
+
+def test_crashed_and_killed_guest_detected(pool):
+    with pool.create() as sb:
+        with pytest.raises(SandboxCrashed, match="crashed"):
+            sb.exec("echo c > /proc/sysrq-trigger", timeout=10)  # guest kernel panic
+        assert sb.state == "crashed"
+    with pool.create() as sb:
+        os.kill(sb.pids()[0], signal.SIGKILL)
+        with pytest.raises(SandboxCrashed, match="signal 9"):
+            sb.exec("true", timeout=10)
+    with pool.create() as sb:
+        os.kill(sb.pids()[0], signal.SIGKILL)
+        time.sleep(0.2)
+        with pytest.raises(SandboxCrashed):
+            sb.pause()
+    assert _nothing_left(pool) == {"files": [], "pids": []}
+
+
+def test_destroy_leaves_no_files_or_processes(pool):
+    assert _nothing_left(pool) == {"files": [], "pids": []}
+    sb = pool.create()
+    kids = sb.fork(2)
+    snap = kids[0].snapshot()
+    grandchild = Sandbox.from_snapshot(snap)
+    seen = _nothing_left(pool)
+    assert len(seen["pids"]) == 4 and len(seen["files"]) > 8
+    snap.delete()  # still needed by grandchild: must survive until it goes
+    assert snap.path.is_dir()
+    for s in (sb, *kids, grandchild):
+        s.destroy()
+        s.destroy()  # idempotent
+    assert not snap.path.exists()
+    assert _nothing_left(pool) == {"files": [], "pids": []}
+
+
+def test_loop_of_20_leaves_nothing(pool):
+    for i in range(20):
+        sb = pool.create(cow=False)
+        (child,) = sb.fork(1)
+        child.pause()
+        sb.pause()
+        child.resume()
+        sb.resume()
+        assert child.exec(f"echo {i}", timeout=10).stdout == f"{i}\n".encode()
+        child.destroy()
+        sb.destroy()
+    pool.live()
+    assert _nothing_left(pool) == {"files": [], "pids": []}
+
+
+def test_pool_many_and_close(tmp_path, pool):
+    sbs = pool.create_many(3)
+    assert len({s.id for s in sbs}) == 3
+    assert [s.exec("echo ok", timeout=10).stdout for s in sbs] == [b"ok\n"] * 3
+    for s in sbs:
+        s.destroy()
+    assert _nothing_left(pool) == {"files": [], "pids": []}
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="memory_mib"):
+        Sandbox.create(memory_mib=16)
+    with pytest.raises(ValueError, match="vcpus"):
+        Sandbox.create(vcpus=0)
