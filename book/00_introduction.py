@@ -195,8 +195,8 @@ print(f"mean bytes per token in the first 200K train tokens: {token_bytes.mean()
 print("most frequent tokens:", [tok.decode([int(i)]) for i in np.bincount(sample).argsort()[::-1][:12]])
 
 fig, ax = plt.subplots(figsize=(6, 3))
-ax.hist(token_bytes, bins=np.arange(0.5, 17.5), weights=np.ones_like(token_bytes) / len(token_bytes))
-ax.set(xlabel="bytes per token", ylabel="fraction of tokens", title="Token lengths on real Python")
+ax.hist(np.minimum(token_bytes, 16), bins=np.arange(0.5, 17.5), weights=np.ones(len(token_bytes)) / len(token_bytes))
+ax.set(xlabel="bytes per token (16 = 16 or more)", ylabel="fraction of tokens", title="Token lengths on real Python")
 plt.show()
 
 # %% [markdown]

@@ -22,6 +22,7 @@ declares are passed to it.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -129,6 +130,9 @@ def sync(py_path: Path) -> bool:
             return False
         _copy_outputs(stored, source)
     source.metadata.pop("jupytext", None)
+    # Stable cell ids (jupytext draws random ones) keep stored notebooks' diffs to real changes.
+    for i, cell in enumerate(source.cells):
+        cell.id = hashlib.sha1(f"{i}:{cell.cell_type}:{cell.source}".encode()).hexdigest()[:12]
     _atomic_write_text(ipynb, jupytext.writes(_with_kernelspec(source), fmt="ipynb"))
     return True
 

@@ -115,6 +115,9 @@ def test_store_keeps_outputs_without_parameters_or_run_metadata(tiny_book):
     assert "papermill" not in nb["metadata"]
     assert all("papermill" not in c["metadata"] and "execution" not in c["metadata"] for c in nb["cells"])
     assert not any("injected-parameters" in c["metadata"].get("tags", []) for c in nb["cells"])
+    first = (tiny_book / "01_ok.ipynb").read_bytes()
+    book.store(["01"], book_dir=tiny_book)
+    assert (tiny_book / "01_ok.ipynb").read_bytes() == first, "storing twice must give the same file"
     assert book.check_sync(tiny_book)[0].startswith("02_bad.ipynb is missing")
     with pytest.raises(Exception, match="chapter 02 is broken"):
         book.store(["02"], book_dir=tiny_book)
