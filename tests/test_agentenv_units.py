@@ -1,0 +1,95 @@
+"""AgentEnv pieces that need no VM: host decision, image build/verify, kernel extraction, sysdeps,
+the agent protocol parser."""
+from __future__ import annotations
+
+import base64
+import gzip
+import lzma
+import os
+import shutil
+import socket
+import time
+
+import pytest
+
+from k3lab.agentenv import host, image, sysdeps
+from k3lab.agentenv.agent import AgentChannel, AgentClosed, AgentTimeout
+
+
+@pytest.mark.parametrize("case,expect", [
+    (dict(kvm_device=True, kvm_pvm=True, hw_virt=False, qemu="/q", firecracker=None, firecracker_kernel=None),
+     ("qemu", "tcg", "kvm_pvm detected: KVM guests cannot boot here, using qemu/TCG")),
+    (dict(kvm_device=True, kvm_pvm=False, hw_virt=True, qemu="/q", firecracker=None, firecracker_kernel=None),
+     ("qemu", "kvm", "real KVM (vmx/svm, /dev/kvm); no firecracker binary, using qemu/KVM")),
+    (dict(kvm_device=True, kvm_pvm=False, hw_virt=True, qemu="/q", firecracker="/fc", firecracker_kernel="/k"),
+     ("firecracker", "kvm", "real KVM (vmx/svm, /dev/kvm); firecracker at /fc: using firecracker")),
+    (dict(kvm_device=False, kvm_pvm=False, hw_virt=True, qemu="/q", firecracker="/fc", firecracker_kernel="/k"),
+     ("qemu", "tcg", "no usable /dev/kvm, using qemu/TCG")),
+    (dict(kvm_device=True, kvm_pvm=False, hw_virt=False, qemu="/q", firecracker=None, firecracker_kernel=None),
+     ("qemu", "tcg", "/dev/kvm present but no vmx/svm CPU flags: KVM guests cannot boot here, using qemu/TCG")),
+], ids=["kvm_pvm", "real-kvm", "firecracker", "no-kvm", "no-vmx"])
+def test_host_decision(case, expect):
+    assert host.decide(**case) == expect
+
+
+def test_this_host_is_detected():
+    h = host.detect_host()
+    assert h.backend in ("qemu", "firecracker") and h.accel in ("tcg", "kvm") and h.reason
+    if h.kvm_pvm:
+        assert h.accel == "tcg" and "kvm_pvm" in h.reason
+    assert host.tsc_khz("cpu MHz\t\t: 2599.998\n") == 2599998
+
+
+def test_extract_vmlinux_finds_the_elf():
+    elf = b"\x7fELF" + os.urandom(5000)
+    for comp in (gzip.compress, lambda d: lzma.compress(d, format=lzma.FORMAT_XZ)):
+        blob = os.urandom(700) + comp(elf) + os.urandom(300)
+        assert image.extract_vmlinux(blob) == elf
+    with pytest.raises(image.ImageError, match="no compressed ELF"):
+        image.extract_vmlinux(os.urandom(2000) + gzip.compress(b"not an elf"))
+
+
+def test_image_cached_checksummed_and_tamper_detected(tmp_path):
+    img = image.build_image()  # cached: no rebuild, checksums verified on load
+    assert img.kernel.read_bytes()[:4] == b"\x7fELF"
+    assert gzip.decompress(img.initrd.read_bytes())[:6] == b"070701"  # cpio newc
+    again = image.build_image()
+    assert again.digest == img.digest and again.root == img.root
+    copy = tmp_path / "img"
+    shutil.copytree(img.root, copy)
+    os.chmod(copy / "initrd.gz", 0o644)
+    with open(copy / "initrd.gz", "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(image.ImageError, match="checksum mismatch"):
+        image._load(copy)
+
+
+def test_sysdeps_reports_missing_with_the_command(monkeypatch, capsys):
+    assert sysdeps.missing_packages() == []  # make test ran sysdeps first
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(sysdeps.shutil, "which", lambda *a, **k: None)
+    assert "qemu-system-x86" in sysdeps.missing_packages()
+    assert sysdeps.main(["--check"]) == 1
+    err = capsys.readouterr().err
+    assert "apt-get install -y --no-install-recommends" in err and "qemu-utils" in err
+
+
+def test_agent_parser_skips_stale_replies_and_detects_eof():
+    host_end, guest_end = socket.socketpair()
+    ch = AgentChannel(host_end)
+    ch.next_id = 2
+    out = base64.b64encode(b"payload\x00\xff").decode()
+    # a stale reply to request 1 (given up on), console noise, then the reply to request 2
+    guest_end.sendall(b"\n@K3 1 0 0\nZm9v\n\n@K3END 1\nnoise\n@K3 2 5 1\n" + out.encode()
+                      + b"\nZXJy\n@K3END 2\n")
+    r = ch.request("exec", ["x", "1"], b"", deadline=time.monotonic() + 5)
+    assert (r.exit_code, r.stdout, r.stderr, r.timed_out) == (5, b"payload\x00\xff", b"err", True)
+    assert guest_end.recv(100) == b"2 exec x 1\n"
+    with pytest.raises(AgentTimeout):
+        ch.ping(deadline=time.monotonic() + 0.2)
+    guest_end.close()
+    with pytest.raises(AgentClosed):
+        ch.ping(deadline=time.monotonic() + 5)
