@@ -37,10 +37,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, fn, world_size, port, outdir, backend, args):
+def _entry(rank, fn, world_size, port, outdir, backend, pg_timeout_s, args):
     torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+                            world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
     try:
         result = fn(rank, world_size, dist.group.WORLD, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
@@ -48,8 +48,12 @@ def _entry(rank, fn, world_size, port, outdir, backend, args):
         dist.destroy_process_group()
 
 
-def launch(fn, world_size: int, *args, timeout_s: float = 180.0, backend: str = "gloo") -> list:
+def launch(fn, world_size: int, *args, timeout_s: float = 180.0, backend: str = "gloo",
+           pg_timeout_s: float = 60.0) -> list:
     """Run ``fn(rank, world_size, group, *args)`` on ``world_size`` fresh processes; their results.
+
+    Each process joins a ``backend`` group (gloo on CPU, nccl with one GPU per rank) whose
+    collectives fail after ``pg_timeout_s``; the whole run is killed after ``timeout_s``.
 
     Raises:
         TimeoutError: not all ranks finished within ``timeout_s`` (they are killed).
@@ -57,7 +61,7 @@ def launch(fn, world_size: int, *args, timeout_s: float = 180.0, backend: str = 
     """
     port = _free_port()
     with tempfile.TemporaryDirectory() as outdir:
-        procs = mp.start_processes(_entry, args=(fn, world_size, port, outdir, backend, args),
+        procs = mp.start_processes(_entry, args=(fn, world_size, port, outdir, backend, pg_timeout_s, args),
                                    nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         while not procs.join(timeout=1.0):
