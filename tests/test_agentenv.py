@@ -203,3 +203,14 @@ def test_bad_arguments():
         Sandbox.create(memory_mib=16)
     with pytest.raises(ValueError, match="vcpus"):
         Sandbox.create(vcpus=0)
+
+
+def test_rl_rollout_hibernates_while_waiting_and_grades_in_a_fork(pool):
+    from k3lab.agentenv.rl_demo import run_rollout
+
+    res = run_rollout(pool, n_agents=3, steps=2, inference_s=0.1)
+    assert res.rewards == [1, 1, 0]  # agent 2's scripted policy slips by one
+    assert res.untouched == [True, True, True]  # the destructive grader ran in forks only
+    assert res.max_live_processes_while_waiting == 0
+    assert [o[0] for o in res.outputs] == ["5", "6", "7"]
+    assert _nothing_left(pool) == {"files": [], "pids": []}

@@ -41,6 +41,7 @@ MODULES = (
     "vsock", "vmw_vsock_virtio_transport_common", "vmw_vsock_virtio_transport",
 )
 ROOTFS_MIB = 64
+APT_ARCHIVES = Path("/var/cache/apt/archives")
 
 # initrd /init: load virtio modules (the devices are found through ACPI), mount the rootfs.
 INIT_SH = r"""#!/bin/busybox sh
@@ -199,7 +200,7 @@ def _fetch_debs(debdir: Path) -> dict[str, Path]:
     debdir.mkdir(parents=True, exist_ok=True)
     patterns = {"kernel": "linux-image-*-cloud-amd64_*_amd64.deb", "busybox": "busybox-static_*_amd64.deb"}
     found = {k: _latest(list(debdir.glob(p))) for k, p in patterns.items()}
-    apt_cache = Path("/var/cache/apt/archives")
+    apt_cache = APT_ARCHIVES
     for key, pattern in patterns.items():
         if found[key] is None and apt_cache.is_dir():
             # linux-image-*-cloud-amd64_* also matches the unversioned meta package; skip it.
@@ -211,7 +212,12 @@ def _fetch_debs(debdir: Path) -> dict[str, Path]:
     if missing:
         pkgs = []
         if "kernel" in missing:
-            out = _run(["apt-cache", "depends", "linux-image-cloud-amd64"]).stdout.decode()
+            try:
+                out = _run(["apt-cache", "depends", "linux-image-cloud-amd64"]).stdout.decode()
+            except ImageError:
+                # A fresh system has no package lists yet.
+                _run(["apt-get", "update"])
+                out = _run(["apt-cache", "depends", "linux-image-cloud-amd64"]).stdout.decode()
             deps = [ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Depends:" in ln]
             kern = [d for d in deps if d.startswith("linux-image-") and d.endswith("-cloud-amd64")]
             if not kern:
