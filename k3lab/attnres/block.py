@@ -17,6 +17,8 @@ applies its own pre-norm and returns its output). Three paths compute the same f
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -75,6 +77,8 @@ class BlockAttnRes(nn.Module):
             or "inference".
         backend (str | None): mixing backend of the memory path, "torch" or "triton"; None picks
             "triton" for CUDA inputs and "torch" otherwise.
+        recompute_input (bool): memory path: rebuild each sublayer's saved input h_l in backward
+            (default) instead of keeping it (one more d-vector per token per sublayer, no recompute).
 
     Attributes:
         queries (Parameter): [L + 1, d] float32, zeros at init; row L is the final aggregation's.
@@ -89,7 +93,7 @@ class BlockAttnRes(nn.Module):
     """
 
     def __init__(self, d_model: int, n_sublayers: int, n_blocks: int, eps: float = 1e-6,
-                 path: str = "auto", backend: str | None = None):
+                 path: str = "auto", backend: str | None = None, recompute_input: bool = True):
         super().__init__()
         if not (isinstance(d_model, int) and d_model >= 1):
             raise ValueError(f"d_model must be a positive int, got {d_model!r}")
@@ -99,7 +103,7 @@ class BlockAttnRes(nn.Module):
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
         self.d_model, self.n_sublayers, self.n_blocks, self.eps = d_model, n_sublayers, n_blocks, eps
-        self.path, self.backend = path, backend
+        self.path, self.backend, self.recompute_input = path, backend, recompute_input
         self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
 
     def extra_repr(self) -> str:
@@ -126,7 +130,8 @@ class BlockAttnRes(nn.Module):
         buf[0].copy_(h0.detach())
         blocks, layer = [h0], 0
         hooks = _RecomputeInput()
-        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack) if self.recompute_input \
+                else contextlib.nullcontext():
             for n, size in enumerate(self.sizes, start=1):
                 partial = None
                 for _ in range(size):

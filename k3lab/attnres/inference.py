@@ -20,6 +20,11 @@ from k3lab.attnres.naive import block_sizes, rms_norm
 
 def _inter_block(blocks: torch.Tensor, Q: torch.Tensor, eps: float):
     """Phase 1: blocks [n, ..., d] (compute dtype), Q [S, d] -> (m [S, ...], l [S, ...], o [S, ..., d])."""
+    with torch.autocast(blocks.device.type, enabled=False):
+        return _inter_block_fp32(blocks, Q, eps)
+
+
+def _inter_block_fp32(blocks: torch.Tensor, Q: torch.Tensor, eps: float):
     logits = torch.einsum("sd,n...d->sn...", Q, rms_norm(blocks, eps))
     m = logits.amax(1)
     e = torch.exp(logits - m[:, None])
@@ -55,7 +60,8 @@ def block_attnres_inference(h0: torch.Tensor, sublayers, queries: torch.Tensor, 
             if partial is None:
                 h = o[k] / l[k, ..., None]
             else:
-                s_p = (rms_norm(partial, eps) @ Q[layer])
+                with torch.autocast(partial.device.type, enabled=False):
+                    s_p = rms_norm(partial, eps) @ Q[layer]
                 m_new = torch.maximum(m[k], s_p)
                 a, b = torch.exp(m[k] - m_new), torch.exp(s_p - m_new)
                 h = (a[..., None] * o[k] + b[..., None] * partial) / (a * l[k] + b)[..., None]

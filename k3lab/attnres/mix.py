@@ -17,11 +17,26 @@ keys, logits and weights are recomputed in backward. Two backends compute the sa
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 BACKENDS = ("torch", "triton")
 
 
+def _no_autocast(fn):
+    """Run ``fn`` with autocast off (the mixing is float32 by definition), on buf's device type."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        buf = args[1] if fn.__name__.startswith("mix_bwd") else args[0]
+        with torch.autocast(buf.device.type, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@_no_autocast
 def mix_fwd_torch(buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Tensor, eps: float):
     """Forward of the mixing in PyTorch.
 
@@ -52,6 +67,7 @@ def mix_fwd_torch(buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: to
     return h.to(buf.dtype), lse
 
 
+@_no_autocast
 def mix_bwd_torch(dh: torch.Tensor, buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Tensor,
                   lse: torch.Tensor, eps: float):
     """Backward of the mixing in PyTorch, by the closed form in the module docstring.

@@ -68,9 +68,11 @@ def depth_attention(sources: list[torch.Tensor], w: torch.Tensor, eps: float = 1
         alpha [S, ...] the depth weights in the compute dtype.
     """
     dt = torch.float64 if sources[0].dtype == torch.float64 else torch.float32
-    V = torch.stack([v.to(dt) for v in sources])
-    alpha = (rms_norm(V, eps) @ w.to(dt)).softmax(0)
-    return (alpha[..., None] * V).sum(0).to(sources[0].dtype), alpha
+    # float32 even under autocast (which would run the logits' matmul in bf16).
+    with torch.autocast(sources[0].device.type, enabled=False):
+        V = torch.stack([v.to(dt) for v in sources])
+        alpha = (rms_norm(V, eps) @ w.to(dt)).softmax(0)
+        return (alpha[..., None] * V).sum(0).to(sources[0].dtype), alpha
 
 
 def naive_block_attnres(
