@@ -137,6 +137,18 @@ def sync(py_path: Path) -> bool:
     return True
 
 
+def _cell_difference(a: tuple, b: tuple) -> str:
+    """Describe how two cells' (type, source, tags) differ: the first differing line."""
+    if a[0] != b[0]:
+        return f".py has a {a[0]} cell, .ipynb a {b[0]} cell"
+    if a[2] != b[2]:
+        return f"tags {list(a[2])} in .py, {list(b[2])} in .ipynb"
+    la, lb = a[1].splitlines(), b[1].splitlines()
+    n = next((n for n, (x, y) in enumerate(zip(la, lb)) if x != y), min(len(la), len(lb)))
+    line = lambda lines: repr(lines[n][:80]) if n < len(lines) else "(no line)"
+    return f"line {n + 1}: .py {line(la)} vs .ipynb {line(lb)}"
+
+
 def check_sync(book_dir: Path = BOOK_DIR) -> list[str]:
     """Differences between every ``.py``/``.ipynb`` pair (empty when all agree).
 
@@ -157,10 +169,9 @@ def check_sync(book_dir: Path = BOOK_DIR) -> list[str]:
         a, b = _cells(jupytext.read(py, fmt=TEXT_FORMAT)), _cells(jupytext.read(ipynb))
         if a != b:
             i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            where = (f"cell {i}: .py has {a[i][0]} {a[i][1][:60]!r}{' tags ' + str(a[i][2]) if a[i][2] else ''}, "
-                     f".ipynb has {b[i][0]} {b[i][1][:60]!r}{' tags ' + str(b[i][2]) if b[i][2] else ''}"
-                     if i < min(len(a), len(b)) else f"{len(a)} cells in .py, {len(b)} in .ipynb")
-            problems.append(f"{stem}: .py and .ipynb differ at {where}; "
+            where = _cell_difference(a[i], b[i]) if i < min(len(a), len(b)) else \
+                f"{len(a)} cells in .py, {len(b)} in .ipynb"
+            problems.append(f"{stem}: .py and .ipynb differ at cell {i}: {where}; "
                             f"run `python -m k3lab.book store {stem[:2]}`")
         elif not jupytext.read(ipynb).metadata.get("kernelspec"):
             problems.append(f"{ipynb.name} has no kernelspec: run `python -m k3lab.book store {stem[:2]}`")
