@@ -224,6 +224,16 @@ class QemuVM:
                 self.proc.kill()
             self.proc.wait()
 
+    def guest_error(self) -> str | None:
+        """The first kernel panic / oops / OOM line of the guest console, if any."""
+        p = self.workdir / "console.log"
+        if not p.is_file():
+            return None
+        for line in p.read_text(errors="replace").splitlines():
+            if any(k in line for k in ("Kernel panic", "Oops", "BUG:", "Out of memory")):
+                return line.strip()
+        return None
+
     def log_tail(self, n: int = 1500) -> str:
         parts = []
         for name in ("qemu.log", "console.log"):

@@ -42,9 +42,9 @@ class RolloutResult:
         rewards (list[int]): 1 if agent i's answer was right, else 0.
         outputs (list[list[str]]): each agent's stdout per step.
         events (list[tuple]): (agent, kind, t_start_s, t_end_s) with kind in "exec", "hibernated",
-            "wake", "hibernate", "fork+grade"; times relative to the start.
+            "wake", "hibernate", "fork+grade"; seconds since the agents were ready.
         untouched (list[bool]): after grading, the original still has its answer and no marker.
-        waiting_fraction (float): share of the agents' wall time spent hibernated.
+        waiting_fraction (float): share of the agents' time (n_agents x wall) spent hibernated.
         max_live_processes_while_waiting (int): VM processes alive during the inference waits.
     """
 
@@ -72,8 +72,6 @@ def run_rollout(pool: SandboxPool, n_agents: int = 3, steps: int = 3, inference_
     """
     if n_agents < 1 or steps < 2 or inference_s < 0:
         raise ValueError(f"need n_agents >= 1, steps >= 2, inference_s >= 0; got {n_agents}, {steps}, {inference_s}")
-    t0 = time.perf_counter()
-    now = lambda: time.perf_counter() - t0  # noqa: E731
     events: list[tuple] = []
     agents: list[Sandbox] = []
     try:
@@ -83,33 +81,37 @@ def run_rollout(pool: SandboxPool, n_agents: int = 3, steps: int = 3, inference_
             sb.write_file("/root/task.txt", "".join(f"{x}\n" for x in nums))
             sb.write_file("/root/grade.sh", GRADER, mode=0o755)
             agents.append(sb)
+        t0 = time.perf_counter()
+        now = lambda: time.perf_counter() - t0  # noqa: E731
         outputs: list[list[str]] = [[] for _ in agents]
-        waited = 0.0
+        asleep_since = [0.0] * n_agents
         max_live = 0
+
+        def wake(i: int) -> None:
+            a = now()
+            events.append((i, "hibernated", asleep_since[i], a))
+            agents[i].wake()
+            events.append((i, "wake", a, now()))
+
         for step in range(steps):
             for i, sb in enumerate(agents):
                 if sb.state == "hibernated":
-                    a = now()
-                    sb.wake()
-                    events.append((i, "wake", a, now()))
+                    wake(i)
                 a = now()
                 r = sb.exec(policy(i, step), timeout=30)
                 events.append((i, "exec", a, now()))
                 outputs[i].append(r.text.strip())
                 a = now()
                 sb.hibernate()
-                events.append((i, "hibernate", a, now()))
+                asleep_since[i] = now()
+                events.append((i, "hibernate", a, asleep_since[i]))
             # every agent now waits for the policy's next action, holding no process or memory
-            a = now()
             max_live = max(max_live, sum(len(sb.pids()) for sb in agents))
             time.sleep(inference_s)
-            for i in range(len(agents)):
-                events.append((i, "hibernated", a, now()))
-            waited += now() - a
         rewards, untouched = [], []
         for i, sb in enumerate(agents):
+            wake(i)
             a = now()
-            sb.wake()
             (grader,) = sb.fork(1)
             rewards.append(int(grader.exec("sh /root/grade.sh", timeout=30).text.strip()))
             grader.destroy()
@@ -117,10 +119,11 @@ def run_rollout(pool: SandboxPool, n_agents: int = 3, steps: int = 3, inference_
             check = sb.exec("cat /root/answer && test ! -e /root/graded && echo clean", timeout=30)
             untouched.append(check.ok and check.text.strip().endswith("clean"))
         total = now()
+        waited = sum(t1 - t0_ for _, kind, t0_, t1 in events if kind == "hibernated")
         return RolloutResult(rewards=rewards, outputs=outputs, events=events, untouched=untouched,
-                             waiting_fraction=waited / total if total else 0.0,
+                             waiting_fraction=waited / (n_agents * total) if total else 0.0,
                              max_live_processes_while_waiting=max_live,
-                             timings={"total_s": total, "waiting_s": waited})
+                             timings={"total_s": total, "agent_s_hibernated": waited})
     finally:
         for sb in agents:
             sb.destroy()

@@ -361,7 +361,9 @@ class Sandbox:
         self.vm.kill()
         self.state = "crashed"
         how = "still running" if code is None else (f"killed by signal {-code}" if code < 0 else f"exit status {code}")
-        raise SandboxCrashed(f"sandbox {self.id} crashed ({what}; QEMU {how}); {self.vm.log_tail()}")
+        guest = self.vm.guest_error()
+        guest = f"guest: {guest}; " if guest else ""
+        raise SandboxCrashed(f"sandbox {self.id} crashed ({what}; QEMU {how}); {guest}{self.vm.log_tail()}")
 
     def _need(self, *states: str) -> None:
         if self.state in ("running", "paused") and self.vm.poll() is not None:
@@ -603,14 +605,19 @@ class SandboxPool:
     Args:
         image (Image | None), memory_mib (int), vcpus (int), root: as :meth:`Sandbox.create`.
         cow (bool): as in :meth:`Sandbox.from_snapshot` (True: members share the base's RAM pages).
+        base (Snapshot | None): start members from this snapshot instead of booting a guest; the
+            pool takes over the handle (``close`` deletes it).
     """
 
     def __init__(self, image: Image | None = None, memory_mib: int = 128, vcpus: int = 1,
-                 root: str | os.PathLike | None = None, cow: bool = True) -> None:
+                 root: str | os.PathLike | None = None, cow: bool = True,
+                 base: Snapshot | None = None) -> None:
         self.image, self.memory_mib, self.vcpus, self.cow = image, memory_mib, vcpus, cow
+        if base is not None and root is None:
+            root = base.path.parent.parent
         self.root = Path(root) if root else default_root()
         self.sandboxes: list[Sandbox] = []
-        self._base: Snapshot | None = None
+        self._base: Snapshot | None = base
 
     @property
     def base(self) -> Snapshot:
