@@ -24,14 +24,16 @@ def _rand_map(gen, *shape, K, V, dtype=torch.float64):
     return torch.cat([M, torch.randn(*shape, K, V, generator=gen, dtype=dtype)], -1)
 
 
-@pytest.mark.parametrize("L,slab", [(150, None), (150, 32), (7, None), (64, 16)], ids=lambda x: str(x))
-def test_segment_map_is_the_identity_state_trick(L, slab):
-    """[M | S~] from chunk maps + tree reduction == chunk_kda's final state from [I | 0] with values [0 | v]."""
+@pytest.mark.parametrize("L,slab,decay", [(150, None, 0.05), (150, 32, 0.05), (7, None, 0.05), (64, 16, 0.05),
+                                          (150, 32, 0.3), (80, None, 8.0)], ids=lambda x: str(x))
+def test_segment_map_is_the_identity_state_trick(L, slab, decay):
+    """[M | S~] from chunk maps + tree reduction == chunk_kda's final state from [I | 0] with values [0 | v]
+    (decay 8 per token leaves K3's bound, so the generic scores are used)."""
     gen = torch.Generator().manual_seed(L)
     HV, K, V, dt = 3, 8, 6, torch.float64
     k = F.normalize(torch.randn(1, L, HV, K, generator=gen, dtype=dt), dim=-1)
     v = torch.randn(1, L, HV, V, generator=gen, dtype=dt)
-    g = -0.05 * torch.rand(1, L, HV, K, generator=gen, dtype=dt)
+    g = -decay * torch.rand(1, L, HV, K, generator=gen, dtype=dt)
     beta = torch.rand(1, L, HV, generator=gen, dtype=dt)
     start = torch.cat([torch.eye(K, dtype=dt).expand(1, HV, K, K), torch.zeros(1, HV, K, V, dtype=dt)], -1)
     vals = torch.cat([torch.zeros(1, L, HV, K, dtype=dt), v], -1)
@@ -139,3 +141,16 @@ def test_kcp_matches_one_process(world_size):
     maps = world_size * c.HV * c.K * (c.K + c.V) * 4
     halos = world_size * (c.W - 1) * (2 * c.H * c.K + c.HV * c.V) * 4
     assert kcp_bytes[(256, None, "sequential")] == 2 * (maps + halos)
+
+
+def test_bounded_scores_match_decayed_scores():
+    """K3's gate (g > -5 per token): the matmul-only scores equal the generic ones."""
+    from k3lab.kcp.affine import bounded_scores
+    from k3lab.kda.chunk import decayed_scores
+
+    gen = torch.Generator().manual_seed(7)
+    a, b = torch.randn(2, 3, 64, 32, generator=gen), torch.randn(2, 3, 64, 32, generator=gen)
+    G = (-5 * torch.rand(2, 3, 64, 32, generator=gen)).cumsum(-2)
+    for inclusive in (True, False):
+        assert_close(f"inclusive={inclusive}", decayed_scores(a, b, G, inclusive),
+                     bounded_scores(a, b, G, inclusive), 1e-5)

@@ -44,7 +44,37 @@ def identity_map(HV: int, K: int, V: int, dtype: torch.dtype, device: torch.devi
     return torch.cat([eye, torch.zeros(HV, K, V, dtype=dtype, device=device)], dim=-1)
 
 
-def chunk_maps(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+# Per-token log-decay bound under which ``bounded_scores`` is exact in float32: 15 tokens of a
+# 16-token sub-tile then decay by at most e^-75, so e^{+-75} factors neither overflow nor underflow.
+BOUNDED_G_MIN = -5.0
+
+
+def bounded_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, inclusive: bool, sub: int = 16) -> torch.Tensor:
+    """``decayed_scores`` by one matmul per 16-token sub-tile, valid when every per-token log-decay
+    is >= -5 (K3's lower-bounded gate, Eq. 5): rows of sub-tile I are scaled by exp(G_i - r_I) and
+    columns by exp(r_I - G_j), with r_I = G at I's first token, both factors within e^{+-75}.
+
+    Args:
+        a, b, G (Tensor): [..., C, K]; G the in-chunk cumulative log-decay.
+        inclusive (bool): keep the diagonal.
+
+    Returns:
+        Tensor: [..., C, C], lower triangular.
+    """
+    C = a.shape[-2]
+    rows = []
+    for s0 in range(0, C, sub):
+        s1 = min(s0 + sub, C)
+        r = G[..., s0 : s0 + 1, :]
+        a_i = a[..., s0:s1, :] * (G[..., s0:s1, :] - r).exp()
+        b_j = b[..., :s1, :] * (r - G[..., :s1, :]).exp()
+        rows.append(F.pad(a_i @ b_j.transpose(-1, -2), (0, C - s1)))
+    mask = torch.ones(C, C, dtype=torch.bool, device=a.device).tril(0 if inclusive else -1)
+    return torch.cat(rows, dim=-2) * mask
+
+
+def chunk_maps(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               bounded: bool = False) -> torch.Tensor:
     """Every chunk's affine map from the UT transform, all chunks at once.
 
     Args:
@@ -52,6 +82,8 @@ def chunk_maps(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Te
         v (Tensor): [..., NC, C, V] values.
         g (Tensor): [..., NC, C, K] log-decay (<= 0).
         beta (Tensor): [..., NC, C] write strengths.
+        bounded (bool): every g >= BOUNDED_G_MIN, so ``bounded_scores`` (matmuls only) may replace
+            ``decayed_scores``.
 
     Returns:
         Tensor: [..., NC, K, K+V], chunk n's map [Diag(gamma_C) - k_end^T W | k_end^T U].
@@ -59,7 +91,8 @@ def chunk_maps(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Te
     C = k.shape[-2]
     beta = beta[..., None]
     G = g.cumsum(-2)
-    L = torch.eye(C, dtype=k.dtype, device=k.device) + beta * decayed_scores(k, k, G, inclusive=False)
+    scores = bounded_scores if bounded else decayed_scores
+    L = torch.eye(C, dtype=k.dtype, device=k.device) + beta * scores(k, k, G, inclusive=False)
     # One triangular solve for [U | W]: the UT transform of values and decayed keys together.
     UW = torch.linalg.solve_triangular(L, beta * torch.cat([v, k * G.exp()], -1), upper=False, unitriangular=True)
     G_last = G[..., -1:, :]
@@ -84,10 +117,10 @@ def reduce_maps(maps: torch.Tensor) -> torch.Tensor:
     return maps[..., 0, :, :]
 
 
-def _slab_map(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, C: int) -> torch.Tensor:
+def _slab_map(k, v, g, beta, C: int, bounded: bool) -> torch.Tensor:
     HV, L, K = k.shape
     k, v, g = (x.unflatten(1, (L // C, C)) for x in (k, v, g))
-    return reduce_maps(chunk_maps(k, v, g, beta.unflatten(1, (L // C, C))))
+    return reduce_maps(chunk_maps(k, v, g, beta.unflatten(1, (L // C, C)), bounded))
 
 
 def segment_map(
@@ -126,13 +159,15 @@ def segment_map(
         beta = F.pad(beta, (pad, 0))
     L += pad
     step = L if slab_tokens is None else slab_tokens
+    # One host sync: K3's lower-bounded gate allows the matmul-only scores.
+    bounded = bool(g.min() >= BOUNDED_G_MIN)
     m = None
     for s in range(0, L, step):
         args = (k[:, s : s + step], v[:, s : s + step], g[:, s : s + step], beta[:, s : s + step])
         if step < L and torch.is_grad_enabled():
-            part = checkpoint(_slab_map, *args, C, use_reentrant=False)
+            part = checkpoint(_slab_map, *args, C, bounded, use_reentrant=False)
         else:
-            part = _slab_map(*args, C)
+            part = _slab_map(*args, C, bounded)
         m = part if m is None else compose(m, part)
     return m
 
