@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from k3lab.agentenv import (Sandbox, SandboxCrashed, SandboxPool, SandboxStateError, leftovers)
+from k3lab.agentenv import (Sandbox, SandboxCrashed, SandboxError, SandboxPool, SandboxStateError,
+                            leftovers)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -58,6 +59,10 @@ def test_exec_timeout_kills_command_not_host(pool):
         ps = sb.exec("ps -o args", timeout=10).text
         assert "sleep 300" not in ps and "sleep 200" not in ps, ps
         assert sb.exec("echo alive", timeout=10).stdout == b"alive\n"
+        # a command that kills the agent itself: reported, and the restarted agent serves on
+        with pytest.raises(SandboxError, match="agent restarted"):
+            sb.exec("kill -9 $PPID; sleep 5", timeout=10)
+        assert sb.exec("echo again", timeout=10).stdout == b"again\n"
 
 
 def test_files_roundtrip(pool):

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from k3lab.agentenv import host, image, sysdeps
-from k3lab.agentenv.agent import AgentChannel, AgentClosed, AgentTimeout
+from k3lab.agentenv.agent import AgentChannel, AgentClosed, AgentError, AgentTimeout
 
 
 @pytest.mark.parametrize("case,expect", [
@@ -90,6 +90,9 @@ def test_agent_parser_skips_stale_replies_and_detects_eof():
     assert guest_end.recv(100) == b"2 exec x 1\n"
     with pytest.raises(AgentTimeout):
         ch.ping(deadline=time.monotonic() + 0.2)
+    guest_end.sendall(b"\n@K3READY\n")
+    with pytest.raises(AgentError, match="restarted"):
+        ch.ping(deadline=time.monotonic() + 5)
     guest_end.close()
     with pytest.raises(AgentClosed):
         ch.ping(deadline=time.monotonic() + 5)

@@ -112,6 +112,11 @@ class AgentChannel:
         except OSError as e:
             raise AgentClosed(f"agent channel error on send: {e}") from e
         while True:
+            if b"\n@K3READY\n" in self.buf:
+                # k3init restarts a dead agent, which announces itself: the request is lost.
+                self.buf = self.buf.split(b"\n@K3READY\n")[-1]
+                raise AgentError(f"the guest agent restarted during request {rid} ({op}): the"
+                                 " command killed it or its shell; its result is lost")
             m = _HEADER.search(self.buf)
             if m is None or int(m.group(1)) != rid:
                 if m is not None:
