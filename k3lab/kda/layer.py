@@ -239,10 +239,13 @@ class KDALayer(nn.Module):
         v = F.silu(v).unflatten(-1, (self.HV, self.V))
         beta = torch.sigmoid(_wide(self.b_proj(x)))
         g = self.log_decay(x)
-        o, state = _kda_op(x.device)(
-            q, k, v, g, beta, initial_state=c.state, output_final_state=use_cache,
-            cu_seqlens=cu_seqlens, chunk_size=self.chunk_size,
-        )
+        # The operator picks its own precision (chunk_kda computes in float32): keep autocast from
+        # turning its state matmuls into bf16 ones.
+        with torch.autocast(x.device.type, enabled=False):
+            o, state = _kda_op(x.device)(
+                q, k, v, g, beta, initial_state=c.state, output_final_state=use_cache,
+                cu_seqlens=cu_seqlens, chunk_size=self.chunk_size,
+            )
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).unflatten(-1, (self.HV, self.V))
         y = self.o_proj(o.flatten(-2))
         return y, (KDACache(cq, ck, cv, state) if use_cache else None)
