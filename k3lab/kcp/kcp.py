@@ -103,19 +103,6 @@ def _entering_states(maps, h0, ctx: KCPContext, fold: str, HV, K, V, dtype, devi
     return torch.stack(states).to(dtype)
 
 
-def _local_op(device: torch.device, kernel: str):
-    """The single-device KDA used for step 4: chunk_kda, or FlashKDA (k3lab.kernels.kda) on CUDA."""
-    if kernel == "torch" or device.type != "cuda":
-        return chunk_kda
-    try:
-        from k3lab.kernels.kda import flash_kda  # noqa: PLC0415 (CUDA only: never load Triton on CPU)
-    except ImportError:
-        if kernel == "triton":
-            raise
-        return chunk_kda
-    return flash_kda
-
-
 def _slabs(T: int, slab_tokens: int | None, n_pieces: int) -> list[int]:
     if n_pieces > 1 or slab_tokens is None or T <= slab_tokens:
         return [0, T]
@@ -146,11 +133,10 @@ class KCPFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(fctx, q, k, v, g, beta, h0, ctx, scale, fold, chunk_size, slab_tokens, kernel):
+    def forward(fctx, q, k, v, g, beta, h0, ctx, scale, fold, chunk_size, slab_tokens, op):
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         dt = compute_dtype(q)
-        op = _local_op(q.device, kernel)
         local_cu = torch.tensor(ctx.local_cu_seqlens, device=q.device) if len(ctx.local_docs) > 1 else None
         if ctx.world_size > 1:
             # 1-2: this rank's map, then the one all-gather.
@@ -223,7 +209,7 @@ def kcp_kda(
     fold: str = "sequential",
     chunk_size: int = 64,
     slab_tokens: int | None = None,
-    kernel: str = "auto",
+    local_op=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention with the sequence split across ``ctx.group`` (KCP). Exact: every rank's
     outputs and gradients equal the single-process ``chunk_kda`` on the whole sequence.
@@ -245,8 +231,10 @@ def kcp_kda(
         chunk_size (int): C of the chunkwise form.
         slab_tokens (int | None): run the local KDA (one-document ranks) and the map in slabs of this
             many tokens to bound memory (a multiple of ``chunk_size``); None: one slab.
-        kernel (str): "auto" (FlashKDA from k3lab.kernels on CUDA when importable, else chunk_kda),
-            "torch" (always chunk_kda), "triton" (FlashKDA, ImportError if missing).
+        local_op (callable | None): the one-device KDA of step 4, any function with ``chunk_kda``'s
+            signature and differentiable by autograd; None: ``k3lab.kda.chunk_kda`` (the PyTorch
+            chunkwise form, on CPU and CUDA). FlashKDA (``k3lab.kernels.kda.flash_kda``) fuses the
+            gate, the q/k norms and the beta sigmoid into its inputs, so it is not a drop-in here.
 
     Returns:
         (o [1, T_local, HV, V] in q's dtype, final_state [N, HV, K, V] float32 or None). Row n of
@@ -255,8 +243,8 @@ def kcp_kda(
 
     Raises:
         ValueError: bad shapes (see ``check_kda_inputs``), B != 1, T_local != ctx.T_local,
-            initial_state not [N, HV, K, V], unknown ``fold`` or ``kernel``, slab_tokens not a
-            multiple of chunk_size.
+            initial_state not [N, HV, K, V], unknown ``fold``, slab_tokens not a multiple of
+            chunk_size.
     """
     if q.ndim != 4 or q.shape[0] != 1 or q.shape[1] != ctx.T_local:
         raise ValueError(f"q must be [1, T_local={ctx.T_local}, H, K] on rank {ctx.rank}, got {list(q.shape)}")
@@ -267,10 +255,9 @@ def kcp_kda(
         raise ValueError(f"initial_state must be [N, HV, K, V] = {[ctx.N, HV, K, V]}, got {list(initial_state.shape)}")
     if fold not in FOLDS:
         raise ValueError(f"fold must be one of {FOLDS}, got {fold!r}")
-    if kernel not in ("auto", "torch", "triton"):
-        raise ValueError(f"kernel must be 'auto', 'torch' or 'triton', got {kernel!r}")
     if slab_tokens is not None and (slab_tokens <= 0 or slab_tokens % chunk_size):
         raise ValueError(f"slab_tokens must be a positive multiple of chunk_size={chunk_size}, got {slab_tokens}")
     scale = K**-0.5 if scale is None else scale
-    o, final = KCPFunction.apply(q, k, v, g, beta, initial_state, ctx, scale, fold, chunk_size, slab_tokens, kernel)
+    op = chunk_kda if local_op is None else local_op
+    o, final = KCPFunction.apply(q, k, v, g, beta, initial_state, ctx, scale, fold, chunk_size, slab_tokens, op)
     return o, (final if output_final_state else None)
