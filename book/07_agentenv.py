@@ -52,6 +52,7 @@ import k3lab
 from k3lab.agentenv import (Sandbox, SandboxCrashed, SandboxPool, SandboxStateError, build_image,
                             detect_host, leftovers)
 from k3lab.agentenv.rl_demo import run_rollout
+from k3lab.bench.agentenv import paused_memory
 
 device = k3lab.setup(seed=seed, profile=profile)
 
@@ -187,8 +188,10 @@ except SandboxStateError as e:
     print("exec while paused ->", type(e).__name__, ":", str(e).split(";")[1].strip())
 sb.resume()
 sb.hibernate()
-print("hibernated: processes", sb.pids(), "memory KiB", sb.memory())
-assert sb.pids() == [] and sb.memory() == {"rss": 0, "pss": 0}
+mem = sb.memory()
+print("hibernated: processes", sb.pids(), "| process memory KiB:", mem["pss"],
+      "| RAM file still in page cache:", "< 4 MiB" if mem["ram_file_cache"] < 4096 else mem["ram_file_cache"])
+assert sb.pids() == [] and mem["pss"] == 0 and mem["ram_file_cache"] < 4096
 sb.wake()
 print("woken:", sb.exec("cat /tmp/m", timeout=10).text.strip())
 
@@ -254,8 +257,9 @@ print(f"{'op':24s} {'min':>8s} {'median':>8s} {'max':>8s}  anchor")
 for k, s in res["ops"].items():
     anc = f"{anchors[k]} ms" if anchors[k] else "-"
     print(f"{k:24s} {s['min_ms']:8.1f} {s['median_ms']:8.1f} {s['max_ms']:8.1f}  {anc}")
-print(f"\npaused sandboxes per GiB: {res['paused_per_gib']} (PSS {res['paused_pss_mib']} MiB each, "
-      f"RSS {res['paused_rss_mib']} MiB); hibernated: {res['hibernated_memory_kib']} KiB each")
+m = res["paused_mib"]
+print(f"\npaused sandboxes per GiB: {res['paused_per_gib']} ({m['total']:.1f} MiB each = PSS {m['pss']:.1f} + "
+      f"file cache {m['file_cache']:.1f}; RSS {m['rss']:.1f}); hibernated: {res['hibernated_memory_kib']} KiB each")
 
 fig, ax = plt.subplots(figsize=(8, 3.6))
 ops = list(res["ops"])
@@ -284,6 +288,38 @@ plt.show()
 # kernel boot, which is why everything here restores from a snapshot instead. The density number
 # counts QEMU's own overhead (TCG's translation cache, heap) plus each guest's private pages;
 # hibernated sandboxes hold none.
+
+# %% [markdown]
+# ## Experiment: how many paused sandboxes fit in a GiB?
+#
+# Restores map the snapshot's RAM file copy-on-write, so sandboxes restored from one snapshot
+# share every page none of them has written. We count, per sandbox, its QEMU process's PSS
+# (proportional set size: each shared page split among its sharers) plus the page cache of the
+# guest-RAM file that no process maps (one snapshot file for all copy-on-write restores, split
+# among them; one file each with `cow=False`, which shares nothing). QEMU's own overhead (TCG's
+# translation cache, heap) is private to each process either way.
+
+# %% tags=["nbval-ignore-output"]
+density = {True: [], False: []}
+counts = [1, 3, 6]
+for cow in (True, False):
+    for n in counts:
+        density[cow].append(paused_memory(pool.base, n, cow=cow)["total"])
+for cow in (True, False):
+    print(f"cow={cow!s:5s} MiB per paused sandbox: " + ", ".join(
+        f"n={n}: {m:.1f}" for n, m in zip(counts, density[cow])))
+assert density[True][-1] < density[False][-1]
+fig, ax = plt.subplots(figsize=(5, 3))
+for cow, label in ((True, "copy-on-write restores"), (False, "own RAM copy (cow=False)")):
+    ax.plot(counts, density[cow], "o-", label=label)
+ax.set_xlabel("paused sandboxes from one snapshot")
+ax.set_ylabel("MiB per paused sandbox")
+ax.set_ylim(0, None)
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+print(f"-> {1024 / density[True][-1]:.0f} copy-on-write paused sandboxes per GiB at n={counts[-1]}, "
+      f"{1024 / density[False][-1]:.0f} with their own RAM copies")
 
 # %% [markdown]
 # ## An RL-style rollout

@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
 import sys
-import time
 
 import pytest
 

@@ -21,7 +21,6 @@ guest scripts; it is built in a temporary folder and renamed into place (atomic)
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import hashlib
 import io

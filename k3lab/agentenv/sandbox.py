@@ -28,8 +28,10 @@ Lifecycle and where the state lives (``<root>/<id>/``):
 from __future__ import annotations
 
 import atexit
+import ctypes
 import itertools
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -87,16 +89,22 @@ def default_root() -> Path:
             else:
                 base = "/var/tmp" if os.path.isdir("/var/tmp") else None
                 _default_root = Path(tempfile.mkdtemp(prefix="k3lab-agentenv-", dir=base))
-                atexit.register(shutil.rmtree, _default_root, True)
+                _owned_roots.append(_default_root)
         return _default_root
+
+
+_owned_roots: list[Path] = []
 
 
 @atexit.register
 def _cleanup_at_exit() -> None:
+    # Sandboxes first (their QEMUs write into the folders), then snapshots, then our temp root.
     for sb in list(_live):
         sb.destroy()
     for snap in list(_snapshots):
         snap.delete()
+    for root in _owned_roots:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def leftovers(root: str | os.PathLike, exclude: tuple[str | os.PathLike, ...] = ()) -> dict[str, list]:
@@ -122,6 +130,45 @@ def leftovers(root: str | os.PathLike, exclude: tuple[str | os.PathLike, ...] = 
             if needle in cmd:
                 pids.append(int(d))
     return {"files": files, "pids": pids}
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def resident_kib(path: str | os.PathLike) -> int:
+    """KiB of ``path`` held in the host's page cache (mmap + mincore, like util-linux fincore)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    page = mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+    with open(path, "rb") as f:
+        # A private mapping: ctypes needs a writable buffer to take its address; nothing is
+        # written, and mincore reports the file's page-cache residency for untouched pages.
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        try:
+            anchor = ctypes.c_char.from_buffer(mm)
+            rc = _libc.mincore(ctypes.addressof(anchor), size, vec)
+            del anchor
+        finally:
+            mm.close()
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), f"mincore failed on {path}")
+    return sum(b & 1 for b in vec) * page // 1024
+
+
+def mapping_rss_kib(pid: int, path: str | os.PathLike) -> int:
+    """Resident KiB of the mappings of ``path`` in process ``pid`` (from /proc/<pid>/smaps)."""
+    target, total, inside = str(path), 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split(None, 1)[0]
+            if "-" in first and not first.endswith(":"):
+                inside = line.rstrip().endswith(target)
+            elif inside and first == "Rss:":
+                total += int(line.split()[1])
+    return total
 
 
 def _copy_sparse(src: Path, dst: Path) -> None:
@@ -581,15 +628,27 @@ class Sandbox:
         return [pid] if pid is not None and self.vm.poll() is None else []
 
     def memory(self) -> dict[str, int]:
-        """Host memory of the VM process in KiB: ``rss`` and ``pss`` (shared pages split among
-        the processes sharing them), from /proc/<pid>/smaps_rollup. Zeros when no process."""
-        out = {"rss": 0, "pss": 0}
+        """Host memory of this sandbox in KiB.
+
+        Returns:
+            dict: ``rss`` and ``pss`` of the QEMU process (/proc/<pid>/smaps_rollup; PSS splits
+            shared pages among their sharers); ``ram_mapped``: resident pages of the guest-RAM
+            mapping; ``ram_file_cache``: page-cache pages of the sandbox's *own* RAM file that
+            the process has not mapped (0 for copy-on-write RAM, whose file belongs to a
+            snapshot; a hibernated sandbox's evicted file counts what is still cached);
+            ``total`` = ``pss`` + ``ram_file_cache``.
+        """
+        out = {"rss": 0, "pss": 0, "ram_mapped": 0, "ram_file_cache": 0, "total": 0}
         for pid in self.pids():
             with open(f"/proc/{pid}/smaps_rollup") as f:
                 for line in f:
                     key = line.split(":")[0]
                     if key in ("Rss", "Pss"):
                         out[key.lower()] += int(line.split()[1])
+            out["ram_mapped"] = mapping_rss_kib(pid, self.ram_path)
+        if self.ram_shared and self.state != "destroyed" and self.ram_path.is_file():
+            out["ram_file_cache"] = max(0, resident_kib(self.ram_path) - out["ram_mapped"])
+        out["total"] = out["pss"] + out["ram_file_cache"]
         return out
 
     def __enter__(self) -> "Sandbox":

@@ -13,9 +13,10 @@ Ops (each timed ``n`` times, min/median/max in ms; 128 MiB, 1 vCPU guests):
     fork_to_first_exec      fork(1) of a running guest until the child's ``exec("true")`` returns
 
 ``paused_per_gib``: ``--paused`` sandboxes restored (copy-on-write) from one snapshot, each run
-once and paused; their QEMU processes' PSS (proportional set size: pages shared through the
-snapshot's RAM file are split among the sharers) gives MiB per paused sandbox, and 1024 / that.
-RSS (which counts every shared page in full for every process) is recorded too.
+once and paused; MiB per paused sandbox = its QEMU process's PSS (proportional set size: pages
+shared through the snapshot's RAM file are split among the sharers) + its share of the snapshot
+file's unmapped page cache (:func:`paused_memory`), and 1024 / that. RSS (which counts every
+shared page in full for every process) is recorded too.
 
 The box is shared with other CPU jobs, so the 1-minute load average is recorded before and after;
 timings under load are inflated. TCG emulates the guest CPU in software: guest-side work (boot,
@@ -35,7 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from k3lab.agentenv import Sandbox, build_image, detect_host
+from k3lab.agentenv import Sandbox, Snapshot, build_image, detect_host
+from k3lab.agentenv.sandbox import resident_kib
 
 # (anchor text, anchor value in ms or None) per op; K3 report and kvcache-ai/AgentENV README.
 ANCHORS = {
@@ -59,6 +61,44 @@ def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def paused_memory(base: Snapshot, n: int, cow: bool = True) -> dict:
+    """Host memory of ``n`` paused sandboxes restored from ``base``.
+
+    Each is restored (``cow`` as in :meth:`Sandbox.from_snapshot`), runs one command and is
+    paused; then memory is read and they are destroyed.
+
+    Returns:
+        dict: means per sandbox in MiB: ``rss``, ``pss`` (pages shared by several processes, such
+        as one snapshot's copy-on-write RAM or QEMU's code, split among them), ``file_cache``
+        (page cache of the guest-RAM file not mapped by the process: the sandbox's own file with
+        ``cow=False``; with ``cow=True`` the snapshot's file, counted once and split over ``n``,
+        taking the largest single mapping as the mapped part), and ``total`` = pss + file_cache.
+
+    Raises:
+        ValueError: ``n`` < 1.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    group = []
+    try:
+        for _ in range(n):
+            s = Sandbox.from_snapshot(base, cow=cow)
+            group.append(s)
+            s.exec("true")
+            s.pause()
+        mems = [s.memory() for s in group]
+        shared_cache = 0.0
+        if cow and base.kind == "ram":
+            shared_cache = max(0, resident_kib(base.path / "ram") - max(m["ram_mapped"] for m in mems))
+    finally:
+        for s in group:
+            s.destroy()
+    mean = {k: sum(m[k] for m in mems) / n / 1024 for k in ("rss", "pss", "ram_file_cache")}
+    file_cache = mean["ram_file_cache"] + shared_cache / n / 1024
+    return {"rss": mean["rss"], "pss": mean["pss"], "file_cache": file_cache,
+            "total": mean["pss"] + file_cache}
 
 
 def run(n: int = 10, paused: int = 20, root: Path | None = None, progress=print) -> dict:
@@ -120,21 +160,10 @@ def run(n: int = 10, paused: int = 20, root: Path | None = None, progress=print)
         sb.destroy()
 
         progress(f"{paused} paused sandboxes from one snapshot")
-        group = []
-        for _ in range(paused):
-            s = Sandbox.from_snapshot(base)
-            s.exec("true")
-            s.pause()
-            group.append(s)
-        mems = [s.memory() for s in group]
-        pss_mib = sum(m["pss"] for m in mems) / 1024 / paused
-        rss_mib = sum(m["rss"] for m in mems) / 1024 / paused
-        hib = group[0]
-        hib.resume()
-        hib.hibernate()
-        hib_mem = hib.memory()
-        for s in group:
-            s.destroy()
+        mem = paused_memory(base, paused, cow=True)
+        with Sandbox.from_snapshot(base, cow=False) as hib:
+            hib.hibernate()
+            hib_mem = hib.memory()
         base.delete()
     finally:
         if own_root:
@@ -145,11 +174,10 @@ def run(n: int = 10, paused: int = 20, root: Path | None = None, progress=print)
         "backend": f"{h.backend}/{h.accel}",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ops": {k: _stats(v) for k, v in t.items()},
-        "paused_per_gib": round(1024 / pss_mib, 1),
-        "paused_pss_mib": round(pss_mib, 2),
-        "paused_rss_mib": round(rss_mib, 2),
-        "paused_per_gib_by_rss": round(1024 / rss_mib, 1),
-        "hibernated_memory_kib": hib_mem["pss"],
+        "paused_per_gib": round(1024 / mem["total"], 1),
+        "paused_mib": {k: round(v, 2) for k, v in mem.items()},
+        "paused_per_gib_by_rss": round(1024 / mem["rss"], 1),
+        "hibernated_memory_kib": hib_mem["total"],
         "n_paused": paused,
         "guest": {"memory_mib": 128, "vcpus": 1, "kernel": img.kernel_version},
         "host_detection": h.reason,
@@ -166,8 +194,9 @@ def table(res: dict) -> str:
     for k, (text, _) in ANCHORS.items():
         s = res["ops"][k]
         rows.append(f"{k:24s} {s['min_ms']:9.1f} {s['median_ms']:9.1f} {s['max_ms']:9.1f}  {text}")
-    rows.append(f"{'paused per GiB':24s} {res['paused_per_gib']:9.1f} (PSS {res['paused_pss_mib']:.1f} MiB each;"
-                f" RSS {res['paused_rss_mib']:.1f} MiB) K3: up to 6.5x memory overcommit")
+    m = res["paused_mib"]
+    rows.append(f"{'paused per GiB':24s} {res['paused_per_gib']:9.1f}  ({m['total']:.1f} MiB each = PSS {m['pss']:.1f}"
+                f" + file cache {m['file_cache']:.1f}; RSS {m['rss']:.1f}); K3: up to 6.5x memory overcommit")
     rows.append(f"backend {res['backend']} ({res['host_detection']}); load avg {res['load_avg_1min']}")
     return "\n".join(rows)
 
