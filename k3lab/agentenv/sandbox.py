@@ -40,7 +40,6 @@ import threading
 import time
 import uuid
 import warnings
-import weakref
 from pathlib import Path
 
 from k3lab.agentenv.agent import AgentChannel, AgentClosed, AgentError, AgentTimeout, ExecResult
@@ -71,8 +70,10 @@ class SandboxStateError(SandboxError):
 
 _root_lock = threading.Lock()
 _default_root: Path | None = None
-_live: "weakref.WeakSet[Sandbox]" = weakref.WeakSet()
-_snapshots: "weakref.WeakSet[Snapshot]" = weakref.WeakSet()
+# Strong references: a sandbox or snapshot dropped without destroy()/delete() is still cleaned up
+# at interpreter exit (its QEMU dies with us anyway through PR_SET_PDEATHSIG).
+_live: "set[Sandbox]" = set()
+_snapshots: "set[Snapshot]" = set()
 _ids = itertools.count()
 
 
@@ -251,6 +252,7 @@ class Snapshot:
     def _maybe_remove(self) -> None:
         if self._released and self._refs <= 0 and not self.deleted:
             self.deleted = True
+            _snapshots.discard(self)
             shutil.rmtree(self.path, ignore_errors=True)
             if self.parent is not None:
                 self.parent._release()
@@ -273,7 +275,8 @@ class Snapshot:
 class Sandbox:
     """A microVM sandbox. Build with :meth:`create` (cold boot) or :meth:`from_snapshot`.
 
-    States: "running", "paused", "hibernated", "crashed", "destroyed".
+    States: "running", "paused", "hibernated", "crashed", "destroyed". Not thread-safe: one caller
+    at a time per sandbox (different sandboxes are independent processes).
 
     Example::
 
