@@ -250,7 +250,9 @@ def render_html(executed: Path, out: Path) -> None:
 def _error_detail(exc: BaseException) -> str:
     name = getattr(exc, "ename", type(exc).__name__)
     value = str(getattr(exc, "evalue", exc)).strip().splitlines()
-    return f"{name}: {value[0] if value else ''}"[:100]
+    # papermill's error names the execution count of the failing cell: In [n] in the executed notebook
+    cell = f" in cell In [{exc.exec_count}]" if getattr(exc, "exec_count", None) is not None else ""
+    return f"{name}{cell}: {value[0] if value else ''}"[:120]
 
 
 def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None, build_dir=BUILD_DIR,

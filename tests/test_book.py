@@ -94,7 +94,7 @@ def test_run_executes_renders_and_reports_failures(tiny_book, tmp_path, monkeypa
     assert code == 1
     table = capsys.readouterr().out
     assert "01_ok" in table and "ok" in table
-    assert "02_bad" in table and "FAILED" in table and "ZeroDivisionError" in table
+    assert "02_bad" in table and "FAILED" in table and "ZeroDivisionError in cell In [3]" in table
 
     executed = nbformat.read(out / "notebooks" / "01_ok.ipynb", as_version=4)
     printed = "".join(o.get("text", "") for c in executed.cells if c.cell_type == "code" for o in c.outputs)
