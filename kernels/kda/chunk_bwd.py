@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from k3lab.kernels.kda.chunk_fwd import block_sizes
-from k3lab.kernels.kda.utils import BC, BT, l2norm_rows, load_rows, load_vec, store_rows
+from k3lab.kernels.kda.utils import BC, BT, dot_precision, l2norm_rows, load_rows, load_vec, store_rows
 
 
 @triton.jit
@@ -25,7 +25,7 @@ def kda_state_bwd_kernel(
     QG, KG, W, G, Aqk, do, dh, dVn, dht, dh0,  # dh [NT, HV, K, V]: dLoss/d(state after each chunk), fp32
     cu_seqlens, chunk_offsets,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -51,26 +51,92 @@ def kda_state_bwd_kernel(
         b_do = load_rows(do, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False).to(dt)
         b_A = load_rows(Aqk, t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT, False).to(dt)
         b_kg = load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False).to(dt)
-        b_dvn = tl.dot(tl.trans(b_A), b_do) + tl.dot(b_kg, b_dS.to(dt))
+        b_dvn = tl.dot(tl.trans(b_A), b_do, input_precision=PREC) + tl.dot(b_kg, b_dS.to(dt), input_precision=PREC)
         store_rows(dVn, b_dvn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
         b_qg = load_rows(QG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False).to(dt)
         b_W = load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False).to(dt)
         b_gl = tl.sum(load_rows(G, t0, n_t, n_t - 1 + tl.zeros([1], tl.int32), HV * K, i_hv * K, o_k, K, True), 0)
-        b_dS = (b_dS * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_qg), b_do)
-                - tl.dot(tl.trans(b_W), b_dvn.to(dt)))
+        b_dS = (b_dS * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
+                - tl.dot(tl.trans(b_W), b_dvn.to(dt), input_precision=PREC))
     if STORE_DH0:
         tl.store(dh0 + i_n.to(tl.int64) * HV * K * V + o_s, b_dS, mask=m_kv)
 
 
 @triton.jit
-def kda_dqkw_bwd_kernel(
-    q, k, v, beta, G, Tinv, h, dh, Vn, dVn, do,  # inputs and recomputed forward pieces
-    dqs, dkn, dG, db, dv, dAqk, dAkk,  # outputs: fp32 partial grads of scale*q_hat, k_hat, G [T, HV, K],
-                                       # beta [T, HV]; dv [T, HV, V]; dAqk, dAkk fp32 [T, HV, BT]
+def kda_dqk_bwd_kernel(
+    q, k, G, h, dh, Vn, dVn, do,  # inputs and recomputed forward pieces
+    dqs, dkn, dG, dW,  # outputs, fp32 [T, HV, K]: partial grads of scale*q_hat, k_hat, G; dW
     cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BKK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
+    """Per chunk and K tile: the products of V-sized operands that end in K columns, reduced over V:
+    d(Gamma Q) = dO S^T, d(Gamma_{i->C} K) = V~ dS'^T, dW = -dV~ S^T, and sum_v S * dS'; then the
+    column-wise chain to q_hat, k_hat and G."""
+    i_k, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_j = tl.load(chunk_indices + i_c * 2 + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + i_j * BT
+    n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    dt = h.dtype.element_ty
+
+    b_dqg = tl.zeros([BT, BK], tl.float32)
+    b_dkg = tl.zeros([BT, BK], tl.float32)
+    b_dW = tl.zeros([BT, BK], tl.float32)
+    b_hdh = tl.zeros([BK], tl.float32)
+    o_h = i_c.to(tl.int64) * HV * K * V + i_hv * K * V
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+        b_h = tl.load(h + o_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0).to(tl.float32)
+        b_dh = tl.load(dh + o_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0).to(tl.float32)
+        b_vn = load_rows(Vn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False).to(dt)
+        b_dvn = load_rows(dVn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False).to(dt)
+        b_do = load_rows(do, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False).to(dt)
+        b_dqg += tl.dot(b_do, tl.trans(b_h.to(dt)), input_precision=PREC)
+        b_dkg += tl.dot(b_vn, tl.trans(b_dh.to(dt)), input_precision=PREC)
+        b_dW -= tl.dot(b_dvn, tl.trans(b_h.to(dt)), input_precision=PREC)
+        b_hdh += tl.sum(b_h * b_dh, 1)
+    store_rows(dW, b_dW, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+    # q_hat and k_hat need the whole row for their norms.
+    o_kk = tl.arange(0, BKK)
+    b_qraw = load_rows(q, t0, n_t, o_t, H * K, i_h * K, o_kk, K, False)
+    b_rq = 1.0 / tl.sqrt(tl.sum(b_qraw * b_qraw, 1) + 1e-6)
+    b_kraw = load_rows(k, t0, n_t, o_t, H * K, i_h * K, o_kk, K, False)
+    b_rk = 1.0 / tl.sqrt(tl.sum(b_kraw * b_kraw, 1) + 1e-6)
+    b_q = load_rows(q, t0, n_t, o_t, H * K, i_h * K, o_k, K, False) * (b_rq * scale)[:, None]
+    b_k = load_rows(k, t0, n_t, o_t, H * K, i_h * K, o_k, K, False) * b_rk[:, None]
+    b_G = load_rows(G, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, True)
+    b_eG = tl.exp(b_G)
+    # QG = scale q_hat exp(G).
+    b_dG = b_dqg * b_q * b_eG
+    store_rows(dqs, b_dqg * b_eG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+    # KG = k_hat exp(G_last - G), and the state decay exp(G_last).
+    b_gl = tl.sum(tl.where((o_t == n_t - 1)[:, None], b_G, 0.0), 0)
+    b_ekl = tl.exp(b_gl[None, :] - b_G)
+    b_x = b_dkg * b_k * b_ekl
+    b_dgl = tl.sum(b_x, 0) + b_hdh * tl.exp(b_gl)
+    b_dG = b_dG - b_x + tl.where((o_t == n_t - 1)[:, None], b_dgl[None, :], 0.0)
+    store_rows(dkn, b_dkg * b_ekl, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+    store_rows(dG, b_dG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+
+
+@triton.jit
+def kda_dwv_bwd_kernel(
+    k, v, beta, G, Tinv, dW, dVn, do, Vn,  # inputs (dW from kda_dqk_bwd_kernel)
+    dkn, dG, db, dv, dAqk, dAkk,  # dkn, dG are added to in place; db fp32 [T, HV]; dv [T, HV, V];
+                                  # dAqk, dAkk fp32 [T, HV, BT]
+    cu_seqlens, chunk_indices,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BKK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per chunk: everything [BT, BT]-shaped. dAqk = dO V~^T; U = T Diag(beta) V and W = T Diag(beta)
+    (Gamma K) give dV, dbeta, dT; then dL = -T^T dT T^T (the inverse's backward), kept strictly lower."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n = tl.load(chunk_indices + i_c * 2)
@@ -82,67 +148,48 @@ def kda_dqkw_bwd_kernel(
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_t = o_t < n_t
-    dt = k.dtype.element_ty
+    dt = Vn.dtype.element_ty
 
     b_T = load_rows(Tinv, t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT, False)
     b_b = tl.where(m_t, tl.sigmoid(load_vec(beta, t0, n_t, o_t, HV, i_hv)), 0.0)
-    b_dqg = tl.zeros([BT, BK], tl.float32)
-    b_dkg = tl.zeros([BT, BK], tl.float32)
-    b_dW = tl.zeros([BT, BK], tl.float32)
     b_dA = tl.zeros([BT, BT], tl.float32)
     b_dT = tl.zeros([BT, BT], tl.float32)
     b_db = tl.zeros([BT], tl.float32)
-    b_hdh = tl.zeros([BK], tl.float32)
-    o_h = i_c.to(tl.int64) * HV * K * V + i_hv * K * V
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
-        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-        b_h = tl.load(h + o_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0).to(tl.float32)
-        b_dh = tl.load(dh + o_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0).to(tl.float32)
         b_vn = load_rows(Vn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False).to(dt)
         b_dvn = load_rows(dVn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False)
         b_do = load_rows(do, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False).to(dt)
         b_v = load_rows(v, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False)
-        b_dqg += tl.dot(b_do, tl.trans(b_h.to(dt)))
-        b_dkg += tl.dot(b_vn, tl.trans(b_dh.to(dt)))
-        b_dW -= tl.dot(b_dvn.to(dt), tl.trans(b_h.to(dt)))
-        b_dA += tl.dot(b_do, tl.trans(b_vn))
-        b_hdh += tl.sum(b_h * b_dh, 1)
-        # U = T Diag(beta) V.
-        b_dbv = tl.dot(tl.trans(b_T.to(dt)), b_dvn.to(dt))
+        b_dA += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+        b_dbv = tl.dot(tl.trans(b_T.to(dt)), b_dvn.to(dt), input_precision=PREC)
         store_rows(dv, b_dbv * b_b[:, None], t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
         b_db += tl.sum(b_dbv * b_v, 1)
-        b_dT += tl.dot(b_dvn.to(dt), tl.trans((b_v * b_b[:, None]).to(dt)))
-
-    # W = T Diag(beta)(Gamma K).
-    b_k = l2norm_rows(load_rows(k, t0, n_t, o_t, H * K, i_h * K, o_k, K, False))
-    b_G = load_rows(G, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, True)
-    b_eG = tl.exp(b_G)
-    b_kb = b_k * b_eG * b_b[:, None]
-    b_dT += tl.dot(b_dW.to(dt), tl.trans(b_kb.to(dt)))
-    b_dkb = tl.dot(tl.trans(b_T), b_dW, input_precision="ieee")
-    b_dk = b_dkb * b_eG * b_b[:, None]
-    b_db += tl.sum(b_dkb * b_k * b_eG, 1)
-    b_dG = b_dkb * b_kb
-    # T = (I + L)^-1: dL = -T^T dT T^T, kept strictly lower (L's support).
-    b_dL = -tl.dot(tl.trans(b_T), tl.dot(b_dT, tl.trans(b_T), input_precision="ieee"), input_precision="ieee")
+        b_dT += tl.dot(b_dvn.to(dt), tl.trans((b_v * b_b[:, None]).to(dt)), input_precision=PREC)
     m_tt = m_t[:, None] & m_t[None, :]
-    store_rows(dAkk, tl.where(m_tt & (o_t[:, None] > o_t[None, :]), b_dL, 0.0), t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT)
     store_rows(dAqk, tl.where(m_tt & (o_t[:, None] >= o_t[None, :]), b_dA, 0.0), t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT)
-    # QG = scale q_hat exp(G).
-    b_q = l2norm_rows(load_rows(q, t0, n_t, o_t, H * K, i_h * K, o_k, K, False)) * scale
-    b_dG += b_dqg * b_q * b_eG
-    store_rows(dqs, b_dqg * b_eG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
-    # KG = k_hat exp(G_last - G), and the state decay exp(G_last).
-    b_gl = tl.sum(tl.where((o_t == n_t - 1)[:, None], b_G, 0.0), 0)
-    b_ekl = tl.exp(b_gl[None, :] - b_G)
-    b_dk += b_dkg * b_ekl
-    b_x = b_dkg * b_k * b_ekl
-    b_dgl = tl.sum(b_x, 0) + b_hdh * tl.exp(b_gl)
-    b_dG = b_dG - b_x + tl.where((o_t == n_t - 1)[:, None], b_dgl[None, :], 0.0)
-    store_rows(dkn, b_dk, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
-    store_rows(dG, b_dG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+
+    # W = T Diag(beta)(Gamma K), in K tiles of BK (the norms need whole rows first).
+    o_kk = tl.arange(0, BKK)
+    b_kraw = load_rows(k, t0, n_t, o_t, H * K, i_h * K, o_kk, K, False)
+    b_rk = 1.0 / tl.sqrt(tl.sum(b_kraw * b_kraw, 1) + 1e-6)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_dW = load_rows(dW, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
+        b_k = load_rows(k, t0, n_t, o_t, H * K, i_h * K, o_k, K, False) * b_rk[:, None]
+        b_eG = tl.exp(load_rows(G, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, True))
+        b_kb = b_k * b_eG * b_b[:, None]
+        b_dT += tl.dot(b_dW.to(dt), tl.trans(b_kb.to(dt)), input_precision=PREC)
+        b_dkb = tl.dot(tl.trans(b_T), b_dW, input_precision=PREC)
+        b_db += tl.sum(b_dkb * b_k * b_eG, 1)
+        b_dk = b_dkb * b_eG * b_b[:, None] + load_rows(dkn, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
+        store_rows(dkn, b_dk, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+        b_dG = b_dkb * b_kb + load_rows(dG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
+        store_rows(dG, b_dG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
     tl.store(db + (t0 + o_t).to(tl.int64) * HV + i_hv, b_db, mask=m_t)
+    # T = (I + L)^-1: dL = -T^T dT T^T.
+    b_dL = -tl.dot(tl.trans(b_T), tl.dot(b_dT, tl.trans(b_T), input_precision=PREC), input_precision=PREC)
+    store_rows(dAkk, tl.where(m_tt & (o_t[:, None] > o_t[None, :]), b_dL, 0.0), t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT)
 
 
 @triton.jit
@@ -152,7 +199,7 @@ def kda_intra_bwd_kernel(
                                              # dbeta [T, HV]; dA_part [NT, HV]; dbias_part [NT, HV, K]
     cu_seqlens, chunk_indices, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKG: tl.constexpr, PREC: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -166,16 +213,19 @@ def kda_intra_bwd_kernel(
     o_k = tl.arange(0, BK)
     o_c = tl.arange(0, BC)
     m_t = o_t < n_t
-    dt = k.dtype.element_ty
+    # The backward always runs on float32 operands (PREC sets the tensor-core emulation).
+    dt = tl.float32
     s_A = HV * BT
     s_K = HV * K
 
     for I in tl.static_range(BT // BC):
         o_i = I * BC + o_c
-        b_kraw = load_rows(k, t0, n_t, o_i, H * K, i_h * K, o_k, K, False)
-        b_qraw = load_rows(q, t0, n_t, o_i, H * K, i_h * K, o_k, K, False)
-        b_ki = l2norm_rows(b_kraw)
-        b_qi = l2norm_rows(b_qraw) * scale
+        b_ki = load_rows(k, t0, n_t, o_i, H * K, i_h * K, o_k, K, False)
+        b_rk = 1.0 / tl.sqrt(tl.sum(b_ki * b_ki, 1) + 1e-6)
+        b_ki = b_ki * b_rk[:, None]
+        b_qi = load_rows(q, t0, n_t, o_i, H * K, i_h * K, o_k, K, False)
+        b_rq = 1.0 / tl.sqrt(tl.sum(b_qi * b_qi, 1) + 1e-6)
+        b_qi = b_qi * (b_rq * scale)[:, None]
         b_Gi = load_rows(G, t0, n_t, o_i, s_K, i_hv * K, o_k, K, True)
         b_bi = tl.where(o_i < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_i, HV, i_hv)), 0.0)
         b_rm = tl.sum(tl.where((o_c == BC // 2)[:, None], b_Gi, 0.0), 0)
@@ -197,13 +247,13 @@ def kda_intra_bwd_kernel(
             b_kr = (b_kj * tl.exp(b_r[None, :] - b_Gj)).to(dt)
             b_dAq = load_rows(dAqk, t0, n_t, o_i, s_A, i_hv * BT + J * BC, o_c, BC, False)
             b_dAk = load_rows(dAkk, t0, n_t, o_i, s_A, i_hv * BT + J * BC, o_c, BC, False)
-            b_Ks = tl.dot((b_ki * b_er).to(dt), tl.trans(b_kr))
+            b_Ks = tl.dot((b_ki * b_er).to(dt), tl.trans(b_kr), input_precision=PREC)
             if J == I:
                 b_Ks = tl.where(o_c[:, None] > o_c[None, :], b_Ks, 0.0)
             # L = Diag(beta) Ks: dbeta_i = sum_j dL_ij Ks_ij (dAkk is zero off L's support).
             b_dbi += tl.sum(b_dAk * b_Ks, 1)
-            b_dq += tl.dot(b_dAq.to(dt), b_kr) * b_er
-            b_dk += tl.dot((b_dAk * b_bi[:, None]).to(dt), b_kr) * b_er
+            b_dq += tl.dot(b_dAq.to(dt), b_kr, input_precision=PREC) * b_er
+            b_dk += tl.dot((b_dAk * b_bi[:, None]).to(dt), b_kr, input_precision=PREC) * b_er
         b_dGi = b_qi * b_dq + b_ki * b_dk
         # Tile I as the column side: dY_j = sum_i dA_ij X_i exp(G_i - G_j), rows from tiles J >= I.
         b_dkc = tl.zeros([BC, BK], tl.float32)
@@ -224,8 +274,8 @@ def kda_intra_bwd_kernel(
             b_erj = tl.exp(b_Gj - b_r[None, :])
             b_dAq = load_rows(dAqk, t0, n_t, J * BC + o_c, s_A, i_hv * BT + I * BC, o_c, BC, False)
             b_dAk = load_rows(dAkk, t0, n_t, J * BC + o_c, s_A, i_hv * BT + I * BC, o_c, BC, False) * b_bj[:, None]
-            b_x = (tl.dot(tl.trans(b_dAq.to(dt)), (b_qj * b_erj).to(dt))
-                   + tl.dot(tl.trans(b_dAk.to(dt)), (b_kj * b_erj).to(dt)))
+            b_x = (tl.dot(tl.trans(b_dAq.to(dt)), (b_qj * b_erj).to(dt), input_precision=PREC)
+                   + tl.dot(tl.trans(b_dAk.to(dt)), (b_kj * b_erj).to(dt), input_precision=PREC))
             b_dkc += b_x * tl.exp(b_r[None, :] - b_Gi)
         b_dGi -= b_ki * b_dkc
         b_dk += b_dkc
@@ -236,8 +286,6 @@ def kda_intra_bwd_kernel(
         b_dbi += load_vec(db, t0, n_t, o_i, HV, i_hv)
         b_qn = b_qi / scale
         b_dqn = b_dqs * scale
-        b_rq = 1.0 / tl.sqrt(tl.sum(b_qraw * b_qraw, 1) + 1e-6)
-        b_rk = 1.0 / tl.sqrt(tl.sum(b_kraw * b_kraw, 1) + 1e-6)
         b_dqx = (b_dqn - b_qn * tl.sum(b_dqn * b_qn, 1)[:, None]) * b_rq[:, None]
         b_dkx = (b_dkn - b_ki * tl.sum(b_dkn * b_ki, 1)[:, None]) * b_rk[:, None]
         store_rows(dq, b_dqx, t0, n_t, o_i, s_K, i_hv * K, o_k, K)
@@ -247,18 +295,21 @@ def kda_intra_bwd_kernel(
     tl.debug_barrier()
 
     # G = cumsum(g) in the chunk: dg = reverse cumsum of dG; then g = lb * sigmoid(a (z + bias)).
-    b_dG = load_rows(dG, t0, n_t, o_t, s_K, i_hv * K, o_k, K, False)
-    b_dg = tl.cumsum(b_dG, axis=0, reverse=True)
-    b_z = load_rows(z, t0, n_t, o_t, s_K, i_hv * K, o_k, K, False)
+    # Column-independent, so in K tiles of BKG (small register tiles).
     b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    if HAS_BIAS:
-        b_z += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-    b_s = tl.sigmoid(b_a * b_z)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    b_ds = tl.where(m_tk, b_dg * lower_bound * b_s * (1.0 - b_s), 0.0)
-    store_rows(dz, b_ds * b_a, t0, n_t, o_t, s_K, i_hv * K, o_k, K)
-    tl.store(dA_part + i_c.to(tl.int64) * HV + i_hv, tl.sum(tl.sum(b_ds * b_z, 1), 0) * b_a)
-    tl.store(dbias_part + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.sum(b_ds, 0) * b_a, mask=o_k < K)
+    b_dA = tl.zeros([BKG], tl.float32)
+    for i_k in tl.static_range(BK // BKG):
+        o_kg = i_k * BKG + tl.arange(0, BKG)
+        b_dg = tl.cumsum(load_rows(dG, t0, n_t, o_t, s_K, i_hv * K, o_kg, K, False), axis=0, reverse=True)
+        b_z = load_rows(z, t0, n_t, o_t, s_K, i_hv * K, o_kg, K, False)
+        if HAS_BIAS:
+            b_z += tl.load(dt_bias + i_hv * K + o_kg, mask=o_kg < K, other=0.0).to(tl.float32)[None, :]
+        b_s = tl.sigmoid(b_a * b_z)
+        b_ds = tl.where(m_t[:, None] & (o_kg < K)[None, :], b_dg * lower_bound * b_s * (1.0 - b_s), 0.0)
+        store_rows(dz, b_ds * b_a, t0, n_t, o_t, s_K, i_hv * K, o_kg, K)
+        b_dA += tl.sum(b_ds * b_z, 0)
+        tl.store(dbias_part + (i_c.to(tl.int64) * HV + i_hv) * K + o_kg, tl.sum(b_ds, 0) * b_a, mask=o_kg < K)
+    tl.store(dA_part + i_c.to(tl.int64) * HV + i_hv, tl.sum(b_dA, 0) * b_a)
 
 
 def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offsets, NT):
@@ -267,31 +318,38 @@ def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offset
     V = do.shape[-1]
     N = cu_seqlens.numel() - 1
     BK, BV = block_sizes(K, V)
-    BV = min(BV, 32) if W.is_cuda else BV
-    dh = torch.empty(NT, HV, K, V, device=W.device, dtype=W.dtype)
+    BV = min(BV, 16) if W.is_cuda else BV
+    dh = torch.empty(NT, HV, K, V, device=W.device, dtype=torch.float32)
     dVn = torch.empty(T, HV, V, device=W.device, dtype=torch.float32)
     dh0 = torch.empty(N, HV, K, V, device=W.device, dtype=torch.float32) if need_dh0 else None
     kda_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
         QG, KG, W, G, Aqk, do, dh, dVn, dht, dh0, cu_seqlens, chunk_offsets, HV=HV, K=K, V=V, BT=BT,
-        BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=need_dh0, num_warps=4,
+        BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=need_dh0, PREC=dot_precision(W.dtype, W.device), num_warps=4,
     )
     return dh, dVn, dh0
 
 
 def kda_dqkw_bwd(q, k, v, beta, G, Tinv, h, dh, Vn, dVn, do, scale, cu_seqlens, chunk_indices):
-    """Launch ``kda_dqkw_bwd_kernel``. Returns (dqs, dkn, dG, db, dv, dAqk, dAkk)."""
+    """Launch ``kda_dqk_bwd_kernel`` then ``kda_dwv_bwd_kernel``. Returns (dqs, dkn, dG, db, dv, dAqk, dAkk)."""
     T, H, K = k.shape
     HV, V = v.shape[1:]
     NT = chunk_indices.shape[0]
-    BK, BV = block_sizes(K, V)
+    BKK, BV = block_sizes(K, V)
+    BK = min(BKK, 64)
+    BV1 = min(BV, 32) if k.is_cuda else BV
     dev = k.device
-    dqs, dkn, dG = (torch.empty(T, HV, K, device=dev, dtype=torch.float32) for _ in range(3))
+    dqs, dkn, dG, dW = (torch.empty(T, HV, K, device=dev, dtype=torch.float32) for _ in range(4))
     db = torch.empty(T, HV, device=dev, dtype=torch.float32)
     dv = torch.empty_like(v)
     dAqk, dAkk = (torch.empty(T, HV, BT, device=dev, dtype=torch.float32) for _ in range(2))
-    kda_dqkw_bwd_kernel[(NT, HV)](
-        q, k, v, beta, G, Tinv, h, dh, Vn, dVn, do, dqs, dkn, dG, db, dv, dAqk, dAkk,
-        cu_seqlens, chunk_indices, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=8,
+    prec = dot_precision(h.dtype, dev)
+    kda_dqk_bwd_kernel[(triton.cdiv(K, BK), NT, HV)](
+        q, k, G, h, dh, Vn, dVn, do, dqs, dkn, dG, dW, cu_seqlens, chunk_indices, scale,
+        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=BK, BV=BV1, PREC=prec, num_warps=8,
+    )
+    kda_dwv_bwd_kernel[(NT, HV)](
+        k, v, beta, G, Tinv, dW, dVn, do, Vn, dkn, dG, db, dv, dAqk, dAkk, cu_seqlens, chunk_indices,
+        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=BK, BV=BV, PREC=prec, num_warps=8,
     )
     return dqs, dkn, dG, db, dv, dAqk, dAkk
 
@@ -312,6 +370,7 @@ def kda_intra_bwd(q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, db
     kda_intra_bwd_kernel[(NT, HV)](
         q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, db, dq, dk, dz, dbeta, dA_part,
         dbias_part, cu_seqlens, chunk_indices, scale, lower_bound, H=H, HV=HV, K=K,
-        HAS_BIAS=dt_bias is not None, BT=BT, BC=BC, BK=BK, num_warps=4,
+        HAS_BIAS=dt_bias is not None, BT=BT, BC=BC, BK=BK, BKG=min(BK, 32),
+        PREC=dot_precision(torch.float32, dev), num_warps=8,
     )
     return dq, dk, dz, dbeta, dA_part, dbias_part

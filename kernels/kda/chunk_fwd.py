@@ -15,13 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.kernels.kda.utils import BC, BT, l2norm_rows, load_rows, load_vec, store_rows
+from k3lab.kernels.kda.utils import BC, BT, dot_precision, l2norm_rows, load_rows, load_vec, store_rows
 
 
 @triton.jit
 def score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, I: tl.constexpr, J: tl.constexpr,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                BC: tl.constexpr, BK: tl.constexpr):
+                BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """Sub-tile (I, J), J <= I, of the two decayed score matrices of one chunk.
 
     Ks[i, j] = sum_c k_ic k_jc exp(G_ic - G_jc) (strictly lower on the diagonal) is returned;
@@ -30,7 +30,7 @@ def score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, I: tl.constexpr, J: tl.
     before sub-tile I when J < I (both factors <= 1), and G at the middle of the sub-tile when
     J == I, so no factor exceeds exp(8 |lb|) (the "1/Gamma in bf16" of the lower-bounded gate).
     """
-    dt = k.dtype.element_ty
+    dt = Aqk.dtype.element_ty
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     o_i = I * BC + o_c
@@ -48,8 +48,8 @@ def score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, I: tl.constexpr, J: tl.
         b_Gj = load_rows(G, t0, n_t, o_j, HV * K, i_hv * K, o_k, K, True)
     b_er = tl.exp(b_Gi - b_r[None, :])
     b_kr = (b_kj * tl.exp(b_r[None, :] - b_Gj)).to(dt)
-    b_Ks = tl.dot((b_ki * b_er).to(dt), tl.trans(b_kr))
-    b_Aq = tl.dot((b_qi * b_er).to(dt), tl.trans(b_kr))
+    b_Ks = tl.dot((b_ki * b_er).to(dt), tl.trans(b_kr), input_precision=PREC)
+    b_Aq = tl.dot((b_qi * b_er).to(dt), tl.trans(b_kr), input_precision=PREC)
     if I == J:
         b_Ks = tl.where(o_c[:, None] > o_c[None, :], b_Ks, 0.0)
         b_Aq = tl.where(o_c[:, None] >= o_c[None, :], b_Aq, 0.0)
@@ -83,7 +83,7 @@ def kda_intra_fwd_kernel(
                                  # W, KG = k exp(G_last - G), QG = scale q exp(G) [T, HV, K]; U [T, HV, V]
     cu_seqlens, chunk_indices, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -97,43 +97,51 @@ def kda_intra_fwd_kernel(
     o_k = tl.arange(0, BK)
     m_t = o_t < n_t
     m_tk = m_t[:, None] & (o_k < K)[None, :]
-    dt = k.dtype.element_ty
+    dt = W.dtype.element_ty
 
-    # Gate activation and cumulative log-decay; padded rows get g = 0 (no decay).
-    b_z = load_rows(z, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
+    # Gate activation and cumulative log-decay G, 16 rows at a time with a running prefix (small
+    # register tiles); padded rows get g = 0 (no decay), so the final prefix is G at the last token.
+    o_c = tl.arange(0, BC)
     b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    b_bias = tl.zeros([BK], tl.float32)
     if HAS_BIAS:
-        b_z += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-    b_g = tl.where(m_tk, lower_bound * tl.sigmoid(b_a * b_z), 0.0)
-    b_G = tl.cumsum(b_g, axis=0)
-    store_rows(G, b_G, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
-    b_Gl = tl.sum(tl.where((o_t == n_t - 1)[:, None], b_G, 0.0), 0)
-
-    b_k = l2norm_rows(load_rows(k, t0, n_t, o_t, H * K, i_h * K, o_k, K, False))
-    b_q = l2norm_rows(load_rows(q, t0, n_t, o_t, H * K, i_h * K, o_k, K, False)) * scale
-    b_b = tl.sigmoid(load_vec(beta, t0, n_t, o_t, HV, i_hv))
-    b_b = tl.where(m_t, b_b, 0.0)
-    store_rows(KG, b_k * tl.exp(b_Gl[None, :] - b_G), t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
-    store_rows(QG, b_q * tl.exp(b_G), t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+        b_bias += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+    b_Gl = tl.zeros([BK], tl.float32)
+    for I in tl.static_range(BT // BC):
+        o_i = I * BC + o_c
+        b_z = load_rows(z, t0, n_t, o_i, HV * K, i_hv * K, o_k, K, False) + b_bias[None, :]
+        b_g = tl.where((o_i < n_t)[:, None] & (o_k < K)[None, :], lower_bound * tl.sigmoid(b_a * b_z), 0.0)
+        store_rows(G, b_Gl[None, :] + tl.cumsum(b_g, axis=0), t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
+        b_Gl += tl.sum(b_g, 0)
+    tl.debug_barrier()
+    # KG = k exp(G_last - G), QG = scale q exp(G), and W's right operand Diag(beta)(Gamma K) (in W).
+    for I in tl.static_range(BT // BC):
+        o_i = I * BC + o_c
+        b_Gi = load_rows(G, t0, n_t, o_i, HV * K, i_hv * K, o_k, K, True)
+        b_ki = l2norm_rows(load_rows(k, t0, n_t, o_i, H * K, i_h * K, o_k, K, False))
+        b_bi = tl.where(o_i < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_i, HV, i_hv)), 0.0)
+        store_rows(KG, b_ki * tl.exp(b_Gl[None, :] - b_Gi), t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
+        store_rows(W, b_ki * tl.exp(b_Gi) * b_bi[:, None], t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
+        b_qi = l2norm_rows(load_rows(q, t0, n_t, o_i, H * K, i_h * K, o_k, K, False)) * scale
+        store_rows(QG, b_qi * tl.exp(b_Gi), t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
     # G goes through global memory so the sub-tile loads below can read any 16 rows of it.
     tl.debug_barrier()
 
     # Sub-tiles of L = Diag(beta) StrictTril(Ks) (returned) and Aqk (stored), 4 x 4 blocks of 16.
-    o_c = tl.arange(0, BC)
     b_b0 = tl.where(o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_c, HV, i_hv)), 0.0)[:, None]
     b_b1 = tl.where(BC + o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, BC + o_c, HV, i_hv)), 0.0)[:, None]
     b_b2 = tl.where(2 * BC + o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, 2 * BC + o_c, HV, i_hv)), 0.0)[:, None]
     b_b3 = tl.where(3 * BC + o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, 3 * BC + o_c, HV, i_hv)), 0.0)[:, None]
-    b_L00 = b_b0 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 0, 0, H, HV, K, BT, BC, BK)
-    b_L10 = b_b1 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 1, 0, H, HV, K, BT, BC, BK)
-    b_L11 = b_b1 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 1, 1, H, HV, K, BT, BC, BK)
-    b_L20 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 2, 0, H, HV, K, BT, BC, BK)
-    b_L21 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 2, 1, H, HV, K, BT, BC, BK)
-    b_L22 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 2, 2, H, HV, K, BT, BC, BK)
-    b_L30 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 0, H, HV, K, BT, BC, BK)
-    b_L31 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 1, H, HV, K, BT, BC, BK)
-    b_L32 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 2, H, HV, K, BT, BC, BK)
-    b_L33 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 3, H, HV, K, BT, BC, BK)
+    b_L00 = b_b0 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 0, 0, H, HV, K, BT, BC, BK, PREC)
+    b_L10 = b_b1 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 1, 0, H, HV, K, BT, BC, BK, PREC)
+    b_L11 = b_b1 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 1, 1, H, HV, K, BT, BC, BK, PREC)
+    b_L20 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 2, 0, H, HV, K, BT, BC, BK, PREC)
+    b_L21 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 2, 1, H, HV, K, BT, BC, BK, PREC)
+    b_L22 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 2, 2, H, HV, K, BT, BC, BK, PREC)
+    b_L30 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 0, H, HV, K, BT, BC, BK, PREC)
+    b_L31 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 1, H, HV, K, BT, BC, BK, PREC)
+    b_L32 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 2, H, HV, K, BT, BC, BK, PREC)
+    b_L33 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 3, H, HV, K, BT, BC, BK, PREC)
 
     # Block forward substitution: T_II = (I + L_II)^-1, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ.
     b_T00 = unit_lower_inverse(b_L00, BC)
@@ -172,12 +180,14 @@ def kda_intra_fwd_kernel(
 
     # W = T Diag(beta)(Gamma K), U = T Diag(beta) V, with the whole T as one [BT, BT] operand.
     b_T = load_rows(Tinv, t0, n_t, o_t, s_T, i_hv * BT, o_t, BT, False).to(dt)
-    b_W = tl.dot(b_T, (b_k * tl.exp(b_G) * b_b[:, None]).to(dt))
+    b_W = tl.dot(b_T, load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False).to(dt), input_precision=PREC)
+    tl.debug_barrier()
     store_rows(W, b_W, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+    b_b = tl.where(m_t, tl.sigmoid(load_vec(beta, t0, n_t, o_t, HV, i_hv)), 0.0)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         b_v = load_rows(v, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False)
-        b_U = tl.dot(b_T, (b_v * b_b[:, None]).to(dt))
+        b_U = tl.dot(b_T, (b_v * b_b[:, None]).to(dt), input_precision=PREC)
         store_rows(U, b_U, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
 
 
@@ -187,7 +197,7 @@ def kda_state_fwd_kernel(
                                  # h [NT, HV, K, V] state before each chunk; h0, ht fp32 [N, HV, K, V]
     cu_seqlens, chunk_offsets,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -211,11 +221,11 @@ def kda_state_fwd_kernel(
         tl.store(h + (c0 + i_j) * HV * K * V + o_s, b_S.to(h.dtype.element_ty), mask=m_kv)
         b_W = load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
         b_U = load_rows(U, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False)
-        b_vn = b_U - tl.dot(b_W.to(dt), b_S.to(dt))
+        b_vn = b_U - tl.dot(b_W.to(dt), b_S.to(dt), input_precision=PREC)
         store_rows(Vn, b_vn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
         b_kg = load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
         b_gl = tl.sum(load_rows(G, t0, n_t, n_t - 1 + tl.zeros([1], tl.int32), HV * K, i_hv * K, o_k, K, True), 0)
-        b_S = b_S * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_kg.to(dt)), b_vn.to(dt))
+        b_S = b_S * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_kg.to(dt)), b_vn.to(dt), input_precision=PREC)
     if STORE_HT:
         tl.store(ht + i_n.to(tl.int64) * HV * K * V + o_s, b_S, mask=m_kv)
 
@@ -225,7 +235,7 @@ def kda_output_fwd_kernel(
     QG, h, Aqk, Vn, o,  # QG [T, HV, K]; h [NT, HV, K, V]; Aqk [T, HV, BT]; Vn, o [T, HV, V]
     cu_seqlens, chunk_indices,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr,
+    BV: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n = tl.load(chunk_indices + i_c * 2)
@@ -243,7 +253,7 @@ def kda_output_fwd_kernel(
     b_h = tl.load(p_h, mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0).to(dt)
     b_A = load_rows(Aqk, t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT, False).to(dt)
     b_vn = load_rows(Vn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False).to(dt)
-    b_o = tl.dot(b_qg, b_h) + tl.dot(b_A, b_vn)
+    b_o = tl.dot(b_qg, b_h, input_precision=PREC) + tl.dot(b_A, b_vn, input_precision=PREC)
     store_rows(o, b_o, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
 
 
@@ -252,13 +262,14 @@ def block_sizes(K: int, V: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(K)), min(64, max(16, triton.next_power_of_2(V)))
 
 
-def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, chunk_indices):
-    """Launch ``kda_intra_fwd_kernel``; inputs flattened to [T, heads, D]. Returns (G, Tinv, Aqk, W, U, KG, QG)."""
+def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, chunk_indices, dtype):
+    """Launch ``kda_intra_fwd_kernel``; inputs flattened to [T, heads, D]; ``dtype`` is the intermediates'
+    (q's for inference, float32 when gradients follow). Returns (G, Tinv, Aqk, W, U, KG, QG)."""
     T, H, K = k.shape
     HV, V = v.shape[1:]
     NT = chunk_indices.shape[0]
     BK, BV = block_sizes(K, V)
-    dev, dt = k.device, k.dtype
+    dev, dt = k.device, dtype
     G = torch.empty(T, HV, K, device=dev, dtype=torch.float32)
     Tinv = torch.empty(T, HV, BT, device=dev, dtype=torch.float32)
     Aqk = torch.empty(T, HV, BT, device=dev, dtype=dt)
@@ -267,7 +278,7 @@ def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqle
     kda_intra_fwd_kernel[(NT, HV)](
         q, k, v, z, beta, A_log, dt_bias, G, Tinv, Aqk, W, U, KG, QG, cu_seqlens, chunk_indices,
         scale, lower_bound, H=H, HV=HV, K=K, V=V, HAS_BIAS=dt_bias is not None,
-        BT=BT, BC=BC, BK=BK, BV=BV, num_warps=4,
+        BT=BT, BC=BC, BK=BK, BV=BV, PREC=dot_precision(dt, dev), num_warps=8,
     )
     return G, Tinv, Aqk, W, U, KG, QG
 
@@ -278,13 +289,14 @@ def kda_state_fwd(W, U, KG, G, h0, output_final_state, cu_seqlens, chunk_offsets
     V = U.shape[-1]
     N = cu_seqlens.numel() - 1
     BK, BV = block_sizes(K, V)
-    BV = min(BV, 32) if W.is_cuda else BV
+    # The one sequential kernel: small V tiles give N * HV * V / 16 programs to fill the SMs.
+    BV = min(BV, 16) if W.is_cuda else BV
     h = torch.empty(NT, HV, K, V, device=W.device, dtype=W.dtype)
     Vn = torch.empty_like(U)
     ht = torch.empty(N, HV, K, V, device=W.device, dtype=torch.float32) if output_final_state else None
     kda_state_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
         W, U, KG, G, h, Vn, h0, ht, cu_seqlens, chunk_offsets, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        USE_H0=h0 is not None, STORE_HT=output_final_state, num_warps=4,
+        USE_H0=h0 is not None, STORE_HT=output_final_state, PREC=dot_precision(W.dtype, W.device), num_warps=4,
     )
     return h, Vn, ht
 
@@ -297,6 +309,7 @@ def kda_output_fwd(QG, h, Aqk, Vn, cu_seqlens, chunk_indices):
     BK, BV = block_sizes(K, V)
     o = torch.empty_like(Vn)
     kda_output_fwd_kernel[(triton.cdiv(V, BV), NT, HV)](
-        QG, h, Aqk, Vn, o, cu_seqlens, chunk_indices, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=4,
+        QG, h, Aqk, Vn, o, cu_seqlens, chunk_indices, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
+        PREC=dot_precision(Vn.dtype, Vn.device), num_warps=8 if Vn.dtype == torch.float32 else 4,
     )
     return o

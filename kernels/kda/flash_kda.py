@@ -27,15 +27,17 @@ class FlashKDAFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, z, beta)]
+        # Intermediates in float32 when a backward follows (the gate gradient needs it), else q's dtype.
+        inter = torch.float32 if any(ctx.needs_input_grad) else q.dtype
         G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(*flat, A_log, dt_bias, scale, lower_bound, cu_seqlens,
-                                                   chunk_indices)
+                                                   chunk_indices, inter)
         h, Vn, ht = kda_state_fwd(W, U, KG, G, initial_state, output_final_state, cu_seqlens, chunk_offsets,
                                   chunk_indices.shape[0])
         o = kda_output_fwd(QG, h, Aqk, Vn, cu_seqlens, chunk_indices)
         ctx.save_for_backward(q, k, v, z, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices,
                               chunk_offsets)
         ctx.scale, ctx.lower_bound = scale, lower_bound
-        return o.view(B, T, HV, V), ht
+        return o.view(B, T, HV, V).to(q.dtype), ht
 
     @staticmethod
     def backward(ctx, do, dht):
@@ -46,7 +48,7 @@ class FlashKDAFunction(torch.autograd.Function):
         NT = chunk_indices.shape[0]
         qf, kf, vf, zf, bf = (x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, z, beta))
         G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(qf, kf, vf, zf, bf, A_log, dt_bias, scale, lb, cu_seqlens,
-                                                   chunk_indices)
+                                                   chunk_indices, torch.float32)
         h, Vn, _ = kda_state_fwd(W, U, KG, G, h0, False, cu_seqlens, chunk_offsets, NT)
         del U
         do = do.reshape(B * T, HV, V).contiguous()

@@ -15,6 +15,12 @@ BT = 64
 BC = 16
 
 
+def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
+    """tl.dot input precision: float32 operands use 3 bf16 passes on the GPU (about fp32 accuracy, which
+    the gate gradient needs: it is a sum of large terms that cancel); bf16 operands ignore it."""
+    return "bf16x3" if dtype == torch.float32 and device.type == "cuda" else "tf32"
+
+
 @triton.jit
 def load_rows(x, t0, n_t, o_r, stride, off, o_c, n_c, CLAMP: tl.constexpr):
     """Rows t0 + o_r (columns o_c < n_c) of a [T, stride] tensor as float32.

@@ -1,0 +1,242 @@
+"""Benchmark FlashKDA (``k3lab.kernels.kda.flash_kda``) against fla-core's ``chunk_kda`` on one GPU.
+
+    python -m k3lab.bench.flash_kda                        # check, ceilings, the issue's 4 baseline cases
+    python -m k3lab.bench.flash_kda --cases 1x8192x16 4x8192x16 --out data/results/flash_kda_h200.json
+    python -m k3lab.bench.flash_kda --check-only           # correctness only (bf16 vs float64 naive)
+
+Order: (1) correctness first, bf16 on the GPU against the float64 naive recurrence (outputs and final
+state <= 5e-3, every gradient <= 1e-2 RMS relative; it stops on failure); (2) ceilings: bf16 matmul
+TFLOP/s and device-to-device copy GB/s; (3) per case, ours and fla forward and forward+backward times
+(``triton.testing.do_bench``, median ms) and peak memory of one forward+backward
+(``torch.cuda.max_memory_allocated`` above the inputs). Both run the same settings: bf16, K = V = 128,
+K3's lower-bounded gate (lower_bound -5), q/k L2 norm, beta sigmoid and gate activation in-kernel,
+no initial or final state. Writes the JSON (shape fixed by issue 3) and prints the table last.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from k3lab.testing import rel_rms_error
+
+LOWER_BOUND = -5.0
+BASELINE_CASES = ["1x8192x16", "4x8192x16", "1x32768x32", "8x4096x32"]
+OUT_TOL, GRAD_TOL = 5e-3, 1e-2
+
+
+def reference(q, k, v, z, beta, A_log, dt_bias, initial_state=None, cu_seqlens=None, lower_bound=LOWER_BOUND):
+    """The float64 naive recurrence with the fused pieces applied in torch (the ground truth)."""
+    from k3lab.kda import lower_bounded_gate, naive_recurrent_kda
+
+    qn = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    kn = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    g = lower_bounded_gate(z, A_log, dt_bias, lower_bound)
+    return naive_recurrent_kda(qn, kn, v, g, beta.sigmoid(), initial_state=initial_state,
+                               output_final_state=True, cu_seqlens=cu_seqlens)
+
+
+def make_inputs(B, T, H, HV, K, V, device, dtype=torch.bfloat16, seed=0, N=None):
+    """Random KDA inputs: q, k, v, z [B, T, *, *] in dtype; beta logits; A_log, dt_bias float32; h0 [N, HV, K, V]."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, v, z, beta = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V), r(B, T, HV, K), r(B, T, HV)
+    A_log, dt_bias = 0.5 * r(HV), 0.5 * r(HV * K)
+    h0 = r(N or B, HV, K, V)
+    return ([x.to(device, dtype) for x in (q, k, v, z, beta)]
+            + [A_log.to(device), dt_bias.to(device), h0.to(device)])
+
+
+def check_correctness(device, B=2, T=600, H=2, HV=4, K=128, V=128, cu=(0, 100, 700)) -> dict:
+    """bf16 flash_kda vs the float64 naive reference: outputs, final state, all 8 gradients; fixed-length
+    (T not a multiple of 64, GVA, initial state) and varlen. Raises AssertionError over the tolerances."""
+    from k3lab.kernels.kda import flash_kda
+
+    errors = {}
+    for name, cu_seqlens in (("fixed", None), ("varlen", torch.tensor(cu, device=device))):
+        b, t = (B, T) if cu_seqlens is None else (1, cu[-1])
+        N = b if cu_seqlens is None else len(cu) - 1
+        ins = make_inputs(b, t, H, HV, K, V, device, N=N, seed=1)
+        ours = [x.detach().clone().requires_grad_() for x in ins]
+        ref = [x.detach().double().requires_grad_() for x in ins]
+        o, s = flash_kda(*ours[:7], initial_state=ours[7], output_final_state=True, cu_seqlens=cu_seqlens)
+        o_ref, s_ref = reference(*ref[:7], initial_state=ref[7], cu_seqlens=cu_seqlens)
+        gen = torch.Generator(device="cpu").manual_seed(2)
+        do = torch.randn(o_ref.shape, generator=gen, dtype=torch.float64).to(device)
+        ds = torch.randn(s_ref.shape, generator=gen, dtype=torch.float64).to(device)
+        ((o.double() * do).sum() + (s.double() * ds).sum()).backward()
+        ((o_ref * do).sum() + (s_ref * ds).sum()).backward()
+        errs = {"o": rel_rms_error(o_ref, o), "final_state": rel_rms_error(s_ref, s)}
+        for n, a, x in zip(("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"), ref, ours):
+            errs[n] = rel_rms_error(a.grad, x.grad)
+        errors[name] = errs
+        print(f"correctness {name} (B={b}, T={t}, H={H}, HV={HV}, K={K}, V={V}, bf16 vs float64 naive): "
+              + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()), flush=True)
+        bad = {n: e for n, e in errs.items() if not e <= (OUT_TOL if n in ("o", "final_state") else GRAD_TOL)}
+        if bad:
+            raise AssertionError(f"flash_kda {name}: errors over tolerance {bad}")
+    return errors
+
+
+def ceilings(device) -> dict:
+    """Measured bf16 matmul TFLOP/s (8192^3) and device-to-device copy GB/s (bytes read + written)."""
+    from triton.testing import do_bench
+
+    n = 8192
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    ms = do_bench(lambda: a @ b, warmup=50, rep=300)
+    x = torch.empty(2**30, device=device, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    ms_copy = do_bench(lambda: y.copy_(x), warmup=50, rep=300)
+    del a, b, x, y
+    return {"bf16_matmul_tflops": 2 * n**3 / ms / 1e9, "copy_gbps": 2 * 2**30 / ms_copy / 1e6}
+
+
+def fwd_flops(B, T, H, K, V, C=64) -> float:
+    """Useful FLOPs of the chunkwise forward (lower-triangular products counted at half):
+    per chunk and head: Akk, Aqk C^2 K each; the UT inverse C^3 / 3; W, U 2 C^2 K, 2 C^2 V;
+    W S, K^T V~, Q S 2 C K V each; Aqk V~ C^2 V."""
+    per_chunk = 2 * C * C * K + C**3 / 3 + 2 * C * C * K + 2 * C * C * V + 6 * C * K * V + C * C * V
+    return B * H * (T / C) * per_chunk
+
+
+def fwd_bytes(B, T, H, K, V, itemsize=2) -> float:
+    """Compulsory forward traffic: read q, k, v, z, beta; write o (the floor any implementation pays)."""
+    return B * T * H * (3 * K + V + 1 + V) * itemsize
+
+
+def time_case(B, T, H, K, V, device, run_fla=True, warmup=25, rep=100) -> dict:
+    """Time ours and fla at one shape (HV = H); returns the issue's per-case record."""
+    from triton.testing import do_bench
+
+    from k3lab.kernels.kda import flash_kda
+
+    q, k, v, z, beta, A_log, dt_bias, _ = make_inputs(B, T, H, H, K, V, device)
+    scale = K**-0.5
+
+    def ours(grad):
+        return flash_kda(q, k, v, z, beta, A_log, dt_bias, scale=scale, lower_bound=LOWER_BOUND,
+                         check_values=False)[0]
+
+    def fla(grad):
+        from fla.ops.kda import chunk_kda
+
+        return chunk_kda(q, k, v, z, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                         use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND)[0]
+
+    leaves = (q, k, v, z, beta, A_log, dt_bias)
+    do = torch.randn(B, T, H, V, device=device, dtype=torch.bfloat16)
+
+    def measure(fn):
+        for x in leaves:
+            x.requires_grad_(False)
+        with torch.no_grad():
+            fwd = do_bench(lambda: fn(False), warmup=warmup, rep=rep)
+        for x in leaves:
+            x.requires_grad_(True)
+
+        def step():
+            o = fn(True)
+            torch.autograd.backward(o, do, inputs=list(leaves))
+
+        step()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        fb = do_bench(step, warmup=warmup, rep=rep, grad_to_none=list(leaves))
+        return fwd, fb, peak
+
+    t = time.time()
+    ours_fwd, ours_fb, ours_peak = measure(ours)
+    print(f"  ours {B}x{T}x{H}: fwd {ours_fwd:.3f} ms, fwd+bwd {ours_fb:.3f} ms ({time.time() - t:.0f} s)", flush=True)
+    fla_fwd = fla_fb = fla_peak = float("nan")
+    if run_fla:
+        t = time.time()
+        fla_fwd, fla_fb, fla_peak = measure(fla)
+        print(f"  fla  {B}x{T}x{H}: fwd {fla_fwd:.3f} ms, fwd+bwd {fla_fb:.3f} ms ({time.time() - t:.0f} s)", flush=True)
+    return {
+        "B": B, "T": T, "H": H, "K": K,
+        "ours_fwd_ms": ours_fwd, "fla_fwd_ms": fla_fwd,
+        "ours_fwd_bwd_ms": ours_fb, "fla_fwd_bwd_ms": fla_fb,
+        "speedup_fwd": fla_fwd / ours_fwd, "speedup_fwd_bwd": fla_fb / ours_fb,
+        "tflops_fwd": fwd_flops(B, T, H, K, V) / ours_fwd / 1e9,
+        "ours_peak_mib": ours_peak, "fla_peak_mib": fla_peak,
+    }
+
+
+def table(result: dict) -> str:
+    """The speed table as text (GB/s = compulsory forward bytes / our forward time)."""
+    ceil = result["hardware"]
+    head = (f"{'B':>2} {'T':>6} {'H':>3} | {'ours fwd':>9} {'fla fwd':>8} {'x':>5} | {'ours f+b':>9} "
+            f"{'fla f+b':>8} {'x':>5} | {'TFLOP/s':>7} {'GB/s':>6} | {'ours MiB':>8} {'fla MiB':>8}")
+    lines = [f"ceilings: bf16 matmul {ceil.get('bf16_matmul_tflops', float('nan')):.0f} TFLOP/s, "
+             f"copy {ceil.get('copy_gbps', float('nan')):.0f} GB/s", head, "-" * len(head)]
+    for c in result["cases"]:
+        gbps = fwd_bytes(c["B"], c["T"], c["H"], c["K"], c["K"]) / c["ours_fwd_ms"] / 1e6
+        lines.append(
+            f"{c['B']:>2} {c['T']:>6} {c['H']:>3} | {c['ours_fwd_ms']:>9.3f} {c['fla_fwd_ms']:>8.3f} "
+            f"{c['speedup_fwd']:>5.2f} | {c['ours_fwd_bwd_ms']:>9.3f} {c['fla_fwd_bwd_ms']:>8.3f} "
+            f"{c['speedup_fwd_bwd']:>5.2f} | {c['tflops_fwd']:>7.1f} {gbps:>6.0f} | "
+            f"{c['ours_peak_mib']:>8.0f} {c['fla_peak_mib']:>8.0f}")
+    return "\n".join(lines)
+
+
+def versions() -> dict:
+    import triton
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+           "cuda": torch.version.cuda}
+    try:
+        from importlib.metadata import version
+
+        out["fla-core"] = version("fla-core")
+    except Exception:  # fla not installed: the JSON says so
+        out["fla-core"] = None
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", nargs="*", default=BASELINE_CASES, help="shapes BxTxH (K = V = 128, HV = H)")
+    p.add_argument("--K", type=int, default=128, help="key and value head dim")
+    p.add_argument("--out", default="data/results/flash_kda_h200.json", help="where the JSON goes ('' = nowhere)")
+    p.add_argument("--check-only", action="store_true", help="run the correctness check and stop")
+    p.add_argument("--skip-check", action="store_true", help="skip the correctness check")
+    p.add_argument("--no-fla", action="store_true", help="time ours only")
+    p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms of timed runs)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("python -m k3lab.bench.flash_kda needs a CUDA GPU")
+    device = torch.device("cuda")
+    result = {"hardware": {"name": torch.cuda.get_device_name()}, "versions": versions(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cases": []}
+    if not args.skip_check:
+        t = time.time()
+        result["hardware"]["correctness"] = check_correctness(device)
+        print(f"correctness passed ({time.time() - t:.0f} s incl. compile)", flush=True)
+        if args.check_only:
+            return result
+    result["hardware"].update(ceilings(device))
+    for case in args.cases:
+        B, T, H = (int(x) for x in case.split("x"))
+        result["cases"].append(time_case(B, T, H, args.K, args.K, device, run_fla=not args.no_fla, rep=args.rep))
+        torch.cuda.empty_cache()
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
