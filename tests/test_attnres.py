@@ -149,11 +149,32 @@ def test_closed_form_backward(n, with_partial):
 def test_depth_mix_errors():
     buf = torch.randn(3, 4, 8)
     with pytest.raises(ValueError, match="backend"):
-        depth_mix(torch.zeros(8), None, buf, 1, [buf[0]], backend="cuda")
-    with pytest.raises(ValueError, match="len\\(blocks\\)"):
-        depth_mix(torch.zeros(8), None, buf, 2, [buf[0]])
+        depth_mix(torch.zeros(8), None, [buf[0]], backend="cuda")
+    with pytest.raises(ValueError, match="at least one"):
+        depth_mix(torch.zeros(8), None, [])
     with pytest.raises(ValueError, match="w must be"):
-        depth_mix(torch.zeros(4), None, buf, 1, [buf[0]])
+        depth_mix(torch.zeros(4), None, [buf[0]])
+    with pytest.raises(ValueError, match="partial"):
+        depth_mix(torch.zeros(8), buf[0, :2], [buf[0]])
+
+
+@pytest.mark.parametrize("with_partial", [True, False])
+def test_depth_mix_gradients(with_partial):
+    """A stand-alone read: the accumulator/tap route delivers each block's gradient, repeated reads
+    of the same blocks sum their gradients."""
+    g = torch.Generator().manual_seed(21)
+    blocks = [torch.randn(2, 5, 12, dtype=torch.float64, generator=g).requires_grad_() for _ in range(3)]
+    partial = torch.randn(2, 5, 12, dtype=torch.float64, generator=g).requires_grad_() if with_partial else None
+    w = torch.randn(12, dtype=torch.float64, generator=g).requires_grad_()
+    dh = torch.randn(2, 5, 12, dtype=torch.float64, generator=g)
+    leaves = blocks + ([partial] if with_partial else []) + [w]
+    h_ref, _ = depth_attention([b * 1 for b in blocks] + ([partial] if with_partial else []), w)
+    ref = torch.autograd.grad((h_ref * dh).sum(), leaves)
+    out = depth_mix(w, partial, blocks)
+    got = torch.autograd.grad((out * dh).sum(), leaves)
+    assert_close("h", h_ref, out, 1e-12)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert_close(f"grad {i}", a, b, 1e-10)
 
 
 def test_activation_memory_matches_standard_residual():
@@ -207,3 +228,26 @@ def test_lm_integration_trains_and_matches_naive():
         model(x, y)[1].backward()
         opt.step()
     assert model(x, y)[1].item() < first - 0.1
+
+
+def test_memory_path_frees_its_buffer(monkeypatch):
+    """After backward, nothing keeps the block buffer alive (no reference cycle through the graph)."""
+    import gc
+    import weakref
+
+    import k3lab.attnres.block as block
+
+    made = []
+
+    class Tracked(block.DepthBuffer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(block, "DepthBuffer", Tracked)
+    subs, h0, q = make(6, seed=13)
+    res = module((16, 6, 3), q, "memory")
+    for _ in range(2):
+        res(h0.clone().requires_grad_(), subs).sum().backward()
+    gc.collect()
+    assert len(made) == 2 and all(r() is None for r in made)

@@ -43,6 +43,21 @@ def test_kernel_matches_torch(S, n, M, D, with_partial):
         assert_close("dw", dw_ref, dw, TOL)
 
 
+def test_kernel_accumulates_into_dacc():
+    g = torch.Generator().manual_seed(9)
+    buf = torch.randn(4, 10, 24, generator=g).to(DEVICE)
+    partial, w = torch.randn(10, 24, generator=g).to(DEVICE), torch.randn(24, generator=g).to(DEVICE)
+    dh = torch.randn(10, 24, generator=g).to(DEVICE)
+    _, lse = mix_fwd_torch(buf, 3, partial, w, 1e-6)
+    acc0 = torch.randn(4, 10, 24, generator=g).to(DEVICE)
+    acc = acc0.clone()
+    dbuf, _, _ = mix_bwd(dh, buf, 3, partial, w, lse, 1e-6, dacc=acc)
+    ref, _, _ = mix_bwd_torch(dh, buf, 3, partial, w, lse, 1e-6)
+    assert_close("acc[:3]", acc0[:3] + ref, acc[:3], TOL)
+    assert torch.equal(acc[3], acc0[3])  # slots >= n untouched
+    assert dbuf.data_ptr() == acc.data_ptr()
+
+
 def test_kernel_bf16_storage():
     """bf16 sources and output, float32 math inside."""
     g = torch.Generator().manual_seed(5)
@@ -54,6 +69,26 @@ def test_kernel_bf16_storage():
     assert h.dtype == torch.bfloat16
     assert_close("h bf16", h_ref.float(), h.float(), 1e-2)
     assert_close("lse bf16", lse_ref, lse, 1e-5)
+
+
+def test_module_bf16_buffer_close_to_float32():
+    """buffer_dtype=bfloat16: same function up to bf16 rounding of the stored blocks."""
+    L, N, d = 4, 2, 32
+    torch.manual_seed(12)
+    subs = nn.ModuleList([nn.Sequential(nn.RMSNorm(d), nn.Linear(d, d), nn.Tanh()) for _ in range(L)]).to(DEVICE)
+    h0 = torch.randn(2, 5, d, device=DEVICE)
+    out = {}
+    for dtype in (None, torch.bfloat16):
+        res = BlockAttnRes(d, L, N, path="memory", backend="triton", buffer_dtype=dtype).to(DEVICE)
+        with torch.no_grad():
+            res.queries.normal_(generator=torch.Generator(device=DEVICE).manual_seed(1))
+        x = h0.clone().requires_grad_()
+        y = res(x, subs)
+        y.square().mean().backward()
+        out[dtype] = (y.detach(), x.grad)
+    assert out[torch.bfloat16][0].dtype == torch.float32
+    assert_close("out", out[None][0], out[torch.bfloat16][0], 2e-2)
+    assert_close("grad", out[None][1], out[torch.bfloat16][1], 3e-2)
 
 
 def test_module_triton_backend_matches_naive():

@@ -2,8 +2,9 @@
 replaces the residual stream.
 
 - ``naive``: the formula (``naive_attnres``, ``naive_block_attnres``), the reference.
-- ``mix``: one depth-softmax read with recompute-in-backward (``depth_mix``), PyTorch backend;
-  the Triton backend is ``k3lab.kernels.attnres``.
+- ``mix``: depth-softmax reads with recompute-in-backward over a shared ``DepthBuffer``
+  (``read``; ``depth_mix`` for one stand-alone read), PyTorch backend; the Triton backend is
+  ``k3lab.kernels.attnres``.
 - ``block``: the residual modules ``BlockAttnRes`` and ``AttnRes`` (memory-efficient training path).
 - ``inference``: the two-phase inference path (``block_attnres_inference``).
 - ``memory``: ``retained_bytes``, the activation memory a forward leaves for backward.

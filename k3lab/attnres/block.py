@@ -6,8 +6,9 @@ applies its own pre-norm and returns its output). Three paths compute the same f
 - "naive": ``naive_block_attnres``, autograd through the formula (stacks every read's sources and
   keeps them for backward: O(L N d) saved per token).
 - "memory" (training default): the block representations are written once into one buffer
-  [N + 1, B, T, d] and read by every later sublayer; each read is ``depth_mix`` (keys, logits and
-  weights recomputed in backward); and the read's output h_l, which the sublayer saves as its input,
+  [N + 1, B, T, d] (``DepthBuffer``) and read by every later sublayer; each read is ``mix.read``
+  (keys, logits and weights recomputed in backward; the blocks' gradients summed by the backward
+  kernel in one accumulator); and the read's output h_l, which the sublayer saves as its input,
   is not kept: a saved-tensor hook swaps it for a recipe and recomputes it from the buffer and the
   partial sum in backward (K3's activation manager gives every saved tensor such a policy). Per
   sublayer this keeps the partial sum where the standard residual keeps its stream h_l, so saved
@@ -23,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from k3lab.attnres.inference import block_attnres_inference
-from k3lab.attnres.mix import BACKENDS, depth_mix
+from k3lab.attnres.mix import BACKENDS, DepthBuffer, read
 from k3lab.attnres.naive import block_sizes, naive_block_attnres
 
 PATHS = ("auto", "naive", "memory", "inference")
@@ -79,6 +80,9 @@ class BlockAttnRes(nn.Module):
             "triton" for CUDA inputs and "torch" otherwise.
         recompute_input (bool): memory path: rebuild each sublayer's saved input h_l in backward
             (default) instead of keeping it (one more d-vector per token per sublayer, no recompute).
+        buffer_dtype (torch.dtype | None): memory path: storage dtype of the block buffer, default
+            h0's; ``torch.bfloat16`` halves the bytes every read moves (blocks are rounded to bf16
+            when stored; sums, softmax and the partial sum stay in h0's dtype / float32).
 
     Attributes:
         queries (Parameter): [L + 1, d] float32, zeros at init; row L is the final aggregation's.
@@ -93,7 +97,8 @@ class BlockAttnRes(nn.Module):
     """
 
     def __init__(self, d_model: int, n_sublayers: int, n_blocks: int, eps: float = 1e-6,
-                 path: str = "auto", backend: str | None = None, recompute_input: bool = True):
+                 path: str = "auto", backend: str | None = None, recompute_input: bool = True,
+                 buffer_dtype: torch.dtype | None = None):
         super().__init__()
         if not (isinstance(d_model, int) and d_model >= 1):
             raise ValueError(f"d_model must be a positive int, got {d_model!r}")
@@ -104,6 +109,7 @@ class BlockAttnRes(nn.Module):
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
         self.d_model, self.n_sublayers, self.n_blocks, self.eps = d_model, n_sublayers, n_blocks, eps
         self.path, self.backend, self.recompute_input = path, backend, recompute_input
+        self.buffer_dtype = buffer_dtype
         self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
 
     def extra_repr(self) -> str:
@@ -126,24 +132,23 @@ class BlockAttnRes(nn.Module):
     def _forward_memory(self, h0: torch.Tensor, sublayers) -> torch.Tensor:
         backend = self.backend or ("triton" if h0.is_cuda else "torch")
         eps, Q, N = self.eps, self.queries, self.n_blocks
-        buf = torch.empty((N + 1, *h0.shape), dtype=h0.dtype, device=h0.device)
-        buf[0].copy_(h0.detach())
-        blocks, layer = [h0], 0
+        store = DepthBuffer(h0, N + 1, self.buffer_dtype)
+        store.store(h0)
+        layer = 0
         hooks = _RecomputeInput()
         with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack) if self.recompute_input \
                 else contextlib.nullcontext():
-            for n, size in enumerate(self.sizes, start=1):
+            for size in self.sizes:
                 partial = None
                 for _ in range(size):
-                    h = depth_mix(Q[layer], partial, buf, n, blocks, eps, backend)
-                    hooks.watch(h, _recipe(Q[layer], partial, buf, n, eps, backend), layer)
+                    h = read(store, Q[layer], partial, eps, backend)
+                    hooks.watch(h, _recipe(Q[layer], partial, store.buf, store.n, eps, backend, h0.dtype), layer)
                     v = sublayers[layer](h)
                     hooks.unwatch()
-                    partial = v.to(buf.dtype) if partial is None else partial + v
+                    partial = v.to(h0.dtype) if partial is None else partial + v
                     layer += 1
-                buf[n].copy_(partial.detach())
-                blocks.append(partial)
-            return depth_mix(Q[-1], None, buf, N + 1, blocks, eps, backend)
+                store.store(partial)
+            return read(store, Q[-1], None, eps, backend)
 
     @torch.no_grad()
     def depth_weights(self, h0: torch.Tensor, sublayers) -> torch.Tensor:
@@ -167,13 +172,13 @@ class BlockAttnRes(nn.Module):
         return out
 
 
-def _recipe(w, partial, buf, n, eps, backend):
+def _recipe(w, partial, buf, n, eps, backend, out_dtype):
     def rebuild():
         # The buffer's slots < n are never written after this read, so h is rebuilt exactly.
         from k3lab.attnres.mix import _kernels
 
         with torch.no_grad():
-            return _kernels(backend)[0](buf, n, partial, w.detach(), eps)[0]
+            return _kernels(backend)[0](buf, n, partial, w.detach(), eps, out_dtype)[0]
 
     return rebuild
 

@@ -10,9 +10,10 @@ Backward, with g = dL/dh (derived in book/04_attnres):
     a_i  = g^T v_i,        ds_i = alpha_i (a_i - sum_j alpha_j a_j)
     dv_i = alpha_i g + r_i ds_i (w - (s_i r_i / d) v_i),        dw = sum_tokens sum_i ds_i r_i v_i
 
-``depth_mix`` saves only w, the partial sum and the per-token log-sum-exp (4 bytes per token);
-the block representations are read from one shared buffer that is written once per block, and the
-keys, logits and weights are recomputed in backward. Two backends compute the same thing:
+``read`` saves only w, the partial sum and the per-token log-sum-exp (4 bytes per token); the
+block representations are read from one shared ``DepthBuffer`` written once per block, the keys,
+logits and weights are recomputed in backward, and the blocks' gradients are summed in one
+accumulator by the backward kernel. Two backends compute the same thing:
 "torch" (below) and "triton" (``k3lab.kernels.attnres``).
 """
 from __future__ import annotations
@@ -37,7 +38,8 @@ def _no_autocast(fn):
 
 
 @_no_autocast
-def mix_fwd_torch(buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Tensor, eps: float):
+def mix_fwd_torch(buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Tensor, eps: float,
+                  out_dtype: torch.dtype | None = None):
     """Forward of the mixing in PyTorch.
 
     Args:
@@ -46,9 +48,10 @@ def mix_fwd_torch(buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: to
         partial (Tensor | None): [..., d] the running partial sum (one more source), or None.
         w (Tensor): [d] pseudo-query.
         eps (float): RMSNorm eps.
+        out_dtype (torch.dtype | None): dtype of h, default buf's.
 
     Returns:
-        (h, lse): h [..., d] in buf's dtype; lse [...] float32 (float64 for float64 inputs), the
+        (h, lse): h [..., d] in ``out_dtype``; lse [...] float32 (float64 for float64 inputs), the
         log-sum-exp of the logits.
     """
     dt = torch.float64 if buf.dtype == torch.float64 else torch.float32
@@ -64,20 +67,22 @@ def mix_fwd_torch(buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: to
     h = torch.einsum("n...,n...d->...d", alpha[:n], V)
     if partial is not None:
         h = h + alpha[n, ..., None] * P
-    return h.to(buf.dtype), lse
+    return h.to(out_dtype or buf.dtype), lse
 
 
 @_no_autocast
 def mix_bwd_torch(dh: torch.Tensor, buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Tensor,
-                  lse: torch.Tensor, eps: float):
+                  lse: torch.Tensor, eps: float, dacc: torch.Tensor | None = None):
     """Backward of the mixing in PyTorch, by the closed form in the module docstring.
 
     Args:
         dh (Tensor): [..., d] gradient of h; the others as in ``mix_fwd_torch`` (lse from it).
+        dacc (Tensor | None): [>= n, ..., d] accumulator: when given, the stored sources' gradients
+            are added into ``dacc[:n]`` in place and returned as ``dacc[:n]``.
 
     Returns:
-        (dbuf, dpartial, dw): dbuf [n, ..., d] in buf's dtype, dpartial [..., d] or None, dw [d] in
-        w's dtype.
+        (dbuf, dpartial, dw): dbuf [n, ..., d] in buf's dtype (or ``dacc[:n]``), dpartial [..., d]
+        in partial's dtype or None, dw [d] in w's dtype.
     """
     dt = lse.dtype
     src = [buf[:n].to(dt)] + ([partial.to(dt)[None]] if partial is not None else [])
@@ -91,6 +96,9 @@ def mix_bwd_torch(dh: torch.Tensor, buf: torch.Tensor, n: int, partial: torch.Te
     dV = alpha[..., None] * g + (r * ds)[..., None] * (wd - (s * r / d)[..., None] * V)
     dw = torch.einsum("s...,s...d->d", ds * r, V)
     dpartial = dV[n].to(partial.dtype) if partial is not None else None
+    if dacc is not None:
+        dacc[:n] += dV[:n]
+        return dacc[:n], dpartial, dw.to(w.dtype)
     return dV[:n].to(buf.dtype), dpartial, dw.to(w.dtype)
 
 
@@ -102,61 +110,141 @@ def _kernels(backend: str):
     return mix_fwd, mix_bwd
 
 
-class _DepthMix(torch.autograd.Function):
-    """Forward: the mixing; saves w, partial, lse and a reference to the shared buffer.
-    Backward: recomputes keys/logits/weights from the buffer and returns gradients for w, the
-    partial sum and each block tensor (the buffer only holds their values)."""
+class DepthBuffer:
+    """The block representations of one forward pass, stored once and read by every later sublayer.
+
+    ``store(block)`` copies a block's value into the next slot of one buffer [S_max, ..., d] and
+    returns its *tap*, an empty tensor that reads take as input instead of the block. Reads never
+    hand gradients to autograd per block: the backward kernel adds each read's source gradients
+    straight into one accumulator [S_max, ..., d] (in the blocks' dtype), and a tap's backward,
+    which autograd runs after every read of that block has run its backward, hands the slot's sum to
+    the block. This saves writing one gradient tensor per read and source, and autograd's re-reads
+    to sum them.
+
+    Args:
+        like (Tensor): [..., d] a block (gives shape, device, and the gradient dtype).
+        slots (int): S_max, the number of blocks that will be stored.
+        dtype (torch.dtype | None): storage dtype of the buffer, default ``like``'s (bf16 halves the
+            traffic of every read; the mixing still computes in float32).
+    """
+
+    def __init__(self, like: torch.Tensor, slots: int, dtype: torch.dtype | None = None):
+        self.buf = torch.empty((slots, *like.shape), dtype=dtype or like.dtype, device=like.device)
+        self.grad = _Accumulator(self.buf.shape, like.dtype, like.device)
+        self.grad_dtype, self.n, self.taps = like.dtype, 0, []
+
+    def store(self, block: torch.Tensor) -> torch.Tensor:
+        if self.n == self.buf.shape[0]:
+            raise ValueError(f"DepthBuffer is full ({self.n} slots)")
+        self.buf[self.n].copy_(block.detach())
+        # The tap's node must not reference this object (it holds the taps): that would be a
+        # reference cycle through autograd's C++ graph, which Python's GC cannot collect.
+        self.taps.append(_Tap.apply(block, self.grad, self.n))
+        self.n += 1
+        return self.taps[-1]
+
+
+class _Accumulator:
+    """The blocks' gradient sum [S_max, ..., d], allocated (zeros) by the first backward read."""
+
+    def __init__(self, shape, dtype, device):
+        self.shape, self.dtype, self.device, self.acc = shape, dtype, device, None
+
+    def get(self) -> torch.Tensor:
+        if self.acc is None:
+            self.acc = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self.acc
+
+
+class _Tap(torch.autograd.Function):
+    """Forward: an empty tensor standing for block ``i``. Backward (after all its reads): the
+    block's gradient, the accumulator's slot ``i``."""
 
     @staticmethod
-    def forward(ctx, w, partial, buf, n, eps, backend, *blocks):
+    def forward(ctx, block, grad, i):
+        ctx.grad, ctx.i = grad, i
+        return block.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        acc = ctx.grad.acc
+        return (None if acc is None else acc[ctx.i].clone()), None, None
+
+
+class _DepthMix(torch.autograd.Function):
+    """Forward: the mixing over the buffer's first n slots and the partial sum; saves w, partial, lse.
+    Backward: recomputes keys/logits/weights from the buffer, adds the slots' gradients into the
+    accumulator, returns the gradients of w and the partial sum."""
+
+    @staticmethod
+    def forward(ctx, w, partial, buf, grad, n, eps, backend, out_dtype, *taps):
         fwd, _ = _kernels(backend)
-        h, lse = fwd(buf, n, partial, w, eps)
+        h, lse = fwd(buf, n, partial, w, eps, out_dtype)
         ctx.save_for_backward(w, partial, lse)
         # The buffer is written in place once per block, after this read, in slots >= n only, so
         # it is kept as an attribute: save_for_backward's version check would reject it.
-        ctx.buf, ctx.n, ctx.eps, ctx.backend = buf, n, eps, backend
+        ctx.buf, ctx.grad, ctx.n, ctx.eps, ctx.backend = buf, grad, n, eps, backend
         return h
 
     @staticmethod
     def backward(ctx, dh):
         w, partial, lse = ctx.saved_tensors
         _, bwd = _kernels(ctx.backend)
-        dbuf, dpartial, dw = bwd(dh.contiguous(), ctx.buf, ctx.n, partial, w, lse, ctx.eps)
-        return (dw, dpartial, None, None, None, None, *dbuf.unbind(0))
+        _, dpartial, dw = bwd(dh.contiguous(), ctx.buf, ctx.n, partial, w, lse, ctx.eps, dacc=ctx.grad.get())
+        return (dw, dpartial, None, None, None, None, None, None, *(dh.new_empty(0) for _ in range(ctx.n)))
 
 
-def depth_mix(w: torch.Tensor, partial: torch.Tensor | None, buf: torch.Tensor, n: int,
-              blocks: list[torch.Tensor], eps: float = 1e-6, backend: str = "torch") -> torch.Tensor:
-    """One AttnRes read with recompute-in-backward (the memory-efficient training path).
+def read(store: DepthBuffer, w: torch.Tensor, partial: torch.Tensor | None, eps: float = 1e-6,
+         backend: str = "torch") -> torch.Tensor:
+    """One AttnRes read of every block stored so far (plus ``partial``), recompute-in-backward.
 
     Args:
-        w (Tensor): [d] pseudo-query (requires grad in training).
+        store (DepthBuffer): holds the n >= 1 blocks read.
+        w (Tensor): [d] pseudo-query.
         partial (Tensor | None): [..., d] running partial sum of the current block, or None.
-        buf (Tensor): [S_max, ..., d] contiguous, no grad; ``buf[i]`` holds the value of ``blocks[i]``.
-        n (int): number of stored sources read (``len(blocks)``).
-        blocks (list[Tensor]): the n block tensors [..., d] whose values ``buf[:n]`` holds; only used
-            to route gradients back to them.
         eps (float): RMSNorm eps.
-        backend (str): "torch" or "triton" (CUDA, or CPU under TRITON_INTERPRET=1).
+        backend (str): "torch" or "triton".
 
     Returns:
-        Tensor: h [..., d] in buf's dtype.
+        Tensor: h [..., d] in the blocks' dtype (``DepthBuffer.grad_dtype``).
 
     Raises:
-        ValueError: unknown backend, n != len(blocks), n out of range, shape mismatch, buf not contiguous.
+        ValueError: unknown backend, empty store, shape mismatch.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not (1 <= n <= buf.shape[0]) or len(blocks) != n:
-        raise ValueError(f"need 1 <= n <= buf.shape[0]={buf.shape[0]} and len(blocks) == n, got n={n}, "
-                         f"len(blocks)={len(blocks)}")
-    if not buf.is_contiguous():
-        raise ValueError("buf must be contiguous")
-    shape = tuple(buf.shape[1:])
+    if store.n < 1:
+        raise ValueError("the DepthBuffer holds no block yet")
+    shape = tuple(store.buf.shape[1:])
     if partial is not None and tuple(partial.shape) != shape:
         raise ValueError(f"partial must be {list(shape)}, got {list(partial.shape)}")
     if tuple(w.shape) != shape[-1:]:
         raise ValueError(f"w must be [d] = [{shape[-1]}], got {list(w.shape)}")
     if partial is not None:
         partial = partial.contiguous()
-    return _DepthMix.apply(w, partial, buf, n, eps, backend, *blocks)
+    return _DepthMix.apply(w, partial, store.buf, store.grad, store.n, eps, backend, store.grad_dtype, *store.taps)
+
+
+def depth_mix(w: torch.Tensor, partial: torch.Tensor | None, blocks: list[torch.Tensor], eps: float = 1e-6,
+              backend: str = "torch") -> torch.Tensor:
+    """One stand-alone AttnRes read of ``blocks + [partial]`` through the recompute-in-backward
+    path (``DepthBuffer`` + ``read``), differentiable with respect to all inputs.
+
+    Args:
+        w (Tensor): [d]; partial (Tensor | None): [..., d]; blocks (list[Tensor]): n >= 1 tensors
+        [..., d]; eps (float); backend (str): "torch" or "triton".
+
+    Returns:
+        Tensor: h [..., d] in ``blocks[0]``'s dtype.
+
+    Raises:
+        ValueError: no blocks, unknown backend, shape mismatch.
+    """
+    if not blocks:
+        raise ValueError("blocks must hold at least one tensor")
+    store = DepthBuffer(blocks[0], len(blocks))
+    for b in blocks:
+        if b.shape != blocks[0].shape:
+            raise ValueError(f"blocks must share one shape, got {list(b.shape)} and {list(blocks[0].shape)}")
+        store.store(b)
+    return read(store, w, partial, eps, backend)

@@ -33,6 +33,7 @@ KERNEL_CASES = [  # (tokens M, width d, stored sources n, with partial)
     (8192, 2048, 8, True),
     (8192, 7168, 9, False),  # K3's width: the final aggregation over 9 sources
 ]
+BF16_CASE = (8192, 2048, 8, True)  # the same read with a bf16 block buffer
 
 
 def check_correctness(device, M=1000, d_check=320, T=300) -> dict:
@@ -91,18 +92,18 @@ def bench_kernels(device, cases, compile_: bool) -> list[dict]:
     fwd_c = torch.compile(mix_fwd_torch, dynamic=False) if compile_ else None
     bwd_c = torch.compile(mix_bwd_torch, dynamic=False) if compile_ else None
     rows = []
-    for M, d, n, with_partial in cases:
+    for M, d, n, with_partial, dtype in cases:
         g = torch.Generator(device=device).manual_seed(M + d + n)
-        buf = torch.randn(n, M, d, device=device, generator=g)
+        buf = torch.randn(n, M, d, device=device, generator=g).to(dtype)
         partial = torch.randn(M, d, device=device, generator=g) if with_partial else None
         w = torch.randn(d, device=device, generator=g) * 0.1
         dh = torch.randn(M, d, device=device, generator=g)
         _, lse = mix_fwd(buf, n, partial, w, 1e-6)
         S = n + with_partial
-        elt = buf.element_size()
-        bytes_fwd = (S + 1) * M * d * elt  # read every source once, write h
-        bytes_bwd = (2 * S + 1 + S) * M * d * elt  # two reads of each source, dh; write each gradient
-        shape = f"M{M}_d{d}_S{S}"
+        eb, ep, row = buf.element_size(), 4 * with_partial, M * d
+        bytes_fwd = row * (n * eb + ep + eb)  # read every source once, write h
+        bytes_bwd = row * (3 * n * eb + 3 * ep + 4)  # two reads of each source and dh; write each gradient
+        shape = f"M{M}_d{d}_S{S}" + ("_bf16" if dtype == torch.bfloat16 else "")
         for name, ours, torch_fn, comp, nbytes in (
             ("fwd", lambda: mix_fwd(buf, n, partial, w, 1e-6), lambda: mix_fwd_torch(buf, n, partial, w, 1e-6),
              (lambda: fwd_c(buf, n, partial, w, 1e-6)) if compile_ else None, bytes_fwd),
@@ -176,15 +177,45 @@ def bench_step(device, d, n_layers, batch, seq, variants, steps: int) -> list[di
     return rows
 
 
+def lm_experiment(device, d, n_layers, batch, seq, steps, block_counts, lr=3e-3) -> dict:
+    """Chapter 04's experiment at GPU size: the same LM on the real corpus with the standard residual,
+    Block AttnRes (each N in block_counts) and full AttnRes; histories and learned depth weights."""
+    import k3lab.data as kdata
+    import k3lab.lm as lm
+    from k3lab.attnres import BlockAttnRes
+
+    cfg = lm.LMConfig(vocab_size=kdata.vocab_size(), d_model=d, n_layers=n_layers, n_heads=d // 64, head_dim=64,
+                      mixer="attention", max_seq_len=seq)
+    L = 2 * n_layers
+    runs, weights = {}, {}
+    val_x, _ = kdata.get_batch(kdata.load_split("val"), 8, seq, torch.Generator().manual_seed(7), device)
+    for name, N in [("standard", None)] + [(f"block N={N}", N) for N in block_counts] + [("full AttnRes", L)]:
+        torch.manual_seed(0)
+        model = lm.LM(cfg, residual=None if N is None else BlockAttnRes(d, L, N))
+        runs[name] = lm.train(model, steps=steps, batch_size=batch, seq_len=seq, lr=lr, device=device, seed=0,
+                              log_every=max(1, steps // 20), progress=False)
+        print(f"  {name}: final val loss {runs[name]['val_loss'][-1]:.4f}", flush=True)
+        if N is not None:
+            with torch.no_grad():
+                weights[name] = model.residual.depth_weights(model.embed(val_x), model.sublayers).tolist()
+        del model
+    return dict(config=dict(d_model=d, n_layers=n_layers, sublayers=L, batch=batch, seq=seq, steps=steps, lr=lr,
+                            mixer="attention"), runs=runs, depth_weights=weights)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="data/results/attnres_h200.json", help="JSON output path")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU allowed); for checking the script")
     p.add_argument("--skip-step", action="store_true", help="skip the training-step benchmark")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile timings")
+    p.add_argument("--kernels-from", default=None,
+                   help="reuse kernel_cases from this earlier JSON instead of timing the kernels again")
     p.add_argument("--steps", type=int, default=10, help="timed training steps per variant")
     p.add_argument("--batch", type=int, default=4, help="training-step batch size")
     p.add_argument("--seq", type=int, default=2048, help="training-step sequence length")
+    p.add_argument("--lm-steps", type=int, default=0,
+                   help="also run chapter 04's LM experiment (d=512, 8 layers, real corpus) for this many steps")
     args = p.parse_args(argv)
 
     device = k3lab.setup(verbose=True)
@@ -200,17 +231,24 @@ def main(argv=None) -> dict:
     print("   ok:", {k: f"{v:.1e}" for k, v in result["correctness"].items()}, flush=True)
 
     print("2. kernels", flush=True)
+    if args.kernels_from:
+        earlier = json.loads(Path(args.kernels_from).read_text())
+        result["kernel_cases"] = earlier["kernel_cases"]
+        result["kernel_cases_from"] = dict(path=args.kernels_from, date=earlier["date"])
+        print(f"   reused from {args.kernels_from} ({earlier['date']})")
     cases = [(64, 48, 3, True), (40, 32, 2, False)] if args.smoke else KERNEL_CASES
-    result["kernel_cases"] = ([] if device.type != "cuda" else
-                              bench_kernels(device, cases, compile_=not args.no_compile))
+    cases = [(*c, torch.float32) for c in cases] + ([] if args.smoke else [(*BF16_CASE, torch.bfloat16)])
+    if not args.kernels_from:
+        result["kernel_cases"] = ([] if device.type != "cuda" else
+                                  bench_kernels(device, cases, compile_=not args.no_compile))
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
 
     if not args.skip_step:
         print("3. training step", flush=True)
         d, n_layers, batch, seq = (64, 3, 2, 32) if args.smoke else (2048, 24, args.batch, args.seq)
-        variants = [("standard", None, {}), ("block_N8", 8, {}), ("block_N4", 4, {}), ("full", 2 * n_layers, {}),
-                    ("N8_keep_h", 8, dict(recompute_input=False)), ("N8_torch", 8, dict(backend="torch"))]
+        variants = [("standard", None, {}), ("block_N8", 8, {}), ("N8_bf16buf", 8, dict(buffer_dtype=torch.bfloat16)),
+                    ("block_N4", 4, {}), ("full", 2 * n_layers, {}), ("N8_keep_h", 8, dict(recompute_input=False))]
         rows = bench_step(device, d, n_layers, batch, seq, variants, 2 if args.smoke else args.steps)
         std = rows[0]["step_ms"]
         for r in rows:
@@ -218,6 +256,11 @@ def main(argv=None) -> dict:
         result["step"] = dict(model=f"k3lab.lm.LM attention mixers, {n_layers} layers ({2 * n_layers} sublayers), "
                                     f"d={d}, B={batch}, T={seq}, bf16 autocast, AdamW", rows=rows)
         result["step_overhead_block"] = next(r["overhead"] for r in rows if r["variant"] == "block_N8")
+
+    if args.lm_steps:
+        print("4. LM experiment (real corpus)", flush=True)
+        result["lm_experiment"] = (lm_experiment(device, 64, 2, 4, 32, args.lm_steps, [2]) if args.smoke else
+                                   lm_experiment(device, 512, 8, 32, 512, args.lm_steps, [2, 4, 8]))
 
     if not args.smoke:
         out = Path(args.out)
@@ -242,6 +285,12 @@ def table(result: dict) -> str:
         for r in result["step"]["rows"]:
             peak = f"{r['peak_GiB']:.2f}" if r["peak_GiB"] else "-"
             lines.append(f"{r['variant']:<12}{r['step_ms']:>9.1f}{100 * r['overhead']:>9.1f}%{peak:>10}")
+    if "lm_experiment" in result:
+        c = result["lm_experiment"]["config"]
+        lines.append(f"LM experiment: d={c['d_model']}, {c['sublayers']} sublayers, {c['steps']} steps x "
+                     f"{c['batch']}x{c['seq']} tokens")
+        for name, hist in result["lm_experiment"]["runs"].items():
+            lines.append(f"  {name:<14} final train {hist['loss'][-1]:.4f}  val {hist['val_loss'][-1]:.4f}")
     return "\n".join(lines)
 
 

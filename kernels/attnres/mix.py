@@ -89,12 +89,13 @@ def attnres_mix_bwd_kernel(
     w,  # [D]
     lse,  # [M] float32 from the forward
     dh,  # [M, D] gradient of the output
-    dbuf,  # [n_src, M, D] output: gradients of the stored sources
+    dbuf,  # [n_src, M, D] output: gradients of the stored sources (ACCUMULATE: added in place)
     dpartial,  # [M, D] output: gradient of the partial sum (when HAS_PARTIAL)
     dw,  # [n_programs, D] float32 output: per-program partial sums of dw
     M, D, n_src, stride_s,
     eps,
     HAS_PARTIAL: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -128,6 +129,8 @@ def attnres_mix_bwd_kernel(
         for _ in range(0, n_src):
             b_v = tl.load(p_src + o_md, mask=m_md, other=0.0).to(tl.float32)
             b_dv, b_dw_i = _source_grad(b_v, b_g, b_w, b_lse, b_dd, D, eps)
+            if ACCUMULATE:
+                b_dv += tl.load(p_dsrc + o_md, mask=m_md, other=0.0).to(tl.float32)
             tl.store(p_dsrc + o_md, b_dv.to(dbuf.dtype.element_ty), mask=m_md)
             b_dw += b_dw_i
             p_src += stride_s
@@ -157,9 +160,11 @@ def _check(buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Ten
                          f"w {list(w.shape)}, partial {None if partial is None else list(partial.shape)}")
 
 
-def mix_fwd(buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Tensor, eps: float):
+def mix_fwd(buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Tensor, eps: float,
+            out_dtype: torch.dtype | None = None):
     """Triton forward of the depth mixing; arguments and returns as ``k3lab.attnres.mix.mix_fwd_torch``
-    (buf [S_max, ..., d] contiguous; returns h [..., d] in buf's dtype and lse [...] float32).
+    (buf [S_max, ..., d] contiguous; returns h [..., d] in ``out_dtype``, default buf's, and lse
+    [...] float32).
 
     Raises:
         ValueError: non-contiguous inputs, n out of range, shape mismatch.
@@ -167,7 +172,7 @@ def mix_fwd(buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Te
     _check(buf, n, partial, w)
     D = buf.shape[-1]
     M = buf[0].numel() // D
-    h = torch.empty(buf.shape[1:], dtype=buf.dtype, device=buf.device)
+    h = torch.empty(buf.shape[1:], dtype=out_dtype or buf.dtype, device=buf.device)
     lse = torch.empty(buf.shape[1:-1], dtype=torch.float32, device=buf.device)
     block_m, block_d, num_warps = _blocks(D, 4096)
     grid = (triton.cdiv(M, block_m),)
@@ -179,9 +184,11 @@ def mix_fwd(buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Te
 
 
 def mix_bwd(dh: torch.Tensor, buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Tensor,
-            lse: torch.Tensor, eps: float):
+            lse: torch.Tensor, eps: float, dacc: torch.Tensor | None = None):
     """Triton backward of the depth mixing; as ``k3lab.attnres.mix.mix_bwd_torch``: returns
-    (dbuf [n, ..., d] in buf's dtype, dpartial [..., d] or None, dw [d] in w's dtype).
+    (dbuf [n, ..., d] in buf's dtype, dpartial [..., d] or None, dw [d] in w's dtype); with ``dacc``
+    ([>= n, ..., d] contiguous) the stored sources' gradients are added into ``dacc[:n]`` in place
+    and ``dacc[:n]`` is returned as dbuf.
 
     Raises:
         ValueError: non-contiguous inputs, n out of range, shape mismatch.
@@ -189,7 +196,12 @@ def mix_bwd(dh: torch.Tensor, buf: torch.Tensor, n: int, partial: torch.Tensor |
     _check(buf, n, partial, w)
     D = buf.shape[-1]
     M = buf[0].numel() // D
-    dbuf = torch.empty((n, *buf.shape[1:]), dtype=buf.dtype, device=buf.device)
+    if dacc is not None:
+        if not dacc.is_contiguous() or dacc.shape[1:] != buf.shape[1:] or dacc.shape[0] < n:
+            raise ValueError(f"dacc must be contiguous [>= {n}, {list(buf.shape[1:])}], got {list(dacc.shape)}")
+        dbuf = dacc
+    else:
+        dbuf = torch.empty((n, *buf.shape[1:]), dtype=buf.dtype, device=buf.device)
     dpartial = torch.empty_like(partial) if partial is not None else None
     block_m, block_d, num_warps = _blocks(D, 2048)
     n_tiles = triton.cdiv(M, block_m)
@@ -198,6 +210,7 @@ def mix_bwd(dh: torch.Tensor, buf: torch.Tensor, n: int, partial: torch.Tensor |
     attnres_mix_bwd_kernel[(n_prog,)](
         buf, partial if partial is not None else buf, w.contiguous(), lse.contiguous(), dh.contiguous(),
         dbuf, dpartial if dpartial is not None else dbuf, dw, M, D, n, M * D, eps,
-        HAS_PARTIAL=partial is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+        HAS_PARTIAL=partial is not None, ACCUMULATE=dacc is not None, BLOCK_M=block_m, BLOCK_D=block_d,
+        num_warps=num_warps,
     )
-    return dbuf, dpartial, dw.sum(0).to(w.dtype)
+    return dbuf[:n], dpartial, dw.sum(0).to(w.dtype)
