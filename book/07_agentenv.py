@@ -73,8 +73,9 @@ device = k3lab.setup(seed=seed, profile=profile)
 # `/dev/kvm` exists here, but it is `kvm_pvm`, a paravirtual nested layer without vmx/svm CPU
 # flags, on which ordinary guest kernels do not boot. So Firecracker (KVM only) cannot run, and
 # QEMU falls back to **TCG**, software CPU emulation: the guest CPU is emulated instruction by
-# instruction, QEMU itself is the isolation boundary, and guest-side work is 10-50x slower than
-# under KVM. Host-side operations (stop/cont, state files, copy-on-write mappings) are not slowed.
+# instruction, QEMU itself is the isolation boundary, and guest-side work is roughly an order of
+# magnitude or more slower than under KVM. Host-side operations (stop/cont, state files,
+# copy-on-write mappings) are not slowed.
 
 # %% tags=["nbval-ignore-output"]
 host = detect_host()
@@ -245,8 +246,9 @@ panicky.destroy()
 # ## The committed benchmark: `python -m k3lab.bench.agentenv`
 #
 # Ten or more runs per operation on this 2-core CPU box (TCG), against the anchors. Read it with
-# the caveats: TCG is software emulation (guest-side work like boot is 10-50x slower than under
-# KVM), and the box was shared with other CPU jobs (the load average is in the JSON).
+# the caveats: TCG is software emulation (guest-side work like boot is an order of magnitude or
+# more slower than under KVM), and the box was shared with other CPU jobs (the load average is in
+# the JSON).
 
 # %% tags=["nbval-ignore-output"]
 res = json.loads(Path("../data/results/agentenv_cpu.json").read_text())

@@ -20,8 +20,9 @@ shared page in full for every process) is recorded too.
 
 The box is shared with other CPU jobs, so the 1-minute load average is recorded before and after;
 timings under load are inflated. TCG emulates the guest CPU in software: guest-side work (boot,
-exec) is 10-50x slower than under KVM, while host-side operations (stop/cont, state files,
-copy-on-write mapping) are not. The table printed last puts each op next to its anchor.
+exec) is roughly an order of magnitude or more slower than under KVM (not measurable here), while
+host-side operations (stop/cont, state files, copy-on-write mapping) are not. The table printed
+last puts each op next to its anchor.
 """
 from __future__ import annotations
 
@@ -184,8 +185,9 @@ def run(n: int = 10, paused: int = 20, root: Path | None = None, progress=print)
         "qemu_version": h.qemu_version,
         "load_avg_1min": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
         "notes": ("TCG (software CPU emulation; kvm_pvm host): guest-side work such as boot and exec is "
-                  "10-50x slower than under KVM; host-side ops are comparable. The box was shared with "
-                  "other CPU jobs (see load_avg_1min on 2 cores), which inflates timings."),
+                  "roughly an order of magnitude or more slower than under KVM (not measurable here); "
+                  "host-side ops are comparable. The box was shared with other CPU jobs (see "
+                  "load_avg_1min on 2 cores), which inflates timings."),
     }
 
 
