@@ -325,6 +325,7 @@ def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offset
     kda_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
         QG, KG, W, G, Aqk, do, dh, dVn, dht, dh0, cu_seqlens, chunk_offsets, HV=HV, K=K, V=V, BT=BT,
         BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=need_dh0, PREC=dot_precision(W.dtype, W.device), num_warps=4,
+        num_stages=2,
     )
     return dh, dVn, dh0
 
@@ -349,7 +350,7 @@ def kda_dqkw_bwd(q, k, v, beta, G, Tinv, h, dh, Vn, dVn, do, scale, cu_seqlens, 
     )
     kda_dwv_bwd_kernel[(NT, HV)](
         k, v, beta, G, Tinv, dW, dVn, do, Vn, dkn, dG, db, dv, dAqk, dAkk, cu_seqlens, chunk_indices,
-        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=BK, BV=BV, PREC=prec, num_warps=8,
+        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=min(BK, 32), BV=BV1, PREC=prec, num_warps=8,
     )
     return dqs, dkn, dG, db, dv, dAqk, dAkk
 

@@ -297,6 +297,7 @@ def kda_state_fwd(W, U, KG, G, h0, output_final_state, cu_seqlens, chunk_offsets
     kda_state_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
         W, U, KG, G, h, Vn, h0, ht, cu_seqlens, chunk_offsets, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
         USE_H0=h0 is not None, STORE_HT=output_final_state, PREC=dot_precision(W.dtype, W.device), num_warps=4,
+        num_stages=2,
     )
     return h, Vn, ht
 
