@@ -292,6 +292,32 @@ plt.show()
 # hibernated sandboxes hold none.
 
 # %% [markdown]
+# ## What hibernation buys: memory-time
+#
+# A sandbox's memory cost is memory x time resident. If an agent step runs for $t_{run}$ and then
+# waits $W$ for inference, keeping the sandbox alive holds its memory for $t_{run} + W$; hibernating
+# during the wait holds it only for $t_{run} + t_{hib} + t_{wake}$ (the RAM file is on disk in
+# between, and `wake` is on the critical path of the next step). The resident fraction is
+#
+# $$f(W) = \frac{t_{run} + t_{hib} + t_{wake}}{t_{run} + t_{hib} + t_{wake} + W},$$
+#
+# so the saving grows with the wait: K3's ~98% waiting means $W \approx 49\,t_{run}$. With the
+# measured medians (and $t_{run}$ = one exec, ~0.1 s here under TCG):
+
+# %% tags=["nbval-ignore-output"]
+t_hib, t_wake = res["ops"]["hibernate"]["median_ms"] / 1e3, res["ops"]["wake"]["median_ms"] / 1e3
+t_run = 0.1
+print(f"{'wait W (s)':>10s} {'resident fraction':>18s} {'latency added per step':>24s}")
+for W in (0.1, 1.0, 5.0, 30.0, 120.0):
+    f = (t_run + t_hib + t_wake) / (t_run + t_hib + t_wake + W)
+    print(f"{W:10.1f} {f:18.1%} {1e3 * (t_hib + t_wake):21.0f} ms")
+assert (t_run + t_hib + t_wake) / (t_run + t_hib + t_wake + 30.0) < 0.1
+
+# %% [markdown]
+# Hibernating pays off once the wait is long against ~0.3 s of hibernate + wake: for waits of
+# seconds to minutes (LLM inference of a long agent turn) the sandbox is resident a few percent
+# of the time. Short waits are better served by `pause` (sub-millisecond, but memory stays).
+#
 # ## Experiment: how many paused sandboxes fit in a GiB?
 #
 # Restores map the snapshot's RAM file copy-on-write, so sandboxes restored from one snapshot
