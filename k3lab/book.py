@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -333,13 +334,11 @@ def store(keys: list[str], timeout=None, book_dir: Path = BOOK_DIR) -> None:
     for py in chapters(keys, book_dir):
         sync(py)
         ipynb = py.with_suffix(".ipynb")
-        tmp = ipynb.with_name(f".{ipynb.stem}.executing.ipynb")
         start = time.perf_counter()
-        try:
-            nb = execute(ipynb, tmp, {}, timeout)
-            _atomic_write_text(ipynb, nbformat.writes(_strip_run_metadata(_with_kernelspec(nb))) + "\n")
-        finally:
-            tmp.unlink(missing_ok=True)
+        # papermill saves after every cell: keep that partial copy out of book/ (nbval would collect it)
+        with tempfile.TemporaryDirectory(prefix="k3lab-store-") as tmp:
+            nb = execute(ipynb, Path(tmp) / ipynb.name, {}, timeout)
+        _atomic_write_text(ipynb, nbformat.writes(_strip_run_metadata(_with_kernelspec(nb))) + "\n")
         print(f"stored {ipynb.relative_to(Path(book_dir).parent)} ({time.perf_counter() - start:.1f} s)")
 
 

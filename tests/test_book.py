@@ -118,6 +118,7 @@ def test_store_keeps_outputs_without_parameters_or_run_metadata(tiny_book):
     first = (tiny_book / "01_ok.ipynb").read_bytes()
     book.store(["01"], book_dir=tiny_book)
     assert (tiny_book / "01_ok.ipynb").read_bytes() == first, "storing twice must give the same file"
+    assert sorted(p.name for p in tiny_book.iterdir()) == ["01_ok.ipynb", "01_ok.py", "02_bad.py", "README.md"]
     assert book.check_sync(tiny_book)[0].startswith("02_bad.ipynb is missing")
     with pytest.raises(Exception, match="chapter 02 is broken"):
         book.store(["02"], book_dir=tiny_book)
