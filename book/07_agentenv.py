@@ -50,7 +50,7 @@ from matplotlib.patches import Patch
 
 import k3lab
 from k3lab.agentenv import (Sandbox, SandboxCrashed, SandboxPool, SandboxStateError, build_image,
-                            detect_host, leftovers)
+                            cleanup, detect_host, leftovers)
 from k3lab.agentenv.rl_demo import run_rollout
 from k3lab.bench.agentenv import paused_memory
 
@@ -395,6 +395,8 @@ pool.close()
 left = leftovers(pool.root)
 print("files:", len(left["files"]), "processes:", len(left["pids"]))
 assert left == {"files": [], "pids": []}
+cleanup()  # also removes this session's sandbox folder (exit handlers may not run in a kernel)
+assert not pool.root.exists()
 
 # %% [markdown]
 # ## References

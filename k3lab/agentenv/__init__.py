@@ -8,9 +8,9 @@ from k3lab.agentenv.agent import ExecResult
 from k3lab.agentenv.host import HostInfo, detect_host
 from k3lab.agentenv.image import Image, ImageError, build_image
 from k3lab.agentenv.sandbox import (Sandbox, SandboxCrashed, SandboxError, SandboxPool,
-                                    SandboxStateError, SandboxTimeout, Snapshot, default_root,
-                                    leftovers)
+                                    SandboxStateError, SandboxTimeout, Snapshot, cleanup,
+                                    default_root, leftovers)
 
 __all__ = ["Sandbox", "SandboxPool", "Snapshot", "ExecResult", "HostInfo", "detect_host", "Image",
            "ImageError", "build_image", "SandboxError", "SandboxCrashed", "SandboxTimeout",
-           "SandboxStateError", "default_root", "leftovers"]
+           "SandboxStateError", "cleanup", "default_root", "leftovers"]

@@ -48,7 +48,7 @@ from k3lab.agentenv.image import Image, build_image
 from k3lab.agentenv.qemu import QemuVM, QMPError
 
 __all__ = ["Sandbox", "Snapshot", "SandboxPool", "SandboxError", "SandboxCrashed",
-           "SandboxTimeout", "SandboxStateError", "default_root", "leftovers"]
+           "SandboxTimeout", "SandboxStateError", "default_root", "leftovers", "cleanup"]
 
 
 class SandboxError(RuntimeError):
@@ -98,14 +98,22 @@ _owned_roots: list[Path] = []
 
 
 @atexit.register
-def _cleanup_at_exit() -> None:
+def cleanup() -> None:
+    """Destroy every sandbox of this process, delete its snapshots, remove the default root if
+    this process created it. Runs at interpreter exit; call it explicitly where exit handlers may
+    not run (a Jupyter kernel that is killed)."""
+    global _default_root
     # Sandboxes first (their QEMUs write into the folders), then snapshots, then our temp root.
     for sb in list(_live):
         sb.destroy()
     for snap in list(_snapshots):
         snap.delete()
-    for root in _owned_roots:
-        shutil.rmtree(root, ignore_errors=True)
+    with _root_lock:
+        for root in _owned_roots:
+            shutil.rmtree(root, ignore_errors=True)
+        if _default_root in _owned_roots:
+            _default_root = None
+        _owned_roots.clear()
 
 
 def leftovers(root: str | os.PathLike, exclude: tuple[str | os.PathLike, ...] = ()) -> dict[str, list]:
