@@ -200,6 +200,10 @@ def table(res: dict) -> str:
     rows.append(f"{'paused per GiB':24s} {res['paused_per_gib']:9.1f}  ({m['total']:.1f} MiB each = PSS {m['pss']:.1f}"
                 f" + file cache {m['file_cache']:.1f}; RSS {m['rss']:.1f}); K3: up to 6.5x memory overcommit")
     rows.append(f"backend {res['backend']} ({res['host_detection']}); load avg {res['load_avg_1min']}")
+    if res["backend"].endswith("tcg"):
+        rows.append("TCG = software CPU emulation; the anchors are Firecracker on KVM (hardware virtualisation):"
+                    " host-side ops (pause/resume, snapshot, hibernate) compare directly, guest-side work"
+                    " (boot, the first exec after restore/wake/fork) is TCG-bound here.")
     return "\n".join(rows)
 
 
