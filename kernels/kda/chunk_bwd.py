@@ -65,7 +65,8 @@ def kda_state_bwd_kernel(
 @triton.jit
 def kda_dqk_bwd_kernel(
     q, k, G, h, dh, Vn, dVn, do,  # inputs and recomputed forward pieces
-    dqs, dkn, dG, dW,  # outputs, fp32 [T, HV, K]: partial grads of scale*q_hat, k_hat, G; dW
+    dqs, dkn, dG, dW, dgx,  # outputs, fp32 [T, HV, K]: partial grads of scale*q_hat, k_hat, G; dW;
+                            # dgx: a part of dg itself (added after the reverse cumsum)
     cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BKK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
@@ -119,11 +120,14 @@ def kda_dqk_bwd_kernel(
     # KG = k_hat exp(G_last - G), and the state decay exp(G_last).
     b_gl = tl.sum(tl.where((o_t == n_t - 1)[:, None], b_G, 0.0), 0)
     b_ekl = tl.exp(b_gl[None, :] - b_G)
+    # Both depend on g_t through G_last - G_i = g_{i+1} + ... + g_last, so they go straight to dg_t
+    # (an exclusive prefix sum), not through dG and the reverse cumsum, which would cancel large
+    # terms against each other and leave float32 noise when decay is strong.
     b_x = b_dkg * b_k * b_ekl
-    b_dgl = tl.sum(b_x, 0) + b_hdh * tl.exp(b_gl)
-    b_dG = b_dG - b_x + tl.where((o_t == n_t - 1)[:, None], b_dgl[None, :], 0.0)
+    b_dgx = tl.cumsum(b_x, axis=0) - b_x + (b_hdh * tl.exp(b_gl))[None, :]
     store_rows(dkn, b_dkg * b_ekl, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
     store_rows(dG, b_dG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+    store_rows(dgx, b_dgx, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
 
 
 @triton.jit
@@ -194,7 +198,7 @@ def kda_dwv_bwd_kernel(
 
 @triton.jit
 def kda_intra_bwd_kernel(
-    q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, db,  # dG is overwritten with the total
+    q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db,  # dG is overwritten with the total
     dq, dk, dz, dbeta, dA_part, dbias_part,  # dq, dk fp32 [T, HV, K] (per value head); dz [T, HV, K];
                                              # dbeta [T, HV]; dA_part [NT, HV]; dbias_part [NT, HV, K]
     cu_seqlens, chunk_indices, scale, lower_bound,
@@ -252,9 +256,15 @@ def kda_intra_bwd_kernel(
                 b_Ks = tl.where(o_c[:, None] > o_c[None, :], b_Ks, 0.0)
             # L = Diag(beta) Ks: dbeta_i = sum_j dL_ij Ks_ij (dAkk is zero off L's support).
             b_dbi += tl.sum(b_dAk * b_Ks, 1)
+            if J == I:
+                # Aqk's diagonal (q_i . k_i, no decay) has no gate dependence: keep it out of dG
+                # (its row and column terms would cancel only up to round-off) and add it to dq below.
+                b_dAqd = tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_dAq, 0.0), 1)
+                b_dAq = tl.where(o_c[:, None] > o_c[None, :], b_dAq, 0.0)
             b_dq += tl.dot(b_dAq.to(dt), b_kr, input_precision=PREC) * b_er
             b_dk += tl.dot((b_dAk * b_bi[:, None]).to(dt), b_kr, input_precision=PREC) * b_er
         b_dGi = b_qi * b_dq + b_ki * b_dk
+        b_dq += b_dAqd[:, None] * b_ki
         # Tile I as the column side: dY_j = sum_i dA_ij X_i exp(G_i - G_j), rows from tiles J >= I.
         b_dkc = tl.zeros([BC, BK], tl.float32)
         for J in tl.static_range(I, BT // BC):
@@ -273,12 +283,14 @@ def kda_intra_bwd_kernel(
                 b_bj = tl.where(o_j < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_j, HV, i_hv)), 0.0)
             b_erj = tl.exp(b_Gj - b_r[None, :])
             b_dAq = load_rows(dAqk, t0, n_t, J * BC + o_c, s_A, i_hv * BT + I * BC, o_c, BC, False)
+            if J == I:
+                b_dAq = tl.where(o_c[:, None] > o_c[None, :], b_dAq, 0.0)
             b_dAk = load_rows(dAkk, t0, n_t, J * BC + o_c, s_A, i_hv * BT + I * BC, o_c, BC, False) * b_bj[:, None]
             b_x = (tl.dot(tl.trans(b_dAq.to(dt)), (b_qj * b_erj).to(dt), input_precision=PREC)
                    + tl.dot(tl.trans(b_dAk.to(dt)), (b_kj * b_erj).to(dt), input_precision=PREC))
             b_dkc += b_x * tl.exp(b_r[None, :] - b_Gi)
         b_dGi -= b_ki * b_dkc
-        b_dk += b_dkc
+        b_dk += b_dkc + b_dAqd[:, None] * b_qi
         # Totals with the state/WY path, then the L2-norm backward dx = (dy - y <dy, y>) / ||x||.
         b_dqs = b_dq + load_rows(dqs, t0, n_t, o_i, s_K, i_hv * K, o_k, K, False)
         b_dkn = b_dk + load_rows(dkn, t0, n_t, o_i, s_K, i_hv * K, o_k, K, False)
@@ -301,6 +313,7 @@ def kda_intra_bwd_kernel(
     for i_k in tl.static_range(BK // BKG):
         o_kg = i_k * BKG + tl.arange(0, BKG)
         b_dg = tl.cumsum(load_rows(dG, t0, n_t, o_t, s_K, i_hv * K, o_kg, K, False), axis=0, reverse=True)
+        b_dg += load_rows(dgx, t0, n_t, o_t, s_K, i_hv * K, o_kg, K, False)
         b_z = load_rows(z, t0, n_t, o_t, s_K, i_hv * K, o_kg, K, False)
         if HAS_BIAS:
             b_z += tl.load(dt_bias + i_hv * K + o_kg, mask=o_kg < K, other=0.0).to(tl.float32)[None, :]
@@ -331,7 +344,7 @@ def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offset
 
 
 def kda_dqkw_bwd(q, k, v, beta, G, Tinv, h, dh, Vn, dVn, do, scale, cu_seqlens, chunk_indices):
-    """Launch ``kda_dqk_bwd_kernel`` then ``kda_dwv_bwd_kernel``. Returns (dqs, dkn, dG, db, dv, dAqk, dAkk)."""
+    """Launch ``kda_dqk_bwd_kernel`` then ``kda_dwv_bwd_kernel``. Returns (dqs, dkn, dG, dgx, db, dv, dAqk, dAkk)."""
     T, H, K = k.shape
     HV, V = v.shape[1:]
     NT = chunk_indices.shape[0]
@@ -339,23 +352,23 @@ def kda_dqkw_bwd(q, k, v, beta, G, Tinv, h, dh, Vn, dVn, do, scale, cu_seqlens, 
     BK = min(BKK, 64)
     BV1 = min(BV, 32) if k.is_cuda else BV
     dev = k.device
-    dqs, dkn, dG, dW = (torch.empty(T, HV, K, device=dev, dtype=torch.float32) for _ in range(4))
+    dqs, dkn, dG, dW, dgx = (torch.empty(T, HV, K, device=dev, dtype=torch.float32) for _ in range(5))
     db = torch.empty(T, HV, device=dev, dtype=torch.float32)
     dv = torch.empty_like(v)
     dAqk, dAkk = (torch.empty(T, HV, BT, device=dev, dtype=torch.float32) for _ in range(2))
     prec = dot_precision(h.dtype, dev)
     kda_dqk_bwd_kernel[(triton.cdiv(K, BK), NT, HV)](
-        q, k, G, h, dh, Vn, dVn, do, dqs, dkn, dG, dW, cu_seqlens, chunk_indices, scale,
+        q, k, G, h, dh, Vn, dVn, do, dqs, dkn, dG, dW, dgx, cu_seqlens, chunk_indices, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=BK, BV=BV1, PREC=prec, num_warps=8,
     )
     kda_dwv_bwd_kernel[(NT, HV)](
         k, v, beta, G, Tinv, dW, dVn, do, Vn, dkn, dG, db, dv, dAqk, dAkk, cu_seqlens, chunk_indices,
         H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=min(BK, 32), BV=BV1, PREC=prec, num_warps=8,
     )
-    return dqs, dkn, dG, db, dv, dAqk, dAkk
+    return dqs, dkn, dG, dgx, db, dv, dAqk, dAkk
 
 
-def kda_intra_bwd(q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, db, scale, lower_bound,
+def kda_intra_bwd(q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale, lower_bound,
                   cu_seqlens, chunk_indices):
     """Launch ``kda_intra_bwd_kernel``. Returns (dq, dk per value head fp32, dz, dbeta, dA_part, dbias_part)."""
     T, H, K = k.shape
@@ -369,7 +382,7 @@ def kda_intra_bwd(q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, db
     dA_part = torch.empty(NT, HV, device=dev, dtype=torch.float32)
     dbias_part = torch.empty(NT, HV, K, device=dev, dtype=torch.float32)
     kda_intra_bwd_kernel[(NT, HV)](
-        q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, db, dq, dk, dz, dbeta, dA_part,
+        q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db, dq, dk, dz, dbeta, dA_part,
         dbias_part, cu_seqlens, chunk_indices, scale, lower_bound, H=H, HV=HV, K=K,
         HAS_BIAS=dt_bias is not None, BT=BT, BC=BC, BK=BK, BKG=min(BK, 32),
         PREC=dot_precision(torch.float32, dev), num_warps=8,

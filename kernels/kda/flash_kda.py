@@ -55,11 +55,11 @@ class FlashKDAFunction(torch.autograd.Function):
         dh, dVn, dh0 = kda_state_bwd(QG, KG, W, G, Aqk, do, dht.contiguous() if dht is not None else None,
                                      h0 is not None, cu_seqlens, chunk_offsets, NT)
         del QG, KG, W, Aqk
-        dqs, dkn, dG, db, dv, dAqk, dAkk = kda_dqkw_bwd(qf, kf, vf, bf, G, Tinv, h, dh, Vn, dVn, do, scale,
+        dqs, dkn, dG, dgx, db, dv, dAqk, dAkk = kda_dqkw_bwd(qf, kf, vf, bf, G, Tinv, h, dh, Vn, dVn, do, scale,
                                                         cu_seqlens, chunk_indices)
         del h, dh, Vn, dVn, Tinv
         dq, dk, dz, dbeta, dA_part, dbias_part = kda_intra_bwd(
-            qf, kf, zf, bf, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, db, scale, lb, cu_seqlens, chunk_indices)
+            qf, kf, zf, bf, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale, lb, cu_seqlens, chunk_indices)
         # GVA: value heads i*G .. i*G+G-1 read q/k head i; their gradients add up.
         dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
