@@ -174,3 +174,17 @@ def test_bad_gate_parameters():
         flash_kda(q, k, v, z, beta, A_log, dt_bias, lower_bound=-20.0)
     with pytest.raises(ValueError, match="dt_bias contains NaN"):
         flash_kda(q, k, v, z, beta, A_log, torch.full_like(dt_bias, float("nan")))
+
+
+@pytest.mark.timeout(300)
+def test_same_results_as_kdalayer_reference_op():
+    """KDALayer runs flash_kda on CUDA and ``reference_kda_op`` elsewhere: same signature, same results."""
+    from k3lab.kda.layer import reference_kda_op
+
+    q, k, v, z, beta, A_log, dt_bias, h0 = (x.float() for x in make_inputs(1, 20, 1, 2, 16, 16, seed=9))
+    o_ref, s_ref = reference_kda_op(q, k, v, z, beta, A_log, dt_bias, initial_state=h0, output_final_state=True)
+    with torch.no_grad():
+        o, s = flash_kda(*(x.to(DEVICE) for x in (q, k, v, z, beta, A_log, dt_bias)),
+                         initial_state=h0.to(DEVICE), output_final_state=True)
+    assert_close("o", o_ref, o.cpu(), TOL_OUT)
+    assert_close("final_state", s_ref, s.cpu(), TOL_OUT)

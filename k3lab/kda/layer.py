@@ -91,10 +91,20 @@ def _kda_op(device: torch.device, gate: str, chunk_size: int):
     output_final_state=False, cu_seqlens=None, lower_bound=-5.0) -> (o, final_state)``.
     On CPU it is always the PyTorch reference (kernel modules are never imported there).
     """
-    # FlashKDA plug-in point: on CUDA with gate == "lower_bounded", return
-    # k3lab.kernels.kda.flash_kda here (import it inside that branch so CPU sessions never load
-    # Triton kernels); keep the reference for "kimi_linear", which the fused kernel does not do.
-    return functools.partial(reference_kda_op, gate=gate, chunk_size=chunk_size)
+    reference = functools.partial(reference_kda_op, gate=gate, chunk_size=chunk_size)
+    if device.type != "cuda" or gate != "lower_bounded":
+        return reference
+    # FlashKDA on CUDA (imported here so CPU sessions never load Triton kernels); the reference for
+    # what the fused kernel does not take: float64, K > 256, lower_bound below its -10 limit.
+    from k3lab.kernels.kda import flash_kda
+    from k3lab.kernels.kda.flash_kda import MAX_K, MIN_LOWER_BOUND
+
+    def op(q, *args, **kwargs):
+        fits = (q.dtype != torch.float64 and q.shape[-1] <= MAX_K
+                and kwargs.get("lower_bound", -5.0) >= MIN_LOWER_BOUND)
+        return (flash_kda if fits else reference)(q, *args, **kwargs)
+
+    return op
 
 
 def causal_short_conv(
