@@ -1,0 +1,364 @@
+# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · FlashKDA: KDA in fused Triton kernels
+#
+# **Why.** 69 of K3's 93 layers are KDA layers, trained at 8K–64K tokens and served up to 1M
+# (K3 report, Table 1). Linear attention is only worth its linear cost if its kernels keep the
+# tensor cores busy: the recurrence of chapter 01 is a chain of rank-1 updates, one token at a time.
+# MoonshotAI's FlashKDA (CUDA/CUTLASS, forward only) claims 1.72–2.22x over fla's Triton forward.
+# This chapter builds `k3lab.kernels.kda.flash_kda`: forward **and** backward in Triton, with K3's
+# lower-bounded gate, the q/k L2 norm and the beta sigmoid fused in, varlen, GVA and states; and
+# measures it honestly against fla-core 0.6.0 on an H200.
+#
+# 1. Why the chunkwise form maps onto tensor cores (arithmetic intensity).
+# 2. Why K3's lower-bounded gate keeps `1/Γ` inside bf16's range on 16-token sub-tiles (a plot and an
+#    experiment on where the factoring overflows).
+# 3. The kernel design: stages, what is fused, tiles, what lives in registers and shared memory.
+# 4. The check: the Triton kernels (under the interpreter on CPU) against the float64 recurrence,
+#    outputs and all eight gradients.
+# 5. The benchmark on one H200: roofline and speed table from the committed JSON; the GPU profile
+#    reruns it live.
+#
+# Code: `kernels/kda/` (`utils.py`, `chunk_fwd.py`, `chunk_bwd.py`, `flash_kda.py`), the benchmark
+# `k3lab/bench/flash_kda.py`, tests `tests/test_flash_kda.py`.
+
+# %% tags=["parameters"]
+profile: str = "cpu"
+seed: int = 0
+check_T: int = 100
+check_heads: int = 2
+check_dim: int = 16
+bench_cases: list = []
+results_path: str = "../data/results/flash_kda_h200.json"
+
+# %% tags=["nbval-ignore-output"]
+import k3lab
+
+device = k3lab.setup(seed=seed, profile=profile)
+
+# %%
+import json
+import math
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from k3lab.bench.flash_kda import fwd_bytes, fwd_flops, reference
+from k3lab.kda import chunk_kda, lower_bounded_gate
+from k3lab.kernels.kda import flash_kda
+from k3lab.kernels.kda.flash_kda import MIN_LOWER_BOUND
+from k3lab.testing import rel_rms_error
+
+# %% [markdown]
+# ## 1. Why chunks: from rank-1 updates to matrix products
+#
+# Token by token, KDA reads and rewrites the whole `K × V` state per head: about `6 K V` FLOPs
+# (decay, read `kᵀS`, rank-1 write, read `qᵀS`) against `2 · 4 K V` bytes if the fp32 state streams
+# through memory — under 1 FLOP per byte, and in any case matrix–*vector* work that tensor cores
+# cannot run. The chunkwise (UT/WY) form of chapter 01 touches the state once per chunk of `C`
+# tokens and turns everything else into products of `C × K`, `C × C` and `K × V` tiles:
+#
+# $$\tilde V = U - W S,\qquad O = (\Gamma Q) S + \mathrm{Tril}\big((\Gamma Q)(K/\Gamma)^\top\big)\tilde V,\qquad
+#   S \leftarrow \mathrm{Diag}(\gamma_C) S + (\Gamma_{i\to C} K)^\top \tilde V .$$
+#
+# Per chunk and head that is ~`6 C K V + 5 C² K` FLOPs of tensor-core work for one pass over the
+# state. The state stays in registers across chunks (one program per sequence, head and V tile),
+# so what streams is q, k, v, gate and output: the intensity grows with `C`.
+
+# %%
+K = V = 128
+rows = []
+for C in (1, 16, 64, 128):
+    flops_token = fwd_flops(1, C, 1, K, V, C=C) / C if C > 1 else 6 * K * V
+    # Compulsory bytes per token (bf16 q, k, v, z, beta in, o out) + the state once per chunk (fp32, r+w).
+    bytes_token = fwd_bytes(1, 1, 1, K, V) + 2 * 4 * K * V / C
+    rows.append((C, flops_token, bytes_token, flops_token / bytes_token))
+    print(f"C = {C:4d}: {flops_token / 1e3:7.1f} kFLOP/token, {bytes_token / 1e3:6.2f} kB/token, "
+          f"intensity {flops_token / bytes_token:6.1f} FLOP/B" + ("  (the recurrence)" if C == 1 else ""))
+assert rows[0][3] < 1 and rows[2][3] > 50 * rows[0][3]
+
+# %% [markdown]
+# The H200's ridge point (bf16 dense ~750 TFLOP/s measured, over ~4.3 TB/s copy bandwidth) is about
+# 175 FLOP/B: with `C = 64` KDA's forward sits near it, so it is neither hopelessly memory-bound nor
+# compute-bound — it is bound by *latency and fusion*: how many launches, how many round trips of
+# intermediates through HBM, and how long the one sequential loop over chunks takes. That is where a
+# fused kernel can win, and (section 5) where ours still loses.
+#
+# ## 2. Why the lower bound keeps `1/Γ` in bf16
+#
+# Inside a chunk, the score matrices have entries $\sum_c a_{ic} b_{jc}\,e^{G_{ic} - G_{jc}}$ with
+# $G$ the cumulative log-decay. A tensor core wants this as one product
+# $(a\,e^{G - r})(b\,e^{r - G})^\top$ for a reference point $r$ — i.e. $\Gamma a$ times $b/\Gamma$.
+# The factor $e^{r - G_j}$ is $1/\Gamma$ relative to $r$, and it must fit the operand type:
+# bf16 has fp32's exponent range, `exp(x)` is finite for `x < ln(3.39e38) = 88.7`.
+#
+# * Kimi Linear's gate $-e^{A}\,\mathrm{softplus}(z)$ is unbounded below: one strongly-forgetting
+#   token can push $G$ down by hundreds, so $1/\Gamma$ overflows on any span of tokens — fla then
+#   computes the diagonal sub-tiles element by element on CUDA cores.
+# * K3's gate $g = g_{\min}\,\sigma(e^{A}(z + b))$ (Eq. 5) keeps every step above $g_{\min} = -5$.
+#   Over a 16-token sub-tile with $r$ at its middle token, no factor exceeds $e^{8 \cdot 5} = e^{40}$;
+#   even with $r$ at the first token it is $e^{75}$. Both fit: **all** sub-tiles, diagonal included,
+#   run on tensor cores in bf16. FlashKDA takes $r$ at the middle, which allows $g_{\min} \ge -10$.
+
+# %%
+ln_bf16_max = math.log(torch.finfo(torch.bfloat16).max)
+span = np.arange(0, 65)
+fig, ax = plt.subplots(figsize=(6.5, 3.2))
+for g_min, style in ((-5.0, "-"), (-10.0, "--")):
+    ax.plot(span, -g_min * span, style, label=f"worst case, g_min = {g_min:g}")
+# Kimi Linear's gate for a strongly forgetting head (A = log 16, z ~ N(2, 1)): the worst span.
+gen = torch.Generator().manual_seed(seed)
+g_kimi = -(16.0 * torch.nn.functional.softplus(torch.randn(20000, generator=gen) + 2.0)).numpy()
+worst = [-np.min(np.convolve(g_kimi, np.ones(n), "valid")) if n else 0.0 for n in span]
+ax.plot(span, worst, ":", label="Kimi Linear gate (A = log 16, z ~ N(2, 1)), worst span")
+ax.axhline(ln_bf16_max, color="k", lw=0.8)
+ax.text(1, ln_bf16_max + 8, "ln(bf16 max) = 88.7: 1/Γ overflows above", fontsize=8)
+for x, lbl in ((8, "half sub-tile"), (16, "sub-tile")):
+    ax.axvline(x, color="gray", lw=0.5)
+    ax.text(x + 0.5, 300, lbl, fontsize=8, rotation=90)
+ax.set(xlabel="tokens spanned by the factor", ylabel="log of the largest 1/Γ", ylim=(0, 400),
+       title="Cumulative decay over a span vs bf16's range")
+ax.legend(fontsize=8)
+plt.show()
+print(f"g_min = -5: half sub-tile needs e^{5 * 8:.0f}, a whole one e^{5 * 15:.0f}; bf16 holds up to e^{ln_bf16_max:.1f}")
+print(f"Kimi Linear gate: the worst 8-token span needs e^{worst[8]:.0f}")
+assert 5 * 15 < ln_bf16_max < worst[8]
+
+# %% [markdown]
+# **Experiment: where does the factoring break?** One 16×16 diagonal sub-tile, computed as a bf16
+# product of the two factored operands (what a tensor core does) vs the direct float64 sum, for gates
+# pinned at `g_min`, with the reference at the first token or at the middle one:
+
+# %% tags=["nbval-ignore-output"]
+def factored_block_error(g_min, ref_row, n=16, d=32, seed=0):
+    """Rel. error of the factored bf16 sub-tile vs float64, or inf if a factor overflowed."""
+    gen = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(n, d, generator=gen, dtype=torch.float64), torch.randn(n, d, generator=gen, dtype=torch.float64)
+    G = torch.cumsum(torch.full((n, d), g_min, dtype=torch.float64), 0)
+    exact = torch.einsum("ic,jc,ijc->ij", a, b, (G[:, None] - G[None]).exp()).tril()
+    r = G[ref_row]
+    left, right = (a * (G - r).exp()).bfloat16(), (b * (r - G).exp()).bfloat16()
+    if not (torch.isfinite(left).all() and torch.isfinite(right).all()):
+        return float("inf")
+    return rel_rms_error(exact, (left.float() @ right.float().T).tril())
+
+
+print(" g_min | ref = first token | ref = middle token")
+table_rows = {}
+for g_min in (-2.0, -5.0, -6.0, -8.0, -10.0, -11.0, -12.0):
+    e_first, e_mid = factored_block_error(g_min, 0), factored_block_error(g_min, 8)
+    table_rows[g_min] = (e_first, e_mid)
+    print(f"{g_min:6.1f} | {e_first:17.2e} | {e_mid:18.2e}")
+assert table_rows[-5.0][0] < 2e-2 and table_rows[-10.0][1] < 2e-2
+assert math.isinf(table_rows[-6.0][0]) and math.isinf(table_rows[-12.0][1])
+assert MIN_LOWER_BOUND == -10.0
+
+# %% [markdown]
+# With the first token as reference, anything below about `g_min = -5.9` overflows; the midpoint
+# doubles the room (`-11`), which is why `flash_kda` accepts `lower_bound` in `[-10, 0)` and raises
+# outside it. The errors that remain (~1e-2 per entry here, with random unnormalised data) are bf16's
+# 8-bit mantissa, the same as any bf16 matmul; off-diagonal sub-tiles use the last token before the
+# row tile as reference, where both factors are ≤ 1 and nothing can overflow at all.
+#
+# ## 3. The kernel design
+#
+# Three forward kernels and four backward kernels, each a `@triton.jit` function
+# (`kda_<stage>_{fwd,bwd}_kernel`) with a launcher, one `autograd.Function` (`FlashKDAFunction`) and
+# the public `flash_kda`, which validates (shapes always; NaN/inf with `check_values=True`, the
+# default) and builds the chunk table on the host from `cu_seqlens`. Chunk `C = 64`, sub-tile 16,
+# `K` in one tile (≤ 256), `V` in tiles of 16–64.
+#
+# | stage | grid | what it does | fused |
+# |---|---|---|---|
+# | `intra_fwd` | chunks × value heads | gate + cumsum (16 rows at a time), q/k L2 norm, β sigmoid; the 10 sub-tiles of `Diag(β)(ΓK)(K/Γ)ᵀ` and `(ΓQ)(K/Γ)ᵀ` on tensor cores; UT inverse `T` by 16×16 blocks (4 forward substitutions + 6 block products); `W = T·Diag(β)ΓK`, `U = T·Diag(β)V` | all elementwise prep, both score matrices, inverse, W/U |
+# | `state_fwd` | sequences × value heads × V/16 | the one sequential loop: per chunk store `S`, `Ṽ = U − W S`, `S ← γ_C S + (Γ_{i→C}K)ᵀ Ṽ`; `S` stays in registers (fp32) | final state |
+# | `output_fwd` | chunks × value heads × V tiles | `O = (ΓQ) S + Aqk Ṽ` | — |
+# | `state_bwd` | sequences × value heads × V/16 | reverse loop: `dṼ = Aqkᵀ dO + (Γ_{i→C}K) dS'`, `dS ← γ_C dS' + (ΓQ)ᵀ dO − Wᵀ dṼ` | d(initial state) |
+# | `dqk_bwd` | K tiles × chunks × value heads | `d(ΓQ) = dO Sᵀ`, `d(Γ_{i→C}K) = Ṽ dS'ᵀ`, `dW = −dṼ Sᵀ`, the state-decay terms of dg | L2-norm rows, G chain |
+# | `dwv_bwd` | chunks × value heads | `dAqk = dO Ṽᵀ`, dV and dβ through `U`, dT, then `dL = −Tᵀ dT Tᵀ` | inverse backward |
+# | `intra_bwd` | chunks × value heads | the 16×16 sub-tile gradients of both score matrices, L2-norm and sigmoid backward, reverse cumsum of dG, the gate backward | dz, dA_log, ddt_bias partials |
+#
+# *Registers vs shared memory.* The state tile (`K × 16` fp32 per program) and all accumulators live
+# in registers; `tl.dot` stages its operands through shared memory (Triton's software pipeline,
+# `num_stages = 2` for the state loops: 78–127 KB per program; 16–82 KB elsewhere). Compiled offline
+# for sm_90 with ptxas (`triton.compile(..., target=GPUTarget("cuda", 90, 32))` + `cuobjdump
+# -res-usage`, no GPU needed), every kernel uses 255 registers per thread; spills were cut from
+# 9 KB to 0.04–1.3 KB per thread by splitting the backward's V- and K-shaped work into two kernels
+# and streaming the prep in 16-row tiles.
+#
+# *Precision.* Only the inputs are saved for the backward: it recomputes the intra and state stages.
+# When a backward follows, intermediates are fp32 and products use `bf16x3` (three bf16 passes,
+# ≈ fp32): the gate gradient is a sum of large terms that cancel (every `e^{G_i - G_j}` appears with
+# `+` for the row and `−` for the column), and bf16 round-off there gave 1.1e-2 on `dg` and 5.7e-2 on
+# `ddt_bias` in our first GPU run, over the 1e-2 limit. Two more cancellations are removed
+# algebraically: the terms that depend on `G_last` go straight to `dg` as a prefix sum, and `Aqk`'s
+# diagonal (no decay) is kept out of `dG`. Inference (no autograd) keeps bf16 intermediates.
+#
+# ## 4. The check: Triton kernels vs the float64 recurrence
+#
+# On the CPU profile the kernels run under `TRITON_INTERPRET=1` in float32 (the interpreter has no bf16
+# arithmetic), at a small size with GVA, an initial state and a tail chunk; the reference is
+# chapter 01's `naive_recurrent_kda` in float64 with the gate, norms and sigmoid applied in torch.
+
+# %% tags=["nbval-ignore-output"]
+dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+B, T, H, HV = 2, check_T, 1, check_heads
+Kc = Vc = check_dim if device.type == "cpu" else 128
+gen = torch.Generator().manual_seed(seed)
+r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+inputs = [r(B, T, H, Kc), r(B, T, H, Kc), r(B, T, HV, Vc), r(B, T, HV, Kc), r(B, T, HV),
+          0.5 * r(HV), 0.5 * r(HV * Kc), r(B, HV, Kc, Vc)]
+ours = [x.to(device, dt if i < 5 else torch.float32).requires_grad_() for i, x in enumerate(inputs)]
+ref = [x.clone().requires_grad_() for x in inputs]
+o, s = flash_kda(*ours[:7], initial_state=ours[7], output_final_state=True)
+o_ref, s_ref = reference(*ref[:7], initial_state=ref[7])
+do, ds = torch.randn_like(o_ref), torch.randn_like(s_ref)
+((o.double().cpu() * do).sum() + (s.double().cpu() * ds).sum()).backward()
+((o_ref * do).sum() + (s_ref * ds).sum()).backward()
+errors = {"o": rel_rms_error(o_ref, o.cpu()), "final_state": rel_rms_error(s_ref, s.cpu())}
+for name, a, x in zip(("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"), ref, ours):
+    errors[name] = rel_rms_error(a.grad, x.grad.cpu())
+tol_out, tol_grad = (5e-3, 1e-2) if device.type == "cuda" else (1e-4, 1e-4)
+print(f"flash_kda ({dt}, B={B}, T={T}, H={H}, HV={HV}, K=V={Kc}) vs float64 naive, rel RMS error:")
+for name, e in errors.items():
+    tol = tol_grad if name.startswith("d") else tol_out
+    print(f"  {name:12s} {e:.2e}  (tol {tol:.0e})")
+    assert e <= tol, name
+
+# %% [markdown]
+# The same kernels, same answers as the layer's PyTorch operator — `KDALayer` calls `flash_kda` on
+# CUDA and `chunk_kda` (through `reference_kda_op`) elsewhere — and the bad inputs of `k3lab.kda`
+# raise the same errors (the shared `check_kda_inputs`):
+
+# %%
+for label, kwargs in (
+    ("duplicate offsets", dict(cu_seqlens=torch.tensor([0, 4, 4, T]))),
+    ("g shape", dict(g=torch.randn(1, T, HV, Kc + 1))),
+):
+    args = dict(q=ours[0][:1].detach(), k=ours[1][:1].detach(), v=ours[2][:1].detach(),
+                g=ours[3][:1].detach(), beta=ours[4][:1].detach())
+    args.update({k_: v_.to(device) for k_, v_ in kwargs.items()})
+    try:
+        flash_kda(A_log=ours[5].detach(), dt_bias=ours[6].detach(), **args)
+    except ValueError as e:
+        msg_fast = str(e)
+    try:
+        chunk_kda(**dict(args, g=-args["g"].abs()))
+    except ValueError as e:
+        msg_ref = str(e)
+    print(f"{label}: {msg_fast}")
+    assert msg_fast == msg_ref
+
+# %% [markdown]
+# ## 5. The benchmark on one H200
+#
+# `python -m k3lab.bench.flash_kda` checks correctness in bf16 first (against the float64 naive
+# recurrence, fixed-length and varlen, T not a multiple of 64, GVA, initial state), measures the
+# ceilings, then times ours and fla's `chunk_kda` (same settings: bf16, K = V = 128, lower bound −5,
+# gate/norm/sigmoid fused, `safe_gate=True`) with `triton.testing.do_bench`, and writes
+# `data/results/flash_kda_h200.json`. The committed file:
+
+# %%
+result = json.loads(Path(results_path).read_text())
+hw, cases = result["hardware"], result["cases"]
+print(f"{hw['name']} | torch {result['versions']['torch']} | triton {result['versions']['triton']} | "
+      f"fla-core {result['versions']['fla-core']} | {result['date']}")
+print(f"ceilings measured: bf16 matmul {hw['bf16_matmul_tflops']:.0f} TFLOP/s, copy {hw['copy_gbps']:.0f} GB/s")
+worst_check = {n: max(hw["correctness"][c][n] for c in hw["correctness"]) for n in hw["correctness"]["fixed"]}
+print("bf16 correctness (worst of fixed/varlen): " + ", ".join(f"{n} {e:.1e}" for n, e in worst_check.items()))
+print(f"\n{'B':>2} {'T':>6} {'H':>3} | {'ours fwd':>8} {'fla fwd':>8} {'x':>5} | {'ours f+b':>8} {'fla f+b':>8} "
+      f"{'x':>5} | {'TFLOP/s':>7} {'GB/s':>6} | {'ours MiB':>8} {'fla MiB':>8}")
+fmt = lambda x, f: "n/a".rjust(int(f.split(".")[0])) if x is None else format(x, f)  # noqa: E731
+for c in cases:
+    gbps = fwd_bytes(c["B"], c["T"], c["H"], c["K"], c["K"]) / c["ours_fwd_ms"] / 1e6
+    print(f"{c['B']:>2} {c['T']:>6} {c['H']:>3} | {c['ours_fwd_ms']:8.3f} {fmt(c['fla_fwd_ms'], '8.3f')} "
+          f"{fmt(c['speedup_fwd'], '5.2f')} | {c['ours_fwd_bwd_ms']:8.3f} {fmt(c['fla_fwd_bwd_ms'], '8.3f')} "
+          f"{fmt(c['speedup_fwd_bwd'], '5.2f')} | {c['tflops_fwd']:7.1f} {gbps:6.0f} | "
+          f"{c['ours_peak_mib']:8.0f} {fmt(c['fla_peak_mib'], '8.0f')}")
+assert all(e <= (1e-2 if n.startswith("d") else 5e-3) for n, e in worst_check.items())
+
+# %% [markdown]
+# **Honest reading.** The kernels are correct in bf16 with margin (outputs ≤ 3.9e-3 on the inference
+# path, ≤ 1.7e-3 on the training path; every gradient ≤ 2.4e-3, against 5e-3 / 1e-2), and use less
+# memory than fla where both were measured. They are **not faster than fla**: at B1 T8192 H16 the
+# forward is 0.62x fla's and forward+backward 0.37x — the issue's floors (≥ 1.5x and ≥ 1.2x) are not
+# met. fla's times come from the same benchmark's first run (fla autotunes for ~4 minutes per shape,
+# more than this session's device budget allowed twice); the committed run timed ours on two of the
+# issue's shapes before its time limit (B1 T32768 H32 and B8 T4096 H32 were not reached), and fla's
+# published baseline (issue 3) stands in for fla where it was not rerun (crosses in the figure). The
+# two cancellation fixes of section 3 came after that run: checked here on CPU and compiled for
+# sm_90 offline, not re-timed. Where the time goes, from the
+# per-stage timings of that run (ms at B1 T8192 H16): intra_fwd 1.10 (bf16) / 1.75 (fp32), state_fwd
+# 0.25 / 0.61, output 0.26, state_bwd 1.00, dq/dk/dW 1.40, intra_bwd 1.73. The intra kernels (one
+# program per chunk doing 10 sub-tile products, 4 substitutions and 6 block products in 16×16 pieces)
+# are ~10x slower than their FLOPs and bytes warrant — register pressure (255 registers, spills) and
+# the small-tile `mma` instructions — and the fp32/bf16x3 training path costs ~2x on top. The
+# fixes that remain (not done here): the inverse on full 64-wide tiles with fewer round trips through
+# shared memory, sub-tiles batched into one `[64, K]` product per reference point, fp32 only where the
+# gate gradient needs it, autotuned warps/stages, and the output fused into the state loop.
+
+# %%
+baseline_fla = {(1, 8192, 16): (1.16, 3.05), (4, 8192, 16): (1.87, 8.22), (1, 32768, 32): (3.72, 16.5),
+                (8, 4096, 32): (3.66, 16.3)}  # issue 3's fla-core 0.6.0 baseline on an H200 (ms)
+peak, bw = hw["bf16_matmul_tflops"], hw["copy_gbps"] / 1e3  # TFLOP/s, TB/s
+x = np.logspace(0, 4, 200)
+fig, ax = plt.subplots(figsize=(6.5, 3.6))
+ax.loglog(x, np.minimum(peak, x * bw), "k-", lw=1, label=f"roofline ({peak:.0f} TFLOP/s, {bw:.1f} TB/s)")
+for c in cases:
+    flops, nbytes = fwd_flops(c["B"], c["T"], c["H"], c["K"], c["K"]), fwd_bytes(c["B"], c["T"], c["H"], c["K"], c["K"])
+    ai = flops / nbytes
+    ax.plot(ai, flops / c["ours_fwd_ms"] / 1e9, "o", color="C0")
+    fla_ms = c["fla_fwd_ms"] if c["fla_fwd_ms"] is not None else baseline_fla[(c["B"], c["T"], c["H"])][0]
+    ax.plot(ai * 1.04, flops / fla_ms / 1e9, "s" if c["fla_fwd_ms"] is not None else "x", color="C1")
+    ax.annotate(f"B{c['B']} T{c['T']} H{c['H']}", (ai, flops / c["ours_fwd_ms"] / 1e9), fontsize=7,
+                xytext=(4, -10), textcoords="offset points")
+ax.plot([], [], "o", color="C0", label="ours, forward")
+ax.plot([], [], "s", color="C1", label="fla, forward (measured here)")
+ax.plot([], [], "x", color="C1", label="fla, forward (issue 3 baseline)")
+ax.set(xlabel="arithmetic intensity (useful FLOPs / compulsory bytes)", ylabel="TFLOP/s",
+       title="KDA forward on one H200 vs the roofline", ylim=(1, 2000))
+ax.legend(fontsize=7, loc="upper left")
+plt.show()
+floors = [(c["speedup_fwd"], c["speedup_fwd_bwd"]) for c in cases if c["speedup_fwd"] is not None]
+print("floors (fwd >= 1.5x, fwd+bwd >= 1.2x fla): " + ("met" if all(f >= 1.5 and b >= 1.2 for f, b in floors) else
+      f"NOT met (measured {', '.join(f'{f:.2f}x / {b:.2f}x' for f, b in floors)})"))
+print(f"ours reach {max(c['tflops_fwd'] for c in cases) / peak:.1%} of the bf16 matmul ceiling at best")
+
+# %% [markdown]
+# On the GPU profile (`python -m k3lab.book run --profile gpu --only 02`), the cell below reruns the
+# benchmark live on the shapes in `bench_cases` (fla included: expect minutes of autotuning per new
+# shape) and writes to `build/`, leaving the committed JSON alone.
+
+# %% tags=["nbval-ignore-output"]
+if device.type == "cuda" and bench_cases:
+    from k3lab.bench.flash_kda import main as bench_main
+
+    live = bench_main(["--cases", *bench_cases, "--out", "../build/flash_kda_live.json"])
+    print(f"live run: {len(live['cases'])} cases")
+else:
+    print("CPU profile: the benchmark needs a CUDA GPU; the table above is the committed H200 run")
+
+# %% [markdown]
+# ## References
+#
+# - Kimi Team, *Kimi K3: Open Frontier Intelligence*, arXiv 2607.24653 — Sec. 2.1, Eq. 3–5 (KDA and
+#   the lower-bounded gate), Table 1.
+# - Kimi Team, *Kimi Linear: An Expressive, Efficient Attention Architecture*, arXiv 2510.26692 — KDA's
+#   chunkwise algorithm.
+# - S. Yang, B. Wang, Y. Zhang, Y. Shen, Y. Kim, *Parallelizing Linear Transformers with the Delta Rule
+#   over Sequence Length*, NeurIPS 2024 — the UT/WY transform on tensor cores.
+# - MoonshotAI/FlashKDA — CUTLASS forward kernels for KDA (the 1.72–2.22x claim over fla on H20).
+# - fla-org/flash-linear-attention, `fla/ops/kda` (fla-core 0.6.0) — the baseline, its `safe_gate`
+#   tensor-core path for bounded gates.
+# - P. Tillet, H. T. Kung, D. Cox, *Triton: An Intermediate Language and Compiler for Tiled Neural
+#   Network Computations*, MAPL 2019.
+# - S. Williams, A. Waterman, D. Patterson, *Roofline: An Insightful Visual Performance Model*, CACM 2009.
