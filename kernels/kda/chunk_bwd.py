@@ -1,14 +1,16 @@
-"""FlashKDA backward: three Triton kernels and their launchers (after the forward's intra and state
-kernels are re-run to recompute G, T, Aqk, W, U, the chunk states h and the pseudo-values V~).
+"""FlashKDA backward: four Triton kernels and their launchers (after the forward's intra and state
+kernels are re-run, in float32, to recompute G, T, Aqk, W, U, the chunk states h and the pseudo-values V~).
 
 1. ``kda_state_bwd_kernel`` (sequential over chunks, in reverse): dV~ = Aqk^T dO + (Gamma_{i->C} K) dS',
    dS <- Diag(gamma_C) dS' + (Gamma Q)^T dO - W^T dV~; stores dS' per chunk and dV~.
-2. ``kda_dqkw_bwd_kernel`` (all chunks in parallel, V tiles reduced in-kernel): everything that touches
-   V and the states: d(Gamma Q), d(Gamma_{i->C} K), dW, dV, dbeta through U and W, dT -> dL = -T^T dT T^T,
-   dAqk, and the decay gradient of the state path.
-3. ``kda_intra_bwd_kernel`` (all chunks in parallel): the 16x16 sub-tile gradients of the two decayed
-   score matrices, the L2-norm and beta-sigmoid backward, the reverse cumsum of dG and the gate backward
-   (dz, and per-chunk partial sums for dA_log and ddt_bias).
+2. ``kda_dqk_bwd_kernel`` (chunks x K tiles, V reduced in-kernel): d(Gamma Q) = dO S^T,
+   d(Gamma_{i->C} K) = V~ dS'^T, dW = -dV~ S^T and the decay terms that depend on G_last (sent
+   straight to dg as a prefix sum).
+3. ``kda_dwv_bwd_kernel`` (chunks): dAqk = dO V~^T; dV, dbeta and dT through U and W; then
+   dL = -T^T dT T^T (the inverse's backward), kept strictly lower.
+4. ``kda_intra_bwd_kernel`` (chunks): the 16x16 sub-tile gradients of the two decayed score matrices,
+   the L2-norm and beta-sigmoid backward, the reverse cumsum of dG and the gate backward (dz, and
+   per-chunk partial sums for dA_log and ddt_bias).
 """
 from __future__ import annotations
 
