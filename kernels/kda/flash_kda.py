@@ -139,11 +139,12 @@ def flash_kda(
         >>> o.shape, s.shape
         (torch.Size([1, 20, 1, 16]), torch.Size([1, 1, 16, 16]))
     """
-    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values=False)
+    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values=False)
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     if not isinstance(A_log, torch.Tensor) or A_log.shape != (HV,):
-        raise ValueError(f"A_log must be a [HV] = [{HV}] tensor, got {_shape(A_log) if isinstance(A_log, torch.Tensor) else type(A_log).__name__}")
+        got = _shape(A_log) if isinstance(A_log, torch.Tensor) else type(A_log).__name__
+        raise ValueError(f"A_log must be a [HV] = [{HV}] tensor, got {got}")
     if dt_bias is not None and (not isinstance(dt_bias, torch.Tensor) or dt_bias.numel() != HV * K
                                 or dt_bias.shape not in ((HV * K,), (HV, K))):
         raise ValueError(f"dt_bias must be [HV * K] = [{HV * K}] or [HV, K] = [{HV}, {K}], got "
@@ -177,7 +178,6 @@ def flash_kda(
     chunk_indices, chunk_offsets = chunk_index(lengths, q.device)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    del N
-    return FlashKDAFunction.apply(q, k, v, g, beta, A_log.contiguous(), 
+    return FlashKDAFunction.apply(q, k, v, g, beta, A_log.contiguous(),
                                   dt_bias.contiguous() if dt_bias is not None else None, h0, scale,
                                   float(lower_bound), cu, chunk_indices, chunk_offsets, output_final_state)
