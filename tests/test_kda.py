@@ -388,3 +388,54 @@ def test_shared_case(path):
     tol = F64_TOL if case["q"].dtype == torch.float64 else 2e-3
     assert_close("o", ref[0], o, tol)
     assert_close("final_state", ref[1], s, tol)
+
+
+# --- validation: dtypes, empty dims, non-tensor/other-device arguments, scale, chunk_size type ------------
+
+def _bad_more(name):
+    """Valid inputs (B=1, T=6, H=2, HV=4, K=4, V=3), then one argument broken as ``name`` says."""
+    x, extra = make_inputs(6, H=2, HV=4, K=4, V=3, seed=26), {}
+    if name == "int_q":
+        x["q"] = x["q"].round().long()
+    elif name == "int_all":
+        x = {k: (t.round().long() if k != "initial_state" else None) for k, t in x.items()}
+    elif name == "bool_beta":
+        x["beta"] = x["beta"] > 0.5
+    elif name == "B0":
+        x = {k: t[:0] for k, t in x.items()}
+    elif name == "H0":
+        x = make_inputs(6, H=2, HV=4, K=4, V=3, seed=26, init_state=False)
+        x["q"], x["k"] = x["q"][:, :, :0], x["k"][:, :, :0]
+    elif name == "cu_list":
+        x["initial_state"] = None
+        extra["cu_seqlens"] = [0, 2, 6]
+    elif name == "state_list":
+        x["initial_state"] = x["initial_state"].tolist()
+    elif name == "state_other_device":
+        x["initial_state"] = x["initial_state"].to("meta")
+    elif name in ("scale_nan", "scale_inf"):
+        extra["scale"] = float(name[6:])
+    return x, extra
+
+
+BAD_MORE = {"int_q": "q", "int_all": "q", "bool_beta": "beta", "B0": "B", "H0": "H", "cu_list": "cu_seqlens",
+            "state_list": "initial_state", "state_other_device": "initial_state", "scale_nan": "scale",
+            "scale_inf": "scale"}
+
+
+@pytest.mark.parametrize("fn", [naive_recurrent_kda, chunk_kda], ids=["naive", "chunk"])
+@pytest.mark.parametrize("case", list(BAD_MORE), ids=list(BAD_MORE))
+def test_more_bad_inputs_raise_value_error(fn, case):
+    """Integer inputs used to come back as a truncated integer output, B=0/H=0 and non-tensor
+    arguments failed deep inside (RuntimeError, ZeroDivisionError, AttributeError), a NaN scale
+    returned NaN silently."""
+    x, extra = _bad_more(case)
+    with pytest.raises(ValueError, match=BAD_MORE[case]):
+        fn(**x, **extra)
+
+
+@pytest.mark.parametrize("chunk_size", [16.0, True, "64"], ids=["float", "bool", "str"])
+def test_chunk_size_must_be_an_int(chunk_size):
+    x, _ = _bad("chunk_size")
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_kda(**x, chunk_size=chunk_size)

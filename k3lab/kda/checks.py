@@ -1,6 +1,8 @@
 """Input validation shared by every KDA entry point (naive, chunk, Triton, KCP)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -12,9 +14,11 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> int:
     """Validate ``cu_seqlens`` (int [N+1], 0 = c_0 < c_1 < ... < c_N = T); returns N.
 
     Raises:
-        ValueError: wrong dtype/rank, not starting at 0, not ending at T, or not strictly increasing
-            (an empty or duplicate offset would be a zero-length sequence).
+        ValueError: not a tensor, wrong dtype/rank, not starting at 0, not ending at T, or not strictly
+            increasing (an empty or duplicate offset would be a zero-length sequence).
     """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 torch.Tensor [N+1], got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
         raise ValueError(
             f"cu_seqlens must be a 1-D int32/int64 tensor [N+1] with N >= 1, got dtype "
@@ -42,6 +46,7 @@ def check_kda_inputs(
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     check_values: bool = True,
+    scale: float | None = None,
 ) -> int:
     """Check the shapes and values of KDA inputs; returns N (the number of sequences).
 
@@ -49,8 +54,10 @@ def check_kda_inputs(
     beta [B, T, HV]; initial_state [N, HV, K, V]; cu_seqlens int [N+1] with B == 1.
 
     Raises:
-        ValueError: naming the argument, the shape it got and the one expected; HV not a multiple
-            of H; bad cu_seqlens; g > 0; a NaN or inf in any input (when ``check_values``).
+        ValueError: naming the argument, the shape it got and the one expected; a non-float dtype;
+            a zero-sized dimension; HV not a multiple of H; bad cu_seqlens; an initial_state that is
+            not a tensor or not on q's device; a NaN or inf ``scale``; g > 0; a NaN or inf in any
+            input (when ``check_values``).
     """
     tensors = dict(q=q, k=k, v=v, g=g, beta=beta)
     for name, x in tensors.items():
@@ -64,24 +71,40 @@ def check_kda_inputs(
     if v.ndim != 4 or v.shape[:2] != (B, T):
         raise ValueError(f"v must be [B, T, HV, V] with B={B}, T={T}, got {_shape(v)}")
     HV, V = v.shape[2], v.shape[3]
+    if min(B, T, H, K, HV, V) == 0:
+        raise ValueError(f"B, T, H, K, HV and V must be positive, got B={B}, T={T}, H={H}, K={K}, HV={HV}, V={V}")
     if HV % H != 0:
         raise ValueError(f"v's head count HV={HV} must be a multiple of q/k's H={H} (GVA)")
     if g.shape != (B, T, HV, K):
         raise ValueError(f"g must be [B, T, HV, K] = {[B, T, HV, K]}, got {_shape(g)}")
     if beta.shape != (B, T, HV):
         raise ValueError(f"beta must be [B, T, HV] = {[B, T, HV]}, got {_shape(beta)}")
-    if T == 0 or K == 0 or V == 0:
-        raise ValueError(f"T, K and V must be positive, got T={T}, K={K}, V={V}")
+    for name, x in tensors.items():
+        # An integer q would give an integer (truncated) output; the math needs floats everywhere.
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     devices = {x.device for x in tensors.values()}
     if len(devices) > 1:
         raise ValueError(f"q, k, v, g, beta must be on one device, got {sorted(map(str, devices))}")
+    if scale is not None:
+        try:
+            finite = math.isfinite(scale)
+        except TypeError:
+            finite = False
+        if not finite:
+            raise ValueError(f"scale must be a finite float, got {scale!r}")
     N = B
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed into B=1, got B={B}")
         N = check_cu_seqlens(cu_seqlens, T)
-    if initial_state is not None and initial_state.shape != (N, HV, K, V):
-        raise ValueError(f"initial_state must be [N, HV, K, V] = {[N, HV, K, V]}, got {_shape(initial_state)}")
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise ValueError(f"initial_state must be a torch.Tensor [N, HV, K, V], got {type(initial_state).__name__}")
+        if initial_state.shape != (N, HV, K, V):
+            raise ValueError(f"initial_state must be [N, HV, K, V] = {[N, HV, K, V]}, got {_shape(initial_state)}")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state must be on q's device {q.device}, got {initial_state.device}")
     if check_values:
         named = dict(tensors, initial_state=initial_state) if initial_state is not None else tensors
         # One host sync for all value checks.

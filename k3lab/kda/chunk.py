@@ -124,9 +124,10 @@ def chunk_kda(
         ValueError: bad shapes, HV not a multiple of H, bad cu_seqlens, g > 0, NaN/inf inputs, or a
             chunk_size that is not a multiple of 16 or a power of two below 16.
     """
-    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    if not (chunk_size > 0 and (chunk_size % SUB_TILE == 0 or chunk_size in (1, 2, 4, 8))):
-        raise ValueError(f"chunk_size must be a multiple of {SUB_TILE} or 1, 2, 4, 8, got {chunk_size}")
+    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale)
+    if not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size > 0
+            and (chunk_size % SUB_TILE == 0 or chunk_size in (1, 2, 4, 8))):
+        raise ValueError(f"chunk_size must be an int, a multiple of {SUB_TILE} or 1, 2, 4, 8, got {chunk_size!r}")
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale

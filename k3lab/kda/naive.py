@@ -60,7 +60,7 @@ def naive_recurrent_kda(
         >>> o.shape, s.shape
         (torch.Size([1, 5, 2, 4]), torch.Size([1, 2, 4, 4]))
     """
-    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale)
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale
