@@ -39,7 +39,7 @@ n_heads: int = 2
 head_dim: int = 32
 seq_len: int = 64
 batch_size: int = 8
-steps: int = 50
+steps: int = 40
 lr: float = 3e-3
 log_every: int = 10
 block_counts: list = [2, 4, 8]
@@ -410,7 +410,7 @@ plt.show()
 # %%
 val_x, _ = kdata.get_batch(kdata.load_split("val"), 8, seq_len, torch.Generator().manual_seed(seed + 7), "cpu")
 shown = [n for n in histories if n != "standard"]
-fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 4.2))
+fig, axes = plt.subplots(1, len(shown), figsize=(3.4 * len(shown), 4.2), layout="constrained")
 weights = {}
 for ax, name in zip(np.atleast_1d(axes), shown):
     model = models[name]
@@ -421,7 +421,8 @@ for ax, name in zip(np.atleast_1d(axes), shown):
     im = ax.imshow(W, vmin=0, vmax=1, cmap="viridis", aspect="auto")
     ax.set_xticks(range(N_w + 2), [f"b{i}" for i in range(N_w + 1)] + ["part."], fontsize=6, rotation=90)
     ax.set_yticks(range(L + 1), [str(i) for i in range(L)] + ["out"], fontsize=6)
-    ax.set(title=name, xlabel="source", ylabel="read (sublayer)")
+    ax.set(title=name, xlabel="source")
+np.atleast_1d(axes)[0].set_ylabel("read (sublayer; out = final aggregation)")
 fig.colorbar(im, ax=axes, shrink=0.8, label="mean depth weight")
 plt.show()
 for name, W in weights.items():
@@ -494,10 +495,12 @@ if bench is not None and "lm_experiment" in bench:
     axes[1].legend(fontsize=8)
     plt.tight_layout()
     plt.show()
-    fig, axes = plt.subplots(1, len(exp["depth_weights"]), figsize=(3.2 * len(exp["depth_weights"]), 4.2))
+    fig, axes = plt.subplots(1, len(exp["depth_weights"]), figsize=(3.4 * len(exp["depth_weights"]), 4.2),
+                             layout="constrained")
     for ax, (name, W) in zip(np.atleast_1d(axes), exp["depth_weights"].items()):
         im = ax.imshow(np.array(W, dtype=float), vmin=0, vmax=1, cmap="viridis", aspect="auto")
-        ax.set(title=name, xlabel="source (b0 .. bN, partial)", ylabel="read (sublayer; last = output)")
+        ax.set(title=name, xlabel="source (b0 .. bN, partial)")
+    np.atleast_1d(axes)[0].set_ylabel("read (sublayer; last = final aggregation)")
     fig.colorbar(im, ax=axes, shrink=0.8, label="mean depth weight")
     plt.show()
 

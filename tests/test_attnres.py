@@ -50,6 +50,11 @@ def test_block_sizes_and_config_errors():
         BlockAttnRes(16, 0, 1)
     with pytest.raises(ValueError, match="path"):
         BlockAttnRes(16, 4, 2, path="fast")
+    subs, h0, q = make(4)
+    with pytest.raises(ValueError, match="queries"):
+        block_attnres_inference(h0, subs, q[:4], 2)
+    with pytest.raises(ValueError, match="queries"):
+        naive_attnres(h0, subs, q[:, :8])
     res = BlockAttnRes(16, 4, 2)
     with pytest.raises(ValueError, match="sublayers"):
         res(torch.randn(1, 3, 16), nn.ModuleList([MLP(16, 8)] * 3))
