@@ -190,10 +190,11 @@ class AttnRes(BlockAttnRes):
     the formula written out separately.
 
     Args:
-        d_model (int), n_sublayers (int), eps (float), path (str), backend (str | None): as in
-            ``BlockAttnRes``.
+        d_model (int), n_sublayers (int), eps (float), path (str), backend (str | None),
+        recompute_input (bool), buffer_dtype (torch.dtype | None): as in ``BlockAttnRes``.
     """
 
     def __init__(self, d_model: int, n_sublayers: int, eps: float = 1e-6, path: str = "auto",
-                 backend: str | None = None):
-        super().__init__(d_model, n_sublayers, n_sublayers, eps=eps, path=path, backend=backend)
+                 backend: str | None = None, recompute_input: bool = True, buffer_dtype: torch.dtype | None = None):
+        super().__init__(d_model, n_sublayers, n_sublayers, eps=eps, path=path, backend=backend,
+                         recompute_input=recompute_input, buffer_dtype=buffer_dtype)
