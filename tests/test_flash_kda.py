@@ -188,3 +188,30 @@ def test_same_results_as_kdalayer_reference_op():
                          initial_state=h0.to(DEVICE), output_final_state=True)
     assert_close("o", o_ref, o.cpu(), TOL_OUT)
     assert_close("final_state", s_ref, s.cpu(), TOL_OUT)
+
+
+@pytest.mark.timeout(300)
+def test_float16_inference_is_finite():
+    """float16 without autograd used float16 intermediates: a diagonal sub-tile's factor
+    exp(r - G_j) reaches exp(8 |lower_bound|) = e^40 > float16's max, so every output from T ~ 10 on
+    was NaN. T = 20 with the default lower bound."""
+    q, k, v, z, beta, A_log, dt_bias, _ = make_inputs(1, 20, 1, 1, 16, 16, seed=11)
+    o_ref, _ = reference(q, k, v, z, beta, A_log, dt_bias)
+    with torch.no_grad():
+        o, _ = flash_kda(*(x.half().to(DEVICE) for x in (q, k, v, z, beta)), A_log.float().to(DEVICE),
+                         dt_bias.float().to(DEVICE))
+    assert o.dtype == torch.float16
+    assert_close("o", o_ref, o.cpu(), 5e-3)
+
+
+def test_gate_parameters_on_another_device_or_bad_scale():
+    """A_log/dt_bias on another device failed inside Triton (RuntimeError); a NaN scale gave NaN."""
+    q, k, v, z, beta, A_log, dt_bias, _ = (x.float() for x in make_inputs(1, 8, 1, 1, 16, 16))
+    with pytest.raises(ValueError, match="A_log"):
+        flash_kda(q, k, v, z, beta, A_log.to("meta"), dt_bias)
+    with pytest.raises(ValueError, match="dt_bias"):
+        flash_kda(q, k, v, z, beta, A_log, dt_bias.to("meta"))
+    with pytest.raises(ValueError, match="scale"):
+        flash_kda(q, k, v, z, beta, A_log, dt_bias, scale=float("nan"))
+    with pytest.raises(ValueError, match="beta"):
+        flash_kda(q, k, v, z, beta.long(), A_log, dt_bias)

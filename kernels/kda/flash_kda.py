@@ -27,8 +27,9 @@ class FlashKDAFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, z, beta)]
-        # Intermediates in float32 when a backward follows (the gate gradient needs it), else q's dtype.
-        inter = torch.float32 if any(ctx.needs_input_grad) else q.dtype
+        # Intermediates in float32 when a backward follows (the gate gradient needs it), else q's dtype;
+        # never float16: a diagonal sub-tile's factor exp(8 |lower_bound|) (e^40 at -5) exceeds its range.
+        inter = torch.float32 if any(ctx.needs_input_grad) or q.dtype == torch.float16 else q.dtype
         G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(*flat, A_log, dt_bias, scale, lower_bound, cu_seqlens,
                                                    chunk_indices, inter)
         h, Vn, ht = kda_state_fwd(W, U, KG, G, initial_state, output_final_state, cu_seqlens, chunk_offsets,
@@ -125,8 +126,8 @@ def flash_kda(
 
     Raises:
         ValueError: the errors of ``k3lab.kda.checks.check_kda_inputs`` (shapes, GVA, cu_seqlens,
-            NaN/inf when ``check_values``), and bad A_log/dt_bias shapes, K > 256, mixed dtypes,
-            lower_bound outside [-10, 0).
+            NaN/inf when ``check_values``), and bad A_log/dt_bias shapes or devices, K > 256, mixed
+            dtypes, lower_bound outside [-10, 0).
         RuntimeError: on a CPU tensor without TRITON_INTERPRET=1 (call ``k3lab.setup()`` first).
 
     Example:
@@ -139,9 +140,12 @@ def flash_kda(
         >>> o.shape, s.shape
         (torch.Size([1, 20, 1, 16]), torch.Size([1, 1, 16, 16]))
     """
-    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values=False)
+    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values=False, scale=scale)
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
+    for name, x in dict(A_log=A_log, dt_bias=dt_bias).items():
+        if isinstance(x, torch.Tensor) and x.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
     if not isinstance(A_log, torch.Tensor) or A_log.shape != (HV,):
         got = _shape(A_log) if isinstance(A_log, torch.Tensor) else type(A_log).__name__
         raise ValueError(f"A_log must be a [HV] = [{HV}] tensor, got {got}")
