@@ -202,7 +202,8 @@ class LM(nn.Module):
             default ``PreNormResidual()``.
 
     ``forward(idx [B, T] int64, targets [B, T] int64 | None) -> (logits [B, T, vocab] float32,
-    loss scalar | None)``; the loss is the mean next-token cross-entropy (nats).
+    loss scalar | None)``; the loss is the mean next-token cross-entropy (nats). Raises ValueError
+    for ids outside [0, vocab_size) (targets may also be -100, cross_entropy's ignore index).
     """
 
     def __init__(self, config: LMConfig, residual: nn.Module | None = None):
@@ -236,13 +237,28 @@ class LM(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         if idx.ndim != 2:
             raise ValueError(f"idx must be [B, T] token ids, got shape {list(idx.shape)}")
+        _check_ids("idx", idx, self.config.vocab_size)
+        if targets is not None:
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets must have idx's shape {list(idx.shape)}, got {list(targets.shape)}")
+            _check_ids("targets", targets, self.config.vocab_size, ignore_index=-100)
         h = self.residual(self.embed(idx), self.sublayers)
         logits = self.head(self.norm(h)).float()
         if targets is None:
             return logits, None
-        if targets.shape != idx.shape:
-            raise ValueError(f"targets must have idx's shape {list(idx.shape)}, got {list(targets.shape)}")
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _check_ids(name: str, ids: torch.Tensor, vocab_size: int, ignore_index: int | None = None) -> None:
+    """Raise ValueError unless ``ids`` is an integer tensor with values in [0, vocab_size) (or ignore_index)."""
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor of token ids, got dtype {ids.dtype}")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if ignore_index is not None:
+        bad &= ids != ignore_index
+    if ids.numel() and bad.any():
+        raise ValueError(f"{name} must be token ids in [0, vocab_size={vocab_size}), got min {ids.min().item()}, "
+                         f"max {ids.max().item()}")
 
 
 def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
@@ -317,7 +333,8 @@ def train(
         log), val_loss, tokens_per_s (training throughput since the last log), lr, elapsed_s.
 
     Raises:
-        ValueError: non-positive steps/batch_size/seq_len/log_every, or lr <= 0.
+        ValueError: non-positive steps/batch_size/seq_len/log_every/eval_batches, lr <= 0 or not
+            finite, token ids >= the model's ``config.vocab_size``.
         FileNotFoundError: the token shards are missing (from ``k3lab.data``; it names the build command).
     """
     from tqdm.auto import tqdm
@@ -327,10 +344,18 @@ def train(
     for name, n in dict(steps=steps, batch_size=batch_size, seq_len=seq_len, log_every=log_every).items():
         if not (isinstance(n, int) and n > 0):
             raise ValueError(f"{name} must be a positive int, got {n!r}")
-    if not lr > 0:
-        raise ValueError(f"lr must be positive, got {lr}")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"lr must be positive and finite, got {lr}")
+    if not (isinstance(eval_batches, int) and eval_batches > 0):
+        raise ValueError(f"eval_batches must be a positive int, got {eval_batches!r}")
     device = torch.device(device)
     train_tokens, val_tokens = data if data is not None else (kdata.load_split("train"), kdata.load_split("val"))
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    for name, tokens in (("train", train_tokens), ("val", val_tokens)):
+        # Checked once here: a window with an out-of-range id could otherwise fail at any step.
+        if vocab is not None and len(tokens) and int(tokens.max()) >= vocab:
+            raise ValueError(f"the {name} tokens hold id {int(tokens.max())}, beyond the model's "
+                             f"vocab_size={vocab} (build the LM with vocab_size=k3lab.data.vocab_size())")
     warmup = min(100, steps // 10) if warmup is None else warmup
     amp = device.type == "cuda"
     model.to(device).train()

@@ -144,3 +144,35 @@ def test_train_loop_learns_a_pattern():
     assert runs[0]["loss"] == runs[1]["loss"] and runs[0]["val_loss"] == runs[1]["val_loss"]
     with pytest.raises(ValueError, match="steps"):
         lm.train(model, steps=0, batch_size=4, seq_len=32, lr=1e-2, device="cpu", data=(stream, stream))
+
+
+def test_token_ids_out_of_range_or_not_integer():
+    """Ids outside [0, vocab_size) failed deep inside (IndexError from the embedding or the loss);
+    float ids with a RuntimeError from the embedding."""
+    model = lm.LM(tiny("attention"))
+    ok = torch.randint(0, VOCAB, (1, 5))
+    for idx in (torch.tensor([[1, 2, VOCAB]]), torch.tensor([[1, -1, 2]]), ok.float()):
+        with pytest.raises(ValueError, match="idx"):
+            model(idx)
+    with pytest.raises(ValueError, match="targets"):
+        model(ok, torch.full_like(ok, VOCAB))
+    with pytest.raises(ValueError, match="targets"):
+        model(ok, ok.float())
+    # -100 is cross_entropy's ignore index: still allowed.
+    model(ok, torch.full_like(ok, -100).index_fill_(1, torch.tensor([0]), 3))
+
+
+def test_train_rejects_bad_arguments_before_training():
+    """eval_batches=0 raised ZeroDivisionError after the first log_every steps; lr=inf trained to NaN;
+    a token stream with ids >= the model's vocab_size raised IndexError at a random step."""
+    stream = np.tile(np.arange(VOCAB, dtype=np.uint16), 50)
+    model = lm.LM(tiny("attention"))
+    kw = dict(steps=2, batch_size=2, seq_len=8, device="cpu", data=(stream, stream), progress=False)
+    with pytest.raises(ValueError, match="eval_batches"):
+        lm.train(model, lr=1e-3, eval_batches=0, **kw)
+    with pytest.raises(ValueError, match="lr"):
+        lm.train(model, lr=float("inf"), **kw)
+    big = stream.copy()
+    big[-1] = VOCAB
+    with pytest.raises(ValueError, match="vocab_size"):
+        lm.train(model, lr=1e-3, **dict(kw, data=(big, stream)))
