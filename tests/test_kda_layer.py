@@ -177,3 +177,25 @@ def test_bad_forward_inputs():
     bad = KDACache(cache.conv_q, cache.conv_k, cache.conv_v, cache.state[:, :1])
     with pytest.raises(ValueError, match="initial_state"):
         layer(x_of(2, 1), cache=bad)
+
+
+@pytest.mark.parametrize("chunk_size", [24, 16.0], ids=["not_multiple_of_16", "float"])
+def test_chunk_size_checked_at_construction(chunk_size):
+    """chunk_size=24 was accepted by the constructor and failed at the first forward."""
+    with pytest.raises(ValueError, match="chunk_size"):
+        KDALayer(d_model=16, num_heads=2, head_dim=8, chunk_size=chunk_size)
+
+
+def test_forward_input_dtype_and_cache_type():
+    """An integer x or one whose dtype differs from the weights failed in a matmul (RuntimeError); a
+    cache that is not a KDACache (e.g. an empty dict) was silently ignored."""
+    layer = make_layer(seed=15)
+    x = x_of(1, 4)
+    with pytest.raises(ValueError, match="x must be"):
+        layer(x.round().long())
+    with pytest.raises(ValueError, match="x must be"):
+        layer(x.float())
+    with pytest.raises(ValueError, match="cache"):
+        layer(x, cache={})
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        layer(x, cu_seqlens=[0, 2, 4])

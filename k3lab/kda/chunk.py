@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3lab.kda.checks import check_kda_inputs
+from k3lab.kda.checks import check_chunk_size, check_kda_inputs
 from k3lab.kda.naive import compute_dtype, expand_heads
 
 SUB_TILE = 16
@@ -125,9 +125,7 @@ def chunk_kda(
             chunk_size that is not a multiple of 16 or a power of two below 16.
     """
     N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale)
-    if not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size > 0
-            and (chunk_size % SUB_TILE == 0 or chunk_size in (1, 2, 4, 8))):
-        raise ValueError(f"chunk_size must be an int, a multiple of {SUB_TILE} or 1, 2, 4, 8, got {chunk_size!r}")
+    check_chunk_size(chunk_size, SUB_TILE)
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale

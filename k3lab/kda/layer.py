@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from k3lab.kda.checks import check_cu_seqlens
+from k3lab.kda.checks import check_chunk_size, check_cu_seqlens
 from k3lab.kda.chunk import chunk_kda
 from k3lab.kda.gate import kimi_linear_gate, lower_bounded_gate
 
@@ -179,7 +179,7 @@ class KDALayer(nn.Module):
 
     Raises:
         ValueError: non-positive sizes, HV not a multiple of H, unknown gate, conv_size < 1,
-            lower_bound >= 0.
+            lower_bound >= 0, chunk_size not accepted by ``chunk_kda``.
 
     Example:
         >>> layer = KDALayer(d_model=64, num_heads=2, head_dim=32)
@@ -207,6 +207,7 @@ class KDALayer(nn.Module):
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if not lower_bound < 0:
             raise ValueError(f"lower_bound must be negative, got {lower_bound}")
+        check_chunk_size(chunk_size)
         self.H, self.K, self.HV, self.V = num_heads, head_dim, num_v_heads, v_head_dim
         self.conv_size, self.gate, self.lower_bound, self.chunk_size = conv_size, gate, lower_bound, chunk_size
         qk_dim, v_dim = num_heads * head_dim, num_v_heads * v_head_dim
@@ -272,12 +273,19 @@ class KDALayer(nn.Module):
             (y [B, T, d] in x's dtype, KDACache | None).
 
         Raises:
-            ValueError: x is not [B, T, d_model]; a cache whose shapes do not match; and everything
+            ValueError: x is not [B, T, d_model] or not in the weights' dtype (outside autocast); a
+                cache that is not a KDACache or whose shapes do not match; and everything
                 ``chunk_kda`` raises (bad cu_seqlens, B > 1 with cu_seqlens, NaN inputs).
         """
         d = self.q_proj.in_features
         if x.ndim != 3 or x.shape[-1] != d:
             raise ValueError(f"x must be [B, T, d_model={d}], got {list(x.shape)}")
+        w_dtype = self.q_proj.weight.dtype
+        if not x.is_floating_point() or (x.dtype != w_dtype and not torch.is_autocast_enabled(x.device.type)):
+            raise ValueError(f"x must be a floating-point tensor in the layer's dtype {w_dtype} "
+                             f"(or run under autocast), got {x.dtype}")
+        if cache is not None and not isinstance(cache, KDACache):
+            raise ValueError(f"cache must be a KDACache or None, got {type(cache).__name__}")
         if cu_seqlens is not None and x.shape[0] != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed into B=1, got B={x.shape[0]}")
         if cu_seqlens is not None:
