@@ -96,3 +96,19 @@ def test_agent_parser_skips_stale_replies_and_detects_eof():
     guest_end.close()
     with pytest.raises(AgentClosed):
         ch.ping(deadline=time.monotonic() + 5)
+
+
+def test_guest_operation_arguments_checked_before_any_vm_call():
+    """write_file(path, 5) wrote five NUL bytes (bytes(5)); a non-str cmd/path failed with an
+    AttributeError from the agent protocol. Checked before the guest is contacted (no VM here)."""
+    from k3lab.agentenv import Sandbox
+
+    sb = object.__new__(Sandbox)
+    with pytest.raises(TypeError, match="data"):
+        sb.write_file("/tmp/x", 5)
+    with pytest.raises(TypeError, match="path"):
+        sb.write_file(None, "a")
+    with pytest.raises(TypeError, match="path"):
+        sb.read_file(None)
+    with pytest.raises(TypeError, match="cmd"):
+        sb.exec(["echo", "hi"])

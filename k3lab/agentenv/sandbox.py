@@ -461,9 +461,12 @@ class Sandbox:
             ExecResult: exit code, stdout, stderr (bytes), timed_out.
 
         Raises:
-            ValueError: ``timeout`` <= 0. SandboxStateError: not running. SandboxCrashed: the VM
-            died. SandboxTimeout: no answer ``grace_s`` after the timeout (hung guest).
+            TypeError: ``cmd`` not a str. ValueError: ``timeout`` <= 0. SandboxStateError: not
+            running. SandboxCrashed: the VM died. SandboxTimeout: no answer ``grace_s`` after the
+            timeout (hung guest).
         """
+        if not isinstance(cmd, str):
+            raise TypeError(f"cmd must be a str (a shell script), got {type(cmd).__name__}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         return self._agent_call("exec", cmd, timeout, wait_s=timeout + self.grace_s)
@@ -472,8 +475,14 @@ class Sandbox:
         """Write ``data`` to ``path`` in the guest (parent folder must exist).
 
         Raises:
-            ValueError: ``path`` not absolute. SandboxError: the guest could not write it.
+            TypeError: ``path`` not a str, ``data`` not str/bytes-like. ValueError: ``path`` not
+            absolute. SandboxError: the guest could not write it.
         """
+        if not isinstance(path, str):
+            raise TypeError(f"path must be a str, got {type(path).__name__}")
+        # bytes(5) would silently be five NUL bytes.
+        if not isinstance(data, (str, bytes, bytearray, memoryview)):
+            raise TypeError(f"data must be str or bytes, got {type(data).__name__}")
         if not path.startswith("/"):
             raise ValueError(f"path must be absolute, got {path!r}")
         data = data.encode() if isinstance(data, str) else bytes(data)
@@ -485,8 +494,11 @@ class Sandbox:
         """The bytes of ``path`` in the guest.
 
         Raises:
-            FileNotFoundError: the guest cannot read it (message has the guest's error).
+            TypeError: ``path`` not a str. FileNotFoundError: the guest cannot read it (message has
+            the guest's error).
         """
+        if not isinstance(path, str):
+            raise TypeError(f"path must be a str, got {type(path).__name__}")
         r = self._agent_call("read_file", path, wait_s=self.grace_s)
         if r.exit_code != 0:
             raise FileNotFoundError(f"{path} in sandbox {self.id}: {r.stderr.decode(errors='replace').strip()}")
