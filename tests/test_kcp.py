@@ -154,3 +154,22 @@ def test_bounded_scores_match_decayed_scores():
     for inclusive in (True, False):
         assert_close(f"inclusive={inclusive}", decayed_scores(a, b, G, inclusive),
                      bounded_scores(a, b, G, inclusive), 1e-5)
+
+
+def test_entry_points_reject_wrong_argument_types():
+    """A ctx that is not a KCPContext or an initial_state that is not a tensor failed with an
+    AttributeError; a [D, 0] conv weight with a RuntimeError from a broadcast."""
+    T, H, K = 16, 2, 8
+    ctx = make_context(T)
+    q = torch.randn(1, T, H, K, dtype=torch.float64)
+    k = F.normalize(torch.randn(1, T, H, K, dtype=torch.float64), dim=-1)
+    v, g, beta = torch.randn(1, T, H, K, dtype=torch.float64), -torch.rand(1, T, H, K, dtype=torch.float64), \
+        torch.rand(1, T, H, dtype=torch.float64)
+    with pytest.raises(ValueError, match="ctx"):
+        kcp_kda(q, k, v, g, beta, None)
+    with pytest.raises(ValueError, match="initial_state"):
+        kcp_kda(q, k, v, g, beta, ctx, initial_state=[[0.0]])
+    with pytest.raises(ValueError, match="ctx"):
+        kcp_short_conv(torch.randn(1, T, 6), torch.randn(6, 4), None)
+    with pytest.raises(ValueError, match="weight"):
+        kcp_short_conv(torch.randn(1, T, 6), torch.randn(6, 0), ctx)

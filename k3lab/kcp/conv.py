@@ -30,13 +30,16 @@ def kcp_short_conv(x: torch.Tensor, weight: torch.Tensor, ctx: KCPContext) -> to
         contribution: sum it over the group (as for any replicated parameter).
 
     Raises:
-        ValueError: x not [1, T_local, D], weight not [D, W], or T_local < W-1 with R > 1.
+        ValueError: ctx not a KCPContext, x not [1, T_local, D], weight not [D, W >= 1], or
+            T_local < W-1 with R > 1.
     """
+    if not isinstance(ctx, KCPContext):
+        raise ValueError(f"ctx must be a KCPContext (k3lab.kcp.make_context), got {type(ctx).__name__}")
     if x.ndim != 3 or x.shape[0] != 1 or x.shape[1] != ctx.T_local:
         raise ValueError(f"x must be [1, T_local={ctx.T_local}, D], got {list(x.shape)}")
     D = x.shape[2]
-    if weight.ndim != 2 or weight.shape[0] != D:
-        raise ValueError(f"weight must be [D={D}, W], got {list(weight.shape)}")
+    if weight.ndim != 2 or weight.shape[0] != D or weight.shape[1] < 1:
+        raise ValueError(f"weight must be [D={D}, W] with W >= 1, got {list(weight.shape)}")
     W = weight.shape[1]
     if ctx.world_size > 1 and ctx.T_local < W - 1:
         raise ValueError(f"each rank needs at least W-1={W - 1} tokens for the halo, got T_local={ctx.T_local}")

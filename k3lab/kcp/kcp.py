@@ -242,15 +242,19 @@ def kcp_kda(
         group (all_reduce) gives every document's final state.
 
     Raises:
-        ValueError: bad shapes (see ``check_kda_inputs``), B != 1, T_local != ctx.T_local,
+        ValueError: ctx not a KCPContext, bad shapes (see ``check_kda_inputs``), B != 1, T_local != ctx.T_local,
             initial_state not [N, HV, K, V], unknown ``fold``, slab_tokens not a multiple of
             chunk_size.
     """
+    if not isinstance(ctx, KCPContext):
+        raise ValueError(f"ctx must be a KCPContext (k3lab.kcp.make_context), got {type(ctx).__name__}")
     if q.ndim != 4 or q.shape[0] != 1 or q.shape[1] != ctx.T_local:
         raise ValueError(f"q must be [1, T_local={ctx.T_local}, H, K] on rank {ctx.rank}, got {list(q.shape)}")
     local_cu = torch.tensor(ctx.local_cu_seqlens) if len(ctx.local_docs) > 1 else None
     check_kda_inputs(q, k, v, g, beta, None, local_cu)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
+        raise ValueError(f"initial_state must be a torch.Tensor [N, HV, K, V], got {type(initial_state).__name__}")
     if initial_state is not None and initial_state.shape != (ctx.N, HV, K, V):
         raise ValueError(f"initial_state must be [N, HV, K, V] = {[ctx.N, HV, K, V]}, got {list(initial_state.shape)}")
     if fold not in FOLDS:
