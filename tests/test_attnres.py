@@ -256,3 +256,14 @@ def test_memory_path_frees_its_buffer(monkeypatch):
         res(h0.clone().requires_grad_(), subs).sum().backward()
     gc.collect()
     assert len(made) == 2 and all(r() is None for r in made)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(eps=-1.0), "eps"), (dict(eps=float("nan")), "eps"), (dict(buffer_dtype=torch.int32), "buffer_dtype"),
+], ids=["eps_negative", "eps_nan", "buffer_int"])
+def test_bad_eps_and_buffer_dtype(kwargs, match):
+    """eps=-1 was accepted and the forward returned NaN (rsqrt of a negative mean square)."""
+    with pytest.raises(ValueError, match=match):
+        BlockAttnRes(8, 4, 2, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        AttnRes(8, 4, **kwargs)

@@ -88,7 +88,8 @@ class BlockAttnRes(nn.Module):
         queries (Parameter): [L + 1, d] float32, zeros at init; row L is the final aggregation's.
 
     Raises:
-        ValueError: N < 1 or N > L, bad d/L, unknown path or backend; in forward, h0 not [B, T, d]
+        ValueError: N < 1 or N > L, bad d/L, unknown path or backend, eps not finite and >= 0,
+            a non-float buffer_dtype; in forward, h0 not [B, T, d]
             with d = d_model, or len(sublayers) != L.
 
     Example:
@@ -107,6 +108,11 @@ class BlockAttnRes(nn.Module):
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+        # A negative eps makes RMSNorm's mean square + eps negative: NaN outputs.
+        if not (isinstance(eps, (int, float)) and 0 <= eps < float("inf")):
+            raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+        if buffer_dtype is not None and not buffer_dtype.is_floating_point:
+            raise ValueError(f"buffer_dtype must be a floating-point dtype or None, got {buffer_dtype}")
         self.d_model, self.n_sublayers, self.n_blocks, self.eps = d_model, n_sublayers, n_blocks, eps
         self.path, self.backend, self.recompute_input = path, backend, recompute_input
         self.buffer_dtype = buffer_dtype
