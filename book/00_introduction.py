@@ -107,12 +107,12 @@ plt.show()
 # |---|---|---|---|
 # | 00 | introduction | this page, the data | ready |
 # | 01 | KDA | Kimi Delta Attention: delta rule, channel-wise gate, chunkwise form, a tiny LM | ready |
-# | 02 | FlashKDA | the chunkwise KDA forward as a Triton kernel (`k3lab.kernels.kda`) | in progress |
-# | 03 | KCP | context parallelism for KDA: affine state maps, one all-gather | in progress |
-# | 04 | AttnRes | Attention Residuals: block softmax over earlier layers, kernels | in progress |
+# | 02 | FlashKDA | chunkwise KDA forward and backward as Triton kernels (`k3lab.kernels.kda`) | ready |
+# | 03 | KCP | context parallelism for KDA: affine state maps, one all-gather | ready |
+# | 04 | AttnRes | Attention Residuals: block softmax over earlier layers, kernels | ready |
 # | 05 | LatentMoE | Stable LatentMoE, SiTU-GLU, Quantile Balancing | coming |
 # | 06 | MoonEP | perfectly balanced expert parallelism | coming |
-# | 07 | AgentEnv | sandboxes with pause, fork and snapshots for agentic RL | in progress |
+# | 07 | AgentEnv | sandboxes with pause, fork and snapshots for agentic RL | ready |
 # | 08 | training | pipeline + expert + data parallel training, per-head Muon, MFU | coming |
 #
 # Each chapter follows one order: why (a K3 number), the math, the simplest correct code, the fast
