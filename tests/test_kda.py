@@ -439,3 +439,15 @@ def test_chunk_size_must_be_an_int(chunk_size):
     x, _ = _bad("chunk_size")
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_kda(**x, chunk_size=chunk_size)
+
+
+def test_cu_seqlens_on_meta_device_is_rejected():
+    """A meta cu_seqlens has no values to read; it failed with NotImplementedError from .tolist()."""
+    from k3lab.kda.checks import check_cu_seqlens
+
+    cu = torch.tensor([0, 3, 6], device="meta")
+    with pytest.raises(ValueError, match="cu_seqlens must be on a device with values.*got meta"):
+        check_cu_seqlens(cu, 6)
+    inputs = make_inputs(6, init_state=False)
+    with pytest.raises(ValueError, match="cu_seqlens must be on a device"):
+        chunk_kda(**inputs, cu_seqlens=cu)

@@ -14,8 +14,9 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> int:
     """Validate ``cu_seqlens`` (int [N+1], 0 = c_0 < c_1 < ... < c_N = T); returns N.
 
     Raises:
-        ValueError: not a tensor, wrong dtype/rank, not starting at 0, not ending at T, or not strictly
-            increasing (an empty or duplicate offset would be a zero-length sequence).
+        ValueError: not a tensor, wrong dtype/rank, on the meta device (no values to read), not starting
+            at 0, not ending at T, or not strictly increasing (an empty or duplicate offset would be a
+            zero-length sequence).
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise ValueError(f"cu_seqlens must be a 1-D int32/int64 torch.Tensor [N+1], got {type(cu_seqlens).__name__}")
@@ -24,6 +25,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> int:
             f"cu_seqlens must be a 1-D int32/int64 tensor [N+1] with N >= 1, got dtype "
             f"{cu_seqlens.dtype} shape {_shape(cu_seqlens)}"
         )
+    if cu_seqlens.is_meta:
+        raise ValueError("cu_seqlens must be on a device with values (cpu or cuda), got meta")
     offsets = cu_seqlens.tolist()
     if offsets[0] != 0 or offsets[-1] != T:
         raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {offsets[0]} ... {offsets[-1]}")
