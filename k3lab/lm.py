@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from k3lab.kda.layer import KDALayer
+from k3lab.kda.checks import check_chunk_size
+from k3lab.kda.layer import GATES, KDALayer
 
 MIXERS = ("kda", "attention", "hybrid")
 
@@ -74,7 +75,7 @@ class LMConfig:
         ints = dict(vocab_size=self.vocab_size, d_model=self.d_model, n_layers=self.n_layers,
                     n_heads=self.n_heads, head_dim=self.head_dim, max_seq_len=self.max_seq_len)
         for name, n in ints.items():
-            if not (isinstance(n, int) and n > 0):
+            if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
                 raise ValueError(f"LMConfig.{name} must be a positive int, got {n!r}")
         if self.mixer not in MIXERS:
             raise ValueError(f"LMConfig.mixer must be one of {MIXERS}, got {self.mixer!r}")
@@ -82,9 +83,20 @@ class LMConfig:
             raise ValueError(f"LMConfig.ffn_mult must be positive, got {self.ffn_mult}")
         if self.head_dim % 2:
             raise ValueError(f"LMConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
-        if self.n_v_heads is not None and (self.n_v_heads <= 0 or self.n_v_heads % self.n_heads):
-            raise ValueError(f"LMConfig.n_v_heads must be a positive multiple of n_heads={self.n_heads}, "
-                             f"got {self.n_v_heads}")
+        if self.n_v_heads is not None and not (
+            isinstance(self.n_v_heads, int) and not isinstance(self.n_v_heads, bool)
+            and self.n_v_heads > 0 and self.n_v_heads % self.n_heads == 0
+        ):
+            raise ValueError(f"LMConfig.n_v_heads must be None or a positive int multiple of n_heads={self.n_heads}, "
+                             f"got {self.n_v_heads!r}")
+        if self.kda_gate not in GATES:
+            raise ValueError(f"LMConfig.kda_gate must be one of {GATES}, got {self.kda_gate!r}")
+        check_chunk_size(self.kda_chunk_size, name="LMConfig.kda_chunk_size")
+        for name, x, low in (("rope_theta", self.rope_theta, "> 0"), ("norm_eps", self.norm_eps, ">= 0"),
+                             ("init_std", self.init_std, ">= 0")):
+            ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            if not (ok and (x > 0 if low == "> 0" else x >= 0)):
+                raise ValueError(f"LMConfig.{name} must be a finite number {low}, got {x!r}")
 
     @property
     def ffn_hidden(self) -> int:
@@ -237,6 +249,8 @@ class LM(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         if idx.ndim != 2:
             raise ValueError(f"idx must be [B, T] token ids, got shape {list(idx.shape)}")
+        if 0 in idx.shape:
+            raise ValueError(f"idx must be [B, T] with B >= 1 and T >= 1, got shape {list(idx.shape)}")
         _check_ids("idx", idx, self.config.vocab_size)
         if targets is not None:
             if targets.shape != idx.shape:

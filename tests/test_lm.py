@@ -176,3 +176,30 @@ def test_train_rejects_bad_arguments_before_training():
     big[-1] = VOCAB
     with pytest.raises(ValueError, match="vocab_size"):
         lm.train(model, lr=1e-3, **dict(kw, data=(big, stream)))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(kda_gate="mamba"), "LMConfig.kda_gate must be one of"),
+    (dict(kda_chunk_size=24), "LMConfig.kda_chunk_size must be an int"),
+    (dict(kda_chunk_size=True), "LMConfig.kda_chunk_size must be an int"),
+    (dict(rope_theta=0.0), "LMConfig.rope_theta must be a finite number > 0"),
+    (dict(rope_theta=float("nan")), "LMConfig.rope_theta"),
+    (dict(norm_eps=-1e-6), "LMConfig.norm_eps must be a finite number >= 0"),
+    (dict(norm_eps=float("nan")), "LMConfig.norm_eps"),
+    (dict(init_std=float("nan")), "LMConfig.init_std must be a finite number >= 0"),
+    (dict(init_std=-0.02), "LMConfig.init_std"),
+    (dict(d_model=True), "LMConfig.d_model must be a positive int, got True"),
+    (dict(n_v_heads=True), "LMConfig.n_v_heads"),
+    (dict(n_v_heads=2.0), "LMConfig.n_v_heads"),
+], ids=["gate", "chunk24", "chunk_bool", "theta0", "theta_nan", "eps_neg", "eps_nan", "std_nan", "std_neg",
+        "d_model_bool", "hv_bool", "hv_float"])
+def test_bad_config_more_fields(bad, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(**bad)
+
+
+def test_empty_batch_is_a_clear_error():
+    for mixer in ("kda", "attention"):
+        model = lm.LM(tiny(mixer))
+        with pytest.raises(ValueError, match=r"idx must be \[B, T\] with B >= 1 and T >= 1, got shape \[0, 5\]"):
+            model(torch.zeros(0, 5, dtype=torch.long))

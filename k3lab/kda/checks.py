@@ -40,11 +40,12 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> int:
     return len(lengths)
 
 
-def check_chunk_size(chunk_size: int, sub_tile: int = 16) -> None:
-    """Raise ValueError unless ``chunk_size`` is an int that is a multiple of 16 or one of 1, 2, 4, 8."""
+def check_chunk_size(chunk_size: int, sub_tile: int = 16, name: str = "chunk_size") -> None:
+    """Raise ValueError unless ``chunk_size`` is an int that is a multiple of 16 or one of 1, 2, 4, 8;
+    ``name`` is the argument named in the message."""
     if not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size > 0
             and (chunk_size % sub_tile == 0 or chunk_size in (1, 2, 4, 8))):
-        raise ValueError(f"chunk_size must be an int, a multiple of {sub_tile} or 1, 2, 4, 8, got {chunk_size!r}")
+        raise ValueError(f"{name} must be an int, a multiple of {sub_tile} or 1, 2, 4, 8, got {chunk_size!r}")
 
 
 def check_kda_inputs(
