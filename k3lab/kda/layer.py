@@ -179,7 +179,7 @@ class KDALayer(nn.Module):
 
     Raises:
         ValueError: non-positive sizes, HV not a multiple of H, unknown gate, conv_size < 1,
-            lower_bound >= 0, chunk_size not accepted by ``chunk_kda``.
+            lower_bound >= 0, chunk_size not accepted by ``chunk_kda``, norm_eps negative or not finite.
 
     Example:
         >>> layer = KDALayer(d_model=64, num_heads=2, head_dim=32)
@@ -208,6 +208,9 @@ class KDALayer(nn.Module):
         if not lower_bound < 0:
             raise ValueError(f"lower_bound must be negative, got {lower_bound}")
         check_chunk_size(chunk_size)
+        if not (isinstance(norm_eps, (int, float)) and not isinstance(norm_eps, bool) and math.isfinite(norm_eps)
+                and norm_eps >= 0):
+            raise ValueError(f"norm_eps must be a finite number >= 0, got {norm_eps!r}")
         self.H, self.K, self.HV, self.V = num_heads, head_dim, num_v_heads, v_head_dim
         self.conv_size, self.gate, self.lower_bound, self.chunk_size = conv_size, gate, lower_bound, chunk_size
         qk_dim, v_dim = num_heads * head_dim, num_v_heads * v_head_dim
