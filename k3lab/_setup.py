@@ -1,6 +1,7 @@
 """`k3lab.setup()`: the first code cell of every notebook."""
 from __future__ import annotations
 
+import numbers
 import os
 import platform
 import random
@@ -22,7 +23,7 @@ def setup(seed: int = 0, profile: str | None = None, verbose: bool = True):
     """Prepare a session: seeds, device, Triton interpreter, versions.
 
     Args:
-        seed (int): seeds Python's, NumPy's and torch's generators.
+        seed (int): in [0, 2**32); seeds Python's, NumPy's and torch's generators.
         profile (str | None): "cpu" or "gpu". "gpu" requires CUDA; None picks CUDA when present.
         verbose (bool): print versions and the chosen device.
 
@@ -30,11 +31,17 @@ def setup(seed: int = 0, profile: str | None = None, verbose: bool = True):
         torch.device: ``cuda`` when used, else ``cpu``.
 
     Raises:
-        ValueError: ``profile`` is not "cpu", "gpu" or None.
+        TypeError: ``seed`` is not an int (a bool is refused too).
+        ValueError: ``seed`` not in [0, 2**32) (NumPy's range); ``profile`` is not "cpu", "gpu" or None.
         RuntimeError: ``profile="gpu"`` without CUDA; a Triton kernel module was imported before
             ``setup()`` on a CPU-only machine (the interpreter flag would come too late); or the
             imported k3lab is not the one in the checkout the session runs from.
     """
+    # Checked before any generator is seeded: NumPy refuses what Python's random.seed accepts.
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
     if profile not in (*PROFILES, None):
         raise ValueError(f"profile must be one of {PROFILES} or None, got {profile!r}")
     import numpy as np
