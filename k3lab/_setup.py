@@ -40,6 +40,7 @@ def setup(seed: int = 0, profile: str | None = None, verbose: bool = True):
     # Checked before any generator is seeded: NumPy refuses what Python's random.seed accepts.
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    seed = int(seed)  # random.seed refuses NumPy ints
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")
     if profile not in (*PROFILES, None):

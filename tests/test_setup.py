@@ -18,3 +18,9 @@ def test_bad_seed_rejected_before_seeding(seed, exc, match):
     with pytest.raises(exc, match=match):
         k3lab.setup(seed=seed, profile="cpu", verbose=False)
     assert random.getstate() == before  # Python's generator was not seeded
+
+
+def test_numpy_int_seed_accepted():
+    import numpy as np
+
+    assert k3lab.setup(seed=np.int64(3), profile="cpu", verbose=False).type == "cpu"
