@@ -381,15 +381,19 @@ def get_batch(
         (x, y): int64 [B, T] each, ``y[:, t] == x[:, t + 1]`` within a window (targets shifted by one).
 
     Raises:
+        TypeError: ``batch_size`` or ``seq_len`` not an int (a bool is refused too).
         ValueError: ``tokens`` not 1-D integer, ``batch_size`` < 1, ``seq_len`` < 1 or ``seq_len >= n``,
             ``generator`` not a CPU torch.Generator.
     """
     if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"tokens must be a 1-D integer np.ndarray, got {type(tokens).__name__} "
                          f"{getattr(tokens, 'dtype', '')} shape {getattr(tokens, 'shape', '')}")
-    if not isinstance(batch_size, int) or batch_size < 1:
+    for name, n in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool):
+            raise TypeError(f"{name} must be an int, got {type(n).__name__} {n!r}")
+    if batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    if not isinstance(seq_len, int) or not 1 <= seq_len < len(tokens):
+    if not 1 <= seq_len < len(tokens):
         raise ValueError(f"seq_len must be an int in [1, {len(tokens) - 1}] (split length {len(tokens)} "
                          f"needs seq_len + 1 tokens per window), got {seq_len!r}")
     if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":

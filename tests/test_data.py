@@ -139,3 +139,16 @@ def test_get_batch_bad_args(kwargs, match):
             data.get_batch(**args)
     with pytest.raises(ValueError, match="tokens"):
         data.get_batch(np.zeros((2, 5), dtype=np.uint16), 1, 2, torch.Generator(), "cpu")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch_size=True), "batch_size must be an int, got bool True"),
+    (dict(batch_size=2.0), "batch_size must be an int, got float 2.0"),
+    (dict(seq_len=True), "seq_len must be an int, got bool True"),
+    (dict(seq_len="4"), "seq_len must be an int, got str '4'"),
+], ids=["batch_bool", "batch_float", "seq_len_bool", "seq_len_str"])
+def test_get_batch_wrong_types(kwargs, match):
+    args = dict(tokens=np.arange(10, dtype=np.uint16), batch_size=2, seq_len=4,
+                generator=torch.Generator().manual_seed(0), device="cpu")
+    with pytest.raises(TypeError, match=match):
+        data.get_batch(**{**args, **kwargs})
