@@ -112,3 +112,37 @@ def test_guest_operation_arguments_checked_before_any_vm_call():
         sb.read_file(None)
     with pytest.raises(TypeError, match="cmd"):
         sb.exec(["echo", "hi"])
+
+
+def test_vm_shape_and_fork_count_checked_before_any_vm_work(monkeypatch):
+    """Sandbox.create(memory_mib=128.5) / float vcpus went on to boot; SandboxPool(memory_mib=0)
+    failed only at the first boot; fork(1.5) took a snapshot before failing. No VM here: building
+    the image, probing the host or snapshotting fails the test."""
+    from k3lab.agentenv import Sandbox, SandboxPool
+    from k3lab.agentenv import sandbox as sandbox_mod
+
+    def no_vm(*args, **kwargs):
+        raise AssertionError("VM work started before the arguments were checked")
+
+    monkeypatch.setattr(sandbox_mod, "build_image", no_vm)
+    monkeypatch.setattr(sandbox_mod, "detect_host", no_vm)
+    for kwargs, exc, match in [
+        (dict(memory_mib=128.5), TypeError, "memory_mib must be an int, got float 128.5"),
+        (dict(memory_mib=True), TypeError, "memory_mib must be an int, got bool"),
+        (dict(vcpus=1.0), TypeError, "vcpus must be an int, got float 1.0"),
+        (dict(memory_mib=0), ValueError, r"memory_mib must be in \[64, 65536\] MiB, got 0"),
+        (dict(vcpus=0), ValueError, r"vcpus must be in \[1, 64\], got 0"),
+    ]:
+        with pytest.raises(exc, match=match):
+            Sandbox.create(**kwargs)
+        with pytest.raises(exc, match=match):
+            SandboxPool(**kwargs)
+
+    sb = object.__new__(Sandbox)
+    monkeypatch.setattr(sb, "snapshot", no_vm, raising=False)
+    with pytest.raises(TypeError, match="n must be an int, got float 1.5"):
+        sb.fork(1.5)
+    with pytest.raises(TypeError, match="n must be an int, got bool"):
+        sb.fork(True)
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        sb.fork(0)

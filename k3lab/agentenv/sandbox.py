@@ -333,13 +333,11 @@ class Sandbox:
             boot_timeout (float): seconds until the agent must say it is ready.
 
         Raises:
+            TypeError: ``memory_mib`` or ``vcpus`` not an int (a bool is refused too).
             ValueError: ``memory_mib`` or ``vcpus`` out of range.
             SandboxCrashed: QEMU exited during boot. SandboxTimeout: the guest never got ready.
         """
-        if not 64 <= memory_mib <= 65536:
-            raise ValueError(f"memory_mib must be in [64, 65536] MiB, got {memory_mib}")
-        if not 1 <= vcpus <= 64:
-            raise ValueError(f"vcpus must be in [1, 64], got {vcpus}")
+        _check_vm_shape(memory_mib, vcpus)
         sb = cls(image or build_image(), memory_mib, vcpus, Path(root) if root else default_root(),
                  detect_host())
         try:
@@ -588,8 +586,9 @@ class Sandbox:
         ``cow``: as in :meth:`from_snapshot`.
 
         Raises:
-            ValueError: ``n`` < 1.
+            TypeError: ``n`` not an int. ValueError: ``n`` < 1 (both before the snapshot is taken).
         """
+        _check_int("n", n)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         snap = self.snapshot()
@@ -684,6 +683,21 @@ class Sandbox:
         return f"Sandbox({self.id}, {self.state}, ram={'own' if self.ram_shared else 'cow'})"
 
 
+def _check_int(name: str, n) -> None:
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__} {n!r}")
+
+
+def _check_vm_shape(memory_mib: int, vcpus: int) -> None:
+    """TypeError/ValueError unless memory_mib is an int in [64, 65536] and vcpus an int in [1, 64]."""
+    _check_int("memory_mib", memory_mib)
+    _check_int("vcpus", vcpus)
+    if not 64 <= memory_mib <= 65536:
+        raise ValueError(f"memory_mib must be in [64, 65536] MiB, got {memory_mib}")
+    if not 1 <= vcpus <= 64:
+        raise ValueError(f"vcpus must be in [1, 64], got {vcpus}")
+
+
 class SandboxPool:
     """Many sandboxes from one booted base: the pool cold-boots once, snapshots the fresh guest,
     and every :meth:`create` is a copy-on-write restore of that snapshot (~0.4 s under TCG
@@ -694,11 +708,16 @@ class SandboxPool:
         cow (bool): as in :meth:`Sandbox.from_snapshot` (True: members share the base's RAM pages).
         base (Snapshot | None): start members from this snapshot instead of booting a guest; the
             pool takes over the handle (``close`` deletes it).
+
+    Raises:
+        TypeError, ValueError: ``memory_mib`` or ``vcpus`` as in :meth:`Sandbox.create`, checked here
+            rather than at the first boot.
     """
 
     def __init__(self, image: Image | None = None, memory_mib: int = 128, vcpus: int = 1,
                  root: str | os.PathLike | None = None, cow: bool = True,
                  base: Snapshot | None = None) -> None:
+        _check_vm_shape(memory_mib, vcpus)
         self.image, self.memory_mib, self.vcpus, self.cow = image, memory_mib, vcpus, cow
         if base is not None and root is None:
             root = base.path.parent.parent
@@ -721,6 +740,7 @@ class SandboxPool:
         return sb
 
     def create_many(self, n: int) -> list[Sandbox]:
+        _check_int("n", n)
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         return [self.create() for _ in range(n)]
