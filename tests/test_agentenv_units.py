@@ -146,3 +146,13 @@ def test_vm_shape_and_fork_count_checked_before_any_vm_work(monkeypatch):
         sb.fork(True)
     with pytest.raises(ValueError, match="n must be >= 1, got 0"):
         sb.fork(0)
+
+
+def test_bench_agentenv_help_names_the_module(capsys):
+    """--help printed `usage: agentenv.py`; it must show how the bench is run."""
+    from k3lab.bench import agentenv as bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m k3lab.bench.agentenv "), out[:80]

@@ -267,3 +267,15 @@ def test_bad_eps_and_buffer_dtype(kwargs, match):
         BlockAttnRes(8, 4, 2, **kwargs)
     with pytest.raises(ValueError, match=match):
         AttnRes(8, 4, **kwargs)
+
+
+def test_bench_attnres_help_names_the_module(capsys):
+    """--help printed `usage: attnres.py`; it must show how the bench is run."""
+    from k3lab.bench import attnres as bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m k3lab.bench.attnres "), out[:80]
+    # The description is the docstring's whole first paragraph, not its first line.
+    assert "overhead of Block AttnRes over the standard residual." in " ".join(out.split())

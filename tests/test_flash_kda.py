@@ -215,3 +215,13 @@ def test_gate_parameters_on_another_device_or_bad_scale():
         flash_kda(q, k, v, z, beta, A_log, dt_bias, scale=float("nan"))
     with pytest.raises(ValueError, match="beta"):
         flash_kda(q, k, v, z, beta.long(), A_log, dt_bias)
+
+
+def test_bench_flash_kda_help_names_the_module(capsys):
+    """--help printed `usage: flash_kda.py`; it must show how the bench is run."""
+    from k3lab.bench import flash_kda as bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m k3lab.bench.flash_kda "), out[:80]

@@ -173,3 +173,13 @@ def test_entry_points_reject_wrong_argument_types():
         kcp_short_conv(torch.randn(1, T, 6), torch.randn(6, 4), None)
     with pytest.raises(ValueError, match="weight"):
         kcp_short_conv(torch.randn(1, T, 6), torch.randn(6, 0), ctx)
+
+
+def test_bench_kcp_help_names_the_module(capsys):
+    """--help printed `usage: kcp.py`; it must show how the bench is run."""
+    from k3lab.bench import kcp as bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m k3lab.bench.kcp "), out[:80]

@@ -208,7 +208,8 @@ def table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m k3lab.bench.agentenv", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=10, help="timed runs per op (>= 10 for the committed JSON)")
     p.add_argument("--paused", type=int, default=20, help="paused sandboxes for the memory measurement")
     p.add_argument("--out", default="data/results/agentenv_cpu.json", help="JSON output path")

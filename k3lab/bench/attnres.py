@@ -204,7 +204,7 @@ def lm_experiment(device, d, n_layers, batch, seq, steps, block_counts, lr=3e-3)
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m k3lab.bench.attnres", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="data/results/attnres_h200.json", help="JSON output path")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU allowed); for checking the script")
     p.add_argument("--skip-step", action="store_true", help="skip the training-step benchmark")

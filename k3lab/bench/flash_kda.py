@@ -210,7 +210,7 @@ def versions() -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m k3lab.bench.flash_kda", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="*", default=BASELINE_CASES, help="shapes BxTxH (K = V = 128, HV = H)")
     p.add_argument("--K", type=int, default=128, help="key and value head dim")

@@ -256,7 +256,8 @@ def notes(result: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m k3lab.bench.kcp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--T", type=int, nargs="+", default=[32768, 131072, 524288], help="global sequence lengths")
     p.add_argument("--H", type=int, default=32, help="heads (H = HV)")
     p.add_argument("--K", type=int, default=128, help="key and value head dim")
