@@ -5,8 +5,6 @@ Reference everywhere: ``naive_recurrent_kda`` (one token at a time) on the same 
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +15,6 @@ from k3lab.kda import chunk_kda, kimi_linear_gate, lower_bounded_gate, naive_rec
 from k3lab.testing import assert_close
 
 F64_TOL = 1e-11
-CASES_DIR = Path("/work/shared/cases")
 
 
 def make_inputs(T, H=1, HV=None, K=16, V=None, B=1, N=None, seed=0, dtype=torch.float64, gate="lower_bounded",
@@ -339,55 +336,6 @@ def test_bad_chunk_size(case):
     x, extra = _bad(case)
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_kda(**x, **extra)
-
-
-# --- shared case files -------------------------------------------------------------------------------------
-
-def _case_files():
-    if not CASES_DIR.is_dir():
-        return []
-    return sorted(p for p in CASES_DIR.iterdir() if p.is_file() and "kda" in p.name.lower())
-
-
-def _load_case(path: Path) -> dict:
-    """A case file holds KDA inputs (q, k, v, g, beta; optional initial_state, cu_seqlens, scale,
-    chunk_size) as a torch-saved dict (.pt), an .npz, or JSON lists (.json)."""
-    if path.suffix == ".pt":
-        raw = torch.load(path, map_location="cpu", weights_only=True)
-    elif path.suffix == ".npz":
-        raw = dict(np.load(path))
-    elif path.suffix == ".json":
-        raw = json.loads(path.read_text())
-    else:
-        raise AssertionError(f"{path.name}: no loader for '{path.suffix}' case files; add one to tests/test_kda.py")
-    out = {}
-    for key, val in raw.items():
-        if key in ("scale", "chunk_size"):
-            out[key] = val.item() if hasattr(val, "item") else val
-        else:
-            t = torch.as_tensor(np.asarray(val)) if not isinstance(val, torch.Tensor) else val
-            out[key] = t.long() if key == "cu_seqlens" else t
-    return out
-
-
-@pytest.mark.parametrize("path", _case_files(), ids=lambda p: p.name)
-def test_shared_case(path):
-    """Each KDA case file from /work/shared/cases: chunk == naive (float64 reference on its values), or the
-    same ValueError from both when the case is an invalid input."""
-    case = _load_case(path)
-    chunk_size = case.pop("chunk_size", 64)
-    try:
-        ref = naive_recurrent_kda(**{k: (v.double() if v.is_floating_point() else v) if isinstance(v, torch.Tensor) else v
-                                     for k, v in case.items()}, output_final_state=True)
-    except ValueError as err:
-        with pytest.raises(ValueError):
-            chunk_kda(**case, chunk_size=chunk_size)
-        assert str(err)
-        return
-    o, s = chunk_kda(**case, output_final_state=True, chunk_size=chunk_size)
-    tol = F64_TOL if case["q"].dtype == torch.float64 else 2e-3
-    assert_close("o", ref[0], o, tol)
-    assert_close("final_state", ref[1], s, tol)
 
 
 # --- validation: dtypes, empty dims, non-tensor/other-device arguments, scale, chunk_size type ------------
