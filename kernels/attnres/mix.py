@@ -27,6 +27,15 @@ def _score(b_v, b_w, D, eps):
 
 
 @triton.jit
+def _online_softmax_step(b_v, b_w, b_max, b_sum, b_acc, D, eps):
+    """Fold one source [BLOCK_M, BLOCK_D] into the running (max, sum, weighted sum) of the depth softmax."""
+    b_r, b_s = _score(b_v, b_w, D, eps)
+    b_new = tl.maximum(b_max, b_s)
+    b_scale, b_p = tl.exp(b_max - b_new), tl.exp(b_s - b_new)
+    return b_new, b_sum * b_scale + b_p, b_acc * b_scale[:, None] + b_p[:, None] * b_v
+
+
+@triton.jit
 def attnres_mix_fwd_kernel(
     buf,  # [S_max, M, D] stored sources; slots 0..n_src-1 are read
     partial,  # [M, D] running partial sum (read when HAS_PARTIAL)
@@ -53,21 +62,11 @@ def attnres_mix_fwd_kernel(
     p_src = buf
     for _ in range(0, n_src):
         b_v = tl.load(p_src + o_md, mask=m_md, other=0.0).to(tl.float32)
-        b_r, b_s = _score(b_v, b_w, D, eps)
-        b_new = tl.maximum(b_max, b_s)
-        b_scale, b_p = tl.exp(b_max - b_new), tl.exp(b_s - b_new)
-        b_acc = b_acc * b_scale[:, None] + b_p[:, None] * b_v
-        b_sum = b_sum * b_scale + b_p
-        b_max = b_new
+        b_max, b_sum, b_acc = _online_softmax_step(b_v, b_w, b_max, b_sum, b_acc, D, eps)
         p_src += stride_s
     if HAS_PARTIAL:
         b_v = tl.load(partial + o_md, mask=m_md, other=0.0).to(tl.float32)
-        b_r, b_s = _score(b_v, b_w, D, eps)
-        b_new = tl.maximum(b_max, b_s)
-        b_scale, b_p = tl.exp(b_max - b_new), tl.exp(b_s - b_new)
-        b_acc = b_acc * b_scale[:, None] + b_p[:, None] * b_v
-        b_sum = b_sum * b_scale + b_p
-        b_max = b_new
+        b_max, b_sum, b_acc = _online_softmax_step(b_v, b_w, b_max, b_sum, b_acc, D, eps)
     tl.store(h + o_md, (b_acc / b_sum[:, None]).to(h.dtype.element_ty), mask=m_md)
     tl.store(lse + o_m, b_max + tl.log(b_sum), mask=m_m)
 
