@@ -19,7 +19,9 @@ import triton
 import triton.language as tl
 
 from k3lab.kernels.kda.chunk_fwd import block_sizes
-from k3lab.kernels.kda.utils import BC, BT, dot_precision, l2norm_rows, load_rows, load_vec, store_rows
+from k3lab.kernels.kda.utils import (
+    BC, BT, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, store_rows,
+)
 
 
 @triton.jit
@@ -78,12 +80,7 @@ def kda_dqk_bwd_kernel(
     column-wise chain to q_hat, k_hat and G."""
     i_k, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_j = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_j * BT
-    n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+    t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     dt = h.dtype.element_ty
@@ -145,12 +142,7 @@ def kda_dwv_bwd_kernel(
     (Gamma K) give dV, dbeta, dT; then dL = -T^T dT T^T (the inverse's backward), kept strictly lower."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_j = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_j * BT
-    n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+    t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_t = o_t < n_t
@@ -209,12 +201,7 @@ def kda_intra_bwd_kernel(
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_j = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_j * BT
-    n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+    t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_c = tl.arange(0, BC)

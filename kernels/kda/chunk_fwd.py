@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.kernels.kda.utils import BC, BT, dot_precision, l2norm_rows, load_rows, load_vec, store_rows
+from k3lab.kernels.kda.utils import (
+    BC, BT, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, store_rows,
+)
 
 
 @triton.jit
@@ -87,12 +89,7 @@ def kda_intra_fwd_kernel(
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_j = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_j * BT
-    n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+    t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_t = o_t < n_t
@@ -238,12 +235,7 @@ def kda_output_fwd_kernel(
     BV: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_j = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_j * BT
-    n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+    t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)

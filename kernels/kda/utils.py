@@ -22,6 +22,18 @@ def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
 
 
 @triton.jit
+def chunk_span(cu_seqlens, chunk_indices, i_c, BT: tl.constexpr):
+    """Entry i_c of the chunk table ([n_chunks, 2]: sequence, chunk within it) -> (first token as int64,
+    tokens in the chunk, at most BT: the tail chunk of a sequence is shorter)."""
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_j = tl.load(chunk_indices + i_c * 2 + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + i_j * BT
+    return t0, tl.minimum(eos - t0, BT).to(tl.int32)
+
+
+@triton.jit
 def load_rows(x, t0, n_t, o_r, stride, off, o_c, n_c, CLAMP: tl.constexpr):
     """Rows t0 + o_r (columns o_c < n_c) of a [T, stride] tensor as float32.
 
