@@ -178,6 +178,58 @@ def time_case(B, T, H, K, V, device, run_fla=True, warmup=25, rep=100) -> dict:
     }
 
 
+def kernel_resources() -> list[dict]:
+    """Registers and spills of every compiled FlashKDA kernel (from Triton's per-device caches)."""
+    from k3lab.kernels.kda import chunk_bwd, chunk_fwd
+
+    rows = []
+    for mod in (chunk_fwd, chunk_bwd):
+        for name, fn in vars(mod).items():
+            for entry in getattr(fn, "device_caches", {}).values():
+                for kern in entry[0].values():
+                    rows.append({"kernel": name, "n_regs": getattr(kern, "n_regs", None),
+                                 "n_spills": getattr(kern, "n_spills", None),
+                                 "num_warps": kern.metadata.num_warps, "shared": kern.metadata.shared})
+    return rows
+
+
+def stage_times(B, T, H, K, V, device, rep=100) -> dict:
+    """Median ms of each FlashKDA stage at one shape (forward with bf16 and float32 intermediates,
+    then the backward's stages), to show where the time goes."""
+    from triton.testing import do_bench
+
+    from k3lab.kernels.kda import chunk_bwd as cb
+    from k3lab.kernels.kda import chunk_fwd as cf
+    from k3lab.kernels.kda.utils import chunk_index
+
+    q, k, v, z, beta, A_log, dt_bias, _ = make_inputs(B, T, H, H, K, V, device)
+    flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, z, beta)]
+    cu = torch.arange(0, B * T + 1, T, device=device, dtype=torch.int32)
+    chunk_indices, chunk_offsets = chunk_index([T] * B, device)
+    NT, scale = chunk_indices.shape[0], K**-0.5
+    do = torch.randn(B * T, H, V, device=device, dtype=torch.bfloat16)
+    times = {}
+
+    def bench(name, fn):
+        times[name] = do_bench(fn, warmup=10, rep=rep)
+        return fn()
+
+    for dt in (torch.bfloat16, torch.float32):
+        tag = "bf16" if dt == torch.bfloat16 else "fp32"
+        G, Tinv, Aqk, W, U, KG, QG = bench(f"fwd intra ({tag})", lambda: cf.kda_intra_fwd(
+            *flat, A_log, dt_bias, scale, LOWER_BOUND, cu, chunk_indices, dt))
+        h, Vn, _ = bench(f"fwd state ({tag})", lambda: cf.kda_state_fwd(W, U, KG, G, None, False, cu,
+                                                                        chunk_offsets, NT))
+        bench(f"fwd output ({tag})", lambda: cf.kda_output_fwd(QG, h, Aqk, Vn, cu, chunk_indices))
+    dh, dVn, _ = bench("bwd state", lambda: cb.kda_state_bwd(QG, KG, W, G, Aqk, do, None, False, cu,
+                                                           chunk_offsets, NT))
+    dqs, dkn, dG, dgx, db, dv, dAqk, dAkk = bench("bwd dq/dk/dw/dv", lambda: cb.kda_dqkw_bwd(
+        *flat[:3], flat[4], G, Tinv, h, dh, Vn, dVn, do, scale, cu, chunk_indices))
+    bench("bwd intra", lambda: cb.kda_intra_bwd(flat[0], flat[1], flat[3], flat[4], A_log, dt_bias, G, dAqk,
+                                                dAkk, dqs, dkn, dG, dgx, db, scale, LOWER_BOUND, cu, chunk_indices))
+    return times
+
+
 def table(result: dict) -> str:
     """The speed table as text (GB/s = compulsory forward bytes / our forward time)."""
     ceil = result["hardware"]
@@ -219,6 +271,8 @@ def main(argv=None) -> dict:
     p.add_argument("--skip-check", action="store_true", help="skip the correctness check")
     p.add_argument("--no-fla", action="store_true", help="time ours only")
     p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms of timed runs)")
+    p.add_argument("--stages", action="store_true", help="print each kernel's time, registers and spills "
+                   "per case and stop")
     p.add_argument("--fla-from", default="", help="with --no-fla: take fla's times for matching shapes from "
                    "an earlier result JSON of this benchmark (fla autotunes for minutes per shape)")
     args = p.parse_args(argv)
@@ -233,6 +287,16 @@ def main(argv=None) -> dict:
         print(f"correctness passed ({time.time() - t:.0f} s incl. compile)", flush=True)
         if args.check_only:
             return result
+    if args.stages:
+        for case in args.cases:
+            B, T, H = (int(x) for x in case.split("x"))
+            times = stage_times(B, T, H, args.K, args.K, device, rep=args.rep)
+            print(f"stages {case}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in times.items()), flush=True)
+            result.setdefault("stages", {})[case] = times
+        result["kernels"] = kernel_resources()
+        for r in result["kernels"]:
+            print(r)
+        return result
     earlier_cases = json.loads(Path(args.fla_from).read_text())["cases"] if args.fla_from else []
     if earlier_cases:
         result["versions"]["fla_times_from"] = json.loads(Path(args.fla_from).read_text())["date"]
