@@ -314,15 +314,19 @@ def kda_intra_bwd_kernel(
     tl.store(dA_part + i_c.to(tl.int64) * HV + i_hv, tl.sum(b_dA, 0) * b_a)
 
 
-def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offsets, NT):
-    """Launch ``kda_state_bwd_kernel``. Returns (dh [NT, HV, K, V] fp32, dVn [T, HV, V] fp32, dh0 or None)."""
+def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offsets, NT, dh=None, dVn=None):
+    """Launch ``kda_state_bwd_kernel``. Returns (dh [NT, HV, K, V] fp32, dVn [T, HV, V] fp32, dh0 or None).
+
+    As for ``kda_state_fwd``, ``cu_seqlens``/``chunk_offsets`` may be a slice of a layout's tables: only
+    those sequences' parts of ``dh`` and ``dVn`` (pass the layout's buffers) are written.
+    """
     T, HV, K = W.shape
     V = do.shape[-1]
     N = cu_seqlens.numel() - 1
     BK, BV = block_sizes(K, V)
     BV = min(BV, 16) if W.is_cuda else BV
-    dh = torch.empty(NT, HV, K, V, device=W.device, dtype=torch.float32)
-    dVn = torch.empty(T, HV, V, device=W.device, dtype=torch.float32)
+    dh = torch.empty(NT, HV, K, V, device=W.device, dtype=torch.float32) if dh is None else dh
+    dVn = torch.empty(T, HV, V, device=W.device, dtype=torch.float32) if dVn is None else dVn
     dh0 = torch.empty(N, HV, K, V, device=W.device, dtype=torch.float32) if need_dh0 else None
     kda_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
         QG, KG, W, G, Aqk, do, dh, dVn, dht, dh0, cu_seqlens, chunk_offsets, HV=HV, K=K, V=V, BT=BT,

@@ -190,11 +190,12 @@ def kda_intra_fwd_kernel(
 
 @triton.jit
 def kda_state_fwd_kernel(
-    W, U, KG, G, h, Vn, h0, ht,  # W, KG [T, HV, K]; U, Vn [T, HV, V]; G fp32 [T, HV, K];
+    W, U, KG, G, h, Vn, h0, ht,  # W, KG [T, HV, K]; U [T, HV, VU]; Vn [T, HV, V]; G fp32 [T, HV, K];
                                  # h [NT, HV, K, V] state before each chunk; h0, ht fp32 [N, HV, K, V]
     cu_seqlens, chunk_offsets,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VU: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    STORE_STATES: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -208,6 +209,9 @@ def kda_state_fwd_kernel(
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     dt = W.dtype.element_ty
     o_s = i_hv * K * V + o_k[:, None] * V + o_v[None, :]
+    # The values are [0 | U]: the first V - VU columns are zero (the identity-state trick; none when
+    # V == VU). Those columns read U's column VU, which the load masks to zero.
+    o_u = tl.where(o_v >= V - VU, o_v - (V - VU), VU)
 
     b_S = tl.zeros([BK, BV], tl.float32)
     if USE_H0:
@@ -215,11 +219,13 @@ def kda_state_fwd_kernel(
     for i_j in range(NT):
         t0 = bos + i_j * BT
         n_t = tl.minimum(eos - t0, BT).to(tl.int32)
-        tl.store(h + (c0 + i_j) * HV * K * V + o_s, b_S.to(h.dtype.element_ty), mask=m_kv)
+        if STORE_STATES:
+            tl.store(h + (c0 + i_j) * HV * K * V + o_s, b_S.to(h.dtype.element_ty), mask=m_kv)
         b_W = load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
-        b_U = load_rows(U, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False)
+        b_U = load_rows(U, t0, n_t, o_t, HV * VU, i_hv * VU, o_u, VU, False)
         b_vn = b_U - tl.dot(b_W.to(dt), b_S.to(dt), input_precision=PREC)
-        store_rows(Vn, b_vn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
+        if STORE_STATES:
+            store_rows(Vn, b_vn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
         b_kg = load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
         b_gl = tl.sum(load_rows(G, t0, n_t, n_t - 1 + tl.zeros([1], tl.int32), HV * K, i_hv * K, o_k, K, True), 0)
         b_S = b_S * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_kg.to(dt)), b_vn.to(dt), input_precision=PREC)
@@ -275,23 +281,34 @@ def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqle
     return G, Tinv, Aqk, W, U, KG, QG
 
 
-def kda_state_fwd(W, U, KG, G, h0, output_final_state, cu_seqlens, chunk_offsets, NT):
-    """Launch ``kda_state_fwd_kernel``. Returns (h [NT, HV, K, V], Vn [T, HV, V], final state or None)."""
+def kda_state_fwd(W, U, KG, G, h0, output_final_state, cu_seqlens, chunk_offsets, NT, h=None, Vn=None,
+                  lead=0, store_states=True):
+    """Launch ``kda_state_fwd_kernel``. Returns (h [NT, HV, K, V'], Vn [T, HV, V'], final state or None),
+    V' = lead + U's width; h and Vn are None when not ``store_states``.
+
+    ``cu_seqlens``/``chunk_offsets`` may be a slice [a : b+1] of a layout's tables (sequences a .. b-1,
+    chunk offsets still global): then only those sequences' chunks of ``h`` and tokens of ``Vn`` (pass
+    the layout's buffers) are written, and h0/final rows are those b - a sequences'. ``lead`` > 0: the
+    values are [0 | U] with ``lead`` zero columns first; from h0 = [I | 0] (lead = K) the final state
+    is the run's affine map [M | S~] (KCP, ``k3lab.kcp.flash``).
+    """
     T, HV, K = W.shape
-    V = U.shape[-1]
+    VU = U.shape[-1]
+    V = lead + VU
     N = cu_seqlens.numel() - 1
     BK, BV = block_sizes(K, V)
     # The one sequential kernel: small V tiles give N * HV * V / 16 programs to fill the SMs.
     BV = min(BV, 16) if W.is_cuda else BV
-    h = torch.empty(NT, HV, K, V, device=W.device, dtype=W.dtype)
-    Vn = torch.empty_like(U)
+    if store_states:
+        h = torch.empty(NT, HV, K, V, device=W.device, dtype=W.dtype) if h is None else h
+        Vn = torch.empty(T, HV, V, device=W.device, dtype=U.dtype) if Vn is None else Vn
     ht = torch.empty(N, HV, K, V, device=W.device, dtype=torch.float32) if output_final_state else None
     kda_state_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
-        W, U, KG, G, h, Vn, h0, ht, cu_seqlens, chunk_offsets, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        USE_H0=h0 is not None, STORE_HT=output_final_state, PREC=dot_precision(W.dtype, W.device), num_warps=4,
-        num_stages=2,
+        W, U, KG, G, h if store_states else W, Vn if store_states else W, h0, ht, cu_seqlens, chunk_offsets,
+        HV=HV, K=K, V=V, VU=VU, BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=output_final_state,
+        STORE_STATES=store_states, PREC=dot_precision(W.dtype, W.device), num_warps=4, num_stages=2,
     )
-    return h, Vn, ht
+    return (h, Vn, ht) if store_states else (None, None, ht)
 
 
 def kda_output_fwd(QG, h, Aqk, Vn, cu_seqlens, chunk_indices):

@@ -16,6 +16,65 @@ MIN_LOWER_BOUND = -10.0
 MAX_K = 256
 
 
+def check_gate_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, A_log, dt_bias, lower_bound: float) -> None:
+    """The checks ``flash_kda`` adds to ``check_kda_inputs`` (run after it, on the same q, k, v).
+
+    Raises:
+        ValueError: A_log not a [HV] tensor, dt_bias not [HV * K] or [HV, K], either on another device
+            than q, lower_bound outside [-10, 0), K > 256, q, k, v not one of float16/bfloat16/float32.
+        RuntimeError: CPU tensors without TRITON_INTERPRET=1.
+    """
+    K = q.shape[3]
+    HV = v.shape[2]
+    for name, x in dict(A_log=A_log, dt_bias=dt_bias).items():
+        if isinstance(x, torch.Tensor) and x.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
+    if not isinstance(A_log, torch.Tensor) or A_log.shape != (HV,):
+        got = _shape(A_log) if isinstance(A_log, torch.Tensor) else type(A_log).__name__
+        raise ValueError(f"A_log must be a [HV] = [{HV}] tensor, got {got}")
+    if dt_bias is not None and (not isinstance(dt_bias, torch.Tensor) or dt_bias.numel() != HV * K
+                                or dt_bias.shape not in ((HV * K,), (HV, K))):
+        raise ValueError(f"dt_bias must be [HV * K] = [{HV * K}] or [HV, K] = [{HV}, {K}], got "
+                         f"{_shape(dt_bias) if isinstance(dt_bias, torch.Tensor) else type(dt_bias).__name__}")
+    if not MIN_LOWER_BOUND <= lower_bound < 0:
+        raise ValueError(f"lower_bound must be in [{MIN_LOWER_BOUND}, 0), got {lower_bound}")
+    if K > MAX_K:
+        raise ValueError(f"flash_kda supports K <= {MAX_K}, got K={K}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or len({q.dtype, k.dtype, v.dtype}) > 1:
+        raise ValueError(f"q, k, v must share one of float16/bfloat16/float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("flash_kda on CPU needs TRITON_INTERPRET=1 set before kernels are imported: "
+                           "call k3lab.setup() first")
+
+
+def check_finite(**named: torch.Tensor | None) -> None:
+    """ValueError "<name> contains NaN or inf" for the first such tensor (None entries skipped); one host sync."""
+    named = {name: x for name, x in named.items() if x is not None}
+    flags = torch.stack([~torch.isfinite(x).all() for x in named.values()]).tolist()
+    for name, bad in zip(named, flags):
+        if bad:
+            raise ValueError(f"{name} contains NaN or inf")
+
+
+def intermediate_dtype(q: torch.Tensor, needs_grad: bool) -> torch.dtype:
+    """The intermediates' dtype: float32 when a backward follows (the gate gradient needs it), else q's
+    dtype; never float16: a diagonal sub-tile's factor exp(8 |lower_bound|) (e^40 at -5) exceeds its range."""
+    return torch.float32 if needs_grad or q.dtype == torch.float16 else q.dtype
+
+
+def input_grads(dq, dk, dv, dz, dbeta, dA_part, dbias_part, q, v, A_log, dt_bias):
+    """The backward's flat outputs ([T, HV, K] per value head, per-chunk gate sums) -> the gradients of
+    q, k [B, T, H, K], v [B, T, HV, V], z [B, T, HV, K], beta [B, T, HV], A_log, dt_bias in their dtypes."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    # GVA: value heads i*G .. i*G+G-1 read q/k head i; their gradients add up.
+    dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
+    dk = dk.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
+    dA_log = dA_part.sum(0).to(A_log.dtype)
+    ddt_bias = dbias_part.sum(0).view(dt_bias.shape).to(dt_bias.dtype) if dt_bias is not None else None
+    return dq, dk, dv.view(B, T, HV, V), dz.view(B, T, HV, K), dbeta.view(B, T, HV), dA_log, ddt_bias
+
+
 class FlashKDAFunction(torch.autograd.Function):
     """Forward: intra (gate, norms, UT inverse, W, U, Aqk) -> state scan -> output.
     Backward: re-runs intra and the state scan (only the inputs are saved), then the reverse state
@@ -27,9 +86,7 @@ class FlashKDAFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, z, beta)]
-        # Intermediates in float32 when a backward follows (the gate gradient needs it), else q's dtype;
-        # never float16: a diagonal sub-tile's factor exp(8 |lower_bound|) (e^40 at -5) exceeds its range.
-        inter = torch.float32 if any(ctx.needs_input_grad) or q.dtype == torch.float16 else q.dtype
+        inter = intermediate_dtype(q, any(ctx.needs_input_grad))
         G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(*flat, A_log, dt_bias, scale, lower_bound, cu_seqlens,
                                                    chunk_indices, inter)
         h, Vn, ht = kda_state_fwd(W, U, KG, G, initial_state, output_final_state, cu_seqlens, chunk_offsets,
@@ -61,13 +118,8 @@ class FlashKDAFunction(torch.autograd.Function):
         del h, dh, Vn, dVn, Tinv
         dq, dk, dz, dbeta, dA_part, dbias_part = kda_intra_bwd(
             qf, kf, zf, bf, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale, lb, cu_seqlens, chunk_indices)
-        # GVA: value heads i*G .. i*G+G-1 read q/k head i; their gradients add up.
-        dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
-        dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
-        dA_log = dA_part.sum(0).to(A_log.dtype)
-        ddt_bias = dbias_part.sum(0).view(dt_bias.shape).to(dt_bias.dtype) if dt_bias is not None else None
         dh0 = dh0.to(h0.dtype) if h0 is not None else None
-        return (dq, dk, dv.view(B, T, HV, V), dz.view(B, T, HV, K), dbeta.view(B, T, HV), dA_log, ddt_bias,
+        return (*input_grads(dq, dk, dv, dz, dbeta, dA_part, dbias_part, q, v, A_log, dt_bias),
                 dh0, None, None, None, None, None, None)
 
 
@@ -141,37 +193,10 @@ def flash_kda(
         (torch.Size([1, 20, 1, 16]), torch.Size([1, 1, 16, 16]))
     """
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values=False, scale=scale)
-    B, T, H, K = q.shape
-    HV, V = v.shape[2:]
-    for name, x in dict(A_log=A_log, dt_bias=dt_bias).items():
-        if isinstance(x, torch.Tensor) and x.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
-    if not isinstance(A_log, torch.Tensor) or A_log.shape != (HV,):
-        got = _shape(A_log) if isinstance(A_log, torch.Tensor) else type(A_log).__name__
-        raise ValueError(f"A_log must be a [HV] = [{HV}] tensor, got {got}")
-    if dt_bias is not None and (not isinstance(dt_bias, torch.Tensor) or dt_bias.numel() != HV * K
-                                or dt_bias.shape not in ((HV * K,), (HV, K))):
-        raise ValueError(f"dt_bias must be [HV * K] = [{HV * K}] or [HV, K] = [{HV}, {K}], got "
-                         f"{_shape(dt_bias) if isinstance(dt_bias, torch.Tensor) else type(dt_bias).__name__}")
-    if not MIN_LOWER_BOUND <= lower_bound < 0:
-        raise ValueError(f"lower_bound must be in [{MIN_LOWER_BOUND}, 0), got {lower_bound}")
-    if K > MAX_K:
-        raise ValueError(f"flash_kda supports K <= {MAX_K}, got K={K}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or len({q.dtype, k.dtype, v.dtype}) > 1:
-        raise ValueError(f"q, k, v must share one of float16/bfloat16/float32, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("flash_kda on CPU needs TRITON_INTERPRET=1 set before kernels are imported: "
-                           "call k3lab.setup() first")
+    check_gate_args(q, k, v, A_log, dt_bias, lower_bound)
     if check_values:
-        named = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log)
-        if dt_bias is not None:
-            named["dt_bias"] = dt_bias
-        if initial_state is not None:
-            named["initial_state"] = initial_state
-        flags = torch.stack([~torch.isfinite(x).all() for x in named.values()]).tolist()
-        for name, bad in zip(named, flags):
-            if bad:
-                raise ValueError(f"{name} contains NaN or inf")
+        check_finite(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
+    B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else float(scale)
     if cu_seqlens is None:
         lengths = [T] * B
