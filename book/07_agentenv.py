@@ -25,8 +25,10 @@
 # < 50 ms, pause < 100 ms and incremental snapshots < 100 ms.
 #
 # This chapter builds the same operations with `k3lab.agentenv`: a `Sandbox` API over QEMU's
-# `microvm` machine driven by QMP (and a Firecracker API client for hosts with real KVM), a guest
-# image built offline from Debian packages, and a shell agent inside the guest for exec and files.
+# `microvm` machine driven by QMP (on hosts where a firecracker binary and real KVM are found, the
+# same API drives Firecracker instead; that path is tested against a fake firecracker, not run
+# here), a guest image built offline from Debian packages, and a shell agent inside the guest for
+# exec and files.
 
 # %% tags=["parameters"]
 profile: str = "cpu"
@@ -405,6 +407,7 @@ assert not pool.root.exists()
 #   checkpoint 133 ms, resume 49 ms, 6.5x overcommit).
 # * kvcache-ai/AgentENV: Firecracker sandboxes with pause/resume, fork and incremental snapshots.
 # * Firecracker API (`src/firecracker/swagger/firecracker.yaml`) and snapshot docs
-#   (`docs/snapshotting/snapshot-support.md`); `k3lab.agentenv.firecracker` is a client for it.
+#   (`docs/snapshotting/snapshot-support.md`); `k3lab.agentenv.firecracker` is a client for it,
+#   `k3lab.agentenv.fcvm` the `Sandbox` backend built on it.
 # * QEMU: the `microvm` machine (docs/system/i386/microvm.rst), QMP, migration with
 #   `x-ignore-shared`.

@@ -1,99 +1,56 @@
-"""Firecracker backend against a fake API server (real Firecracker needs KVM, absent here).
+"""Firecracker API client and process wrapper against ``tests/fake_firecracker.py`` (real
+Firecracker needs KVM, absent here).
 
-The fake is a tiny HTTP server on a unix socket, run as a fake ``firecracker`` executable: it
-logs every request (method, path, JSON body), keeps Firecracker's state machine (Not started ->
-Running <-> Paused; snapshots only while paused; load only before start) and answers 204/400 with
-``fault_message`` like the real one. The tests assert the exact paths and bodies.
+The fake serves Firecracker's API subset on ``--api-sock``, logs every request (method, path, JSON
+body), keeps Firecracker's state machine (Not started -> Running <-> Paused; pre-boot resources
+only before the start; snapshots only while paused; Diff only with dirty-page tracking; load only
+on a fresh process, which ends if the load fails) and answers 204/400 with ``fault_message`` like
+the real one. These tests assert the exact paths and bodies; ``test_agentenv_fc_sandbox.py`` runs
+the Sandbox API on it.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
-import stat
+import shutil
 import sys
+import tarfile
+import time
 
 import pytest
 
+from k3lab.agentenv.agent import AgentChannel, AgentClosed, AgentTimeout
 from k3lab.agentenv.firecracker import (FirecrackerClient, FirecrackerError, FirecrackerVM,
                                         merge_diff_memory)
 
 pytestmark = pytest.mark.timeout(120)
 
-FAKE_FC = r'''
-import json, os, socketserver, sys
-from http.server import BaseHTTPRequestHandler
-
-sock = sys.argv[sys.argv.index("--api-sock") + 1]
-log = open(sock + ".requests.jsonl", "a", buffering=1)
-state = {"state": "Not started"}
-PUT_PATHS = {"/boot-source", "/machine-config", "/actions", "/snapshot/create", "/snapshot/load", "/vsock"}
-
-class H(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    def log_message(self, *a):
-        pass
-    def reply(self, code, body=None):
-        data = json.dumps(body).encode() if body is not None else b""
-        self.send_response(code)
-        if data:
-            self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-    def fault(self, msg):
-        self.reply(400, {"fault_message": msg})
-    def body(self):
-        n = int(self.headers.get("Content-Length", 0))
-        return json.loads(self.rfile.read(n)) if n else None
-    def do_GET(self):
-        log.write(json.dumps(["GET", self.path, None]) + "\n")
-        if self.path == "/":
-            return self.reply(200, {"id": "fake", "state": state["state"], "vmm_version": "1.9.0", "app_name": "Firecracker"})
-        self.fault("unknown path")
-    def do_PATCH(self):
-        b = self.body()
-        log.write(json.dumps(["PATCH", self.path, b]) + "\n")
-        if self.path != "/vm" or b.get("state") not in ("Paused", "Resumed"):
-            return self.fault("bad request")
-        if state["state"] == "Not started":
-            return self.fault("The requested operation is not supported before starting the microVM.")
-        state["state"] = "Paused" if b["state"] == "Paused" else "Running"
-        self.reply(204)
-    def do_PUT(self):
-        b = self.body()
-        log.write(json.dumps(["PUT", self.path, b]) + "\n")
-        if not (self.path in PUT_PATHS or self.path.startswith("/drives/")):
-            return self.fault("unknown path")
-        if self.path == "/actions":
-            if b != {"action_type": "InstanceStart"} or state["state"] != "Not started":
-                return self.fault("bad action")
-            state["state"] = "Running"
-        elif self.path == "/snapshot/create":
-            if state["state"] != "Paused":
-                return self.fault("Cannot create snapshot: the microVM must be paused")
-            for k in ("snapshot_path", "mem_file_path"):
-                open(b[k], "w").write(k)
-        elif self.path == "/snapshot/load":
-            if state["state"] != "Not started":
-                return self.fault("Loading a microVM snapshot not allowed after configuring boot-specific resources.")
-            state["state"] = "Running" if b.get("resume_vm") else "Paused"
-        elif state["state"] != "Not started":
-            return self.fault("The update operation is not allowed after boot.")
-        self.reply(204)
-
-class S(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-
-S(sock, H).serve_forever()
-'''
+FAKE = os.path.join(os.path.dirname(__file__), "fake_firecracker.py")
 
 
 @pytest.fixture
 def fake_binary(tmp_path):
     exe = tmp_path / "firecracker"
-    exe.write_text(f"#!{sys.executable}\n{FAKE_FC}")
-    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" "$@"\n')
+    exe.chmod(0o755)
     return exe
+
+
+@pytest.fixture
+def files(tmp_path):
+    """A kernel, an initrd and a root drive (a tar, the fake's disk format) in tmp_path/img."""
+    img = tmp_path / "img"
+    img.mkdir()
+    (img / "vmlinux").write_bytes(b"\x7fELF")
+    (img / "initrd.gz").write_bytes(b"initrd")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("./root")
+        info.type = tarfile.DIRTYPE
+        tar.addfile(info)
+    (img / "rootfs.ext4").write_bytes(buf.getvalue())
+    return img
 
 
 def _requests(vm: FirecrackerVM) -> list:
@@ -101,13 +58,13 @@ def _requests(vm: FirecrackerVM) -> list:
         return [json.loads(line) for line in f]
 
 
-def test_boot_pause_snapshot_requests(fake_binary, tmp_path):
+def test_boot_pause_snapshot_requests(fake_binary, files, tmp_path):
     vm = FirecrackerVM(str(fake_binary), tmp_path)
     c = vm.launch()
     try:
         assert c.describe()["state"] == "Not started"
-        vm.boot(kernel="/img/vmlinux", rootfs="/img/rootfs.ext4", boot_args="console=ttyS0",
-                initrd="/img/initrd.gz", vcpus=2, mem_mib=256, vsock_uds=str(tmp_path / "v.sock"))
+        vm.boot(kernel=str(files / "vmlinux"), rootfs=str(files / "rootfs.ext4"), boot_args="console=ttyS0",
+                initrd=str(files / "initrd.gz"), vcpus=2, mem_mib=64, vsock_uds="v.sock")
         assert c.describe()["state"] == "Running"
         vm.snapshot(str(tmp_path / "full.state"), str(tmp_path / "full.mem"))
         assert c.describe()["state"] == "Paused"
@@ -115,18 +72,19 @@ def test_boot_pause_snapshot_requests(fake_binary, tmp_path):
         c.pause()
         c.create_snapshot(str(tmp_path / "d.state"), str(tmp_path / "d.mem"), diff=True)
         c.resume()
-        assert (tmp_path / "full.mem").is_file() and (tmp_path / "d.state").is_file()
+        assert (tmp_path / "full.mem").stat().st_size == 64 << 20 and (tmp_path / "d.state").is_file()
+        assert (tmp_path / "v.sock").exists()  # the relative vsock path, in the working directory
         reqs = _requests(vm)
     finally:
         vm.kill()
     assert reqs == [
         ["GET", "/", None],
-        ["PUT", "/machine-config", {"vcpu_count": 2, "mem_size_mib": 256, "smt": False, "track_dirty_pages": True}],
-        ["PUT", "/boot-source", {"kernel_image_path": "/img/vmlinux", "boot_args": "console=ttyS0",
-                                 "initrd_path": "/img/initrd.gz"}],
-        ["PUT", "/drives/rootfs", {"drive_id": "rootfs", "path_on_host": "/img/rootfs.ext4",
+        ["PUT", "/machine-config", {"vcpu_count": 2, "mem_size_mib": 64, "smt": False, "track_dirty_pages": True}],
+        ["PUT", "/boot-source", {"kernel_image_path": str(files / "vmlinux"), "boot_args": "console=ttyS0",
+                                 "initrd_path": str(files / "initrd.gz")}],
+        ["PUT", "/drives/rootfs", {"drive_id": "rootfs", "path_on_host": str(files / "rootfs.ext4"),
                                    "is_root_device": True, "is_read_only": False}],
-        ["PUT", "/vsock", {"guest_cid": 3, "uds_path": str(tmp_path / "v.sock")}],
+        ["PUT", "/vsock", {"guest_cid": 3, "uds_path": "v.sock"}],
         ["PUT", "/actions", {"action_type": "InstanceStart"}],
         ["GET", "/", None],
         ["PATCH", "/vm", {"state": "Paused"}],
@@ -142,33 +100,98 @@ def test_boot_pause_snapshot_requests(fake_binary, tmp_path):
     assert not vm.api_sock.exists() and vm.proc.poll() is not None
 
 
-def test_load_snapshot_with_file_backend(fake_binary, tmp_path):
-    vm = FirecrackerVM(str(fake_binary), tmp_path)
-    c = vm.launch()
+def test_load_snapshot_with_file_backend_and_relative_paths(fake_binary, files, tmp_path):
+    """A snapshot records relative drive/vsock paths; a process in another folder resolves them
+    to that folder's files. A failed load ends the process, as Firecracker's does."""
+    d1, d2, d3 = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for d in (d1, d2, d3):
+        d.mkdir()
+    shutil.copy(files / "rootfs.ext4", d1 / "rootfs.ext4")
+    vm1 = FirecrackerVM(str(fake_binary), d1)
+    vm1.launch()
     try:
-        vm.restore(str(tmp_path / "s.state"), str(tmp_path / "s.mem"))
-        assert c.describe()["state"] == "Running"
+        vm1.boot(kernel=str(files / "vmlinux"), rootfs="rootfs.ext4", boot_args="", vsock_uds="v.sock", mem_mib=64)
+        vm1.snapshot(str(tmp_path / "s.state"), str(tmp_path / "s.mem"))
+    finally:
+        vm1.kill()
+    shutil.copy(d1 / "rootfs.ext4", d2 / "rootfs.ext4")
+    vm2 = FirecrackerVM(str(fake_binary), d2)
+    c = vm2.launch()
+    try:
+        vm2.restore(str(tmp_path / "s.state"), str(tmp_path / "s.mem"))
+        assert c.describe()["state"] == "Running" and (d2 / "v.sock").exists()
         # loading again after start is refused by the VMM: the error carries its fault_message
         with pytest.raises(FirecrackerError, match=r"PUT /snapshot/load: HTTP 400: Loading a microVM snapshot"):
             c.load_snapshot(str(tmp_path / "s.state"), str(tmp_path / "s.mem"))
-        reqs = _requests(vm)
+        assert vm2.proc.poll() is None
+        reqs = _requests(vm2)
     finally:
-        vm.kill()
+        vm2.kill()
     assert reqs[0] == ["PUT", "/snapshot/load", {
         "snapshot_path": str(tmp_path / "s.state"),
         "mem_backend": {"backend_type": "File", "backend_path": str(tmp_path / "s.mem")},
         "track_dirty_pages": True, "resume_vm": True}]
+    # d3 has no rootfs.ext4: the recorded relative drive path does not resolve there
+    vm3 = FirecrackerVM(str(fake_binary), d3)
+    vm3.launch()
+    try:
+        with pytest.raises(FirecrackerError, match="backing file rootfs.ext4: No such file"):
+            vm3.restore(str(tmp_path / "s.state"), str(tmp_path / "s.mem"))
+        assert vm3.proc.wait(timeout=10) == 1
+    finally:
+        vm3.kill()
 
 
-def test_errors_and_validation(fake_binary, tmp_path):
+def test_vsock_handshake(fake_binary, files, tmp_path):
+    shutil.copy(files / "rootfs.ext4", tmp_path / "rootfs.ext4")
+    vm = FirecrackerVM(str(fake_binary), tmp_path)
+    vm.launch()
+    try:
+        vm.boot(kernel=str(files / "vmlinux"), rootfs="rootfs.ext4", boot_args="", vsock_uds="v.sock", mem_mib=64)
+        uds = str(tmp_path / "v.sock")
+        # nothing listens on port 7 in the guest: every attempt is closed, until the deadline
+        with pytest.raises(AgentTimeout, match="port 7"):
+            AgentChannel.connect_vsock(uds, 7, deadline=time.monotonic() + 0.3)
+        ch = AgentChannel.connect_vsock(uds, 1024, deadline=time.monotonic() + 10)
+        ch.wait_for(b"@K3READY", time.monotonic() + 10)
+        assert ch.exec("echo hi", 5, deadline=time.monotonic() + 10).stdout == b"hi\n"
+        # a snapshot resets open vsock connections (listening sockets survive)
+        vm.snapshot(str(tmp_path / "s"), str(tmp_path / "m"))
+        vm.client.resume()
+        with pytest.raises(AgentClosed):
+            ch.ping(deadline=time.monotonic() + 5)
+        ch.close()
+        ch = AgentChannel.connect_vsock(uds, 1024, deadline=time.monotonic() + 10)
+        ch.wait_for(b"@K3READY", time.monotonic() + 10)
+        ch.ping(deadline=time.monotonic() + 5)
+        ch.close()
+    finally:
+        vm.kill()
+
+
+def test_errors_and_validation(fake_binary, files, tmp_path):
     vm = FirecrackerVM(str(fake_binary), tmp_path)
     c = vm.launch()
     try:
-        with pytest.raises(FirecrackerError, match="must be paused"):
+        with pytest.raises(FirecrackerError, match="not supported before starting"):
+            c.pause()
+        with pytest.raises(FirecrackerError, match="without kernel configuration"):
             c.start()
+        with pytest.raises(FirecrackerError, match="cannot be opened"):
+            c.set_boot_source(str(tmp_path / "missing-vmlinux"))
+        with pytest.raises(FirecrackerError, match="Unable to open the block device"):
+            c.add_drive("rootfs", "missing.ext4", is_root_device=True)
+        c.set_machine_config(1, 64)  # no dirty-page tracking
+        c.set_boot_source(str(files / "vmlinux"))
+        c.add_drive("rootfs", str(files / "rootfs.ext4"), is_root_device=True)
+        c.start()
+        with pytest.raises(FirecrackerError, match="must be paused"):
             c.create_snapshot(str(tmp_path / "a"), str(tmp_path / "b"))
         with pytest.raises(FirecrackerError, match="not allowed after boot"):
             c.set_machine_config(1, 128)
+        c.pause()
+        with pytest.raises(FirecrackerError, match="dirty page tracking disabled"):
+            c.create_snapshot(str(tmp_path / "a"), str(tmp_path / "b"), diff=True)
         with pytest.raises(ValueError, match="vcpu_count"):
             c.set_machine_config(33, 128)
         with pytest.raises(ValueError, match="vcpu_count"):
@@ -177,6 +200,8 @@ def test_errors_and_validation(fake_binary, tmp_path):
             c.set_boot_source("vmlinux")
         with pytest.raises(ValueError, match="guest_cid"):
             c.set_vsock(2, "/x")
+        with pytest.raises(ValueError, match="path_on_host"):
+            c.add_drive("data", "", is_root_device=False)
     finally:
         vm.kill()
     with FirecrackerClient(tmp_path / "nobody.sock", timeout=1) as dead:

@@ -1,5 +1,7 @@
 """AgentEnv: microVM sandboxes for agentic RL (K3 ran 51M of them), with pause/resume,
-hibernate/wake, snapshot/restore and fork. See ``sandbox.py`` for what is and is not isolated.
+hibernate/wake, snapshot/restore and fork. One :class:`Sandbox` API over two backends: QEMU
+``microvm`` (KVM or TCG) and Firecracker (where a firecracker binary and real KVM are found);
+:func:`detect_host` picks and says why. See ``sandbox.py`` for what is and is not isolated.
 
 Public names: :class:`Sandbox`, :class:`SandboxPool`, :class:`Snapshot`, :class:`ExecResult`,
 :func:`detect_host`, :func:`build_image`, and the errors.

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"image {img.root} kernel {img.kernel_version} digest {img.digest[:16]}")
     else:
         for k, v in detect_host().as_dict().items():
-            print(f"{k:13s} {v}")
+            print(f"{k:18s} {v}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Requests are single lines ``"<id> <op> <args>"``; replies are framed as
 ``"\\n@K3 <id> <rc> <timed_out>\\n" <out_b64> "\\n" <err_b64> "\\n@K3END <id>\\n"``; '@' and newlines
 are not base64 characters, so the markers are unambiguous, and the parser skips anything else on
-the channel (a stale reply to a request the host gave up on).
+the channel (a stale reply to a request the host gave up on). The transport is any stream socket:
+QEMU's virtconsole chardev (:meth:`AgentChannel.connect_unix`) or a Firecracker guest vsock port
+(:meth:`AgentChannel.connect_vsock`).
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class ExecResult:
 
 
 class AgentChannel:
-    """A connected stream socket to the guest agent (QEMU's virtconsole chardev)."""
+    """A connected stream socket to the guest agent (QEMU's virtconsole, Firecracker's vsock)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -74,6 +76,47 @@ class AgentChannel:
                 if time.monotonic() > deadline:
                     raise AgentTimeout(f"agent socket {path} did not appear") from None
                 time.sleep(0.002)
+
+    @classmethod
+    def connect_vsock(cls, uds_path: str, port: int, deadline: float) -> "AgentChannel":
+        """Connect to a guest vsock port through Firecracker's host-side unix socket.
+
+        Firecracker's vsock device (``docs/vsock.md``, host-initiated connections): the host
+        connects to the device's ``uds_path``, writes ``CONNECT <port>\\n`` and reads
+        ``OK <host_port>\\n``; then the stream is the guest connection. While nothing listens on
+        ``port`` in the guest (still booting), Firecracker closes the connection instead; this
+        retries until ``deadline`` (time.monotonic). Bytes after the OK line stay in :attr:`buf`.
+
+        Raises:
+            AgentTimeout: no ``OK`` before the deadline. AgentError: an answer other than ``OK``.
+        """
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            got = b""
+            try:
+                s.connect(uds_path)
+                s.sendall(f"CONNECT {port}\n".encode())
+                while b"\n" not in got:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not select.select([s], [], [], left)[0]:
+                        break
+                    data = s.recv(4096)
+                    if not data:
+                        break
+                    got += data
+            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError):
+                pass
+            line, _, rest = got.partition(b"\n")
+            if line.startswith(b"OK "):
+                ch = cls(s)
+                ch.buf = rest
+                return ch
+            s.close()
+            if line:
+                raise AgentError(f"vsock {uds_path} port {port}: unexpected handshake answer {line[:80]!r}")
+            if time.monotonic() > deadline:
+                raise AgentTimeout(f"vsock {uds_path}: nothing accepted port {port} before the deadline")
+            time.sleep(0.005)
 
     def close(self) -> None:
         try:

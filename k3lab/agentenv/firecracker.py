@@ -1,8 +1,9 @@
-"""Firecracker backend: a client for Firecracker's HTTP API on its unix socket, and a process wrapper.
+"""Firecracker: a client for its HTTP API on a unix socket, and a process wrapper.
 
-Used only where a ``firecracker`` binary and real KVM exist (see :mod:`k3lab.agentenv.host`; on
-these machines ``kvm_pvm`` rules it out, so CI tests it against a fake API server). Request
-shapes follow Firecracker's swagger (``src/firecracker/swagger/firecracker.yaml``):
+:class:`~k3lab.agentenv.fcvm.FirecrackerBackend` builds sandboxes on these where a ``firecracker``
+binary and real KVM exist (see :mod:`k3lab.agentenv.host`; on these machines ``kvm_pvm`` rules it
+out, so CI runs them against ``tests/fake_firecracker.py``). Request shapes follow Firecracker's
+swagger (``src/firecracker/swagger/firecracker.yaml``):
 
     PUT   /boot-source         {"kernel_image_path", "boot_args", "initrd_path"}
     PUT   /drives/{drive_id}   {"drive_id", "path_on_host", "is_root_device", "is_read_only"}
@@ -16,6 +17,10 @@ shapes follow Firecracker's swagger (``src/firecracker/swagger/firecracker.yaml`
     GET   /                    InstanceInfo {"id", "state", "vmm_version", "app_name"}
 
 Successful writes answer 204; errors answer 4xx/5xx with ``{"fault_message": ...}``.
+
+Drive and vsock paths may be relative: Firecracker opens them from its working directory, and a
+snapshot records them as given, so a process started in another folder resolves the same relative
+path to that folder's file (what the jailer's chroot does; see :mod:`k3lab.agentenv.fcvm`).
 
 A Diff snapshot's memory file holds only the pages dirtied since the previous snapshot (the rest
 are holes); :func:`merge_diff_memory` lays it over the previous full memory file to get a
@@ -33,8 +38,10 @@ from pathlib import Path
 
 import httpx
 
+from k3lab.agentenv.backend import VMError, copy_sparse, die_with_parent
 
-class FirecrackerError(RuntimeError):
+
+class FirecrackerError(VMError):
     """The API answered an error (the message has the method, path, status and fault_message)."""
 
 
@@ -42,6 +49,13 @@ def _abs(name: str, path: str | os.PathLike) -> str:
     p = str(path)
     if not os.path.isabs(p):
         raise ValueError(f"{name} must be an absolute host path, got {p!r}")
+    return p
+
+
+def _host_path(name: str, path: str | os.PathLike) -> str:
+    p = str(path)
+    if not p:
+        raise ValueError(f"{name} must be a host path (absolute, or relative to firecracker's working directory)")
     return p
 
 
@@ -95,10 +109,12 @@ class FirecrackerClient:
 
     def add_drive(self, drive_id: str, path_on_host: str, is_root_device: bool,
                   is_read_only: bool = False) -> None:
+        """``PUT /drives/{drive_id}``: a raw disk image (Firecracker has no qcow2). ``path_on_host``
+        may be relative to firecracker's working directory."""
         if not drive_id or "/" in drive_id:
             raise ValueError(f"drive_id must be a non-empty name without '/', got {drive_id!r}")
         self._call("PUT", f"/drives/{drive_id}", {
-            "drive_id": drive_id, "path_on_host": _abs("path_on_host", path_on_host),
+            "drive_id": drive_id, "path_on_host": _host_path("path_on_host", path_on_host),
             "is_root_device": is_root_device, "is_read_only": is_read_only})
 
     def set_machine_config(self, vcpu_count: int, mem_size_mib: int, track_dirty_pages: bool = False,
@@ -116,9 +132,11 @@ class FirecrackerClient:
                                               "smt": smt, "track_dirty_pages": track_dirty_pages})
 
     def set_vsock(self, guest_cid: int, uds_path: str) -> None:
+        """``PUT /vsock``: the guest's vsock device, reached from the host through the unix socket
+        ``uds_path`` (may be relative to firecracker's working directory)."""
         if guest_cid < 3:
             raise ValueError(f"guest_cid must be >= 3, got {guest_cid}")
-        self._call("PUT", "/vsock", {"guest_cid": guest_cid, "uds_path": _abs("uds_path", uds_path)})
+        self._call("PUT", "/vsock", {"guest_cid": guest_cid, "uds_path": _host_path("uds_path", uds_path)})
 
     def start(self) -> None:
         self._call("PUT", "/actions", {"action_type": "InstanceStart"})
@@ -167,10 +185,7 @@ def merge_diff_memory(full_mem: str | os.PathLike, diff_mem: str | os.PathLike,
     if diff_mem.stat().st_size != size:
         raise ValueError(f"diff_mem size {diff_mem.stat().st_size} != full_mem size {size}")
     if out != full_mem:
-        with open(full_mem, "rb") as fi, open(out, "wb") as fo:
-            left = size
-            while left > 0:
-                left -= os.copy_file_range(fi.fileno(), fo.fileno(), left)
+        copy_sparse(full_mem, out)
     copied = 0
     with open(diff_mem, "rb") as fd, open(out, "r+b") as fo:
         off = 0
@@ -196,7 +211,9 @@ class FirecrackerVM:
 
     Args:
         binary (str): path of the firecracker executable.
-        workdir (Path): holds the API socket and the log.
+        workdir (Path): the process's working directory (relative drive and vsock paths resolve
+            there); holds the API socket and ``firecracker.log`` (its output and the guest's
+            serial console).
     """
 
     def __init__(self, binary: str, workdir: str | os.PathLike) -> None:
@@ -213,8 +230,9 @@ class FirecrackerVM:
         """
         self.api_sock.unlink(missing_ok=True)
         log = open(self.workdir / "firecracker.log", "ab")
-        self.proc = subprocess.Popen([self.binary, "--api-sock", str(self.api_sock)],
-                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self.proc = subprocess.Popen([self.binary, "--api-sock", str(self.api_sock)], cwd=self.workdir,
+                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                     preexec_fn=die_with_parent, close_fds=True)
         log.close()
         deadline = time.monotonic() + timeout
         while not self.api_sock.exists():

@@ -1,5 +1,9 @@
 """Host detection: can this machine run hardware-virtualised guests, and which backend to use.
 
+:class:`~k3lab.agentenv.Sandbox` uses Firecracker when a ``firecracker`` binary, real KVM and a
+Firecracker guest kernel (``$K3LAB_FIRECRACKER_KERNEL``) are all found, QEMU otherwise (KVM when
+real, TCG software emulation when not).
+
 ``/dev/kvm`` alone is not proof: on these machines it is ``kvm_pvm`` (a paravirtual nested layer,
 no vmx/svm CPU flags) where KVM_CREATE_VM works but ordinary guest kernels do not boot. So KVM
 counts as usable only with vmx or svm in the CPU flags and without ``kvm_pvm`` loaded.
@@ -29,6 +33,7 @@ class HostInfo:
         qemu (str | None): path of qemu-system-x86_64.
         qemu_version (str | None): e.g. "7.2.22".
         firecracker (str | None): path of a firecracker binary ($K3LAB_FIRECRACKER or PATH).
+        firecracker_kernel (str | None): the guest kernel for Firecracker ($K3LAB_FIRECRACKER_KERNEL).
         tsc_khz (int): host TSC frequency in kHz (the guest needs ``tsc_early_khz=`` under TCG).
     """
 
@@ -42,6 +47,7 @@ class HostInfo:
     qemu_version: str | None
     firecracker: str | None
     tsc_khz: int
+    firecracker_kernel: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -111,14 +117,14 @@ def detect_host() -> HostInfo:
         out = subprocess.run([qemu, "--version"], capture_output=True, text=True).stdout.split()
         version = out[3] if len(out) > 3 else None
     firecracker = os.environ.get("K3LAB_FIRECRACKER") or shutil.which("firecracker")
-    backend, accel, reason = decide(kvm_device, kvm_pvm, hw_virt, qemu, firecracker,
-                                    os.environ.get("K3LAB_FIRECRACKER_KERNEL"))
+    fc_kernel = os.environ.get("K3LAB_FIRECRACKER_KERNEL")
+    backend, accel, reason = decide(kvm_device, kvm_pvm, hw_virt, qemu, firecracker, fc_kernel)
     return HostInfo(backend=backend, accel=accel, reason=reason, kvm_device=kvm_device,
                     kvm_pvm=kvm_pvm, hw_virt=hw_virt, qemu=qemu, qemu_version=version,
-                    firecracker=firecracker, tsc_khz=tsc_khz(info))
+                    firecracker=firecracker, tsc_khz=tsc_khz(info), firecracker_kernel=fc_kernel)
 
 
 if __name__ == "__main__":
     h = detect_host()
     for k, v in h.as_dict().items():
-        print(f"{k:13s} {v}")
+        print(f"{k:18s} {v}")

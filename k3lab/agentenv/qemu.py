@@ -9,24 +9,29 @@ Guest state is saved with QMP ``migrate`` to ``exec:cat > file`` (QEMU 7.2 has n
 URI) and loaded with ``-incoming defer`` + ``migrate-incoming``. With the ``x-ignore-shared``
 capability the RAM of a ``share=on`` block is left out of the stream (it is already in its file),
 which is what makes snapshots and forks cheap.
+
+:class:`QemuBackend` is the :class:`~k3lab.agentenv.backend.VMBackend` that
+:class:`~k3lab.agentenv.Sandbox` drives: RAM file handling, qcow2 overlays and snapshot folders.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
 import shlex
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
+from k3lab.agentenv.agent import AgentChannel
+from k3lab.agentenv.backend import (VMBackend, VMError, console_error, copy_sparse, die_with_parent,
+                                    drop_cache, tail)
+from k3lab.agentenv.host import HostInfo
 from k3lab.agentenv.image import Image
 
 
-class QMPError(RuntimeError):
+class QMPError(VMError):
     """QMP returned an error, closed, or timed out."""
 
 
@@ -84,14 +89,6 @@ class QMP:
             self.sock.close()
         except OSError:
             pass
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: a QEMU whose Python parent dies is killed, never orphaned.
-    _libc.prctl(1, signal.SIGKILL)
 
 
 class QemuVM:
@@ -155,7 +152,7 @@ class QemuVM:
         stderr = open(self.workdir / "qemu.log", "ab")
         self.proc = subprocess.Popen(self.cmdline(disk, ram, ram_shared, incoming is not None),
                                      stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr,
-                                     preexec_fn=_die_with_parent, close_fds=True)
+                                     preexec_fn=die_with_parent, close_fds=True)
         stderr.close()
         deadline = time.monotonic() + timeout
         try:
@@ -226,20 +223,115 @@ class QemuVM:
 
     def guest_error(self) -> str | None:
         """The first kernel panic / oops / OOM line of the guest console, if any."""
-        p = self.workdir / "console.log"
-        if not p.is_file():
-            return None
-        for line in p.read_text(errors="replace").splitlines():
-            if any(k in line for k in ("Kernel panic", "Oops", "BUG:", "Out of memory")):
-                return line.strip()
-        return None
+        return console_error(self.workdir / "console.log")
 
     def log_tail(self, n: int = 1500) -> str:
-        parts = []
-        for name in ("qemu.log", "console.log"):
-            p = self.workdir / name
-            if p.is_file():
-                text = p.read_bytes()[-n:].decode(errors="replace").strip()
-                if text:
-                    parts.append(f"{name}: ...{text}")
-        return " | ".join(parts) or "no QEMU output"
+        return tail([self.workdir / "qemu.log", self.workdir / "console.log"], n) or "no QEMU output"
+
+
+def _overlay(backing: Path, path: Path, backing_fmt: str) -> None:
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", backing_fmt, "-b",
+                    str(backing), str(path)], check=True, capture_output=True)
+
+
+class QemuBackend(VMBackend):
+    """A sandbox on QEMU ``microvm`` (KVM where it is real, TCG otherwise).
+
+    Files in ``workdir``: ``disk.qcow2`` (overlay on the image's rootfs or a snapshot's disk),
+    ``ram`` (guest RAM, ``share=on``), ``hibernate.state``, sockets and logs. Snapshot folders
+    hold ``state`` (device state), ``ram`` (kind "ram": RAM in a file, mapped copy-on-write by
+    restores) or nothing (kind "stream": RAM inside ``state``, when the sandbox's own RAM was
+    copy-on-write), and ``disk.qcow2``.
+    """
+
+    name = "qemu"
+    process = "QEMU"
+    max_vcpus = 64
+    snapshot_disk = "disk.qcow2"
+
+    def __init__(self, workdir: Path, image: Image, memory_mib: int, vcpus: int, host: HostInfo) -> None:
+        super().__init__(workdir, image, memory_mib, vcpus, host)
+        self.vm = QemuVM(self.workdir, image, memory_mib, vcpus, host.accel, host.tsc_khz)
+        self.disk = self.workdir / "disk.qcow2"
+        self.ram_path = self.workdir / "ram"
+        self.ram_shared = True
+
+    def _launch(self, ram: Path, shared: bool, incoming: Path | None, timeout: float,
+                ignore_shared: bool = False) -> None:
+        deadline = time.monotonic() + timeout
+        self.vm.start(self.disk, ram, shared, incoming, ignore_shared=ignore_shared, timeout=timeout)
+        self.agent = AgentChannel.connect_unix(self.vm.agent_path, deadline)
+        if incoming is None:
+            self.agent.wait_for(b"@K3READY", deadline)
+        else:
+            self.agent.ping(deadline)
+        self.ram_path, self.ram_shared = ram, shared
+
+    def boot(self, timeout: float) -> None:
+        _overlay(self.image.rootfs, self.disk, "raw")
+        self._launch(self.workdir / "ram", True, None, timeout)
+
+    def load(self, snap: Path, kind: str, timeout: float, cow: bool) -> None:
+        _overlay(snap / self.snapshot_disk, self.disk, "qcow2")
+        if kind == "ram" and cow:
+            self._launch(snap / "ram", False, snap / "state", timeout, ignore_shared=True)
+        elif kind == "ram":
+            copy_sparse(snap / "ram", self.workdir / "ram")
+            self._launch(self.workdir / "ram", True, snap / "state", timeout, ignore_shared=True)
+        else:
+            self._launch(self.workdir / "ram", True, snap / "state", timeout, ignore_shared=False)
+
+    def save(self, out: Path) -> str:
+        kind = "ram" if self.ram_shared else "stream"
+        self.vm.save_state(out / "state", ignore_shared=kind == "ram")
+        if kind == "ram":
+            copy_sparse(self.ram_path, out / "ram")
+        copy_sparse(self.disk, out / self.snapshot_disk)
+        return kind
+
+    def pause(self) -> None:
+        self.vm.pause()
+
+    def resume(self) -> None:
+        self.vm.resume()
+
+    def hibernate(self) -> None:
+        self.vm.save_state(self.workdir / "hibernate.state", ignore_shared=self.ram_shared)
+        self.kill()
+        if self.ram_shared:
+            drop_cache(self.ram_path)
+
+    def wake(self, timeout: float) -> None:
+        state = self.workdir / "hibernate.state"
+        if self.ram_shared:
+            self._launch(self.ram_path, True, state, timeout, ignore_shared=True)
+        else:
+            # Its RAM (copy-on-write before) is in the stream; load it into a file of its own.
+            self._launch(self.workdir / "ram", True, state, timeout, ignore_shared=False)
+        state.unlink()
+
+    def clear(self) -> None:
+        for name in ("disk.qcow2", "ram", "hibernate.state"):
+            (self.workdir / name).unlink(missing_ok=True)
+
+    def kill(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+        self.vm.kill()
+
+    def poll(self) -> int | None:
+        return self.vm.poll()
+
+    @property
+    def pid(self) -> int | None:
+        return self.vm.pid
+
+    def memory_files(self) -> tuple[Path | None, Path | None]:
+        return self.ram_path, self.ram_path if self.ram_shared else None
+
+    def guest_error(self) -> str | None:
+        return self.vm.guest_error()
+
+    def log_tail(self) -> str:
+        return self.vm.log_tail()

@@ -1,29 +1,36 @@
 """The :class:`Sandbox` API: a microVM with exec, files, pause/resume, hibernate/wake,
 snapshot/restore, fork and destroy; and :class:`SandboxPool` for many of them.
 
-What a sandbox isolates: its own guest kernel, memory, processes, filesystem (a qcow2 overlay) and
-devices; a command in it cannot see or change the host's or another sandbox's files, memory or
-processes except through a hypervisor bug. What it does NOT isolate: CPU time and host memory are
-shared with no quota (no cgroup limits here), there is no network at all (no NIC), the guest sees
-the host's CPU model and TSC, and under TCG (software emulation, these machines) QEMU itself is the
-attack surface, which is weaker than KVM's hardware boundary. Side channels are out of scope.
+Backends (one :class:`Sandbox` class and API for both; the hypervisor-specific code sits behind
+:class:`~k3lab.agentenv.backend.VMBackend`):
 
-Lifecycle and where the state lives (``<root>/<id>/``):
+- ``"qemu"`` (:class:`~k3lab.agentenv.qemu.QemuBackend`): QEMU ``microvm`` over QMP, KVM where
+  it is real, TCG (software emulation) otherwise; the default on these machines.
+- ``"firecracker"`` (:class:`~k3lab.agentenv.fcvm.FirecrackerBackend`): used when a firecracker
+  binary, real KVM and a Firecracker guest kernel are found (:func:`~k3lab.agentenv.host.detect_host`
+  says which and why); tested against a fake firecracker in CI, not run on a real one here.
 
-- cold boot: kernel + initrd + rootfs overlay; RAM in ``ram`` mapped ``share=on``.
-- ``pause``/``resume``: QMP ``stop``/``cont``; the guest holds its memory but no CPU.
-- ``snapshot``: stop, save the device state with ``x-ignore-shared`` (RAM not in the stream),
-  copy the RAM file and the disk overlay into a :class:`Snapshot` folder, continue.
-- ``restore``/``fork``: a QEMU that maps the snapshot's RAM file ``share=off`` (copy-on-write:
-  pages are shared until written, writes stay private) on a fresh qcow2 overlay whose backing
-  file is the snapshot's disk. Children never write to the snapshot, so a fork's writes cannot
-  reach its parent or siblings, on disk or in memory.
-- A sandbox whose RAM is copy-on-write can still be snapshotted or hibernated: then its RAM goes
-  into the migration stream (slower; QEMU 7.2 has no dirty-page incremental snapshot), and the
-  one that loads it gets its own ``share=on`` RAM file again.
-- ``hibernate``: save state, kill QEMU, drop the RAM file from the page cache: no process, no
-  memory, only files. ``wake`` starts a QEMU from them.
-- ``destroy``: kill QEMU, delete the folder, release the snapshots it depended on.
+What a sandbox isolates: its own guest kernel, memory, processes, filesystem (a per-sandbox disk:
+a qcow2 overlay or a raw copy) and devices; a command in it cannot see or change the host's or
+another sandbox's files, memory or processes except through a hypervisor bug. What it does NOT
+isolate: CPU time and host memory are shared with no quota (no cgroup limits here), there is no
+network at all (no NIC), the guest sees the host's CPU model and TSC, and under TCG (software
+emulation, these machines) QEMU itself is the attack surface, which is weaker than KVM's hardware
+boundary. Side channels are out of scope.
+
+Lifecycle (files under ``<root>/<id>/``; the backends' docstrings give their layouts):
+
+- cold boot: kernel + initrd + a disk of the sandbox's own from the image's rootfs.
+- ``pause``/``resume``: the vCPUs stop and continue; the guest holds its memory but no CPU.
+- ``snapshot``: pause, save device state, memory and a disk copy into a :class:`Snapshot`
+  folder, continue.
+- ``restore``/``fork``: a new VM process that maps the snapshot's memory file copy-on-write
+  (pages shared until written, writes private) on a disk of its own made from the snapshot's.
+  Children never write to the snapshot, so a fork's writes cannot reach its parent or siblings,
+  on disk or in memory.
+- ``hibernate``: save the state to files, end the VM process, drop the memory file from the page
+  cache: no process, no memory, only files. ``wake`` starts a VM process from them.
+- ``destroy``: kill the VM, delete the folder, release the snapshots it depended on.
 """
 from __future__ import annotations
 
@@ -34,18 +41,18 @@ import json
 import mmap
 import os
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
 import uuid
-import warnings
 from pathlib import Path
 
-from k3lab.agentenv.agent import AgentChannel, AgentClosed, AgentError, AgentTimeout, ExecResult
+from k3lab.agentenv.agent import AgentClosed, AgentError, AgentTimeout, ExecResult
+from k3lab.agentenv.backend import VMBackend, VMError
+from k3lab.agentenv.fcvm import FirecrackerBackend
 from k3lab.agentenv.host import HostInfo, detect_host
 from k3lab.agentenv.image import Image, build_image
-from k3lab.agentenv.qemu import QemuVM, QMPError
+from k3lab.agentenv.qemu import QemuBackend
 
 __all__ = ["Sandbox", "Snapshot", "SandboxPool", "SandboxError", "SandboxCrashed",
            "SandboxTimeout", "SandboxStateError", "default_root", "leftovers", "cleanup"]
@@ -57,7 +64,7 @@ class SandboxError(RuntimeError):
 
 class SandboxCrashed(SandboxError):
     """The VM process exited or was killed (guest panic, OOM kill, SIGKILL); the message gives the
-    exit status and the tail of QEMU's and the guest console's output."""
+    exit status and the tail of the hypervisor's and the guest console's output."""
 
 
 class SandboxTimeout(SandboxError):
@@ -71,7 +78,10 @@ class SandboxStateError(SandboxError):
 _root_lock = threading.Lock()
 _default_root: Path | None = None
 # Strong references: a sandbox or snapshot dropped without destroy()/delete() is still cleaned up
-# at interpreter exit (its QEMU dies with us anyway through PR_SET_PDEATHSIG).
+# at interpreter exit (its VM process dies with us anyway through PR_SET_PDEATHSIG).
+
+#: backend name -> implementation.
+BACKENDS: dict[str, type[VMBackend]] = {"qemu": QemuBackend, "firecracker": FirecrackerBackend}
 _live: "set[Sandbox]" = set()
 _snapshots: "set[Snapshot]" = set()
 _ids = itertools.count()
@@ -103,7 +113,7 @@ def cleanup() -> None:
     this process created it. Runs at interpreter exit; call it explicitly where exit handlers may
     not run (a Jupyter kernel that is killed)."""
     global _default_root
-    # Sandboxes first (their QEMUs write into the folders), then snapshots, then our temp root.
+    # Sandboxes first (their VMs write into the folders), then snapshots, then our temp root.
     for sb in list(_live):
         sb.destroy()
     for snap in list(_snapshots):
@@ -118,7 +128,8 @@ def cleanup() -> None:
 
 def leftovers(root: str | os.PathLike, exclude: tuple[str | os.PathLike, ...] = ()) -> dict[str, list]:
     """What lives under ``root``: every file (not folders) and every host process whose command
-    line mentions ``root`` (QEMU and its helpers). Files under ``exclude`` are not counted.
+    line mentions ``root`` (QEMU, firecracker and their helpers). Files under ``exclude`` are not
+    counted.
 
     Returns:
         dict: ``{"files": [Path, ...], "pids": [int, ...]}``.
@@ -180,58 +191,25 @@ def mapping_rss_kib(pid: int, path: str | os.PathLike) -> int:
     return total
 
 
-def _copy_sparse(src: Path, dst: Path) -> None:
-    """Copy a file keeping its holes (SEEK_DATA/SEEK_HOLE + copy_file_range, all in the kernel)."""
-    size = src.stat().st_size
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
-        fdi, fdo = fi.fileno(), fo.fileno()
-        off = 0
-        while off < size:
-            try:
-                start = os.lseek(fdi, off, os.SEEK_DATA)
-            except OSError:
-                break  # only a hole is left
-            end = os.lseek(fdi, start, os.SEEK_HOLE)
-            pos = start
-            while pos < end:
-                n = os.copy_file_range(fdi, fdo, end - pos, pos, pos)
-                if n <= 0:
-                    raise OSError(f"copy_file_range returned {n} copying {src}")
-                pos += n
-            off = end
-        os.ftruncate(fdo, size)
-
-
-def _drop_cache(path: Path) -> None:
-    """Write back and evict a file's pages so a hibernated sandbox holds no memory."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _overlay(backing: Path, path: Path, backing_fmt: str) -> None:
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", backing_fmt, "-b",
-                    str(backing), str(path)], check=True, capture_output=True)
-
-
 class Snapshot:
-    """A saved sandbox: device state, RAM file (kind "ram") or RAM in the stream (kind "stream"),
-    and a copy of the disk overlay. Deleted by :meth:`delete` (or its context manager) once no
-    sandbox restored from it, and no later snapshot, depends on it.
+    """A saved sandbox: device state, memory, a copy of the disk, ``meta.json``. Deleted by
+    :meth:`delete` (or its context manager) once no sandbox restored from it, and no later
+    snapshot, depends on it. Restored only by the backend that wrote it.
 
     Attributes:
-        path (Path): the folder (``state``, ``ram`` for kind "ram", ``disk.qcow2``, ``meta.json``).
-        kind (str): "ram" (RAM in a file, mapped copy-on-write by restores) or "stream".
+        path (Path): the folder.
+        backend (str): "qemu" or "firecracker".
+        kind (str): qemu: "ram" (RAM in a file, mapped copy-on-write by restores) or "stream"
+            (RAM inside the device state); firecracker: "Full" or "Diff" (a Diff's memory is
+            already merged onto its base, so both restore the same way).
         memory_mib (int), vcpus (int): the VM shape (a restore uses the same).
         image (Image): the guest image it came from.
     """
 
-    def __init__(self, path: Path, kind: str, memory_mib: int, vcpus: int, image: Image,
+    def __init__(self, path: Path, backend: str, kind: str, memory_mib: int, vcpus: int, image: Image,
                  parent: "Snapshot | None") -> None:
-        self.path, self.kind, self.memory_mib, self.vcpus = path, kind, memory_mib, vcpus
+        self.path, self.backend, self.kind = path, backend, kind
+        self.memory_mib, self.vcpus = memory_mib, vcpus
         self.image, self.parent = image, parent
         self._refs = 0
         self._released = False
@@ -242,7 +220,8 @@ class Snapshot:
 
     @property
     def disk(self) -> Path:
-        return self.path / "disk.qcow2"
+        """The disk copy in the folder."""
+        return self.path / BACKENDS[self.backend].snapshot_disk
 
     def size_bytes(self) -> int:
         """Bytes on disk (allocated blocks, holes excluded)."""
@@ -277,7 +256,8 @@ class Snapshot:
         self.delete()
 
     def __repr__(self) -> str:
-        return f"Snapshot({self.path.name}, kind={self.kind}, refs={self._refs}, deleted={self.deleted})"
+        return (f"Snapshot({self.path.name}, {self.backend}, kind={self.kind}, refs={self._refs},"
+                f" deleted={self.deleted})")
 
 
 class Sandbox:
@@ -285,6 +265,10 @@ class Sandbox:
 
     States: "running", "paused", "hibernated", "crashed", "destroyed". Not thread-safe: one caller
     at a time per sandbox (different sandboxes are independent processes).
+
+    Attributes:
+        backend (str): "qemu" or "firecracker".
+        vm (VMBackend): the hypervisor side (internal).
 
     Example::
 
@@ -297,52 +281,56 @@ class Sandbox:
     #: extra seconds the host waits beyond an exec timeout before declaring the guest hung.
     grace_s = 60.0
 
-    def __init__(self, image: Image, memory_mib: int, vcpus: int, root: Path, host: HostInfo) -> None:
-        if host.backend != "qemu":
-            # The Firecracker path of this class (agent over vsock, per-child drive paths on
-            # snapshot load) is not built: Firecracker cannot run on the machines this was made
-            # on. Real KVM is there, so QEMU uses it.
-            warnings.warn(f"{host.reason}; Sandbox drives QEMU with accel={host.accel} (the"
-                          " Firecracker API client is k3lab.agentenv.firecracker)", RuntimeWarning,
-                          stacklevel=3)
-        self.image, self.memory_mib, self.vcpus, self.host = image, memory_mib, vcpus, host
-        self.root = Path(root)
+    def __init__(self, backend: str, image: Image, memory_mib: int, vcpus: int, root: Path,
+                 host: HostInfo) -> None:
+        self.backend, self.image, self.memory_mib, self.vcpus, self.host = backend, image, memory_mib, vcpus, host
+        self.root = Path(root).absolute()
         self.id = f"sb{next(_ids)}-{uuid.uuid4().hex[:6]}"
         self.dir = self.root / self.id
         self.dir.mkdir(parents=True)
-        self.vm = QemuVM(self.dir, image, memory_mib, vcpus, host.accel, host.tsc_khz)
-        self.agent: AgentChannel | None = None
         self.state = "new"
-        self.ram_path = self.dir / "ram"
-        self.ram_shared = True
         self.base: Snapshot | None = None
         _live.add(self)
+        try:
+            self.vm: VMBackend = BACKENDS[backend](self.dir, image, memory_mib, vcpus, host)
+        except BaseException:
+            self.vm = None
+            self.destroy()
+            raise
 
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
     def create(cls, image: Image | None = None, memory_mib: int = 128, vcpus: int = 1,
-               root: str | os.PathLike | None = None, boot_timeout: float = 180.0) -> "Sandbox":
+               root: str | os.PathLike | None = None, boot_timeout: float = 180.0,
+               backend: str | None = None) -> "Sandbox":
         """Cold-boot a sandbox (~5 s under TCG, the guest's own kernel boot).
 
         Args:
             image (Image | None): default :func:`~k3lab.agentenv.image.build_image` (cached).
             memory_mib (int): guest RAM, 64..65536 MiB.
-            vcpus (int): 1..64.
+            vcpus (int): 1..64 (1..32 on firecracker).
             root: folder for the sandbox's files; default :func:`default_root`.
             boot_timeout (float): seconds until the agent must say it is ready.
+            backend (str | None): "qemu", "firecracker", or None: the one
+                :func:`~k3lab.agentenv.host.detect_host` picks (its ``reason`` says why).
 
         Raises:
             TypeError: ``memory_mib`` or ``vcpus`` not an int (a bool is refused too).
-            ValueError: ``memory_mib`` or ``vcpus`` out of range.
-            SandboxCrashed: QEMU exited during boot. SandboxTimeout: the guest never got ready.
+            ValueError: ``memory_mib`` or ``vcpus`` out of range, ``backend`` not one of the names.
+            SandboxError: ``backend="firecracker"`` on a host without a firecracker binary, real
+                KVM and ``$K3LAB_FIRECRACKER_KERNEL``.
+            SandboxCrashed: the VM exited during boot. SandboxTimeout: the guest never got ready.
         """
         _check_vm_shape(memory_mib, vcpus)
-        sb = cls(image or build_image(), memory_mib, vcpus, Path(root) if root else default_root(),
-                 detect_host())
+        _check_backend_name(backend)
+        host = detect_host()
+        name = _pick_backend(backend, host)
+        if vcpus > BACKENDS[name].max_vcpus:
+            raise ValueError(f"vcpus must be in [1, {BACKENDS[name].max_vcpus}] on {name}, got {vcpus}")
+        sb = cls(name, image or build_image(), memory_mib, vcpus, Path(root) if root else default_root(), host)
         try:
-            _overlay(sb.image.rootfs, sb.disk, "raw")
-            sb._launch(ram=sb.ram_path, shared=True, incoming=None, timeout=boot_timeout)
+            sb._start(sb.vm.boot, boot_timeout)
         except BaseException:
             sb.destroy()
             raise
@@ -351,24 +339,28 @@ class Sandbox:
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot, root: str | os.PathLike | None = None,
                       timeout: float = 60.0, cow: bool = True) -> "Sandbox":
-        """A new running sandbox in the exact state of ``snapshot`` (disk: a copy-on-write overlay).
+        """A new running sandbox in the exact state of ``snapshot``, on the snapshot's backend,
+        with a disk of its own made from the snapshot's.
 
         Args:
             snapshot (Snapshot): what to start from.
             root: folder for the sandbox; default the snapshot's root.
             timeout (float): seconds until the restored guest must answer.
-            cow (bool): map the snapshot's RAM copy-on-write (True: cheapest start and memory;
-                this sandbox's own later snapshots/hibernations carry its RAM in the migration
-                stream, slower) or copy the RAM file first (False: +~50 ms per 100 MiB; later
-                snapshots/hibernations stay cheap).
+            cow (bool): map the snapshot's memory file copy-on-write (True: cheapest start and
+                memory) or copy it first (False: +~50 ms per 100 MiB; on qemu, this sandbox's own
+                later snapshots/hibernations stay cheap: with True they carry its RAM in the
+                migration stream, slower; on firecracker, the sandbox then maps no snapshot file).
 
         Raises:
-            SandboxStateError: the snapshot was deleted. SandboxCrashed: the restore failed.
+            SandboxStateError: the snapshot was deleted. SandboxError: the snapshot's backend is
+            not usable on this host. SandboxCrashed: the restore failed.
         """
         if snapshot.deleted:
             raise SandboxStateError(f"snapshot {snapshot.path} was deleted")
         root = Path(root) if root else snapshot.path.parent.parent
-        sb = cls(snapshot.image, snapshot.memory_mib, snapshot.vcpus, root, detect_host())
+        host = detect_host()
+        sb = cls(_pick_backend(snapshot.backend, host), snapshot.image, snapshot.memory_mib,
+                 snapshot.vcpus, root, host)
         try:
             sb._start_from(snapshot, timeout, cow)
         except BaseException:
@@ -377,54 +369,43 @@ class Sandbox:
         return sb
 
     @property
-    def disk(self) -> Path:
-        return self.dir / "disk.qcow2"
+    def ram_shared(self) -> bool:
+        """Guest RAM writes go to a file of the sandbox's own (qemu ``share=on``; never on
+        firecracker, whose memory is anonymous or a private mapping)."""
+        return self.vm.ram_shared
 
-    def _launch(self, ram: Path, shared: bool, incoming: Path | None, timeout: float,
-                ignore_shared: bool = False) -> None:
-        deadline = time.monotonic() + timeout
+    def _start(self, fn, timeout: float) -> None:
+        """Run a backend start method (boot/load/wake); the sandbox is running after it."""
         try:
-            self.vm.start(self.disk, ram, shared, incoming, ignore_shared=ignore_shared, timeout=timeout)
-            self.agent = AgentChannel.connect_unix(self.vm.agent_path, deadline)
-            if incoming is None:
-                self.agent.wait_for(b"@K3READY", deadline)
-            else:
-                self.agent.ping(deadline)
-        except (QMPError, AgentClosed) as e:
+            fn(timeout)
+        except (VMError, AgentClosed) as e:
             self._crashed(f"VM failed to start: {e}")
-        except AgentTimeout as e:
+        except AgentError as e:
             self.vm.kill()
-            raise SandboxTimeout(f"sandbox {self.id} not ready within {timeout:.0f} s; {self.vm.log_tail()}") from e
-        self.ram_path, self.ram_shared = ram, shared
+            raise SandboxTimeout(f"sandbox {self.id} not ready within {timeout:.0f} s ({e});"
+                                 f" {self.vm.log_tail()}") from e
         self.state = "running"
 
     def _start_from(self, snap: Snapshot, timeout: float, cow: bool = True) -> None:
         snap._acquire()
         self.base = snap
-        _overlay(snap.disk, self.disk, "qcow2")
-        if snap.kind == "ram" and cow:
-            self._launch(snap.path / "ram", False, snap.path / "state", timeout, ignore_shared=True)
-        elif snap.kind == "ram":
-            _copy_sparse(snap.path / "ram", self.dir / "ram")
-            self._launch(self.dir / "ram", True, snap.path / "state", timeout, ignore_shared=True)
-        else:
-            self._launch(self.dir / "ram", True, snap.path / "state", timeout, ignore_shared=False)
+        self._start(lambda t: self.vm.load(snap.path, snap.kind, t, cow), timeout)
 
     # ---- checks -------------------------------------------------------------------------------
 
     def _crashed(self, what: str) -> None:
-        if self.vm.proc is not None:
-            try:
-                self.vm.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+        if self.vm.pid is not None:
+            deadline = time.monotonic() + 5.0
+            while self.vm.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
         code = self.vm.poll()
         self.vm.kill()
         self.state = "crashed"
         how = "still running" if code is None else (f"killed by signal {-code}" if code < 0 else f"exit status {code}")
         guest = self.vm.guest_error()
         guest = f"guest: {guest}; " if guest else ""
-        raise SandboxCrashed(f"sandbox {self.id} crashed ({what}; QEMU {how}); {guest}{self.vm.log_tail()}")
+        raise SandboxCrashed(f"sandbox {self.id} crashed ({what}; {self.vm.process} {how});"
+                             f" {guest}{self.vm.log_tail()}")
 
     def _need(self, *states: str) -> None:
         if self.state in ("running", "paused") and self.vm.poll() is not None:
@@ -435,7 +416,7 @@ class Sandbox:
     def _agent_call(self, op: str, *args, wait_s: float):
         self._need("running")
         try:
-            return getattr(self.agent, op)(*args, deadline=time.monotonic() + wait_s)
+            return getattr(self.vm.agent, op)(*args, deadline=time.monotonic() + wait_s)
         except AgentClosed as e:
             self._crashed(str(e))
         except AgentTimeout as e:
@@ -443,6 +424,20 @@ class Sandbox:
                 self._crashed(str(e))
             raise SandboxTimeout(f"sandbox {self.id}: guest agent silent for {wait_s:.0f} s (hung guest)") from e
         except AgentError as e:
+            raise SandboxError(f"sandbox {self.id}: {e}") from e
+
+    def _control(self, fn, *args):
+        """Run a backend control call; a dead VM process becomes SandboxCrashed."""
+        try:
+            return fn(*args)
+        except (VMError, AgentError) as e:
+            # A closed control socket (QMP "closed", Firecracker "no answer") means a dying VM even
+            # before its exit is visible to poll().
+            if (self.vm.poll() is not None or isinstance(e, AgentClosed) or "closed" in str(e)
+                    or "no answer" in str(e)):
+                self._crashed(str(e))
+            if isinstance(e, AgentTimeout):
+                raise SandboxTimeout(f"sandbox {self.id}: {e}") from e
             raise SandboxError(f"sandbox {self.id}: {e}") from e
 
     # ---- guest operations ---------------------------------------------------------------------
@@ -505,26 +500,19 @@ class Sandbox:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def pause(self) -> None:
-        """Stop the vCPUs (QMP ``stop``): no CPU use, memory kept. Idempotent."""
+        """Stop the vCPUs (QMP ``stop``, Firecracker ``PATCH /vm Paused``): no CPU use, memory
+        kept. Idempotent."""
         self._need("running", "paused")
         if self.state == "running":
-            self._qmp(self.vm.pause)
+            self._control(self.vm.pause)
             self.state = "paused"
 
     def resume(self) -> None:
-        """Continue a paused sandbox (QMP ``cont``). Idempotent on a running one."""
+        """Continue a paused sandbox. Idempotent on a running one."""
         self._need("running", "paused")
         if self.state == "paused":
-            self._qmp(self.vm.resume)
+            self._control(self.vm.resume)
             self.state = "running"
-
-    def _qmp(self, fn, *args, **kw):
-        try:
-            return fn(*args, **kw)
-        except QMPError as e:
-            if self.vm.poll() is not None or "closed" in str(e):
-                self._crashed(str(e))
-            raise SandboxError(f"sandbox {self.id}: {e}") from e
 
     def snapshot(self) -> Snapshot:
         """Save the exact current state (RAM, devices, disk) without stopping the sandbox for long.
@@ -535,41 +523,44 @@ class Sandbox:
         """
         self._need("running", "paused")
         was_running = self.state == "running"
-        kind = "ram" if self.ram_shared else "stream"
         snaps = self.root / "snapshots"
         snaps.mkdir(exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".snap-", dir=snaps))
         try:
-            self._qmp(self.vm.save_state, tmp / "state", ignore_shared=kind == "ram")
-            self.state = "paused"
-            if kind == "ram":
-                _copy_sparse(self.ram_path, tmp / "ram")
-            _copy_sparse(self.disk, tmp / "disk.qcow2")
+            self.state = "paused"  # save() leaves the VM paused, also when it fails midway
+            kind = self._control(self.vm.save, tmp)
             (tmp / "meta.json").write_text(json.dumps({
-                "kind": kind, "memory_mib": self.memory_mib, "vcpus": self.vcpus,
+                "backend": self.backend, "kind": kind, "memory_mib": self.memory_mib, "vcpus": self.vcpus,
                 "image": self.image.digest, "from": self.id, "time": time.time()}))
             final = snaps / f"snap-{uuid.uuid4().hex[:10]}"
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        snap = Snapshot(final, kind, self.memory_mib, self.vcpus, self.image, parent=self.base)
+        snap = Snapshot(final, self.backend, kind, self.memory_mib, self.vcpus, self.image, parent=self.base)
         if was_running:
             self.resume()
         return snap
 
     def restore(self, snapshot: Snapshot, timeout: float = 60.0, cow: bool = True) -> None:
         """Replace this sandbox's state (memory, processes, disk) by ``snapshot``'s, in place
-        (``cow`` as in :meth:`from_snapshot`)."""
+        (``cow`` as in :meth:`from_snapshot`).
+
+        Raises:
+            SandboxStateError: this sandbox is destroyed or the snapshot deleted. SandboxError:
+            the snapshot comes from the other backend.
+        """
         if self.state == "destroyed":
             raise SandboxStateError(f"sandbox {self.id} is destroyed")
         if snapshot.deleted:
             raise SandboxStateError(f"snapshot {snapshot.path} was deleted")
+        if snapshot.backend != self.backend:
+            raise SandboxError(f"snapshot {snapshot.path.name} is a {snapshot.backend} snapshot; sandbox"
+                               f" {self.id} runs on {self.backend} (use Sandbox.from_snapshot)")
         snapshot._acquire()  # hold it while the old state goes
         try:
-            self._teardown_vm()
-            for name in ("disk.qcow2", "ram", "hibernate.state"):
-                (self.dir / name).unlink(missing_ok=True)
+            self.vm.kill()
+            self.vm.clear()
             old, self.base = self.base, None
             if old is not None:
                 old._release()
@@ -580,10 +571,10 @@ class Sandbox:
     def fork(self, n: int = 1, cow: bool = True) -> list["Sandbox"]:
         """``n`` new running sandboxes from this one's exact running state.
 
-        Each child maps a snapshot's RAM copy-on-write and writes its own qcow2 overlay: its writes
-        never reach the parent or its siblings. The parent keeps running (it is paused only while
-        its state is saved). The internal snapshot goes when the last child is destroyed.
-        ``cow``: as in :meth:`from_snapshot`.
+        Each child maps a snapshot's memory copy-on-write and writes a disk of its own (a qcow2
+        overlay; a raw copy on firecracker): its writes never reach the parent or its siblings.
+        The parent keeps running (it is paused only while its state is saved). The internal
+        snapshot goes when the last child is destroyed. ``cow``: as in :meth:`from_snapshot`.
 
         Raises:
             TypeError: ``n`` not an int. ValueError: ``n`` < 1 (both before the snapshot is taken).
@@ -607,34 +598,20 @@ class Sandbox:
     def hibernate(self) -> None:
         """Save the state to files and end the VM process: no CPU, no memory, until :meth:`wake`."""
         self._need("running", "paused")
-        self._qmp(self.vm.save_state, self.dir / "hibernate.state", ignore_shared=self.ram_shared)
-        self._teardown_vm()
-        if self.ram_shared:
-            _drop_cache(self.ram_path)
+        self._control(self.vm.hibernate)
         self.state = "hibernated"
 
     def wake(self, timeout: float = 60.0) -> None:
         """Start a hibernated sandbox again, running, exactly where it stopped."""
         self._need("hibernated")
-        state = self.dir / "hibernate.state"
-        if self.ram_shared:
-            self._launch(self.ram_path, True, state, timeout, ignore_shared=True)
-        else:
-            # Its RAM (copy-on-write before) is in the stream; load it into a file of its own.
-            self._launch(self.dir / "ram", True, state, timeout, ignore_shared=False)
-        state.unlink()
-
-    def _teardown_vm(self) -> None:
-        if self.agent is not None:
-            self.agent.close()
-            self.agent = None
-        self.vm.kill()
+        self._start(self.vm.wake, timeout)
 
     def destroy(self) -> None:
         """Kill the VM, delete every file of this sandbox, release its snapshots. Idempotent."""
         if self.state == "destroyed":
             return
-        self._teardown_vm()
+        if self.vm is not None:
+            self.vm.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
         if self.base is not None:
             self.base._release()
@@ -645,7 +622,7 @@ class Sandbox:
     # ---- introspection ------------------------------------------------------------------------
 
     def pids(self) -> list[int]:
-        """Host process ids of this sandbox (the QEMU process), empty when hibernated/destroyed."""
+        """Host process ids of this sandbox (the VM process), empty when hibernated/destroyed."""
         pid = self.vm.pid
         return [pid] if pid is not None and self.vm.poll() is None else []
 
@@ -653,23 +630,26 @@ class Sandbox:
         """Host memory of this sandbox in KiB.
 
         Returns:
-            dict: ``rss`` and ``pss`` of the QEMU process (/proc/<pid>/smaps_rollup; PSS splits
-            shared pages among their sharers); ``ram_mapped``: resident pages of the guest-RAM
-            mapping; ``ram_file_cache``: page-cache pages of the sandbox's *own* RAM file that
-            the process has not mapped (0 for copy-on-write RAM, whose file belongs to a
-            snapshot; a hibernated sandbox's evicted file counts what is still cached);
-            ``total`` = ``pss`` + ``ram_file_cache``.
+            dict: ``rss`` and ``pss`` of the VM process (/proc/<pid>/smaps_rollup; PSS splits
+            shared pages among their sharers); ``ram_mapped``: resident pages of the mapping of
+            the guest-memory file (0 for anonymous memory: a freshly booted firecracker guest);
+            ``ram_file_cache``: page-cache pages of the sandbox's *own* memory file that the
+            process has not mapped (0 when its memory file belongs to a snapshot; a hibernated
+            sandbox's evicted file counts what is still cached); ``total`` = ``pss`` +
+            ``ram_file_cache``.
         """
         out = {"rss": 0, "pss": 0, "ram_mapped": 0, "ram_file_cache": 0, "total": 0}
+        mapped, own = self.vm.memory_files() if self.state != "destroyed" else (None, None)
         for pid in self.pids():
             with open(f"/proc/{pid}/smaps_rollup") as f:
                 for line in f:
                     key = line.split(":")[0]
                     if key in ("Rss", "Pss"):
                         out[key.lower()] += int(line.split()[1])
-            out["ram_mapped"] = mapping_rss_kib(pid, self.ram_path)
-        if self.ram_shared and self.state != "destroyed" and self.ram_path.is_file():
-            out["ram_file_cache"] = max(0, resident_kib(self.ram_path) - out["ram_mapped"])
+            if mapped is not None:
+                out["ram_mapped"] = mapping_rss_kib(pid, mapped)
+        if own is not None and own.is_file():
+            out["ram_file_cache"] = max(0, resident_kib(own) - out["ram_mapped"])
         out["total"] = out["pss"] + out["ram_file_cache"]
         return out
 
@@ -680,7 +660,7 @@ class Sandbox:
         self.destroy()
 
     def __repr__(self) -> str:
-        return f"Sandbox({self.id}, {self.state}, ram={'own' if self.ram_shared else 'cow'})"
+        return f"Sandbox({self.id}, {self.backend}, {self.state})"
 
 
 def _check_int(name: str, n) -> None:
@@ -698,27 +678,46 @@ def _check_vm_shape(memory_mib: int, vcpus: int) -> None:
         raise ValueError(f"vcpus must be in [1, 64], got {vcpus}")
 
 
+def _check_backend_name(backend) -> None:
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be None (detect), 'qemu' or 'firecracker', got {backend!r}")
+
+
+def _pick_backend(backend: str | None, host: HostInfo) -> str:
+    """The backend to use: ``host.backend`` for None; "firecracker" only where the host has it."""
+    if backend is None:
+        return host.backend
+    if backend == "firecracker" and host.backend != "firecracker":
+        raise SandboxError("backend='firecracker' needs a firecracker binary ($K3LAB_FIRECRACKER or"
+                           " PATH), real KVM and a guest kernel in $K3LAB_FIRECRACKER_KERNEL; this"
+                           f" host: {host.reason}")
+    return backend
+
+
 class SandboxPool:
     """Many sandboxes from one booted base: the pool cold-boots once, snapshots the fresh guest,
     and every :meth:`create` is a copy-on-write restore of that snapshot (~0.4 s under TCG
     instead of ~5 s).
 
     Args:
-        image (Image | None), memory_mib (int), vcpus (int), root: as :meth:`Sandbox.create`.
+        image (Image | None), memory_mib (int), vcpus (int), root, backend (str | None): as
+            :meth:`Sandbox.create` (members of a given ``base`` run on the base's backend).
         cow (bool): as in :meth:`Sandbox.from_snapshot` (True: members share the base's RAM pages).
         base (Snapshot | None): start members from this snapshot instead of booting a guest; the
             pool takes over the handle (``close`` deletes it).
 
     Raises:
-        TypeError, ValueError: ``memory_mib`` or ``vcpus`` as in :meth:`Sandbox.create`, checked here
-            rather than at the first boot.
+        TypeError, ValueError: ``memory_mib``, ``vcpus`` or ``backend`` as in :meth:`Sandbox.create`,
+            checked here rather than at the first boot.
     """
 
     def __init__(self, image: Image | None = None, memory_mib: int = 128, vcpus: int = 1,
                  root: str | os.PathLike | None = None, cow: bool = True,
-                 base: Snapshot | None = None) -> None:
+                 base: Snapshot | None = None, backend: str | None = None) -> None:
         _check_vm_shape(memory_mib, vcpus)
+        _check_backend_name(backend)
         self.image, self.memory_mib, self.vcpus, self.cow = image, memory_mib, vcpus, cow
+        self.backend = backend
         if base is not None and root is None:
             root = base.path.parent.parent
         self.root = Path(root) if root else default_root()
@@ -729,7 +728,8 @@ class SandboxPool:
     def base(self) -> Snapshot:
         """The snapshot of a freshly booted guest (boots it on first use)."""
         if self._base is None or self._base.deleted:
-            with Sandbox.create(self.image, self.memory_mib, self.vcpus, root=self.root) as sb:
+            with Sandbox.create(self.image, self.memory_mib, self.vcpus, root=self.root,
+                                backend=self.backend) as sb:
                 self._base = sb.snapshot()
         return self._base
 
