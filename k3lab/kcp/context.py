@@ -131,6 +131,26 @@ class KCPContext:
         """Per local piece: does its document end on this rank?"""
         return [b == self.seq_bounds[n + 1] for n, _, b in self.pieces()]
 
+    @property
+    def last_continues(self) -> bool:
+        """Does this rank's last piece continue its document on the next rank?"""
+        return not self.ends_here[-1]
+
+    @property
+    def end_rank(self) -> int:
+        """The rank where this rank's last document ends (== rank when it ends here)."""
+        return self.rank_of(self.seq_bounds[self.local_docs[-1] + 1] - 1)
+
+    @cached_property
+    def first_ends(self) -> tuple[bool, ...]:
+        """Per rank: does its first piece end its document there? (The backward fold's ``resets``:
+        such a rank's gradient composes with nothing later.)"""
+        out = []
+        for r in range(self.world_size):
+            n, _, b = self.pieces(r)[0]
+            out.append(b == self.seq_bounds[n + 1])
+        return tuple(out)
+
 
 def make_context(
     T: int,

@@ -25,13 +25,16 @@ from k3lab.kda.naive import compute_dtype, expand_heads
 FOLDS = ("sequential", "scan")
 
 
-def _all_gather(x: torch.Tensor, world_size: int, group) -> torch.Tensor:
-    """[*] -> [R, *] (flat buffers: gloo wants them so)."""
+def _all_gather(x: torch.Tensor, world_size: int, group, async_op: bool = False):
+    """[*] -> [R, *] (flat buffers: gloo wants them so). With ``async_op``: (the [R, *] buffer, the
+    collective's handle), the result valid only after ``handle.wait()``, so work that does not read it
+    can be issued first."""
     # torch >= 2.13 names it all_gather_single; 2.11 (the GPU image) has only all_gather_into_tensor.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     out = x.new_empty(world_size * x.numel())
-    fn(out, x.contiguous().view(-1), group=group)
-    return out.view(world_size, *x.shape)
+    work = fn(out, x.contiguous().view(-1), group=group, async_op=async_op)
+    out = out.view(world_size, *x.shape)
+    return (out, work) if async_op else out
 
 
 def _reduce_scatter_sum(grad: torch.Tensor, group) -> torch.Tensor:
@@ -234,7 +237,8 @@ def kcp_kda(
         local_op (callable | None): the one-device KDA of step 4, any function with ``chunk_kda``'s
             signature and differentiable by autograd; None: ``k3lab.kda.chunk_kda`` (the PyTorch
             chunkwise form, on CPU and CUDA). FlashKDA (``k3lab.kernels.kda.flash_kda``) fuses the
-            gate, the q/k norms and the beta sigmoid into its inputs, so it is not a drop-in here.
+            gate, the q/k norms and the beta sigmoid into its inputs, so it is not a drop-in here:
+            ``k3lab.kcp.kcp_flash_kda`` is KCP on its kernel stages.
 
     Returns:
         (o [1, T_local, HV, V] in q's dtype, final_state [N, HV, K, V] float32 or None). Row n of
