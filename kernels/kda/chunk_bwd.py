@@ -20,7 +20,7 @@ import triton.language as tl
 
 from k3lab.kernels.kda.chunk_fwd import block_sizes
 from k3lab.kernels.kda.utils import (
-    BC, BT, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, store_rows,
+    BC, BT, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, state_tile, store_rows,
 )
 
 
@@ -323,8 +323,8 @@ def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offset
     T, HV, K = W.shape
     V = do.shape[-1]
     N = cu_seqlens.numel() - 1
-    BK, BV = block_sizes(K, V)
-    BV = min(BV, 16) if W.is_cuda else BV
+    BK, _ = block_sizes(K, V)
+    BV = state_tile(N, HV, V, W.device)
     dh = torch.empty(NT, HV, K, V, device=W.device, dtype=torch.float32) if dh is None else dh
     dVn = torch.empty(T, HV, V, device=W.device, dtype=torch.float32) if dVn is None else dVn
     dh0 = torch.empty(N, HV, K, V, device=W.device, dtype=torch.float32) if need_dh0 else None
@@ -352,11 +352,11 @@ def kda_dqkw_bwd(q, k, v, beta, G, Tinv, h, dh, Vn, dVn, do, scale, cu_seqlens, 
     prec = dot_precision(h.dtype, dev)
     kda_dqk_bwd_kernel[(triton.cdiv(K, BK), NT, HV)](
         q, k, G, h, dh, Vn, dVn, do, dqs, dkn, dG, dW, dgx, cu_seqlens, chunk_indices, scale,
-        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=BK, BV=BV1, PREC=prec, num_warps=8,
+        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=BK, BV=BV1, PREC=prec, num_warps=4,
     )
     kda_dwv_bwd_kernel[(NT, HV)](
         k, v, beta, G, Tinv, dW, dVn, do, Vn, dkn, dG, db, dv, dAqk, dAkk, cu_seqlens, chunk_indices,
-        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=min(BK, 32), BV=BV1, PREC=prec, num_warps=8,
+        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=min(BK, 32), BV=BV1, PREC=prec, num_warps=4,
     )
     return dqs, dkn, dG, dgx, db, dv, dAqk, dAkk
 
