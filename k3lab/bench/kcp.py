@@ -9,8 +9,9 @@ Starts one process per rank itself (torch.multiprocessing, NCCL on CUDA, gloo on
 kernels run in Triton's interpreter (TRITON_INTERPRET=1 is set for the ranks): float32 and tiny sizes
 only, a smoke test of the script. Order: (1) correctness: float32 varlen with initial states, 2 ranks
 against one-device ``flash_kda`` (outputs, final states and every gradient, each rank separately;
-<= 1e-5 relative on CPU, <= 1e-4 on CUDA, where float32 dots run as 3 bf16 passes and the ranks'
-chunks start at other tokens than one device's), then bf16 at the benchmark's head shape against the
+<= 1e-5 relative on CPU; on CUDA, where float32 dots run as 3 bf16 passes and the ranks' chunks
+start at other tokens than one device's, the value is recorded and the run stops above 1e-3, as a
+KCP bug gives >= 1e-2), then bf16 at the benchmark's head shape against the
 1-GPU run (<= 2e-2); it stops on failure. (2) per T: forward and forward+backward (autograd on, the
 training forward), 1 GPU (``flash_kda``, in slabs of ``--slab`` tokens chained through the state so
 512K fits) vs 2 GPUs, wall-clock medians (the slower rank); one rank's T/2 tokens alone on one GPU
@@ -120,7 +121,7 @@ def _check(rank, R, group, device, cfg) -> dict:
         dist.all_reduce(t, group=group)
     errs["final"] = rel_rms_error(ref["final"], sums.pop("final"))
     errs.update({f"grad_{n}": rel_rms_error(ref["grads"][n], t) for n, t in sums.items()})
-    tol = 1e-4 if device.type == "cuda" else 1e-5
+    tol = 1e-3 if device.type == "cuda" else 1e-5
     out["float32_varlen_max_rel_err"] = _worst(errs, device, group)
     out["float32_tol"] = tol
     out[f"float32_varlen_rank{rank}"] = errs
