@@ -63,8 +63,8 @@ import k3lab.data as kdata
 import k3lab.lm as lm
 from k3lab.attnres import (AttnRes, BlockAttnRes, block_attnres_inference, block_sizes, depth_attention,
                            naive_attnres, naive_block_attnres, retained_bytes)
-from k3lab.attnres.mix import mix_bwd_torch, mix_fwd_torch
-from k3lab.kernels.attnres import mix_bwd, mix_fwd
+from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch
+from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd
 from k3lab.testing import rel_rms_error
 
 # %% [markdown]
@@ -215,38 +215,55 @@ assert err_uniform < 1e-14 and err_full < 1e-14
 #
 # 1. **Blocks once.** Completed block representations are written once into one buffer
 #    $[N+1, B, T, d]$ that every later read shares.
-# 2. **Mixing recomputed.** Each read is one autograd function (`k3lab.attnres.mix.read`) that saves
-#    only $w_l$, the partial sum and a per-token log-sum-exp (4 bytes); backward recomputes keys,
-#    logits and weights from the buffer, and adds the blocks' gradients into one shared accumulator
-#    (each block hands its summed gradient to autograd once, after its last read's backward). With $g = \partial\mathcal L/\partial h$, $r_i = (\overline{v_i^2}+\epsilon)^{-1/2}$,
-#    $s_i = r_i w^\top v_i$:
+# 2. **One pass over the blocks per block, not per sublayer.** The pseudo-queries are parameters, so
+#    at the start of block $n$ one pass over $b_0..b_{n-1}$ computes, for all $S$ sublayers $k$ of
+#    the block, the inter-block part $o_k = \sum_i a_{k,i} b_i$ and its log-sum-exp
+#    $\mathrm{lse}_k$ (phase 1, `k3lab.attnres.mix.phase1_fwd_torch`). Sublayer $k$ then only merges
+#    it with its partial sum $p_k$, whose logit is $s = r_p w_k^\top p_k$ (phase 2, the online-softmax
+#    rule of section 4): $h_k = (1-\beta) o_k + \beta p_k$, $\beta = \sigma(s - \mathrm{lse}_k)$,
+#    two vectors read and one written. The $o_k$ are dropped at the block's end and recomputed by
+#    one more phase-1 pass when backward reaches the block. Backward, with $g = \partial\mathcal
+#    L/\partial h_k$, $r_i = (\overline{b_i^2}+\epsilon)^{-1/2}$, $s_{k,i} = r_i w_k^\top b_i$: the
+#    merge gives $\partial o_k = (1-\beta) g$, $\partial s = \beta(1-\beta)\, g^\top(p_k - o_k)
+#    = -\partial\,\mathrm{lse}_k$ and $\partial p_k = \beta g + r_p\,\partial s\,(w_k - \tfrac{s r_p}{d} p_k)$;
+#    then **one batched pass per block** over the blocks does the softmax backward of all $S$ reads,
 #
-#    $$\partial s_i = \alpha_i\big(g^\top v_i - g^\top h\big),\qquad
-#      \partial v_i = \alpha_i g + r_i\,\partial s_i\Big(w - \tfrac{s_i r_i}{d} v_i\Big),\qquad
-#      \partial w = \sum_{\text{tokens}}\sum_i \partial s_i\, r_i v_i .$$
+#    $$\partial s_{k,i} = a_{k,i}\big(\partial o_k^\top b_i - \partial o_k^\top o_k + \partial\,\mathrm{lse}_k\big),\qquad
+#      \partial b_i = \sum_k \Big[a_{k,i}\,\partial o_k + r_i\,\partial s_{k,i}\Big(w_k - \tfrac{s_{k,i} r_i}{d} b_i\Big)\Big],$$
 #
-# 3. **The read's output is not kept either.** The sublayer saves its input $h_l$ for its own
-#    backward; a saved-tensor hook swaps that tensor for a recipe and rebuilds it from the buffer and
-#    the partial sum when backward needs it. (K3's activation manager gives every saved tensor such
-#    a policy — keep, recompute, offload — outside model code; this is the "recompute" policy.)
+#    adding the $\partial b_i$ into one shared accumulator (each block hands its summed gradient to
+#    autograd once, after its last read's backward), with $\partial w_k = \sum_{\text{tokens}}\sum_i
+#    \partial s_{k,i} r_i b_i$ (plus the merge's $\partial s\, r_p p_k$).
+# 3. **The reads' outputs are not kept either.** The sublayer saves its input $h_k$ for its own
+#    backward; a saved-tensor hook swaps that tensor for a recipe and rebuilds it from $o_k$,
+#    $\mathrm{lse}_k$ and $p_k$ when backward needs it. (K3's activation manager gives every saved
+#    tensor such a policy — keep, recompute, offload — outside model code; this is the "recompute" policy.)
 #
-# Per sublayer the training path thus keeps the partial sum where the standard residual keeps $h_l$,
-# plus the shared buffer. The closed-form backward against autograd, in float64:
+# Per sublayer the training path thus keeps the partial sum where the standard residual keeps $h_k$,
+# plus the shared buffer and the 4-byte lse. The closed forms (phase 1 for a block of $S = 3$
+# sublayers over 4 blocks, the two merges, both backwards) against autograd through the formula, in float64:
 
 # %% tags=["nbval-ignore-output"]
 gen = torch.Generator().manual_seed(seed)
 buf = torch.randn(5, 3, 9, 24, dtype=torch.float64, generator=gen)
-partial = torch.randn(3, 9, 24, dtype=torch.float64, generator=gen)
-w = torch.randn(24, dtype=torch.float64, generator=gen)
-g_h = torch.randn(3, 9, 24, dtype=torch.float64, generator=gen)
-leaves = [t.clone().requires_grad_() for t in (*buf[:4], partial, w)]
-h_ref, _ = depth_attention(leaves[:5], leaves[5])
-h_ref.backward(g_h)
-h, lse = mix_fwd_torch(buf, 4, partial, w, 1e-6)
-dbuf, dpartial, dw = mix_bwd_torch(g_h, buf, 4, partial, w, lse, 1e-6)
-errs = [rel_rms_error(h_ref, h)] + [rel_rms_error(leaves[i].grad, dbuf[i]) for i in range(4)] + [
-    rel_rms_error(leaves[4].grad, dpartial), rel_rms_error(leaves[5].grad, dw)]
-print(f"closed form vs autograd (h, 4 block grads, partial grad, dw): max rel error {max(errs):.1e}")
+W = torch.randn(3, 24, dtype=torch.float64, generator=gen)
+P = torch.randn(3, 3, 9, 24, dtype=torch.float64, generator=gen)  # partial sums (P[0] unused: sublayer 0 has none)
+G = torch.randn(3, 3, 9, 24, dtype=torch.float64, generator=gen)  # dL/dh_k
+leaves = [t.clone().requires_grad_() for t in (*buf[:4], W, P)]
+reads = [depth_attention(leaves[:4] + ([leaves[5][k]] if k else []), leaves[4][k])[0] for k in range(3)]
+sum((h_k * G[k]).sum() for k, h_k in enumerate(reads)).backward()
+h0, o, lse = phase1_fwd_torch(buf, 4, W, 1e-6)
+hs = [h0] + [merge_fwd_torch(P[k], o[k - 1], lse[k], W[k], 1e-6)[1] for k in (1, 2)]
+dO, dlse = torch.empty(2, 3, 9, 24, dtype=torch.float64), torch.zeros(3, 3, 9, dtype=torch.float64)
+dP, dW = torch.zeros_like(P), torch.zeros_like(W)
+for k in (1, 2):
+    dP[k], _, dW[k] = merge_bwd_torch(G[k], None, P[k], o[k - 1], lse[k], W[k], 1e-6, dO[k - 1], dlse[k])
+dbuf = torch.zeros(4, 3, 9, 24, dtype=torch.float64)
+dW += phase1_bwd_torch(buf, 4, W, lse, G[0], dO, dlse, 1e-6, dbuf)
+errs = [rel_rms_error(reads[k].detach(), hs[k]) for k in range(3)]
+errs += [rel_rms_error(leaves[i].grad, dbuf[i]) for i in range(4)]
+errs += [rel_rms_error(leaves[4].grad, dW), rel_rms_error(leaves[5].grad[1:], dP[1:])]
+print(f"closed forms vs autograd (3 reads, 4 block grads, dW, 2 partial grads): max rel error {max(errs):.1e}")
 assert max(errs) < 1e-12
 
 # %% [markdown]
@@ -281,7 +298,9 @@ for (name, b) in mem_rows[1:]:
 # The naive path's cost grows with $N$ (each read stacks up to $N+1$ sources); the training path
 # stays at the standard residual's footprint plus about two vectors per token whatever $N$ is: the
 # buffer's $N+1$ vectors and the $L-N$ partial sums, minus the $L$ inputs $h_l$ it no longer keeps
-# (the standard residual's first input is the embedding itself, which is not counted). Does recompute change
+# (the standard residual's first input is the embedding itself, which is not counted). Keeping the
+# $o_k$ instead of recomputing them would add about one vector per token per sublayer ($L$ in
+# float32, $L/2$ in bf16), beyond the $N$-vector allowance as soon as $L \gg N$. Does recompute change
 # the function? Output and every gradient against autograd through the formula:
 
 # %% tags=["nbval-ignore-output"]
@@ -334,31 +353,42 @@ with torch.no_grad():
         assert err64 < 1e-12 and err32 < 1e-5
 
 # %% [markdown]
-# ## 5. The Triton kernel
+# ## 5. The Triton kernels
 #
-# Each read is memory-bound: per token it touches $S \le N+1$ source vectors and does $O(Sd)$ flops.
-# `k3lab.kernels.attnres` computes it in one pass: a program owns a few token rows, walks the
-# sources once with an **online softmax over depth** (running max, running sum, one $[rows, d]$
-# accumulator), and writes $h$ and the log-sum-exp. The backward kernel walks the sources twice
-# (pass 1: $g^\top h = \sum_j \alpha_j g^\top v_j$; pass 2: the gradients above), each program
-# persistent over several token tiles so that $\partial w$ is summed in registers. On the CPU it runs
-# under Triton's interpreter; here it is checked against the PyTorch closed form:
+# Each pass is memory-bound: per token it touches a few $d$-vectors and does $O(d)$ flops per vector.
+# `k3lab.kernels.attnres` has one kernel per closed form. Phase 1 forward: a program owns a few token
+# rows and a group of the block's queries, walks the $n$ blocks once with an **online softmax over
+# depth** (running max, running sum, one $[rows, d]$ accumulator per query), and writes $h_0$, the
+# $o_k$ and the lse. Phase 1 backward walks the blocks twice (pass 1: $\partial o_k^\top o_k =
+# \sum_i a_{k,i}\,\partial o_k^\top b_i$; pass 2: the gradients above), reads each $\partial o_k$ once
+# and adds into the accumulator; its programs are persistent over token tiles so that $\partial w$ is
+# summed in registers. The merge kernels read and write whole rows (the logit needs all of $d$).
+# On the CPU they run under Triton's interpreter; here they are checked against the PyTorch closed forms:
 
 # %% tags=["nbval-ignore-output"]
 gen = torch.Generator().manual_seed(seed)
-for S_src, M_tok, D, with_p in ((4, 21, 40, True), (3, 9, 24, False)):
-    kb = torch.randn(S_src, M_tok, D, generator=gen) * 2
-    kp = torch.randn(M_tok, D, generator=gen) if with_p else None
-    kw, kg = torch.randn(D, generator=gen), torch.randn(M_tok, D, generator=gen)
-    h_t, lse_t = mix_fwd(kb, S_src, kp, kw, 1e-6)
-    h_r, lse_r = mix_fwd_torch(kb, S_src, kp, kw, 1e-6)
-    grads_t = mix_bwd(kg, kb, S_src, kp, kw, lse_r, 1e-6)
-    grads_r = mix_bwd_torch(kg, kb, S_src, kp, kw, lse_r, 1e-6)
-    errs = [rel_rms_error(h_r, h_t), rel_rms_error(lse_r, lse_t)] + [
-        rel_rms_error(a, b) for a, b in zip(grads_r, grads_t) if a is not None]
-    print(f"{S_src} stored sources{' + partial' if with_p else ''}, {M_tok} tokens, d = {D}: "
-          f"Triton vs PyTorch max rel error (h, lse, grads) {max(errs):.0e}")
+for S_q, n_blk, M_tok, D in ((3, 4, 21, 40), (1, 3, 9, 24)):
+    kb, kW = torch.randn(n_blk, M_tok, D, generator=gen) * 2, torch.randn(S_q, D, generator=gen)
+    kg, kdO = torch.randn(M_tok, D, generator=gen), torch.randn(S_q - 1, M_tok, D, generator=gen) if S_q > 1 else None
+    kdlse = torch.randn(S_q, M_tok, generator=gen) if S_q > 1 else None
+    out_t, out_r = phase1_fwd(kb, n_blk, kW, 1e-6), phase1_fwd_torch(kb, n_blk, kW, 1e-6)
+    errs = [rel_rms_error(a, b) for a, b in zip(out_r, out_t) if a is not None]
+    acc_t, acc_r = torch.zeros(n_blk, M_tok, D), torch.zeros(n_blk, M_tok, D)
+    errs.append(rel_rms_error(phase1_bwd_torch(kb, n_blk, kW, out_r[2], kg, kdO, kdlse, 1e-6, acc_r),
+                              phase1_bwd(kb, n_blk, kW, out_t[2], kg, kdO, kdlse, 1e-6, acc_t)))
+    errs.append(rel_rms_error(acc_r, acc_t))
+    print(f"phase 1, {S_q} queries over {n_blk} blocks, {M_tok} tokens, d = {D}: "
+          f"Triton vs PyTorch max rel error (h, o, lse, dW, block grads) {max(errs):.0e}")
     assert max(errs) < 1e-5
+kp, ko, kg = (torch.randn(M_tok, D, generator=gen) for _ in range(3))
+klse, kw = torch.randn(M_tok, generator=gen), torch.randn(D, generator=gen)
+slots = [(torch.empty(M_tok, D), torch.empty(M_tok)) for _ in range(2)]
+merged = [f(kp, ko, klse, kw, 1e-6)[1] for f in (merge_fwd, merge_fwd_torch)]
+grads_t, grads_r = (f(kg, None, kp, ko, klse, kw, 1e-6, *sl) for f, sl in zip((merge_bwd, merge_bwd_torch), slots))
+errs = [rel_rms_error(merged[1], merged[0])] + [rel_rms_error(a, b) for a, b in zip(grads_r, grads_t)]
+errs += [rel_rms_error(a, b) for a, b in zip(slots[1], slots[0])]
+print(f"merge, {M_tok} tokens, d = {D}: Triton vs PyTorch max rel error (h, dp, dv, dw, do, dlse) {max(errs):.0e}")
+assert max(errs) < 1e-5
 
 # %% [markdown]
 # ## 6. Experiment: does attention over depth train better at equal compute?
@@ -476,9 +506,11 @@ else:
 # in this 24-layer $d = 2048$ dense model is **about 14%**, far from the paper's < 4% (measured
 # there with pipeline parallelism and K3-sized layers): each read here moves $pprox 4(n+1)$
 # d-vectors per token through memory (forward, rebuilt input, two backward passes, the gradient
-# accumulation), and a dense 2048-wide layer does little arithmetic per byte of that. Reads that
-# share a block could share one pass over the blocks (the inference path's phase 1, also in
-# backward); that is not done here. Activation memory stays at the standard residual's plus about
+# accumulation), and a dense 2048-wide layer does little arithmetic per byte of that. (Those numbers
+# are the per-read training path's, which the two-phase path of section 3 replaced; its bytes model,
+# `python -m k3lab.bench.attnres --bytes-model`, predicts about 45 instead of 141 extra bytes per
+# token-channel per sublayer here: ~9 ms, ~4.5% of the step, instead of the 28 ms measured.)
+# Activation memory stays at the standard residual's plus about
 # one d-vector per token per block (peak +1.2 GiB on a 41 GiB step); keeping $h_l$ instead of
 # rebuilding it costs +4 GiB for 3 points of overhead. The learned curves and depth weights of the
 # GPU-sized experiment:

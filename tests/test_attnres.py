@@ -1,14 +1,16 @@
-"""k3lab.attnres: every path (memory-efficient training, inference, the closed-form backward) against
-the formula, config errors, zero-init, N = L, activation memory, and the LM integration (CPU)."""
+"""k3lab.attnres: every path (two-phase training, inference, the closed-form backward) against the
+formula, config errors, zero-init, N = L, activation memory, and the LM integration (CPU)."""
 import pytest
 import torch
 import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import k3lab.lm as lm
-from k3lab.attnres import (AttnRes, BlockAttnRes, block_attnres_inference, block_sizes, depth_attention,
-                           depth_mix, naive_attnres, naive_block_attnres, retained_bytes)
-from k3lab.attnres.mix import mix_bwd_torch, mix_fwd_torch
-from k3lab.testing import assert_close
+from k3lab.attnres import (AttnRes, BlockAttnRes, block_attnres_inference, block_attnres_train, block_sizes,
+                           depth_attention, naive_attnres, naive_block_attnres, retained_bytes)
+from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch
+from k3lab.testing import assert_close, rel_rms_error
 
 
 class MLP(nn.Module):
@@ -99,22 +101,88 @@ def test_n_equals_l_is_full_attnres(path):
     assert (naive_block_attnres(h0, subs, q, 2) - ref).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("L,N,seed", [(6, 1, 3), (6, 3, 4), (7, 7, 5), (9, 4, 6)])
-def test_memory_path_matches_autograd_through_formula(L, N, seed):
-    """Output and every gradient (h0, queries, sublayer weights) of the recompute path vs autograd
-    through ``naive_block_attnres``, in float64."""
+def grads_of(subs, h0, q, N, path, g_out, backend=None):
+    """Output and gradients (h0, queries, every sublayer parameter) of one forward/backward."""
+    res = BlockAttnRes(h0.shape[-1], len(subs), N, path=path, backend=backend).to(h0.dtype)
+    with torch.no_grad():
+        res.queries.copy_(q)
+    x = h0.clone().requires_grad_()
+    subs.zero_grad()
+    out = res(x, subs)
+    (out * g_out).sum().backward()
+    return [out.detach(), x.grad, res.queries.grad] + [p.grad.clone() for p in subs.parameters()]
+
+
+@pytest.mark.parametrize("L,N,seed", [(7, 1, 3), (7, 2, 4), (7, 3, 5), (7, 7, 6), (9, 4, 7)],
+                         ids=["N1", "N2", "N3", "N=L", "N4_L9"])
+def test_two_phase_matches_autograd_through_formula(L, N, seed):
+    """Output and every gradient (h0, queries, sublayer weights) of the two-phase training path vs
+    autograd through ``naive_block_attnres``, in float64 (L not a multiple of N)."""
     subs, h0, q = make(L, seed=seed)
     g_out = torch.randn(h0.shape, dtype=h0.dtype, generator=torch.Generator().manual_seed(seed + 100))
-    grads = {}
-    for path in ("naive", "memory"):
-        res = module((16, L, N), q, path)
-        x = h0.clone().requires_grad_()
-        subs.zero_grad()
-        out = res(x, subs)
-        (out * g_out).sum().backward()
-        grads[path] = [out.detach(), x.grad, res.queries.grad] + [p.grad.clone() for p in subs.parameters()]
-    for i, (ref, got) in enumerate(zip(grads["naive"], grads["memory"])):
-        assert_close(f"tensor {i}", ref, got, 1e-10)
+    ref, got = (grads_of(subs, h0, q, N, path, g_out) for path in ("naive", "memory"))
+    errs = [assert_close(f"tensor {i}", a, b, 1e-10) for i, (a, b) in enumerate(zip(ref, got))]
+    print(f"L={L} N={N} float64: out {errs[0]:.1e}, dh0 {errs[1]:.1e}, dqueries {errs[2]:.1e}, "
+          f"max over sublayer params {max(errs[3:]):.1e}")
+
+
+@pytest.mark.parametrize("L,N", [(7, 2), (7, 3), (6, 6)])
+def test_two_phase_float32(L, N):
+    """float32: the output equals the naive path's to 1e-6; the gradients are as close to the
+    float64 truth as the naive path's own float32 gradients are (both about 1e-6: the sublayers'
+    float32 rounding, which no path removes, is what separates two float32 runs)."""
+    subs, h0, q = make(L, seed=L * 10 + N)
+    g_out = torch.randn(h0.shape, dtype=h0.dtype, generator=torch.Generator().manual_seed(1))
+    truth = grads_of(subs, h0, q, N, "naive", g_out)
+    subs32 = subs.float()
+    naive, ours = (grads_of(subs32, h0.float(), q.float(), N, path, g_out.float()) for path in ("naive", "memory"))
+    print(f"L={L} N={N} float32: out vs naive {assert_close('out', naive[0], ours[0], 1e-6):.1e}")
+    for i, (t, a, b) in enumerate(zip(truth, naive, ours)):
+        e_naive, e_ours = rel_rms_error(t, a), rel_rms_error(t, b)
+        assert e_ours <= max(2 * e_naive, 1e-6), (i, e_ours, e_naive)
+    print(f"  vs float64 truth, max over tensors: naive {max(rel_rms_error(t, a) for t, a in zip(truth, naive)):.1e},"
+          f" two-phase {max(rel_rms_error(t, b) for t, b in zip(truth, ours)):.1e}")
+
+
+@settings(max_examples=12, deadline=None)
+@given(L=st.integers(1, 9), data=st.data(), B=st.integers(1, 2), T=st.integers(1, 4), d=st.sampled_from([3, 5, 8]))
+def test_two_phase_random_shapes(L, data, B, T, d):
+    N = data.draw(st.integers(1, L), label="N")
+    subs, h0, q = make(L, d=d, seed=L + 10 * N, B=B, T=T)
+    g_out = torch.randn(h0.shape, dtype=h0.dtype, generator=torch.Generator().manual_seed(2))
+    for i, (a, b) in enumerate(zip(*(grads_of(subs, h0, q, N, path, g_out) for path in ("naive", "memory")))):
+        assert_close(f"L={L} N={N} B={B} T={T} d={d} tensor {i}", a, b, 1e-10)
+
+
+def test_two_phase_double_backward_with_retained_graph():
+    """A second backward through the same graph gives the same gradients again (the accumulator is
+    rewritten, not added to, by the first read backward meets)."""
+    subs, h0, q = make(7, seed=31)
+    res = module((16, 7, 3), q, "memory")
+    x = h0.clone().requires_grad_()
+    out = res(x, subs)
+    first = torch.autograd.grad(out.square().sum(), [x, res.queries], retain_graph=True)
+    second = torch.autograd.grad(out.square().sum(), [x, res.queries])
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_two_phase_under_autocast_stores_o_in_bf16():
+    """bf16 autocast: the inter-block parts o_k are stored in bf16 (sums, softmax and the partial
+    sums stay float32). With sublayers that autocast leaves in float32, that rounding is the only
+    difference from the float32 run: visible, and within bf16's precision."""
+    torch.manual_seed(41)
+    L, d = 6, 32
+    subs = nn.ModuleList([nn.Sequential(nn.RMSNorm(d), nn.Tanh()) for _ in range(L)])
+    h0, q = torch.randn(2, 8, d), torch.randn(L + 1, d)
+    g_out = torch.randn(h0.shape, generator=torch.Generator().manual_seed(4))
+    ref = grads_of(subs, h0, q, 2, "memory", g_out)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = grads_of(subs, h0, q, 2, "memory", g_out)
+    assert got[0].dtype == torch.float32
+    for i, (a, b) in enumerate(zip(ref[:3], got[:3])):
+        err = assert_close(f"autocast tensor {i}", a, b, 1e-2)
+        assert err > 1e-5, f"tensor {i}: no bf16 rounding seen ({err:.1e})"
 
 
 @pytest.mark.parametrize("L,N,seed", [(6, 2, 7), (8, 3, 8), (5, 5, 9)])
@@ -127,74 +195,71 @@ def test_inference_path_matches_naive_float32(L, N, seed):
         assert_close("module no_grad", ref, module((32, L, N), q, "auto", torch.float32)(h0, subs), 1e-6)
 
 
-@pytest.mark.parametrize("n,with_partial", [(1, False), (3, True), (4, False)])
-def test_closed_form_backward(n, with_partial):
-    g = torch.Generator().manual_seed(n)
-    buf = torch.randn(5, 3, 7, 12, dtype=torch.float64, generator=g) * 2
-    partial = torch.randn(3, 7, 12, dtype=torch.float64, generator=g) if with_partial else None
-    w = torch.randn(12, dtype=torch.float64, generator=g)
-    dh = torch.randn(3, 7, 12, dtype=torch.float64, generator=g)
-    srcs = [b.clone().requires_grad_() for b in buf[:n]] + ([partial.clone().requires_grad_()] if with_partial else [])
-    wr = w.clone().requires_grad_()
-    h_ref, _ = depth_attention(srcs, wr)
-    h_ref.backward(dh)
-    h, lse = mix_fwd_torch(buf, n, partial, w, 1e-6)
-    assert_close("h", h_ref, h, 1e-12)
-    dbuf, dpartial, dw = mix_bwd_torch(dh, buf, n, partial, w, lse, 1e-6)
+@pytest.mark.parametrize("S,n", [(1, 1), (3, 2), (4, 4)])
+def test_closed_forms_match_autograd(S, n):
+    """Phase 1 and the merge, forward and backward, against autograd through ``depth_attention``
+    (float64): sublayer k > 0 of the block reads blocks[:n] + [p_k], sublayer 0 blocks[:n] only."""
+    g = torch.Generator().manual_seed(10 * S + n)
+    kw = dict(dtype=torch.float64, generator=g)
+    buf = torch.randn(5, 3, 7, 12, **kw) * 2
+    W, P = torch.randn(S, 12, **kw), torch.randn(S, 3, 7, 12, **kw)
+    dH = torch.randn(S, 3, 7, 12, **kw)
+    leaves = [b.clone().requires_grad_() for b in buf[:n]] + [W.clone().requires_grad_(), P.clone().requires_grad_()]
+    loss = 0
+    for k in range(S):
+        sources = leaves[:n] + ([leaves[-1][k]] if k else [])
+        loss = loss + (depth_attention(sources, leaves[n][k])[0] * dH[k]).sum()
+    ref = torch.autograd.grad(loss, leaves, allow_unused=True)
+
+    h0, o, lse = phase1_fwd_torch(buf, n, W, 1e-6)
+    hs = [h0] + [merge_fwd_torch(P[k], o[k - 1], lse[k], W[k], 1e-6)[1] for k in range(1, S)]
+    for k in range(S):
+        assert_close(f"h{k}", depth_attention(list(buf[:n]) + ([P[k]] if k else []), W[k])[0], hs[k], 1e-12)
+    dO, dlse = (torch.empty(S - 1, 3, 7, 12, dtype=torch.float64), torch.zeros(S, 3, 7, dtype=torch.float64)) \
+        if S > 1 else (None, None)
+    dP, dW = torch.zeros_like(P), torch.zeros_like(W)
+    for k in range(1, S):
+        dP[k], _, dW[k] = merge_bwd_torch(dH[k], None, P[k], o[k - 1], lse[k], W[k], 1e-6, dO[k - 1], dlse[k])
+    dacc = torch.randn(5, 3, 7, 12, **kw)
+    dacc0 = dacc.clone()
+    dW += phase1_bwd_torch(buf, n, W, lse, dH[0], dO, dlse, 1e-6, dacc, accumulate=True)
     for i in range(n):
-        assert_close(f"dv{i}", srcs[i].grad, dbuf[i], 1e-10)
-    if with_partial:
-        assert_close("dpartial", srcs[-1].grad, dpartial, 1e-10)
-    if n + with_partial > 1:
-        assert_close("dw", wr.grad, dw, 1e-10)
-    else:
-        assert torch.count_nonzero(dw) == 0  # one source: weight 1 whatever w is
+        assert_close(f"db{i}", ref[i], dacc[i] - dacc0[i], 1e-10)
+    assert torch.equal(dacc[n:], dacc0[n:])
+    assert_close("dW", ref[n], dW, 1e-10)
+    if S > 1:
+        assert_close("dP", ref[n + 1][1:], dP[1:], 1e-10)
 
 
-def test_depth_mix_errors():
-    buf = torch.randn(3, 4, 8)
+def test_train_path_errors():
+    subs, h0, q = make(4)
     with pytest.raises(ValueError, match="backend"):
-        depth_mix(torch.zeros(8), None, [buf[0]], backend="cuda")
-    with pytest.raises(ValueError, match="at least one"):
-        depth_mix(torch.zeros(8), None, [])
-    with pytest.raises(ValueError, match="w must be"):
-        depth_mix(torch.zeros(4), None, [buf[0]])
-    with pytest.raises(ValueError, match="partial"):
-        depth_mix(torch.zeros(8), buf[0, :2], [buf[0]])
-
-
-@pytest.mark.parametrize("with_partial", [True, False])
-def test_depth_mix_gradients(with_partial):
-    """A stand-alone read: the accumulator/tap route delivers each block's gradient, repeated reads
-    of the same blocks sum their gradients."""
-    g = torch.Generator().manual_seed(21)
-    blocks = [torch.randn(2, 5, 12, dtype=torch.float64, generator=g).requires_grad_() for _ in range(3)]
-    partial = torch.randn(2, 5, 12, dtype=torch.float64, generator=g).requires_grad_() if with_partial else None
-    w = torch.randn(12, dtype=torch.float64, generator=g).requires_grad_()
-    dh = torch.randn(2, 5, 12, dtype=torch.float64, generator=g)
-    leaves = blocks + ([partial] if with_partial else []) + [w]
-    h_ref, _ = depth_attention([b * 1 for b in blocks] + ([partial] if with_partial else []), w)
-    ref = torch.autograd.grad((h_ref * dh).sum(), leaves)
-    out = depth_mix(w, partial, blocks)
-    got = torch.autograd.grad((out * dh).sum(), leaves)
-    assert_close("h", h_ref, out, 1e-12)
-    for i, (a, b) in enumerate(zip(ref, got)):
-        assert_close(f"grad {i}", a, b, 1e-10)
+        block_attnres_train(h0, subs, q, 2, backend="cuda")
+    with pytest.raises(ValueError, match="queries"):
+        block_attnres_train(h0, subs, q[:3], 2)
+    with pytest.raises(ValueError, match="n_blocks"):
+        block_attnres_train(h0, subs, q, 5)
+    with pytest.raises(ValueError, match="exactly one"):
+        merge_fwd_torch(None, h0, h0[..., 0], q[0], 1e-6)
 
 
 def test_activation_memory_matches_standard_residual():
-    """Saved activations: memory path <= standard * 1.05 + (N + 1) d per token (the block buffer,
-    including its copy of the embedding); the naive path is far above that bound."""
+    """Saved activations: two-phase path <= standard * 1.05 + (N + 1) d per token (the block buffer,
+    including its copy of the embedding); in fact standard + ~2 d-vectors per token whatever N is
+    (the inter-block parts o_k are recomputed, not kept). The naive path is far above the bound."""
     torch.manual_seed(0)
     d, L, B, T = 64, 8, 2, 64
     subs = nn.ModuleList([MLP(d, 4 * d) for _ in range(L)])
     x = torch.randn(B, T, d, requires_grad=True)
+    unit = d * B * T * 4
     _, std = retained_bytes(lambda: lm.PreNormResidual()(x, subs).square().mean())
-    for N in (2, 4, 8):
-        bound = 1.05 * std + (N + 1) * d * B * T * 4
+    for N in (1, 3, 8):
+        bound = 1.05 * std + (N + 1) * unit
         _, ours = retained_bytes(lambda: BlockAttnRes(d, L, N, path="memory")(x, subs).square().mean())
         _, naive = retained_bytes(lambda: BlockAttnRes(d, L, N, path="naive")(x, subs).square().mean())
-        assert ours <= bound, (N, ours, std)
+        print(f"N={N}: two-phase {(ours - std) / unit:+.2f} d-vectors/token over standard "
+              f"(bound {(bound - std) / unit:+.2f}), naive {(naive - std) / unit:+.2f}")
+        assert ours <= bound and ours <= std + 2.5 * unit, (N, ours, std)
         assert naive > bound, (N, naive, std)
 
 
@@ -240,16 +305,16 @@ def test_memory_path_frees_its_buffer(monkeypatch):
     import gc
     import weakref
 
-    import k3lab.attnres.block as block
+    import k3lab.attnres.train as train
 
     made = []
 
-    class Tracked(block.DepthBuffer):
+    class Tracked(train.DepthBuffer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(weakref.ref(self))
 
-    monkeypatch.setattr(block, "DepthBuffer", Tracked)
+    monkeypatch.setattr(train, "DepthBuffer", Tracked)
     subs, h0, q = make(6, seed=13)
     res = module((16, 6, 3), q, "memory")
     for _ in range(2):

@@ -1,5 +1,6 @@
-"""k3lab.kernels.attnres: the Triton depth-mixing kernels (forward and backward) against the PyTorch
-closed form and the formula; on CPU they run under TRITON_INTERPRET=1 at tiny sizes."""
+"""k3lab.kernels.attnres: the Triton two-phase kernels (phase 1 and merge, forward and backward)
+against the PyTorch closed forms, and BlockAttnRes on the Triton backend against the formula; on CPU
+they run under TRITON_INTERPRET=1 at tiny sizes."""
 import pytest
 import torch
 
@@ -9,66 +10,129 @@ DEVICE = k3lab.setup(verbose=False)  # sets TRITON_INTERPRET=1 before the kernel
 
 import torch.nn as nn  # noqa: E402
 
-from k3lab.attnres import BlockAttnRes  # noqa: E402
-from k3lab.attnres.mix import mix_bwd_torch, mix_fwd_torch  # noqa: E402
-from k3lab.kernels.attnres import mix_bwd, mix_fwd  # noqa: E402
+from k3lab.attnres import BlockAttnRes, block_sizes, naive_block_attnres  # noqa: E402
+from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch  # noqa: E402
+from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd  # noqa: E402
 from k3lab.testing import assert_close  # noqa: E402
 
 TOL = 1e-5 if DEVICE.type == "cpu" else 1e-4
 
 
-@pytest.mark.parametrize("S,n,M,D,with_partial", [
-    (4, 3, 9, 24, True),  # odd token count, D not a power of 2
-    (2, 1, 5, 16, False),  # a single source
-    (6, 6, 33, 40, True),
-    (3, 2, 7, 8, False),
-], ids=["odd", "single", "wide", "tiny"])
-def test_kernel_matches_torch(S, n, M, D, with_partial):
+def randn(*shape, g, scale=1.0, dtype=torch.float32):
+    return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("S,n,M,D", [
+    (3, 2, 9, 24),  # two query groups (the interpreter's G = 2), the second half empty; D not a power of 2
+    (1, 4, 7, 16),  # the final aggregation: one query, no merges
+    (5, 3, 5, 40),
+    (2, 1, 3, 8),  # block 0: the embedding only
+], ids=["groups", "final", "wide", "block0"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_phase1_kernels_match_torch(S, n, M, D, accumulate):
     g = torch.Generator().manual_seed(S * 100 + M)
-    buf = (torch.randn(S, M, D, generator=g) * 2).to(DEVICE)
-    partial = torch.randn(M, D, generator=g).to(DEVICE) if with_partial else None
-    w = torch.randn(D, generator=g).to(DEVICE)
-    dh = torch.randn(M, D, generator=g).to(DEVICE)
-    h, lse = mix_fwd(buf, n, partial, w, 1e-6)
-    h_ref, lse_ref = mix_fwd_torch(buf, n, partial, w, 1e-6)
+    buf, W = randn(5, M, D, g=g, scale=2), randn(S, D, g=g)
+    h, o, lse = phase1_fwd(buf, n, W, 1e-6)
+    h_ref, o_ref, lse_ref = phase1_fwd_torch(buf, n, W, 1e-6)
     assert_close("h", h_ref, h, TOL)
     assert_close("lse", lse_ref, lse, TOL)
-    dbuf, dpartial, dw = mix_bwd(dh, buf, n, partial, w, lse_ref, 1e-6)
-    dbuf_ref, dpartial_ref, dw_ref = mix_bwd_torch(dh, buf, n, partial, w, lse_ref, 1e-6)
-    assert dbuf.shape == (n, M, D)
-    assert_close("dbuf", dbuf_ref, dbuf, TOL)
-    if with_partial:
-        assert_close("dpartial", dpartial_ref, dpartial, TOL)
-    if n + with_partial > 1:
-        assert_close("dw", dw_ref, dw, TOL)
+    assert (o is None) == (S == 1)
+    if S > 1:
+        assert_close("o", o_ref, o, TOL)
+    dh = randn(M, D, g=g)
+    dO, dlse = (randn(S - 1, M, D, g=g), randn(S, M, g=g)) if S > 1 else (None, None)
+    acc0 = randn(5, M, D, g=g)
+    acc, acc_ref = acc0.clone(), acc0.clone()
+    dW = phase1_bwd(buf, n, W, lse, dh, dO, dlse, 1e-6, acc, accumulate)  # each backend with its own lse
+    dW_ref = phase1_bwd_torch(buf, n, W, lse_ref, dh, dO, dlse, 1e-6, acc_ref, accumulate)
+    assert_close("dacc", acc_ref[:n], acc[:n], TOL)
+    assert_close("dW", dW_ref, dW, TOL)
+    assert torch.equal(acc[n:], acc0[n:])  # slots >= n untouched
 
 
-def test_kernel_accumulates_into_dacc():
-    g = torch.Generator().manual_seed(9)
-    buf = torch.randn(4, 10, 24, generator=g).to(DEVICE)
-    partial, w = torch.randn(10, 24, generator=g).to(DEVICE), torch.randn(24, generator=g).to(DEVICE)
-    dh = torch.randn(10, 24, generator=g).to(DEVICE)
-    _, lse = mix_fwd_torch(buf, 3, partial, w, 1e-6)
-    acc0 = torch.randn(4, 10, 24, generator=g).to(DEVICE)
-    acc = acc0.clone()
-    dbuf, _, _ = mix_bwd(dh, buf, 3, partial, w, lse, 1e-6, dacc=acc)
-    ref, _, _ = mix_bwd_torch(dh, buf, 3, partial, w, lse, 1e-6)
-    assert_close("acc[:3]", acc0[:3] + ref, acc[:3], TOL)
-    assert torch.equal(acc[3], acc0[3])  # slots >= n untouched
-    assert dbuf.data_ptr() == acc.data_ptr()
+@pytest.mark.parametrize("form", ["read_p", "prev_plus_v", "v_only"])
+def test_merge_kernels_match_torch(form):
+    g = torch.Generator().manual_seed(7)
+    M, D = 11, 24
+    p, o, prev = randn(M, D, g=g), randn(M, D, g=g), randn(M, D, g=g)
+    v, lse, w = randn(M, D, g=g, dtype=torch.bfloat16), randn(M, g=g), randn(D, g=g)
+    kw = {"read_p": dict(p=p), "prev_plus_v": dict(p=None, prev=prev, v=v),
+          "v_only": dict(p=None, v=v, dtype=torch.float32)}[form]
+    (p_t, h_t), (p_r, h_r) = (f(o=o, lse=lse, w=w, eps=1e-6, **kw) for f in (merge_fwd, merge_fwd_torch))
+    assert p_t.dtype == h_t.dtype == torch.float32
+    assert_close("p", p_r, p_t, 0.0)
+    assert_close("h", h_r, h_t, TOL)
+    dh, dp_in = randn(M, D, g=g), randn(M, D, g=g) if form != "v_only" else None
+    slots = [(torch.empty(M, D, device=DEVICE), torch.empty(M, device=DEVICE)) for _ in range(2)]
+    need_dp = form != "v_only"  # p = v: its gradient is only wanted as v's (bf16)
+    out_t = merge_bwd(dh, dp_in, p_r, o, lse, w, 1e-6, *slots[0], v_dtype=torch.bfloat16, need_dp=need_dp)
+    out_r = merge_bwd_torch(dh, dp_in, p_r, o, lse, w, 1e-6, *slots[1], v_dtype=torch.bfloat16, need_dp=need_dp)
+    assert (out_t[0] is None) == (out_r[0] is None) == (not need_dp)
+    for name, a, b in zip(("dp", "dv", "dw"), out_r, out_t):
+        if a is None:
+            continue
+        assert a.dtype == b.dtype
+        assert_close(name, a.float(), b.float(), 1e-2 if name == "dv" else TOL)
+    assert_close("dO", slots[1][0], slots[0][0], TOL)
+    assert_close("dlse", slots[1][1], slots[0][1], TOL)
 
 
-def test_kernel_bf16_storage():
-    """bf16 sources and output, float32 math inside."""
+def test_phase1_bf16_storage():
+    """bf16 blocks in, bf16 o out (h float32), float32 math inside."""
     g = torch.Generator().manual_seed(5)
-    buf = torch.randn(3, 6, 32, generator=g).to(DEVICE, torch.bfloat16)
-    partial = torch.randn(6, 32, generator=g).to(DEVICE, torch.bfloat16)
-    w = torch.randn(32, generator=g).to(DEVICE)
-    h, lse = mix_fwd(buf, 2, partial, w, 1e-6)
-    h_ref, lse_ref = mix_fwd_torch(buf, 2, partial, w, 1e-6)
-    assert h.dtype == torch.bfloat16
-    assert_close("h bf16", h_ref.float(), h.float(), 1e-2)
-    assert_close("lse bf16", lse_ref, lse, 1e-5)
+    buf, W = randn(3, 6, 32, g=g, dtype=torch.bfloat16), randn(3, 32, g=g)
+    h, o, lse = phase1_fwd(buf, 2, W, 1e-6, h_dtype=torch.float32, o_dtype=torch.bfloat16)
+    h_ref, o_ref, lse_ref = phase1_fwd_torch(buf, 2, W, 1e-6, h_dtype=torch.float32, o_dtype=torch.bfloat16)
+    assert h.dtype == torch.float32 and o.dtype == torch.bfloat16
+    assert_close("h", h_ref, h, TOL)
+    assert_close("o bf16", o_ref.float(), o.float(), 1e-2)
+    assert_close("lse", lse_ref, lse, TOL)
+
+
+def sublayers(L, d, seed):
+    torch.manual_seed(seed)
+    return nn.ModuleList([nn.Sequential(nn.RMSNorm(d), nn.Linear(d, 2 * d), nn.Tanh(), nn.Linear(2 * d, d))
+                          for _ in range(L)]).to(DEVICE)
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 5])
+def test_module_triton_backend_matches_naive(N):
+    """BlockAttnRes two-phase path on the Triton backend: output and gradients vs autograd through
+    the formula (float32; L = 5 is not a multiple of N = 2, 3)."""
+    L, d = 5, 16
+    subs = sublayers(L, d, 11)
+    g = torch.Generator().manual_seed(3)
+    h0, q, g_out = randn(1, 6, d, g=g), randn(L + 1, d, g=g), randn(1, 6, d, g=g)
+    out = {}
+    for path, backend in (("naive", None), ("memory", "triton")):
+        res = BlockAttnRes(d, L, N, path=path, backend=backend).to(DEVICE)
+        with torch.no_grad():
+            res.queries.copy_(q)
+        x = h0.clone().requires_grad_()
+        subs.zero_grad()
+        y = res(x, subs)
+        (y * g_out).sum().backward()
+        out[path] = [y.detach(), x.grad, res.queries.grad] + [p.grad.clone() for p in subs.parameters()]
+    errs = [assert_close(f"tensor {i}", a, b, 10 * TOL) for i, (a, b) in enumerate(zip(out["naive"], out["memory"]))]
+    print(f"N={N} triton float32: out {errs[0]:.1e}, dh0 {errs[1]:.1e}, dqueries {errs[2]:.1e}, "
+          f"params {max(errs[3:]):.1e}")
+
+
+def test_module_triton_zero_init_is_uniform_average():
+    L, N, d = 5, 2, 8
+    subs = sublayers(L, d, 2)
+    h0 = randn(1, 3, d, g=torch.Generator().manual_seed(2))
+    res = BlockAttnRes(d, L, N, path="memory", backend="triton").to(DEVICE)
+    blocks, layer = [h0], 0
+    for size in block_sizes(L, N):
+        partial = None
+        for _ in range(size):
+            sources = blocks + ([partial] if partial is not None else [])
+            v = subs[layer](sum(sources) / len(sources))
+            partial = v if partial is None else partial + v
+            layer += 1
+        blocks.append(partial)
+    assert_close("uniform triton", sum(blocks) / len(blocks), res(h0, subs), TOL)
 
 
 def test_module_bf16_buffer_close_to_float32():
@@ -89,26 +153,5 @@ def test_module_bf16_buffer_close_to_float32():
     assert out[torch.bfloat16][0].dtype == torch.float32
     assert_close("out", out[None][0], out[torch.bfloat16][0], 2e-2)
     assert_close("grad", out[None][1], out[torch.bfloat16][1], 3e-2)
-
-
-def test_module_triton_backend_matches_naive():
-    """BlockAttnRes memory path on the Triton backend: output and gradients vs autograd through the
-    formula (float32)."""
-    L, N, d = 5, 2, 16
-    torch.manual_seed(11)
-    subs = nn.ModuleList([nn.Sequential(nn.RMSNorm(d), nn.Linear(d, 2 * d), nn.Tanh(), nn.Linear(2 * d, d))
-                          for _ in range(L)]).to(DEVICE)
-    h0, q = torch.randn(1, 6, d, device=DEVICE), torch.randn(L + 1, d, device=DEVICE)
-    g_out = torch.randn(h0.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    out = {}
-    for path, backend in (("naive", None), ("memory", "triton")):
-        res = BlockAttnRes(16, L, N, path=path, backend=backend).to(DEVICE)
-        with torch.no_grad():
-            res.queries.copy_(q)
-        x = h0.clone().requires_grad_()
-        subs.zero_grad()
-        y = res(x, subs)
-        (y * g_out).sum().backward()
-        out[path] = [y.detach(), x.grad, res.queries.grad] + [p.grad.clone() for p in subs.parameters()]
-    for i, (a, b) in enumerate(zip(out["naive"], out["memory"])):
-        assert_close(f"tensor {i}", a, b, 10 * TOL)
+    with torch.no_grad():
+        assert_close("naive", naive_block_attnres(h0, subs, res.queries, N), out[None][0], TOL)

@@ -2,20 +2,21 @@
 replaces the residual stream.
 
 - ``naive``: the formula (``naive_attnres``, ``naive_block_attnres``), the reference.
-- ``mix``: depth-softmax reads with recompute-in-backward over a shared ``DepthBuffer``
-  (``read``; ``depth_mix`` for one stand-alone read), PyTorch backend; the Triton backend is
-  ``k3lab.kernels.attnres``.
-- ``block``: the residual modules ``BlockAttnRes`` and ``AttnRes`` (memory-efficient training path).
+- ``mix``: the two-phase mixing's closed forms (phase 1 over a block's completed blocks for all
+  its sublayers; the per-sublayer merge; forward and backward), PyTorch backend; the Triton
+  backend is ``k3lab.kernels.attnres``.
+- ``train``: the memory-efficient training path built from them (``block_attnres_train``).
+- ``block``: the residual modules ``BlockAttnRes`` and ``AttnRes``.
 - ``inference``: the two-phase inference path (``block_attnres_inference``).
 - ``memory``: ``retained_bytes``, the activation memory a forward leaves for backward.
 """
 from k3lab.attnres.block import AttnRes, BlockAttnRes
 from k3lab.attnres.inference import block_attnres_inference
 from k3lab.attnres.memory import retained_bytes
-from k3lab.attnres.mix import depth_mix
 from k3lab.attnres.naive import block_sizes, depth_attention, naive_attnres, naive_block_attnres
+from k3lab.attnres.train import block_attnres_train
 
 __all__ = [
-    "AttnRes", "BlockAttnRes", "block_attnres_inference", "block_sizes", "depth_attention", "depth_mix",
-    "naive_attnres", "naive_block_attnres", "retained_bytes",
+    "AttnRes", "BlockAttnRes", "block_attnres_inference", "block_attnres_train", "block_sizes",
+    "depth_attention", "naive_attnres", "naive_block_attnres", "retained_bytes",
 ]

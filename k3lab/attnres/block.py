@@ -5,60 +5,24 @@ applies its own pre-norm and returns its output). Three paths compute the same f
 
 - "naive": ``naive_block_attnres``, autograd through the formula (stacks every read's sources and
   keeps them for backward: O(L N d) saved per token).
-- "memory" (training default): the block representations are written once into one buffer
-  [N + 1, B, T, d] (``DepthBuffer``) and read by every later sublayer; each read is ``mix.read``
-  (keys, logits and weights recomputed in backward; the blocks' gradients summed by the backward
-  kernel in one accumulator); and the read's output h_l, which the sublayer saves as its input,
-  is not kept: a saved-tensor hook swaps it for a recipe and recomputes it from the buffer and the
-  partial sum in backward (K3's activation manager gives every saved tensor such a policy). Per
-  sublayer this keeps the partial sum where the standard residual keeps its stream h_l, so saved
-  activations match the standard residual's up to the buffer (N + 1 vectors per token) and 4 bytes
-  per token per sublayer (the log-sum-exp).
+- "memory" (training default): ``block_attnres_train``, two-phase: once per block, one pass over
+  the completed blocks gives every sublayer's inter-block part; each sublayer merges it with its
+  partial sum; backward recomputes the inter-block parts and the sublayers' inputs and runs one
+  batched pass per block over the blocks. Saved activations match the standard residual's up to
+  the block buffer (N + 1 vectors per token) and 4 bytes per token per sublayer.
 - "inference" (default under ``torch.no_grad``): ``block_attnres_inference`` (two-phase, online softmax).
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.nn as nn
 
 from k3lab.attnres.inference import block_attnres_inference
-from k3lab.attnres.mix import BACKENDS, DepthBuffer, read
+from k3lab.attnres.mix import BACKENDS
 from k3lab.attnres.naive import block_sizes, naive_block_attnres
+from k3lab.attnres.train import block_attnres_train
 
 PATHS = ("auto", "naive", "memory", "inference")
-
-
-class _RecomputeInput:
-    """Saved-tensor hooks that replace a sublayer's saved copy of its input h (or a view of it) by a
-    recipe, and rebuild it in backward. One rebuilt h is cached at a time: backward visits one
-    sublayer's nodes together."""
-
-    def __init__(self):
-        self.h, self.recipe, self.key = None, None, None
-        self.cache_key, self.cache = None, None
-
-    def watch(self, h: torch.Tensor, recipe, key: int) -> None:
-        self.h, self.recipe, self.key = h, recipe, key
-
-    def unwatch(self) -> None:
-        self.h, self.recipe, self.key = None, None, None
-
-    def pack(self, t: torch.Tensor):
-        h = self.h
-        if (h is not None and t.dtype == h.dtype and t.device == h.device
-                and t.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()):
-            return (self.key, self.recipe, t.shape, t.stride(), t.storage_offset())
-        return t
-
-    def unpack(self, packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
-        key, recipe, shape, stride, offset = packed
-        if self.cache_key != key:
-            self.cache_key, self.cache = key, recipe()
-        return self.cache.as_strided(shape, stride, offset)
 
 
 class BlockAttnRes(nn.Module):
@@ -76,12 +40,13 @@ class BlockAttnRes(nn.Module):
         eps (float): RMSNorm eps of the keys.
         path (str): "auto" (memory when autograd records, inference otherwise), "naive", "memory"
             or "inference".
-        backend (str | None): mixing backend of the memory path, "torch" or "triton"; None picks
-            "triton" for CUDA inputs and "torch" otherwise.
+        backend (str | None): mixing backend of the memory path, "torch" or "triton" (on a CPU only
+            under TRITON_INTERPRET=1, i.e. after ``k3lab.setup()``); None picks "triton" for CUDA
+            inputs and "torch" otherwise.
         recompute_input (bool): memory path: rebuild each sublayer's saved input h_l in backward
             (default) instead of keeping it (one more d-vector per token per sublayer, no recompute).
         buffer_dtype (torch.dtype | None): memory path: storage dtype of the block buffer, default
-            h0's; ``torch.bfloat16`` halves the bytes every read moves (blocks are rounded to bf16
+            h0's; ``torch.bfloat16`` halves the bytes phase 1 moves (blocks are rounded to bf16
             when stored; sums, softmax and the partial sum stay in h0's dtype / float32).
 
     Attributes:
@@ -133,28 +98,9 @@ class BlockAttnRes(nn.Module):
             return naive_block_attnres(h0, sublayers, self.queries, self.n_blocks, self.eps)
         if path == "inference":
             return block_attnres_inference(h0, sublayers, self.queries, self.n_blocks, self.eps)
-        return self._forward_memory(h0, sublayers)
-
-    def _forward_memory(self, h0: torch.Tensor, sublayers) -> torch.Tensor:
-        backend = self.backend or ("triton" if h0.is_cuda else "torch")
-        eps, Q, N = self.eps, self.queries, self.n_blocks
-        store = DepthBuffer(h0, N + 1, self.buffer_dtype)
-        store.store(h0)
-        layer = 0
-        hooks = _RecomputeInput()
-        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack) if self.recompute_input \
-                else contextlib.nullcontext():
-            for size in self.sizes:
-                partial = None
-                for _ in range(size):
-                    h = read(store, Q[layer], partial, eps, backend)
-                    hooks.watch(h, _recipe(Q[layer], partial, store.buf, store.n, eps, backend, h0.dtype), layer)
-                    v = sublayers[layer](h)
-                    hooks.unwatch()
-                    partial = v.to(h0.dtype) if partial is None else partial + v
-                    layer += 1
-                store.store(partial)
-            return read(store, Q[-1], None, eps, backend)
+        return block_attnres_train(h0, sublayers, self.queries, self.n_blocks, self.eps,
+                                   self.backend or ("triton" if h0.is_cuda else "torch"), self.recompute_input,
+                                   self.buffer_dtype)
 
     @torch.no_grad()
     def depth_weights(self, h0: torch.Tensor, sublayers) -> torch.Tensor:
@@ -176,17 +122,6 @@ class BlockAttnRes(nn.Module):
                 layer += 1
         out[-1, : self.n_blocks + 1] = weights[-1].cpu()
         return out
-
-
-def _recipe(w, partial, buf, n, eps, backend, out_dtype):
-    def rebuild():
-        # The buffer's slots < n are never written after this read, so h is rebuilt exactly.
-        from k3lab.attnres.mix import _kernels
-
-        with torch.no_grad():
-            return _kernels(backend)[0](buf, n, partial, w.detach(), eps, out_dtype)[0]
-
-    return rebuild
 
 
 class AttnRes(BlockAttnRes):

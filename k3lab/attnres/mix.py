@@ -1,20 +1,29 @@
-"""The depth-softmax mixing as a memory-efficient autograd function (AttnRes paper, Sec. 3-4).
+"""The depth-softmax mixing of Block AttnRes training, two-phase (AttnRes paper, Sec. 3-4), in PyTorch.
 
-One AttnRes read over S = n + 1 sources (n stored block representations plus an optional
-running partial sum), per token (x = one row of d values):
+Inside block n, sublayer k (k = 0..S-1) reads the completed blocks b_0..b_{n-1} (n of them) and,
+for k > 0, the partial sum p_k of its own block, with its pseudo-query w_k. Per token (rows of d):
 
-    r_i = (mean(v_i^2) + eps)^-1/2,   s_i = r_i w^T v_i,   alpha = softmax(s),   h = sum_i alpha_i v_i
+    r_i = (mean(b_i^2) + eps)^-1/2,   s_{k,i} = r_i w_k^T b_i
 
-Backward, with g = dL/dh (derived in book/04_attnres):
+Phase 1 (once per block, all S queries, one pass over the blocks): the inter-block part
 
-    a_i  = g^T v_i,        ds_i = alpha_i (a_i - sum_j alpha_j a_j)
-    dv_i = alpha_i g + r_i ds_i (w - (s_i r_i / d) v_i),        dw = sum_tokens sum_i ds_i r_i v_i
+    lse_k = logsumexp_i s_{k,i},   a_{k,i} = exp(s_{k,i} - lse_k),   o_k = sum_i a_{k,i} b_i
 
-``read`` saves only w, the partial sum and the per-token log-sum-exp (4 bytes per token); the
-block representations are read from one shared ``DepthBuffer`` written once per block, the keys,
-logits and weights are recomputed in backward, and the blocks' gradients are summed in one
-accumulator by the backward kernel. Two backends compute the same thing:
-"torch" (below) and "triton" (``k3lab.kernels.attnres``).
+Phase 2 (per sublayer k > 0): merge with the partial sum's logit s = r_p w_k^T p (online softmax):
+
+    beta = sigmoid(s - lse_k),   h_k = (1 - beta) o_k + beta p          (k = 0: h_0 = o_0)
+
+which is softmax over [b_0..b_{n-1}, p] exactly. Backward, with g = dL/dh_k (derived in book/04):
+
+    merge:   dO_k = (1 - beta) g,   ds = beta (1 - beta) g^T (p - o_k),   dlse_k = -ds,
+             dp = beta g + r_p ds (w_k - (s r_p / d) p),   dw_k += sum_tokens ds r_p p
+    phase 1: ds_{k,i} = a_{k,i} (dO_k^T b_i - dO_k^T o_k + dlse_k)
+             db_i = sum_k [a_{k,i} dO_k + r_i ds_{k,i} (w_k - (s_{k,i} r_i / d) b_i)],
+             dw_k += sum_tokens sum_i ds_{k,i} r_i b_i
+
+Two backends compute these four functions with the same arguments: "torch" (below; any float dtype,
+float64 for tests) and "triton" (``k3lab.kernels.attnres``). ``k3lab.attnres.train`` builds the
+training path from them.
 """
 from __future__ import annotations
 
@@ -26,225 +35,157 @@ BACKENDS = ("torch", "triton")
 
 
 def _no_autocast(fn):
-    """Run ``fn`` with autocast off (the mixing is float32 by definition), on buf's device type."""
+    """Run ``fn`` with autocast off on its first tensor argument's device (the mixing is float32)."""
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        buf = args[1] if fn.__name__.startswith("mix_bwd") else args[0]
-        with torch.autocast(buf.device.type, enabled=False):
+        t = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        with torch.autocast(t.device.type, enabled=False):
             return fn(*args, **kwargs)
 
     return wrapped
 
 
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _scores(V: torch.Tensor, W: torch.Tensor, eps: float):
+    """V [n, ..., d], W [S, d] (compute dtype) -> r [n, ...], s [S, n, ...]."""
+    r = torch.rsqrt(V.pow(2).mean(-1) + eps)
+    return r, torch.einsum("n...d,sd->sn...", V, W) * r
+
+
 @_no_autocast
-def mix_fwd_torch(buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Tensor, eps: float,
-                  out_dtype: torch.dtype | None = None):
-    """Forward of the mixing in PyTorch.
+def phase1_fwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: torch.dtype | None = None,
+                     o_dtype: torch.dtype | None = None):
+    """Phase 1 forward: the inter-block reads of a block's S sublayers.
 
     Args:
-        buf (Tensor): [S_max, ..., d]; slots 0..n-1 are the stored sources.
-        n (int): number of stored sources read, 1 <= n <= S_max.
-        partial (Tensor | None): [..., d] the running partial sum (one more source), or None.
-        w (Tensor): [d] pseudo-query.
+        buf (Tensor): [S_max, ..., d]; slots 0..n-1 are the blocks read.
+        n (int): number of blocks read, 1 <= n <= S_max.
+        W (Tensor): [S, d] the block's pseudo-queries.
         eps (float): RMSNorm eps.
-        out_dtype (torch.dtype | None): dtype of h, default buf's.
+        h_dtype (torch.dtype | None): dtype of h (query 0's read), default buf's.
+        o_dtype (torch.dtype | None): dtype of o (queries 1..S-1), default h_dtype.
 
     Returns:
-        (h, lse): h [..., d] in ``out_dtype``; lse [...] float32 (float64 for float64 inputs), the
-        log-sum-exp of the logits.
+        (h, o, lse): h [..., d] = o_0; o [S - 1, ..., d] or None (S = 1); lse [S, ...] float32
+        (float64 for float64 inputs).
     """
-    dt = torch.float64 if buf.dtype == torch.float64 else torch.float32
+    dt = _compute_dtype(buf)
     V = buf[:n].to(dt)
-    wd = w.to(dt)
-    s = (V @ wd) * torch.rsqrt(V.pow(2).mean(-1) + eps)
-    if partial is not None:
-        P = partial.to(dt)
-        sp = (P @ wd) * torch.rsqrt(P.pow(2).mean(-1) + eps)
-        s = torch.cat([s, sp[None]])
-    lse = torch.logsumexp(s, 0)
-    alpha = torch.exp(s - lse)
-    h = torch.einsum("n...,n...d->...d", alpha[:n], V)
-    if partial is not None:
-        h = h + alpha[n, ..., None] * P
-    return h.to(out_dtype or buf.dtype), lse
+    _, s = _scores(V, W.to(dt), eps)
+    lse = torch.logsumexp(s, 1)
+    out = torch.einsum("sn...,n...d->s...d", torch.exp(s - lse[:, None]), V)
+    h_dtype = h_dtype or buf.dtype
+    o = out[1:].to(o_dtype or h_dtype) if W.shape[0] > 1 else None
+    return out[0].to(h_dtype), o, lse
 
 
 @_no_autocast
-def mix_bwd_torch(dh: torch.Tensor, buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Tensor,
-                  lse: torch.Tensor, eps: float, dacc: torch.Tensor | None = None):
-    """Backward of the mixing in PyTorch, by the closed form in the module docstring.
+def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, dh: torch.Tensor,
+                     dO: torch.Tensor | None, dlse: torch.Tensor | None, eps: float, dacc: torch.Tensor,
+                     accumulate: bool = True) -> torch.Tensor:
+    """Phase 1 backward (closed form in the module docstring).
 
     Args:
-        dh (Tensor): [..., d] gradient of h; the others as in ``mix_fwd_torch`` (lse from it).
-        dacc (Tensor | None): [>= n, ..., d] accumulator: when given, the stored sources' gradients
-            are added into ``dacc[:n]`` in place and returned as ``dacc[:n]``.
+        buf, n, W, eps: as in ``phase1_fwd_torch``; lse (Tensor): [S, ...] from it.
+        dh (Tensor): [..., d] gradient of h (query 0).
+        dO (Tensor | None): [S - 1, ..., d] gradients of o (None when S = 1).
+        dlse (Tensor | None): [S, ...] gradients of lse; row 0 is ignored (None when S = 1).
+        dacc (Tensor): [>= n, ..., d] the blocks' gradients: ``dacc[:n]`` is written, or added to
+            when ``accumulate``.
 
     Returns:
-        (dbuf, dpartial, dw): dbuf [n, ..., d] in buf's dtype (or ``dacc[:n]``), dpartial [..., d]
-        in partial's dtype or None, dw [d] in w's dtype.
+        Tensor: dW [S, d] in W's dtype.
     """
     dt = lse.dtype
-    src = [buf[:n].to(dt)] + ([partial.to(dt)[None]] if partial is not None else [])
-    V = torch.cat(src) if len(src) > 1 else src[0]
-    g, wd, d = dh.to(dt), w.to(dt), V.shape[-1]
-    r = torch.rsqrt(V.pow(2).mean(-1) + eps)
-    s = (V @ wd) * r
-    alpha = torch.exp(s - lse)
-    a = (V * g).sum(-1)
-    ds = alpha * (a - (alpha * a).sum(0))
-    dV = alpha[..., None] * g + (r * ds)[..., None] * (wd - (s * r / d)[..., None] * V)
-    dw = torch.einsum("s...,s...d->d", ds * r, V)
-    dpartial = dV[n].to(partial.dtype) if partial is not None else None
-    if dacc is not None:
-        dacc[:n] += dV[:n]
-        return dacc[:n], dpartial, dw.to(w.dtype)
-    return dV[:n].to(buf.dtype), dpartial, dw.to(w.dtype)
+    V, Wd = buf[:n].to(dt), W.to(dt)
+    r, s = _scores(V, Wd, eps)
+    a = torch.exp(s - lse[:, None])
+    G = dh.to(dt)[None] if dO is None else torch.cat([dh.to(dt)[None], dO.to(dt)])
+    g = torch.einsum("s...d,n...d->sn...", G, V)
+    ds = a * (g - (a * g).sum(1, keepdim=True))
+    if dlse is not None:
+        ds[1:] += a[1:] * dlse[1:, None].to(dt)
+    dV = (torch.einsum("sn...,s...d->n...d", a, G) + r[..., None] * torch.einsum("sn...,sd->n...d", ds, Wd)
+          - (r.pow(2) / V.shape[-1] * (ds * s).sum(0))[..., None] * V)
+    if accumulate:
+        dacc[:n] += dV
+    else:
+        dacc[:n] = dV
+    return torch.einsum("sn...,n...d->sd", ds * r, V).to(W.dtype)
 
 
-def _kernels(backend: str):
+@_no_autocast
+def merge_fwd_torch(p: torch.Tensor | None, o: torch.Tensor, lse: torch.Tensor, w: torch.Tensor, eps: float,
+                    prev: torch.Tensor | None = None, v: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+    """Phase 2 forward: merge the inter-block part o with the partial sum p.
+
+    Args:
+        p (Tensor | None): [..., d] the partial sum (read), or None when ``v`` is given.
+        o (Tensor): [..., d]; lse (Tensor): [...] (from phase 1); w (Tensor): [d]; eps (float).
+        prev (Tensor | None), v (Tensor | None): with ``v``, p = prev + v (or v.to(dtype) when
+            prev is None) is formed first.
+        dtype (torch.dtype | None): dtype of p formed from v, default prev's (or v's).
+
+    Returns:
+        (p, h): p [..., d] (the given or formed partial sum) and h [..., d] in p's dtype.
+    """
+    if (p is None) == (v is None):
+        raise ValueError("give exactly one of p (read) and v (p = prev + v formed here)")
+    if v is not None:
+        p = (v if prev is None else prev + v).to(dtype or (v if prev is None else prev).dtype)
+    dt = lse.dtype
+    P = p.to(dt)
+    s = (P @ w.to(dt)) * torch.rsqrt(P.pow(2).mean(-1) + eps)
+    beta = torch.sigmoid(s - lse)[..., None]
+    return p, ((1 - beta) * o.to(dt) + beta * P).to(p.dtype)
+
+
+@_no_autocast
+def merge_bwd_torch(dh: torch.Tensor, dp_in: torch.Tensor | None, p: torch.Tensor, o: torch.Tensor,
+                    lse: torch.Tensor, w: torch.Tensor, eps: float, dO: torch.Tensor, dlse: torch.Tensor,
+                    v_dtype: torch.dtype | None = None, need_dp: bool = True):
+    """Phase 2 backward (closed form in the module docstring).
+
+    Args:
+        dh (Tensor): [..., d] gradient of h.
+        dp_in (Tensor | None): [..., d] gradient of p from its other uses (added).
+        p, o, lse, w, eps: as in ``merge_fwd_torch``.
+        dO (Tensor): [..., d] output slot, written with the gradient of o.
+        dlse (Tensor): [...] output slot, written with the gradient of lse.
+        v_dtype (torch.dtype | None): dtype of the gradient of v (p = prev + v).
+        need_dp (bool): False when p had no prev (p = v): dp is then only returned as dv.
+
+    Returns:
+        (dp, dv, dw): dp [..., d] in p's dtype (the total gradient of p, which is also prev's; None
+        when not ``need_dp`` and ``v_dtype`` differs from p's); dv the same in ``v_dtype``; dw [d] in
+        w's dtype.
+    """
+    dt = lse.dtype
+    P, g, wd = p.to(dt), dh.to(dt), w.to(dt)
+    r = torch.rsqrt(P.pow(2).mean(-1) + eps)
+    s = (P @ wd) * r
+    beta = torch.sigmoid(s - lse)
+    ds = beta * (1 - beta) * (g * (P - o.to(dt))).sum(-1)
+    dO.copy_((1 - beta)[..., None] * g)
+    dlse.copy_(-ds)
+    dp = beta[..., None] * g + (r * ds)[..., None] * (wd - (s * r / P.shape[-1])[..., None] * P)
+    if dp_in is not None:
+        dp = dp + dp_in.to(dt)
+    dv = dp.to(v_dtype or p.dtype)
+    dp = dp.to(p.dtype) if need_dp or dv.dtype == p.dtype else None
+    return dp, dv, torch.einsum("...,...d->d", ds * r, P).to(w.dtype)
+
+
+def kernels(backend: str):
+    """(phase1_fwd, phase1_bwd, merge_fwd, merge_bwd) of ``backend`` ("torch" or "triton")."""
     if backend == "torch":
-        return mix_fwd_torch, mix_bwd_torch
-    from k3lab.kernels.attnres import mix_bwd, mix_fwd
+        return phase1_fwd_torch, phase1_bwd_torch, merge_fwd_torch, merge_bwd_torch
+    if backend == "triton":
+        from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd
 
-    return mix_fwd, mix_bwd
-
-
-class DepthBuffer:
-    """The block representations of one forward pass, stored once and read by every later sublayer.
-
-    ``store(block)`` copies a block's value into the next slot of one buffer [S_max, ..., d] and
-    returns its *tap*, an empty tensor that reads take as input instead of the block. Reads never
-    hand gradients to autograd per block: the backward kernel adds each read's source gradients
-    straight into one accumulator [S_max, ..., d] (in the blocks' dtype), and a tap's backward,
-    which autograd runs after every read of that block has run its backward, hands the slot's sum to
-    the block. This saves writing one gradient tensor per read and source, and autograd's re-reads
-    to sum them.
-
-    Args:
-        like (Tensor): [..., d] a block (gives shape, device, and the gradient dtype).
-        slots (int): S_max, the number of blocks that will be stored.
-        dtype (torch.dtype | None): storage dtype of the buffer, default ``like``'s (bf16 halves the
-            traffic of every read; the mixing still computes in float32).
-    """
-
-    def __init__(self, like: torch.Tensor, slots: int, dtype: torch.dtype | None = None):
-        self.buf = torch.empty((slots, *like.shape), dtype=dtype or like.dtype, device=like.device)
-        self.grad = _Accumulator(self.buf.shape, like.dtype, like.device)
-        self.grad_dtype, self.n, self.taps = like.dtype, 0, []
-
-    def store(self, block: torch.Tensor) -> torch.Tensor:
-        if self.n == self.buf.shape[0]:
-            raise ValueError(f"DepthBuffer is full ({self.n} slots)")
-        self.buf[self.n].copy_(block.detach())
-        # The tap's node must not reference this object (it holds the taps): that would be a
-        # reference cycle through autograd's C++ graph, which Python's GC cannot collect.
-        self.taps.append(_Tap.apply(block, self.grad, self.n))
-        self.n += 1
-        return self.taps[-1]
-
-
-class _Accumulator:
-    """The blocks' gradient sum [S_max, ..., d], allocated (zeros) by the first backward read."""
-
-    def __init__(self, shape, dtype, device):
-        self.shape, self.dtype, self.device, self.acc = shape, dtype, device, None
-
-    def get(self) -> torch.Tensor:
-        if self.acc is None:
-            self.acc = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        return self.acc
-
-
-class _Tap(torch.autograd.Function):
-    """Forward: an empty tensor standing for block ``i``. Backward (after all its reads): the
-    block's gradient, the accumulator's slot ``i``."""
-
-    @staticmethod
-    def forward(ctx, block, grad, i):
-        ctx.grad, ctx.i = grad, i
-        return block.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, _):
-        acc = ctx.grad.acc
-        return (None if acc is None else acc[ctx.i].clone()), None, None
-
-
-class _DepthMix(torch.autograd.Function):
-    """Forward: the mixing over the buffer's first n slots and the partial sum; saves w, partial, lse.
-    Backward: recomputes keys/logits/weights from the buffer, adds the slots' gradients into the
-    accumulator, returns the gradients of w and the partial sum."""
-
-    @staticmethod
-    def forward(ctx, w, partial, buf, grad, n, eps, backend, out_dtype, *taps):
-        fwd, _ = _kernels(backend)
-        h, lse = fwd(buf, n, partial, w, eps, out_dtype)
-        ctx.save_for_backward(w, partial, lse)
-        # The buffer is written in place once per block, after this read, in slots >= n only, so
-        # it is kept as an attribute: save_for_backward's version check would reject it.
-        ctx.buf, ctx.grad, ctx.n, ctx.eps, ctx.backend = buf, grad, n, eps, backend
-        return h
-
-    @staticmethod
-    def backward(ctx, dh):
-        w, partial, lse = ctx.saved_tensors
-        _, bwd = _kernels(ctx.backend)
-        _, dpartial, dw = bwd(dh.contiguous(), ctx.buf, ctx.n, partial, w, lse, ctx.eps, dacc=ctx.grad.get())
-        return (dw, dpartial, None, None, None, None, None, None, *(dh.new_empty(0) for _ in range(ctx.n)))
-
-
-def read(store: DepthBuffer, w: torch.Tensor, partial: torch.Tensor | None, eps: float = 1e-6,
-         backend: str = "torch") -> torch.Tensor:
-    """One AttnRes read of every block stored so far (plus ``partial``), recompute-in-backward.
-
-    Args:
-        store (DepthBuffer): holds the n >= 1 blocks read.
-        w (Tensor): [d] pseudo-query.
-        partial (Tensor | None): [..., d] running partial sum of the current block, or None.
-        eps (float): RMSNorm eps.
-        backend (str): "torch" or "triton".
-
-    Returns:
-        Tensor: h [..., d] in the blocks' dtype (``DepthBuffer.grad_dtype``).
-
-    Raises:
-        ValueError: unknown backend, empty store, shape mismatch.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if store.n < 1:
-        raise ValueError("the DepthBuffer holds no block yet")
-    shape = tuple(store.buf.shape[1:])
-    if partial is not None and tuple(partial.shape) != shape:
-        raise ValueError(f"partial must be {list(shape)}, got {list(partial.shape)}")
-    if tuple(w.shape) != shape[-1:]:
-        raise ValueError(f"w must be [d] = [{shape[-1]}], got {list(w.shape)}")
-    if partial is not None:
-        partial = partial.contiguous()
-    return _DepthMix.apply(w, partial, store.buf, store.grad, store.n, eps, backend, store.grad_dtype, *store.taps)
-
-
-def depth_mix(w: torch.Tensor, partial: torch.Tensor | None, blocks: list[torch.Tensor], eps: float = 1e-6,
-              backend: str = "torch") -> torch.Tensor:
-    """One stand-alone AttnRes read of ``blocks + [partial]`` through the recompute-in-backward
-    path (``DepthBuffer`` + ``read``), differentiable with respect to all inputs.
-
-    Args:
-        w (Tensor): [d]; partial (Tensor | None): [..., d]; blocks (list[Tensor]): n >= 1 tensors
-        [..., d]; eps (float); backend (str): "torch" or "triton".
-
-    Returns:
-        Tensor: h [..., d] in ``blocks[0]``'s dtype.
-
-    Raises:
-        ValueError: no blocks, unknown backend, shape mismatch.
-    """
-    if not blocks:
-        raise ValueError("blocks must hold at least one tensor")
-    store = DepthBuffer(blocks[0], len(blocks))
-    for b in blocks:
-        if b.shape != blocks[0].shape:
-            raise ValueError(f"blocks must share one shape, got {list(b.shape)} and {list(blocks[0].shape)}")
-        store.store(b)
-    return read(store, w, partial, eps, backend)
+        return phase1_fwd, phase1_bwd, merge_fwd, merge_bwd
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

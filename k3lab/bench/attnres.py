@@ -1,18 +1,23 @@
-"""Benchmark Attention Residuals on one GPU: the Triton depth-mixing kernels against PyTorch and
+"""Benchmark Attention Residuals on one GPU: the Triton two-phase kernels against PyTorch and
 torch.compile, and the training-step overhead of Block AttnRes over the standard residual.
 
     python -m k3lab.bench.attnres                              # everything -> data/results/attnres_h200.json
+    python -m k3lab.bench.attnres --skip-kernels               # correctness + training steps only
     python -m k3lab.bench.attnres --skip-step                  # kernels only
     python -m k3lab.bench.attnres --smoke                      # tiny sizes, CPU (interpreter) allowed
+    python -m k3lab.bench.attnres --bytes-model                # print the bytes model and exit (no device)
 
-Order: (1) correctness first (it stops on failure): the kernels against the PyTorch closed form
+Order: (1) correctness first (it stops on failure): the kernels against the PyTorch closed forms
 (float32 and bf16 storage), and a BlockAttnRes stack on the Triton backend against autograd through
 the formula; (2) per kernel case, forward and backward median times (``triton.testing.do_bench``)
 of ours, the PyTorch closed form (eager) and the same function under ``torch.compile``, with the
 bandwidth ours reaches (bytes it must move / time); (3) training steps (forward, backward, AdamW)
 of ``k3lab.lm.LM`` with softmax-attention mixers, 24 layers, d = 2048 (48 sublayers), bf16 autocast,
-with the standard residual, Block AttnRes (N = 4, 8) and full AttnRes: median step time and peak
-memory. Writes the JSON and prints the table last.
+with the standard residual and Block AttnRes's training path (two-phase; N = 4, 8, full AttnRes, a
+bf16 block buffer, kept sublayer inputs): median step time and peak memory, next to the bytes model
+(``bytes_model``: per-sublayer memory traffic of the two-phase path, the per-read path it replaced,
+and the standard residual). Sections not run are kept from the JSON already at ``--out``. Writes the
+JSON and prints the table last.
 """
 from __future__ import annotations
 
@@ -27,99 +32,202 @@ from pathlib import Path
 import torch
 
 import k3lab
+from k3lab.attnres import block_sizes
 
-KERNEL_CASES = [  # (tokens M, width d, stored sources n, with partial)
-    (8192, 2048, 4, True),
-    (8192, 2048, 8, True),
-    (8192, 7168, 9, False),  # K3's width: the final aggregation over 9 sources
+PHASE1_CASES = [  # (tokens M, width d, blocks read n, queries S, buffer dtype)
+    (8192, 2048, 8, 6, torch.float32),  # the last block of the 48-sublayer N = 8 model
+    (8192, 2048, 8, 6, torch.bfloat16),  # the same with a bf16 block buffer
+    (8192, 2048, 9, 1, torch.float32),  # the final aggregation
+    (8192, 7168, 9, 1, torch.float32),  # K3's width, final aggregation over 9 sources
 ]
-BF16_CASE = (8192, 2048, 8, True)  # the same read with a bf16 block buffer
+MERGE_CASES = [(8192, 2048)]
+
+
+def bytes_model(L: int = 48, N: int = 8, buf: int = 4, h: int = 4, o: int = 2, v: int = 2) -> dict:
+    """Memory traffic of the residual machinery per sublayer, in bytes per token per channel (one
+    [M, d] pass of a b-byte tensor counts b), averaged over the L sublayers, for the standard
+    residual, the per-read AttnRes path (every sublayer reads all its sources; replaced) and the
+    two-phase path. Per-token scalars (lse, logits) are left out, and so is the sublayers' own
+    traffic, which every residual pays.
+
+    Args:
+        L (int), N (int): sublayers and blocks.
+        buf, h, o, v (int): bytes per element of the block buffer, of the stream / partial sums /
+            their gradients (h0's dtype), of the stored inter-block parts o_k, of the sublayer outputs.
+
+    Returns:
+        dict: "standard", "per_read", "two_phase" -> {"fwd": B, "bwd": B}; and "L", "N".
+    """
+    # Standard: h' = h + v; backward: the stream's gradient plus the sublayer's input gradient
+    # (read, read, write) and v's gradient cast to v's dtype.
+    std = dict(fwd=2 * h + v, bwd=3 * h + (h + v))
+    old, new = dict(fwd=0, bwd=0), dict(fwd=0, bwd=0)
+    for j, S in enumerate(block_sizes(L, N)):
+        n = j + 1  # blocks read by this block's sublayers
+        for k in range(S):
+            p = h if k else 0  # the partial sum is a source from the block's second sublayer on
+            # per-read: read n blocks (+ partial), write h; then p = p + v_k (p = v_0 for k = 0)
+            read = n * buf + p + h
+            old["fwd"] += read + (p + v + h)
+            # backward: rebuild h; the kernel reads dh and the sources twice, reads and writes the
+            # blocks' gradient sum, writes dp; autograd adds dp to the chain's; v_k's gradient cast
+            old["bwd"] += read + (h + 2 * (n * buf + p) + 2 * n * h + p) + (3 * h if k else 0) + (h + v)
+            if k:
+                # two-phase: p_k = p_{k-1} + v_{k-1} and the merge in one pass (read prev, v, o;
+                # write p, h); backward: rebuild h (read o, p; write h); merge backward (read dh, dp_in,
+                # p, o; write dp (not for k = 1), dO_k, dv)
+                new["fwd"] += (h if k > 1 else 0) + v + o + 2 * h
+                new["bwd"] += (o + 2 * h) + (3 * h + o + (h if k > 1 else 0) + h + v)
+        # the block's representation: per-read copies p into the buffer and clones the slot's
+        # gradient; two-phase writes p + v straight into the slot and casts the slot's gradient for v
+        old["fwd"] += h + buf
+        old["bwd"] += 2 * h
+        new["fwd"] += (h if S > 1 else 0) + v + buf
+        new["bwd"] += h + v
+        # phase 1: read the n blocks, write h_0 and o_1..o_{S-1}; once more in backward; its
+        # backward reads the blocks twice and every dO_k once, reads and writes the gradient sum
+        phase1 = n * buf + h + (S - 1) * o
+        new["fwd"] += phase1
+        new["bwd"] += phase1 + 2 * n * buf + S * h + 2 * n * h
+    # final aggregation over N + 1 blocks; two-phase keeps its lse (no recompute) and is the first
+    # backward writer of the gradient sum (no read of it)
+    final_fwd = (N + 1) * buf + h
+    old["fwd"] += final_fwd
+    old["bwd"] += final_fwd + h + 2 * (N + 1) * buf + 2 * (N + 1) * h
+    new["fwd"] += final_fwd
+    new["bwd"] += h + 2 * (N + 1) * buf + (N + 1) * h
+    per_sublayer = lambda t: {k: round(x / L, 2) for k, x in t.items()}  # noqa: E731
+    return dict(L=L, N=N, standard=std, per_read=per_sublayer(old), two_phase=per_sublayer(new))
+
+
+def bytes_table(model: dict, tokens: int = 8192, d: int = 2048, tbps: float = 4.0) -> str:
+    """The bytes model as text, with the extra milliseconds per step it predicts at ``tbps`` TB/s."""
+    lines = [f"bytes model, per sublayer (B per token-channel; L={model['L']}, N={model['N']}), and what the "
+             f"extra over the standard residual costs at {tbps:.0f} TB/s for {tokens} x {d} over "
+             f"{model['L']} sublayers:",
+             f"{'path':<12}{'fwd':>7}{'bwd':>7}{'total':>7}{'extra':>7}{'extra ms':>10}"]
+    base = sum(model["standard"].values())
+    for name in ("standard", "per_read", "two_phase"):
+        f, b = model[name]["fwd"], model[name]["bwd"]
+        extra = f + b - base
+        ms = extra * tokens * d * model["L"] / (tbps * 1e12) * 1e3
+        lines.append(f"{name:<12}{f:>7.1f}{b:>7.1f}{f + b:>7.1f}{extra:>7.1f}{ms:>10.2f}")
+    return "\n".join(lines)
 
 
 def check_correctness(device, M=1000, d_check=320, T=300) -> dict:
-    """Kernels vs the PyTorch closed form; module (Triton backend) vs autograd through the formula.
+    """Kernels vs the PyTorch closed forms; module (Triton backend) vs autograd through the formula.
     Raises AssertionError over tolerance."""
     import torch.nn as nn
 
     from k3lab.attnres import BlockAttnRes
-    from k3lab.attnres.mix import mix_bwd_torch, mix_fwd_torch
-    from k3lab.kernels.attnres import mix_bwd, mix_fwd
+    from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch
+    from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd
     from k3lab.testing import assert_close
 
     errors = {}
     g = torch.Generator().manual_seed(0)
+    S, n = 5, 4
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
-        buf = (torch.randn(6, M, d_check, generator=g) * 3).to(device, dtype)
-        partial = torch.randn(M, d_check, generator=g).to(device, dtype)
-        w = torch.randn(d_check, generator=g).to(device)
-        dh = torch.randn(M, d_check, generator=g).to(device, dtype)
-        h, lse = mix_fwd(buf, 5, partial, w, 1e-6)
-        h_ref, lse_ref = mix_fwd_torch(buf, 5, partial, w, 1e-6)
         name = str(dtype).split(".")[-1]
-        errors[f"h_{name}"] = assert_close("h", h_ref.float(), h.float(), tol)
-        errors[f"lse_{name}"] = assert_close("lse", lse_ref, lse, 1e-5)
-        ours = mix_bwd(dh, buf, 5, partial, w, lse_ref, 1e-6)
-        ref = mix_bwd_torch(dh, buf, 5, partial, w, lse_ref, 1e-6)
-        for k, a, b in zip(("dbuf", "dpartial", "dw"), ref, ours):
-            errors[f"{k}_{name}"] = assert_close(k, a.float(), b.float(), tol)
-    d, L, N = d_check, 6, 3
+        buf = (torch.randn(6, M, d_check, generator=g) * 3).to(device, dtype)
+        W = torch.randn(S, d_check, generator=g).to(device)
+        ours, ref = (f(buf, n, W, 1e-6, torch.float32, dtype) for f in (phase1_fwd, phase1_fwd_torch))
+        for k, a, b in zip(("h", "o", "lse"), ref, ours):
+            errors[f"phase1_{k}_{name}"] = assert_close(k, a.float(), b.float(), tol if k == "o" else 1e-4)
+        lse = ours[2]
+        dh, dO = torch.randn(M, d_check, generator=g).to(device), torch.randn(S - 1, M, d_check, generator=g).to(device)
+        dlse = torch.randn(S, M, generator=g).to(device)
+        acc = [torch.randn(6, M, d_check, generator=torch.Generator().manual_seed(1)).to(device) for _ in range(2)]
+        dW = [f(buf, n, W, lse, dh, dO, dlse, 1e-6, a) for f, a in zip((phase1_bwd, phase1_bwd_torch), acc)]
+        errors[f"phase1_dblocks_{name}"] = assert_close("dblocks", acc[1][:n], acc[0][:n], 1e-4)
+        errors[f"phase1_dW_{name}"] = assert_close("dW", dW[1], dW[0], 1e-4)
+        prev = torch.randn(M, d_check, generator=g).to(device)
+        o, v = (torch.randn(M, d_check, generator=g).to(device, dtype) for _ in range(2))
+        w = W[1]
+        (p, h), (p_r, h_r) = (f(None, o, lse[1], w, 1e-6, prev=prev, v=v) for f in (merge_fwd, merge_fwd_torch))
+        errors[f"merge_h_{name}"] = assert_close("merge h", h_r, h, 1e-4)
+        slots = [(torch.empty(M, d_check, device=device), torch.empty(M, device=device)) for _ in range(2)]
+        out = [f(dh, prev, p_r, o, lse[1], w, 1e-6, *sl, v_dtype=dtype)
+               for f, sl in zip((merge_bwd, merge_bwd_torch), slots)]
+        for k, a, b in zip(("dp", "dv", "dw"), out[1], out[0]):
+            errors[f"merge_{k}_{name}"] = assert_close(k, a.float(), b.float(), tol if k == "dv" else 1e-4)
+        errors[f"merge_dO_{name}"] = assert_close("dO", slots[1][0], slots[0][0], 1e-4)
+    d, L = d_check, 7
     torch.manual_seed(0)
     subs = nn.ModuleList([nn.Sequential(nn.RMSNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
                           for _ in range(L)]).to(device)
     x0, q = torch.randn(2, T, d, device=device), torch.randn(L + 1, d, device=device)
-    grads = {}
-    for path, backend in (("naive", None), ("memory", "triton")):
-        res = BlockAttnRes(d, L, N, path=path, backend=backend).to(device)
-        with torch.no_grad():
-            res.queries.copy_(q)
-        x = x0.clone().requires_grad_()
-        subs.zero_grad()
-        y = res(x, subs)
-        y.square().mean().backward()
-        grads[path] = [y.detach(), x.grad, res.queries.grad, subs[0][1].weight.grad.clone()]
-    for k, a, b in zip(("out", "dh0", "dqueries", "dW0"), grads["naive"], grads["memory"]):
-        # tf32 may be used by the reference's matmuls on GPU: a looser bound than the kernel check.
-        errors[f"module_{k}"] = assert_close(f"module {k}", a, b, 1e-4)
+    for N in (3, L):
+        grads = {}
+        for path, backend in (("naive", None), ("memory", "triton")):
+            res = BlockAttnRes(d, L, N, path=path, backend=backend).to(device)
+            with torch.no_grad():
+                res.queries.copy_(q)
+            x = x0.clone().requires_grad_()
+            subs.zero_grad()
+            y = res(x, subs)
+            y.square().mean().backward()
+            grads[path] = [y.detach(), x.grad, res.queries.grad, subs[0][1].weight.grad.clone()]
+        for k, a, b in zip(("out", "dh0", "dqueries", "dW0"), grads["naive"], grads["memory"]):
+            # tf32 may be used by the reference's matmuls on GPU: a looser bound than the kernel check.
+            errors[f"module_N{N}_{k}"] = assert_close(f"module N={N} {k}", a, b, 1e-4)
     return errors
 
 
-def bench_kernels(device, cases, compile_: bool) -> list[dict]:
+def bench_kernels(device, phase1_cases, merge_cases, compile_: bool) -> list[dict]:
     from triton.testing import do_bench
 
-    from k3lab.attnres.mix import mix_bwd_torch, mix_fwd_torch
-    from k3lab.kernels.attnres import mix_bwd, mix_fwd
+    from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch
+    from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd
 
-    fwd_c = torch.compile(mix_fwd_torch, dynamic=False) if compile_ else None
-    bwd_c = torch.compile(mix_bwd_torch, dynamic=False) if compile_ else None
+    comp = {f.__name__: torch.compile(f, dynamic=False) if compile_ else None
+            for f in (phase1_fwd_torch, phase1_bwd_torch, merge_fwd_torch, merge_bwd_torch)}
     rows = []
-    for M, d, n, with_partial, dtype in cases:
+
+    def time_case(shape, name, ours, torch_fn, comp_fn, nbytes):
+        t_ours = do_bench(ours, warmup=25, rep=100, return_mode="median")
+        t_torch = do_bench(torch_fn, warmup=25, rep=100, return_mode="median")
+        t_comp = do_bench(comp_fn, warmup=25, rep=100, return_mode="median") if compile_ else None
+        rows.append({"shape": shape, "pass": name, "ours_ms": t_ours, "torch_ms": t_torch, "compile_ms": t_comp,
+                     "ours_GBps": nbytes / t_ours / 1e6, "bytes": nbytes})
+        print(f"  {shape} {name}: ours {t_ours:.3f} ms ({nbytes / t_ours / 1e6:.0f} GB/s), torch {t_torch:.3f} ms"
+              + (f", compile {t_comp:.3f} ms" if t_comp else ""), flush=True)
+
+    for M, d, n, S, dtype in phase1_cases:
         g = torch.Generator(device=device).manual_seed(M + d + n)
         buf = torch.randn(n, M, d, device=device, generator=g).to(dtype)
-        partial = torch.randn(M, d, device=device, generator=g) if with_partial else None
-        w = torch.randn(d, device=device, generator=g) * 0.1
+        W = torch.randn(S, d, device=device, generator=g) * 0.1
+        o_dt = torch.bfloat16
+        _, _, lse = phase1_fwd(buf, n, W, 1e-6, torch.float32, o_dt)
         dh = torch.randn(M, d, device=device, generator=g)
-        _, lse = mix_fwd(buf, n, partial, w, 1e-6)
-        S = n + with_partial
-        eb, ep, row = buf.element_size(), 4 * with_partial, M * d
-        bytes_fwd = row * (n * eb + ep + eb)  # read every source once, write h
-        bytes_bwd = row * (3 * n * eb + 3 * ep + 4)  # two reads of each source and dh; write each gradient
-        shape = f"M{M}_d{d}_S{S}" + ("_bf16" if dtype == torch.bfloat16 else "")
-        for name, ours, torch_fn, comp, nbytes in (
-            ("fwd", lambda: mix_fwd(buf, n, partial, w, 1e-6), lambda: mix_fwd_torch(buf, n, partial, w, 1e-6),
-             (lambda: fwd_c(buf, n, partial, w, 1e-6)) if compile_ else None, bytes_fwd),
-            ("bwd", lambda: mix_bwd(dh, buf, n, partial, w, lse, 1e-6),
-             lambda: mix_bwd_torch(dh, buf, n, partial, w, lse, 1e-6),
-             (lambda: bwd_c(dh, buf, n, partial, w, lse, 1e-6)) if compile_ else None, bytes_bwd),
-        ):
-            t_ours = do_bench(ours, warmup=25, rep=100, return_mode="median")
-            t_torch = do_bench(torch_fn, warmup=25, rep=100, return_mode="median")
-            t_comp = do_bench(comp, warmup=25, rep=100, return_mode="median") if comp else None
-            rows.append(dict(shape=shape, pass_=name, ours_ms=t_ours, torch_ms=t_torch, compile_ms=t_comp,
-                             ours_GBps=nbytes / t_ours / 1e6, bytes=nbytes))
-            print(f"  {shape} {name}: ours {t_ours:.3f} ms ({nbytes / t_ours / 1e6:.0f} GB/s), torch {t_torch:.3f} ms"
-                  + (f", compile {t_comp:.3f} ms" if t_comp else ""), flush=True)
-    for r in rows:
-        r["pass"] = r.pop("pass_")
+        dO = torch.randn(S - 1, M, d, device=device, generator=g) if S > 1 else None
+        dlse = torch.randn(S, M, device=device, generator=g) if S > 1 else None
+        acc = torch.zeros(n, M, d, device=device)
+        eb, row = buf.element_size(), M * d
+        bytes_fwd = row * (n * eb + 4 + 2 * (S - 1))  # read the blocks once; write h (fp32) and o_1.. (bf16)
+        bytes_bwd = row * (2 * n * eb + 4 * S + 8 * n)  # two passes over the blocks, each dO once, dacc read + write
+        shape = f"phase1_M{M}_d{d}_n{n}_S{S}" + ("_bf16" if dtype == torch.bfloat16 else "")
+        fwd_args = (buf, n, W, 1e-6, torch.float32, o_dt)
+        bwd_args = (buf, n, W, lse, dh, dO, dlse, 1e-6, acc)
+        time_case(shape, "fwd", lambda: phase1_fwd(*fwd_args), lambda: phase1_fwd_torch(*fwd_args),
+                  lambda: comp["phase1_fwd_torch"](*fwd_args), bytes_fwd)
+        time_case(shape, "bwd", lambda: phase1_bwd(*bwd_args), lambda: phase1_bwd_torch(*bwd_args),
+                  lambda: comp["phase1_bwd_torch"](*bwd_args), bytes_bwd)
+    for M, d in merge_cases:
+        g = torch.Generator(device=device).manual_seed(M + d)
+        prev, dh, dp_in = (torch.randn(M, d, device=device, generator=g) for _ in range(3))
+        o, v = (torch.randn(M, d, device=device, generator=g).bfloat16() for _ in range(2))
+        lse, w = torch.randn(M, device=device, generator=g), torch.randn(d, device=device, generator=g) * 0.1
+        p, _ = merge_fwd(None, o, lse, w, 1e-6, prev=prev, v=v)
+        dO, dlse = torch.empty(M, d, device=device), torch.empty(M, device=device)
+        shape = f"merge_M{M}_d{d}"
+        fwd_args, fwd_kw = (None, o, lse, w, 1e-6), dict(prev=prev, v=v)
+        bwd_args = (dh, dp_in, p, o, lse, w, 1e-6, dO, dlse, torch.bfloat16)
+        time_case(shape, "fwd", lambda: merge_fwd(*fwd_args, **fwd_kw), lambda: merge_fwd_torch(*fwd_args, **fwd_kw),
+                  lambda: comp["merge_fwd_torch"](*fwd_args, **fwd_kw), M * d * (4 + 2 + 2 + 8))
+        time_case(shape, "bwd", lambda: merge_bwd(*bwd_args), lambda: merge_bwd_torch(*bwd_args),
+                  lambda: comp["merge_bwd_torch"](*bwd_args), M * d * (12 + 2 + 8 + 2))
     return rows
 
 
@@ -203,58 +311,73 @@ def lm_experiment(device, d, n_layers, batch, seq, steps, block_counts, lr=3e-3)
                             mixer="attention"), runs=runs, depth_weights=weights)
 
 
+STEP_VARIANTS = [  # (name, N or None for the standard residual, BlockAttnRes kwargs); all Block AttnRes
+    # rows run the training path (two-phase, Triton)
+    ("standard", None, {}),
+    ("block_N8", 8, {}),
+    ("block_N8_bf16buf", 8, dict(buffer_dtype=torch.bfloat16)),
+    ("block_N4", 4, {}),
+    ("full", "L", {}),
+    ("block_N8_keep_h", 8, dict(recompute_input=False)),
+]
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m k3lab.bench.attnres", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="data/results/attnres_h200.json", help="JSON output path")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU allowed); for checking the script")
-    p.add_argument("--skip-step", action="store_true", help="skip the training-step benchmark")
+    p.add_argument("--bytes-model", action="store_true", help="print the bytes model and exit (no device needed)")
+    p.add_argument("--skip-kernels", action="store_true", help="skip the kernel timings (kept from --out)")
+    p.add_argument("--skip-step", action="store_true", help="skip the training-step benchmark (kept from --out)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile timings")
-    p.add_argument("--kernels-from", default=None,
-                   help="reuse kernel_cases from this earlier JSON instead of timing the kernels again")
     p.add_argument("--steps", type=int, default=10, help="timed training steps per variant")
     p.add_argument("--batch", type=int, default=4, help="training-step batch size")
     p.add_argument("--seq", type=int, default=2048, help="training-step sequence length")
     p.add_argument("--lm-steps", type=int, default=0,
                    help="also run chapter 04's LM experiment (d=512, 8 layers, real corpus) for this many steps")
     args = p.parse_args(argv)
+    if args.bytes_model:
+        for kw in (dict(), dict(buf=2), dict(N=4)):
+            print(bytes_table(bytes_model(**kw)) + (f"  [{kw}]" if kw else "") + "\n")
+        return {}
 
     device = k3lab.setup(verbose=True)
     if device.type != "cuda" and not args.smoke:
         raise SystemExit("no CUDA device: run with --smoke for a CPU check of the script")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
+    out = Path(args.out)
     result = dict(hardware=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  torch=torch.__version__)
+                  torch=torch.__version__, bytes_model=bytes_model())
+    print(bytes_table(result["bytes_model"]), flush=True)
     print("1. correctness", flush=True)
     result["correctness"] = check_correctness(device, *((40, 24, 8) if args.smoke else ()))
     print("   ok:", {k: f"{v:.1e}" for k, v in result["correctness"].items()}, flush=True)
 
-    print("2. kernels", flush=True)
-    if args.kernels_from:
-        earlier = json.loads(Path(args.kernels_from).read_text())
-        result["kernel_cases"] = earlier["kernel_cases"]
-        result["kernel_cases_from"] = dict(path=args.kernels_from, date=earlier["date"])
-        print(f"   reused from {args.kernels_from} ({earlier['date']})")
-    cases = [(64, 48, 3, True), (40, 32, 2, False)] if args.smoke else KERNEL_CASES
-    cases = [(*c, torch.float32) for c in cases] + ([] if args.smoke else [(*BF16_CASE, torch.bfloat16)])
-    if not args.kernels_from:
-        result["kernel_cases"] = ([] if device.type != "cuda" else
-                                  bench_kernels(device, cases, compile_=not args.no_compile))
+    if not args.skip_kernels and device.type == "cuda":
+        print("2. kernels", flush=True)
+        result["kernel_cases"] = bench_kernels(device, PHASE1_CASES, MERGE_CASES, compile_=not args.no_compile)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
 
     if not args.skip_step:
         print("3. training step", flush=True)
         d, n_layers, batch, seq = (64, 3, 2, 32) if args.smoke else (2048, 24, args.batch, args.seq)
-        variants = [("standard", None, {}), ("block_N8", 8, {}), ("N8_bf16buf", 8, dict(buffer_dtype=torch.bfloat16)),
-                    ("block_N4", 4, {}), ("full", 2 * n_layers, {}), ("N8_keep_h", 8, dict(recompute_input=False))]
+        L = 2 * n_layers
+        variants = [(name, L if N == "L" else N, kw) for name, N, kw in STEP_VARIANTS]
         rows = bench_step(device, d, n_layers, batch, seq, variants, 2 if args.smoke else args.steps)
         std = rows[0]["step_ms"]
-        for r in rows:
+        for r, (_, N, kw) in zip(rows, variants):
             r["overhead"] = r["step_ms"] / std - 1
-        result["step"] = dict(model=f"k3lab.lm.LM attention mixers, {n_layers} layers ({2 * n_layers} sublayers), "
-                                    f"d={d}, B={batch}, T={seq}, bf16 autocast, AdamW", rows=rows)
+            if N is not None and "recompute_input" not in kw:
+                m = bytes_model(L, min(N, L), buf=2 if kw.get("buffer_dtype") == torch.bfloat16 else 4)
+                extra = sum(m["two_phase"].values()) - sum(m["standard"].values())
+                r["model_extra_ms_at_4TBps"] = extra * batch * seq * d * L / 4e12 * 1e3
+        amp, backend = (", bf16 autocast", "Triton") if device.type == "cuda" else ("", "PyTorch")
+        result["step"] = dict(model=f"k3lab.lm.LM attention mixers, {n_layers} layers ({L} sublayers), d={d}, "
+                                    f"B={batch}, T={seq}{amp}, AdamW; Block AttnRes rows: two-phase training path "
+                                    f"({backend} backend)", rows=rows)
         result["step_overhead_block"] = next(r["overhead"] for r in rows if r["variant"] == "block_N8")
 
     if args.lm_steps:
@@ -263,7 +386,13 @@ def main(argv=None) -> dict:
                                    lm_experiment(device, 512, 8, 32, 512, args.lm_steps, [2, 4, 8]))
 
     if not args.smoke:
-        out = Path(args.out)
+        # Sections not run this time stay as the earlier run left them, with that run's date.
+        earlier = json.loads(out.read_text()) if out.exists() else {}
+        for keys in (("kernel_cases",), ("step", "step_overhead_block"), ("lm_experiment",)):
+            if keys[0] not in result and keys[0] in earlier:
+                result.update({k: earlier[k] for k in keys if k in earlier})
+                result.setdefault("kept_from_earlier_run", {})[keys[0]] = earlier.get(
+                    "kept_from_earlier_run", {}).get(keys[0], earlier["date"])
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
         print(f"wrote {out}")
@@ -273,18 +402,26 @@ def main(argv=None) -> dict:
 
 def table(result: dict) -> str:
     lines = [f"AttnRes on {result['hardware']} ({result['date']})"]
+    kept = result.get("kept_from_earlier_run", {})
     if result.get("kernel_cases"):
-        lines.append(f"{'kernel case':<22}{'pass':<6}{'ours ms':>9}{'torch ms':>10}{'compile ms':>12}{'ours GB/s':>11}")
+        if "kernel_cases" in kept:
+            lines.append(f"kernel cases from the run of {kept['kernel_cases']}")
+        lines.append(f"{'kernel case':<30}{'pass':<6}{'ours ms':>9}{'torch ms':>10}{'compile ms':>12}{'ours GB/s':>11}")
         for r in result["kernel_cases"]:
             comp = f"{r['compile_ms']:.3f}" if r["compile_ms"] else "-"
-            lines.append(f"{r['shape']:<22}{r['pass']:<6}{r['ours_ms']:>9.3f}{r['torch_ms']:>10.3f}{comp:>12}"
+            lines.append(f"{r['shape']:<30}{r['pass']:<6}{r['ours_ms']:>9.3f}{r['torch_ms']:>10.3f}{comp:>12}"
                          f"{r['ours_GBps']:>11.0f}")
+    if "bytes_model" in result:
+        lines.append(bytes_table(result["bytes_model"]))
     if "step" in result:
+        if "step" in kept:
+            lines.append(f"training steps from the run of {kept['step']}")
         lines.append(result["step"]["model"])
-        lines.append(f"{'residual':<12}{'step ms':>9}{'overhead':>10}{'peak GiB':>10}")
+        lines.append(f"{'residual':<18}{'step ms':>9}{'overhead':>10}{'peak GiB':>10}{'model ms':>10}")
         for r in result["step"]["rows"]:
             peak = f"{r['peak_GiB']:.2f}" if r["peak_GiB"] else "-"
-            lines.append(f"{r['variant']:<12}{r['step_ms']:>9.1f}{100 * r['overhead']:>9.1f}%{peak:>10}")
+            model = f"{r['model_extra_ms_at_4TBps']:.1f}" if r.get("model_extra_ms_at_4TBps") else "-"
+            lines.append(f"{r['variant']:<18}{r['step_ms']:>9.1f}{100 * r['overhead']:>9.1f}%{peak:>10}{model:>10}")
     if "lm_experiment" in result:
         c = result["lm_experiment"]["config"]
         lines.append(f"LM experiment: d={c['d_model']}, {c['sublayers']} sublayers, {c['steps']} steps x "

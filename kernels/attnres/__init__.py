@@ -1,4 +1,5 @@
-"""Triton kernels for Attention Residuals: the depth-softmax mixing, forward and backward."""
-from k3lab.kernels.attnres.mix import mix_bwd, mix_fwd
+"""Triton kernels for Attention Residuals: two-phase Block AttnRes training (phase 1 over the blocks,
+the per-sublayer merge), forward and backward."""
+from k3lab.kernels.attnres.mix import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd
 
-__all__ = ["mix_fwd", "mix_bwd"]
+__all__ = ["phase1_fwd", "phase1_bwd", "merge_fwd", "merge_bwd"]

@@ -1,12 +1,18 @@
-"""Triton kernels for the AttnRes depth-softmax mixing (forward and backward).
+"""Triton kernels for Block AttnRes training, two-phase (the math is in ``k3lab.attnres.mix``, whose
+PyTorch functions take the same arguments and return the same values).
 
-The math is in ``k3lab.attnres.mix`` (same arguments as ``mix_fwd_torch`` / ``mix_bwd_torch``).
-Both kernels are memory-bound: forward reads each source row once (an online softmax over depth
-keeps one [BLOCK_M, d] accumulator), backward reads each source row twice (pass 1 for
-sum_j alpha_j g^T v_j, pass 2 for the gradients) and writes each source's gradient once.
+- ``phase1_fwd`` / ``phase1_bwd``: the inter-block depth softmax of all S sublayers of a block
+  at once. Forward reads each block representation once per token tile (online softmax over depth,
+  G queries per program); backward reads them twice (pass 1: dO_l . o_l; pass 2: the gradients),
+  reads each dO_l once, and adds the blocks' gradients into the accumulator.
+- ``merge_fwd`` / ``merge_bwd``: one sublayer's merge of the inter-block part with its partial sum
+  (per-token scalars times two vectors); the forward optionally forms the partial sum p = prev + v
+  first, the backward adds the partial sum's incoming gradient.
 
-On a CPU-only machine ``k3lab.setup()`` must run before this module is imported (TRITON_INTERPRET=1);
-the interpreter cannot do bf16 arithmetic, so every block is upcast to float32 right after its load.
+All kernels are memory-bound and read whole rows of d (the RMSNorm keys need them). On a CPU-only
+machine ``k3lab.setup()`` must run before this module is imported (TRITON_INTERPRET=1); the
+interpreter cannot do bf16 arithmetic, so every block is upcast to float32 right after its load,
+and autotuning is off (one config).
 """
 from __future__ import annotations
 
@@ -17,199 +23,374 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Elements of one [G, BM, BD] register tile (the G queries' accumulators); more spills on an H200.
+_TILE_BUDGET = 16384
 
 
 @triton.jit
 def _score(b_v, b_w, D, eps):
-    # r = rsqrt(mean(v^2) + eps), s = r * w^T v, for each row of b_v [BLOCK_M, BLOCK_D].
+    # r = rsqrt(mean(v^2) + eps), s = r * w^T v, for each row of b_v [BM, BD]; b_w [BD].
     b_r = 1.0 / tl.sqrt(tl.sum(b_v * b_v, axis=1) / D + eps)
     return b_r, tl.sum(b_v * b_w[None, :], axis=1) * b_r
 
 
 @triton.jit
-def _online_softmax_step(b_v, b_w, b_max, b_sum, b_acc, D, eps):
-    """Fold one source [BLOCK_M, BLOCK_D] into the running (max, sum, weighted sum) of the depth softmax."""
-    b_r, b_s = _score(b_v, b_w, D, eps)
-    b_new = tl.maximum(b_max, b_s)
-    b_scale, b_p = tl.exp(b_max - b_new), tl.exp(b_s - b_new)
-    return b_new, b_sum * b_scale + b_p, b_acc * b_scale[:, None] + b_p[:, None] * b_v
+def _scores(b_v, b_W, D, eps):
+    # As _score for G queries b_W [G, BD] at once: r [BM], s [G, BM].
+    b_r = 1.0 / tl.sqrt(tl.sum(b_v * b_v, axis=1) / D + eps)
+    return b_r, tl.sum(b_W[:, None, :] * b_v[None, :, :], axis=2) * b_r[None, :]
+
+
+def _configs(n_options):
+    """Autotune configs (G queries, BM tokens per program); one when interpreting."""
+    if INTERPRET:
+        return [triton.Config({"G": 2, "BM": 2}, num_warps=4)]
+    return [triton.Config({"G": g, "BM": bm}, num_warps=w) for g, bm, w in n_options]
+
+
+def _prune(configs, nargs, **_):
+    # Keep the register tile within budget and G no larger than the block's sublayer count needs.
+    bd, s_pad = triton.next_power_of_2(nargs["D"]), triton.next_power_of_2(nargs["S"])
+    kept = [c for c in configs if c.kwargs["G"] * c.kwargs["BM"] * bd <= _TILE_BUDGET and c.kwargs["G"] <= s_pad]
+    return kept or [min(configs, key=lambda c: c.kwargs["G"] * c.kwargs["BM"])]
+
+
+# (G, BM, num_warps). Compiled for sm_90 (ptxas, no GPU needed), these keep their tiles in registers
+# at d = 2048 (at most 8 bytes of stack); at d = 7168 every backward config spills.
+_FWD_OPTIONS = [(8, 1, 8), (8, 1, 16), (4, 1, 8), (4, 2, 8), (2, 1, 8), (2, 2, 4), (2, 4, 8), (1, 2, 8), (1, 4, 4),
+                (1, 1, 16)]
+_BWD_OPTIONS = [(4, 1, 8), (4, 1, 16), (2, 1, 8), (2, 2, 8), (1, 1, 8), (1, 1, 16), (1, 1, 32)]
+
+
+@triton.autotune(configs=_configs(_FWD_OPTIONS), key=["D", "S"], prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def attnres_phase1_fwd_kernel(
+    buf,  # [S_max, M, D] block representations; slots 0..n_src-1 are read
+    W,  # [S, D] the block's pseudo-queries
+    h,  # [M, D] output: query 0's read (the block's first sublayer input), h's dtype
+    o,  # [S - 1, M, D] output: queries 1..S-1's inter-block parts, o's dtype
+    lse,  # [S, M] float32 output: log-sum-exp of each query's inter-block logits
+    M, D, n_src, S, stride_s,  # tokens, width, blocks read, queries, elements between slots
+    eps,
+    BD: tl.constexpr,
+    G: tl.constexpr,  # queries per program
+    BM: tl.constexpr,  # tokens per program
+):
+    i_g, i_m = tl.program_id(0), tl.program_id(1)
+    o_l = i_g * G + tl.arange(0, G)
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_d = tl.arange(0, BD)
+    m_l, m_m, m_d = o_l < S, o_m < M, o_d < D
+    m_md = m_m[:, None] & m_d[None, :]
+    o_md = o_m[:, None].to(tl.int64) * D + o_d[None, :]
+    b_W = tl.load(W + o_l[:, None] * D + o_d[None, :], mask=m_l[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+
+    b_max = tl.full([G, BM], float("-inf"), tl.float32)
+    b_sum = tl.zeros([G, BM], tl.float32)
+    b_acc = tl.zeros([G, BM, BD], tl.float32)
+    # num_stages: the next blocks' rows are fetched (into shared memory) while this one is used.
+    p_src = buf
+    for _ in tl.range(0, n_src, num_stages=3):
+        b_v = tl.load(p_src + o_md, mask=m_md, other=0.0).to(tl.float32)
+        b_r, b_s = _scores(b_v, b_W, D, eps)
+        b_new = tl.maximum(b_max, b_s)
+        b_scale, b_p = tl.exp(b_max - b_new), tl.exp(b_s - b_new)
+        b_sum = b_sum * b_scale + b_p
+        b_acc = b_acc * b_scale[:, :, None] + b_p[:, :, None] * b_v[None, :, :]
+        b_max = b_new
+        p_src += stride_s
+    b_o = b_acc / b_sum[:, :, None]
+    if i_g == 0:
+        b_h = tl.sum(tl.where((o_l == 0)[:, None, None], b_o, 0.0), axis=0)
+        tl.store(h + o_md, b_h.to(h.dtype.element_ty), mask=m_md)
+    m_o = (m_l & (o_l > 0))[:, None, None] & m_md[None, :, :]
+    p_o = o + (o_l[:, None, None] - 1).to(tl.int64) * M * D + o_md[None, :, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o)
+    tl.store(lse + o_l[:, None] * M + o_m[None, :], b_max + tl.log(b_sum), mask=m_l[:, None] & m_m[None, :])
+
+
+@triton.autotune(configs=_configs(_BWD_OPTIONS), key=["D", "S"], prune_configs_by={"early_config_prune": _prune},
+                 restore_value=["dacc"])
+@triton.jit
+def attnres_phase1_bwd_kernel(
+    buf,  # [S_max, M, D] block representations
+    W,  # [S, D]
+    lse,  # [S, M] float32 from the forward
+    dh,  # [M, D] gradient of query 0's read
+    dO,  # [S - 1, M, D] gradients of queries 1..S-1's inter-block parts (when HAS_REST)
+    dlse,  # [S, M] float32 gradients of the lse (row 0 unused; when HAS_REST)
+    dacc,  # [>= n_src, M, D] the blocks' gradients: written, or added to when ACCUMULATE
+    dW,  # [n_programs, S, D] float32 output: per-program partial sums of dW
+    M, D, n_src, S, stride_s,
+    eps,
+    HAS_REST: tl.constexpr,
+    ACCUMULATE: tl.constexpr,  # 0 or 1
+    BD: tl.constexpr,
+    G: tl.constexpr,
+    BM: tl.constexpr,
+):
+    # Persistent: program i_p handles token tiles i_p, i_p + n_p, ... for each group of G queries
+    # in turn (groups after the first add into dacc rows this program wrote), keeping dW in registers.
+    i_p, n_p = tl.program_id(0), tl.num_programs(0)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    for i_g in range(0, tl.cdiv(S, G)):
+        o_l = i_g * G + tl.arange(0, G)
+        m_l = o_l < S
+        b_W = tl.load(W + o_l[:, None] * D + o_d[None, :], mask=m_l[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+        b_dW = tl.zeros([G, BD], tl.float32)
+        do_acc = (i_g + ACCUMULATE) > 0
+        for i_t in range(i_p, tl.cdiv(M, BM), n_p):
+            o_m = i_t * BM + tl.arange(0, BM)
+            m_m = o_m < M
+            m_md = m_m[:, None] & m_d[None, :]
+            o_md = o_m[:, None].to(tl.int64) * D + o_d[None, :]
+            m_lm = m_l[:, None] & m_m[None, :]
+            o_lm = o_l[:, None] * M + o_m[None, :]
+            b_dO = tl.load(dh + o_md[None, :, :] + 0 * o_l[:, None, None],
+                           mask=(o_l == 0)[:, None, None] & m_md[None, :, :], other=0.0).to(tl.float32)
+            b_dlse = tl.zeros([G, BM], tl.float32)
+            if HAS_REST:
+                p_dO = dO + (o_l[:, None, None] - 1).to(tl.int64) * M * D + o_md[None, :, :]
+                m_dO = (m_l & (o_l > 0))[:, None, None] & m_md[None, :, :]
+                b_dO += tl.load(p_dO, mask=m_dO, other=0.0).to(tl.float32)
+                b_dlse = tl.load(dlse + o_lm, mask=m_lm & (o_l > 0)[:, None], other=0.0)
+            b_lse = tl.load(lse + o_lm, mask=m_lm, other=0.0)
+            # Pass 1: dd_l = sum_i a_{l,i} dO_l . b_i (= dO_l . o_l).
+            b_dd = tl.zeros([G, BM], tl.float32)
+            p_src = buf
+            for _ in tl.range(0, n_src, num_stages=3):
+                b_v = tl.load(p_src + o_md, mask=m_md, other=0.0).to(tl.float32)
+                b_r, b_s = _scores(b_v, b_W, D, eps)
+                b_dd += tl.exp(b_s - b_lse) * tl.sum(b_dO * b_v[None, :, :], axis=2)
+                p_src += stride_s
+            # Pass 2: ds_{l,i} = a (dO_l . b_i - dd_l + dlse_l); db_i = sum_l [a dO_l + r ds (w_l - s r / D b_i)].
+            p_src, p_dsrc = buf, dacc
+            for _ in tl.range(0, n_src, num_stages=3):
+                b_v = tl.load(p_src + o_md, mask=m_md, other=0.0).to(tl.float32)
+                b_r, b_s = _scores(b_v, b_W, D, eps)
+                b_a = tl.where(m_lm, tl.exp(b_s - b_lse), 0.0)
+                b_ds = b_a * (tl.sum(b_dO * b_v[None, :, :], axis=2) - b_dd + b_dlse)
+                b_dv = (tl.sum(b_a[:, :, None] * b_dO, axis=0)
+                        + b_r[:, None] * tl.sum(b_ds[:, :, None] * b_W[:, None, :], axis=0)
+                        - (b_r * b_r / D * tl.sum(b_ds * b_s, axis=0))[:, None] * b_v)
+                b_dv += tl.load(p_dsrc + o_md, mask=m_md & do_acc, other=0.0).to(tl.float32)
+                tl.store(p_dsrc + o_md, b_dv.to(dacc.dtype.element_ty), mask=m_md)
+                b_dW += tl.sum((b_ds * b_r[None, :])[:, :, None] * b_v[None, :, :], axis=1)
+                p_src += stride_s
+                p_dsrc += M * D
+        tl.store(dW + (i_p * S + o_l[:, None]) * D + o_d[None, :], b_dW, mask=m_l[:, None] & m_d[None, :])
 
 
 @triton.jit
-def attnres_mix_fwd_kernel(
-    buf,  # [S_max, M, D] stored sources; slots 0..n_src-1 are read
-    partial,  # [M, D] running partial sum (read when HAS_PARTIAL)
+def attnres_merge_fwd_kernel(
+    prev,  # [M, D] previous partial sum (read when HAS_PREV)
+    v,  # [M, D] the last sublayer's output (read when ADD)
+    p,  # [M, D] partial sum: written (= prev + v) when ADD, else read
+    o,  # [M, D] inter-block part
+    lse,  # [M] float32 its log-sum-exp
     w,  # [D] pseudo-query
-    h,  # [M, D] output, buf's dtype
-    lse,  # [M] float32 output: log-sum-exp of the logits
-    M, D, n_src, stride_s,  # tokens, width, stored sources read, elements between slots
-    eps,
-    HAS_PARTIAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    h,  # [M, D] output, p's dtype
+    M, D, eps,
+    ADD: tl.constexpr,
+    HAS_PREV: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
 ):
     i_m = tl.program_id(0)
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_d = tl.arange(0, BLOCK_D)
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_d = tl.arange(0, BD)
     m_m, m_d = o_m < M, o_d < D
     m_md = m_m[:, None] & m_d[None, :]
     o_md = o_m[:, None].to(tl.int64) * D + o_d[None, :]
+    if ADD:
+        b_p = tl.load(v + o_md, mask=m_md, other=0.0).to(tl.float32)
+        if HAS_PREV:
+            b_p += tl.load(prev + o_md, mask=m_md, other=0.0).to(tl.float32)
+        b_p = b_p.to(p.dtype.element_ty)
+        tl.store(p + o_md, b_p, mask=m_md)
+        b_p = b_p.to(tl.float32)
+    else:
+        b_p = tl.load(p + o_md, mask=m_md, other=0.0).to(tl.float32)
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
-
-    b_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    b_sum = tl.zeros([BLOCK_M], tl.float32)
-    b_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    p_src = buf
-    for _ in range(0, n_src):
-        b_v = tl.load(p_src + o_md, mask=m_md, other=0.0).to(tl.float32)
-        b_max, b_sum, b_acc = _online_softmax_step(b_v, b_w, b_max, b_sum, b_acc, D, eps)
-        p_src += stride_s
-    if HAS_PARTIAL:
-        b_v = tl.load(partial + o_md, mask=m_md, other=0.0).to(tl.float32)
-        b_max, b_sum, b_acc = _online_softmax_step(b_v, b_w, b_max, b_sum, b_acc, D, eps)
-    tl.store(h + o_md, (b_acc / b_sum[:, None]).to(h.dtype.element_ty), mask=m_md)
-    tl.store(lse + o_m, b_max + tl.log(b_sum), mask=m_m)
+    b_r, b_s = _score(b_p, b_w, D, eps)
+    b_lse = tl.load(lse + o_m, mask=m_m, other=0.0)
+    b_mx = tl.maximum(b_lse, b_s)
+    b_ea, b_eb = tl.exp(b_lse - b_mx), tl.exp(b_s - b_mx)
+    b_o = tl.load(o + o_md, mask=m_md, other=0.0).to(tl.float32)
+    b_h = (b_ea[:, None] * b_o + b_eb[:, None] * b_p) / (b_ea + b_eb)[:, None]
+    tl.store(h + o_md, b_h.to(h.dtype.element_ty), mask=m_md)
 
 
 @triton.jit
-def _source_grad(b_v, b_g, b_w, b_lse, b_dd, D, eps):
-    # alpha, ds and dv of one source (see k3lab.attnres.mix), and its contribution ds*r*v to dw.
-    b_r, b_s = _score(b_v, b_w, D, eps)
-    b_alpha = tl.exp(b_s - b_lse)
-    b_ds = b_alpha * (tl.sum(b_g * b_v, axis=1) - b_dd)
-    b_dv = b_alpha[:, None] * b_g + (b_r * b_ds)[:, None] * (b_w[None, :] - (b_s * b_r / D)[:, None] * b_v)
-    return b_dv, tl.sum((b_ds * b_r)[:, None] * b_v, axis=0)
-
-
-@triton.jit
-def attnres_mix_bwd_kernel(
-    buf,  # [S_max, M, D] stored sources
-    partial,  # [M, D] partial sum (read when HAS_PARTIAL)
+def attnres_merge_bwd_kernel(
+    dh,  # [M, D] gradient of h
+    dp_in,  # [M, D] gradient of p from its other uses (read when HAS_DP)
+    p, o,  # [M, D] partial sum, inter-block part
+    lse,  # [M] float32
     w,  # [D]
-    lse,  # [M] float32 from the forward
-    dh,  # [M, D] gradient of the output
-    dbuf,  # [n_src, M, D] output: gradients of the stored sources (ACCUMULATE: added in place)
-    dpartial,  # [M, D] output: gradient of the partial sum (when HAS_PARTIAL)
+    dp,  # [M, D] output: total gradient of p, p's dtype (when WRITE_DP)
+    dv,  # [M, D] output: the same in v's dtype (when WRITE_DV)
+    dO,  # [M, D] output: gradient of o (float32 slot of the block)
+    dlse,  # [M] float32 output: gradient of lse
     dw,  # [n_programs, D] float32 output: per-program partial sums of dw
-    M, D, n_src, stride_s,
-    eps,
-    HAS_PARTIAL: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    M, D, eps,
+    HAS_DP: tl.constexpr,
+    WRITE_DP: tl.constexpr,
+    WRITE_DV: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
 ):
-    # Persistent: program i_p handles token tiles i_p, i_p + n_p, ... and keeps its dw in registers.
     i_p, n_p = tl.program_id(0), tl.num_programs(0)
-    o_d = tl.arange(0, BLOCK_D)
+    o_d = tl.arange(0, BD)
     m_d = o_d < D
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_dw = tl.zeros([BLOCK_D], tl.float32)
-    for i_t in range(i_p, tl.cdiv(M, BLOCK_M), n_p):
-        o_m = i_t * BLOCK_M + tl.arange(0, BLOCK_M)
+    b_dw = tl.zeros([BD], tl.float32)
+    for i_t in range(i_p, tl.cdiv(M, BM), n_p):
+        o_m = i_t * BM + tl.arange(0, BM)
         m_m = o_m < M
         m_md = m_m[:, None] & m_d[None, :]
         o_md = o_m[:, None].to(tl.int64) * D + o_d[None, :]
         b_g = tl.load(dh + o_md, mask=m_md, other=0.0).to(tl.float32)
+        b_p = tl.load(p + o_md, mask=m_md, other=0.0).to(tl.float32)
+        b_o = tl.load(o + o_md, mask=m_md, other=0.0).to(tl.float32)
         b_lse = tl.load(lse + o_m, mask=m_m, other=0.0)
-        # Pass 1: dd = sum_j alpha_j g^T v_j = g^T h.
-        b_dd = tl.zeros([BLOCK_M], tl.float32)
-        p_src = buf
-        for _ in range(0, n_src):
-            b_v = tl.load(p_src + o_md, mask=m_md, other=0.0).to(tl.float32)
-            b_r, b_s = _score(b_v, b_w, D, eps)
-            b_dd += tl.exp(b_s - b_lse) * tl.sum(b_g * b_v, axis=1)
-            p_src += stride_s
-        if HAS_PARTIAL:
-            b_v = tl.load(partial + o_md, mask=m_md, other=0.0).to(tl.float32)
-            b_r, b_s = _score(b_v, b_w, D, eps)
-            b_dd += tl.exp(b_s - b_lse) * tl.sum(b_g * b_v, axis=1)
-        # Pass 2: the gradients.
-        p_src, p_dsrc = buf, dbuf
-        for _ in range(0, n_src):
-            b_v = tl.load(p_src + o_md, mask=m_md, other=0.0).to(tl.float32)
-            b_dv, b_dw_i = _source_grad(b_v, b_g, b_w, b_lse, b_dd, D, eps)
-            if ACCUMULATE:
-                b_dv += tl.load(p_dsrc + o_md, mask=m_md, other=0.0).to(tl.float32)
-            tl.store(p_dsrc + o_md, b_dv.to(dbuf.dtype.element_ty), mask=m_md)
-            b_dw += b_dw_i
-            p_src += stride_s
-            p_dsrc += M * D
-        if HAS_PARTIAL:
-            b_v = tl.load(partial + o_md, mask=m_md, other=0.0).to(tl.float32)
-            b_dv, b_dw_i = _source_grad(b_v, b_g, b_w, b_lse, b_dd, D, eps)
-            tl.store(dpartial + o_md, b_dv.to(dpartial.dtype.element_ty), mask=m_md)
-            b_dw += b_dw_i
+        b_r, b_s = _score(b_p, b_w, D, eps)
+        b_mx = tl.maximum(b_lse, b_s)
+        b_ea, b_eb = tl.exp(b_lse - b_mx), tl.exp(b_s - b_mx)
+        b_alpha, b_beta = b_ea / (b_ea + b_eb), b_eb / (b_ea + b_eb)
+        b_ds = b_alpha * b_beta * tl.sum(b_g * (b_p - b_o), axis=1)
+        tl.store(dO + o_md, (b_alpha[:, None] * b_g).to(dO.dtype.element_ty), mask=m_md)
+        tl.store(dlse + o_m, -b_ds, mask=m_m)
+        b_dp = b_beta[:, None] * b_g + (b_r * b_ds)[:, None] * (b_w[None, :] - (b_s * b_r / D)[:, None] * b_p)
+        if HAS_DP:
+            b_dp += tl.load(dp_in + o_md, mask=m_md, other=0.0).to(tl.float32)
+        if WRITE_DP:
+            tl.store(dp + o_md, b_dp.to(dp.dtype.element_ty), mask=m_md)
+        if WRITE_DV:
+            tl.store(dv + o_md, b_dp.to(dv.dtype.element_ty), mask=m_md)
+        b_dw += tl.sum((b_ds * b_r)[:, None] * b_p, axis=0)
     tl.store(dw + i_p * D + o_d, b_dw, mask=m_d)
 
 
-def _blocks(D: int, elems: int) -> tuple[int, int, int]:
+def _rows(D: int, elems: int) -> tuple[int, int, int]:
     block_d = triton.next_power_of_2(D)
     block_m = max(1, min(16, elems // block_d))
-    num_warps = 4 if block_m * block_d <= 4096 else 8
-    return block_m, block_d, num_warps
+    return block_m, block_d, 4 if block_m * block_d <= 4096 else 8
 
 
-def _check(buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Tensor) -> None:
-    if not buf.is_contiguous() or (partial is not None and not partial.is_contiguous()):
-        raise ValueError("buf and partial must be contiguous")
+def _n_programs(device: torch.device, n_tiles: int) -> int:
+    return min(n_tiles, 4 if INTERPRET else 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _check_phase1(buf: torch.Tensor, n: int, W: torch.Tensor) -> None:
+    if not buf.is_contiguous():
+        raise ValueError("buf must be contiguous")
     if not 1 <= n <= buf.shape[0]:
         raise ValueError(f"n must be in [1, buf.shape[0]={buf.shape[0]}], got {n}")
-    if w.shape != buf.shape[-1:] or (partial is not None and partial.shape != buf.shape[1:]):
-        raise ValueError(f"w must be [d] and partial {list(buf.shape[1:])} for buf {list(buf.shape)}, got "
-                         f"w {list(w.shape)}, partial {None if partial is None else list(partial.shape)}")
+    if W.ndim != 2 or W.shape[1] != buf.shape[-1] or W.shape[0] < 1:
+        raise ValueError(f"W must be [S >= 1, d={buf.shape[-1]}], got {list(W.shape)}")
 
 
-def mix_fwd(buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Tensor, eps: float,
-            out_dtype: torch.dtype | None = None):
-    """Triton forward of the depth mixing; arguments and returns as ``k3lab.attnres.mix.mix_fwd_torch``
-    (buf [S_max, ..., d] contiguous; returns h [..., d] in ``out_dtype``, default buf's, and lse
-    [...] float32).
+def phase1_fwd(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: torch.dtype | None = None,
+               o_dtype: torch.dtype | None = None):
+    """Triton phase-1 forward; arguments and returns as ``k3lab.attnres.mix.phase1_fwd_torch``
+    (buf [S_max, ..., d] contiguous; returns h [..., d], o [S - 1, ..., d] or None, lse [S, ...] float32).
+
+    Raises:
+        ValueError: non-contiguous buf, n out of range, W not [S, d].
+    """
+    _check_phase1(buf, n, W)
+    S, D = W.shape[0], buf.shape[-1]
+    M = buf[0].numel() // D
+    h = torch.empty(buf.shape[1:], dtype=h_dtype or buf.dtype, device=buf.device)
+    o = torch.empty((S - 1, *buf.shape[1:]), dtype=o_dtype or h.dtype, device=buf.device) if S > 1 else None
+    lse = torch.empty((S, *buf.shape[1:-1]), dtype=torch.float32, device=buf.device)
+    grid = lambda meta: (triton.cdiv(S, meta["G"]), triton.cdiv(M, meta["BM"]))  # noqa: E731
+    attnres_phase1_fwd_kernel[grid](buf, W.contiguous(), h, o if o is not None else h, lse, M, D, n, S, M * D, eps,
+                                    BD=triton.next_power_of_2(D))
+    return h, o, lse
+
+
+def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, dh: torch.Tensor,
+               dO: torch.Tensor | None, dlse: torch.Tensor | None, eps: float, dacc: torch.Tensor,
+               accumulate: bool = True) -> torch.Tensor:
+    """Triton phase-1 backward; as ``k3lab.attnres.mix.phase1_bwd_torch`` (the blocks' gradients go
+    into ``dacc[:n]``, written or added; returns dW [S, d] in W's dtype).
 
     Raises:
         ValueError: non-contiguous inputs, n out of range, shape mismatch.
     """
-    _check(buf, n, partial, w)
-    D = buf.shape[-1]
+    _check_phase1(buf, n, W)
+    S, D = W.shape[0], buf.shape[-1]
     M = buf[0].numel() // D
-    h = torch.empty(buf.shape[1:], dtype=out_dtype or buf.dtype, device=buf.device)
-    lse = torch.empty(buf.shape[1:-1], dtype=torch.float32, device=buf.device)
-    block_m, block_d, num_warps = _blocks(D, 4096)
-    grid = (triton.cdiv(M, block_m),)
-    attnres_mix_fwd_kernel[grid](
-        buf, partial if partial is not None else buf, w.contiguous(), h, lse, M, D, n, M * D, eps,
-        HAS_PARTIAL=partial is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+    if not dacc.is_contiguous() or dacc.shape[1:] != buf.shape[1:] or dacc.shape[0] < n:
+        raise ValueError(f"dacc must be contiguous [>= {n}, {list(buf.shape[1:])}], got {list(dacc.shape)}")
+    if (dO is None) != (S == 1) or (dlse is None) != (S == 1):
+        raise ValueError(f"dO and dlse are needed exactly when S > 1 (S = {S})")
+    # Persistent grid, sized for one token per program at most; every program writes its dW rows.
+    n_prog = _n_programs(buf.device, M)
+    dW = torch.empty((n_prog, S, D), dtype=torch.float32, device=buf.device)
+    attnres_phase1_bwd_kernel[(n_prog,)](
+        buf, W.contiguous(), lse.contiguous(), dh.contiguous(), dO if dO is not None else dh,
+        dlse if dlse is not None else lse, dacc, dW, M, D, n, S, M * D, eps,
+        HAS_REST=S > 1, ACCUMULATE=int(accumulate), BD=triton.next_power_of_2(D),
     )
-    return h, lse
+    return dW.sum(0).to(W.dtype)
 
 
-def mix_bwd(dh: torch.Tensor, buf: torch.Tensor, n: int, partial: torch.Tensor | None, w: torch.Tensor,
-            lse: torch.Tensor, eps: float, dacc: torch.Tensor | None = None):
-    """Triton backward of the depth mixing; as ``k3lab.attnres.mix.mix_bwd_torch``: returns
-    (dbuf [n, ..., d] in buf's dtype, dpartial [..., d] or None, dw [d] in w's dtype); with ``dacc``
-    ([>= n, ..., d] contiguous) the stored sources' gradients are added into ``dacc[:n]`` in place
-    and ``dacc[:n]`` is returned as dbuf.
+def merge_fwd(p: torch.Tensor | None, o: torch.Tensor, lse: torch.Tensor, w: torch.Tensor, eps: float,
+              prev: torch.Tensor | None = None, v: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+    """Triton merge forward; as ``k3lab.attnres.mix.merge_fwd_torch``: with ``v`` given, p = prev + v
+    (or v) is formed in ``dtype`` first; returns (p, h).
 
     Raises:
-        ValueError: non-contiguous inputs, n out of range, shape mismatch.
+        ValueError: shape mismatch, or neither p nor v given.
     """
-    _check(buf, n, partial, w)
-    D = buf.shape[-1]
-    M = buf[0].numel() // D
-    if dacc is not None:
-        if not dacc.is_contiguous() or dacc.shape[1:] != buf.shape[1:] or dacc.shape[0] < n:
-            raise ValueError(f"dacc must be contiguous [>= {n}, {list(buf.shape[1:])}], got {list(dacc.shape)}")
-        dbuf = dacc
-    else:
-        dbuf = torch.empty((n, *buf.shape[1:]), dtype=buf.dtype, device=buf.device)
-    dpartial = torch.empty_like(partial) if partial is not None else None
-    block_m, block_d, num_warps = _blocks(D, 2048)
-    n_tiles = triton.cdiv(M, block_m)
-    n_prog = min(n_tiles, 4 if INTERPRET else 4 * torch.cuda.get_device_properties(buf.device).multi_processor_count)
-    dw = torch.empty((n_prog, D), dtype=torch.float32, device=buf.device)
-    attnres_mix_bwd_kernel[(n_prog,)](
-        buf, partial if partial is not None else buf, w.contiguous(), lse.contiguous(), dh.contiguous(),
-        dbuf, dpartial if dpartial is not None else dbuf, dw, M, D, n, M * D, eps,
-        HAS_PARTIAL=partial is not None, ACCUMULATE=dacc is not None, BLOCK_M=block_m, BLOCK_D=block_d,
-        num_warps=num_warps,
+    if (p is None) == (v is None):
+        raise ValueError("give exactly one of p (read) and v (p = prev + v formed here)")
+    D = o.shape[-1]
+    M = o.numel() // D
+    if v is not None:
+        p = torch.empty(v.shape, dtype=dtype or (prev.dtype if prev is not None else v.dtype), device=v.device)
+    for name, t in (("p", p), ("prev", prev), ("v", v)):
+        if t is not None and t.shape != o.shape:
+            raise ValueError(f"{name} must be {list(o.shape)} like o, got {list(t.shape)}")
+    h = torch.empty(o.shape, dtype=p.dtype, device=o.device)
+    block_m, block_d, num_warps = _rows(D, 4096)
+    attnres_merge_fwd_kernel[(triton.cdiv(M, block_m),)](
+        prev.contiguous() if prev is not None else p, v.contiguous() if v is not None else p, p, o.contiguous(),
+        lse.contiguous(), w.contiguous(), h, M, D, eps,
+        ADD=v is not None, HAS_PREV=prev is not None, BM=block_m, BD=block_d, num_warps=num_warps,
     )
-    return dbuf[:n], dpartial, dw.sum(0).to(w.dtype)
+    return p, h
+
+
+def merge_bwd(dh: torch.Tensor, dp_in: torch.Tensor | None, p: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+              w: torch.Tensor, eps: float, dO: torch.Tensor, dlse: torch.Tensor, v_dtype: torch.dtype | None = None,
+              need_dp: bool = True):
+    """Triton merge backward; as ``k3lab.attnres.mix.merge_bwd_torch``: writes dO and dlse in place,
+    returns (dp, dv, dw) (dp None when not ``need_dp`` and dv is written in another dtype).
+
+    Raises:
+        ValueError: shape mismatch or non-contiguous output slots.
+    """
+    if any(t is not None and t.shape != p.shape for t in (dh, dp_in, o, dO)):
+        raise ValueError(f"dh, dp_in, o and dO must be {list(p.shape)} like p")
+    if not (dO.is_contiguous() and dlse.is_contiguous() and p.is_contiguous()):
+        raise ValueError("p, dO and dlse must be contiguous")
+    D = p.shape[-1]
+    M = p.numel() // D
+    write_dv = v_dtype is not None and v_dtype != p.dtype
+    write_dp = need_dp or not write_dv
+    dp = torch.empty_like(p) if write_dp else None
+    dv = torch.empty(p.shape, dtype=v_dtype, device=p.device) if write_dv else dp
+    block_m, block_d, num_warps = _rows(D, 2048)
+    n_prog = _n_programs(p.device, triton.cdiv(M, block_m))
+    dw = torch.empty((n_prog, D), dtype=torch.float32, device=p.device)
+    attnres_merge_bwd_kernel[(n_prog,)](
+        dh.contiguous(), dp_in.contiguous() if dp_in is not None else dh, p, o.contiguous(), lse.contiguous(),
+        w.contiguous(), dp if write_dp else dv, dv, dO, dlse, dw, M, D, eps,
+        HAS_DP=dp_in is not None, WRITE_DP=write_dp, WRITE_DV=write_dv, BM=block_m, BD=block_d, num_warps=num_warps,
+    )
+    return dp, dv, dw.sum(0).to(w.dtype)
