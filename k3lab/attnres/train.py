@@ -69,7 +69,8 @@ class _StoreFirst(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _):
         # A copy: h0 may be a leaf whose .grad would otherwise keep the whole accumulator alive.
-        return ctx.store.acc[0].clone(), None
+        acc = ctx.store.acc
+        return (None if acc is None else acc[0].clone()), None
 
 
 class _StoreSum(torch.autograd.Function):
