@@ -77,7 +77,7 @@ def test_one_process_is_flash_kda():
     """R = 1: kcp_flash_kda is flash_kda with the context's documents as cu_seqlens, bit for bit."""
     T, cu = 40, (0, 13, 40)
     ctx = make_context(T, cu)
-    ours = [x.requires_grad_() for x in _inputs(T, 1, 2, 16, 16, 2, seed=4)]
+    ours = [x.requires_grad_() for x in _inputs(T, 1, 1, 16, 16, 2, seed=4)]
     ref = [x.detach().clone().requires_grad_() for x in ours]
     o, s = kcp_flash_kda(*ours[:7], ctx, initial_state=ours[7], output_final_state=True)
     o_ref, s_ref = flash_kda(*ref[:7], initial_state=ref[7], output_final_state=True,
