@@ -1,25 +1,26 @@
 #!/usr/bin/env python3
 """A fake ``firecracker`` executable for CI (no KVM here): Firecracker's API subset on
-``--api-sock`` and a stand-in guest behind its vsock socket.
+``--api-sock`` and a stand-in guest whose agent serves the serial console on stdin/stdout.
 
 It exercises the HOST-SIDE control path of :mod:`k3lab.agentenv.fcvm` (which API calls, in which
-state, with which paths; snapshot files; the vsock handshake; the agent protocol). There is no
-VM, no guest kernel and no isolation: the "guest" is a folder on the host and its commands run on
-the host. Standard library only.
+state, with which paths; snapshot files; the serial console on the process's pipes; the agent
+protocol). There is no VM, no guest kernel and no isolation: the "guest" is a folder on the host
+and its commands run on the host. Standard library only.
 
 API, validated the way Firecracker does (errors answer 400 ``{"fault_message": ...}``):
 
 - States: "Not started" -> (``PUT /actions`` InstanceStart | ``PUT /snapshot/load``) ->
   "Running" <-> "Paused" (``PATCH /vm``).
-- ``/machine-config``, ``/boot-source``, ``/drives/{id}``, ``/vsock`` only before the start; the
-  kernel, initrd and drive files must exist when configured; the vsock socket is bound then and
-  refused if its path exists. Relative paths resolve against the working directory.
-- ``/snapshot/create`` only while Paused; ``Diff`` only with dirty-page tracking. It resets the
-  open vsock connections (Firecracker's VIRTIO_VSOCK_EVENT_TRANSPORT_RESET).
+- ``/machine-config``, ``/boot-source``, ``/drives/{id}`` only before the start; the kernel,
+  initrd and drive files must exist when configured. Relative paths resolve against the working
+  directory.
+- ``/snapshot/create`` only while Paused; ``Diff`` only with dirty-page tracking.
 - ``/snapshot/load`` only on a fresh process with nothing configured; unknown body fields are
   refused; the memory backend must be a ``File`` of the recorded size; the recorded drive paths
-  must exist and the recorded vsock path must be free (both resolved against the working
-  directory). A failed load ends the process, as Firecracker does.
+  must exist (resolved against the working directory). A failed load ends the process, as
+  Firecracker does.
+- ``--log-path`` must name an existing file; the log goes there, nothing but the serial console
+  goes to stdout.
 
 Guest model: a private folder ``.fake-fc-*/guest`` in the working directory is the guest's file
 namespace (guest path ``/a/b`` is ``<guest>/a/b``). The drive file is a tar of every guest file
@@ -27,12 +28,17 @@ except ``/tmp`` (its disk), read at start and rewritten after every agent reques
 the disk at once); ``/tmp`` lives in memory only. Guest memory is a tar of the whole folder: a
 memory file is ``mem_size_mib`` MiB with ``MAGIC``, the tar's length and the tar at offset 0 (the
 rest a hole); a Diff memory file holds only the 4 KiB pages that changed since the last snapshot
-or load. The agent listens on vsock port 1024 shortly after boot (at once after a load): a
-``CONNECT 1024\\n`` gets ``OK <n>\\n`` then ``\\n@K3READY\\n``, any other port is closed. It speaks
-k3lab's agent protocol (ping / exec / write / read): ``exec`` runs ``sh -c`` on the host with the
-guest folder as working directory and ``$GUEST_ROOT`` set (so tests use guest-relative paths in
-commands), and kills the command's process group when it returns (no long-lived guest
-processes). A paused guest answers nothing until resumed.
+or load.
+
+Serial console and agent: as Firecracker's UART, stdin is the guest's input and stdout its output,
+made non-blocking, and output that a full pipe refuses is lost (counted in the log), so a host
+that lets more than a pipe's worth pile up loses data here too. Shortly after boot the guest
+prints some boot noise and ``\n@K3READY\n``; after a load it prints nothing (its agent carries
+on). The agent speaks k3lab's protocol (:mod:`k3lab.agentenv.agent`: ping / exec / write / read,
+payloads and replies in acknowledged chunks, md5 sums): ``exec`` runs the script with ``sh`` on
+the host with the guest folder as working directory and ``$GUEST_ROOT`` set (so tests use
+guest-relative paths in commands), and kills the command's process group when it returns (no
+long-lived guest processes). A paused guest answers nothing until resumed.
 
 Every API request is appended to ``<api-sock>.requests.jsonl`` as ``[method, path, body]``.
 """
@@ -40,12 +46,11 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import hashlib
 import io
-import itertools
 import json
 import os
 import signal
-import socket
 import socketserver
 import subprocess
 import sys
@@ -57,9 +62,11 @@ from http.server import BaseHTTPRequestHandler
 
 PAGE = 4096
 MAGIC = b"FAKEMEM1"
-AGENT_PORT = 1024
+#: the agent protocol's chunk size (k3lab.agentenv.agent.CHUNK).
+CHUNK = 32768
 BOOT_DELAY_S = 0.05
-PRE_BOOT = ("/machine-config", "/boot-source", "/vsock")
+BOOT_NOISE = b"[    0.000000] Linux version 6.1.0-fake\r\nk3init: insmod virtio_console failed\r\n"
+PRE_BOOT = ("/machine-config", "/boot-source")
 
 
 class Fault(Exception):
@@ -80,19 +87,19 @@ def _pdeathsig() -> None:
 
 
 class Guest:
-    """The stand-in guest: files in a folder, an agent on a vsock socket."""
+    """The stand-in guest: files in a folder, an agent on the serial console (stdin/stdout)."""
 
-    def __init__(self) -> None:
+    def __init__(self, log) -> None:
         self.priv = tempfile.mkdtemp(prefix=".fake-fc-", dir=os.getcwd())
         self.root = os.path.join(self.priv, "guest")
         os.mkdir(self.root)
         self.drive: str | None = None
         self.running = threading.Event()
         self.lock = threading.Lock()
-        self.agent_from = float("inf")
-        self.conns: set[socket.socket] = set()
         self.baseline: bytes | None = None
-        self.hostports = itertools.count(1 << 30)
+        self.log = log
+        self.next: bytes | None = None
+        os.set_blocking(1, False)
 
     # -- files -----------------------------------------------------------------------------------
     def path(self, guest_path: str) -> str:
@@ -162,81 +169,98 @@ class Guest:
             raise LoadFailed(f"{path}: corrupt guest memory ({e})") from None
         self.baseline = blob
 
-    # -- vsock and the agent ---------------------------------------------------------------------
-    def bind_vsock(self, uds_path: str, error=Fault) -> None:
-        path = resolve(uds_path)
-        if os.path.exists(path):
-            raise error(f"Cannot create backend for vsock device: UnixBind(Address in use: {uds_path})")
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(uds_path)
-        s.listen(16)
-        threading.Thread(target=self._accept, args=(s,), daemon=True).start()
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            conn, _ = listener.accept()
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def transport_reset(self) -> None:
-        for c in list(self.conns):
+    # -- the serial console and the agent --------------------------------------------------------
+    def serial_out(self, data: bytes) -> None:
+        """Guest output to stdout; what a full pipe refuses is lost, as Firecracker's UART loses it."""
+        view = memoryview(data)
+        while view:
             try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self.conns.clear()
-
-    def _serve(self, conn: socket.socket) -> None:
-        f = conn.makefile("rb")
-        try:
-            words = f.readline().split()
-            self.running.wait()
-            if (len(words) != 2 or words[0] != b"CONNECT" or int(words[1]) != AGENT_PORT
-                    or time.monotonic() < self.agent_from):
+                view = view[os.write(1, view):]
+            except BlockingIOError:
+                self.log.write(f"serial: {len(view)} bytes lost (stdout full)\n")
                 return
-            self.conns.add(conn)
-            conn.sendall(f"OK {next(self.hostports)}\n".encode() + b"\n@K3READY\n")
-            while line := f.readline():
-                rid, op, *args = line.decode().split()
-                payload = f.read(int(args[1])) if op == "write" else b""
-                self.running.wait()
-                with self.lock:
-                    rc, out, err, timed_out = self._op(op, args, payload)
-                conn.sendall(f"\n@K3 {rid} {rc} {int(timed_out)}\n".encode() + base64.b64encode(out)
-                             + b"\n" + base64.b64encode(err) + f"\n@K3END {rid}\n".encode())
-        except (OSError, ValueError):
-            pass
-        finally:
-            self.conns.discard(conn)
-            conn.close()
 
-    def _op(self, op: str, args: list[str], payload: bytes) -> tuple[int, bytes, bytes, bool]:
+    def start_agent(self, boot: bool) -> None:
+        threading.Thread(target=self._agent, args=(boot,), daemon=True).start()
+
+    def _agent(self, boot: bool) -> None:
+        inp = sys.stdin.buffer
+        if boot:
+            time.sleep(BOOT_DELAY_S)
+            self.running.wait()
+            self.serial_out(BOOT_NOISE + b"\n@K3READY\n")
+        while True:
+            line, self.next = self.next or inp.readline(), None
+            if not line:
+                return
+            words = line.decode(errors="replace").split()
+            if len(words) < 4:
+                continue
+            rid, op, n, md5, *args = words
+            payload = self._recv(inp, rid, int(n))
+            self.running.wait()
+            with self.lock:
+                rc, out, err, timed_out, got = self._op(op, args, payload, md5)
+            self._reply(inp, rid, rc, timed_out, got, out, err)
+
+    def _recv(self, inp, rid: str, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            if data:
+                self.running.wait()
+                self.serial_out(f"\n@K3A {rid}\n".encode())
+            data += inp.read(min(CHUNK, n - len(data)))
+        return data
+
+    def _reply(self, inp, rid: str, rc: int, timed_out: bool, got: str, out: bytes, err: bytes) -> None:
+        md5 = lambda b: hashlib.md5(b).hexdigest()
+        self.serial_out(f"\n@K3 {rid} {rc} {int(timed_out)} {got} {md5(out)} {md5(err)}\n".encode())
+        body = base64.b64encode(out) + b"\n" + base64.b64encode(err)
+        for i in range(0, len(body) + 1, CHUNK):
+            part = body[i:i + CHUNK]
+            if len(part) < CHUNK:
+                self.serial_out(part + f"\n@K3END {rid}\n".encode())
+                return
+            self.serial_out(part + f"\n@K3C {rid}\n".encode())
+            line = inp.readline()
+            if line.split() != [rid.encode(), b"ack"]:
+                self.next = line  # the host gave up on this reply: that is its next request
+                return
+
+    def _op(self, op: str, args: list[str], payload: bytes, md5: str) -> tuple[int, bytes, bytes, bool, str]:
         if op == "ping":
-            return 0, b"", b"", False
+            return 0, b"", b"", False, "-"
         if op == "exec":
-            result = self._exec(base64.b64decode(args[0]).decode(), float(args[1]))
+            got = hashlib.md5(payload).hexdigest()
+            if got != md5:
+                return 1, b"", b"fake agent: the command arrived damaged", False, got
+            result = *self._exec(payload, float(args[0])), got
         elif op in ("write", "read"):
             path = base64.b64decode(args[0]).decode()
             try:
                 if op == "read":
                     with open(self.path(path), "rb") as fh:
-                        return 0, fh.read(), b"", False
+                        return 0, fh.read(), b"", False, "-"
                 with open(self.path(path), "wb") as fh:
-                    fh.write(base64.b64decode(payload))
-                os.chmod(self.path(path), int(args[2], 8))
-                result = 0, b"", b"", False
+                    fh.write(payload)
+                os.chmod(self.path(path), int(args[1], 8))
+                with open(self.path(path), "rb") as fh:
+                    result = 0, b"", b"", False, hashlib.md5(fh.read()).hexdigest()
             except OSError as e:
-                result = 1, b"", f"{op} {path}: {e.strerror}".encode(), False
+                result = 1, b"", f"{op} {path}: {e.strerror}".encode(), False, "-"
         else:
-            return 2, b"", f"unknown op {op}".encode(), False
+            return 2, b"", f"unknown op {op}".encode(), False, "-"
         self.sync_disk()
         return result
 
-    def _exec(self, cmd: str, timeout: float) -> tuple[int, bytes, bytes, bool]:
-        out, err = os.path.join(self.priv, "o"), os.path.join(self.priv, "e")
+    def _exec(self, script: bytes, timeout: float) -> tuple[int, bytes, bytes, bool]:
+        cmd, out, err = (os.path.join(self.priv, n) for n in ("cmd", "o", "e"))
+        with open(cmd, "wb") as fc:
+            fc.write(script)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": self.path("/root"),
                "GUEST_ROOT": self.root}
         with open(out, "wb") as fo, open(err, "wb") as fe:
-            p = subprocess.Popen(["/bin/sh", "-c", cmd], cwd=self.root, env=env, stdin=subprocess.DEVNULL,
+            p = subprocess.Popen(["/bin/sh", cmd], cwd=self.root, env=env, stdin=subprocess.DEVNULL,
                                  stdout=fo, stderr=fe, start_new_session=True, preexec_fn=_pdeathsig)
         timed_out = False
         try:
@@ -259,14 +283,13 @@ class Guest:
 class VMM:
     """The API state machine."""
 
-    def __init__(self) -> None:
+    def __init__(self, log) -> None:
         self.state = "Not started"
         self.configured = False
         self.machine = {"vcpu_count": 1, "mem_size_mib": 128, "smt": False, "track_dirty_pages": False}
         self.boot_source: dict | None = None
         self.drives: dict[str, dict] = {}
-        self.vsock: dict | None = None
-        self.guest = Guest()
+        self.guest = Guest(log)
 
     def handle(self, method: str, path: str, body) -> dict | None:
         if method in ("PUT", "PATCH") and not isinstance(body, dict):
@@ -315,11 +338,6 @@ class VMM:
             if "kernel_image_path" not in body:
                 raise Fault("missing kernel_image_path")
             self.boot_source = body
-        elif path == "/vsock":
-            if body.get("guest_cid", 0) < 3 or not body.get("uds_path"):
-                raise Fault(f"Invalid vsock configuration: {body}")
-            self.guest.bind_vsock(body["uds_path"])
-            self.vsock = body
         else:
             drive_id = path.split("/", 2)[2]
             if body.get("drive_id") != drive_id:
@@ -340,9 +358,9 @@ class VMM:
             raise Fault("Cannot start microvm without exactly one root block device.")
         self.guest.drive = resolve(roots[0]["path_on_host"])
         self.guest.boot_from_drive()
-        self.guest.agent_from = time.monotonic() + BOOT_DELAY_S
         self.state = "Running"
         self.guest.running.set()
+        self.guest.start_agent(boot=True)
 
     def _create(self, body) -> None:
         if self.state != "Paused":
@@ -353,10 +371,9 @@ class VMM:
         diff = body.get("snapshot_type", "Full") == "Diff"
         if diff and not self.machine["track_dirty_pages"]:
             raise Fault("Diff snapshots are not allowed on uVMs with dirty page tracking disabled.")
-        self.guest.transport_reset()
         self.guest.sync_disk()
         state = {"fake_firecracker_vmstate": 1, "machine_config": self.machine,
-                 "boot_source": self.boot_source, "drives": self.drives, "vsock": self.vsock}
+                 "boot_source": self.boot_source, "drives": self.drives}
         with open(resolve(body["snapshot_path"]), "w") as f:
             json.dump(state, f)
         self.guest.write_memory(resolve(body["mem_file_path"]), self.machine["mem_size_mib"] << 20, diff)
@@ -388,24 +405,27 @@ class VMM:
             if not os.path.isfile(resolve(d["path_on_host"])):
                 raise LoadFailed(f"Load snapshot error: Block: backing file {d['path_on_host']}:"
                                  " No such file or directory")
-        if state["vsock"] is not None:
-            self.guest.bind_vsock(state["vsock"]["uds_path"], LoadFailed)
         tracking = bool(body.get("track_dirty_pages") or body.get("enable_diff_snapshots"))
         self.machine = dict(state["machine_config"], track_dirty_pages=tracking)
-        self.boot_source, self.drives, self.vsock = state["boot_source"], state["drives"], state["vsock"]
+        self.boot_source, self.drives = state["boot_source"], state["drives"]
         self.guest.drive = resolve(roots[0]["path_on_host"])
         self.guest.load_memory(mem)
-        self.guest.agent_from = 0.0
         self.state = "Paused"
         if body.get("resume_vm"):
             self.state = "Running"
             self.guest.running.set()
+        self.guest.start_agent(boot=False)
 
 
 def main() -> None:
     sock = sys.argv[sys.argv.index("--api-sock") + 1]
-    log = open(sock + ".requests.jsonl", "a", buffering=1)
-    vmm = VMM()
+    requests = open(sock + ".requests.jsonl", "a", buffering=1)
+    log_path = sys.argv[sys.argv.index("--log-path") + 1] if "--log-path" in sys.argv else None
+    if log_path is None or not os.path.isfile(log_path):
+        sys.exit(f"fake firecracker: --log-path must name an existing file, got {log_path!r}")
+    log = open(log_path, "a", buffering=1)
+    log.write("Running Firecracker v1.9.0-fake\n")
+    vmm = VMM(log)
     api_lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -429,7 +449,7 @@ def main() -> None:
                 body = json.loads(self.rfile.read(n)) if n else None
             except ValueError:
                 return self._reply(400, {"fault_message": "invalid JSON body"})
-            log.write(json.dumps([self.command, self.path, body]) + "\n")
+            requests.write(json.dumps([self.command, self.path, body]) + "\n")
             with api_lock:
                 try:
                     out = vmm.handle(self.command, self.path, body)

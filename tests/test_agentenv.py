@@ -6,14 +6,18 @@ its own copy-on-write restore of it (~0.3 s). Needs the system packages installe
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
+import subprocess
 import time
 
 import pytest
 
 from k3lab.agentenv import (Sandbox, SandboxCrashed, SandboxError, SandboxPool, SandboxStateError,
-                            leftovers)
+                            build_image, detect_host, leftovers)
+from k3lab.agentenv.agent import AgentChannel, AgentClosed
+from k3lab.agentenv.qemu import QemuVM
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,6 +83,71 @@ def test_files_roundtrip(pool):
             sb.read_file("/nope")
         with pytest.raises(ValueError, match="absolute"):
             sb.write_file("relative.txt", b"x")
+
+
+def _stall_host(monkeypatch, seconds: float) -> None:
+    """Make the host stop reading for ``seconds`` at the start of every reply, as a host process
+    descheduled on a loaded box does."""
+    real, stalled = AgentChannel._recv, set()
+
+    def recv(self, deadline):
+        if (self, self.next_id) not in stalled:
+            stalled.add((self, self.next_id))
+            time.sleep(seconds)
+        return real(self, deadline)
+
+    monkeypatch.setattr(AgentChannel, "_recv", recv)
+
+
+def test_binary_roundtrip_under_load_with_a_stalled_host(pool, monkeypatch):
+    """The flake this guards: on a loaded box a 150 KB read came back with its end wrong. QEMU's
+    virtconsole drops guest output that the host socket cannot take at once, so a host that
+    stopped reading for a moment lost the middle of a reply. Now the guest sends one 32 KiB chunk
+    and waits for the host's ack. Every byte value and the tty control bytes (^C ^D XON XOFF ^Z
+    CR LF DEL) pass raw to the guest; a busy sibling sandbox loads the host meanwhile."""
+    control = b"\x00\x03\x04\x11\x13\x1a\r\n\r\x7f\xff"
+    data = bytes(range(256)) * 400 + control * 3000 + os.urandom(150_000)
+    with pool.create() as busy, pool.create() as sb:
+        busy.exec("(while true; do :; done) >/dev/null 2>&1 &", timeout=10)
+        _stall_host(monkeypatch, 1.0)
+        sb.write_file("/root/blob.bin", data)
+        assert sb.exec("md5sum /root/blob.bin", timeout=60).stdout.split()[0].decode() == \
+            hashlib.md5(data).hexdigest()
+        back = sb.read_file("/root/blob.bin")
+        assert len(back) == len(data) and back == data
+        assert sb.exec("cat /root/blob.bin", timeout=60).stdout == data
+
+
+def test_agent_on_the_serial_port(tmp_path):
+    """The image's Firecracker path on QEMU: the agent on the 8250 serial port (``ttyS0``, named
+    by ``k3lab.agent=``; no virtio console), the kernel console on the same port but silent
+    (``loglevel=0``)."""
+    image, host = build_image(), detect_host()
+    vm = QemuVM(tmp_path, image, 128, 1, host.accel, host.tsc_khz, agent_port="ttyS0")
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(image.rootfs),
+                    str(tmp_path / "disk.qcow2")], check=True)
+    vm.start(tmp_path / "disk.qcow2", tmp_path / "ram", True)
+    ch = None
+    try:
+        ch = AgentChannel.connect_unix(vm.agent_path, time.monotonic() + 180)
+        ch.wait_for(b"@K3READY", time.monotonic() + 180)
+
+        def deadline():
+            return time.monotonic() + 120
+
+        r = ch.exec("cat /proc/cmdline; test -e /dev/hvc0 || echo no-hvc0", 30, deadline())
+        assert "k3lab.agent=ttyS0" in r.text and "no-hvc0" in r.text, r
+        data = bytes(range(256)) * 200 + b"\x03\x04\x11\x13\x1a\r\n" * 2000  # 65 KB: 2 payload chunks
+        assert ch.write_file("/root/b", data, 0o600, deadline()).exit_code == 0
+        assert ch.read_file("/root/b", deadline()).stdout == data
+        r = ch.exec("echo '<0>k3lab-emergency' > /dev/kmsg; dmesg | grep -c k3lab-emergency", 30, deadline())
+        assert r.stdout == b"1\n" and b"k3lab-emergency" not in ch.recent  # logged, not on the port
+        with pytest.raises(AgentClosed):  # a guest panic ends QEMU (-no-reboot): EOF
+            ch.exec("echo c > /proc/sysrq-trigger", 30, deadline())
+    finally:
+        if ch is not None:
+            ch.close()
+        vm.kill()
 
 
 def test_pause_holds_no_cpu_and_resume(pool):

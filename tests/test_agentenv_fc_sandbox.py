@@ -2,8 +2,8 @@
 
 This exercises the HOST-SIDE control path only: which Firecracker API calls the backend makes, in
 which states and with which (relative, per-sandbox) paths; the snapshot files it writes and merges
-(Full, then Diff merged onto a base); the vsock ``CONNECT`` handshake and reconnects after
-snapshots; and the agent protocol. No guest kernel runs: the fake's "guest" is a folder on the
+(Full, then Diff merged onto a base); the agent protocol on the serial console (the process's
+stdin/stdout pipes, new pipes after every load). No guest kernel runs: the fake's "guest" is a folder on the
 host whose commands run on the host (with the guest folder as working directory, so the commands
 here use guest-relative paths such as ``root/d`` where a real guest would say ``/root/d``), and
 the fake rejects calls in the wrong state the way Firecracker does. ``detect_host`` is patched to
@@ -17,13 +17,16 @@ import os
 import signal
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 
+import fake_firecracker
 from k3lab.agentenv import (HostInfo, Image, Sandbox, SandboxCrashed, SandboxError, SandboxPool,
                             SandboxStateError, leftovers)
 from k3lab.agentenv import sandbox as sandbox_mod
+from k3lab.agentenv.agent import CHUNK, AgentChannel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -112,12 +115,41 @@ def test_create_exec_files_on_firecracker(fc):
             sb.read_file("/nope")
         assert _disk_file(sb, "./root/blob.bin") == data  # the write reached this sandbox's drive
         reqs = _requests(sb)
-    # cold boot: machine config with dirty-page tracking, relative drive and vsock paths
-    # (resolved in the sandbox's own folder, the firecracker process's working directory)
+    # cold boot: machine config with dirty-page tracking, a relative drive path (resolved in the
+    # sandbox's own folder, the firecracker process's working directory), the agent on the serial
+    # port with the kernel's log kept off it
     assert [r[:2] for r in reqs] == [["PUT", "/machine-config"], ["PUT", "/boot-source"],
-                                     ["PUT", "/drives/rootfs"], ["PUT", "/vsock"], ["PUT", "/actions"]]
+                                     ["PUT", "/drives/rootfs"], ["PUT", "/actions"]]
     assert reqs[0][2]["track_dirty_pages"] is True and reqs[0][2]["mem_size_mib"] == 64
-    assert reqs[2][2]["path_on_host"] == "rootfs.ext4" and reqs[3][2]["uds_path"] == "v.sock"
+    assert reqs[2][2]["path_on_host"] == "rootfs.ext4"
+    args = reqs[1][2]["boot_args"].split()
+    assert {"console=ttyS0", "loglevel=0", "k3lab.agent=ttyS0"} <= set(args) and "quiet" not in args
+
+
+def test_binary_transfers_survive_a_stalled_host(fc, monkeypatch):
+    """Firecracker's UART drops output that its full stdout pipe refuses (the fake does too, and
+    logs it). With the host stalled at the start of every reply, a 300 KB reply (several times the
+    64 KiB pipe) still arrives whole: the guest sends one 32 KiB chunk and waits for the host's
+    ack. Every byte value passes, control bytes included."""
+    data = bytes(range(256)) * 400 + b"\x00\x03\x04\x11\x13\x1a\r\n\x7f\xff" * 3000 + os.urandom(150_000)
+    real, stalled = AgentChannel._recv, set()
+
+    def recv(self, deadline):
+        if (self, self.next_id) not in stalled:
+            stalled.add((self, self.next_id))
+            time.sleep(0.5)
+        return real(self, deadline)
+
+    with fc() as sb:
+        monkeypatch.setattr(AgentChannel, "_recv", recv)
+        sb.write_file("/root/blob.bin", data)
+        assert sb.read_file("/root/blob.bin") == data
+        assert sb.exec("cat root/blob.bin", timeout=30).stdout == data
+        assert "lost" not in (sb.dir / "firecracker.log").read_text()
+
+
+def test_fake_speaks_the_hosts_chunk_size():
+    assert fake_firecracker.CHUNK == CHUNK
 
 
 def test_pause_resume(fc):
@@ -136,7 +168,6 @@ def test_snapshot_full_then_diff_restore(fc):
     with fc() as sb:
         sb.exec("echo v1 > tmp/mem; echo v1 > root/disk", timeout=10)
         s1 = sb.snapshot()
-        # the vsock connection was reset by the snapshot; the backend reconnected on resume
         sb.exec("echo v2 > tmp/mem; echo v2 > root/disk", timeout=10)
         s2 = sb.snapshot()
         assert (s1.backend, s1.kind, s2.kind) == ("firecracker", "Full", "Diff")
@@ -159,7 +190,7 @@ def test_snapshot_full_then_diff_restore(fc):
         s1.delete()
 
 
-def test_fork_children_have_their_own_disk_memory_and_socket(fc):
+def test_fork_children_have_their_own_disk_memory_and_console(fc):
     with fc() as parent:
         parent.exec("echo parent > tmp/m; echo parent > root/d", timeout=10)
         a, b = parent.fork(2)
@@ -179,7 +210,8 @@ def test_fork_children_have_their_own_disk_memory_and_socket(fc):
             assert load[:2] == ["PUT", "/snapshot/load"] and load[2]["resume_vm"] is True
             assert load[2]["mem_backend"]["backend_type"] == "File"
             assert all(r[1] != "/drives/rootfs" for r in _requests(a))
-            assert (a.dir / "v.sock").exists() and (b.dir / "v.sock").exists()
+            # each child's agent is on its own process's serial console
+            assert len({sb.vm.agent.rfd for sb in (parent, a, b)}) == 3
         finally:
             a.destroy()
             b.destroy()

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import sys
 import tarfile
 import time
@@ -64,7 +65,7 @@ def test_boot_pause_snapshot_requests(fake_binary, files, tmp_path):
     try:
         assert c.describe()["state"] == "Not started"
         vm.boot(kernel=str(files / "vmlinux"), rootfs=str(files / "rootfs.ext4"), boot_args="console=ttyS0",
-                initrd=str(files / "initrd.gz"), vcpus=2, mem_mib=64, vsock_uds="v.sock")
+                initrd=str(files / "initrd.gz"), vcpus=2, mem_mib=64)
         assert c.describe()["state"] == "Running"
         vm.snapshot(str(tmp_path / "full.state"), str(tmp_path / "full.mem"))
         assert c.describe()["state"] == "Paused"
@@ -73,7 +74,6 @@ def test_boot_pause_snapshot_requests(fake_binary, files, tmp_path):
         c.create_snapshot(str(tmp_path / "d.state"), str(tmp_path / "d.mem"), diff=True)
         c.resume()
         assert (tmp_path / "full.mem").stat().st_size == 64 << 20 and (tmp_path / "d.state").is_file()
-        assert (tmp_path / "v.sock").exists()  # the relative vsock path, in the working directory
         reqs = _requests(vm)
     finally:
         vm.kill()
@@ -84,7 +84,6 @@ def test_boot_pause_snapshot_requests(fake_binary, files, tmp_path):
                                  "initrd_path": str(files / "initrd.gz")}],
         ["PUT", "/drives/rootfs", {"drive_id": "rootfs", "path_on_host": str(files / "rootfs.ext4"),
                                    "is_root_device": True, "is_read_only": False}],
-        ["PUT", "/vsock", {"guest_cid": 3, "uds_path": "v.sock"}],
         ["PUT", "/actions", {"action_type": "InstanceStart"}],
         ["GET", "/", None],
         ["PATCH", "/vm", {"state": "Paused"}],
@@ -98,11 +97,13 @@ def test_boot_pause_snapshot_requests(fake_binary, files, tmp_path):
         ["PATCH", "/vm", {"state": "Resumed"}],
     ]
     assert not vm.api_sock.exists() and vm.proc.poll() is not None
+    # Firecracker's own log went to --log-path, never into the serial console on stdout
+    assert (tmp_path / "firecracker.log").read_text().startswith("Running Firecracker")
 
 
 def test_load_snapshot_with_file_backend_and_relative_paths(fake_binary, files, tmp_path):
-    """A snapshot records relative drive/vsock paths; a process in another folder resolves them
-    to that folder's files. A failed load ends the process, as Firecracker's does."""
+    """A snapshot records relative drive paths; a process in another folder resolves them to
+    that folder's files. A failed load ends the process, as Firecracker's does."""
     d1, d2, d3 = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     for d in (d1, d2, d3):
         d.mkdir()
@@ -110,7 +111,7 @@ def test_load_snapshot_with_file_backend_and_relative_paths(fake_binary, files, 
     vm1 = FirecrackerVM(str(fake_binary), d1)
     vm1.launch()
     try:
-        vm1.boot(kernel=str(files / "vmlinux"), rootfs="rootfs.ext4", boot_args="", vsock_uds="v.sock", mem_mib=64)
+        vm1.boot(kernel=str(files / "vmlinux"), rootfs="rootfs.ext4", boot_args="", mem_mib=64)
         vm1.snapshot(str(tmp_path / "s.state"), str(tmp_path / "s.mem"))
     finally:
         vm1.kill()
@@ -119,7 +120,7 @@ def test_load_snapshot_with_file_backend_and_relative_paths(fake_binary, files, 
     c = vm2.launch()
     try:
         vm2.restore(str(tmp_path / "s.state"), str(tmp_path / "s.mem"))
-        assert c.describe()["state"] == "Running" and (d2 / "v.sock").exists()
+        assert c.describe()["state"] == "Running"
         # loading again after start is refused by the VMM: the error carries its fault_message
         with pytest.raises(FirecrackerError, match=r"PUT /snapshot/load: HTTP 400: Loading a microVM snapshot"):
             c.load_snapshot(str(tmp_path / "s.state"), str(tmp_path / "s.mem"))
@@ -142,31 +143,40 @@ def test_load_snapshot_with_file_backend_and_relative_paths(fake_binary, files, 
         vm3.kill()
 
 
-def test_vsock_handshake(fake_binary, files, tmp_path):
+def test_agent_on_the_serial_console_pipes(fake_binary, files, tmp_path):
+    """The guest's serial console is the process's stdin/stdout: the agent answers there after
+    boot, keeps its channel across pause/snapshot/resume (the serial device is not reset), and
+    after a snapshot load answers on the new process's pipes with no boot banner."""
     shutil.copy(files / "rootfs.ext4", tmp_path / "rootfs.ext4")
     vm = FirecrackerVM(str(fake_binary), tmp_path)
     vm.launch()
+    ch = AgentChannel.from_pipes(vm.proc.stdout, vm.proc.stdin)
     try:
-        vm.boot(kernel=str(files / "vmlinux"), rootfs="rootfs.ext4", boot_args="", vsock_uds="v.sock", mem_mib=64)
-        uds = str(tmp_path / "v.sock")
-        # nothing listens on port 7 in the guest: every attempt is closed, until the deadline
-        with pytest.raises(AgentTimeout, match="port 7"):
-            AgentChannel.connect_vsock(uds, 7, deadline=time.monotonic() + 0.3)
-        ch = AgentChannel.connect_vsock(uds, 1024, deadline=time.monotonic() + 10)
+        vm.boot(kernel=str(files / "vmlinux"), rootfs="rootfs.ext4", boot_args="", mem_mib=64)
         ch.wait_for(b"@K3READY", time.monotonic() + 10)
+        assert b"Linux version" in ch.recent  # boot noise before the banner is skipped
         assert ch.exec("echo hi", 5, deadline=time.monotonic() + 10).stdout == b"hi\n"
-        # a snapshot resets open vsock connections (listening sockets survive)
         vm.snapshot(str(tmp_path / "s"), str(tmp_path / "m"))
+        with pytest.raises(AgentTimeout):  # paused: nothing answers
+            ch.ping(deadline=time.monotonic() + 0.3)
         vm.client.resume()
-        with pytest.raises(AgentClosed):
-            ch.ping(deadline=time.monotonic() + 5)
-        ch.close()
-        ch = AgentChannel.connect_vsock(uds, 1024, deadline=time.monotonic() + 10)
-        ch.wait_for(b"@K3READY", time.monotonic() + 10)
-        ch.ping(deadline=time.monotonic() + 5)
-        ch.close()
+        assert ch.exec("echo again", 5, deadline=time.monotonic() + 10).stdout == b"again\n"
     finally:
+        ch.close()
         vm.kill()
+    vm2 = FirecrackerVM(str(fake_binary), tmp_path)
+    vm2.launch()
+    ch = AgentChannel.from_pipes(vm2.proc.stdout, vm2.proc.stdin)
+    try:
+        vm2.restore(str(tmp_path / "s"), str(tmp_path / "m"))
+        ch.ping(deadline=time.monotonic() + 10)
+        assert ch.exec("echo restored", 5, deadline=time.monotonic() + 10).stdout == b"restored\n"
+        os.kill(vm2.proc.pid, signal.SIGKILL)
+        with pytest.raises(AgentClosed):  # the process is gone: its pipes close
+            ch.ping(deadline=time.monotonic() + 10)
+    finally:
+        ch.close()
+        vm2.kill()
 
 
 def test_errors_and_validation(fake_binary, files, tmp_path):
@@ -198,8 +208,6 @@ def test_errors_and_validation(fake_binary, files, tmp_path):
             c.set_machine_config(3, 128, smt=True)
         with pytest.raises(ValueError, match="absolute"):
             c.set_boot_source("vmlinux")
-        with pytest.raises(ValueError, match="guest_cid"):
-            c.set_vsock(2, "/x")
         with pytest.raises(ValueError, match="path_on_host"):
             c.add_drive("data", "", is_root_device=False)
     finally:

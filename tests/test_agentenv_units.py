@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import base64
 import gzip
+import hashlib
 import lzma
 import os
 import shutil
 import socket
+import threading
 import time
 
 import pytest
 
 from k3lab.agentenv import host, image, sysdeps
-from k3lab.agentenv.agent import AgentChannel, AgentClosed, AgentError, AgentTimeout
+from k3lab.agentenv.agent import (CHUNK, AgentChannel, AgentClosed, AgentCorrupt, AgentError,
+                                  AgentTimeout)
 
 
 @pytest.mark.parametrize("case,expect", [
@@ -77,17 +80,34 @@ def test_sysdeps_reports_missing_with_the_command(monkeypatch, capsys):
     assert "apt-get install -y --no-install-recommends" in err and "qemu-utils" in err
 
 
+def _reply(rid: int, out: bytes, err: bytes = b"", rc: int = 0, got: str = "-") -> list[bytes]:
+    """The guest's frames for a reply: header, then chunks (all but the last wait for an ack)."""
+    md5 = lambda b: hashlib.md5(b).hexdigest()
+    body = base64.b64encode(out) + b"\n" + base64.b64encode(err)
+    head = f"\n@K3 {rid} {rc} 0 {got} {md5(out)} {md5(err)}\n".encode()
+    parts = [body[i:i + CHUNK] for i in range(0, len(body) + 1, CHUNK)]
+    frames = [p + f"\n@K3C {rid}\n".encode() for p in parts[:-1]] + [parts[-1] + f"\n@K3END {rid}\n".encode()]
+    return [head + frames[0], *frames[1:]]
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        data += sock.recv(n - len(data))
+    return data
+
+
 def test_agent_parser_skips_stale_replies_and_detects_eof():
     host_end, guest_end = socket.socketpair()
-    ch = AgentChannel(host_end)
+    ch = AgentChannel.from_socket(host_end)
     ch.next_id = 2
-    out = base64.b64encode(b"payload\x00\xff").decode()
     # a stale reply to request 1 (given up on), console noise, then the reply to request 2
-    guest_end.sendall(b"\n@K3 1 0 0\nZm9v\n\n@K3END 1\nnoise\n@K3 2 5 1\n" + out.encode()
-                      + b"\nZXJy\n@K3END 2\n")
-    r = ch.request("exec", ["x", "1"], b"", deadline=time.monotonic() + 5)
-    assert (r.exit_code, r.stdout, r.stderr, r.timed_out) == (5, b"payload\x00\xff", b"err", True)
-    assert guest_end.recv(100) == b"2 exec x 1\n"
+    guest_end.sendall(b"".join(_reply(1, b"foo")) + b"noise\n")
+    out, err = b"payload\x00\xff", b"err"
+    guest_end.sendall(_reply(2, out, err, rc=5)[0].replace(b"\n@K3 2 5 0", b"\n@K3 2 5 1"))
+    r = ch.request("read", ["x"], b"", deadline=time.monotonic() + 5)
+    assert (r.exit_code, r.stdout, r.stderr, r.timed_out) == (5, out, err, True)
+    assert guest_end.recv(100) == b"2 read 0 - x\n"
     with pytest.raises(AgentTimeout):
         ch.ping(deadline=time.monotonic() + 0.2)
     guest_end.sendall(b"\n@K3READY\n")
@@ -96,6 +116,93 @@ def test_agent_parser_skips_stale_replies_and_detects_eof():
     guest_end.close()
     with pytest.raises(AgentClosed):
         ch.ping(deadline=time.monotonic() + 5)
+
+
+def test_agent_chunks_both_ways_with_acks_and_checksums():
+    """Payloads and replies go in CHUNK-byte pieces, the next only after the other side's ack, so
+    a slow reader never has more than one chunk in flight; every byte value passes."""
+    host_end, guest_end = socket.socketpair()
+    ch = AgentChannel.from_socket(host_end)
+    data = bytes(range(256)) * 300  # 76800 bytes: three payload chunks
+    md5 = hashlib.md5(data).hexdigest()
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=ch.write_file("/f", data, 0o600, time.monotonic() + 10)))
+    t.start()
+    line = f"1 write {len(data)} {md5} {base64.b64encode(b'/f').decode()} 600\n".encode()
+    got = _recv_exactly(guest_end, len(line) + CHUNK)
+    assert got[:len(line)] == line
+    time.sleep(0.1)
+    guest_end.setblocking(False)
+    with pytest.raises(BlockingIOError):  # nothing more until the guest acknowledges
+        guest_end.recv(1)
+    guest_end.setblocking(True)
+    for _ in range(2):
+        guest_end.sendall(b"\n@K3A 1\n")
+        got += _recv_exactly(guest_end, min(CHUNK, len(data) + len(line) - len(got)))
+    assert got[len(line):] == data
+    guest_end.sendall(_reply(1, b"", got=md5)[0])
+    t.join(10)
+    assert result["r"].exit_code == 0
+    # a reply of three chunks: the host acknowledges each full one, then checks the md5 sums
+    out = bytes(range(256)) * 200
+    frames = _reply(2, out)
+    assert len(frames) == 3
+    result.clear()
+    t = threading.Thread(target=lambda: result.update(r=ch.read_file("/f", time.monotonic() + 10)))
+    t.start()
+    assert guest_end.recv(100).startswith(b"2 read 0 - ")
+    for frame in frames[:-1]:
+        guest_end.sendall(frame)
+        assert _recv_exactly(guest_end, 6) == b"2 ack\n"
+    guest_end.sendall(frames[-1])
+    t.join(10)
+    assert result["r"].stdout == out
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("short chunk", r"request 1 \(exec\): a chunk of 32764 bytes, expected 32768: bytes were lost"),
+    ("md5 out", r"reply to request 1 \(exec\) damaged on the way: 60000 bytes of stdout with md5"),
+    ("payload md5", r"request 1 \(exec\): the guest got a payload with md5 0{32}, the host sent 4 bytes"),
+    ("not base64", r"reply to request 1 \(exec\) is not base64"),
+])
+def test_agent_detects_damaged_transfers(damage, match):
+    host_end, guest_end = socket.socketpair()
+    ch = AgentChannel.from_socket(host_end)
+    out = os.urandom(60_000)
+    frames = _reply(1, out, got=hashlib.md5(b"true").hexdigest())
+    if damage == "short chunk":  # bytes lost inside a chunk
+        frames[0] = frames[0][:500] + frames[0][504:]
+    elif damage == "md5 out":  # a byte changed, same length
+        i = len(frames[1]) // 2
+        frames[1] = frames[1][:i] + (b"A" if frames[1][i:i + 1] != b"A" else b"B") + frames[1][i + 1:]
+    elif damage == "payload md5":  # the guest received a different command
+        frames[0] = frames[0].replace(hashlib.md5(b"true").hexdigest().encode(), b"0" * 32, 1)
+    else:
+        frames[1] = frames[1].replace(b"A", b"!", 1)
+
+    def guest():
+        guest_end.recv(100)  # the request
+        for f in frames:
+            guest_end.sendall(f)
+            if not guest_end.recv(100):  # an ack, or EOF once the host gave up
+                return
+
+    t = threading.Thread(target=guest)
+    t.start()
+    with pytest.raises(AgentCorrupt, match=match):
+        ch.exec("true", 5, deadline=time.monotonic() + 5)
+    ch.close()
+    t.join(10)
+
+
+def test_agent_channel_out_of_step_after_a_cut_payload():
+    host_end, guest_end = socket.socketpair()
+    ch = AgentChannel.from_socket(host_end)
+    with pytest.raises(AgentTimeout):  # the guest never acknowledges the first chunk
+        ch.write_file("/f", b"x" * (CHUNK + 1), 0o644, deadline=time.monotonic() + 0.3)
+    with pytest.raises(AgentError, match="out of step"):
+        ch.ping(deadline=time.monotonic() + 5)
+    guest_end.close()
 
 
 def test_guest_operation_arguments_checked_before_any_vm_call():

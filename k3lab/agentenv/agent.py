@@ -1,26 +1,60 @@
 """Host side of the guest agent protocol (the guest side is ``image.AGENT_SH``).
 
-Requests are single lines ``"<id> <op> <args>"``; replies are framed as
-``"\\n@K3 <id> <rc> <timed_out>\\n" <out_b64> "\\n" <err_b64> "\\n@K3END <id>\\n"``; '@' and newlines
-are not base64 characters, so the markers are unambiguous, and the parser skips anything else on
-the channel (a stale reply to a request the host gave up on). The transport is any stream socket:
-QEMU's virtconsole chardev (:meth:`AgentChannel.connect_unix`) or a Firecracker guest vsock port
-(:meth:`AgentChannel.connect_vsock`).
+The channel is a byte stream to a tty in the guest: QEMU's virtio console ``/dev/hvc0`` (a unix
+socket on the host, :meth:`AgentChannel.connect_unix`) or the serial port ``/dev/ttyS0``
+(Firecracker's only console, wired to the firecracker process's stdin/stdout,
+:meth:`AgentChannel.from_pipes`). One request at a time:
+
+- request: ``"<id> <op> <n> <md5> <args...>\\n"`` then ``n`` raw payload bytes, ``md5`` their
+  md5 (``-`` without a payload). ``ping``; ``exec`` (payload: the script; args: the timeout in
+  seconds); ``write`` (payload: the file; args: base64 path, octal mode); ``read`` (args: base64
+  path). The payload goes in chunks of :data:`CHUNK` bytes; after each chunk but the last the host
+  waits for the guest's ``"\\n@K3A <id>\\n"`` (it has read the chunk).
+- reply: ``"\\n@K3 <id> <rc> <timed_out> <md5_in> <md5_out> <md5_err>\\n"``, then
+  ``base64(stdout) "\\n" base64(stderr)`` in chunks of :data:`CHUNK` bytes: a chunk that ends with
+  ``"\\n@K3C <id>\\n"`` is followed by more once the host answers ``"<id> ack\\n"``; the last ends
+  with ``"\\n@K3END <id>\\n"``. ``md5_in`` is the md5 of the payload as the guest received it
+  (exec) or of the file it wrote (write); ``-`` otherwise.
+
+Why the flow control: neither hypervisor buffers a console. QEMU's ``virtconsole`` drops guest
+output that the host socket cannot take at once (``hw/char/virtio-console.c``, ``flush_buf``:
+console ports are never throttled, the unwritten rest of a short write is lost); Firecracker's
+serial writes to a non-blocking stdout and loses the bytes a full pipe refuses (firecracker PRs
+#2381, #2461); and a guest UART's receive side drops bytes once the tty's buffers are full. A host
+that is descheduled on a loaded box for a moment was enough to lose the middle of a 150 KB read.
+With at most one chunk (32 KiB) in flight each way, below the 64 KiB pipe, the ~200 KiB socket
+buffer and the guest tty's buffers, no buffer overflows however slowly either side reads. The md5
+sums end to end and the exact chunk lengths turn any damage that remains into an
+:class:`AgentCorrupt` error rather than wrong data.
+
+Markers start with ``"\\n@"``, which base64 never contains, so the parser skips anything else on
+the channel: console noise, or a stale reply to a request the host gave up on (the guest drops a
+half-sent reply when the next request arrives instead of an ack).
 """
 from __future__ import annotations
 
 import base64
+import binascii
+import hashlib
+import os
 import re
 import select
 import socket
 import time
 from dataclasses import dataclass
 
-_HEADER = re.compile(rb"\n@K3 (\d+) (-?\d+) ([01])\n")
+#: payload and reply chunk size in bytes (the most either side has in flight).
+CHUNK = 32768
+#: bytes of the most recent channel traffic kept for crash reports (a serial port is also the
+#: guest's kernel console).
+RECENT = 8192
+
+_HEADER = re.compile(rb"\n@K3 (\d+) (-?\d+) ([01]) (\S+) (\S+) (\S+)\n")
+_READY = b"\n@K3READY\n"
 
 
 class AgentError(RuntimeError):
-    """The agent channel closed or did not answer in time."""
+    """The agent channel failed or did not answer in time."""
 
 
 class AgentClosed(AgentError):
@@ -29,6 +63,10 @@ class AgentClosed(AgentError):
 
 class AgentTimeout(AgentError):
     """No reply before the host-side deadline (the guest is hung or far too slow)."""
+
+
+class AgentCorrupt(AgentError):
+    """A transfer arrived damaged: a checksum or chunk length does not match."""
 
 
 @dataclass(frozen=True)
@@ -55,13 +93,39 @@ class ExecResult:
         return self.stdout.decode(errors="replace")
 
 
-class AgentChannel:
-    """A connected stream socket to the guest agent (QEMU's virtconsole, Firecracker's vsock)."""
+def _md5(data: bytes) -> str:
+    return hashlib.md5(data).hexdigest()
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+
+class AgentChannel:
+    """A byte stream to the guest agent (see the module docstring for the protocol).
+
+    Args:
+        rfd (int), wfd (int): file descriptors to read from and write to (the same for a socket);
+            made non-blocking.
+        owned (tuple): objects closed by :meth:`close` (the socket, or the two pipes).
+
+    Attributes:
+        recent (bytearray): the last :data:`RECENT` bytes received.
+    """
+
+    def __init__(self, rfd: int, wfd: int, owned: tuple = ()) -> None:
+        self.rfd, self.wfd, self._owned = rfd, wfd, owned
+        for fd in {rfd, wfd}:
+            os.set_blocking(fd, False)
         self.buf = b""
         self.next_id = 1
+        self.recent = bytearray()
+        self._broken: str | None = None
+
+    @classmethod
+    def from_socket(cls, sock: socket.socket) -> "AgentChannel":
+        return cls(sock.fileno(), sock.fileno(), (sock,))
+
+    @classmethod
+    def from_pipes(cls, stdout, stdin) -> "AgentChannel":
+        """The serial console of a VM process: its ``stdout`` to read, its ``stdin`` to write."""
+        return cls(stdout.fileno(), stdin.fileno(), (stdout, stdin))
 
     @classmethod
     def connect_unix(cls, path: str, deadline: float) -> "AgentChannel":
@@ -70,74 +134,50 @@ class AgentChannel:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 s.connect(path)
-                return cls(s)
+                return cls.from_socket(s)
             except (FileNotFoundError, ConnectionRefusedError):
                 s.close()
                 if time.monotonic() > deadline:
                     raise AgentTimeout(f"agent socket {path} did not appear") from None
                 time.sleep(0.002)
 
-    @classmethod
-    def connect_vsock(cls, uds_path: str, port: int, deadline: float) -> "AgentChannel":
-        """Connect to a guest vsock port through Firecracker's host-side unix socket.
-
-        Firecracker's vsock device (``docs/vsock.md``, host-initiated connections): the host
-        connects to the device's ``uds_path``, writes ``CONNECT <port>\\n`` and reads
-        ``OK <host_port>\\n``; then the stream is the guest connection. While nothing listens on
-        ``port`` in the guest (still booting), Firecracker closes the connection instead; this
-        retries until ``deadline`` (time.monotonic). Bytes after the OK line stay in :attr:`buf`.
-
-        Raises:
-            AgentTimeout: no ``OK`` before the deadline. AgentError: an answer other than ``OK``.
-        """
-        while True:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            got = b""
-            try:
-                s.connect(uds_path)
-                s.sendall(f"CONNECT {port}\n".encode())
-                while b"\n" not in got:
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not select.select([s], [], [], left)[0]:
-                        break
-                    data = s.recv(4096)
-                    if not data:
-                        break
-                    got += data
-            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError):
-                pass
-            line, _, rest = got.partition(b"\n")
-            if line.startswith(b"OK "):
-                ch = cls(s)
-                ch.buf = rest
-                return ch
-            s.close()
-            if line:
-                raise AgentError(f"vsock {uds_path} port {port}: unexpected handshake answer {line[:80]!r}")
-            if time.monotonic() > deadline:
-                raise AgentTimeout(f"vsock {uds_path}: nothing accepted port {port} before the deadline")
-            time.sleep(0.005)
-
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        for obj in self._owned:
+            try:
+                obj.close()
+            except OSError:
+                pass
+        self._owned = ()
+        self.rfd = self.wfd = -1
 
     def _recv(self, deadline: float) -> None:
         left = deadline - time.monotonic()
-        if left <= 0:
-            raise AgentTimeout("no reply from the guest agent before the deadline")
-        ready, _, _ = select.select([self.sock], [], [], left)
-        if not ready:
+        if left <= 0 or not select.select([self.rfd], [], [], left)[0]:
             raise AgentTimeout("no reply from the guest agent before the deadline")
         try:
-            data = self.sock.recv(1 << 20)
+            data = os.read(self.rfd, 1 << 20)
+        except BlockingIOError:
+            return
         except OSError as e:
             raise AgentClosed(f"agent channel error: {e}") from e
         if not data:
             raise AgentClosed("agent channel closed (EOF)")
         self.buf += data
+        self.recent += data
+        del self.recent[:-RECENT]
+
+    def _send(self, data: bytes, deadline: float) -> None:
+        view = memoryview(data)
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [self.wfd], [], left)[1]:
+                raise AgentTimeout("the guest agent took no input before the deadline")
+            try:
+                view = view[os.write(self.wfd, view):]
+            except BlockingIOError:
+                continue
+            except OSError as e:
+                raise AgentClosed(f"agent channel error on send: {e}") from e
 
     def wait_for(self, marker: bytes, deadline: float) -> None:
         """Read until ``marker`` appears (e.g. the boot banner ``@K3READY``); drop what precedes it."""
@@ -145,51 +185,100 @@ class AgentChannel:
             self._recv(deadline)
         self.buf = self.buf[i + len(marker):]
 
+    def _more(self, rid: int, op: str, deadline: float) -> None:
+        """Read more of the reply to ``rid``; a restart banner in between means it is lost."""
+        if _READY in self.buf:
+            # k3init restarts a dead agent, which announces itself: the request is lost.
+            self.buf = self.buf.split(_READY)[-1]
+            raise AgentError(f"the guest agent restarted during request {rid} ({op}): the"
+                             " command killed it or its shell; its result is lost")
+        self._recv(deadline)
+
+    def _payload(self, rid: int, op: str, line: bytes, payload: bytes, deadline: float) -> None:
+        ack = f"\n@K3A {rid}\n".encode()
+        try:
+            self._send(line + payload[:CHUNK], deadline)
+            for i in range(CHUNK, len(payload), CHUNK):
+                while (j := self.buf.find(ack)) < 0:
+                    self._more(rid, op, deadline)
+                self.buf = self.buf[j + len(ack):]
+                self._send(payload[i:i + CHUNK], deadline)
+        except AgentTimeout:
+            # The guest still expects the rest of the payload: later requests would be read as it.
+            self._broken = (f"request {rid} ({op}) was cut off inside its payload; the agent channel"
+                            " is out of step (restore or destroy the sandbox)")
+            raise
+
+    def _reply(self, rid: int, op: str, deadline: float) -> tuple[re.Match, bytes]:
+        while (m := _HEADER.search(self.buf)) is None or int(m.group(1)) != rid:
+            if m is not None:
+                # A reply to an earlier request that timed out on the host: skip it.
+                self.buf = self.buf[m.end():]
+                continue
+            self._more(rid, op, deadline)
+        self.buf = self.buf[m.end():]
+        more, end = f"\n@K3C {rid}\n".encode(), f"\n@K3END {rid}\n".encode()
+        parts = []
+        while True:
+            i, j = self.buf.find(more), self.buf.find(end)
+            if i >= 0 and not 0 <= j < i:
+                part, self.buf = self.buf[:i], self.buf[i + len(more):]
+                if len(part) != CHUNK:
+                    raise AgentCorrupt(f"reply to request {rid} ({op}): a chunk of {len(part)} bytes,"
+                                       f" expected {CHUNK}: bytes were lost on the way")
+                parts.append(part)
+                self._send(f"{rid} ack\n".encode(), deadline)
+            elif j >= 0:
+                part, self.buf = self.buf[:j], self.buf[j + len(end):]
+                if len(part) > CHUNK:
+                    raise AgentCorrupt(f"reply to request {rid} ({op}): a last chunk of {len(part)}"
+                                       f" bytes, more than {CHUNK}")
+                parts.append(part)
+                return m, b"".join(parts)
+            else:
+                self._more(rid, op, deadline)
+
     def request(self, op: str, args: list[str], payload: bytes, deadline: float) -> ExecResult:
-        """Send one request (plus raw ``payload`` bytes after the line) and read its reply."""
+        """Send one request with its ``payload`` and read the reply.
+
+        Raises:
+            AgentClosed, AgentTimeout: the channel closed or the deadline passed. AgentCorrupt:
+            the payload reached the guest damaged, or the reply reached the host damaged.
+            AgentError: the agent restarted meanwhile, or an earlier request was cut off inside
+            its payload.
+        """
+        if self._broken:
+            raise AgentError(self._broken)
         rid = self.next_id
         self.next_id += 1
-        line = f"{rid} {op} {' '.join(args)}\n".encode()
+        sent_md5 = _md5(payload) if op in ("exec", "write") else "-"
+        line = f"{rid} {op} {len(payload)} {sent_md5} {' '.join(args)}\n".encode()
+        self._payload(rid, op, line, payload, deadline)
+        m, body = self._reply(rid, op, deadline)
+        got_md5, out_md5, err_md5 = (g.decode() for g in m.group(4, 5, 6))
+        if got_md5 not in ("-", sent_md5):
+            raise AgentCorrupt(f"request {rid} ({op}): the guest got a payload with md5 {got_md5},"
+                               f" the host sent {len(payload)} bytes with md5 {sent_md5}")
+        out_b64, sep, err_b64 = body.partition(b"\n")
         try:
-            self.sock.sendall(line + payload)
-        except OSError as e:
-            raise AgentClosed(f"agent channel error on send: {e}") from e
-        while True:
-            if b"\n@K3READY\n" in self.buf:
-                # k3init restarts a dead agent, which announces itself: the request is lost.
-                self.buf = self.buf.split(b"\n@K3READY\n")[-1]
-                raise AgentError(f"the guest agent restarted during request {rid} ({op}): the"
-                                 " command killed it or its shell; its result is lost")
-            m = _HEADER.search(self.buf)
-            if m is None or int(m.group(1)) != rid:
-                if m is not None:
-                    # A reply to an earlier request that timed out on the host: skip it.
-                    self.buf = self.buf[m.end():]
-                    continue
-                self._recv(deadline)
-                continue
-            end = f"\n@K3END {rid}\n".encode()
-            while (j := self.buf.find(end, m.end())) < 0:
-                self._recv(deadline)
-            body = self.buf[m.end():j]
-            self.buf = self.buf[j + len(end):]
-            out, sep, err = body.partition(b"\n")
-            if not sep:
-                raise AgentError(f"malformed reply frame for request {rid}")
-            return ExecResult(exit_code=int(m.group(2)), stdout=base64.b64decode(out),
-                              stderr=base64.b64decode(err), timed_out=m.group(3) == b"1")
+            out = base64.b64decode(out_b64, validate=True)
+            err = base64.b64decode(err_b64, validate=True)
+        except binascii.Error as e:
+            raise AgentCorrupt(f"reply to request {rid} ({op}) is not base64 ({e})") from None
+        if not sep or _md5(out) != out_md5 or _md5(err) != err_md5:
+            raise AgentCorrupt(f"reply to request {rid} ({op}) damaged on the way: {len(out)} bytes"
+                               f" of stdout with md5 {_md5(out)} (guest: {out_md5}), {len(err)} of"
+                               f" stderr with md5 {_md5(err)} (guest: {err_md5})")
+        return ExecResult(exit_code=int(m.group(2)), stdout=out, stderr=err, timed_out=m.group(3) == b"1")
 
     def ping(self, deadline: float) -> None:
         self.request("ping", [], b"", deadline)
 
     def exec(self, cmd: str, timeout: float, deadline: float) -> ExecResult:
-        arg = base64.b64encode(cmd.encode()).decode()
-        return self.request("exec", [arg, f"{timeout:.3f}"], b"", deadline)
+        return self.request("exec", [f"{timeout:.3f}"], cmd.encode(), deadline)
 
     def write_file(self, path: str, data: bytes, mode: int, deadline: float) -> ExecResult:
-        enc = base64.b64encode(data)
-        args = [base64.b64encode(path.encode()).decode(), str(len(enc)), f"{mode:o}"]
-        return self.request("write", args, enc, deadline)
+        return self.request("write", [base64.b64encode(path.encode()).decode(), f"{mode:o}"], data, deadline)
 
     def read_file(self, path: str, deadline: float) -> ExecResult:
         return self.request("read", [base64.b64encode(path.encode()).decode()], b"", deadline)

@@ -161,11 +161,9 @@ def drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def console_error(path: Path) -> str | None:
-    """The first kernel panic / oops / OOM line of a guest console log, if any."""
-    if not path.is_file():
-        return None
-    for line in path.read_text(errors="replace").splitlines():
+def console_error(text: str) -> str | None:
+    """The first kernel panic / oops / OOM line of guest console text, if any."""
+    for line in text.splitlines():
         if any(k in line for k in ("Kernel panic", "Oops", "BUG:", "Out of memory")):
             return line.strip()
     return None

@@ -9,37 +9,59 @@ The sandbox folder is the process's working directory and holds:
 
 - ``rootfs.ext4``: the root drive, a sparse (reflink where the filesystem can) copy of the
   image's rootfs or of a snapshot's disk: Firecracker takes raw images only, no qcow2 overlays.
-- ``v.sock``: the vsock device's host socket; ``firecracker.sock``: the API socket;
-  ``firecracker.log``: Firecracker's output and the guest serial console.
+- ``firecracker.sock``: the API socket; ``firecracker.log``: Firecracker's log (``--log-path``);
+  ``firecracker.err``: its stderr.
 - ``base.mem``: a hard link to the full memory image of the last snapshot or load (the base
   that the next Diff snapshot is merged onto; a link survives the snapshot folder's deletion).
 - ``mem-<n>``: memory files of its own (a restore with ``cow=False``, a hibernation image),
   ``hib.vmstate``: device state while hibernated.
 
-Per-sandbox drive and socket after a snapshot load. A snapshot records the drive's
-``path_on_host`` and the vsock ``uds_path`` as configured, and ``PUT /snapshot/load`` reopens
-those paths: Firecracker's ``docs/snapshotting/snapshot-support.md`` ("Loading snapshots",
-Prerequisites) asks that the disk backing files and the vsock backing socket be "accessible at
-the same relative paths to the new Firecracker process as they were to the original one". The
-load request has no drive override (firecracker issue #4014), and patching ``/drives`` between
-load and resume still has the load open the recorded file first (the parent's disk). So every
-sandbox configures *relative* paths (``rootfs.ext4``, ``v.sock``) and runs its firecracker in its
-own folder: a fork's process resolves the recorded paths to its own disk copy and its own socket,
-as the jailer's per-VM chroot would, and the parent's files are never opened.
+The guest agent runs on the serial port. Firecracker's only console is an emulated 8250 UART
+(``ttyS0``) whose input is the firecracker process's stdin and whose output is its stdout
+(``src/vmm/src/device_manager/mod.rs``, ``setup_serial_device``: ``SerialOut::Stdout`` and
+``std::io::stdin()``; stdin is polled when it is a tty or a FIFO, ``devices/legacy/serial.rs``).
+Both are pipes here, and the agent's protocol (:mod:`k3lab.agentenv.agent`) rides on them with
+the same framing as QEMU's virtio console. The boot arguments name the agent's tty
+(``k3lab.agent=ttyS0``, read by the image's init) and keep the kernel's log off it:
+``console=ttyS0`` gives userspace a ``/dev/console``, and ``loglevel=0`` keeps every kernel
+message off the port, even the emergency ones (a soft-lockup report on a loaded host would
+otherwise land inside a reply) and a panic's (``console_verbose()`` leaves a zero log level
+alone): a crashed guest shows as the firecracker process's exit (``panic=1``, ``reboot=k``).
+Firecracker's own log goes to ``firecracker.log``; without ``--log-path`` it would be written to
+stdout, into the agent's stream (``src/vmm/src/logger/logging.rs``).
+
+Serial flow control. Firecracker makes stdout non-blocking and drops the bytes a full pipe refuses
+(counted in the ``uart.missed_write_count`` metric; firecracker PRs #2381, #2461); it reads stdin
+only as far as the UART's 64-byte FIFO has room, and the guest's 8250 driver queues what it
+receives in the tty's buffers. The agent protocol keeps one 32 KiB chunk in flight per direction,
+acknowledged before the next, so neither the 64 KiB pipe nor the guest tty overflows.
+
+Across snapshots. The serial device is not part of a snapshot: ``PUT /snapshot/load`` builds a
+fresh one on the new process's stdin/stdout and re-enables its receive interrupt
+(``DeviceManager::restore`` and ``emulate_serial_init`` in ``device_manager/mod.rs``; firecracker
+PR #2879, "Set RDA bit in serial after restore"). So a restored, forked or woken sandbox's agent
+is reached through the new process's pipes, picking up inside the guest exactly where it was (the
+host pings it; no boot banner). A snapshot taken while the guest is still transmitting can leave
+the restored UART silent (the driver waits for a transmit interrupt that the fresh device never
+raises: firecracker PR #5730); snapshots here are taken between agent requests, once the whole
+reply has reached the host, when the guest's transmitter is idle. The pause/create/resume of a
+live sandbox does not touch the serial port, so its agent channel carries on.
+
+Per-sandbox drive after a snapshot load. A snapshot records the drive's ``path_on_host`` as
+configured, and ``PUT /snapshot/load`` reopens that path: Firecracker's
+``docs/snapshotting/snapshot-support.md`` ("Loading snapshots", Prerequisites) asks that the disk
+backing files be "accessible at the same relative paths to the new Firecracker process as they
+were to the original one". The load request has no drive override (firecracker issue #4014), and
+patching ``/drives`` between load and resume still has the load open the recorded file first (the
+parent's disk). So every sandbox configures the *relative* path ``rootfs.ext4`` and runs its
+firecracker in its own folder: a fork's process resolves it to its own disk copy, as the jailer's
+per-VM chroot would, and the parent's files are never opened.
 
 Snapshots and memory. ``save`` pauses, writes ``vmstate`` and ``mem`` and copies the drive: a
 Full snapshot the first time, then Diff snapshots (dirty-page tracking is always on) merged onto
 ``base.mem`` with :func:`~k3lab.agentenv.firecracker.merge_diff_memory`, so every snapshot folder
 holds a loadable full memory file. Loads use the File memory backend: Firecracker maps the file
 ``MAP_PRIVATE`` (pages shared until written, writes private), so forks share the snapshot's pages.
-
-The guest agent talks over vsock port :data:`AGENT_PORT` (host side:
-:meth:`~k3lab.agentenv.agent.AgentChannel.connect_vsock`), with the same protocol as QEMU's
-console. Firecracker resets every open vsock connection when a snapshot is created (the
-``VIRTIO_VSOCK_EVENT_TRANSPORT_RESET`` of snapshot-support.md's vsock section; listening sockets
-survive), so the host closes its connection before a snapshot and reconnects on resume. The guest
-must serve the agent on that port, announcing ``@K3READY`` on every new connection; the QEMU
-image of :mod:`k3lab.agentenv.image` serves ``/dev/hvc0`` only and has no vsock listener yet.
 """
 from __future__ import annotations
 
@@ -54,14 +76,10 @@ from k3lab.agentenv.firecracker import FirecrackerVM, merge_diff_memory
 from k3lab.agentenv.host import HostInfo
 from k3lab.agentenv.image import Image
 
-#: guest vsock port the agent listens on.
-AGENT_PORT = 1024
-#: kernel command line: serial console, exit on reboot/panic (Firecracker ends with the guest).
-BOOT_ARGS = "console=ttyS0 reboot=k panic=1 pci=off quiet rdinit=/init"
+#: kernel command line: the agent on the serial port, the kernel's log kept off it; exit on
+#: reboot/panic (Firecracker ends with the guest).
+BOOT_ARGS = "console=ttyS0 loglevel=0 reboot=k panic=1 pci=off rdinit=/init k3lab.agent=ttyS0"
 ROOT_DRIVE = "rootfs.ext4"
-VSOCK = "v.sock"
-#: seconds a resumed guest has to accept the agent connection again.
-RECONNECT_S = 60.0
 
 
 class FirecrackerBackend(VMBackend):
@@ -89,13 +107,11 @@ class FirecrackerBackend(VMBackend):
         self.mapped: Path | None = None   # the memory file the live process maps (None: anonymous)
         self.own_mem: Path | None = None  # the sandbox's own memory file, if its state has one
         self._names = itertools.count()
-
-    def _connect(self, deadline: float) -> None:
-        self.agent = AgentChannel.connect_vsock(str(self.workdir / VSOCK), AGENT_PORT, deadline)
-        self.agent.wait_for(b"@K3READY", deadline)
+        self.console = b""  # the end of the serial traffic of the last process, for crash reports
 
     def _launch(self, deadline: float) -> None:
         self.fc.launch(timeout=max(1.0, min(10.0, deadline - time.monotonic())))
+        self.agent = AgentChannel.from_pipes(self.fc.proc.stdout, self.fc.proc.stdin)
 
     def _link_base(self, mem: Path) -> None:
         tmp = self.workdir / "base.mem.tmp"
@@ -113,15 +129,15 @@ class FirecrackerBackend(VMBackend):
         self._launch(deadline)
         self.fc.boot(kernel=os.path.abspath(self.host.firecracker_kernel), rootfs=ROOT_DRIVE,
                      boot_args=BOOT_ARGS, initrd=os.path.abspath(self.image.initrd), vcpus=self.vcpus,
-                     mem_mib=self.memory_mib, track_dirty_pages=True, vsock_uds=VSOCK)
-        self._connect(deadline)
+                     mem_mib=self.memory_mib, track_dirty_pages=True)
+        self.agent.wait_for(b"@K3READY", deadline)
 
     def _load(self, vmstate: Path, mem: Path, deadline: float) -> None:
         self._launch(deadline)
         self.fc.restore(str(vmstate), str(mem), resume=True)
         self.mapped = mem
         self._link_base(mem)
-        self._connect(deadline)
+        self.agent.ping(deadline)
 
     def load(self, snap: Path, kind: str, timeout: float, cow: bool) -> None:
         deadline = time.monotonic() + timeout
@@ -135,9 +151,6 @@ class FirecrackerBackend(VMBackend):
 
     def _snapshot(self, vmstate: Path, mem: Path) -> str:
         """Pause and write a snapshot whose ``mem`` is a loadable full memory file."""
-        if self.agent is not None:
-            self.agent.close()
-            self.agent = None
         client = self.fc.client
         client.pause()
         if self.base_mem.is_file():
@@ -164,8 +177,6 @@ class FirecrackerBackend(VMBackend):
 
     def resume(self) -> None:
         self.fc.client.resume()
-        if self.agent is None:
-            self._connect(time.monotonic() + RECONNECT_S)
 
     def hibernate(self) -> None:
         new = self.workdir / f"mem-{next(self._names)}"
@@ -183,17 +194,16 @@ class FirecrackerBackend(VMBackend):
 
     def clear(self) -> None:
         for p in self.workdir.iterdir():
-            if p.name in (ROOT_DRIVE, VSOCK, "hib.vmstate") or p.name.startswith(("base.mem", "mem-")):
+            if p.name in (ROOT_DRIVE, "hib.vmstate") or p.name.startswith(("base.mem", "mem-")):
                 p.unlink(missing_ok=True)
         self.mapped = self.own_mem = None
 
     def kill(self) -> None:
         if self.agent is not None:
+            self.console = bytes(self.agent.recent)
             self.agent.close()
             self.agent = None
         self.fc.kill()
-        # A killed firecracker leaves its vsock socket file behind; a new one refuses to bind it.
-        (self.workdir / VSOCK).unlink(missing_ok=True)
 
     def poll(self) -> int | None:
         return None if self.fc.proc is None else self.fc.proc.poll()
@@ -205,8 +215,14 @@ class FirecrackerBackend(VMBackend):
     def memory_files(self) -> tuple[Path | None, Path | None]:
         return self.mapped, self.own_mem
 
+    def _console_text(self) -> str:
+        return (bytes(self.agent.recent) if self.agent is not None else self.console).decode(errors="replace")
+
     def guest_error(self) -> str | None:
-        return console_error(self.workdir / "firecracker.log")
+        return console_error(self._console_text())
 
     def log_tail(self) -> str:
-        return tail([self.workdir / "firecracker.log"]) or "no firecracker output"
+        parts = [tail([self.workdir / "firecracker.log", self.workdir / "firecracker.err"])]
+        if console := self._console_text()[-1500:].strip():
+            parts.append(f"serial console: ...{console}")
+        return " | ".join(p for p in parts if p) or "no firecracker output"

@@ -8,7 +8,6 @@ swagger (``src/firecracker/swagger/firecracker.yaml``):
     PUT   /boot-source         {"kernel_image_path", "boot_args", "initrd_path"}
     PUT   /drives/{drive_id}   {"drive_id", "path_on_host", "is_root_device", "is_read_only"}
     PUT   /machine-config      {"vcpu_count", "mem_size_mib", "smt", "track_dirty_pages"}
-    PUT   /vsock               {"guest_cid", "uds_path"}
     PUT   /actions             {"action_type": "InstanceStart"}
     PATCH /vm                  {"state": "Paused" | "Resumed"}
     PUT   /snapshot/create     {"snapshot_type": "Full" | "Diff", "snapshot_path", "mem_file_path"}
@@ -18,9 +17,13 @@ swagger (``src/firecracker/swagger/firecracker.yaml``):
 
 Successful writes answer 204; errors answer 4xx/5xx with ``{"fault_message": ...}``.
 
-Drive and vsock paths may be relative: Firecracker opens them from its working directory, and a
-snapshot records them as given, so a process started in another folder resolves the same relative
-path to that folder's file (what the jailer's chroot does; see :mod:`k3lab.agentenv.fcvm`).
+Drive paths may be relative: Firecracker opens them from its working directory, and a snapshot
+records them as given, so a process started in another folder resolves the same relative path to
+that folder's file (what the jailer's chroot does; see :mod:`k3lab.agentenv.fcvm`).
+
+The guest's serial console (``ttyS0``) is the process's stdin and stdout, which
+:class:`FirecrackerVM` makes pipes (see :mod:`k3lab.agentenv.fcvm`); Firecracker's own log goes to
+``--log-path`` (without one it is written to stdout, into the console stream).
 
 A Diff snapshot's memory file holds only the pages dirtied since the previous snapshot (the rest
 are holes); :func:`merge_diff_memory` lays it over the previous full memory file to get a
@@ -131,13 +134,6 @@ class FirecrackerClient:
         self._call("PUT", "/machine-config", {"vcpu_count": vcpu_count, "mem_size_mib": mem_size_mib,
                                               "smt": smt, "track_dirty_pages": track_dirty_pages})
 
-    def set_vsock(self, guest_cid: int, uds_path: str) -> None:
-        """``PUT /vsock``: the guest's vsock device, reached from the host through the unix socket
-        ``uds_path`` (may be relative to firecracker's working directory)."""
-        if guest_cid < 3:
-            raise ValueError(f"guest_cid must be >= 3, got {guest_cid}")
-        self._call("PUT", "/vsock", {"guest_cid": guest_cid, "uds_path": _host_path("uds_path", uds_path)})
-
     def start(self) -> None:
         self._call("PUT", "/actions", {"action_type": "InstanceStart"})
 
@@ -211,9 +207,13 @@ class FirecrackerVM:
 
     Args:
         binary (str): path of the firecracker executable.
-        workdir (Path): the process's working directory (relative drive and vsock paths resolve
-            there); holds the API socket and ``firecracker.log`` (its output and the guest's
-            serial console).
+        workdir (Path): the process's working directory (relative drive paths resolve there);
+            holds the API socket, ``firecracker.log`` (Firecracker's log) and ``firecracker.err``
+            (its stderr).
+
+    Attributes:
+        proc (subprocess.Popen | None): the process; ``proc.stdout`` / ``proc.stdin`` are pipes
+            carrying the guest's serial console (output / input).
     """
 
     def __init__(self, binary: str, workdir: str | os.PathLike) -> None:
@@ -223,17 +223,21 @@ class FirecrackerVM:
         self.client: FirecrackerClient | None = None
 
     def launch(self, timeout: float = 10.0) -> FirecrackerClient:
-        """Start the process and wait for its API socket.
+        """Start the process (its stdin and stdout: pipes, the guest's serial console) and wait for
+        its API socket.
 
         Raises:
             FirecrackerError: the process exited or the socket never appeared.
         """
         self.api_sock.unlink(missing_ok=True)
-        log = open(self.workdir / "firecracker.log", "ab")
-        self.proc = subprocess.Popen([self.binary, "--api-sock", str(self.api_sock)], cwd=self.workdir,
-                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                     preexec_fn=die_with_parent, close_fds=True)
-        log.close()
+        # --log-path needs an existing file; Firecracker writes at its start, so keep one log per run.
+        log = self.workdir / "firecracker.log"
+        log.write_bytes(b"")
+        err = open(self.workdir / "firecracker.err", "ab")
+        self.proc = subprocess.Popen([self.binary, "--api-sock", str(self.api_sock), "--log-path", str(log)],
+                                     cwd=self.workdir, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=err, preexec_fn=die_with_parent, close_fds=True)
+        err.close()
         deadline = time.monotonic() + timeout
         while not self.api_sock.exists():
             if self.proc.poll() is not None:
@@ -246,15 +250,12 @@ class FirecrackerVM:
         return self.client
 
     def boot(self, kernel: str, rootfs: str, boot_args: str, initrd: str | None = None,
-             vcpus: int = 1, mem_mib: int = 128, track_dirty_pages: bool = True,
-             vsock_uds: str | None = None) -> None:
+             vcpus: int = 1, mem_mib: int = 128, track_dirty_pages: bool = True) -> None:
         """Configure and start a fresh VM (call after :meth:`launch`)."""
         c = self.client
         c.set_machine_config(vcpus, mem_mib, track_dirty_pages=track_dirty_pages)
         c.set_boot_source(kernel, boot_args, initrd)
         c.add_drive("rootfs", rootfs, is_root_device=True)
-        if vsock_uds is not None:
-            c.set_vsock(3, vsock_uds)
         c.start()
 
     def snapshot(self, snapshot_path: str, mem_file_path: str, diff: bool = False) -> None:
@@ -274,4 +275,6 @@ class FirecrackerVM:
             self.proc.send_signal(signal.SIGKILL)
         if self.proc is not None:
             self.proc.wait()
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                pipe.close()
         self.api_sock.unlink(missing_ok=True)

@@ -10,10 +10,14 @@ Build (``python -m k3lab.agentenv build`` or :func:`build_image`):
    output starts with an ELF header (the kernel tree's ``scripts/extract-vmlinux`` idea); QEMU's
    ``microvm`` boots it directly through its PVH entry point.
 3. The initrd (cpio newc, written here, gzip): busybox plus the virtio modules the cloud kernel
-   builds as modules (virtio, virtio_ring, virtio_mmio, virtio_blk, virtio_console, vsock). Its
+   builds as modules (virtio, virtio_ring, virtio_mmio, virtio_blk, virtio_console). Its
    ``/init`` loads them, mounts ``/dev/vda`` (ext4) and switches root.
 4. The rootfs: a busybox ext4 image made with ``mkfs.ext4 -d`` (no root needed), holding the guest
-   agent (:data:`AGENT_SH`) that serves exec / file write / file read on ``/dev/hvc0``.
+   agent (:data:`AGENT_SH`) that serves exec / file write / file read on a tty: ``/dev/hvc0``
+   (QEMU's virtio console) by default, or the one named by ``k3lab.agent=<tty>`` on the kernel
+   command line, e.g. ``ttyS0``, the 8250 serial port that is Firecracker's only console (the
+   cloud kernel builds the 8250 driver and its console in: ``CONFIG_SERIAL_8250=y``,
+   ``CONFIG_SERIAL_8250_CONSOLE=y``).
 
 The result lives in ``<cache>/images/<key>/`` where ``key`` hashes the package checksums and the
 guest scripts; it is built in a temporary folder and renamed into place (atomic), and
@@ -34,11 +38,10 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-FORMAT_VERSION = 3
-MODULES = (
-    "virtio", "virtio_ring", "virtio_mmio", "virtio_blk", "virtio_console",
-    "vsock", "vmw_vsock_virtio_transport_common", "vmw_vsock_virtio_transport",
-)
+from k3lab.agentenv.agent import CHUNK
+
+FORMAT_VERSION = 4
+MODULES = ("virtio", "virtio_ring", "virtio_mmio", "virtio_blk", "virtio_console")
 ROOTFS_MIB = 64
 APT_ARCHIVES = Path("/var/cache/apt/archives")
 
@@ -57,7 +60,8 @@ while [ ! -b /dev/vda ] && [ $n -lt 500 ]; do /bin/busybox usleep 10000; n=$((n+
 exec /bin/busybox switch_root /newroot /sbin/k3init
 """
 
-# rootfs /sbin/k3init (PID 1): mounts, then keeps the agent running.
+# rootfs /sbin/k3init (PID 1): mounts, then keeps the agent running on its tty: the one named by
+# k3lab.agent=<tty> on the kernel command line (ttyS0 on Firecracker), else hvc0 (QEMU).
 K3INIT_SH = r"""#!/bin/sh
 mount -t proc proc /proc
 mount -t sysfs sys /sys
@@ -66,59 +70,108 @@ mount -t tmpfs -o mode=755 run /run
 hostname sandbox
 export PATH=/bin:/sbin:/usr/bin:/usr/sbin HOME=/root
 cd /root
-while true; do /sbin/k3agent /dev/hvc0; sleep 0.1; done
+tty=hvc0
+read -r cmdline < /proc/cmdline
+for w in $cmdline; do case $w in k3lab.agent=*) tty=${w#k3lab.agent=} ;; esac; done
+# Nothing of init's goes to the console from here on: on a serial port it is the agent's channel.
+exec </dev/null >/dev/null 2>&1
+while true; do /sbin/k3agent /dev/$tty; sleep 0.1; done
 """
 
-# The guest agent. Requests are one line: "<id> <op> <args...>" (args base64, no spaces).
-#   ping                     -> rc 0
-#   exec <cmd_b64> <secs>    -> runs `sh cmd` in its own session with stdin /dev/null; after
-#                               <secs> the whole process group gets SIGKILL (rc 137, timed out)
-#   write <path_b64> <n> <mode>, then n bytes of base64 data -> writes the decoded file
-#   read <path_b64>          -> the file as stdout
-# Reply frame: "\n@K3 <id> <rc> <timed_out>\n" <out_b64> "\n" <err_b64> "\n@K3END <id>\n".
-# '@' and '\n' are not in the base64 alphabet, so the markers cannot occur inside the payload;
-# empty outputs skip the base64 process (each fork costs milliseconds under TCG).
+# The guest agent, serving k3lab.agentenv.agent's protocol (see its docstring) on the tty "$1".
+# Payloads arrive raw (the tty is fully raw: no flow-control characters, no CR/NL mapping, no
+# signals, 8 bits) and are read with head -c exactly; replies are base64, so the markers, which
+# start with "\n@", are unambiguous. md5 sums go both ways. A reply with no output takes no fork
+# (each fork costs milliseconds under TCG).
 AGENT_SH = r"""#!/bin/sh
+set -f
+# clocal first: opening a serial port without it waits for carrier. The rest once it is open:
+# hvc resets a tty's settings whenever its last file is closed.
+stty -F "$1" clocal 2>/dev/null
 exec <"$1" >"$1" 2>/dev/null
-stty raw -echo
+stty raw -echo -iexten
 W=/run/k3agent
+K=__CHUNK__
+E=d41d8cd98f00b204e9800998ecf8427e
 mkdir -p $W
+md5() { h=-; if [ -f "$1" ]; then md5sum "$1" > $W/s && read -r h x < $W/s; fi; }
+# recv <id> <n> <file>: the request's n payload bytes, acknowledging each chunk but the last
+recv() {
+  n=$2
+  while [ $n -gt $K ]; do head -c $K >> "$3"; n=$((n - K)); printf '\n@K3A %s\n' $1; done
+  if [ $n -gt 0 ]; then head -c $n >> "$3"; fi
+}
+# ack <id>: wait for "<id> ack"; another line is the next request (the host gave up on this one)
+ack() {
+  read -r a b c || exit 0
+  [ "$a $b" = "$1 ack" ] && return 0
+  next="$a $b $c"
+  return 1
+}
 b64() { if [ -s "$1" ]; then base64 -w0 "$1"; fi; }
+# reply <id> <rc> <timed_out> <md5_in>: the header, then base64 stdout, "\n", base64 stderr in chunks
 reply() {
-  printf '\n@K3 %s %s %s\n' "$1" "$2" "$3"
-  b64 "$W/o"; printf '\n'; b64 "$W/e"
-  printf '\n@K3END %s\n' "$1"
+  if [ ! -s $W/o ] && [ ! -s $W/e ]; then
+    printf '\n@K3 %s %s %s %s %s %s\n\n\n@K3END %s\n' $1 $2 $3 $4 $E $E $1
+    return
+  fi
+  md5sum $W/o $W/e > $W/s
+  { read -r ho x; read -r he x; } < $W/s
+  { b64 $W/o; echo; b64 $W/e; } > $W/r
+  printf '\n@K3 %s %s %s %s %s %s\n' $1 $2 $3 $4 $ho $he
+  i=0
+  while dd if=$W/r bs=$K skip=$i count=1 2> $W/dd && read -r c x < $W/dd && [ "$c" = 1+0 ]; do
+    printf '\n@K3C %s\n' $1
+    ack $1 || return
+    i=$((i + 1))
+  done
+  printf '\n@K3END %s\n' $1
 }
 printf '\n@K3READY\n'
-while read -r id op a b c; do
-  : > "$W/o"; : > "$W/e"; rm -f "$W/to"
-  case "$op" in
-  ping) reply "$id" 0 0 ;;
+next=
+while true; do
+  if [ -n "$next" ]; then l=$next; next=; else read -r l || exit 0; fi
+  set -- $l
+  [ -n "$2" ] || continue
+  : > $W/o; : > $W/e; : > $W/to
+  case "$2" in
+  ping) reply $1 0 0 - ;;
   exec)
-    echo "$a" | base64 -d > "$W/cmd"
-    setsid sh "$W/cmd" < /dev/null > "$W/o" 2> "$W/e" &
+    : > $W/cmd
+    recv $1 $3 $W/cmd
+    md5 $W/cmd
+    if [ "$h" != "$4" ]; then echo "k3agent: the command arrived damaged" > $W/e; reply $1 1 0 $h; continue; fi
+    setsid sh $W/cmd < /dev/null > $W/o 2> $W/e &
     p=$!
     ( trap 'kill $s 2>/dev/null; exit 0' TERM
-      sleep "$b" & s=$!; wait $s
-      : > "$W/to"; kill -KILL -$p 2>/dev/null ) &
+      sleep $5 & s=$!; wait $s
+      echo 1 > $W/to; kill -KILL -$p 2>/dev/null ) &
     w=$!
     wait $p; rc=$?
     kill $w 2>/dev/null; wait $w 2>/dev/null
-    t=0; [ -e "$W/to" ] && t=1
-    reply "$id" $rc $t ;;
+    t=0; [ -s $W/to ] && t=1
+    reply $1 $rc $t $h ;;
   write)
-    path=$(echo "$a" | base64 -d)
-    head -c "$b" > "$W/in.b64"
-    if base64 -d "$W/in.b64" > "$path" 2> "$W/e" && chmod "$c" "$path" 2>> "$W/e"; then rc=0; else rc=1; fi
-    reply "$id" $rc 0 ;;
+    path=$(echo $5 | base64 -d)
+    # A file that cannot be created still has its payload read (to /dev/null).
+    if { true > "$path"; } 2> $W/e; then d=$path; else d=; fi
+    recv $1 $3 "${d:-/dev/null}"
+    if [ -z "$d" ] || ! chmod $6 "$path" 2> $W/e; then reply $1 1 0 -; continue; fi
+    md5 "$path"
+    reply $1 0 0 $h ;;
   read)
-    path=$(echo "$a" | base64 -d)
-    if cat "$path" > "$W/o" 2> "$W/e"; then rc=0; else rc=1; fi
-    reply "$id" $rc 0 ;;
-  *) echo "unknown op $op" > "$W/e"; reply "$id" 2 0 ;;
+    path=$(echo $5 | base64 -d)
+    if cat "$path" > $W/o 2> $W/e; then rc=0; else rc=1; fi
+    reply $1 $rc 0 - ;;
+  *) echo "unknown op $2" > $W/e; reply $1 2 0 - ;;
   esac
 done
 """
+
+
+def agent_script() -> str:
+    """:data:`AGENT_SH` with the protocol's chunk size filled in."""
+    return AGENT_SH.replace("__CHUNK__", str(CHUNK))
 
 
 class ImageError(RuntimeError):
@@ -345,7 +398,7 @@ def _build(out: Path, debs: dict[str, Path]) -> str:
         if not link.exists():
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to("/bin/busybox")
-    for name, text in (("sbin/k3init", K3INIT_SH), ("sbin/k3agent", AGENT_SH)):
+    for name, text in (("sbin/k3init", K3INIT_SH), ("sbin/k3agent", agent_script())):
         (stage / name).write_text(text)
         (stage / name).chmod(0o755)
     (stage / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
@@ -375,7 +428,7 @@ def build_image(cache_dir: str | os.PathLike | None = None, force: bool = False)
     debs = _fetch_debs(cache / "debs")
     deb_sums = {k: {"file": p.name, "sha256": _sha256(p)} for k, p in debs.items()}
     key_src = json.dumps({"format": FORMAT_VERSION, "debs": deb_sums, "init": INIT_SH,
-                          "k3init": K3INIT_SH, "agent": AGENT_SH, "modules": MODULES,
+                          "k3init": K3INIT_SH, "agent": agent_script(), "modules": MODULES,
                           "rootfs_mib": ROOTFS_MIB}, sort_keys=True)
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     final = cache / "images" / key

@@ -4,6 +4,9 @@ One :class:`QemuVM` is one QEMU process: guest RAM is a ``memory-backend-file`` 
 the sandbox's own file, or ``share=off`` on a snapshot's RAM file, which maps it copy-on-write),
 the disk is a qcow2 overlay on a read-only backing chain, the guest agent talks over a
 ``virtconsole`` (``/dev/hvc0``) on a unix socket, and the kernel console goes to ``console.log``.
+With ``agent_port="ttyS0"`` the agent is wired as Firecracker wires it instead: on the 8250
+serial port, which is also the kernel console (kept silent with ``loglevel=0``); that is how the
+image's serial-port path is tested on hosts where Firecracker cannot run.
 
 Guest state is saved with QMP ``migrate`` to ``exec:cat > file`` (QEMU 7.2 has no ``file:``
 URI) and loaded with ``-incoming defer`` + ``migrate-incoming``. With the ``x-ignore-shared``
@@ -101,10 +104,18 @@ class QemuVM:
         vcpus (int): guest vCPUs.
         accel (str): "tcg" or "kvm".
         tsc_khz (int): host TSC kHz, put on the kernel command line under TCG.
+        agent_port (str): the guest agent's tty: "hvc0" (a virtio console) or "ttyS0" (the
+            serial port, Firecracker's console).
+
+    Raises:
+        ValueError: another ``agent_port``.
     """
 
     def __init__(self, workdir: Path, image: Image, memory_mib: int, vcpus: int, accel: str,
-                 tsc_khz: int, qemu: str = "qemu-system-x86_64") -> None:
+                 tsc_khz: int, qemu: str = "qemu-system-x86_64", agent_port: str = "hvc0") -> None:
+        if agent_port not in ("hvc0", "ttyS0"):
+            raise ValueError(f"agent_port must be 'hvc0' or 'ttyS0', got {agent_port!r}")
+        self.agent_port = agent_port
         self.workdir, self.image = Path(workdir), image
         self.memory_mib, self.vcpus, self.accel, self.tsc_khz = memory_mib, vcpus, accel, tsc_khz
         self.qemu = qemu
@@ -114,7 +125,15 @@ class QemuVM:
         self.qmp_path = str(self.workdir / "qmp.sock")
 
     def cmdline(self, disk: Path, ram: Path, ram_shared: bool, incoming: bool) -> list[str]:
-        append = "console=ttyS0 quiet panic=-1 rdinit=/init 8250.nr_uarts=1"
+        append = "console=ttyS0 panic=-1 rdinit=/init 8250.nr_uarts=1"
+        if self.agent_port == "hvc0":
+            append += " quiet"
+            agent = ["-device", "virtio-serial-device,id=vser0",
+                     "-device", "virtconsole,chardev=agent,id=con0",
+                     "-serial", f"file:{self.workdir / 'console.log'}"]
+        else:
+            append += " loglevel=0 k3lab.agent=ttyS0"
+            agent = ["-serial", "chardev:agent"]
         if self.accel == "tcg":
             append += f" tsc_early_khz={self.tsc_khz}"
         accel = "tcg,tb-size=16" if self.accel == "tcg" else "kvm"
@@ -128,10 +147,7 @@ class QemuVM:
                "-blockdev", f"driver=file,filename={disk},node-name=file0",
                "-blockdev", "driver=qcow2,file=file0,node-name=disk0",
                "-device", "virtio-blk-device,drive=disk0,id=blk0",
-               "-device", "virtio-serial-device,id=vser0",
-               "-chardev", f"socket,id=agent,path={self.agent_path},server=on,wait=off",
-               "-device", "virtconsole,chardev=agent,id=con0",
-               "-serial", f"file:{self.workdir / 'console.log'}",
+               "-chardev", f"socket,id=agent,path={self.agent_path},server=on,wait=off", *agent,
                "-qmp", f"unix:{self.qmp_path},server=on,wait=off"]
         if self.accel == "kvm":
             cmd += ["-cpu", "host"]
@@ -223,7 +239,8 @@ class QemuVM:
 
     def guest_error(self) -> str | None:
         """The first kernel panic / oops / OOM line of the guest console, if any."""
-        return console_error(self.workdir / "console.log")
+        log = self.workdir / "console.log"
+        return console_error(log.read_text(errors="replace")) if log.is_file() else None
 
     def log_tail(self, n: int = 1500) -> str:
         return tail([self.workdir / "qemu.log", self.workdir / "console.log"], n) or "no QEMU output"

@@ -456,7 +456,8 @@ class Sandbox:
         Raises:
             TypeError: ``cmd`` not a str. ValueError: ``timeout`` <= 0. SandboxStateError: not
             running. SandboxCrashed: the VM died. SandboxTimeout: no answer ``grace_s`` after the
-            timeout (hung guest).
+            timeout (hung guest). SandboxError: the command or its output arrived damaged (md5 or
+            chunk length mismatch; a damaged command is not run).
         """
         if not isinstance(cmd, str):
             raise TypeError(f"cmd must be a str (a shell script), got {type(cmd).__name__}")
@@ -469,7 +470,8 @@ class Sandbox:
 
         Raises:
             TypeError: ``path`` not a str, ``data`` not str/bytes-like. ValueError: ``path`` not
-            absolute. SandboxError: the guest could not write it.
+            absolute. SandboxError: the guest could not write it, or the file it wrote differs
+            from ``data`` (md5 mismatch).
         """
         if not isinstance(path, str):
             raise TypeError(f"path must be a str, got {type(path).__name__}")
@@ -488,7 +490,7 @@ class Sandbox:
 
         Raises:
             TypeError: ``path`` not a str. FileNotFoundError: the guest cannot read it (message has
-            the guest's error).
+            the guest's error). SandboxError: the file arrived damaged (md5 mismatch).
         """
         if not isinstance(path, str):
             raise TypeError(f"path must be a str, got {type(path).__name__}")
