@@ -304,7 +304,8 @@ def main(argv=None) -> dict:
     for case in args.cases:
         B, T, H = (int(x) for x in case.split("x"))
         case_result = time_case(B, T, H, args.K, args.K, device, run_fla=not args.no_fla, rep=args.rep)
-        earlier = [c for c in earlier_cases if (c["B"], c["T"], c["H"], c["K"]) == (B, T, H, args.K)]
+        earlier = [c for c in earlier_cases if (c["B"], c["T"], c["H"], c["K"]) == (B, T, H, args.K)
+                   and c["fla_fwd_ms"] is not None]
         if args.no_fla and earlier:
             for key in ("fla_fwd_ms", "fla_fwd_bwd_ms", "fla_peak_mib"):
                 case_result[key] = earlier[0][key]
