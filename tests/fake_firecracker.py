@@ -213,8 +213,8 @@ class Guest:
         return data
 
     def _reply(self, inp, rid: str, rc: int, timed_out: bool, got: str, out: bytes, err: bytes) -> None:
-        md5 = lambda b: hashlib.md5(b).hexdigest()
-        self.serial_out(f"\n@K3 {rid} {rc} {int(timed_out)} {got} {md5(out)} {md5(err)}\n".encode())
+        sums = " ".join(hashlib.md5(b).hexdigest() for b in (out, err))
+        self.serial_out(f"\n@K3 {rid} {rc} {int(timed_out)} {got} {sums}\n".encode())
         body = base64.b64encode(out) + b"\n" + base64.b64encode(err)
         for i in range(0, len(body) + 1, CHUNK):
             part = body[i:i + CHUNK]

@@ -82,11 +82,12 @@ def test_sysdeps_reports_missing_with_the_command(monkeypatch, capsys):
 
 def _reply(rid: int, out: bytes, err: bytes = b"", rc: int = 0, got: str = "-") -> list[bytes]:
     """The guest's frames for a reply: header, then chunks (all but the last wait for an ack)."""
-    md5 = lambda b: hashlib.md5(b).hexdigest()
     body = base64.b64encode(out) + b"\n" + base64.b64encode(err)
-    head = f"\n@K3 {rid} {rc} 0 {got} {md5(out)} {md5(err)}\n".encode()
+    sums = " ".join(hashlib.md5(b).hexdigest() for b in (out, err))
+    head = f"\n@K3 {rid} {rc} 0 {got} {sums}\n".encode()
     parts = [body[i:i + CHUNK] for i in range(0, len(body) + 1, CHUNK)]
-    frames = [p + f"\n@K3C {rid}\n".encode() for p in parts[:-1]] + [parts[-1] + f"\n@K3END {rid}\n".encode()]
+    frames = [p + f"\n@K3C {rid}\n".encode() for p in parts[:-1]]
+    frames.append(parts[-1] + f"\n@K3END {rid}\n".encode())
     return [head + frames[0], *frames[1:]]
 
 

@@ -221,7 +221,7 @@ class AgentChannel:
         parts = []
         while True:
             i, j = self.buf.find(more), self.buf.find(end)
-            if i >= 0 and not 0 <= j < i:
+            if i >= 0 and (j < 0 or i < j):
                 part, self.buf = self.buf[:i], self.buf[i + len(more):]
                 if len(part) != CHUNK:
                     raise AgentCorrupt(f"reply to request {rid} ({op}): a chunk of {len(part)} bytes,"

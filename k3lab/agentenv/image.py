@@ -140,7 +140,9 @@ while true; do
     : > $W/cmd
     recv $1 $3 $W/cmd
     md5 $W/cmd
-    if [ "$h" != "$4" ]; then echo "k3agent: the command arrived damaged" > $W/e; reply $1 1 0 $h; continue; fi
+    if [ "$h" != "$4" ]; then
+      echo "k3agent: the command arrived damaged" > $W/e; reply $1 1 0 $h; continue
+    fi
     setsid sh $W/cmd < /dev/null > $W/o 2> $W/e &
     p=$!
     ( trap 'kill $s 2>/dev/null; exit 0' TERM
