@@ -11,9 +11,9 @@
 #
 # **Why.** K3 trains with a 1M-token context (8K → 64K in pre-training, 256K → 1M in the cooldown;
 # K3 report, Table 1), and 69 of its 93 layers are KDA. One KDA layer over one 512K-token sequence
-# (32 heads, d = 128, bf16) takes ~24 s forward+backward on one H200 with this repo's PyTorch chunk
-# path (`data/results/kcp_h200x2.json`): the sequence has to be split across GPUs, and the recurrence
-# has to cross the split.
+# (32 heads, d = 128, bf16) takes ~1.1 s forward+backward on one H200 even with this repo's Triton
+# `flash_kda` (chapter 02; `data/results/kcp_h200x2.json`): the sequence has to be split across GPUs,
+# and the recurrence has to cross the split.
 #
 # For softmax attention that means passing K/V blocks around a ring (ring attention), whose traffic
 # grows with T. KDA's whole past fits in a fixed `d_k × d_v` state per head, so a rank needs only the
@@ -23,15 +23,18 @@
 # This chapter:
 # 1. shows numerically why adding up per-rank states (enough for plain linear attention) fails for
 #    the delta rule;
-# 2. derives the affine-map view: a rank's tokens act as `S ↦ M S + S̃`, and these maps compose;
-#    draws how ranks fold the maps of the same document;
+# 2. derives the affine-map view (a rank's tokens act as `S ↦ M S + S̃`, and these maps compose) and
+#    the design of `kcp_flash_kda`: which map each rank sends, the fold, and a backward that is one
+#    local backward per rank, never a derivative through a map; draws it for a layout of documents;
 # 3. checks the chunkwise map computation against the "identity-state trick";
 # 4. compares the sequential fold with a log-depth associative scan;
-# 5. runs 2 and 4 ranks on this CPU (gloo) and checks outputs and every gradient against one process;
+# 5. runs ranks on this CPU (gloo) and checks outputs and every gradient against one process, rank by
+#    rank: the PyTorch `kcp_kda` with 2 and 4 ranks, and `kcp_flash_kda` on the Triton kernels (under
+#    Triton's interpreter) with 3 ranks;
 # 6. plots communication per layer against T, for KCP and for ring attention;
-# 7. reads the 2 × H200 benchmark.
+# 7. reads the 2 × H200 benchmark and where its remaining time goes.
 #
-# All code is in `k3lab.kcp` (`affine.py`, `context.py`, `kcp.py`, `conv.py`, `naive.py`,
+# All code is in `k3lab.kcp` (`affine.py`, `context.py`, `kcp.py`, `flash.py`, `conv.py`, `naive.py`,
 # `workers.py`); this notebook imports it.
 
 # %% tags=["parameters"]
@@ -44,6 +47,9 @@ fold_ranks: list = [2, 4, 8, 16, 32, 64, 128]
 fold_heads: int = 4
 fold_dim: int = 32
 rank_counts: list = [2, 4]
+flash_ranks: int = 3
+flash_T: int = 144
+flash_dim: int = 16
 
 # %% tags=["nbval-ignore-output"]
 import k3lab
@@ -52,8 +58,10 @@ device = k3lab.setup(seed=seed, profile=profile)
 
 # %%
 import json
+import os
 import time
 from pathlib import Path
+from unittest import mock
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -62,8 +70,11 @@ import torch.nn.functional as F
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from k3lab.kcp import make_context
-from k3lab.kcp.affine import apply_map, compose, fold_scan, fold_sequential, scan_maps, segment_map
-from k3lab.kcp.workers import Case, check_worker, errors_vs_reference, launch, reference
+from k3lab.kcp.affine import apply_map, compose, fold_scan, fold_sequential, segment_map
+from k3lab.kcp.workers import (
+    FLASH_REPLICATED, FLASH_SHARDED, Case, FlashCase, check_worker, errors_vs_reference, flash_check_worker,
+    launch, reference,
+)
 from k3lab.kda import chunk_kda, naive_recurrent_kda
 from k3lab.testing import rel_rms_error
 
@@ -142,31 +153,80 @@ print(f"affine composition: |S - (M_B S_A + S~_B)| / |S| = {err_affine:.1e}")
 assert err_affine < 1e-12 and err_apply < 1e-12
 
 # %% [markdown]
-# ### KCP, step by step
+# ### KCP on the FlashKDA stages (`kcp_flash_kda`), step by step
 #
-# The global sequence holds packed documents (`cu_seqlens`) and is split into R equal rank slices.
-# A rank's tokens fall into *pieces* (parts of documents). On every rank at once:
+# The global sequence holds packed documents (`cu_seqlens`) and is split into R equal rank slices. A
+# rank's tokens fall into *pieces* (parts of documents). Only its first piece `p_0` may continue a
+# document begun on an earlier rank, and only its last piece `p_{n−1}` may continue on the next rank.
+# Every other piece starts its document here, so its entering state is **known** (the document's
+# initial state, or zero). `flash_kda`'s stages (chapter 02) are *intra* (gate, norms, UT transform;
+# parallel over chunks), *state* (the one loop over chunks) and *output* (parallel). On every rank at
+# once (`k3lab/kcp/flash.py`):
 #
-# 1. **map** — `[M_r | S̃_r]` of the rank's *last* piece (the one that may continue on the next
-#    rank), from a zero state;
-# 2. **all-gather** the R maps: `R · HV · K · (K+V) · 4` bytes, independent of T;
-# 3. **fold** — the state entering the rank's first piece: start from the document's initial state
-#    (or zero) at the rank where the document starts, and apply `S ← M_j S + S̃_j` for each earlier
-#    rank j holding the same document;
-# 4. **local** chunkwise KDA over the rank's pieces from their entering states.
+# 1. **intra**, once: the map and the local pass share it.
+# 2. **state** over the pieces whose entering state is known. Then the map `[M | S̃]`
+#    (`[HV, K, K+V]` float32) this rank sends for its last piece, when that piece continues:
+#    * its entering state is known (it starts its document here): the **constant map** `[0 | S_end]`,
+#      `S_end` taken from this very state stage — no extra work;
+#    * the rank lies wholly inside one document (`p_0 = p_{n−1}` continues on both sides): the
+#      identity-state trick of section 3 — the state stage from `[I | 0]` on values `[0 | U]`, at width
+#      K+V, its chunk states not stored;
+#    * otherwise `[0 | 0]`: nobody folds it, but every rank joins the collective.
+# 3. **one all-gather** of the R maps, `R · HV · K · (K+V) · 4` bytes whatever T, and the **fold**
+#    `S ← M_r S + S̃_r` over the earlier ranks of `p_0`'s document (sequential or scan, section 4). It
+#    starts from zero: the document's first rank sent a constant map, whose `S_end` already carries
+#    the initial state and whose `M = 0` discards anything before it.
+# 4. **local**: the state stage for `p_0` from the folded state; the output stage over all pieces.
 #
-# The backward mirrors it: the local backward gives the gradient of each entering state; through the
-# fold, the gradient of every gathered map; a **reduce-scatter** (the transpose of the all-gather)
-# sums, for each rank j, what the later ranks sent back to `M_j, S̃_j`; then the backward of j's own
-# map. (A public CP implementation once shipped wrong gate offsets there: ~10% wrong gradients on
-# every rank but the last, which only a rank-by-rank comparison with one process catches.)
+# **The backward is one local backward per rank.** Fix rank j. Its entering state `S_in(j)` depends
+# only on earlier ranks' inputs, and its own inputs `x_j` reach the loss only through its outputs
+# `o_j` and the state it leaves, `S_end(j)`: later ranks see rank j through nothing else. With
+# `dO_j = ∂L/∂o_j` and `D_j = ∂L/∂S_end(j)`,
+#
+# $$\frac{\partial L}{\partial x_j} = \frac{\partial}{\partial x_j}\Big[\langle dO_j,\, o_j(x_j, S_\text{in})\rangle + \langle D_j,\, S_\text{end}(x_j, S_\text{in})\rangle\Big]_{S_\text{in} = S_\text{in}(j)\ \text{fixed}},$$
+#
+# which is the ordinary local KDA backward from `S_in(j)` with output gradient `dO_j` and final-state
+# gradient `D_j`. To get `D_j`: `S_end(j)` is rank j+1's entering state, and rank j+1's local backward
+# is linear in its final-state gradient, `∂L/∂S_in(j+1) = M_{j+1}ᵀ D_{j+1} + b_{j+1}`, where
+# `b_{j+1}` is its entering-state gradient with `D_{j+1} = 0`. Unrolled to the rank e where the
+# document ends (whose `b_e` already contains the final-state gradient):
+#
+# $$D_j = b_{j+1} + M_{j+1}^\top\big(b_{j+2} + M_{j+2}^\top(\cdots + M_{e-1}^\top b_e)\big),$$
+#
+# a **reverse fold** `D ← M_rᵀ D + b_r` from e down to j+1. The ranks strictly between j and e lie
+# wholly inside the document, so their `M_r` are true maps — the ones gathered in the forward, saved.
+# The backward, step by step: (1) intra again; (2) the reverse state stage over the pieces whose
+# end-state gradient is known (all but a continuing `p_{n−1}`), which gives `b_j`; (3) **one
+# all-gather** of the `[HV, K, V]` float32 `b_r` (the forward chunk states are recomputed from the
+# saved `S_in` while it is in flight) and the reverse fold, which gives `D_j`; (4) the reverse state
+# stage of `p_{n−1}` from `D_j`, then the chunk-parallel gradient stages over all pieces. No map is
+# differentiated: `M` and `S̃` enter the backward only as data.
+#
+# The first version, `kcp_kda` (`kcp.py`, local KDA in PyTorch; it runs on this CPU in section 5),
+# computes every rank's map from a zero state with `affine.segment_map` and lets autograd
+# differentiate through the maps and the fold, with a reduce-scatter of `[R, HV, K, K+V]` in the
+# backward: exact too, but more work and twice the backward bytes. (A public CP implementation once
+# shipped wrong gate offsets in such a backward: ~10% wrong gradients on every rank but the last,
+# which only a rank-by-rank comparison with one process catches.)
 #
 # The drawing below is computed from `KCPContext` for a layout with a document that crosses three
-# ranks, one that ends on a boundary, one that starts on one, and one that starts mid-rank.
+# ranks, one that ends on a boundary, one that starts on one, and one that starts mid-rank. Above each
+# rank: the map it sends; red: the maps a rank folds in the forward; blue: the state gradients `b_r`
+# a rank folds in the backward.
 
 # %%
+def sent_map(ctx):
+    """The map ctx's rank sends in kcp_flash_kda's all-gather (flash.py, forward step 2)."""
+    if not ctx.last_continues:
+        return "[0|0] unused"
+    if ctx.first_continues and len(ctx.pieces()) == 1:
+        return "[M|S̃] width K+V"
+    return "[0|S_end]"
+
+
 def draw_layout(T, cu_seqlens, R, ax):
-    """Ranks as rows of boxes, documents as colours; arrows: the maps each rank folds."""
+    """Ranks as rows of boxes, documents as colours; arrows: the maps (red) and state gradients (blue)
+    each rank folds."""
     colours = plt.cm.tab10.colors
     for r in range(R):
         ctx = make_context(T, cu_seqlens, rank=r, world_size=R)
@@ -174,32 +234,40 @@ def draw_layout(T, cu_seqlens, R, ax):
             ax.add_patch(Rectangle((a, 0), b - a, 1, facecolor=colours[n % 10], edgecolor="k", alpha=0.75))
             ax.text((a + b) / 2, 0.5, f"doc {n}", ha="center", va="center", fontsize=8)
         ax.axvline(ctx.start, color="k", lw=2)
-        last_doc, a, b = ctx.pieces()[-1]
+        _, a, b = ctx.pieces()[-1]
         ax.text((ctx.start + ctx.stop) / 2, 1.62, f"rank {r}", ha="center", fontsize=9, weight="bold")
         ax.annotate("", xy=(a, 1.06), xytext=(b, 1.06), arrowprops=dict(arrowstyle="|-|", lw=1))
-        ax.text((a + b) / 2, 1.15, f"[M{r}|S̃{r}]", ha="center", fontsize=8)
+        ax.text((a + b) / 2, 1.15, sent_map(ctx), ha="center", fontsize=7)
         if ctx.first_continues:
             for j in range(ctx.fold_from, r):
                 src = (make_context(T, cu_seqlens, rank=j, world_size=R).pieces()[-1][2] + ctx.rank_bounds[j]) / 2
                 ax.add_patch(FancyArrowPatch((src, -0.05), (ctx.start + 2, -0.05), connectionstyle="arc3,rad=0.35",
                                              arrowstyle="-|>", mutation_scale=10, color="crimson"))
+        if ctx.last_continues:
+            for j in range(r + 1, ctx.end_rank + 1):
+                src = (ctx.rank_bounds[j] + ctx.rank_bounds[j + 1]) / 2
+                ax.add_patch(FancyArrowPatch((src, -0.1), (ctx.stop - 2, -0.1), connectionstyle="arc3,rad=-0.25",
+                                             arrowstyle="-|>", mutation_scale=10, color="royalblue"))
     ax.axvline(T, color="k", lw=2)
-    ax.set(xlim=(-2, T + 2), ylim=(-1.3, 1.9), yticks=[], xlabel="global token")
-    ax.set_title("KCP: each rank folds the maps of earlier ranks holding its first document (red)", fontsize=10)
+    ax.set(xlim=(-2, T + 2), ylim=(-1.5, 1.9), yticks=[], xlabel="global token")
+    ax.set_title("kcp_flash_kda: maps folded forward (red), state gradients folded backward (blue)", fontsize=10)
 
 
-fig, ax = plt.subplots(figsize=(10, 3))
+fig, ax = plt.subplots(figsize=(10, 3.2))
 draw_layout(128, (0, 10, 80, 96, 100, 128), 4, ax)
 plt.show()
 for r in range(4):
     c = make_context(128, (0, 10, 80, 96, 100, 128), rank=r, world_size=4)
-    print(f"rank {r}: pieces {[(n, a, b) for n, a, b in c.pieces()]}, first piece continues: "
-          f"{c.first_continues}, folds ranks {list(range(c.fold_from, r))}")
+    back = list(range(r + 1, c.end_rank + 1)) if c.last_continues else []
+    print(f"rank {r}: pieces {[(n, a, b) for n, a, b in c.pieces()]}, sends {sent_map(c)}, "
+          f"folds maps of ranks {list(range(c.fold_from, r))}, folds b of ranks {back}")
 
 # %% [markdown]
-# Rank 2 folds rank 0's and rank 1's maps (document 1 started in rank 0); rank 1 folds rank 0's;
-# rank 3's first document starts on its boundary, so it folds nothing. Rank 1's map goes to rank 2,
-# whose fold starts from document 1's initial state at rank 0.
+# Rank 0 starts document 1 mid-rank, knows its entering state (document 1's initial state) and sends
+# the constant `[0 | S_end]`. Rank 1 lies inside document 1 and sends its true map, from the
+# identity-state trick. Rank 2 folds both, `S_in = M_1 S_end(0) + S̃_1`; rank 3's first document
+# starts on its boundary, so it folds nothing. In the backward, document 1 ends on rank 2: rank 1 folds
+# `b_2`, rank 0 folds `b_2` and `b_1` (`D_0 = b_1 + M_1ᵀ b_2`).
 #
 # An interactive version (drag the boundaries; needs a live kernel):
 
@@ -242,12 +310,13 @@ print(f"tree-reduced chunk maps vs identity-state trick: M {err_M:.1e}, S~ {err_
 assert err_M < 1e-10 and err_S < 1e-10
 
 # %% [markdown]
-# Cost: per chunk and head, `K·K·(K+V)` multiply-adds for the composition — for K = V = 128 and C = 64
-# about as much arithmetic as the chunk's share of the forward itself. That is KCP's price: on 2 GPUs
-# each rank computes its map before its local KDA (rank 1 waits for rank 0's), so the speedup stays
-# below 2 (section 7). Under K3's lower-bounded gate (every log-decay > −5) the in-chunk scores can
-# be computed by plain matmuls (`affine.bounded_scores`), which cut the map's time on an H200 from
-# 34 ms to 11 ms for 16K tokens × 32 heads.
+# `kcp_flash_kda` uses exactly this trick, inside its state kernel at width K+V — but only on a rank
+# that lies wholly inside one document. Every other rank that sends a map knows its entering state and
+# sends the constant `[0 | S_end]`, which its state stage computes anyway. On 2 ranks the map thus
+# costs nothing extra; on R > 2 a middle rank pays one state pass at width K+V (twice a state pass for
+# K = V). (The PyTorch `kcp_kda` computes every map from zero with `segment_map`: per chunk and head
+# `K·K·(K+V)` multiply-adds to compose, about the chunk's share of the forward itself.) What KCP
+# still costs on 2 GPUs is *waiting* for the other rank's state: section 7.
 #
 # ## 4. Sequential fold vs log-depth scan
 #
@@ -313,8 +382,8 @@ assert all(ts > 0 and tc > 0 for _, ts, tc in timing)
 #
 # `k3lab.kcp.workers` spawns R processes (gloo); each runs KDA's token mixer without projections —
 # short conv (with the W−1 halo from the previous rank) → SiLU → L2 norm for q, k; short conv → SiLU
-# for v; then `kcp_kda` — on its slice, with initial states and final states, and calls backward on
-# `<o, w_o> + <final state, w_s>`. The parent process runs the same mixer on the whole sequence with
+# for v; then `kcp_kda` (local KDA in PyTorch, quick on CPU) — on its slice, with initial states and
+# final states, and calls backward on `<o, w_o> + <final state, w_s>`. The parent process runs the same mixer on the whole sequence with
 # `chunk_kda`. Every rank's output slice and its gradient slices of every input (x_q, x_k, x_v, g, β)
 # are compared **rank by rank**; the replicated parameters (conv weights, initial states) by the sum
 # of the ranks' contributions. Float32, GVA (2 value heads per q/k head), the 5-document layout
@@ -346,13 +415,58 @@ for R in rank_counts:
           f"reference {comm[(R, 'naive')]:,}")
 
 # %% [markdown]
+# ### `kcp_flash_kda` on the Triton kernels
+#
+# The same check for `kcp_flash_kda` against one-process `flash_kda` on the whole sequence, on
+# FlashKDA's raw inputs (q, k, v, gate pre-activation z, β logits, `A_log`, `dt_bias`, initial states;
+# `workers.flash_check_worker`): 3 ranks whose kernels run in Triton's interpreter on CPU — float32 and
+# tiny (T = 144, K = V = 16, one head), ~20 s on two cores. The layout gives every rank another role:
+# rank 0 starts document 1 mid-rank and sends `[0 | S_end]`; rank 1 lies inside document 1 and sends
+# the identity-state map; rank 2 folds both, ends document 1 and starts document 2.
+# `tests/test_kcp_flash.py` checks more layouts (2 and 3 ranks, both folds, no initial state) and,
+# with one rank, `kcp_flash_kda` bit for bit against `flash_kda`.
+
+# %% tags=["nbval-ignore-output"]
+flash_case = FlashCase(T=flash_T, cu_seqlens=(0, 20, flash_T - 24, flash_T), H=1, HV=1, K=flash_dim, V=flash_dim,
+                       seed=seed + 2)
+for r in range(flash_ranks):
+    c = make_context(flash_case.T, flash_case.cu_seqlens, rank=r, world_size=flash_ranks)
+    print(f"rank {r}: pieces {[(n, a, b) for n, a, b in c.pieces()]}, sends {sent_map(c)}")
+t0 = time.perf_counter()
+# The ranks (and the one-process reference, computed on rank 0) run the kernels in the interpreter on
+# any machine; this process never imports them.
+with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
+    flash_results = launch(flash_check_worker, flash_ranks, [flash_case], timeout_s=300)
+flash_ref = flash_results[0]["refs"][0]
+flash_out = [res["runs"][0] for res in flash_results]
+flash_errs = errors_vs_reference(flash_ref, flash_out, FLASH_SHARDED, FLASH_REPLICATED)
+for r in range(flash_ranks):
+    mine = {name: e for name, e in flash_errs.items() if name.endswith(f"@r{r}")}
+    worst_name = max(mine, key=mine.get)
+    print(f"rank {r}: o and grads of q, k, v, z, beta: worst {worst_name} {mine[worst_name]:.1e}")
+print("summed over ranks: " + ", ".join(f"{name} {e:.1e}" for name, e in flash_errs.items() if "@" not in name))
+print(f"({time.perf_counter() - t0:.1f} s for {flash_ranks} processes under the interpreter)")
+assert max(flash_errs.values()) <= 1e-5
+
+# %%
+print("kcp_flash_kda: every rank's outputs and gradients within 1e-5 of one-process flash_kda:",
+      max(flash_errs.values()) <= 1e-5)
+for name, nbytes in flash_out[0]["comm"]:
+    print(f"  {name}: {nbytes:,} bytes")
+HVf, Kf, Vf = flash_case.HV, flash_case.K, flash_case.V
+expected = flash_ranks * HVf * Kf * (Kf + Vf) * 4 + flash_ranks * HVf * Kf * Vf * 4
+print(f"  total {sum(n for _, n in flash_out[0]['comm']):,} = R·HV·K·(K+V)·4 + R·HV·K·V·4 = {expected:,}")
+assert all(sum(n for _, n in res["comm"]) == expected for res in flash_out)
+
+# %% [markdown]
 # ## 6. Communication per layer vs T
 #
 # Per layer and rank, forward + backward, at K3's KDA shape (96 heads, d = 128), R ranks:
 #
-# * **KCP**: the maps, `R · H · K · (K+V) · 4` bytes gathered forward and reduce-scattered backward,
-#   plus three short-conv halos of `R · (W−1) · channels`: independent of T (the tests assert it by
-#   counting the collectives' buffers at two lengths).
+# * **KCP** (`kcp_flash_kda`): the maps, `R · H · K · (K+V) · 4` bytes gathered forward; the state
+#   gradients, `R · H · K · V · 4` gathered backward; three short-conv halos of `R · (W−1) · H·K` bf16
+#   values, gathered forward and reduce-scattered backward: independent of T (the tests assert it by
+#   counting the collectives' buffers at two lengths). The formula reproduces the benchmark's count.
 # * **Ring attention** (softmax attention): every rank's K and V blocks travel the ring,
 #   `(R−1) · T/R · H · (K+V)` bf16 values forward; backward passes K, V and their gradients
 #   (3× the forward in all).
@@ -362,9 +476,10 @@ for R in rank_counts:
 H3, K3, W3 = 96, 128, 4
 
 
-def kcp_bytes(R):
-    """Maps [R, H, K, K+V] float32 gathered + reduce-scattered; three conv halos [R, W-1, H*K] bf16, both ways."""
-    return 2 * (R * H3 * K3 * 2 * K3 * 4 + 3 * R * (W3 - 1) * H3 * K3 * 2)
+def kcp_bytes(R, H=H3, K=K3, W=W3):
+    """kcp_flash_kda, fwd+bwd: maps [R, H, K, 2K] and state gradients [R, H, K, K] float32 gathered;
+    three conv halos [R, W-1, H*K] bf16, gathered forward and reduce-scattered backward."""
+    return R * H * K * (2 * K + K) * 4 + 2 * 3 * R * (W - 1) * H * K * 2
 
 
 def ring_bytes(R, T):
@@ -372,6 +487,11 @@ def ring_bytes(R, T):
     return 3 * (R - 1) / R * T * H3 * 2 * K3 * 2
 
 
+for c in gpu["cases"]:
+    if "skipped" not in c:
+        formula = kcp_bytes(2, c["H"], gpu["settings"]["K"], gpu["settings"]["conv"])
+        assert formula == c["bytes_per_layer"], (c["T"], formula, c["bytes_per_layer"])
+print(f"formula = the 2 x H200 benchmark's count at H = 32 for every T: {kcp_bytes(2, 32):,} bytes")
 Ts = np.logspace(np.log10(4096), np.log10(1 << 20), 40)
 fig, ax = plt.subplots(figsize=(7, 3.8))
 for R, style in [(2, "-"), (8, "--")]:
@@ -391,43 +511,115 @@ plt.show()
 # ## 7. On two H200s
 #
 # `python -m k3lab.bench.kcp` (2 processes, NCCL) first checks float32 varlen outputs, final states
-# and every gradient on each rank against one GPU (≤ 1e-5), and bf16 against the 1-GPU run, then
-# times bf16 forward and forward+backward, 1 GPU vs 2 (H = 32, K = V = 128). The local KDA is the
-# PyTorch `chunk_kda` on both sides (in slabs of 16K tokens with recomputation, so 512K fits one GPU).
-# The stored run:
+# and every gradient on each rank against one GPU, and bf16 against the 1-GPU run, then times bf16
+# forward and forward+backward (autograd on, as in training; wall-clock medians of the slower rank),
+# H = 32, K = V = 128, K3's lower-bounded gate, one document of T tokens:
+#
+# * **1 GPU**: `flash_kda` over all T tokens (in slabs of 128K tokens chained through the state, so
+#   512K fits);
+# * **2 GPUs**: `kcp_flash_kda`, T/2 tokens per GPU, on the same kernel stages;
+# * **local alone**: one rank's T/2 tokens through `flash_kda` on one GPU, no KCP — the time of
+#   perfect 2-way scaling. *2 GPUs − local alone* is what KCP itself costs.
 
 # %%
 res = json.loads(Path("../data/results/kcp_h200x2.json").read_text())
-print(res["hardware"], "|", res["date"], "| torch", res["versions"]["torch"])
-print(f"checks: float32 varlen max rel err {res['check']['float32_varlen_max_rel_err']:.1e}, "
-      f"bf16 vs 1 GPU {res['check']['bfloat16_vs_1gpu_max_rel_err']:.1e}")
-print(f"{'T':>8} {'1 GPU fwd':>10} {'2 GPU fwd':>10} {'x':>5} {'1 GPU f+b':>10} {'2 GPU f+b':>10} {'x':>5} {'MiB/layer':>10}")
+print(res["hardware"], "|", res["date"], "| torch", res["versions"]["torch"], "| triton", res["versions"]["triton"])
+print("kernels:", res["settings"]["local_kda"])
+print(f"checks: float32 varlen max rel err {res['check']['float32_varlen_max_rel_err']:.1e} "
+      f"(bound {res['check']['float32_tol']:g}), bf16 vs 1 GPU {res['check']['bfloat16_vs_1gpu_max_rel_err']:.1e}")
+done = [c for c in res["cases"] if "skipped" not in c]
 for c in res["cases"]:
     if "skipped" in c:
-        print(f"{c['T']:>8} skipped: {c['skipped']}")
-        continue
-    print(f"{c['T']:>8} {c['one_gpu_fwd_ms']:>10.0f} {c['two_gpu_fwd_ms']:>10.0f} {c['speedup_fwd']:>5.2f} "
-          f"{c['one_gpu_fwd_bwd_ms']:>10.0f} {c['two_gpu_fwd_bwd_ms']:>10.0f} {c['speedup_fwd_bwd']:>5.2f} "
-          f"{c['bytes_per_layer'] / 2**20:>10.1f}")
+        print(f"T={c['T']} skipped: {c['skipped']}")
+print(f"\n{'':>6} {'forward, ms':^34} {'forward + backward, ms':^34}")
+print(f"{'T':>6} {'1 GPU':>8} {'2 GPUs':>8} {'x':>6} {'alone':>8} {'1 GPU':>8} {'2 GPUs':>8} {'x':>6} {'alone':>8} "
+      f"{'perfect x':>9} {'bytes/layer':>12}")
+for c in done:
+    print(f"{c['T'] // 1024:>5}K {c['one_gpu_fwd_ms']:>8.1f} {c['two_gpu_fwd_ms']:>8.1f} {c['speedup_fwd']:>6.2f} "
+          f"{c['local_alone_fwd_ms']:>8.1f} {c['one_gpu_fwd_bwd_ms']:>8.1f} {c['two_gpu_fwd_bwd_ms']:>8.1f} "
+          f"{c['speedup_fwd_bwd']:>6.2f} {c['local_alone_fwd_bwd_ms']:>8.1f} "
+          f"{c['one_gpu_fwd_bwd_ms'] / c['local_alone_fwd_bwd_ms']:>9.2f} {c['bytes_per_layer']:>12,}")
+print("\n'perfect x' = 1 GPU / local alone (forward + backward): the speedup perfect scaling would give.")
 print(res["notes"])
-done = [c for c in res["cases"] if "skipped" not in c]
-fig, ax = plt.subplots(1, 2, figsize=(10, 3.2))
+
+# %%
+labels = [f"{c['T'] // 1024}K" for c in done]
 x = np.arange(len(done))
-for j, (key, title) in enumerate([("fwd", "forward"), ("fwd_bwd", "forward + backward")]):
-    ax[j].bar(x - 0.2, [c[f"one_gpu_{key}_ms"] / 1e3 for c in done], 0.4, label="1 GPU")
-    ax[j].bar(x + 0.2, [c[f"two_gpu_{key}_ms"] / 1e3 for c in done], 0.4, label="2 GPUs (KCP)")
-    for i, c in enumerate(done):
-        ax[j].text(i + 0.2, c[f"two_gpu_{key}_ms"] / 1e3, f"{c[f'speedup_{key}']:.2f}x", ha="center", va="bottom", fontsize=8)
-    ax[j].set(xticks=x, xticklabels=[f"{c['T'] // 1024}K" for c in done], ylabel="s", title=title, yscale="log")
-    ax[j].legend(fontsize=8)
+fig, ax = plt.subplots(1, 2, figsize=(11, 3.6))
+ax[0].plot(x, [c["speedup_fwd"] for c in done], "o-", label="forward")
+ax[0].plot(x, [c["speedup_fwd_bwd"] for c in done], "s-", label="forward + backward")
+ax[0].plot(x, [c["one_gpu_fwd_bwd_ms"] / c["local_alone_fwd_bwd_ms"] for c in done], "k^--",
+           label="perfect scaling (f+b: 1 GPU / local alone)")
+ax[0].axhline(1.8, color="crimson", ls=":", label="goal at T ≥ 128K")
+for i, c in enumerate(done):
+    ax[0].annotate(f"{c['speedup_fwd_bwd']:.2f}x", (i, c["speedup_fwd_bwd"]), textcoords="offset points",
+                   xytext=(0, 6 if c["speedup_fwd_bwd"] >= 1.8 else -13), ha="center", fontsize=8)
+ax[0].set(xticks=x, xticklabels=labels, xlabel="T", ylabel="speedup, 2 H200s vs 1", ylim=(1.3, 2.2),
+          title="KCP speedup (flash_kda on both sides)")
+ax[0].legend(fontsize=7, loc="lower center", ncol=2)
+gap_f = np.array([c["two_gpu_fwd_ms"] - c["local_alone_fwd_ms"] for c in done])
+gap_fb = np.array([c["two_gpu_fwd_bwd_ms"] - c["local_alone_fwd_bwd_ms"] for c in done])
+alone = np.array([c["local_alone_fwd_bwd_ms"] for c in done])
+ax[1].bar(x, gap_f / alone * 100, 0.5, label="forward: rank 1 waits for rank 0's state")
+ax[1].bar(x, (gap_fb - gap_f) / alone * 100, 0.5, bottom=gap_f / alone * 100,
+          label="backward: rank 0 waits for rank 1's reverse pass")
+for i in range(len(done)):
+    ax[1].text(i, gap_fb[i] / alone[i] * 100 + 0.3, f"{gap_fb[i]:.1f} ms", ha="center", fontsize=8)
+ax[1].set(xticks=x, xticklabels=labels, xlabel="T", ylabel="% of local alone (f+b)",
+          ylim=(0, 1.6 * max(gap_fb / alone) * 100), title="2 GPUs − local alone: KCP's overhead (f+b)")
+ax[1].legend(fontsize=7, loc="upper right")
 plt.show()
 
+# %%
+GOAL, ALL_GATHER_BPS = 1.8, 254e9  # all_gather bandwidth measured on these 2 H200s (NVLink), bytes/s
+for c, gf, gfb, a in zip(done, gap_f, gap_fb, alone):
+    need = c["one_gpu_fwd_bwd_ms"] / GOAL
+    verdict = ("met" if c["speedup_fwd_bwd"] >= GOAL else "NOT met") if c["T"] >= 131072 else "no goal below 128K"
+    print(f"T={c['T'] // 1024}K: f+b {c['speedup_fwd_bwd']:.2f}x ({verdict}); overhead over perfect scaling: "
+          f"forward {gf:.1f} ms ({gf / c['local_alone_fwd_ms']:.0%} of the local forward), backward "
+          f"{gfb - gf:.1f} ms, f+b {gfb:.1f} ms ({gfb / a:.0%})")
+    if c["T"] >= 131072 and c["speedup_fwd_bwd"] < GOAL:
+        cut = c["two_gpu_fwd_bwd_ms"] - need
+        print(f"  1.8x needs 2 GPUs <= {need:.1f} ms: {cut:.1f} ms less, {cut / gfb:.0%} of the overhead")
+nbytes = {c["bytes_per_layer"] for c in done}
+assert len(nbytes) == 1
+print(f"bytes per layer {nbytes.pop():,} at every T: ~{done[0]['bytes_per_layer'] / ALL_GATHER_BPS * 1e3:.2f} ms "
+      f"at {ALL_GATHER_BPS / 1e9:.0f} GB/s")
+
 # %% [markdown]
-# The bytes per layer are the same 16.3 MiB at 32K and 512K. The speedup is 1.74–1.80× for
-# forward+backward (1.5–1.7× forward): short of the 2× of perfect scaling by exactly the map computed
-# before the local KDA (the table's `two_gpu_fwd_parts`: 272 ms of map against 1.7 s of local KDA at
-# 512K); the all-gather itself takes < 0.3 ms over NVLink. With R ranks the map's share stays the same
-# (every rank computes one map of its T/R tokens), so KCP scales as `R / (1 + map/local)`.
+# **Reading.** KCP is exact on the GPUs as well (the checks above), and it moves the same 12,877,824
+# bytes per layer at 32K, 128K and 512K, where ring attention would pass 0.27 to 4.3 GB of K/V
+# forward alone (`ring_attention_kv_bytes_per_layer`). The forward+backward speedup grows with T:
+# 1.71× at 32K, 1.76× at 128K, 1.84× at 512K. The issue's floor of 1.8× at T ≥ 128K is **met at 512K
+# and not at 128K**.
+#
+# Perfect scaling would give about 2× (the dashed line: 1 GPU over one rank's half alone), so what is
+# missing is KCP's own overhead, the bars on the right: the 2-GPU time minus the local-alone time.
+# The collectives are not it (their ~13 MB take about 0.05 ms at NVLink's all-gather bandwidth).
+# It is the state stages that wait on the other rank:
+#
+# * **forward**: rank 1 runs its intra stage at once, but its state stage for `p_0` needs the folded
+#   state — rank 0's intra and state pass, then the gather. Rank 1's path is about local + one state
+#   pass of rank 0.
+# * **backward**, mirrored: rank 0's reverse state stage for its last piece needs `D_0` — rank 1's
+#   intra and reverse state pass, then the gather. Rank 0 recomputes its forward chunk states while
+#   it waits, which hides part of the wait.
+#
+# The state stage is FlashKDA's one sequential stage (a loop over chunks, parallel only over heads and
+# value tiles), so it cannot be split along T, and a full pass of it sits on the critical path in each
+# direction. What would close the gap:
+#
+# * **pipelining over head groups**: heads are independent, so rank 0 could send the end states of
+#   one head group as soon as they are done, and rank 1 start its state pass on that group while rank
+#   0 works on the next: the wait shrinks from one state pass to 1/G of it, for G smaller collectives
+#   instead of one; the same in the backward with the reverse pass;
+# * **a faster state kernel**: the wait is one state pass, so whatever comes off the state stage comes
+#   off the overhead (and off the 1-GPU time);
+# * at 128K the cut needed is the one printed above: a fifth of the overhead.
+#
+# With R > 2 ranks on one long document (not measured here), the middle ranks send identity-state
+# maps, a K+V-wide state pass that every later rank waits for: by this model the overhead grows to
+# about two state passes (for K = V), while the bytes stay `R · HV · K · (K + 2V) · 4` plus the halos.
 #
 # ## References
 #
