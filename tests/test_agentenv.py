@@ -150,6 +150,71 @@ def test_agent_on_the_serial_port(tmp_path):
         vm.kill()
 
 
+def test_paths_keep_trailing_newlines_and_a_too_big_reply_is_named(pool):
+    """write_file("/tmp/t\\n") wrote /tmp/t (the guest's $(...) dropped the newline), and read_file
+    read /tmp/t. Output larger than the guest's /run can hold with its base64 came back as
+    "damaged on the way"; it is now named as such, and the agent serves on."""
+    with pool.create() as sb:
+        sb.write_file("/tmp/t\n", b"newline")
+        sb.write_file("/tmp/t", b"plain")
+        assert sb.read_file("/tmp/t\n") == b"newline" and sb.read_file("/tmp/t") == b"plain"
+        assert sb.exec("cat /tmp/t '/tmp/t\n'", timeout=10).stdout == b"plainnewline"
+        with pytest.raises(SandboxError, match="does not fit in the guest's /run"):
+            sb.exec("head -c 30000000 /dev/zero", timeout=120)
+        assert sb.exec("echo ok", timeout=10).stdout == b"ok\n"
+
+
+def test_paused_sandbox_snapshots_forks_and_hibernates_again(pool):
+    """A snapshot of a paused sandbox left QEMU in "postmigrate", which refuses a migration: the
+    next snapshot, fork or hibernate failed ("Can't migrate the vm that was paused due to
+    previous migration")."""
+    with pool.create() as sb:
+        sb.exec("echo p > /tmp/m", timeout=10)
+        sb.pause()
+        sb.snapshot().delete()
+        sb.snapshot().delete()
+        (kid,) = sb.fork(1)
+        with kid:
+            assert kid.exec("cat /tmp/m", timeout=10).stdout == b"p\n"
+        assert sb.state == "paused"
+        sb.hibernate()
+        sb.wake()
+        assert sb.exec("cat /tmp/m", timeout=10).stdout == b"p\n"
+    assert _nothing_left(pool) == {"files": [], "pids": []}
+
+
+def test_odd_and_too_deep_roots(pool, tmp_path):
+    """A root with "," in its path: QEMU read the comma as the end of an option value and exited
+    ("=" broke the -qmp option the same way). A root too deep for a unix socket path failed with
+    a bare OSError from connect()."""
+    odd = tmp_path / "a,b=c"
+    with Sandbox.from_snapshot(pool.base, root=odd) as sb:
+        sb.exec("echo x > /root/f", timeout=10)
+        (kid,) = sb.fork(1)  # a snapshot and a restore inside the odd root
+        with kid:
+            assert kid.exec("cat /root/f", timeout=10).stdout == b"x\n"
+    deep = tmp_path / ("d" * 100)
+    with pytest.raises(ValueError, match="root is too deep"):
+        Sandbox.from_snapshot(pool.base, root=deep)
+    assert leftovers(tmp_path) == {"files": [], "pids": []}
+
+
+def _cmdline_with_a_bad_option(self, *args):
+    return _real_cmdline(self, *args) + ["-no-such-option"]
+
+
+_real_cmdline = QemuVM.cmdline
+
+
+def test_qemu_that_refuses_to_start_is_reported_at_once(pool, monkeypatch):
+    """QEMU exiting on its command line was reported only when the start timeout ran out (60 s
+    for a restore, 180 s for a boot): the wait for the QMP socket did not look at the process."""
+    monkeypatch.setattr(QemuVM, "cmdline", _cmdline_with_a_bad_option)
+    with pytest.raises(SandboxCrashed, match=r"QEMU exited \(status 1\) before its QMP socket"):
+        Sandbox.from_snapshot(pool.base, timeout=20)
+    assert _nothing_left(pool) == {"files": [], "pids": []}
+
+
 def test_pause_holds_no_cpu_and_resume(pool):
     with pool.create() as sb:
         sb.exec("(while true; do :; done) >/dev/null 2>&1 &", timeout=10)  # a busy guest

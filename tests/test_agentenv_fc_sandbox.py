@@ -275,6 +275,13 @@ def test_pool_fork_destroy_leave_nothing(fc):
     assert leftovers(fc.root) == {"files": [], "pids": []}
 
 
+def test_too_deep_root_is_a_value_error(fc):
+    """A root too deep for the API socket's path: the firecracker process failed to bind and the
+    error was firecracker's exit status. Now a ValueError before the process starts."""
+    with pytest.raises(ValueError, match="root is too deep"):
+        Sandbox.create(fc.image, memory_mib=64, root=fc.root / ("d" * 100), boot_timeout=20)
+
+
 def test_backend_argument(fake, monkeypatch):
     """Checked before any VM work: build_image is never reached."""
     host, _ = fake

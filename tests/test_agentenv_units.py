@@ -222,6 +222,27 @@ def test_guest_operation_arguments_checked_before_any_vm_call():
         sb.exec(["echo", "hi"])
 
 
+def test_timeout_mode_and_nul_paths_checked_before_any_vm_call():
+    """exec(timeout=inf) failed with an OverflowError from select(); write_file(mode="755") with
+    "Unknown format code 'o'", mode=0o100644 in the guest's chmod; a NUL in a path was dropped by
+    the guest's shell, so another file was written or read. No VM here."""
+    from k3lab.agentenv import Sandbox
+
+    sb = object.__new__(Sandbox)
+    for timeout in (float("inf"), float("nan"), 1e9, -1):
+        with pytest.raises(ValueError, match="timeout must be > 0 and <= 1e"):
+            sb.exec("true", timeout=timeout)
+    with pytest.raises(TypeError, match="mode must be an int, got str"):
+        sb.write_file("/tmp/x", b"", mode="755")
+    for mode in (-1, 0o10000, 0o100644):
+        with pytest.raises(ValueError, match=r"mode must be permission bits in \[0, 0o7777\]"):
+            sb.write_file("/tmp/x", b"", mode=mode)
+    with pytest.raises(ValueError, match="NUL"):
+        sb.write_file("/tmp/a\0b", b"x")
+    with pytest.raises(ValueError, match="NUL"):
+        sb.read_file("/tmp/a\0b")
+
+
 def test_vm_shape_and_fork_count_checked_before_any_vm_work(monkeypatch):
     """Sandbox.create(memory_mib=128.5) / float vcpus went on to boot; SandboxPool(memory_mib=0)
     failed only at the first boot; fork(1.5) took a snapshot before failing. No VM here: building

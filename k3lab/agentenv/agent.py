@@ -14,7 +14,8 @@ socket on the host, :meth:`AgentChannel.connect_unix`) or the serial port ``/dev
   ``base64(stdout) "\\n" base64(stderr)`` in chunks of :data:`CHUNK` bytes: a chunk that ends with
   ``"\\n@K3C <id>\\n"`` is followed by more once the host answers ``"<id> ack\\n"``; the last ends
   with ``"\\n@K3END <id>\\n"``. ``md5_in`` is the md5 of the payload as the guest received it
-  (exec) or of the file it wrote (write); ``-`` otherwise.
+  (exec) or of the file it wrote (write); ``-`` otherwise; ``!`` when the guest could not build
+  the reply (the output does not fit in its ``/run``): stderr says why and the host raises.
 
 Why the flow control: neither hypervisor buffers a console. QEMU's ``virtconsole`` drops guest
 output that the host socket cannot take at once (``hw/char/virtio-console.c``, ``flush_buf``:
@@ -244,8 +245,8 @@ class AgentChannel:
         Raises:
             AgentClosed, AgentTimeout: the channel closed or the deadline passed. AgentCorrupt:
             the payload reached the guest damaged, or the reply reached the host damaged.
-            AgentError: the agent restarted meanwhile, or an earlier request was cut off inside
-            its payload.
+            AgentError: the agent restarted meanwhile, an earlier request was cut off inside its
+            payload, or the guest could not build the reply (``!``).
         """
         if self._broken:
             raise AgentError(self._broken)
@@ -256,7 +257,7 @@ class AgentChannel:
         self._payload(rid, op, line, payload, deadline)
         m, body = self._reply(rid, op, deadline)
         got_md5, out_md5, err_md5 = (g.decode() for g in m.group(4, 5, 6))
-        if got_md5 not in ("-", sent_md5):
+        if got_md5 not in ("-", "!", sent_md5):
             raise AgentCorrupt(f"request {rid} ({op}): the guest got a payload with md5 {got_md5},"
                                f" the host sent {len(payload)} bytes with md5 {sent_md5}")
         out_b64, sep, err_b64 = body.partition(b"\n")
@@ -269,6 +270,8 @@ class AgentChannel:
             raise AgentCorrupt(f"reply to request {rid} ({op}) damaged on the way: {len(out)} bytes"
                                f" of stdout with md5 {_md5(out)} (guest: {out_md5}), {len(err)} of"
                                f" stderr with md5 {_md5(err)} (guest: {err_md5})")
+        if got_md5 == "!":
+            raise AgentError(f"request {rid} ({op}) failed in the guest: {err.decode(errors='replace').strip()}")
         return ExecResult(exit_code=int(m.group(2)), stdout=out, stderr=err, timed_out=m.group(3) == b"1")
 
     def ping(self, deadline: float) -> None:

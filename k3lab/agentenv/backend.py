@@ -121,6 +121,18 @@ class VMBackend(ABC):
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
+#: the longest unix socket path Linux takes (``sun_path`` is 108 bytes with its NUL).
+MAX_SOCKET_PATH = 107
+
+
+def check_socket_path(path: str | os.PathLike) -> None:
+    """Raise ValueError when ``path`` is too long for a unix socket (the sandbox root is too deep);
+    otherwise the bind or connect fails later with a bare OSError."""
+    n = len(os.fsencode(path))
+    if n > MAX_SOCKET_PATH:
+        raise ValueError(f"root is too deep: the VM's socket {path} would be {n} bytes, a unix socket"
+                         f" path takes at most {MAX_SOCKET_PATH}; use a shorter root")
+
 
 def die_with_parent() -> None:
     """``preexec_fn`` for VM processes: PR_SET_PDEATHSIG, so a VM whose Python parent dies is

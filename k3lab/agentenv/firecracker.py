@@ -41,7 +41,7 @@ from pathlib import Path
 
 import httpx
 
-from k3lab.agentenv.backend import VMError, copy_sparse, die_with_parent
+from k3lab.agentenv.backend import VMError, check_socket_path, copy_sparse, die_with_parent
 
 
 class FirecrackerError(VMError):
@@ -211,6 +211,9 @@ class FirecrackerVM:
             holds the API socket, ``firecracker.log`` (Firecracker's log) and ``firecracker.err``
             (its stderr).
 
+    Raises:
+        ValueError: ``workdir`` too deep for the API socket's path.
+
     Attributes:
         proc (subprocess.Popen | None): the process; ``proc.stdout`` / ``proc.stdin`` are pipes
             carrying the guest's serial console (output / input).
@@ -219,6 +222,7 @@ class FirecrackerVM:
     def __init__(self, binary: str, workdir: str | os.PathLike) -> None:
         self.binary, self.workdir = binary, Path(workdir)
         self.api_sock = self.workdir / "firecracker.sock"
+        check_socket_path(self.api_sock)
         self.proc: subprocess.Popen | None = None
         self.client: FirecrackerClient | None = None
 

@@ -109,23 +109,33 @@ ack() {
   return 1
 }
 b64() { if [ -s "$1" ]; then base64 -w0 "$1"; fi; }
+# unb64 <text>: path=the decoded text, trailing newlines kept ($(...) alone strips them)
+unb64() { path=$(echo $1 | base64 -d; echo .); path=${path%.}; }
 # reply <id> <rc> <timed_out> <md5_in>: the header, then base64 stdout, "\n", base64 stderr in chunks
 reply() {
   if [ ! -s $W/o ] && [ ! -s $W/e ]; then
     printf '\n@K3 %s %s %s %s %s %s\n\n\n@K3END %s\n' $1 $2 $3 $4 $E $E $1
     return
   fi
-  md5sum $W/o $W/e > $W/s
-  { read -r ho x; read -r he x; } < $W/s
+  id=$1 rc=$2 to=$3 mi=$4
   { b64 $W/o; echo; b64 $W/e; } > $W/r
-  printf '\n@K3 %s %s %s %s %s %s\n' $1 $2 $3 $4 $ho $he
+  # Sums and sizes through pipes, not files: /run may be full. base64 exits 0 on a full /run,
+  # so the size of the encoded reply is what tells.
+  set -- $(md5sum $W/o $W/e) $(stat -c %s $W/o $W/e $W/r)
+  if [ "$7" != $(( (($5 + 2) / 3 + ($6 + 2) / 3) * 4 + 1 )) ]; then
+    rm -f $W/r; : > $W/o
+    echo "k3agent: the reply ($5 bytes of stdout, $6 of stderr) does not fit in the guest's /run" > $W/e
+    reply $id $rc $to !
+    return
+  fi
+  printf '\n@K3 %s %s %s %s %s %s\n' $id $rc $to $mi $1 $3
   i=0
   while dd if=$W/r bs=$K skip=$i count=1 2> $W/dd && read -r c x < $W/dd && [ "$c" = 1+0 ]; do
-    printf '\n@K3C %s\n' $1
-    ack $1 || return
+    printf '\n@K3C %s\n' $id
+    ack $id || return
     i=$((i + 1))
   done
-  printf '\n@K3END %s\n' $1
+  printf '\n@K3END %s\n' $id
 }
 printf '\n@K3READY\n'
 next=
@@ -154,7 +164,7 @@ while true; do
     t=0; [ -s $W/to ] && t=1
     reply $1 $rc $t $h ;;
   write)
-    path=$(echo $5 | base64 -d)
+    unb64 $5
     # A file that cannot be created still has its payload read (to /dev/null).
     if { true > "$path"; } 2> $W/e; then d=$path; else d=; fi
     recv $1 $3 "${d:-/dev/null}"
@@ -162,7 +172,7 @@ while true; do
     md5 "$path"
     reply $1 0 0 $h ;;
   read)
-    path=$(echo $5 | base64 -d)
+    unb64 $5
     if cat "$path" > $W/o 2> $W/e; then rc=0; else rc=1; fi
     reply $1 $rc 0 - ;;
   *) echo "unknown op $2" > $W/e; reply $1 2 0 - ;;

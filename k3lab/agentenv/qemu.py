@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from k3lab.agentenv.agent import AgentChannel
-from k3lab.agentenv.backend import (VMBackend, VMError, console_error, copy_sparse, die_with_parent,
-                                    drop_cache, tail)
+from k3lab.agentenv.backend import (VMBackend, VMError, check_socket_path, console_error, copy_sparse,
+                                    die_with_parent, drop_cache, tail)
 from k3lab.agentenv.host import HostInfo
 from k3lab.agentenv.image import Image
 
@@ -39,9 +39,10 @@ class QMPError(VMError):
 
 
 class QMP:
-    """Minimal synchronous QMP client (JSON lines over a unix socket)."""
+    """Minimal synchronous QMP client (JSON lines over a unix socket). ``proc``: the QEMU
+    process, whose exit ends the wait for the socket."""
 
-    def __init__(self, path: str, deadline: float) -> None:
+    def __init__(self, path: str, deadline: float, proc: subprocess.Popen | None = None) -> None:
         while True:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -49,6 +50,10 @@ class QMP:
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 self.sock.close()
+                # QEMU refusing its command line exits at once: say so now, not at the deadline.
+                if proc is not None and proc.poll() is not None:
+                    raise QMPError(f"QEMU exited (status {proc.returncode}) before its QMP socket"
+                                   " was up") from None
                 if time.monotonic() > deadline:
                     raise QMPError(f"QMP socket {path} did not appear") from None
                 time.sleep(0.002)
@@ -94,6 +99,11 @@ class QMP:
             pass
 
 
+def _opt(value) -> str:
+    """``value`` as a QEMU option value: commas doubled (QEMU's escape inside ``a=b,c=d``)."""
+    return str(value).replace(",", ",,")
+
+
 class QemuVM:
     """One QEMU microvm process.
 
@@ -108,7 +118,7 @@ class QemuVM:
             serial port, Firecracker's console).
 
     Raises:
-        ValueError: another ``agent_port``.
+        ValueError: another ``agent_port``; ``workdir`` too deep for its unix sockets.
     """
 
     def __init__(self, workdir: Path, image: Image, memory_mib: int, vcpus: int, accel: str,
@@ -123,14 +133,19 @@ class QemuVM:
         self.qmp: QMP | None = None
         self.agent_path = str(self.workdir / "agent.sock")
         self.qmp_path = str(self.workdir / "qmp.sock")
+        for path in (self.agent_path, self.qmp_path):
+            check_socket_path(path)
 
     def cmdline(self, disk: Path, ram: Path, ram_shared: bool, incoming: bool) -> list[str]:
+        # Paths inside comma-separated option strings go through _opt: a "," in a folder name
+        # would otherwise end the value ("=" is safe in key=value form, not in "-qmp unix:...").
         append = "console=ttyS0 panic=-1 rdinit=/init 8250.nr_uarts=1"
         if self.agent_port == "hvc0":
             append += " quiet"
             agent = ["-device", "virtio-serial-device,id=vser0",
                      "-device", "virtconsole,chardev=agent,id=con0",
-                     "-serial", f"file:{self.workdir / 'console.log'}"]
+                     "-chardev", f"file,id=console,path={_opt(self.workdir / 'console.log')}",
+                     "-serial", "chardev:console"]
         else:
             append += " loglevel=0 k3lab.agent=ttyS0"
             agent = ["-serial", "chardev:agent"]
@@ -140,15 +155,16 @@ class QemuVM:
         cmd = [self.qemu, "-M", "microvm,acpi=on,pit=off,pic=off,rtc=off", "-accel", accel,
                "-m", f"{self.memory_mib}M", "-smp", str(self.vcpus),
                "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-               "-object", f"memory-backend-file,id=mem,size={self.memory_mib}M,mem-path={ram},"
+               "-object", f"memory-backend-file,id=mem,size={self.memory_mib}M,mem-path={_opt(ram)},"
                           f"share={'on' if ram_shared else 'off'}",
                "-machine", "memory-backend=mem",
                "-kernel", str(self.image.kernel), "-initrd", str(self.image.initrd), "-append", append,
-               "-blockdev", f"driver=file,filename={disk},node-name=file0",
+               "-blockdev", f"driver=file,filename={_opt(disk)},node-name=file0",
                "-blockdev", "driver=qcow2,file=file0,node-name=disk0",
                "-device", "virtio-blk-device,drive=disk0,id=blk0",
-               "-chardev", f"socket,id=agent,path={self.agent_path},server=on,wait=off", *agent,
-               "-qmp", f"unix:{self.qmp_path},server=on,wait=off"]
+               "-chardev", f"socket,id=agent,path={_opt(self.agent_path)},server=on,wait=off", *agent,
+               "-chardev", f"socket,id=qmp,path={_opt(self.qmp_path)},server=on,wait=off",
+               "-mon", "chardev=qmp,mode=control"]
         if self.accel == "kvm":
             cmd += ["-cpu", "host"]
         if incoming:
@@ -172,7 +188,7 @@ class QemuVM:
         stderr.close()
         deadline = time.monotonic() + timeout
         try:
-            self.qmp = QMP(self.qmp_path, deadline)
+            self.qmp = QMP(self.qmp_path, deadline, self.proc)
             if incoming is not None:
                 self.qmp.execute("migrate-set-capabilities", capabilities=[
                     {"capability": "x-ignore-shared", "state": ignore_shared}])
@@ -191,9 +207,15 @@ class QemuVM:
         """Stop the guest (if running) and migrate its device state (and RAM unless
         ``ignore_shared`` and the RAM is ``share=on``) to ``path``. The guest stays paused.
 
+        A guest that was paused when its last state was saved is still in QEMU's "postmigrate"
+        state, which refuses another migration until the guest runs: it is continued and stopped
+        again first (it runs for about a millisecond).
+
         Raises:
             QMPError: the migration failed or timed out.
         """
+        if self.status() == "postmigrate":
+            self.qmp.execute("cont")
         self.qmp.execute("stop")
         self.qmp.execute("migrate-set-capabilities", capabilities=[
             {"capability": "x-ignore-shared", "state": ignore_shared}])

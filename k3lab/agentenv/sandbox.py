@@ -85,6 +85,8 @@ BACKENDS: dict[str, type[VMBackend]] = {"qemu": QemuBackend, "firecracker": Fire
 _live: "set[Sandbox]" = set()
 _snapshots: "set[Snapshot]" = set()
 _ids = itertools.count()
+#: the longest exec timeout in seconds (~3 years); larger ones overflow the host's select().
+MAX_TIMEOUT_S = 1e8
 
 
 def default_root() -> Path:
@@ -317,7 +319,8 @@ class Sandbox:
 
         Raises:
             TypeError: ``memory_mib`` or ``vcpus`` not an int (a bool is refused too).
-            ValueError: ``memory_mib`` or ``vcpus`` out of range, ``backend`` not one of the names.
+            ValueError: ``memory_mib`` or ``vcpus`` out of range, ``backend`` not one of the names,
+                ``root`` so deep that the VM's unix sockets would exceed 107 bytes.
             SandboxError: ``backend="firecracker"`` on a host without a firecracker binary, real
                 KVM and ``$K3LAB_FIRECRACKER_KERNEL``.
             SandboxCrashed: the VM exited during boot. SandboxTimeout: the guest never got ready.
@@ -353,7 +356,8 @@ class Sandbox:
 
         Raises:
             SandboxStateError: the snapshot was deleted. SandboxError: the snapshot's backend is
-            not usable on this host. SandboxCrashed: the restore failed.
+            not usable on this host. SandboxCrashed: the restore failed. ValueError: ``root`` too
+            deep (as in :meth:`create`).
         """
         if snapshot.deleted:
             raise SandboxStateError(f"snapshot {snapshot.path} was deleted")
@@ -447,39 +451,50 @@ class Sandbox:
 
         Args:
             cmd (str): shell script text.
-            timeout (float): seconds, > 0. On expiry the guest SIGKILLs the command's whole process
-                group; the result has ``timed_out=True`` and exit code 137. The host is untouched.
+            timeout (float): seconds, in (0, 1e8]. On expiry the guest SIGKILLs the command's whole
+                process group; the result has ``timed_out=True`` and exit code 137. The host is
+                untouched.
 
         Returns:
             ExecResult: exit code, stdout, stderr (bytes), timed_out.
 
         Raises:
-            TypeError: ``cmd`` not a str. ValueError: ``timeout`` <= 0. SandboxStateError: not
+            TypeError: ``cmd`` not a str. ValueError: ``timeout`` not in (0, 1e8] (inf and nan
+            too: the host's wait needs a deadline). SandboxStateError: not
             running. SandboxCrashed: the VM died. SandboxTimeout: no answer ``grace_s`` after the
             timeout (hung guest). SandboxError: the command or its output arrived damaged (md5 or
-            chunk length mismatch; a damaged command is not run).
+            chunk length mismatch; a damaged command is not run), or the output does not fit in
+            the guest's ``/run`` (a tmpfs of ~37% of guest RAM that holds the output and its
+            base64: ~20 MB of stdout at 128 MiB).
         """
         if not isinstance(cmd, str):
             raise TypeError(f"cmd must be a str (a shell script), got {type(cmd).__name__}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if not 0 < timeout <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout must be > 0 and <= {MAX_TIMEOUT_S:g} seconds, got {timeout}")
         return self._agent_call("exec", cmd, timeout, wait_s=timeout + self.grace_s)
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` in the guest (parent folder must exist).
 
+        Args:
+            path (str): absolute guest path, no NUL character.
+            data (bytes | str): the contents (str is UTF-8 encoded).
+            mode (int): permission bits, 0..0o7777.
+
         Raises:
-            TypeError: ``path`` not a str, ``data`` not str/bytes-like. ValueError: ``path`` not
-            absolute. SandboxError: the guest could not write it, or the file it wrote differs
-            from ``data`` (md5 mismatch).
+            TypeError: ``path`` not a str, ``data`` not str/bytes-like, ``mode`` not an int.
+            ValueError: ``path`` not absolute or with a NUL, ``mode`` out of range. SandboxError:
+            the guest could not write it, or the file it wrote differs from ``data`` (md5 mismatch).
         """
-        if not isinstance(path, str):
-            raise TypeError(f"path must be a str, got {type(path).__name__}")
+        _check_guest_path(path)
         # bytes(5) would silently be five NUL bytes.
         if not isinstance(data, (str, bytes, bytearray, memoryview)):
             raise TypeError(f"data must be str or bytes, got {type(data).__name__}")
         if not path.startswith("/"):
             raise ValueError(f"path must be absolute, got {path!r}")
+        _check_int("mode", mode)
+        if not 0 <= mode <= 0o7777:
+            raise ValueError(f"mode must be permission bits in [0, 0o7777], got {mode:#o}")
         data = data.encode() if isinstance(data, str) else bytes(data)
         r = self._agent_call("write_file", path, data, mode, wait_s=self.grace_s + len(data) / 1e5)
         if r.exit_code != 0:
@@ -489,11 +504,11 @@ class Sandbox:
         """The bytes of ``path`` in the guest.
 
         Raises:
-            TypeError: ``path`` not a str. FileNotFoundError: the guest cannot read it (message has
-            the guest's error). SandboxError: the file arrived damaged (md5 mismatch).
+            TypeError: ``path`` not a str. ValueError: ``path`` has a NUL. FileNotFoundError: the
+            guest cannot read it (message has the guest's error). SandboxError: the file arrived
+            damaged (md5 mismatch) or does not fit in the guest's ``/run`` (as in :meth:`exec`).
         """
-        if not isinstance(path, str):
-            raise TypeError(f"path must be a str, got {type(path).__name__}")
+        _check_guest_path(path)
         r = self._agent_call("read_file", path, wait_s=self.grace_s)
         if r.exit_code != 0:
             raise FileNotFoundError(f"{path} in sandbox {self.id}: {r.stderr.decode(errors='replace').strip()}")
@@ -668,6 +683,14 @@ class Sandbox:
 def _check_int(name: str, n) -> None:
     if not isinstance(n, int) or isinstance(n, bool):
         raise TypeError(f"{name} must be an int, got {type(n).__name__} {n!r}")
+
+
+def _check_guest_path(path) -> None:
+    if not isinstance(path, str):
+        raise TypeError(f"path must be a str, got {type(path).__name__}")
+    # The guest's shell would drop the NUL and use another file.
+    if "\0" in path:
+        raise ValueError(f"path must not contain a NUL character, got {path!r}")
 
 
 def _check_vm_shape(memory_mib: int, vcpus: int) -> None:
