@@ -175,6 +175,28 @@ def test_entry_points_reject_wrong_argument_types():
         kcp_short_conv(torch.randn(1, T, 6), torch.randn(6, 0), ctx)
 
 
+def test_bad_world_size_and_layout_only_contexts_are_refused():
+    """make_context(world_size=0) said "rank must be in [0, 0)" and world_size=True passed as 1. A
+    layout-only context (rank/world_size without a group) handed to kcp_kda or kcp_short_conv failed
+    inside torch ("Default process group has not been initialized"), or, under a default group of
+    another size, ran its collectives on that group."""
+    for ws in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+            make_context(32, rank=0, world_size=ws)
+    with pytest.raises(ValueError, match="rank must be an int"):
+        make_context(32, rank=True, world_size=2)
+    T, H, K = 16, 1, 8
+    ctx = make_context(2 * T, rank=0, world_size=2)
+    q = torch.randn(1, T, H, K, dtype=torch.float64)
+    k = F.normalize(torch.randn(1, T, H, K, dtype=torch.float64), dim=-1)
+    v, g = torch.randn(1, T, H, K, dtype=torch.float64), -torch.rand(1, T, H, K, dtype=torch.float64)
+    beta = torch.rand(1, T, H, dtype=torch.float64)
+    with pytest.raises(ValueError, match="layout only"):
+        kcp_kda(q, k, v, g, beta, ctx)
+    with pytest.raises(ValueError, match="layout only"):
+        kcp_short_conv(torch.randn(1, T, 6), torch.randn(6, 4), ctx)
+
+
 def test_bench_kcp_help_names_the_module(capsys):
     """--help printed `usage: kcp.py`; it must show how the bench is run."""
     from k3lab.bench import kcp as bench

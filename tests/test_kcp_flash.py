@@ -117,6 +117,10 @@ def test_rejects_bad_input_like_flash_kda():
         kcp_flash_kda(q, k, v, z, beta, A_log, dt_bias, ctx, initial_state=h0[:, :, :4])
     with pytest.raises(ValueError, match="fold"):
         kcp_flash_kda(q, k, v, z, beta, A_log, dt_bias, ctx, fold="tree")
+    # a layout-only context (no group) failed inside torch's all_gather
+    half = make_context(2 * T, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="layout only"):
+        kcp_flash_kda(q, k, v, z, beta, A_log, dt_bias, half)
 
 
 def test_context_roles():

@@ -152,6 +152,26 @@ class KCPContext:
         return tuple(out)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_context(ctx) -> None:
+    """Raise ValueError unless ``ctx`` is a KCPContext that can run collectives: one process, or a
+    group whose size and rank are the context's (a context built from ``rank``/``world_size``
+    without a group describes a layout only)."""
+    if not isinstance(ctx, KCPContext):
+        raise ValueError(f"ctx must be a KCPContext (k3lab.kcp.make_context), got {type(ctx).__name__}")
+    if ctx.world_size == 1:
+        return
+    if ctx.group is None:
+        raise ValueError(f"ctx describes a layout only (world_size={ctx.world_size} without a process group):"
+                         " pass the group to make_context")
+    if (dist.get_world_size(ctx.group), dist.get_rank(ctx.group)) != (ctx.world_size, ctx.rank):
+        raise ValueError(f"ctx describes a layout only: rank {ctx.rank} of {ctx.world_size}, but its group has"
+                         f" rank {dist.get_rank(ctx.group)} of {dist.get_world_size(ctx.group)}")
+
+
 def make_context(
     T: int,
     cu_seqlens: torch.Tensor | list[int] | None = None,
@@ -175,7 +195,7 @@ def make_context(
 
     Raises:
         ValueError: T not a positive multiple of the world size, bad ``cu_seqlens`` (see
-            ``check_cu_seqlens``), rank outside [0, world_size).
+            ``check_cu_seqlens``), world_size not an int >= 1, rank not an int in [0, world_size).
     """
     if group is None and rank is None and world_size is None and dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
@@ -183,8 +203,10 @@ def make_context(
         world_size = dist.get_world_size(group) if group is not None else 1
     if rank is None:
         rank = dist.get_rank(group) if group is not None else 0
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if not _is_int(world_size) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not _is_int(rank) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     if T <= 0 or T % world_size != 0:
         raise ValueError(f"T must be a positive multiple of the world size {world_size}, got T={T}")
     if cu_seqlens is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from k3lab.kcp.context import KCPContext
+from k3lab.kcp.context import KCPContext, check_context
 from k3lab.kcp.kcp import gather_from_group
 
 
@@ -30,11 +30,10 @@ def kcp_short_conv(x: torch.Tensor, weight: torch.Tensor, ctx: KCPContext) -> to
         contribution: sum it over the group (as for any replicated parameter).
 
     Raises:
-        ValueError: ctx not a KCPContext, x not [1, T_local, D], weight not [D, W >= 1], or
-            T_local < W-1 with R > 1.
+        ValueError: ctx not a KCPContext or layout-only (``check_context``), x not [1, T_local, D],
+            weight not [D, W >= 1], or T_local < W-1 with R > 1.
     """
-    if not isinstance(ctx, KCPContext):
-        raise ValueError(f"ctx must be a KCPContext (k3lab.kcp.make_context), got {type(ctx).__name__}")
+    check_context(ctx)
     if x.ndim != 3 or x.shape[0] != 1 or x.shape[1] != ctx.T_local:
         raise ValueError(f"x must be [1, T_local={ctx.T_local}, D], got {list(x.shape)}")
     D = x.shape[2]

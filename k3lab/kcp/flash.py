@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from k3lab.kcp.affine import fold_scan, fold_sequential, identity_map
-from k3lab.kcp.context import KCPContext
+from k3lab.kcp.context import KCPContext, check_context
 from k3lab.kcp.kcp import FOLDS, _all_gather
 from k3lab.kda.checks import _shape, check_kda_inputs
 from k3lab.kernels.kda.chunk_bwd import kda_dqkw_bwd, kda_intra_bwd, kda_state_bwd
@@ -290,13 +290,13 @@ def kcp_flash_kda(
         group (all_reduce) gives every document's final state.
 
     Raises:
-        ValueError: ctx not a KCPContext, q not [1, T_local, H, K], fold unknown, initial_state not
-            [N, HV, K, V] on q's device, and every error of ``flash_kda`` (``check_kda_inputs``,
-            ``check_gate_args``, NaN/inf when ``check_values``).
+        ValueError: ctx not a KCPContext or layout-only (``check_context``), q not
+            [1, T_local, H, K], fold unknown, initial_state not [N, HV, K, V] on q's device, and every
+            error of ``flash_kda`` (``check_kda_inputs``, ``check_gate_args``, NaN/inf when
+            ``check_values``).
         RuntimeError: CPU tensors without TRITON_INTERPRET=1 (call ``k3lab.setup()`` first).
     """
-    if not isinstance(ctx, KCPContext):
-        raise ValueError(f"ctx must be a KCPContext (k3lab.kcp.make_context), got {type(ctx).__name__}")
+    check_context(ctx)
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != 1 or q.shape[1] != ctx.T_local:
         raise ValueError(f"q must be [1, T_local={ctx.T_local}, H, K] on rank {ctx.rank}, "
                          f"got {_shape(q) if isinstance(q, torch.Tensor) else type(q).__name__}")

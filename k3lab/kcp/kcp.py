@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from k3lab.kcp.affine import fold_scan, fold_sequential, segment_map
-from k3lab.kcp.context import KCPContext
+from k3lab.kcp.context import KCPContext, check_context
 from k3lab.kda import chunk_kda
 from k3lab.kda.checks import check_kda_inputs
 from k3lab.kda.naive import compute_dtype, expand_heads
@@ -246,12 +246,11 @@ def kcp_kda(
         group (all_reduce) gives every document's final state.
 
     Raises:
-        ValueError: ctx not a KCPContext, bad shapes (see ``check_kda_inputs``), B != 1, T_local != ctx.T_local,
-            initial_state not [N, HV, K, V], unknown ``fold``, slab_tokens not a multiple of
+        ValueError: ctx not a KCPContext or layout-only (``check_context``), bad shapes (see
+            ``check_kda_inputs``), B != 1, T_local != ctx.T_local, initial_state not [N, HV, K, V], unknown ``fold``, slab_tokens not a multiple of
             chunk_size.
     """
-    if not isinstance(ctx, KCPContext):
-        raise ValueError(f"ctx must be a KCPContext (k3lab.kcp.make_context), got {type(ctx).__name__}")
+    check_context(ctx)
     if q.ndim != 4 or q.shape[0] != 1 or q.shape[1] != ctx.T_local:
         raise ValueError(f"q must be [1, T_local={ctx.T_local}, H, K] on rank {ctx.rank}, got {list(q.shape)}")
     local_cu = torch.tensor(ctx.local_cu_seqlens) if len(ctx.local_docs) > 1 else None
