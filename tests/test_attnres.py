@@ -167,6 +167,35 @@ def test_two_phase_double_backward_with_retained_graph():
         assert torch.equal(a, b)
 
 
+def test_bool_block_counts_are_refused():
+    """n_blocks=True (or n_sublayers=True) was taken as 1: a bool is an int to isinstance."""
+    with pytest.raises(ValueError, match="n_blocks"):
+        BlockAttnRes(16, 4, True)
+    with pytest.raises(ValueError, match="n_sublayers"):
+        AttnRes(16, True)
+    with pytest.raises(ValueError, match="n_blocks"):
+        block_sizes(4, True)
+
+
+def test_memory_path_is_differentiable_once():
+    """autograd.grad(..., create_graph=True) through the memory path failed with "modified by an
+    inplace operation"; its first-order gradients are right, and differentiating them again now
+    says that the memory path is differentiable once (the naive path is twice differentiable)."""
+    subs, h0, q = make(6, seed=41)
+    grads = {}
+    for path in ("naive", "memory"):
+        res = module((16, 6, 3), q, path)
+        x = h0.clone().requires_grad_()
+        (gx,) = torch.autograd.grad(res(x, subs).square().sum(), x, create_graph=True)
+        grads[path] = gx.detach()
+        if path == "naive":
+            gx.square().sum().backward()
+        else:
+            with pytest.raises(RuntimeError, match="differentiate twice"):
+                gx.square().sum().backward()
+    assert_close("dh0 with create_graph", grads["naive"], grads["memory"], 1e-10)
+
+
 def test_two_phase_under_autocast_stores_o_in_bf16():
     """bf16 autocast: the inter-block parts o_k are stored in bf16 (sums, softmax and the partial
     sums stay float32). With sublayers that autocast leaves in float32, that rounding is the only
@@ -325,9 +354,11 @@ def test_memory_path_frees_its_buffer(monkeypatch):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(eps=-1.0), "eps"), (dict(eps=float("nan")), "eps"), (dict(buffer_dtype=torch.int32), "buffer_dtype"),
-], ids=["eps_negative", "eps_nan", "buffer_int"])
+    (dict(buffer_dtype="bfloat16"), "buffer_dtype"), (dict(eps=True), "eps"),
+], ids=["eps_negative", "eps_nan", "buffer_int", "buffer_str", "eps_bool"])
 def test_bad_eps_and_buffer_dtype(kwargs, match):
-    """eps=-1 was accepted and the forward returned NaN (rsqrt of a negative mean square)."""
+    """eps=-1 was accepted and the forward returned NaN (rsqrt of a negative mean square);
+    buffer_dtype="bfloat16" failed with an AttributeError; eps=True passed as 1."""
     with pytest.raises(ValueError, match=match):
         BlockAttnRes(8, 4, 2, **kwargs)
     with pytest.raises(ValueError, match=match):

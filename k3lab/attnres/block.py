@@ -45,6 +45,7 @@ class BlockAttnRes(nn.Module):
             inputs and "torch" otherwise.
         recompute_input (bool): memory path: rebuild each sublayer's saved input h_l in backward
             (default) instead of keeping it (one more d-vector per token per sublayer, no recompute).
+            The memory path is differentiable once: second-order gradients need path="naive".
         buffer_dtype (torch.dtype | None): memory path: storage dtype of the block buffer, default
             h0's; ``torch.bfloat16`` halves the bytes phase 1 moves (blocks are rounded to bf16
             when stored; sums, softmax and the partial sum stay in h0's dtype / float32).
@@ -74,9 +75,9 @@ class BlockAttnRes(nn.Module):
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
         # A negative eps makes RMSNorm's mean square + eps negative: NaN outputs.
-        if not (isinstance(eps, (int, float)) and 0 <= eps < float("inf")):
+        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 <= eps < float("inf")):
             raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
-        if buffer_dtype is not None and not buffer_dtype.is_floating_point:
+        if buffer_dtype is not None and not (isinstance(buffer_dtype, torch.dtype) and buffer_dtype.is_floating_point):
             raise ValueError(f"buffer_dtype must be a floating-point dtype or None, got {buffer_dtype}")
         self.d_model, self.n_sublayers, self.n_blocks, self.eps = d_model, n_sublayers, n_blocks, eps
         self.path, self.backend, self.recompute_input = path, backend, recompute_input

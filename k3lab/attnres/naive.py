@@ -39,9 +39,10 @@ def block_sizes(n_sublayers: int, n_blocks: int) -> list[int]:
     Raises:
         ValueError: L < 1, N < 1 or N > L (a block cannot be empty).
     """
-    if not (isinstance(n_sublayers, int) and n_sublayers >= 1):
+    # bool is an int to isinstance: True would be one block.
+    if not (isinstance(n_sublayers, int) and not isinstance(n_sublayers, bool) and n_sublayers >= 1):
         raise ValueError(f"n_sublayers must be an int >= 1, got {n_sublayers!r}")
-    if not (isinstance(n_blocks, int) and 1 <= n_blocks <= n_sublayers):
+    if not (isinstance(n_blocks, int) and not isinstance(n_blocks, bool) and 1 <= n_blocks <= n_sublayers):
         raise ValueError(
             f"n_blocks must be an int in [1, n_sublayers={n_sublayers}] (a block holds at least one "
             f"sublayer), got {n_blocks!r}"

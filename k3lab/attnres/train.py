@@ -23,6 +23,10 @@ accumulator (``DepthBuffer``), the final aggregation (the first read that backwa
 it, the others adding; a stored block's node (whose backward autograd runs after all its reads')
 hands its slot on. The nodes' contexts reference the buffer and the blocks, never the graph's
 tensors: a reference cycle through autograd's C++ graph could not be collected.
+
+The path is differentiable once: its backwards write into shared buffers in place, so they are
+``once_differentiable`` (``create_graph=True`` gives the right first-order gradients; differentiating
+those again raises). Gradient penalties and other second-order uses need the naive path.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import contextlib
 import functools
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from k3lab.attnres.mix import BACKENDS, kernels
 from k3lab.attnres.naive import _check_shapes, block_sizes
@@ -67,6 +72,7 @@ class _StoreFirst(torch.autograd.Function):
         return h0.new_empty(0)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, _):
         # A copy: h0 may be a leaf whose .grad would otherwise keep the whole accumulator alive.
         acc = ctx.store.acc
@@ -89,6 +95,7 @@ class _StoreSum(torch.autograd.Function):
         return v.new_empty(0)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, _):
         # No later backward writes this slot: its view is handed on without a copy.
         g = ctx.store.acc[ctx.i]
@@ -154,6 +161,7 @@ class _Phase1(torch.autograd.Function):
         return (h, *(h.new_empty(0) for _ in range(blk.S - 1)))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dh, *_):
         dW = ctx.blk.backward(dh)
         return (dW, None, *(torch.empty(0, dtype=dt, device=dev) for dt, dev in ctx.taps))
@@ -171,6 +179,7 @@ class _AddMerge(torch.autograd.Function):
         return p, h
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dp_in, dh):
         p, w = ctx.saved_tensors
         dp, dv, dw = ctx.blk.merge_backward(ctx.k, dh, dp_in, p, w, ctx.v_dtype)
@@ -224,6 +233,7 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
     Returns:
         Tensor: [B, T, d] in h0's dtype; equal to ``naive_block_attnres`` in value and gradients
         (up to float rounding; under autocast the o_k are stored in the autocast dtype).
+        Differentiable once: a second differentiation raises RuntimeError (use the naive path).
 
     Raises:
         ValueError: N < 1 or N > L, queries not [L + 1, d], h0 not [B, T, d], unknown backend.
