@@ -199,6 +199,16 @@ def test_odd_and_too_deep_roots(pool, tmp_path):
     assert leftovers(tmp_path) == {"files": [], "pids": []}
 
 
+def test_restore_refuses_a_snapshot_of_another_shape(pool, tmp_path):
+    """Restoring a 192 MiB snapshot into a 128 MiB sandbox escaped as a bare ConnectionResetError
+    (QEMU refused the state and dropped QMP mid-command) and left the dead sandbox "running"."""
+    with Sandbox.create(memory_mib=192, root=tmp_path) as big, pool.create() as sb:
+        with big.snapshot() as snap:
+            with pytest.raises(SandboxError, match="memory_mib=192"):
+                sb.restore(snap)
+        assert sb.exec("echo still", timeout=10).stdout == b"still\n"
+
+
 def _cmdline_with_a_bad_option(self, *args):
     return _real_cmdline(self, *args) + ["-no-such-option"]
 

@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import lzma
 import os
+import select
 import shutil
 import socket
 import threading
@@ -204,6 +205,35 @@ def test_agent_channel_out_of_step_after_a_cut_payload():
     with pytest.raises(AgentError, match="out of step"):
         ch.ping(deadline=time.monotonic() + 5)
     guest_end.close()
+
+
+def test_qmp_reset_by_a_dying_qemu_is_a_qmp_error(tmp_path):
+    """A QEMU that dies mid-command resets the QMP socket: recv() raised a bare
+    ConnectionResetError, which Sandbox did not turn into SandboxCrashed."""
+    from k3lab.agentenv.qemu import QMP, QMPError
+
+    path = str(tmp_path / "qmp.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def qemu():
+        conn, _ = server.accept()
+        conn.sendall(b'{"QMP": {}}\n')
+        conn.recv(1024)
+        conn.sendall(b'{"return": {}}\n')
+        # Closed with the next command unread: a unix socket then resets the peer's recv().
+        while not select.select([conn], [], [], 5)[0]:
+            pass
+        conn.close()
+
+    t = threading.Thread(target=qemu)
+    t.start()
+    qmp = QMP(path, time.monotonic() + 5)
+    with pytest.raises(QMPError, match="closed"):
+        qmp.execute("query-status", timeout=5)
+    t.join(5)
+    server.close()
 
 
 def test_guest_operation_arguments_checked_before_any_vm_call():

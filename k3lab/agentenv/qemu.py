@@ -67,7 +67,11 @@ class QMP:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self.sock], [], [], left)[0]:
                 raise QMPError("QMP timed out")
-            data = self.sock.recv(65536)
+            try:
+                data = self.sock.recv(65536)
+            except OSError as e:
+                # ECONNRESET: QEMU exited with our command unread.
+                raise QMPError(f"QMP connection closed (QEMU exited): {e}") from e
             if not data:
                 raise QMPError("QMP connection closed (QEMU exited)")
             self.buf += data

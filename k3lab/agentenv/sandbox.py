@@ -565,7 +565,8 @@ class Sandbox:
 
         Raises:
             SandboxStateError: this sandbox is destroyed or the snapshot deleted. SandboxError:
-            the snapshot comes from the other backend.
+            the snapshot comes from the other backend or a VM of another shape (memory_mib,
+            vcpus); both checked before this sandbox's state is touched.
         """
         if self.state == "destroyed":
             raise SandboxStateError(f"sandbox {self.id} is destroyed")
@@ -574,6 +575,10 @@ class Sandbox:
         if snapshot.backend != self.backend:
             raise SandboxError(f"snapshot {snapshot.path.name} is a {snapshot.backend} snapshot; sandbox"
                                f" {self.id} runs on {self.backend} (use Sandbox.from_snapshot)")
+        if (snapshot.memory_mib, snapshot.vcpus) != (self.memory_mib, self.vcpus):
+            raise SandboxError(f"snapshot {snapshot.path.name} is of a VM with memory_mib={snapshot.memory_mib},"
+                               f" vcpus={snapshot.vcpus}; sandbox {self.id} has memory_mib={self.memory_mib},"
+                               f" vcpus={self.vcpus} (use Sandbox.from_snapshot)")
         snapshot._acquire()  # hold it while the old state goes
         try:
             self.vm.kill()
