@@ -12,6 +12,8 @@ from k3lab.attnres import (AttnRes, BlockAttnRes, block_attnres_inference, block
 from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch
 from k3lab.testing import assert_close, rel_rms_error
 
+from attnres_helpers import uniform_block_average
+
 
 class MLP(nn.Module):
     """A pre-norm sublayer: returns f(RMSNorm(h)), not added."""
@@ -71,16 +73,7 @@ def test_zero_init_is_uniform_average(path, L, N):
     subs, h0, _ = make(L, seed=1)
     res = BlockAttnRes(h0.shape[-1], L, N, path=path).double()
     assert torch.count_nonzero(res.queries) == 0
-    blocks, layer = [h0], 0
-    for size in block_sizes(L, N):
-        partial = None
-        for _ in range(size):
-            sources = blocks + ([partial] if partial is not None else [])
-            v = subs[layer](sum(sources) / len(sources))
-            partial = v if partial is None else partial + v
-            layer += 1
-        blocks.append(partial)
-    ref = sum(blocks) / len(blocks)
+    ref = uniform_block_average(h0, subs, N)
     with torch.set_grad_enabled(path == "memory"):
         assert_close(f"uniform {path}", ref, res(h0, subs), 1e-12)
 

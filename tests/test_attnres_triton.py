@@ -10,10 +10,12 @@ DEVICE = k3lab.setup(verbose=False)  # sets TRITON_INTERPRET=1 before the kernel
 
 import torch.nn as nn  # noqa: E402
 
-from k3lab.attnres import BlockAttnRes, block_sizes, naive_block_attnres  # noqa: E402
+from k3lab.attnres import BlockAttnRes, naive_block_attnres  # noqa: E402
 from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch  # noqa: E402
 from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd  # noqa: E402
 from k3lab.testing import assert_close  # noqa: E402
+
+from attnres_helpers import uniform_block_average  # noqa: E402
 
 TOL = 1e-5 if DEVICE.type == "cpu" else 1e-4
 
@@ -123,16 +125,7 @@ def test_module_triton_zero_init_is_uniform_average():
     subs = sublayers(L, d, 2)
     h0 = randn(1, 3, d, g=torch.Generator().manual_seed(2))
     res = BlockAttnRes(d, L, N, path="memory", backend="triton").to(DEVICE)
-    blocks, layer = [h0], 0
-    for size in block_sizes(L, N):
-        partial = None
-        for _ in range(size):
-            sources = blocks + ([partial] if partial is not None else [])
-            v = subs[layer](sum(sources) / len(sources))
-            partial = v if partial is None else partial + v
-            layer += 1
-        blocks.append(partial)
-    assert_close("uniform triton", sum(blocks) / len(blocks), res(h0, subs), TOL)
+    assert_close("uniform triton", uniform_block_average(h0, subs, N), res(h0, subs), TOL)
 
 
 def test_module_bf16_buffer_close_to_float32():
