@@ -20,7 +20,7 @@ import triton.language as tl
 
 from k3lab.kernels.kda.chunk_fwd import block_sizes
 from k3lab.kernels.kda.utils import (
-    BC, BT, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, state_tile, store_rows,
+    BC, BT, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, sequence_span, state_tile, store_rows,
 )
 
 
@@ -33,10 +33,7 @@ def kda_state_bwd_kernel(
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    NT = tl.cdiv(eos - bos, BT).to(tl.int32)
+    bos, eos, c0, NT = sequence_span(cu_seqlens, chunk_offsets, i_n, BT)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)

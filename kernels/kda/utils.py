@@ -45,6 +45,16 @@ def chunk_span(cu_seqlens, chunk_indices, i_c, BT: tl.constexpr):
 
 
 @triton.jit
+def sequence_span(cu_seqlens, chunk_offsets, i_n, BT: tl.constexpr):
+    """Sequence i_n of the packed stream -> (first token, end token as int64, its first global chunk,
+    its number of chunks): the walk of the two sequential (state) kernels."""
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    return bos, eos, c0, tl.cdiv(eos - bos, BT).to(tl.int32)
+
+
+@triton.jit
 def load_rows(x, t0, n_t, o_r, stride, off, o_c, n_c, CLAMP: tl.constexpr):
     """Rows t0 + o_r (columns o_c < n_c) of a [T, stride] tensor as float32.
 
