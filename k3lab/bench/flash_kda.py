@@ -194,8 +194,8 @@ def kernel_resources() -> list[dict]:
 
 
 def stage_times(B, T, H, K, V, device, rep=100) -> dict:
-    """Median ms of each FlashKDA stage at one shape (forward with bf16 and float32 intermediates,
-    then the backward's stages), to show where the time goes."""
+    """Median ms of each FlashKDA stage at one shape, forward and backward, with bf16 intermediates (what
+    bf16 inputs use) and float32 ones (float32 inputs), to show where the time goes."""
     from triton.testing import do_bench
 
     from k3lab.kernels.kda import chunk_bwd as cb
@@ -221,12 +221,13 @@ def stage_times(B, T, H, K, V, device, rep=100) -> dict:
         h, Vn, _ = bench(f"fwd state ({tag})", lambda: cf.kda_state_fwd(W, U, KG, G, None, False, cu,
                                                                         chunk_offsets, NT))
         bench(f"fwd output ({tag})", lambda: cf.kda_output_fwd(QG, h, Aqk, Vn, cu, chunk_indices))
-    dh, dVn, _ = bench("bwd state", lambda: cb.kda_state_bwd(QG, KG, W, G, Aqk, do, None, False, cu,
-                                                           chunk_offsets, NT))
-    dqs, dkn, dG, dgx, db, dv, dAqk, dAkk = bench("bwd dq/dk/dw/dv", lambda: cb.kda_dqkw_bwd(
-        *flat[:3], flat[4], G, Tinv, h, dh, Vn, dVn, do, scale, cu, chunk_indices))
-    bench("bwd intra", lambda: cb.kda_intra_bwd(flat[0], flat[1], flat[3], flat[4], A_log, dt_bias, G, dAqk,
-                                                dAkk, dqs, dkn, dG, dgx, db, scale, LOWER_BOUND, cu, chunk_indices))
+        dh, dVn, _ = bench(f"bwd state ({tag})", lambda: cb.kda_state_bwd(QG, KG, W, G, Aqk, do, None, False, cu,
+                                                                          chunk_offsets, NT))
+        dqs, dkn, dG, dgx, db, dv, dAqk, dAkk = bench(f"bwd dq/dk/dw/dv ({tag})", lambda: cb.kda_dqkw_bwd(
+            *flat[:3], flat[4], G, Tinv, h, dh, Vn, dVn, do, scale, cu, chunk_indices))
+        bench(f"bwd intra ({tag})", lambda: cb.kda_intra_bwd(
+            flat[0], flat[1], flat[3], flat[4], A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale,
+            LOWER_BOUND, cu, chunk_indices))
     return times
 
 

@@ -21,7 +21,7 @@ Forward, every rank at once:
   4. local:  the state stage for p_0 from the folded S_in; the output stage over all pieces.
 Backward, mirrored. Given S_in(j), the loss depends on rank j's inputs only through (o_j, S_end(j)),
 so their exact gradient is ONE local backward with cotangents (dO_j, D_j), D_j = dL/dS_end(j):
-  1. intra again (float32).
+  1. intra again.
   2. the reverse state stage over the pieces whose end-state gradient is known (all but a continuing
      p_{n-1}: a final-state gradient, or zero); its dS_in of p_0 is b_j = dL/dS_in(j) with D_j = 0.
      When p_0 = p_{n-1} continues, b_j takes one extra reverse pass over p_0 (dht = 0).
@@ -143,7 +143,7 @@ class KCPFlashFunction(torch.autograd.Function):
         HV, V = v.shape[2:]
         R, n, NT, dev = ctx.world_size, lay.n, lay.NT, q.device
         flat = [x.reshape(T, *x.shape[2:]) for x in (q, k, v, z, beta)]
-        inter = intermediate_dtype(q, any(fctx.needs_input_grad))
+        inter = intermediate_dtype(q)
         # 1. intra, shared by the map and the local pass.
         G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(*flat, A_log, dt_bias, scale, lower_bound, lay.cu,
                                                    lay.chunk_indices, inter)
@@ -195,9 +195,9 @@ class KCPFlashFunction(torch.autograd.Function):
         HV, V = v.shape[2:]
         R, n, NT, dev = ctx.world_size, lay.n, lay.NT, q.device
         qf, kf, vf, zf, bf = (x.reshape(T, *x.shape[2:]) for x in (q, k, v, z, beta))
-        # 1. intra again, in float32.
+        # 1. intra again.
         G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(qf, kf, vf, zf, bf, A_log, dt_bias, scale, lb, lay.cu,
-                                                   lay.chunk_indices, torch.float32)
+                                                   lay.chunk_indices, intermediate_dtype(q))
         do = do.reshape(T, HV, V).contiguous() if do is not None else torch.zeros(T, HV, V, device=dev)
         dh = torch.empty(NT, HV, K, V, device=dev)
         dVn = torch.empty(T, HV, V, device=dev)

@@ -56,10 +56,12 @@ def check_finite(**named: torch.Tensor | None) -> None:
             raise ValueError(f"{name} contains NaN or inf")
 
 
-def intermediate_dtype(q: torch.Tensor, needs_grad: bool) -> torch.dtype:
-    """The intermediates' dtype: float32 when a backward follows (the gate gradient needs it), else q's
-    dtype; never float16: a diagonal sub-tile's factor exp(8 |lower_bound|) (e^40 at -5) exceeds its range."""
-    return torch.float32 if needs_grad or q.dtype == torch.float16 else q.dtype
+def intermediate_dtype(q: torch.Tensor) -> torch.dtype:
+    """The intermediates' dtype (W, U, KG, QG, Aqk, the chunk states), forward and backward: bfloat16 for
+    bfloat16 inputs, as tensor-core operands with float32 accumulators (the gate's cumsum G, the UT
+    inverse and every gradient accumulator stay float32); float32 otherwise. Never float16: a diagonal
+    sub-tile's factor exp(8 |lower_bound|) (e^40 at -5) exceeds its range."""
+    return torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
 
 
 def input_grads(dq, dk, dv, dz, dbeta, dA_part, dbias_part, q, v, A_log, dt_bias):
@@ -86,7 +88,7 @@ class FlashKDAFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, z, beta)]
-        inter = intermediate_dtype(q, any(ctx.needs_input_grad))
+        inter = intermediate_dtype(q)
         G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(*flat, A_log, dt_bias, scale, lower_bound, cu_seqlens,
                                                    chunk_indices, inter)
         h, Vn, ht = kda_state_fwd(W, U, KG, G, initial_state, output_final_state, cu_seqlens, chunk_offsets,
@@ -106,7 +108,7 @@ class FlashKDAFunction(torch.autograd.Function):
         NT = chunk_indices.shape[0]
         qf, kf, vf, zf, bf = (x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, z, beta))
         G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(qf, kf, vf, zf, bf, A_log, dt_bias, scale, lb, cu_seqlens,
-                                                   chunk_indices, torch.float32)
+                                                   chunk_indices, intermediate_dtype(q))
         h, Vn, _ = kda_state_fwd(W, U, KG, G, h0, False, cu_seqlens, chunk_offsets, NT)
         del U
         do = do.reshape(B * T, HV, V).contiguous()

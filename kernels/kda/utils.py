@@ -16,8 +16,8 @@ BC = 16
 
 
 def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
-    """tl.dot input precision: float32 operands use 3 bf16 passes on the GPU (about fp32 accuracy, which
-    the gate gradient needs: it is a sum of large terms that cancel); bf16 operands ignore it."""
+    """tl.dot input precision: float32 operands (float32 inputs, the UT inverse) use 3 bf16 passes on the
+    GPU (about fp32 accuracy); bf16 operands ignore it."""
     return "bf16x3" if dtype == torch.float32 and device.type == "cuda" else "tf32"
 
 
