@@ -218,6 +218,8 @@ def stage_times(B, T, H, K, V, device, rep=100) -> dict:
         tag = "bf16" if dt == torch.bfloat16 else "fp32"
         G, Tinv, Aqk, W, U, KG, QG = bench(f"fwd intra ({tag})", lambda: cf.kda_intra_fwd(
             *flat, A_log, dt_bias, scale, LOWER_BOUND, cu, chunk_indices, dt))
+        bench(f"bwd intra replay ({tag})", lambda: cf.kda_intra_replay(
+            flat[0], flat[1], flat[2], flat[4], G, Tinv, scale, cu, chunk_indices, dt))
         h, Vn, _ = bench(f"fwd state ({tag})", lambda: cf.kda_state_fwd(W, U, KG, G, None, False, cu,
                                                                         chunk_offsets, NT))
         bench(f"fwd output ({tag})", lambda: cf.kda_output_fwd(QG, h, Aqk, Vn, cu, chunk_indices))

@@ -21,7 +21,7 @@ Forward, every rank at once:
   4. local:  the state stage for p_0 from the folded S_in; the output stage over all pieces.
 Backward, mirrored. Given S_in(j), the loss depends on rank j's inputs only through (o_j, S_end(j)),
 so their exact gradient is ONE local backward with cotangents (dO_j, D_j), D_j = dL/dS_end(j):
-  1. intra again.
+  1. intra's W, U, KG, QG again from the saved G, Tinv (``kda_intra_replay``).
   2. the reverse state stage over the pieces whose end-state gradient is known (all but a continuing
      p_{n-1}: a final-state gradient, or zero); its dS_in of p_0 is b_j = dL/dS_in(j) with D_j = 0.
      When p_0 = p_{n-1} continues, b_j takes one extra reverse pass over p_0 (dht = 0).
@@ -44,7 +44,7 @@ from k3lab.kcp.context import KCPContext, check_context
 from k3lab.kcp.kcp import FOLDS, _all_gather
 from k3lab.kda.checks import _shape, check_kda_inputs
 from k3lab.kernels.kda.chunk_bwd import kda_dqkw_bwd, kda_intra_bwd, kda_state_bwd
-from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_output_fwd, kda_state_fwd
+from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_intra_replay, kda_output_fwd, kda_state_fwd
 from k3lab.kernels.kda.flash_kda import check_finite, check_gate_args, input_grads, intermediate_dtype
 from k3lab.kernels.kda.utils import chunk_index
 
@@ -133,7 +133,8 @@ class KCPFlashFunction(torch.autograd.Function):
     Forward collective: one all_gather of the [HV, K, K+V] float32 maps. Backward collective: one
     all_gather of the [HV, K, V] float32 state gradients b_r. Every rank joins both whatever its
     layout, both are started asynchronously and waited for only where their result is read.
-    Saved: the inputs, S_in [HV, K, V] and the gathered maps (the backward recomputes the rest).
+    Saved: the inputs, S_in [HV, K, V], the gathered maps and intra's G, Tinv, Aqk (the backward recomputes
+    the rest).
     """
 
     @staticmethod
@@ -147,7 +148,6 @@ class KCPFlashFunction(torch.autograd.Function):
         # 1. intra, shared by the map and the local pass.
         G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(*flat, A_log, dt_bias, scale, lower_bound, lay.cu,
                                                    lay.chunk_indices, inter)
-        del Tinv
         h = torch.empty(NT, HV, K, V, device=dev, dtype=inter)
         Vn = torch.empty_like(U)
         final = [None] * n
@@ -178,7 +178,7 @@ class KCPFlashFunction(torch.autograd.Function):
         o = kda_output_fwd(QG, h, Aqk, Vn, lay.cu, lay.chunk_indices)
         if R > 1 and not lay.cont_in:
             work.wait()
-        fctx.save_for_backward(q, k, v, z, beta, A_log, dt_bias, h0, S_in, maps)
+        fctx.save_for_backward(q, k, v, z, beta, A_log, dt_bias, h0, S_in, maps, G, Tinv, Aqk)
         fctx.args = (ctx, lay, scale, lower_bound, fold)
         # Final states of the documents that end on this rank; other rows are zero.
         out_final = torch.zeros(ctx.N, HV, K, V, device=dev)
@@ -189,15 +189,15 @@ class KCPFlashFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, do, d_final):
-        q, k, v, z, beta, A_log, dt_bias, h0, S_in, maps = fctx.saved_tensors
+        q, k, v, z, beta, A_log, dt_bias, h0, S_in, maps, G, Tinv, Aqk = fctx.saved_tensors
         ctx, lay, scale, lb, fold = fctx.args
         _, T, H, K = q.shape
         HV, V = v.shape[2:]
         R, n, NT, dev = ctx.world_size, lay.n, lay.NT, q.device
         qf, kf, vf, zf, bf = (x.reshape(T, *x.shape[2:]) for x in (q, k, v, z, beta))
-        # 1. intra again.
-        G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(qf, kf, vf, zf, bf, A_log, dt_bias, scale, lb, lay.cu,
-                                                   lay.chunk_indices, intermediate_dtype(q))
+        # 1. intra's cheap part again, from the saved G and Tinv.
+        W, U, KG, QG = kda_intra_replay(qf, kf, vf, bf, G, Tinv, scale, lay.cu, lay.chunk_indices,
+                                        intermediate_dtype(q))
         do = do.reshape(T, HV, V).contiguous() if do is not None else torch.zeros(T, HV, V, device=dev)
         dh = torch.empty(NT, HV, K, V, device=dev)
         dVn = torch.empty(T, HV, V, device=dev)

@@ -86,6 +86,7 @@ def kda_intra_fwd_kernel(
     cu_seqlens, chunk_indices, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_BIAS: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    REPLAY: tl.constexpr,  # G and Tinv are inputs (saved by the forward); only KG, QG, W, U are written
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -99,18 +100,21 @@ def kda_intra_fwd_kernel(
     # Gate activation and cumulative log-decay G, 16 rows at a time with a running prefix (small
     # register tiles); padded rows get g = 0 (no decay), so the final prefix is G at the last token.
     o_c = tl.arange(0, BC)
-    b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    b_bias = tl.zeros([BK], tl.float32)
-    if HAS_BIAS:
-        b_bias += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
-    b_Gl = tl.zeros([BK], tl.float32)
-    for I in tl.static_range(BT // BC):
-        o_i = I * BC + o_c
-        b_z = load_rows(z, t0, n_t, o_i, HV * K, i_hv * K, o_k, K, False) + b_bias[None, :]
-        b_g = tl.where((o_i < n_t)[:, None] & (o_k < K)[None, :], lower_bound * tl.sigmoid(b_a * b_z), 0.0)
-        store_rows(G, b_Gl[None, :] + tl.cumsum(b_g, axis=0), t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
-        b_Gl += tl.sum(b_g, 0)
-    tl.debug_barrier()
+    if REPLAY:
+        b_Gl = tl.sum(load_rows(G, t0, n_t, n_t - 1 + tl.zeros([1], tl.int32), HV * K, i_hv * K, o_k, K, True), 0)
+    else:
+        b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        b_bias = tl.zeros([BK], tl.float32)
+        if HAS_BIAS:
+            b_bias += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+        b_Gl = tl.zeros([BK], tl.float32)
+        for I in tl.static_range(BT // BC):
+            o_i = I * BC + o_c
+            b_z = load_rows(z, t0, n_t, o_i, HV * K, i_hv * K, o_k, K, False) + b_bias[None, :]
+            b_g = tl.where((o_i < n_t)[:, None] & (o_k < K)[None, :], lower_bound * tl.sigmoid(b_a * b_z), 0.0)
+            store_rows(G, b_Gl[None, :] + tl.cumsum(b_g, axis=0), t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
+            b_Gl += tl.sum(b_g, 0)
+        tl.debug_barrier()
     # KG = k exp(G_last - G), QG = scale q exp(G), and W's right operand Diag(beta)(Gamma K) (in W).
     for I in tl.static_range(BT // BC):
         o_i = I * BC + o_c
@@ -124,56 +128,57 @@ def kda_intra_fwd_kernel(
     # G goes through global memory so the sub-tile loads below can read any 16 rows of it.
     tl.debug_barrier()
 
-    # Sub-tiles of L = Diag(beta) StrictTril(Ks) (returned) and Aqk (stored), 4 x 4 blocks of 16.
-    b_b0 = tl.where(o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_c, HV, i_hv)), 0.0)[:, None]
-    b_b1 = tl.where(BC + o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, BC + o_c, HV, i_hv)), 0.0)[:, None]
-    b_b2 = tl.where(2 * BC + o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, 2 * BC + o_c, HV, i_hv)), 0.0)[:, None]
-    b_b3 = tl.where(3 * BC + o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, 3 * BC + o_c, HV, i_hv)), 0.0)[:, None]
-    b_L00 = b_b0 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 0, 0, H, HV, K, BT, BC, BK, PREC)
-    b_L10 = b_b1 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 1, 0, H, HV, K, BT, BC, BK, PREC)
-    b_L11 = b_b1 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 1, 1, H, HV, K, BT, BC, BK, PREC)
-    b_L20 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 2, 0, H, HV, K, BT, BC, BK, PREC)
-    b_L21 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 2, 1, H, HV, K, BT, BC, BK, PREC)
-    b_L22 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 2, 2, H, HV, K, BT, BC, BK, PREC)
-    b_L30 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 0, H, HV, K, BT, BC, BK, PREC)
-    b_L31 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 1, H, HV, K, BT, BC, BK, PREC)
-    b_L32 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 2, H, HV, K, BT, BC, BK, PREC)
-    b_L33 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 3, H, HV, K, BT, BC, BK, PREC)
-
-    # Block forward substitution: T_II = (I + L_II)^-1, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ.
-    b_T00 = unit_lower_inverse(b_L00, BC)
-    b_T11 = unit_lower_inverse(b_L11, BC)
-    b_T22 = unit_lower_inverse(b_L22, BC)
-    b_T33 = unit_lower_inverse(b_L33, BC)
-    b_T10 = -dot32(dot32(b_T11, b_L10), b_T00)
-    b_T21 = -dot32(dot32(b_T22, b_L21), b_T11)
-    b_T32 = -dot32(dot32(b_T33, b_L32), b_T22)
-    b_T20 = -dot32(b_T22, dot32(b_L20, b_T00) + dot32(b_L21, b_T10))
-    b_T31 = -dot32(b_T33, dot32(b_L31, b_T11) + dot32(b_L32, b_T21))
-    b_T30 = -dot32(b_T33, dot32(b_L30, b_T00) + dot32(b_L31, b_T10) + dot32(b_L32, b_T20))
-    b_0 = tl.zeros([BC, BC], tl.float32)
     s_T = HV * BT
-    store_rows(Tinv, b_T00, t0, n_t, o_c, s_T, i_hv * BT, o_c, BC)
-    store_rows(Tinv, b_0, t0, n_t, o_c, s_T, i_hv * BT + BC, o_c, BC)
-    store_rows(Tinv, b_0, t0, n_t, o_c, s_T, i_hv * BT + 2 * BC, o_c, BC)
-    store_rows(Tinv, b_0, t0, n_t, o_c, s_T, i_hv * BT + 3 * BC, o_c, BC)
-    store_rows(Tinv, b_T10, t0, n_t, BC + o_c, s_T, i_hv * BT, o_c, BC)
-    store_rows(Tinv, b_T11, t0, n_t, BC + o_c, s_T, i_hv * BT + BC, o_c, BC)
-    store_rows(Tinv, b_0, t0, n_t, BC + o_c, s_T, i_hv * BT + 2 * BC, o_c, BC)
-    store_rows(Tinv, b_0, t0, n_t, BC + o_c, s_T, i_hv * BT + 3 * BC, o_c, BC)
-    store_rows(Tinv, b_T20, t0, n_t, 2 * BC + o_c, s_T, i_hv * BT, o_c, BC)
-    store_rows(Tinv, b_T21, t0, n_t, 2 * BC + o_c, s_T, i_hv * BT + BC, o_c, BC)
-    store_rows(Tinv, b_T22, t0, n_t, 2 * BC + o_c, s_T, i_hv * BT + 2 * BC, o_c, BC)
-    store_rows(Tinv, b_0, t0, n_t, 2 * BC + o_c, s_T, i_hv * BT + 3 * BC, o_c, BC)
-    store_rows(Tinv, b_T30, t0, n_t, 3 * BC + o_c, s_T, i_hv * BT, o_c, BC)
-    store_rows(Tinv, b_T31, t0, n_t, 3 * BC + o_c, s_T, i_hv * BT + BC, o_c, BC)
-    store_rows(Tinv, b_T32, t0, n_t, 3 * BC + o_c, s_T, i_hv * BT + 2 * BC, o_c, BC)
-    store_rows(Tinv, b_T33, t0, n_t, 3 * BC + o_c, s_T, i_hv * BT + 3 * BC, o_c, BC)
-    # Aqk's upper blocks are zero (causal).
-    for I in tl.static_range(3):
-        for J in tl.static_range(I + 1, 4):
-            store_rows(Aqk, b_0, t0, n_t, I * BC + o_c, s_T, i_hv * BT + J * BC, o_c, BC)
-    tl.debug_barrier()
+    if not REPLAY:
+        # Sub-tiles of L = Diag(beta) StrictTril(Ks) (returned) and Aqk (stored), 4 x 4 blocks of 16.
+        b_b0 = tl.where(o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_c, HV, i_hv)), 0.0)[:, None]
+        b_b1 = tl.where(BC + o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, BC + o_c, HV, i_hv)), 0.0)[:, None]
+        b_b2 = tl.where(2 * BC + o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, 2 * BC + o_c, HV, i_hv)), 0.0)[:, None]
+        b_b3 = tl.where(3 * BC + o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, 3 * BC + o_c, HV, i_hv)), 0.0)[:, None]
+        b_L00 = b_b0 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 0, 0, H, HV, K, BT, BC, BK, PREC)
+        b_L10 = b_b1 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 1, 0, H, HV, K, BT, BC, BK, PREC)
+        b_L11 = b_b1 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 1, 1, H, HV, K, BT, BC, BK, PREC)
+        b_L20 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 2, 0, H, HV, K, BT, BC, BK, PREC)
+        b_L21 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 2, 1, H, HV, K, BT, BC, BK, PREC)
+        b_L22 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 2, 2, H, HV, K, BT, BC, BK, PREC)
+        b_L30 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 0, H, HV, K, BT, BC, BK, PREC)
+        b_L31 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 1, H, HV, K, BT, BC, BK, PREC)
+        b_L32 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 2, H, HV, K, BT, BC, BK, PREC)
+        b_L33 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 3, H, HV, K, BT, BC, BK, PREC)
+
+        # Block forward substitution: T_II = (I + L_II)^-1, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ.
+        b_T00 = unit_lower_inverse(b_L00, BC)
+        b_T11 = unit_lower_inverse(b_L11, BC)
+        b_T22 = unit_lower_inverse(b_L22, BC)
+        b_T33 = unit_lower_inverse(b_L33, BC)
+        b_T10 = -dot32(dot32(b_T11, b_L10), b_T00)
+        b_T21 = -dot32(dot32(b_T22, b_L21), b_T11)
+        b_T32 = -dot32(dot32(b_T33, b_L32), b_T22)
+        b_T20 = -dot32(b_T22, dot32(b_L20, b_T00) + dot32(b_L21, b_T10))
+        b_T31 = -dot32(b_T33, dot32(b_L31, b_T11) + dot32(b_L32, b_T21))
+        b_T30 = -dot32(b_T33, dot32(b_L30, b_T00) + dot32(b_L31, b_T10) + dot32(b_L32, b_T20))
+        b_0 = tl.zeros([BC, BC], tl.float32)
+        store_rows(Tinv, b_T00, t0, n_t, o_c, s_T, i_hv * BT, o_c, BC)
+        store_rows(Tinv, b_0, t0, n_t, o_c, s_T, i_hv * BT + BC, o_c, BC)
+        store_rows(Tinv, b_0, t0, n_t, o_c, s_T, i_hv * BT + 2 * BC, o_c, BC)
+        store_rows(Tinv, b_0, t0, n_t, o_c, s_T, i_hv * BT + 3 * BC, o_c, BC)
+        store_rows(Tinv, b_T10, t0, n_t, BC + o_c, s_T, i_hv * BT, o_c, BC)
+        store_rows(Tinv, b_T11, t0, n_t, BC + o_c, s_T, i_hv * BT + BC, o_c, BC)
+        store_rows(Tinv, b_0, t0, n_t, BC + o_c, s_T, i_hv * BT + 2 * BC, o_c, BC)
+        store_rows(Tinv, b_0, t0, n_t, BC + o_c, s_T, i_hv * BT + 3 * BC, o_c, BC)
+        store_rows(Tinv, b_T20, t0, n_t, 2 * BC + o_c, s_T, i_hv * BT, o_c, BC)
+        store_rows(Tinv, b_T21, t0, n_t, 2 * BC + o_c, s_T, i_hv * BT + BC, o_c, BC)
+        store_rows(Tinv, b_T22, t0, n_t, 2 * BC + o_c, s_T, i_hv * BT + 2 * BC, o_c, BC)
+        store_rows(Tinv, b_0, t0, n_t, 2 * BC + o_c, s_T, i_hv * BT + 3 * BC, o_c, BC)
+        store_rows(Tinv, b_T30, t0, n_t, 3 * BC + o_c, s_T, i_hv * BT, o_c, BC)
+        store_rows(Tinv, b_T31, t0, n_t, 3 * BC + o_c, s_T, i_hv * BT + BC, o_c, BC)
+        store_rows(Tinv, b_T32, t0, n_t, 3 * BC + o_c, s_T, i_hv * BT + 2 * BC, o_c, BC)
+        store_rows(Tinv, b_T33, t0, n_t, 3 * BC + o_c, s_T, i_hv * BT + 3 * BC, o_c, BC)
+        # Aqk's upper blocks are zero (causal).
+        for I in tl.static_range(3):
+            for J in tl.static_range(I + 1, 4):
+                store_rows(Aqk, b_0, t0, n_t, I * BC + o_c, s_T, i_hv * BT + J * BC, o_c, BC)
+        tl.debug_barrier()
 
     # W = T Diag(beta)(Gamma K), U = T Diag(beta) V, with the whole T as one [BT, BT] operand.
     b_T = load_rows(Tinv, t0, n_t, o_t, s_T, i_hv * BT, o_t, BT, False).to(dt)
@@ -259,25 +264,38 @@ def block_sizes(K: int, V: int) -> tuple[int, int]:
 
 def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, chunk_indices, dtype):
     """Launch ``kda_intra_fwd_kernel``; inputs flattened to [T, heads, D]; ``dtype`` is the intermediates'
-    (q's for inference, float32 when gradients follow). Returns (G, Tinv, Aqk, W, U, KG, QG)."""
+    (``flash_kda.intermediate_dtype``). Returns (G, Tinv, Aqk, W, U, KG, QG)."""
+    T, HV, K = z.shape
+    G = torch.empty(T, HV, K, device=z.device, dtype=torch.float32)
+    Tinv = torch.empty(T, HV, BT, device=z.device, dtype=torch.float32)
+    Aqk = torch.empty(T, HV, BT, device=z.device, dtype=dtype)
+    return (G, Tinv, Aqk, *_launch_intra(q, k, v, z, beta, A_log, dt_bias, G, Tinv, Aqk, scale, lower_bound,
+                                         cu_seqlens, chunk_indices, dtype, replay=False))
+
+
+def kda_intra_replay(q, k, v, beta, G, Tinv, scale, cu_seqlens, chunk_indices, dtype):
+    """The backward's ``kda_intra_fwd`` from the forward's saved G and Tinv: only the cheap part (no
+    sub-tile scores, no UT inverse). Returns (W, U, KG, QG) in ``dtype``."""
+    return _launch_intra(q, k, v, G, beta, G, None, G, Tinv, G, scale, 0.0, cu_seqlens, chunk_indices, dtype,
+                         replay=True)
+
+
+def _launch_intra(q, k, v, z, beta, A_log, dt_bias, G, Tinv, Aqk, scale, lower_bound, cu_seqlens, chunk_indices,
+                  dtype, replay):
     T, H, K = k.shape
     HV, V = v.shape[1:]
     NT = chunk_indices.shape[0]
     BK, BV = block_sizes(K, V)
-    dev, dt = k.device, dtype
-    G = torch.empty(T, HV, K, device=dev, dtype=torch.float32)
-    Tinv = torch.empty(T, HV, BT, device=dev, dtype=torch.float32)
-    Aqk = torch.empty(T, HV, BT, device=dev, dtype=dt)
-    W, KG, QG = (torch.empty(T, HV, K, device=dev, dtype=dt) for _ in range(3))
-    U = torch.empty(T, HV, V, device=dev, dtype=dt)
+    W, KG, QG = (torch.empty(T, HV, K, device=k.device, dtype=dtype) for _ in range(3))
+    U = torch.empty(T, HV, V, device=k.device, dtype=dtype)
     kda_intra_fwd_kernel[(NT, HV)](
         q, k, v, z, beta, A_log, dt_bias, G, Tinv, Aqk, W, U, KG, QG, cu_seqlens, chunk_indices,
         scale, lower_bound, H=H, HV=HV, K=K, V=V, HAS_BIAS=dt_bias is not None,
         # 2 warps: the kernel is a chain of small dependent steps, and more resident programs hide its latency
         # (H200, B1 T8192 H16 with float32 intermediates: 8 warps 1.76 ms, 4: 1.44, 2: 1.38).
-        BT=BT, BC=BC, BK=BK, BV=BV, PREC=dot_precision(dt, dev), num_warps=2,
+        BT=BT, BC=BC, BK=BK, BV=BV, PREC=dot_precision(dtype, k.device), REPLAY=replay, num_warps=2,
     )
-    return G, Tinv, Aqk, W, U, KG, QG
+    return W, U, KG, QG
 
 
 def kda_state_fwd(W, U, KG, G, h0, output_final_state, cu_seqlens, chunk_offsets, NT, h=None, Vn=None,

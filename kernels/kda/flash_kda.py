@@ -8,7 +8,7 @@ import torch
 
 from k3lab.kda.checks import _shape, check_kda_inputs
 from k3lab.kernels.kda.chunk_bwd import kda_dqkw_bwd, kda_intra_bwd, kda_state_bwd
-from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_output_fwd, kda_state_fwd
+from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_intra_replay, kda_output_fwd, kda_state_fwd
 from k3lab.kernels.kda.utils import chunk_index
 
 # 8 |lower_bound| must stay below ~88 (float32/bfloat16 exponent range) for the diagonal sub-tiles.
@@ -79,7 +79,8 @@ def input_grads(dq, dk, dv, dz, dbeta, dA_part, dbias_part, q, v, A_log, dt_bias
 
 class FlashKDAFunction(torch.autograd.Function):
     """Forward: intra (gate, norms, UT inverse, W, U, Aqk) -> state scan -> output.
-    Backward: re-runs intra and the state scan (only the inputs are saved), then the reverse state
+    Backward: replays intra's cheap part (W, U, KG, QG) from the saved G, Tinv and Aqk (the tensors fla
+    saves too), re-runs the state scan, then the reverse state
     scan -> per-chunk dq/dk/dW/dv -> sub-tile score gradients, norm and gate backward."""
 
     @staticmethod
@@ -95,20 +96,20 @@ class FlashKDAFunction(torch.autograd.Function):
                                   chunk_indices.shape[0])
         o = kda_output_fwd(QG, h, Aqk, Vn, cu_seqlens, chunk_indices)
         ctx.save_for_backward(q, k, v, z, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices,
-                              chunk_offsets)
+                              chunk_offsets, G, Tinv, Aqk)
         ctx.scale, ctx.lower_bound = scale, lower_bound
         return o.view(B, T, HV, V).to(q.dtype), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, z, beta, A_log, dt_bias, h0, cu_seqlens, chunk_indices, chunk_offsets = ctx.saved_tensors
+        q, k, v, z, beta, A_log, dt_bias, h0, cu_seqlens, chunk_indices, chunk_offsets, G, Tinv, Aqk = ctx.saved_tensors
         scale, lb = ctx.scale, ctx.lower_bound
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         NT = chunk_indices.shape[0]
         qf, kf, vf, zf, bf = (x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, z, beta))
-        G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(qf, kf, vf, zf, bf, A_log, dt_bias, scale, lb, cu_seqlens,
-                                                   chunk_indices, intermediate_dtype(q))
+        W, U, KG, QG = kda_intra_replay(qf, kf, vf, bf, G, Tinv, scale, cu_seqlens, chunk_indices,
+                                        intermediate_dtype(q))
         h, Vn, _ = kda_state_fwd(W, U, KG, G, h0, False, cu_seqlens, chunk_offsets, NT)
         del U
         do = do.reshape(B * T, HV, V).contiguous()
