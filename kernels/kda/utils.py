@@ -105,9 +105,13 @@ def chunk_index(lengths: list[int], device: torch.device, chunk: int = BT) -> tu
          chunk_offsets int32 [N+1] the first global chunk of each sequence).
     """
     counts = [triton.cdiv(n, chunk) for n in lengths]
-    pairs = [(n, j) for n, c in enumerate(counts) for j in range(c)]
+    pairs = [x for n, c in enumerate(counts) for j in range(c) for x in (n, j)]
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)
-    return (torch.tensor(pairs, dtype=torch.int32).view(-1, 2).to(device),
-            torch.tensor(offsets, dtype=torch.int32).to(device))
+    host = torch.tensor(pairs + offsets, dtype=torch.int32)
+    if torch.device(device).type == "cuda":
+        # A copy from pageable memory would first wait for all queued GPU work (a stream sync per call).
+        host = host.pin_memory()
+    both = host.to(device, non_blocking=True)
+    return both[: len(pairs)].view(-1, 2), both[len(pairs):]
