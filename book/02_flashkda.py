@@ -20,7 +20,7 @@
 # 1. Why the chunkwise form maps onto tensor cores (arithmetic intensity).
 # 2. Why K3's lower-bounded gate keeps `1/Γ` inside bf16's range on 16-token sub-tiles (a plot and an
 #    experiment on where the factoring overflows).
-# 3. The kernel design: stages, what is fused, tiles, what lives in registers and shared memory.
+# 3. The kernel design: stages, what is fused, tiles, what the backward saves, where bf16 is safe.
 # 4. The check: the Triton kernels (under the interpreter on CPU) against the float64 recurrence,
 #    outputs and all eight gradients.
 # 5. The benchmark on one H200: roofline and speed table from the committed JSON; the GPU profile
@@ -174,34 +174,44 @@ assert MIN_LOWER_BOUND == -10.0
 # Three forward kernels and four backward kernels, each a `@triton.jit` function
 # (`kda_<stage>_{fwd,bwd}_kernel`) with a launcher, one `autograd.Function` (`FlashKDAFunction`) and
 # the public `flash_kda`, which validates (shapes always; NaN/inf with `check_values=True`, the
-# default) and builds the chunk table on the host from `cu_seqlens`. Chunk `C = 64`, sub-tile 16,
-# `K` in one tile (≤ 256), `V` in tiles of 16–64.
+# default) and builds the chunk table on the host from `cu_seqlens` (sent to the GPU in one pinned,
+# non-blocking copy, so no call waits for queued GPU work). Chunk `C = 64`, sub-tile 16, `K` in one
+# tile (≤ 256), `V` in tiles of 16–64. The backward runs, in order: `intra_fwd` in replay mode,
+# `state_fwd` (for the chunk states and `Ṽ`), then the four backward kernels of the table.
 #
 # | stage | grid | what it does | fused |
 # |---|---|---|---|
 # | `intra_fwd` | chunks × value heads | gate + cumsum (16 rows at a time), q/k L2 norm, β sigmoid; the 10 sub-tiles of `Diag(β)(ΓK)(K/Γ)ᵀ` and `(ΓQ)(K/Γ)ᵀ` on tensor cores; UT inverse `T` by 16×16 blocks (4 forward substitutions + 6 block products); `W = T·Diag(β)ΓK`, `U = T·Diag(β)V` | all elementwise prep, both score matrices, inverse, W/U |
-# | `state_fwd` | sequences × value heads × V/16 | the one sequential loop: per chunk store `S`, `Ṽ = U − W S`, `S ← γ_C S + (Γ_{i→C}K)ᵀ Ṽ`; `S` stays in registers (fp32) | final state |
+# | `intra_fwd`, `REPLAY` (backward) | chunks × value heads | from the saved `G` and `T`: only the prep (`KG`, `QG`) and `W`, `U` — no sub-tile scores, no inverse (`kda_intra_replay`) | same kernel, one constexpr |
+# | `state_fwd` | sequences × value heads × V tiles | the one sequential loop: per chunk store `S`, `Ṽ = U − W S`, `S ← γ_C S + (Γ_{i→C}K)ᵀ Ṽ`; `S` stays in registers (fp32) | final state |
 # | `output_fwd` | chunks × value heads × V tiles | `O = (ΓQ) S + Aqk Ṽ` | — |
-# | `state_bwd` | sequences × value heads × V/16 | reverse loop: `dṼ = Aqkᵀ dO + (Γ_{i→C}K) dS'`, `dS ← γ_C dS' + (ΓQ)ᵀ dO − Wᵀ dṼ` | d(initial state) |
+# | `state_bwd` | sequences × value heads × V tiles | reverse loop: `dṼ = Aqkᵀ dO + (Γ_{i→C}K) dS'`, `dS ← γ_C dS' + (ΓQ)ᵀ dO − Wᵀ dṼ` | d(initial state) |
 # | `dqk_bwd` | K tiles × chunks × value heads | `d(ΓQ) = dO Sᵀ`, `d(Γ_{i→C}K) = Ṽ dS'ᵀ`, `dW = −dṼ Sᵀ`, the state-decay terms of dg | L2-norm rows, G chain |
 # | `dwv_bwd` | chunks × value heads | `dAqk = dO Ṽᵀ`, dV and dβ through `U`, dT, then `dL = −Tᵀ dT Tᵀ` | inverse backward |
-# | `intra_bwd` | chunks × value heads | the 16×16 sub-tile gradients of both score matrices, L2-norm and sigmoid backward, reverse cumsum of dG, the gate backward | dz, dA_log, ddt_bias partials |
+# | `intra_bwd` | chunks × value heads | the 16×16 sub-tile gradients of both score matrices, L2-norm and sigmoid backward, reverse cumsum of dG, the gate backward; float32 operands | dz, dA_log, ddt_bias partials |
 #
-# *Registers vs shared memory.* The state tile (`K × 16` fp32 per program) and all accumulators live
-# in registers; `tl.dot` stages its operands through shared memory (Triton's software pipeline,
-# `num_stages = 2` for the state loops: 78–127 KB per program; 16–82 KB elsewhere). Compiled offline
-# for sm_90 with ptxas (`triton.compile(..., target=GPUTarget("cuda", 90, 32))` + `cuobjdump
-# -res-usage`, no GPU needed), every kernel uses 255 registers per thread; spills were cut from
-# 9 KB to 0.04–1.3 KB per thread by splitting the backward's V- and K-shaped work into two kernels
-# and streaming the prep in 16-row tiles.
+# *Registers vs shared memory.* The state tile (`K × 16` or `K × 32` fp32 per program: 32 when that
+# still gives every SM a program) and all accumulators live in registers; `tl.dot` stages its
+# operands through shared memory (Triton's software pipeline, `num_stages = 2` for the state loops).
+# Compiled offline for sm_90 with ptxas (`triton.compile(..., target=GPUTarget("cuda", 90, 32))` +
+# `cuobjdump -res-usage`, no GPU needed), register spills were cut from 9 KB to 0.04–1.3 KB per
+# thread by splitting the backward's V- and K-shaped work into two kernels and streaming the prep in
+# 16-row tiles (measured with the earlier float32 training intermediates, not re-measured since).
 #
-# *Precision.* Only the inputs are saved for the backward: it recomputes the intra and state stages.
-# When a backward follows, intermediates are fp32 and products use `bf16x3` (three bf16 passes,
-# ≈ fp32): the gate gradient is a sum of large terms that cancel (every `e^{G_i - G_j}` appears with
-# `+` for the row and `−` for the column), and bf16 round-off there gave 1.1e-2 on `dg` and 5.7e-2 on
-# `ddt_bias` in our first GPU run, over the 1e-2 limit. Two more cancellations are removed
-# algebraically: the terms that depend on `G_last` go straight to `dg` as a prefix sum, and `Aqk`'s
-# diagonal (no decay) is kept out of `dG`. Inference (no autograd) keeps bf16 intermediates.
+# *What the backward keeps and recomputes.* The forward saves the inputs plus `G`, `T` and `Aqk` —
+# the tensors fla saves too. The backward replays only intra's cheap part (`W`, `U`, `KG`, `QG`)
+# and re-runs the state scan; the sub-tile scores and the UT inverse are not recomputed.
+#
+# *Precision.* For bf16 inputs the intermediates (`W`, `U`, `KG`, `QG`, `Aqk`, the chunk states) are
+# bf16, forward and backward alike: tensor-core operands with float32 accumulators. The gate cumsum
+# `G` and the inverse `T` stay float32 (the inverse's block products in full fp32), and so do the
+# backward's intermediate gradients. One kernel keeps float32 operands: `intra_bwd`. The gate
+# gradient is a sum of large terms that cancel (every `e^{G_i - G_j}` appears with `+` for the row
+# and `−` for the column); bf16 operands there gave 1.96e-2 on `ddt_bias`, over the 1e-2 bound. Two
+# more cancellations are removed algebraically: the terms that depend on `G_last` go straight to
+# `dg` as a prefix sum, and `Aqk`'s diagonal (no decay) is kept out of `dG`. float16 and float32
+# inputs use float32 intermediates (products as `bf16x3`, three bf16 passes, ≈ fp32): float16
+# cannot hold a diagonal sub-tile's factor `e^{8 |g_min|}`.
 #
 # ## 4. The check: Triton kernels vs the float64 recurrence
 #
@@ -270,8 +280,10 @@ for label, kwargs in (
 # %%
 result = json.loads(Path(results_path).read_text())
 hw, cases = result["hardware"], result["cases"]
-print(f"{hw['name']} | torch {result['versions']['torch']} | triton {result['versions']['triton']} | "
-      f"fla-core {result['versions']['fla-core']} | {result['date']}")
+ver = result["versions"]
+# A sweep may reuse fla's times from an earlier run (fla autotunes for minutes per shape).
+fla_note = f"fla-core {ver['fla-core']}" if ver.get("fla-core") else f"fla times from {ver.get('fla_times_from')}"
+print(f"{hw['name']} | torch {ver['torch']} | triton {ver['triton']} | {fla_note} | {result['date']}")
 print(f"ceilings measured: bf16 matmul {hw['bf16_matmul_tflops']:.0f} TFLOP/s, copy {hw['copy_gbps']:.0f} GB/s")
 worst_check = {n: max(hw["correctness"][c][n] for c in hw["correctness"]) for n in hw["correctness"]["fixed"]}
 print("bf16 correctness (worst of fixed/varlen): " + ", ".join(f"{n} {e:.1e}" for n, e in worst_check.items()))
@@ -287,26 +299,42 @@ for c in cases:
 assert all(e <= (1e-2 if n.startswith("d") else 5e-3) for n, e in worst_check.items())
 
 # %% [markdown]
-# **Honest reading.** The kernels are correct in bf16 with margin (outputs ≤ 3.9e-3 on the inference
-# path, ≤ 1.7e-3 on the training path; every gradient ≤ 2.4e-3, against 5e-3 / 1e-2), and use a
-# little less memory than fla where both were measured. They are **not faster than fla**: at
-# B1 T8192 H16 the forward is 0.65x fla's and forward+backward 0.41x — the issue's floors (≥ 1.5x
-# and ≥ 1.2x) are not met. The committed run timed ours on 26 of the issue's 27 shapes (B8 T32768
-# H64 was not reached); fla was timed by this benchmark only at B1 T8192 H16 (it autotunes for ~4
-# minutes per shape), so elsewhere the table says n/a and the figure shows fla's published baseline
-# (issue 3, crosses) where one exists. Where the time goes (`python -m k3lab.bench.flash_kda
-# --stages`, ms at B1 T8192 H16 before the launch tuning of this run): intra_fwd 1.11 (bf16) / 1.76
-# (fp32), state_fwd 0.25 / 0.61, output 0.06 / 0.26, state_bwd 1.00, dq/dk/dW 1.42, intra_bwd 1.74.
-# A sweep of launch settings gave the tuning now in the launchers (intra forward on 2 warps: fp32
-# 1.76 → 1.38 ms; dq/dk and dW/dv on 4 warps: 1.42 → ~1.0 ms; V tile 32 for the state kernels when
-# every SM still gets a program): forward+backward 9.76 → 8.78 ms. The intra kernels (one program
-# per chunk doing 10 sub-tile products, 4 substitutions and 6 block products in 16×16 pieces) are
-# still ~10x slower than their FLOPs and bytes warrant — a chain of small dependent steps (fewer
-# warps run faster), 255 registers with spills in the backward ones, small-tile `mma` instructions —
-# and the fp32/bf16x3 training path costs ~1.5x on top. The fixes that remain: the inverse on full
-# 64-wide tiles with fewer round trips through shared memory, sub-tiles batched into one `[64, K]`
-# product per reference point, fp32 only where the gate gradient needs it, and the output fused into
-# the state loop.
+# **Reading the table.** The kernels are correct in bf16 with margin: outputs ≤ 3.9e-3 (bound 5e-3),
+# final state ≤ 2.95e-3, every gradient ≤ 3.4e-3 (bound 1e-2). With float32 training intermediates
+# the outputs were at 1.7e-3; the bf16 training path gives the inference path's 3.9e-3 and buys the
+# speed below. They are **not faster than fla**: at B1 T8192 H16 the forward is 0.58x fla's and
+# forward+backward 0.67x (5.42 ms vs 3.63) — the issue's floors (≥ 1.5x and ≥ 1.2x) are not met.
+# The bf16 training path and the replay made forward+backward 1.6–1.7x faster than the previous
+# committed run at every shape (B1 T8192 H16: 8.78 → 5.42 ms) and the peak memory 9% lower (849 MiB
+# there, fla 964). The forward column (no autograd: bf16 intermediates before too) did not change;
+# at the small shapes it is bound by host launch overhead and varies by ~0.2 ms between runs. The
+# run timed 26 of the issue's 27 shapes: at B8 T32768 H64 forward+backward ran out of memory on the
+# 139.8 GiB GPU (the JSON's `notes`). fla was timed by this benchmark only at B1 T8192 H16 (it
+# autotunes for ~4 minutes per shape), so elsewhere the table says n/a and the figure shows fla's
+# published baseline (issue 3, crosses) where one exists.
+#
+# Where the time goes (`python -m k3lab.bench.flash_kda --stages`, ms at B1 T8192 H16 on the same
+# H200; not stored in the JSON):
+#
+# | stage | bf16 intermediates | float32 intermediates |
+# |---|---|---|
+# | forward: intra | 0.94 | 1.37 |
+# | forward: state | 0.38 | 0.67 |
+# | forward: output | 0.06 | 0.26 |
+# | backward: intra replay | 0.17 | 0.52 |
+# | backward: state | 0.32 | 1.01 |
+# | backward: dq/dk/dW/dv | 0.70 | 0.93 |
+# | backward: intra | 1.75 | 1.73 |
+#
+# (The backward also re-runs the forward state scan.) At the large shapes the forward does ~16–17
+# TFLOP/s of useful work and moves ~140 GB/s (the table's columns), far under both ceilings: the
+# kernels are bound by latency, not by compute or bandwidth. The two intra kernels are half of
+# forward+backward (0.94 + 1.75 of 5.42 ms): each is one program per chunk working in 16×16 pieces
+# (the forward: 10 sub-tile products, 4 substitutions, 6 block products) — a chain of small
+# dependent steps on small-tile `mma` instructions. What remains: sub-tiles batched into one
+# `[64, K]` product per reference point and the inverse on 64-wide tiles; and the backward's float32
+# buffers (`dh`, `dṼ`, five `[T, HV, K]` gradients), which are what runs out of memory at B8 T32768
+# H64.
 
 # %%
 baseline_fla = {(1, 8192, 16): (1.16, 3.05), (4, 8192, 16): (1.87, 8.22), (1, 32768, 32): (3.72, 16.5),
