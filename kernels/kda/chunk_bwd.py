@@ -1,5 +1,6 @@
-"""FlashKDA backward: four Triton kernels and their launchers (after the forward's intra and state
-kernels are re-run, in float32, to recompute G, T, Aqk, W, U, the chunk states h and the pseudo-values V~).
+"""FlashKDA backward: four Triton kernels and their launchers (after ``kda_intra_replay`` rebuilds W, U,
+KG, QG from the forward's saved G, T, Aqk, and the state kernel re-runs for the chunk states h and the
+pseudo-values V~).
 
 1. ``kda_state_bwd_kernel`` (sequential over chunks, in reverse): dV~ = Aqk^T dO + (Gamma_{i->C} K) dS',
    dS <- Diag(gamma_C) dS' + (Gamma Q)^T dO - W^T dV~; stores dS' per chunk and dV~.
