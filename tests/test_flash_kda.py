@@ -83,6 +83,22 @@ def test_varlen():
     check(make_inputs(1, 76, 1, 1, 16, 16, N=3, seed=3), cu_seqlens=cu)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_varlen_offsets_as_a_strided_view(dtype):
+    """cu_seqlens every other element of a buffer: an int32 view reached the kernels as it was, which
+    read the buffer's neighbouring entries as offsets (wrong sequences; out of bounds, memory
+    corruption, with other values). Must equal the same call with a contiguous copy, bit for bit."""
+    cu = torch.tensor([0, 7, 20], dtype=dtype, device=DEVICE).repeat_interleave(2)[::2]
+    assert not cu.is_contiguous()
+    inputs = make_inputs(1, 20, 1, 1, 16, 16, N=2, seed=12)
+    q, k, v, z, beta, A_log, dt_bias, h0 = (x.float().to(DEVICE) for x in inputs)
+    with torch.no_grad():
+        outs = [flash_kda(q, k, v, z, beta, A_log, dt_bias, initial_state=h0, output_final_state=True, cu_seqlens=c)
+                for c in (cu, cu.contiguous())]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 @pytest.mark.timeout(300)
 def test_identical_consecutive_keys():
     """All keys equal: (I + StrictTril(...)) is as ill-conditioned as KDA inputs get."""

@@ -206,7 +206,8 @@ def flash_kda(
         cu = torch.arange(0, B + 1, dtype=torch.int32, device=q.device) * T
     else:
         lengths = cu_seqlens.diff().tolist()
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        # The kernels read a dense int32 table; .to returns an int32 tensor already on q's device as it is (strides too).
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     chunk_indices, chunk_offsets = chunk_index(lengths, q.device)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = initial_state.float().contiguous() if initial_state is not None else None
