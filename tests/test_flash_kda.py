@@ -188,6 +188,10 @@ def test_bad_gate_parameters():
         flash_kda(q, k, v, z, beta, A_log, dt_bias, lower_bound=0.0)
     with pytest.raises(ValueError, match="lower_bound"):
         flash_kda(q, k, v, z, beta, A_log, dt_bias, lower_bound=-20.0)
+    # not a number: a TypeError from the range comparison, naming nothing
+    for bad in ("-5", None):
+        with pytest.raises(ValueError, match="lower_bound"):
+            flash_kda(q, k, v, z, beta, A_log, dt_bias, lower_bound=bad)
     with pytest.raises(ValueError, match="dt_bias contains NaN"):
         flash_kda(q, k, v, z, beta, A_log, torch.full_like(dt_bias, float("nan")))
 

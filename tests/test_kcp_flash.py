@@ -99,7 +99,8 @@ def test_rejects_bad_input_like_flash_kda():
     q, k, v, z, beta, A_log, dt_bias, h0 = _inputs(T, H, H, K, K, 1, seed=6)
     nan_q = q.clone()
     nan_q[0, 3, 0, 2] = float("nan")
-    for bad in (dict(A_log=A_log[None]), dict(dt_bias=dt_bias[:-1]), dict(lower_bound=0.0), dict(q=nan_q),
+    for bad in (dict(A_log=A_log[None]), dict(dt_bias=dt_bias[:-1]), dict(lower_bound=0.0), dict(lower_bound="-5"),
+                dict(q=nan_q),
                 dict(beta=beta[..., :0]), dict(v=v.double())):
         args = dict(q=q, k=k, v=v, g=z, beta=beta, A_log=A_log, dt_bias=dt_bias)
         args.update({("g" if n == "z" else n): x for n, x in bad.items()})

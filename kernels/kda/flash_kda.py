@@ -21,7 +21,7 @@ def check_gate_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, A_log, dt
 
     Raises:
         ValueError: A_log not a [HV] tensor, dt_bias not [HV * K] or [HV, K], either on another device
-            than q, lower_bound outside [-10, 0), K > 256, q, k, v not one of float16/bfloat16/float32.
+            than q, lower_bound not a number in [-10, 0), K > 256, q, k, v not one of float16/bfloat16/float32.
         RuntimeError: CPU tensors without TRITON_INTERPRET=1.
     """
     K = q.shape[3]
@@ -36,8 +36,12 @@ def check_gate_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, A_log, dt
                                 or dt_bias.shape not in ((HV * K,), (HV, K))):
         raise ValueError(f"dt_bias must be [HV * K] = [{HV * K}] or [HV, K] = [{HV}, {K}], got "
                          f"{_shape(dt_bias) if isinstance(dt_bias, torch.Tensor) else type(dt_bias).__name__}")
-    if not MIN_LOWER_BOUND <= lower_bound < 0:
-        raise ValueError(f"lower_bound must be in [{MIN_LOWER_BOUND}, 0), got {lower_bound}")
+    try:
+        in_range = MIN_LOWER_BOUND <= lower_bound < 0
+    except TypeError:
+        in_range = False
+    if not in_range:
+        raise ValueError(f"lower_bound must be a float in [{MIN_LOWER_BOUND}, 0), got {lower_bound!r}")
     if K > MAX_K:
         raise ValueError(f"flash_kda supports K <= {MAX_K}, got K={K}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or len({q.dtype, k.dtype, v.dtype}) > 1:
@@ -182,7 +186,7 @@ def flash_kda(
     Raises:
         ValueError: the errors of ``k3lab.kda.checks.check_kda_inputs`` (shapes, GVA, cu_seqlens,
             NaN/inf when ``check_values``), and bad A_log/dt_bias shapes or devices, K > 256, mixed
-            dtypes, lower_bound outside [-10, 0).
+            dtypes, lower_bound not a number in [-10, 0).
         RuntimeError: on a CPU tensor without TRITON_INTERPRET=1 (call ``k3lab.setup()`` first).
 
     Example:
@@ -206,7 +210,7 @@ def flash_kda(
         cu = torch.arange(0, B + 1, dtype=torch.int32, device=q.device) * T
     else:
         lengths = cu_seqlens.diff().tolist()
-        # The kernels read a dense int32 table; .to returns an int32 tensor already on q's device as it is (strides too).
+        # The kernels read a dense int32 table; .to returns an int32 tensor on q's device as it is (strides too).
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     chunk_indices, chunk_offsets = chunk_index(lengths, q.device)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
