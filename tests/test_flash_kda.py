@@ -146,6 +146,17 @@ def test_no_grad_matches_and_no_state():
     assert_close("o", o_ref, o.cpu(), TOL_OUT)
 
 
+def test_second_derivative_is_refused():
+    """The backward is Triton kernels, not differentiable: differentiating a create_graph=True gradient
+    silently dropped flash_kda's second-order term (as if it were linear in q). It must raise instead."""
+    q, k, v, z, beta, A_log, dt_bias, _ = (x.float().to(DEVICE) for x in make_inputs(1, 8, 1, 1, 16, 16, seed=13))
+    q.requires_grad_()
+    o, _ = flash_kda(q, k, v, z, beta, A_log, dt_bias)
+    (dq,) = torch.autograd.grad((o**2).sum() + (q**3).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
+
+
 def _bad_cases():
     """(description, kwargs overrides) for inputs both flash_kda and chunk_kda must reject."""
     B, T, H, K = 1, 8, 2, 16

@@ -92,6 +92,18 @@ def test_one_process_is_flash_kda():
         assert_close(f"d{name}", a.grad, b.grad, 0.0)
 
 
+def test_second_derivative_is_refused():
+    """As for flash_kda: a create_graph=True gradient differentiated again lost kcp_flash_kda's
+    second-order term without a word. It must raise instead."""
+    T = 16
+    q, k, v, z, beta, A_log, dt_bias, _ = _inputs(T, 1, 1, 16, 16, 1, seed=7)
+    q.requires_grad_()
+    o, _ = kcp_flash_kda(q, k, v, z, beta, A_log, dt_bias, make_context(T))
+    (dq,) = torch.autograd.grad((o**2).sum() + (q**3).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
+
+
 def test_rejects_bad_input_like_flash_kda():
     """kcp_flash_kda raises flash_kda's errors (same messages) and its own for the context."""
     T, H, K = 16, 1, 16

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from k3lab.kda.checks import _shape, check_kda_inputs
 from k3lab.kernels.kda.chunk_bwd import kda_dqkw_bwd, kda_intra_bwd, kda_state_bwd
@@ -105,6 +106,7 @@ class FlashKDAFunction(torch.autograd.Function):
         return o.view(B, T, HV, V).to(q.dtype), ht
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do, dht):
         q, k, v, z, beta, A_log, dt_bias, h0, cu_seqlens, chunk_indices, chunk_offsets, G, Tinv, Aqk = ctx.saved_tensors
         scale, lb = ctx.scale, ctx.lower_bound
@@ -147,7 +149,7 @@ def flash_kda(
     check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention with K3's lower-bounded gate, q/k L2 norm and beta sigmoid fused into
-    Triton kernels; differentiable in every tensor argument.
+    Triton kernels; differentiable once in every tensor argument (the backward is kernels too).
 
     Computes, per value head (K3 report, Eq. 3-5):
         q_hat, k_hat = q / ||q||, k / ||k||           (eps 1e-6 under the root, as fla's l2norm)
@@ -187,7 +189,8 @@ def flash_kda(
         ValueError: the errors of ``k3lab.kda.checks.check_kda_inputs`` (shapes, GVA, cu_seqlens,
             NaN/inf when ``check_values``), and bad A_log/dt_bias shapes or devices, K > 256, mixed
             dtypes, lower_bound not a number in [-10, 0).
-        RuntimeError: on a CPU tensor without TRITON_INTERPRET=1 (call ``k3lab.setup()`` first).
+        RuntimeError: on a CPU tensor without TRITON_INTERPRET=1 (call ``k3lab.setup()`` first);
+            in the backward of a gradient taken with ``create_graph=True`` (no second derivatives).
 
     Example:
         >>> import k3lab; dev = k3lab.setup(verbose=False)
