@@ -204,8 +204,7 @@ def stage_times(B, T, H, K, V, device, rep=100) -> dict:
 
     q, k, v, z, beta, A_log, dt_bias, _ = make_inputs(B, T, H, H, K, V, device)
     flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, z, beta)]
-    cu = torch.arange(0, B * T + 1, T, device=device, dtype=torch.int32)
-    chunk_indices, chunk_offsets = chunk_index([T] * B, device)
+    cu, chunk_indices, chunk_offsets = chunk_index([T] * B, device)
     NT, scale = chunk_indices.shape[0], K**-0.5
     do = torch.randn(B * T, H, V, device=device, dtype=torch.bfloat16)
     times = {}

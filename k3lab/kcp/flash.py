@@ -86,7 +86,7 @@ class Layout:
 def make_layout(ctx: KCPContext, device: torch.device) -> Layout:
     """``Layout`` of ``ctx``'s rank on ``device``: the int tables go in one (pinned, non-blocking) copy."""
     cu = ctx.local_cu_seqlens
-    ci, co = chunk_index([b - a for a, b in zip(cu[:-1], cu[1:])], torch.device("cpu"))
+    _, ci, co = chunk_index([b - a for a, b in zip(cu[:-1], cu[1:])], torch.device("cpu"))
     parts = [torch.tensor(cu, dtype=torch.int32), ci.view(-1), co,
              torch.tensor(ctx.resets, dtype=torch.int32), torch.tensor(ctx.first_ends, dtype=torch.int32)]
     host = torch.cat(parts)

@@ -100,8 +100,10 @@ def _kda_op(device: torch.device, gate: str, chunk_size: int):
     from k3lab.kernels.kda.flash_kda import MAX_K, MIN_LOWER_BOUND
 
     def op(q, *args, **kwargs):
-        fits = (q.dtype != torch.float64 and q.shape[-1] <= MAX_K
-                and kwargs.get("lower_bound", -5.0) >= MIN_LOWER_BOUND)
+        lower_bound = kwargs.get("lower_bound", -5.0)
+        # Not a number: flash_kda's checks name the argument.
+        too_low = isinstance(lower_bound, (int, float)) and lower_bound < MIN_LOWER_BOUND
+        fits = q.dtype != torch.float64 and q.shape[-1] <= MAX_K and not too_low
         return (flash_kda if fits else reference)(q, *args, **kwargs)
 
     return op

@@ -208,14 +208,8 @@ def flash_kda(
         check_finite(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else float(scale)
-    if cu_seqlens is None:
-        lengths = [T] * B
-        cu = torch.arange(0, B + 1, dtype=torch.int32, device=q.device) * T
-    else:
-        lengths = cu_seqlens.diff().tolist()
-        # The kernels read a dense int32 table; .to returns an int32 tensor on q's device as it is (strides too).
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-    chunk_indices, chunk_offsets = chunk_index(lengths, q.device)
+    lengths = [T] * B if cu_seqlens is None else cu_seqlens.diff().tolist()
+    cu, chunk_indices, chunk_offsets = chunk_index(lengths, q.device)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     return FlashKDAFunction.apply(q, k, v, g, beta, A_log.contiguous(),

@@ -92,8 +92,10 @@ def l2norm_rows(b_x):
     return b_x * (1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + 1e-6))[:, None]
 
 
-def chunk_index(lengths: list[int], device: torch.device, chunk: int = BT) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk table of packed sequences, built on the host (no device sync).
+def chunk_index(lengths: list[int], device: torch.device, chunk: int = BT
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' tables of packed sequences, built on the host and sent in one copy (pinned and
+    non-blocking on CUDA: a copy from pageable memory would first wait for all queued GPU work).
 
     Args:
         lengths (list[int]): the N sequence lengths (validated by the caller, all > 0).
@@ -101,17 +103,18 @@ def chunk_index(lengths: list[int], device: torch.device, chunk: int = BT) -> tu
         chunk (int): chunk length C.
 
     Returns:
-        (chunk_indices int32 [NT, 2] with (sequence n, chunk j within n) per global chunk,
+        (cu_seqlens int32 [N+1] the sequences' token offsets,
+         chunk_indices int32 [NT, 2] with (sequence n, chunk j within n) per global chunk,
          chunk_offsets int32 [N+1] the first global chunk of each sequence).
     """
     counts = [triton.cdiv(n, chunk) for n in lengths]
     pairs = [x for n, c in enumerate(counts) for j in range(c) for x in (n, j)]
-    offsets = [0]
-    for c in counts:
+    cu, offsets = [0], [0]
+    for n, c in zip(lengths, counts):
+        cu.append(cu[-1] + n)
         offsets.append(offsets[-1] + c)
-    host = torch.tensor(pairs + offsets, dtype=torch.int32)
+    host = torch.tensor(cu + pairs + offsets, dtype=torch.int32)
     if torch.device(device).type == "cuda":
-        # A copy from pageable memory would first wait for all queued GPU work (a stream sync per call).
         host = host.pin_memory()
-    both = host.to(device, non_blocking=True)
-    return both[: len(pairs)].view(-1, 2), both[len(pairs):]
+    cu_d, pairs_d, offsets_d = host.to(device, non_blocking=True).split([len(cu), len(pairs), len(offsets)])
+    return cu_d, pairs_d.view(-1, 2), offsets_d
