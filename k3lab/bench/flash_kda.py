@@ -179,17 +179,23 @@ def time_case(B, T, H, K, V, device, run_fla=True, warmup=25, rep=100) -> dict:
 
 
 def kernel_resources() -> list[dict]:
-    """Registers and spills of every compiled FlashKDA kernel (from Triton's per-device caches)."""
+    """Registers and spills of every compiled FlashKDA kernel (from Triton's per-device caches), and for
+    the autotuned ones the num_warps that Triton's timing chose per key."""
+    import triton
+
     from k3lab.kernels.kda import chunk_bwd, chunk_fwd
 
     rows = []
     for mod in (chunk_fwd, chunk_bwd):
         for name, fn in vars(mod).items():
-            for entry in getattr(fn, "device_caches", {}).values():
+            tuner = fn if isinstance(fn, triton.runtime.Autotuner) else None
+            chosen = sorted({c.num_warps for c in tuner.cache.values()}) if tuner else None
+            for entry in getattr(tuner.fn if tuner else fn, "device_caches", {}).values():
                 for kern in entry[0].values():
                     rows.append({"kernel": name, "n_regs": getattr(kern, "n_regs", None),
                                  "n_spills": getattr(kern, "n_spills", None),
-                                 "num_warps": kern.metadata.num_warps, "shared": kern.metadata.shared})
+                                 "num_warps": kern.metadata.num_warps, "shared": kern.metadata.shared,
+                                 "autotune_chose": chosen})
     return rows
 
 

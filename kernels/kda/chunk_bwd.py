@@ -22,6 +22,7 @@ import triton.language as tl
 from k3lab.kernels.kda.chunk_fwd import block_sizes
 from k3lab.kernels.kda.utils import (
     BC, BT, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, sequence_span, state_tile, store_rows,
+    warp_configs,
 )
 
 
@@ -64,6 +65,7 @@ def kda_state_bwd_kernel(
         tl.store(dh0 + i_n.to(tl.int64) * HV * K * V + o_s, b_dS, mask=m_kv)
 
 
+@triton.autotune(configs=warp_configs(4, 8), key=["H", "HV", "K", "V"])
 @triton.jit
 def kda_dqk_bwd_kernel(
     q, k, G, h, dh, Vn, dVn, do,  # inputs and recomputed forward pieces
@@ -127,6 +129,7 @@ def kda_dqk_bwd_kernel(
     store_rows(dgx, b_dgx, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
 
 
+@triton.autotune(configs=warp_configs(4, 8), key=["H", "HV", "K", "V"], restore_value=["dkn", "dG"])
 @triton.jit
 def kda_dwv_bwd_kernel(
     k, v, beta, G, Tinv, dW, dVn, do, Vn,  # inputs (dW from kda_dqk_bwd_kernel)
@@ -188,6 +191,7 @@ def kda_dwv_bwd_kernel(
     store_rows(dAkk, tl.where(m_tt & (o_t[:, None] > o_t[None, :]), b_dL, 0.0), t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT)
 
 
+@triton.autotune(configs=warp_configs(8, 4, 16), key=["H", "HV", "K"], restore_value=["dG"])
 @triton.jit
 def kda_intra_bwd_kernel(
     q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db,  # dG is overwritten with the total
@@ -350,11 +354,11 @@ def kda_dqkw_bwd(q, k, v, beta, G, Tinv, h, dh, Vn, dVn, do, scale, cu_seqlens, 
     prec = dot_precision(h.dtype, dev)
     kda_dqk_bwd_kernel[(triton.cdiv(K, BK), NT, HV)](
         q, k, G, h, dh, Vn, dVn, do, dqs, dkn, dG, dW, dgx, cu_seqlens, chunk_indices, scale,
-        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=BK, BV=BV1, PREC=prec, num_warps=4,
+        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=BK, BV=BV1, PREC=prec,
     )
     kda_dwv_bwd_kernel[(NT, HV)](
         k, v, beta, G, Tinv, dW, dVn, do, Vn, dkn, dG, db, dv, dAqk, dAkk, cu_seqlens, chunk_indices,
-        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=min(BK, 32), BV=BV1, PREC=prec, num_warps=4,
+        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=min(BK, 32), BV=BV1, PREC=prec,
     )
     return dqs, dkn, dG, dgx, db, dv, dAqk, dAkk
 
@@ -376,6 +380,6 @@ def kda_intra_bwd(q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dg
         q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db, dq, dk, dz, dbeta, dA_part,
         dbias_part, cu_seqlens, chunk_indices, scale, lower_bound, H=H, HV=HV, K=K,
         HAS_BIAS=dt_bias is not None, BT=BT, BC=BC, BK=BK, BKG=min(BK, 32),
-        PREC=dot_precision(torch.float32, dev), num_warps=8,
+        PREC=dot_precision(torch.float32, dev),
     )
     return dq, dk, dz, dbeta, dA_part, dbias_part

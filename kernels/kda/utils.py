@@ -5,6 +5,8 @@ packed stream with offsets b*T), so fixed-length and varlen inputs share one cod
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -13,6 +15,14 @@ import triton.language as tl
 # lower-bounded gate keeps 1/Gamma (relative to the sub-tile's midpoint) inside bf16's range.
 BT = 64
 BC = 16
+
+
+def warp_configs(*warps: int) -> list[triton.Config]:
+    """``triton.autotune`` choices of num_warps, timed by Triton at the first launch per key (shapes and
+    dtypes) on the GPU at hand: offline sm_90 compiles show every chunk-parallel kernel spilling at some
+    warp counts and not others, and which costs more depends on the GPU and the grid. The first entry
+    only under the interpreter, which has no warps (read at import: ``k3lab.setup()`` goes first)."""
+    return [triton.Config({}, num_warps=w) for w in (warps[:1] if os.environ.get("TRITON_INTERPRET") == "1" else warps)]
 
 
 def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
