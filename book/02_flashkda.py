@@ -196,7 +196,10 @@ assert MIN_LOWER_BOUND == -10.0
 # Compiled offline for sm_90 with ptxas (`triton.compile(..., target=GPUTarget("cuda", 90, 32))` +
 # `cuobjdump -res-usage`, no GPU needed), register spills were cut from 9 KB to 0.04–1.3 KB per
 # thread by splitting the backward's V- and K-shaped work into two kernels and streaming the prep in
-# 16-row tiles (measured with the earlier float32 training intermediates, not re-measured since).
+# 16-row tiles (measured with the earlier float32 training intermediates). With bf16 intermediates
+# each chunk-parallel kernel still spills at some warp counts and not at others (the replay 1.8 KB
+# of stack at 2 warps, 16 B at 8), and fewer warps also mean more resident programs, so their
+# `num_warps` is left to `triton.autotune`, timed once per shape and dtype on the GPU at hand.
 #
 # *What the backward keeps and recomputes.* The forward saves the inputs plus `G`, `T` and `Aqk` —
 # the tensors fla saves too. The backward replays only intra's cheap part (`W`, `U`, `KG`, `QG`)
