@@ -280,6 +280,7 @@ def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqle
 def kda_intra_replay(q, k, v, beta, G, Tinv, scale, cu_seqlens, chunk_indices, dtype):
     """The backward's ``kda_intra_fwd`` from the forward's saved G and Tinv: only the cheap part (no
     sub-tile scores, no UT inverse). Returns (W, U, KG, QG) in ``dtype``."""
+    # z, A_log and Aqk are not touched when replaying: G stands in for them.
     return _launch_intra(q, k, v, G, beta, G, None, G, Tinv, G, scale, 0.0, cu_seqlens, chunk_indices, dtype,
                          replay=True)
 
