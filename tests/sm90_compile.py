@@ -1,0 +1,70 @@
+"""Compile every FlashKDA kernel for the H200 (sm_90) without a GPU: Triton's front end, ptxas from the
+triton wheel. Run as a script WITHOUT TRITON_INTERPRET (the interpreter accepts code that the compiler
+refuses, e.g. a tensor-valued tl.static_range bound). Prints one line per kernel: registers and stack.
+
+The signatures are the bf16 training setup (K = V = 128, bf16 inputs and intermediates).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from k3lab.kernels.kda import chunk_bwd as cb
+from k3lab.kernels.kda import chunk_fwd as cf
+
+BF, F32, I32 = "*bf16", "*fp32", "*i32"
+SCALARS = dict(cu_seqlens=I32, chunk_indices=I32, chunk_offsets=I32, scale="fp32", lower_bound="fp32")
+SHAPE = dict(HV=16, K=128, V=128, BT=64)
+INTRA = dict(q=BF, k=BF, v=BF, z=BF, beta=BF, A_log=F32, dt_bias=F32, G=F32, Tinv=F32, Aqk=BF, W=BF, U=BF, KG=BF,
+             QG=BF)
+INTRA_C = dict(SHAPE, H=16, HAS_BIAS=True, BC=16, BK=128, BV=64, PREC="tf32")
+KERNELS = {
+    "intra_fwd": (cf.kda_intra_fwd_kernel, INTRA, dict(INTRA_C, REPLAY=False)),
+    "intra_replay": (cf.kda_intra_fwd_kernel, INTRA, dict(INTRA_C, REPLAY=True)),
+    "state_fwd": (cf.kda_state_fwd_kernel, dict(W=BF, U=BF, KG=BF, G=F32, h=BF, Vn=BF, h0=F32, ht=F32),
+                  dict(SHAPE, VU=128, BK=128, BV=32, USE_H0=True, STORE_HT=True, STORE_STATES=True, PREC="tf32")),
+    "output_fwd": (cf.kda_output_fwd_kernel, dict(QG=BF, h=BF, Aqk=BF, Vn=BF, o=BF),
+                   dict(SHAPE, BK=128, BV=64, PREC="tf32")),
+    "state_bwd": (cb.kda_state_bwd_kernel, dict(QG=BF, KG=BF, W=BF, G=F32, Aqk=BF, do=BF, dh=F32, dVn=F32, dht=F32,
+                                                dh0=F32),
+                  dict(SHAPE, BK=128, BV=32, USE_DHT=True, STORE_DH0=True, PREC="tf32")),
+    "dqk_bwd": (cb.kda_dqk_bwd_kernel, dict(q=BF, k=BF, G=F32, h=BF, dh=F32, Vn=BF, dVn=F32, do=BF, dqs=F32, dkn=F32,
+                                            dG=F32, dW=F32, dgx=F32),
+                dict(SHAPE, H=16, BKK=128, BK=64, BV=32, PREC="tf32")),
+    "dwv_bwd": (cb.kda_dwv_bwd_kernel, dict(k=BF, v=BF, beta=BF, G=F32, Tinv=F32, dW=F32, dVn=F32, do=BF, Vn=BF,
+                                            dkn=F32, dG=F32, db=F32, dv=BF, dAqk=F32, dAkk=F32),
+                dict(SHAPE, H=16, BKK=128, BK=32, BV=32, PREC="tf32")),
+    "intra_bwd": (cb.kda_intra_bwd_kernel, dict(q=BF, k=BF, z=BF, beta=BF, A_log=F32, dt_bias=F32, G=F32, dAqk=F32,
+                                                dAkk=F32, dqs=F32, dkn=F32, dG=F32, dgx=F32, db=F32, dq=F32, dk=F32,
+                                                dz=BF, dbeta=BF, dA_part=F32, dbias_part=F32),
+                  dict(H=16, HV=16, K=128, BT=64, BC=16, BK=128, HAS_BIAS=True, BKG=32, PREC="bf16x3")),
+}
+
+
+def compile_sm90(fn, pointers: dict, constants: dict, num_warps: int = 4) -> str:
+    """Compile one kernel for sm_90; returns cuobjdump's resource line (REG, STACK, ...)."""
+    if isinstance(fn, triton.runtime.Autotuner):
+        fn = fn.fn
+    types = dict(SCALARS, **pointers)
+    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, signature, constexprs=constants), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return next(line.strip() for line in usage.splitlines() if "REG:" in line)
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run without TRITON_INTERPRET=1")
+    for name, (fn, pointers, constants) in KERNELS.items():
+        print(f"{name}: {compile_sm90(fn, pointers, constants)}", flush=True)
