@@ -29,7 +29,7 @@ so their exact gradient is ONE local backward with cotangents (dO_j, D_j), D_j =
      over the later ranks of p_{n-1}'s document, from its last rank (whose b is its whole dS_in) down.
      The forward chunk states are recomputed (from the saved S_in) while the gather is in flight.
   4. local:  the reverse state stage for p_{n-1} with dht = D_j; the chunk-parallel gradient stages
-     (``kda_dqkw_bwd``, ``kda_intra_bwd``) over all pieces. dS_in of a piece that starts its document
+     (``kda_dqk_bwd``, ``kda_dwv_bwd``, ``kda_intra_bwd``) over all pieces. dS_in of a piece that starts its document
      here is its initial state's gradient.
 The M's of step 3 are the forward's gathered maps, saved: nothing about a map is differentiated.
 """
@@ -44,7 +44,7 @@ from k3lab.kcp.affine import fold_scan, fold_sequential, identity_map
 from k3lab.kcp.context import KCPContext, check_context
 from k3lab.kcp.kcp import FOLDS, _all_gather
 from k3lab.kda.checks import _shape, check_kda_inputs
-from k3lab.kernels.kda.chunk_bwd import kda_dqkw_bwd, kda_intra_bwd, kda_state_bwd
+from k3lab.kernels.kda.chunk_bwd import kda_dqk_bwd, kda_dwv_bwd, kda_intra_bwd, kda_state_bwd
 from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_intra_replay, kda_output_fwd, kda_state_fwd
 from k3lab.kernels.kda.flash_kda import check_finite, check_gate_args, input_grads, intermediate_dtype
 from k3lab.kernels.kda.utils import chunk_index
@@ -231,9 +231,10 @@ class KCPFlashFunction(torch.autograd.Function):
                 d_in[n - 1] = kda_state_bwd(QG, KG, W, G, Aqk, do, D[None].contiguous(), True, *lay.span(n - 1, n),
                                             NT, dh=dh, dVn=dVn)[2][0]
         del QG, KG, W, Aqk
-        dqs, dkn, dG, dgx, db, dv, dAqk, dAkk = kda_dqkw_bwd(qf, kf, vf, bf, G, Tinv, h, dh, Vn, dVn, do, scale,
-                                                        lay.cu, lay.chunk_indices)
-        del h, dh, Vn, dVn, Tinv
+        dqs, dkn, dG, dW, dgx = kda_dqk_bwd(qf, kf, G, h, dh, Vn, dVn, do, scale, lay.cu, lay.chunk_indices)
+        del h, dh
+        db, dv, dAqk, dAkk = kda_dwv_bwd(kf, vf, bf, G, Tinv, dW, dVn, do, Vn, dkn, dG, lay.cu, lay.chunk_indices)
+        del Vn, dVn, dW, Tinv
         dq, dk, dz, dbeta, dA_part, dbias_part = kda_intra_bwd(
             qf, kf, zf, bf, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale, lb, lay.cu,
             lay.chunk_indices)

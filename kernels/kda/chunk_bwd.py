@@ -338,29 +338,40 @@ def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offset
     return dh, dVn, dh0
 
 
-def kda_dqkw_bwd(q, k, v, beta, G, Tinv, h, dh, Vn, dVn, do, scale, cu_seqlens, chunk_indices):
-    """Launch ``kda_dqk_bwd_kernel`` then ``kda_dwv_bwd_kernel``. Returns (dqs, dkn, dG, dgx, db, dv, dAqk, dAkk)."""
+def _dqkw_tiles(K: int, V: int, cuda: bool) -> tuple[int, int, int]:
+    """(BKK, BK, BV) of the dq/dk and dW/dv kernels: K whole (BKK) or in tiles of 64, V in tiles of 32."""
+    BKK, BV = block_sizes(K, V)
+    return BKK, min(BKK, 64), min(BV, 32) if cuda else BV
+
+
+def kda_dqk_bwd(q, k, G, h, dh, Vn, dVn, do, scale, cu_seqlens, chunk_indices):
+    """Launch ``kda_dqk_bwd_kernel``. Returns float32 [T, HV, K] (dqs, dkn, dG, dW, dgx)."""
+    T, H, K = k.shape
+    HV, V = Vn.shape[1:]
+    BKK, BK, BV = _dqkw_tiles(K, V, k.is_cuda)
+    dqs, dkn, dG, dW, dgx = (torch.empty(T, HV, K, device=k.device, dtype=torch.float32) for _ in range(5))
+    kda_dqk_bwd_kernel[(triton.cdiv(K, BK), chunk_indices.shape[0], HV)](
+        q, k, G, h, dh, Vn, dVn, do, dqs, dkn, dG, dW, dgx, cu_seqlens, chunk_indices, scale,
+        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=BK, BV=BV, PREC=dot_precision(h.dtype, k.device),
+    )
+    return dqs, dkn, dG, dW, dgx
+
+
+def kda_dwv_bwd(k, v, beta, G, Tinv, dW, dVn, do, Vn, dkn, dG, cu_seqlens, chunk_indices):
+    """Launch ``kda_dwv_bwd_kernel``; adds its terms into ``dkn`` and ``dG`` in place. Returns (db float32
+    [T, HV], dv in v's dtype, dAqk and dAkk float32 [T, HV, BT]). Call it after dropping the chunk states
+    and their gradients (not read here): that is what keeps the backward's peak memory down."""
     T, H, K = k.shape
     HV, V = v.shape[1:]
-    NT = chunk_indices.shape[0]
-    BKK, BV = block_sizes(K, V)
-    BK = min(BKK, 64)
-    BV1 = min(BV, 32) if k.is_cuda else BV
-    dev = k.device
-    dqs, dkn, dG, dW, dgx = (torch.empty(T, HV, K, device=dev, dtype=torch.float32) for _ in range(5))
-    db = torch.empty(T, HV, device=dev, dtype=torch.float32)
+    BKK, BK, BV = _dqkw_tiles(K, V, k.is_cuda)
+    db = torch.empty(T, HV, device=k.device, dtype=torch.float32)
     dv = torch.empty_like(v)
-    dAqk, dAkk = (torch.empty(T, HV, BT, device=dev, dtype=torch.float32) for _ in range(2))
-    prec = dot_precision(h.dtype, dev)
-    kda_dqk_bwd_kernel[(triton.cdiv(K, BK), NT, HV)](
-        q, k, G, h, dh, Vn, dVn, do, dqs, dkn, dG, dW, dgx, cu_seqlens, chunk_indices, scale,
-        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=BK, BV=BV1, PREC=prec,
-    )
-    kda_dwv_bwd_kernel[(NT, HV)](
+    dAqk, dAkk = (torch.empty(T, HV, BT, device=k.device, dtype=torch.float32) for _ in range(2))
+    kda_dwv_bwd_kernel[(chunk_indices.shape[0], HV)](
         k, v, beta, G, Tinv, dW, dVn, do, Vn, dkn, dG, db, dv, dAqk, dAkk, cu_seqlens, chunk_indices,
-        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=min(BK, 32), BV=BV1, PREC=prec,
+        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=min(BK, 32), BV=BV, PREC=dot_precision(Vn.dtype, k.device),
     )
-    return dqs, dkn, dG, dgx, db, dv, dAqk, dAkk
+    return db, dv, dAqk, dAkk
 
 
 def kda_intra_bwd(q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale, lower_bound,

@@ -8,7 +8,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from k3lab.kda.checks import _shape, check_kda_inputs
-from k3lab.kernels.kda.chunk_bwd import kda_dqkw_bwd, kda_intra_bwd, kda_state_bwd
+from k3lab.kernels.kda.chunk_bwd import kda_dqk_bwd, kda_dwv_bwd, kda_intra_bwd, kda_state_bwd
 from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_intra_replay, kda_output_fwd, kda_state_fwd
 from k3lab.kernels.kda.utils import chunk_index
 
@@ -122,9 +122,10 @@ class FlashKDAFunction(torch.autograd.Function):
         dh, dVn, dh0 = kda_state_bwd(QG, KG, W, G, Aqk, do, dht.contiguous() if dht is not None else None,
                                      h0 is not None, cu_seqlens, chunk_offsets, NT)
         del QG, KG, W, Aqk
-        dqs, dkn, dG, dgx, db, dv, dAqk, dAkk = kda_dqkw_bwd(qf, kf, vf, bf, G, Tinv, h, dh, Vn, dVn, do, scale,
-                                                        cu_seqlens, chunk_indices)
-        del h, dh, Vn, dVn, Tinv
+        dqs, dkn, dG, dW, dgx = kda_dqk_bwd(qf, kf, G, h, dh, Vn, dVn, do, scale, cu_seqlens, chunk_indices)
+        del h, dh  # before dW/dv's outputs exist: the backward's peak memory
+        db, dv, dAqk, dAkk = kda_dwv_bwd(kf, vf, bf, G, Tinv, dW, dVn, do, Vn, dkn, dG, cu_seqlens, chunk_indices)
+        del Vn, dVn, dW, Tinv
         dq, dk, dz, dbeta, dA_part, dbias_part = kda_intra_bwd(
             qf, kf, zf, bf, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale, lb, cu_seqlens, chunk_indices)
         dh0 = dh0.to(h0.dtype) if h0 is not None else None
