@@ -256,3 +256,32 @@ def test_bench_flash_kda_help_names_the_module(capsys):
         bench.main(["--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m k3lab.bench.flash_kda "), out[:80]
+
+
+def test_autotuning_leaves_in_place_buffers_intact(monkeypatch):
+    """On a GPU, Triton's autotuner runs each config of an autotuned kernel before picking one; the
+    dW/dv and intra-backward kernels update gradient buffers in place, so without ``restore_value``
+    the tuning runs would add their terms several times. Here every autotuned kernel gets three
+    configs and a stand-in benchmark that runs each twice (the interpreter has no timer) and picks
+    the last: the results must still match the reference."""
+    import triton
+
+    from k3lab.kernels.kda import chunk_bwd, chunk_fwd
+
+    tuned = [fn for mod in (chunk_fwd, chunk_bwd) for fn in vars(mod).values()
+             if isinstance(fn, triton.runtime.Autotuner)]
+    assert len(tuned) == 4
+    runs = []
+
+    def bench_twice(kernel_call, quantiles):
+        kernel_call()
+        kernel_call()
+        runs.append(1)
+        return [1.0 / len(runs)] * 3
+
+    for fn in tuned:
+        monkeypatch.setattr(fn, "configs", [triton.Config({}, num_warps=w) for w in (1, 2, 4)])
+        monkeypatch.setattr(fn, "cache", {})
+        monkeypatch.setitem(fn.__dict__, "do_bench", bench_twice)
+    check(make_inputs(1, 70, 1, 2, 16, 16, seed=11))
+    assert len(runs) == 3 * 5  # intra fwd, its replay, dq/dk, dW/dv, intra bwd: 3 configs each
