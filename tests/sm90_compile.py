@@ -43,7 +43,7 @@ KERNELS = {
     "intra_bwd": (cb.kda_intra_bwd_kernel, dict(q=BF, k=BF, z=BF, beta=BF, A_log=F32, dt_bias=F32, G=F32, dAqk=F32,
                                                 dAkk=F32, dqs=F32, dkn=F32, dG=F32, dgx=F32, db=F32, dq=F32, dk=F32,
                                                 dz=BF, dbeta=BF, dA_part=F32, dbias_part=F32),
-                  dict(H=16, HV=16, K=128, BT=64, BC=16, BK=128, HAS_BIAS=True, BKG=32, PREC="bf16x3")),
+                  dict(H=16, HV=16, K=128, BT=64, BC=16, BK=128, HAS_BIAS=True, BKG=32, PREC="tf32")),
 }
 
 
