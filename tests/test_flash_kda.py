@@ -100,6 +100,18 @@ def test_varlen_offsets_as_a_strided_view(dtype):
 
 
 @pytest.mark.timeout(300)
+def test_chunk_tables_values_and_cache():
+    from k3lab.kernels.kda.utils import chunk_index
+
+    cu, ci, co = chunk_index([100, 64, 3], torch.device("cpu"))
+    assert cu.tolist() == [0, 100, 164, 167]
+    assert ci.tolist() == [[0, 0], [0, 1], [1, 0], [2, 0]]
+    assert co.tolist() == [0, 2, 3, 4]
+    again = chunk_index([100, 64, 3], "cpu")
+    assert all(a is b for a, b in zip(again, (cu, ci, co)))
+    assert chunk_index([100, 64, 4], "cpu")[0].tolist() == [0, 100, 164, 168]
+
+
 def test_identical_consecutive_keys():
     """All keys equal: (I + StrictTril(...)) is as ill-conditioned as KDA inputs get."""
     inputs = make_inputs(1, 40, 1, 1, 16, 16, seed=4)

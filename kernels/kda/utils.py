@@ -5,6 +5,7 @@ packed stream with offsets b*T), so fixed-length and varlen inputs share one cod
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -106,6 +107,8 @@ def chunk_index(lengths: list[int], device: torch.device, chunk: int = BT
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernels' tables of packed sequences, built on the host and sent in one copy (pinned and
     non-blocking on CUDA: a copy from pageable memory would first wait for all queued GPU work).
+    Cached per (lengths, device, chunk): a training loop at fixed shapes builds them once; the
+    returned tensors are shared and must not be written to.
 
     Args:
         lengths (list[int]): the N sequence lengths (validated by the caller, all > 0).
@@ -117,6 +120,12 @@ def chunk_index(lengths: list[int], device: torch.device, chunk: int = BT
          chunk_indices int32 [NT, 2] with (sequence n, chunk j within n) per global chunk,
          chunk_offsets int32 [N+1] the first global chunk of each sequence).
     """
+    return _chunk_tables(tuple(lengths), torch.device(device), chunk)
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_tables(lengths: tuple[int, ...], device: torch.device, chunk: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     counts = [triton.cdiv(n, chunk) for n in lengths]
     pairs = [x for n, c in enumerate(counts) for j in range(c) for x in (n, j)]
     cu, offsets = [0], [0]
@@ -124,7 +133,7 @@ def chunk_index(lengths: list[int], device: torch.device, chunk: int = BT
         cu.append(cu[-1] + n)
         offsets.append(offsets[-1] + c)
     host = torch.tensor(cu + pairs + offsets, dtype=torch.int32)
-    if torch.device(device).type == "cuda":
+    if device.type == "cuda":
         host = host.pin_memory()
     cu_d, pairs_d, offsets_d = host.to(device, non_blocking=True).split([len(cu), len(pairs), len(offsets)])
     return cu_d, pairs_d.view(-1, 2), offsets_d
