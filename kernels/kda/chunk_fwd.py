@@ -22,42 +22,55 @@ from k3lab.kernels.kda.utils import (
 
 
 @triton.jit
-def score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, I: tl.constexpr, J: tl.constexpr,
+def score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rqi, b_rki, b_rkj, I: tl.constexpr, J: tl.constexpr,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                BC: tl.constexpr, BKT: tl.constexpr, PREC: tl.constexpr):
     """Sub-tile (I, J), J <= I, of the two decayed score matrices of one chunk.
 
     Ks[i, j] = sum_c k_ic k_jc exp(G_ic - G_jc) (strictly lower on the diagonal) is returned;
-    Aqk[i, j] = same with q_i (inclusive) is stored. Both are one tensor-core dot of
+    Aqk[i, j] = same with q_i (inclusive) is stored. Both are tensor-core dots of
     (x_i exp(G_i - r)) (k_j exp(r - G_j))^T with a reference r per sub-tile: r = G at the last token
     before sub-tile I when J < I (both factors <= 1), and G at the middle of the sub-tile when
     J == I, so no factor exceeds exp(8 |lb|) (the "1/Gamma in bf16" of the lower-bounded gate).
+    K goes in tiles of BKT columns (small register tiles); the rows are scaled by their inverse norms
+    b_rqi (with the query scale), b_rki, b_rkj ([BC] each), computed once per chunk.
     """
     dt = Aqk.dtype.element_ty
     o_c = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
     o_i = I * BC + o_c
-    b_ki = l2norm_rows(load_rows(k, t0, n_t, o_i, H * K, i_h * K, o_k, K, False))
-    b_qi = l2norm_rows(load_rows(q, t0, n_t, o_i, H * K, i_h * K, o_k, K, False)) * scale
-    b_Gi = load_rows(G, t0, n_t, o_i, HV * K, i_hv * K, o_k, K, True)
+    o_j = J * BC + o_c
     if I == J:
-        b_r = tl.sum(tl.where((o_c == BC // 2)[:, None], b_Gi, 0.0), 0)
-        b_kj = b_ki
-        b_Gj = b_Gi
+        o_r = I * BC + BC // 2 + tl.zeros([1], tl.int32)
     else:
-        o_j = J * BC + o_c
-        b_r = tl.sum(load_rows(G, t0, n_t, I * BC - 1 + tl.zeros([1], tl.int32), HV * K, i_hv * K, o_k, K, True), 0)
-        b_kj = l2norm_rows(load_rows(k, t0, n_t, o_j, H * K, i_h * K, o_k, K, False))
-        b_Gj = load_rows(G, t0, n_t, o_j, HV * K, i_hv * K, o_k, K, True)
-    b_er = tl.exp(b_Gi - b_r[None, :])
-    b_kr = (b_kj * tl.exp(b_r[None, :] - b_Gj)).to(dt)
-    b_Ks = tl.dot((b_ki * b_er).to(dt), tl.trans(b_kr), input_precision=PREC)
-    b_Aq = tl.dot((b_qi * b_er).to(dt), tl.trans(b_kr), input_precision=PREC)
+        o_r = I * BC - 1 + tl.zeros([1], tl.int32)
+    b_Ks = tl.zeros([BC, BC], tl.float32)
+    b_Aq = tl.zeros([BC, BC], tl.float32)
+    for i_k in range((K + BKT - 1) // BKT):
+        o_k = i_k * BKT + tl.arange(0, BKT)
+        b_r = tl.sum(load_rows(G, t0, n_t, o_r, HV * K, i_hv * K, o_k, K, True), 0)
+        b_er = tl.exp(load_rows(G, t0, n_t, o_i, HV * K, i_hv * K, o_k, K, True) - b_r[None, :])
+        b_ki = load_rows(k, t0, n_t, o_i, H * K, i_h * K, o_k, K, False) * (b_rki[:, None] * b_er)
+        b_qi = load_rows(q, t0, n_t, o_i, H * K, i_h * K, o_k, K, False) * (b_rqi[:, None] * b_er)
+        b_kr = (load_rows(k, t0, n_t, o_j, H * K, i_h * K, o_k, K, False) * b_rkj[:, None]
+                * tl.exp(b_r[None, :] - load_rows(G, t0, n_t, o_j, HV * K, i_hv * K, o_k, K, True))).to(dt)
+        b_Ks = tl.dot(b_ki.to(dt), tl.trans(b_kr), acc=b_Ks, input_precision=PREC)
+        b_Aq = tl.dot(b_qi.to(dt), tl.trans(b_kr), acc=b_Aq, input_precision=PREC)
     if I == J:
         b_Ks = tl.where(o_c[:, None] > o_c[None, :], b_Ks, 0.0)
         b_Aq = tl.where(o_c[:, None] >= o_c[None, :], b_Aq, 0.0)
     store_rows(Aqk, b_Aq, t0, n_t, o_i, HV * BT, i_hv * BT + J * BC, o_c, BC)
     return b_Ks
+
+
+@triton.jit
+def inverse_norm(x, t0, n_t, o_r, stride, off, K: tl.constexpr, BC: tl.constexpr, BKT: tl.constexpr):
+    """1 / sqrt(sum(x^2) + 1e-6) of the BC rows t0 + o_r (zero rows past n_t give 1e3), over K in BKT tiles."""
+    b_ss = tl.zeros([BC], tl.float32)
+    for i_k in range((K + BKT - 1) // BKT):
+        o_k = i_k * BKT + tl.arange(0, BKT)
+        b_x = load_rows(x, t0, n_t, o_r, stride, off, o_k, K, False)
+        b_ss += tl.sum(b_x * b_x, 1)
+    return 1.0 / tl.sqrt(b_ss + 1e-6)
 
 
 @triton.jit
@@ -89,46 +102,41 @@ def kda_intra_fwd_kernel(
                                  # W, KG = k exp(G_last - G), QG = scale q exp(G) [T, HV, K]; U [T, HV, V]
     cu_seqlens, chunk_indices, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    REPLAY: tl.constexpr,  # G and Tinv are inputs (saved by the forward); only KG, QG, W, U are written
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKT: tl.constexpr,
+    PREC: tl.constexpr, REPLAY: tl.constexpr,  # G and Tinv are inputs (saved by the forward); only KG, QG, W, U are written
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
+    o_c = tl.arange(0, BC)
     m_t = o_t < n_t
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
     dt = W.dtype.element_ty
 
-    # Gate activation and cumulative log-decay G, 16 rows at a time with a running prefix (small
-    # register tiles); padded rows get g = 0 (no decay), so the final prefix is G at the last token.
-    o_c = tl.arange(0, BC)
-    if REPLAY:
-        b_Gl = tl.sum(load_rows(G, t0, n_t, n_t - 1 + tl.zeros([1], tl.int32), HV * K, i_hv * K, o_k, K, True), 0)
-    else:
+    # Per BKT columns: the gate activation and its in-chunk cumsum G (padded rows get g = 0: no decay,
+    # so row BT - 1 is G at the last token), KG = k exp(G_last - G), QG = scale q exp(G), and W's right
+    # operand Diag(beta)(Gamma K) (kept in W), with q and k scaled by their rows' inverse norms.
+    b_rq = inverse_norm(q, t0, n_t, o_t, H * K, i_h * K, K, BT, BKT) * scale
+    b_rk = inverse_norm(k, t0, n_t, o_t, H * K, i_h * K, K, BT, BKT)
+    b_b = tl.where(m_t, tl.sigmoid(load_vec(beta, t0, n_t, o_t, HV, i_hv)), 0.0)
+    if not REPLAY:
         b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        b_bias = tl.zeros([BK], tl.float32)
-        if HAS_BIAS:
-            b_bias += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
-        b_Gl = tl.zeros([BK], tl.float32)
-        for I in tl.static_range(BT // BC):
-            o_i = I * BC + o_c
-            b_z = load_rows(z, t0, n_t, o_i, HV * K, i_hv * K, o_k, K, False) + b_bias[None, :]
-            b_g = tl.where((o_i < n_t)[:, None] & (o_k < K)[None, :], lower_bound * tl.sigmoid(b_a * b_z), 0.0)
-            store_rows(G, b_Gl[None, :] + tl.cumsum(b_g, axis=0), t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
-            b_Gl += tl.sum(b_g, 0)
-        tl.debug_barrier()
-    # KG = k exp(G_last - G), QG = scale q exp(G), and W's right operand Diag(beta)(Gamma K) (in W).
-    for I in tl.static_range(BT // BC):
-        o_i = I * BC + o_c
-        b_Gi = load_rows(G, t0, n_t, o_i, HV * K, i_hv * K, o_k, K, True)
-        b_ki = l2norm_rows(load_rows(k, t0, n_t, o_i, H * K, i_h * K, o_k, K, False))
-        b_bi = tl.where(o_i < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_i, HV, i_hv)), 0.0)
-        store_rows(KG, b_ki * tl.exp(b_Gl[None, :] - b_Gi), t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
-        store_rows(W, b_ki * tl.exp(b_Gi) * b_bi[:, None], t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
-        b_qi = l2norm_rows(load_rows(q, t0, n_t, o_i, H * K, i_h * K, o_k, K, False)) * scale
-        store_rows(QG, b_qi * tl.exp(b_Gi), t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
+    for i_k in range(tl.cdiv(K, BKT)):
+        o_k = i_k * BKT + tl.arange(0, BKT)
+        if REPLAY:
+            b_G = load_rows(G, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, True)
+        else:
+            b_z = load_rows(z, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
+            if HAS_BIAS:
+                b_z += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+            b_G = tl.cumsum(tl.where(m_t[:, None], lower_bound * tl.sigmoid(b_a * b_z), 0.0), axis=0)
+            store_rows(G, b_G, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+        b_Gl = tl.sum(tl.where((o_t == BT - 1)[:, None], b_G, 0.0), 0)
+        b_k = load_rows(k, t0, n_t, o_t, H * K, i_h * K, o_k, K, False) * b_rk[:, None]
+        b_q = load_rows(q, t0, n_t, o_t, H * K, i_h * K, o_k, K, False) * b_rq[:, None]
+        store_rows(KG, b_k * tl.exp(b_Gl[None, :] - b_G), t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+        store_rows(W, b_k * tl.exp(b_G) * b_b[:, None], t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+        store_rows(QG, b_q * tl.exp(b_G), t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
     # G goes through global memory so the sub-tile loads below can read any 16 rows of it.
     tl.debug_barrier()
 
@@ -139,16 +147,24 @@ def kda_intra_fwd_kernel(
         b_b1 = tl.where(BC + o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, BC + o_c, HV, i_hv)), 0.0)[:, None]
         b_b2 = tl.where(2 * BC + o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, 2 * BC + o_c, HV, i_hv)), 0.0)[:, None]
         b_b3 = tl.where(3 * BC + o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, 3 * BC + o_c, HV, i_hv)), 0.0)[:, None]
-        b_L00 = b_b0 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 0, 0, H, HV, K, BT, BC, BK, PREC)
-        b_L10 = b_b1 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 1, 0, H, HV, K, BT, BC, BK, PREC)
-        b_L11 = b_b1 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 1, 1, H, HV, K, BT, BC, BK, PREC)
-        b_L20 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 2, 0, H, HV, K, BT, BC, BK, PREC)
-        b_L21 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 2, 1, H, HV, K, BT, BC, BK, PREC)
-        b_L22 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 2, 2, H, HV, K, BT, BC, BK, PREC)
-        b_L30 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 0, H, HV, K, BT, BC, BK, PREC)
-        b_L31 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 1, H, HV, K, BT, BC, BK, PREC)
-        b_L32 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 2, H, HV, K, BT, BC, BK, PREC)
-        b_L33 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, scale, 3, 3, H, HV, K, BT, BC, BK, PREC)
+        b_rq0 = inverse_norm(q, t0, n_t, o_c, H * K, i_h * K, K, BC, BKT) * scale
+        b_rq1 = inverse_norm(q, t0, n_t, BC + o_c, H * K, i_h * K, K, BC, BKT) * scale
+        b_rq2 = inverse_norm(q, t0, n_t, 2 * BC + o_c, H * K, i_h * K, K, BC, BKT) * scale
+        b_rq3 = inverse_norm(q, t0, n_t, 3 * BC + o_c, H * K, i_h * K, K, BC, BKT) * scale
+        b_rk0 = inverse_norm(k, t0, n_t, o_c, H * K, i_h * K, K, BC, BKT)
+        b_rk1 = inverse_norm(k, t0, n_t, BC + o_c, H * K, i_h * K, K, BC, BKT)
+        b_rk2 = inverse_norm(k, t0, n_t, 2 * BC + o_c, H * K, i_h * K, K, BC, BKT)
+        b_rk3 = inverse_norm(k, t0, n_t, 3 * BC + o_c, H * K, i_h * K, K, BC, BKT)
+        b_L00 = b_b0 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq0, b_rk0, b_rk0, 0, 0, H, HV, K, BT, BC, BKT, PREC)
+        b_L10 = b_b1 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq1, b_rk1, b_rk0, 1, 0, H, HV, K, BT, BC, BKT, PREC)
+        b_L11 = b_b1 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq1, b_rk1, b_rk1, 1, 1, H, HV, K, BT, BC, BKT, PREC)
+        b_L20 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq2, b_rk2, b_rk0, 2, 0, H, HV, K, BT, BC, BKT, PREC)
+        b_L21 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq2, b_rk2, b_rk1, 2, 1, H, HV, K, BT, BC, BKT, PREC)
+        b_L22 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq2, b_rk2, b_rk2, 2, 2, H, HV, K, BT, BC, BKT, PREC)
+        b_L30 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq3, b_rk3, b_rk0, 3, 0, H, HV, K, BT, BC, BKT, PREC)
+        b_L31 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq3, b_rk3, b_rk1, 3, 1, H, HV, K, BT, BC, BKT, PREC)
+        b_L32 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq3, b_rk3, b_rk2, 3, 2, H, HV, K, BT, BC, BKT, PREC)
+        b_L33 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq3, b_rk3, b_rk3, 3, 3, H, HV, K, BT, BC, BKT, PREC)
 
         # Block forward substitution: T_II = (I + L_II)^-1, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ.
         b_T00 = unit_lower_inverse(b_L00, BC)
@@ -186,10 +202,11 @@ def kda_intra_fwd_kernel(
 
     # W = T Diag(beta)(Gamma K), U = T Diag(beta) V, with the whole T as one [BT, BT] operand.
     b_T = load_rows(Tinv, t0, n_t, o_t, s_T, i_hv * BT, o_t, BT, False).to(dt)
-    b_W = tl.dot(b_T, load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False).to(dt), input_precision=PREC)
-    tl.debug_barrier()
-    store_rows(W, b_W, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
-    b_b = tl.where(m_t, tl.sigmoid(load_vec(beta, t0, n_t, o_t, HV, i_hv)), 0.0)
+    for i_k in range(tl.cdiv(K, BV)):
+        o_w = i_k * BV + tl.arange(0, BV)
+        b_W = tl.dot(b_T, load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_w, K, False).to(dt), input_precision=PREC)
+        tl.debug_barrier()
+        store_rows(W, b_W, t0, n_t, o_t, HV * K, i_hv * K, o_w, K)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         b_v = load_rows(v, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False)
@@ -296,7 +313,7 @@ def _launch_intra(q, k, v, z, beta, A_log, dt_bias, G, Tinv, Aqk, scale, lower_b
     kda_intra_fwd_kernel[(NT, HV)](
         q, k, v, z, beta, A_log, dt_bias, G, Tinv, Aqk, W, U, KG, QG, cu_seqlens, chunk_indices,
         scale, lower_bound, H=H, HV=HV, K=K, V=V, HAS_BIAS=dt_bias is not None,
-        BT=BT, BC=BC, BK=BK, BV=BV, PREC=dot_precision(dtype, k.device), REPLAY=replay,
+        BT=BT, BC=BC, BK=BK, BV=BV, BKT=min(BK, 32), PREC=dot_precision(dtype, k.device), REPLAY=replay,
     )
     return W, U, KG, QG
 

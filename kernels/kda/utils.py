@@ -78,7 +78,7 @@ def load_rows(x, t0, n_t, o_r, stride, off, o_c, n_c, CLAMP: tl.constexpr):
     else:
         o_t = o_r
         m = (o_r < n_t)[:, None] & (o_c < n_c)[None, :]
-    p = x + (t0 + o_t).to(tl.int64)[:, None] * stride + off + o_c[None, :]
+    p = x + t0 * stride + (o_t[:, None] * stride + off + o_c[None, :])
     return tl.load(p, mask=m, other=0.0).to(tl.float32)
 
 
@@ -86,14 +86,14 @@ def load_rows(x, t0, n_t, o_r, stride, off, o_c, n_c, CLAMP: tl.constexpr):
 def store_rows(x, b_x, t0, n_t, o_r, stride, off, o_c, n_c):
     """Store a [R, C] block into rows t0 + o_r < t0 + n_t, columns o_c < n_c, cast to x's dtype."""
     m = (o_r < n_t)[:, None] & (o_c < n_c)[None, :]
-    p = x + (t0 + o_r).to(tl.int64)[:, None] * stride + off + o_c[None, :]
+    p = x + t0 * stride + (o_r[:, None] * stride + off + o_c[None, :])
     tl.store(p, b_x.to(x.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def load_vec(x, t0, n_t, o_r, stride, off):
     """x[t0 + o_r, off] for rows o_r < n_t (zero past n_t), as float32: one scalar per token."""
-    p = x + (t0 + o_r).to(tl.int64) * stride + off
+    p = x + t0 * stride + (o_r * stride + off)
     return tl.load(p, mask=o_r < n_t, other=0.0).to(tl.float32)
 
 
