@@ -181,7 +181,7 @@ assert MIN_LOWER_BOUND == -10.0
 #
 # | stage | grid | what it does | fused |
 # |---|---|---|---|
-# | `intra_fwd` | chunks × value heads | gate + cumsum (16 rows at a time), q/k L2 norm, β sigmoid; the 10 sub-tiles of `Diag(β)(ΓK)(K/Γ)ᵀ` and `(ΓQ)(K/Γ)ᵀ` on tensor cores; UT inverse `T` by 16×16 blocks (4 forward substitutions + 6 block products); `W = T·Diag(β)ΓK`, `U = T·Diag(β)V` | all elementwise prep, both score matrices, inverse, W/U |
+# | `intra_fwd` | chunks × value heads | gate + cumsum, KG, QG on `[64, 32]` tiles, q/k row norms once per chunk, β sigmoid; the 10 sub-tiles (summed over 32-column slices of K) of `Diag(β)(ΓK)(K/Γ)ᵀ` and `(ΓQ)(K/Γ)ᵀ` on tensor cores; UT inverse `T` by 16×16 blocks (4 forward substitutions + 6 block products); `W = T·Diag(β)ΓK`, `U = T·Diag(β)V` | all elementwise prep, both score matrices, inverse, W/U |
 # | `intra_fwd`, `REPLAY` (backward) | chunks × value heads | from the saved `G` and `T`: only the prep (`KG`, `QG`) and `W`, `U` — no sub-tile scores, no inverse (`kda_intra_replay`) | same kernel, one constexpr |
 # | `state_fwd` | sequences × value heads × V tiles | the one sequential loop: per chunk store `S`, `Ṽ = U − W S`, `S ← γ_C S + (Γ_{i→C}K)ᵀ Ṽ`; `S` stays in registers (fp32) | final state |
 # | `output_fwd` | chunks × value heads × V tiles | `O = (ΓQ) S + Aqk Ṽ` | — |
@@ -299,46 +299,60 @@ for c in cases:
     print(f"{c['B']:>2} {c['T']:>6} {c['H']:>3} | {c['ours_fwd_ms']:8.3f} {fmt(c['fla_fwd_ms'], '8.3f')} "
           f"{fmt(c['speedup_fwd'], '5.2f')} | {c['ours_fwd_bwd_ms']:8.3f} {fmt(c['fla_fwd_bwd_ms'], '8.3f')} "
           f"{fmt(c['speedup_fwd_bwd'], '5.2f')} | {c['tflops_fwd']:7.1f} {gbps:6.0f} | "
-          f"{c['ours_peak_mib']:8.0f} {fmt(c['fla_peak_mib'], '8.0f')}")
+          f"{fmt(c['ours_peak_mib'], '8.0f')} {fmt(c['fla_peak_mib'], '8.0f')}")
 assert all(e <= (1e-2 if n.startswith("d") else 5e-3) for n, e in worst_check.items())
 
 # %% [markdown]
-# **Reading the table.** The kernels are correct in bf16 with margin: outputs ≤ 3.9e-3 (bound 5e-3),
-# final state ≤ 2.95e-3, every gradient ≤ 3.4e-3 (bound 1e-2). With float32 training intermediates
-# the outputs were at 1.7e-3; the bf16 training path gives the inference path's 3.9e-3 and buys the
-# speed below. They are **not faster than fla**: at B1 T8192 H16 the forward is 0.58x fla's and
-# forward+backward 0.67x (5.42 ms vs 3.63) — the issue's floors (≥ 1.5x and ≥ 1.2x) are not met.
-# The bf16 training path and the replay made forward+backward 1.6–1.7x faster than the previous
-# committed run at every shape (B1 T8192 H16: 8.78 → 5.42 ms) and the peak memory 9% lower (849 MiB
-# there, fla 964). The forward column (no autograd: bf16 intermediates before too) did not change;
-# at the small shapes it is bound by host launch overhead and varies by ~0.2 ms between runs. The
-# run timed 26 of the issue's 27 shapes: at B8 T32768 H64 forward+backward ran out of memory on the
-# 139.8 GiB GPU (the JSON's `notes`). fla was timed by this benchmark only at B1 T8192 H16 (it
-# autotunes for ~4 minutes per shape), so elsewhere the table says n/a and the figure shows fla's
-# published baseline (issue 3, crosses) where one exists.
+# The sweep above is the morning's run. The kernels changed after it (the K-tiled intra forward and
+# tf32 in the intra backward, below); the two baseline shapes were re-timed against fla on the final
+# kernels, with the correctness check first, into `data/results/flash_kda_h200_latest.json`:
+
+# %%
+latest = json.loads(Path(results_path).with_name("flash_kda_h200_latest.json").read_text())
+print(f"{latest['date']} | fla-core {latest['versions']['fla-core']}")
+for c in latest["cases"]:
+    print(f"B{c['B']} T{c['T']} H{c['H']}: fwd {c['ours_fwd_ms']:.3f} ms vs fla {c['fla_fwd_ms']:.3f} "
+          f"({c['speedup_fwd']:.2f}x) | fwd+bwd {c['ours_fwd_bwd_ms']:.3f} vs {c['fla_fwd_bwd_ms']:.3f} "
+          f"({c['speedup_fwd_bwd']:.2f}x) | peak {c['ours_peak_mib']:.0f} vs {c['fla_peak_mib']:.0f} MiB")
+
+# %% [markdown]
+# **Reading the tables.** The kernels are correct in bf16 with margin: outputs ≤ 3.9e-3 (bound 5e-3),
+# final state ≤ 2.95e-3, every gradient ≤ 3.7e-3 (bound 1e-2), on the morning's kernels and again on
+# the final ones. They are **not faster than fla**, and the issue's floors (≥ 1.5x forward, ≥ 1.2x
+# forward+backward) are not met. On the final kernels, at B1 T8192 H16 the forward is 0.85x fla's
+# (1.09 ms vs 0.93) and forward+backward 0.97x (4.24 vs 4.12); at B4 T8192 H16, 0.53x and 0.56x. The
+# morning's sweep had B1 T8192 H16 at 1.74 / 5.42 ms. fla's own times vary between runs (3.63 and
+# 4.12 ms forward+backward at B1 T8192 H16 on the same GPU model). Peak memory stays below fla's
+# (786 vs 965 MiB at B1 T8192 H16). The sweep's B8 T32768 H64 row is ours alone: since the backward
+# launches dq/dk and dW/dv separately it fits (542 ms forward+backward). fla was timed by the sweep
+# only at B1 T8192 H16 (it autotunes for ~4 minutes per shape), so elsewhere the table says n/a and
+# the figure shows fla's published baseline (issue 3, crosses) where one exists.
 #
-# Where the time goes (`python -m k3lab.bench.flash_kda --stages`, ms at B1 T8192 H16 on the same
-# H200; not stored in the JSON):
+# Where the time goes (`python -m k3lab.bench.flash_kda --stages`, ms at B1 T8192 H16, bf16
+# intermediates, same H200 model; not stored in the JSON):
 #
-# | stage | bf16 intermediates | float32 intermediates |
+# | stage | morning | final |
 # |---|---|---|
-# | forward: intra | 0.94 | 1.37 |
-# | forward: state | 0.38 | 0.67 |
-# | forward: output | 0.06 | 0.26 |
-# | backward: intra replay | 0.17 | 0.52 |
-# | backward: state | 0.32 | 1.01 |
-# | backward: dq/dk/dW/dv | 0.70 | 0.93 |
-# | backward: intra | 1.75 | 1.73 |
+# | forward: intra | 0.97 | 0.65 |
+# | forward: state | 0.39 | 0.39 |
+# | forward: output | 0.06 | 0.06 |
+# | backward: intra replay | 0.13 | 0.13 |
+# | backward: state | 0.32 | 0.32 |
+# | backward: dq/dk, dW/dv | 0.33, 0.38 | 0.32, 0.37 |
+# | backward: intra | 1.77 | 1.45 |
 #
-# (The backward also re-runs the forward state scan.) At the large shapes the forward does ~16–17
-# TFLOP/s of useful work and moves ~140 GB/s (the table's columns), far under both ceilings: the
-# kernels are bound by latency, not by compute or bandwidth. The two intra kernels are half of
-# forward+backward (0.94 + 1.75 of 5.42 ms): each is one program per chunk working in 16×16 pieces
-# (the forward: 10 sub-tile products, 4 substitutions, 6 block products) — a chain of small
-# dependent steps on small-tile `mma` instructions. What remains: sub-tiles batched into one
-# `[64, K]` product per reference point and the inverse on 64-wide tiles; and the backward's float32
-# buffers (`dh`, `dṼ`, five `[T, HV, K]` gradients), which are what runs out of memory at B8 T32768
-# H64.
+# (The backward also re-runs the forward state scan.) At the large shapes the forward does ~16–24
+# TFLOP/s of useful work and moves ~150–190 GB/s (the table's columns), far under both ceilings: the
+# kernels are bound by instruction issue and latency, not by compute or bandwidth. Two measurements
+# showed it. Cutting the UT inverse's 16-step substitution loops to one step saved only 0.06 ms of the
+# intra forward's 0.97, so the inverse is cheap. The compiled intra forward had 46 thousand SASS
+# instructions per program and used all 255 registers, so only 8 warps fit an SM. The K-tiled rewrite
+# computes the row norms once per chunk and scales the scores by them instead of re-normalising
+# every sub-tile. It runs the gate, KG, QG and W pass on `[64, 32]` tiles and accumulates each
+# sub-tile's scores over 32-column slices of K. That halves the instruction count (20.7 thousand) and
+# takes the intra forward from 0.97 to 0.65 ms. The intra backward is now the largest stage, and still
+# works on `[16, 128]` tiles. The forward still uses all 255 registers: compiled without the score
+# phase it still needs them, so the `[64, 32]` gate/KG/QG/W pass is the next place to look.
 
 # %%
 baseline_fla = {(1, 8192, 16): (1.16, 3.05), (4, 8192, 16): (1.87, 8.22), (1, 32768, 32): (3.72, 16.5),

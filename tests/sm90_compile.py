@@ -23,7 +23,7 @@ SCALARS = dict(cu_seqlens=I32, chunk_indices=I32, chunk_offsets=I32, scale="fp32
 SHAPE = dict(HV=16, K=128, V=128, BT=64)
 INTRA = dict(q=BF, k=BF, v=BF, z=BF, beta=BF, A_log=F32, dt_bias=F32, G=F32, Tinv=F32, Aqk=BF, W=BF, U=BF, KG=BF,
              QG=BF)
-INTRA_C = dict(SHAPE, H=16, HAS_BIAS=True, BC=16, BK=128, BV=64, BKT=32, PREC="tf32")
+INTRA_C = dict(SHAPE, H=16, HAS_BIAS=True, BC=16, BV=64, BKT=32, PREC="tf32")
 KERNELS = {
     "intra_fwd": (cf.kda_intra_fwd_kernel, INTRA, dict(INTRA_C, REPLAY=False)),
     "intra_replay": (cf.kda_intra_fwd_kernel, INTRA, dict(INTRA_C, REPLAY=True)),

@@ -2,7 +2,7 @@
 
 1. ``kda_intra_fwd_kernel`` (one program per chunk and value head, all chunks in parallel): the fused
    gate g = lb * sigmoid(exp(A_log) (z + dt_bias)) and its in-chunk cumsum G, q/k L2 norm, beta
-   sigmoid, the 16x16 sub-tiles of (Gamma K)(K / Gamma)^T and (Gamma Q)(K / Gamma)^T on tensor cores,
+   sigmoid (on [64, 32] tiles of K), the 16x16 sub-tiles of (Gamma K)(K / Gamma)^T and (Gamma Q)(K / Gamma)^T on tensor cores,
    the UT-transform inverse T = (I + Diag(beta) StrictTril(...))^-1 by 16x16 blocks, and
    W = T Diag(beta)(Gamma K), U = T Diag(beta) V.
 2. ``kda_state_fwd_kernel`` (one program per sequence, value head and V tile; the only sequential
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from k3lab.kernels.kda.utils import (
-    BC, BT, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, sequence_span, state_tile, store_rows,
+    BC, BT, chunk_span, dot_precision, load_rows, load_vec, sequence_span, state_tile, store_rows,
     warp_configs,
 )
 
@@ -102,8 +102,8 @@ def kda_intra_fwd_kernel(
                                  # W, KG = k exp(G_last - G), QG = scale q exp(G) [T, HV, K]; U [T, HV, V]
     cu_seqlens, chunk_indices, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKT: tl.constexpr,
-    PREC: tl.constexpr, REPLAY: tl.constexpr,  # G and Tinv are inputs (saved by the forward); only KG, QG, W, U are written
+    BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, BKT: tl.constexpr, PREC: tl.constexpr,
+    REPLAY: tl.constexpr,  # G and Tinv are inputs (saved by the forward); only KG, QG, W, U are written
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -313,7 +313,7 @@ def _launch_intra(q, k, v, z, beta, A_log, dt_bias, G, Tinv, Aqk, scale, lower_b
     kda_intra_fwd_kernel[(NT, HV)](
         q, k, v, z, beta, A_log, dt_bias, G, Tinv, Aqk, W, U, KG, QG, cu_seqlens, chunk_indices,
         scale, lower_bound, H=H, HV=HV, K=K, V=V, HAS_BIAS=dt_bias is not None,
-        BT=BT, BC=BC, BK=BK, BV=BV, BKT=min(BK, 32), PREC=dot_precision(dtype, k.device), REPLAY=replay,
+        BT=BT, BC=BC, BV=BV, BKT=min(BK, 32), PREC=dot_precision(dtype, k.device), REPLAY=replay,
     )
     return W, U, KG, QG
 
