@@ -112,6 +112,19 @@ def test_chunk_tables_values_and_cache():
     assert chunk_index([100, 64, 4], "cpu")[0].tolist() == [0, 100, 164, 168]
 
 
+def test_training_after_inference_mode_at_the_same_shape():
+    """The cached chunk tables were built under torch.inference_mode() when the first call at a shape
+    came from evaluation: they were inference tensors, and every later training call at that shape
+    failed in save_for_backward ("Inference tensors cannot be saved for backward")."""
+    q, k, v, z, beta, A_log, dt_bias, _ = (x.float().to(DEVICE) for x in make_inputs(1, 9, 1, 1, 16, 16, seed=14))
+    with torch.inference_mode():
+        o_eval, _ = flash_kda(q, k, v, z, beta, A_log, dt_bias, cu_seqlens=torch.tensor([0, 2, 9], device=DEVICE))
+    q.requires_grad_()
+    o, _ = flash_kda(q, k, v, z, beta, A_log, dt_bias, cu_seqlens=torch.tensor([0, 2, 9], device=DEVICE))
+    o.sum().backward()
+    assert torch.equal(o.detach(), o_eval) and torch.isfinite(q.grad).all()
+
+
 def test_identical_consecutive_keys():
     """All keys equal: (I + StrictTril(...)) is as ill-conditioned as KDA inputs get."""
     inputs = make_inputs(1, 40, 1, 1, 16, 16, seed=4)

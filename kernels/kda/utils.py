@@ -108,7 +108,9 @@ def chunk_index(lengths: list[int], device: torch.device, chunk: int = BT
     """The kernels' tables of packed sequences, built on the host and sent in one copy (pinned and
     non-blocking on CUDA: a copy from pageable memory would first wait for all queued GPU work).
     Cached per (lengths, device, chunk): a training loop at fixed shapes builds them once; the
-    returned tensors are shared and must not be written to.
+    returned tensors are shared and must not be written to. They are built outside inference mode even
+    when the first call comes from ``torch.inference_mode()`` (evaluation), so that later autograd calls
+    at the same shape can save them for backward.
 
     Args:
         lengths (list[int]): the N sequence lengths (validated by the caller, all > 0).
@@ -120,7 +122,8 @@ def chunk_index(lengths: list[int], device: torch.device, chunk: int = BT
          chunk_indices int32 [NT, 2] with (sequence n, chunk j within n) per global chunk,
          chunk_offsets int32 [N+1] the first global chunk of each sequence).
     """
-    return _chunk_tables(tuple(lengths), torch.device(device), chunk)
+    with torch.inference_mode(False):
+        return _chunk_tables(tuple(lengths), torch.device(device), chunk)
 
 
 @functools.lru_cache(maxsize=64)
