@@ -260,6 +260,24 @@ def test_float16_inference_is_finite():
     assert_close("o", o_ref, o.cpu(), 5e-3)
 
 
+@pytest.mark.timeout(300)
+def test_bfloat16_forward_and_backward():
+    """bfloat16 q, k, v, z, beta: on CPU the bf16 intermediates went through the Triton interpreter,
+    which has no bf16 arithmetic, and every output and gradient was garbage (relative error ~1e12)."""
+    inputs = make_inputs(1, 20, 1, 1, 16, 16, seed=15)
+    ref = [x.clone().requires_grad_() for x in inputs[:7]]
+    ours = [x.to(DEVICE, torch.bfloat16 if i < 5 else torch.float32).requires_grad_() for i, x in enumerate(inputs[:7])]
+    o, _ = flash_kda(*ours)
+    o_ref, _ = reference(*ref)
+    assert o.dtype == torch.bfloat16
+    assert_close("o", o_ref, o.cpu(), 1e-2)
+    do = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (o.double().cpu() * do).sum().backward()
+    (o_ref * do).sum().backward()
+    for name, a, b in zip(NAMES, ref, ours):
+        assert_close(f"d{name}", a.grad, b.grad.cpu(), 2e-2)
+
+
 def test_gate_parameters_on_another_device_or_bad_scale():
     """A_log/dt_bias on another device failed inside Triton (RuntimeError); a NaN scale gave NaN."""
     q, k, v, z, beta, A_log, dt_bias, _ = (x.float() for x in make_inputs(1, 8, 1, 1, 16, 16))

@@ -64,9 +64,10 @@ def check_finite(**named: torch.Tensor | None) -> None:
 def intermediate_dtype(q: torch.Tensor) -> torch.dtype:
     """The intermediates' dtype (W, U, KG, QG, Aqk, the chunk states), forward and backward: bfloat16 for
     bfloat16 inputs, as tensor-core operands with float32 accumulators (the gate's cumsum G, the UT
-    inverse and every gradient accumulator stay float32); float32 otherwise. Never float16: a diagonal
-    sub-tile's factor exp(8 |lower_bound|) (e^40 at -5) exceeds its range."""
-    return torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    inverse and every gradient accumulator stay float32); float32 otherwise, and on CPU (the Triton
+    interpreter has no bf16 arithmetic: bf16 intermediates there gave garbage). Never float16: a
+    diagonal sub-tile's factor exp(8 |lower_bound|) (e^40 at -5) exceeds its range."""
+    return torch.bfloat16 if q.dtype == torch.bfloat16 and q.device.type == "cuda" else torch.float32
 
 
 def input_grads(dq, dk, dv, dz, dbeta, dA_part, dbias_part, q, v, A_log, dt_bias):
@@ -166,8 +167,8 @@ def flash_kda(
     (<= 256), V value dim, N sequences (B, or len(cu_seqlens) - 1).
 
     Args:
-        q (Tensor): [B, T, H, K] queries (not normalised), bf16/fp16/fp32 (fp32 on CPU: the Triton
-            interpreter has no bf16 arithmetic).
+        q (Tensor): [B, T, H, K] queries (not normalised), bf16/fp16/fp32 (on CPU bf16 inputs get
+            float32 intermediates: the Triton interpreter has no bf16 arithmetic).
         k (Tensor): [B, T, H, K] keys (not normalised), q's dtype.
         v (Tensor): [B, T, HV, V] values, q's dtype.
         g (Tensor): [B, T, HV, K] the gate pre-activation z (the decay projection's output).
