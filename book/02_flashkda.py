@@ -174,9 +174,9 @@ assert MIN_LOWER_BOUND == -10.0
 # Three forward kernels and four backward kernels, each a `@triton.jit` function
 # (`kda_<stage>_{fwd,bwd}_kernel`) with a launcher, one `autograd.Function` (`FlashKDAFunction`) and
 # the public `flash_kda`, which validates (shapes always; NaN/inf with `check_values=True`, the
-# default) and builds the chunk table on the host from `cu_seqlens` (sent to the GPU in one pinned,
-# non-blocking copy, so no call waits for queued GPU work). Chunk `C = 64`, sub-tile 16, `K` in one
-# tile (≤ 256), `V` in tiles of 16–64. The backward runs, in order: `intra_fwd` in replay mode,
+# default) and builds the chunk table on the host from the sequence lengths, once per shape (cached:
+# a training loop at fixed shapes never copies it again). Chunk `C = 64`, sub-tile 16, `K` in slices
+# of 32 in the intra forward and in one tile (≤ 256) elsewhere, `V` in tiles of 16–64. The backward runs, in order: `intra_fwd` in replay mode,
 # `state_fwd` (for the chunk states and `Ṽ`), then the four backward kernels of the table.
 #
 # | stage | grid | what it does | fused |

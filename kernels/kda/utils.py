@@ -105,10 +105,10 @@ def l2norm_rows(b_x):
 
 def chunk_index(lengths: list[int], device: torch.device, chunk: int = BT
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernels' tables of packed sequences, built on the host and sent in one copy (pinned and
-    non-blocking on CUDA: a copy from pageable memory would first wait for all queued GPU work).
-    Cached per (lengths, device, chunk): a training loop at fixed shapes builds them once; the
-    returned tensors are shared and must not be written to. They are built outside inference mode even
+    """The kernels' tables of packed sequences, built on the host and sent in one copy. Cached per
+    (lengths, device, chunk): a training loop at fixed shapes builds them once; the returned tensors
+    are shared and must not be written to. The copy is a blocking one (once per shape), so a cached
+    table is complete before any stream reads it; varlen calls sync anyway to read their lengths. They are built outside inference mode even
     when the first call comes from ``torch.inference_mode()`` (evaluation), so that later autograd calls
     at the same shape can save them for backward.
 
@@ -136,7 +136,5 @@ def _chunk_tables(lengths: tuple[int, ...], device: torch.device, chunk: int
         cu.append(cu[-1] + n)
         offsets.append(offsets[-1] + c)
     host = torch.tensor(cu + pairs + offsets, dtype=torch.int32)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    cu_d, pairs_d, offsets_d = host.to(device, non_blocking=True).split([len(cu), len(pairs), len(offsets)])
+    cu_d, pairs_d, offsets_d = host.to(device).split([len(cu), len(pairs), len(offsets)])
     return cu_d, pairs_d.view(-1, 2), offsets_d
