@@ -329,7 +329,7 @@ for c in latest["cases"]:
 # the figure shows fla's published baseline (issue 3, crosses) where one exists.
 #
 # Where the time goes (`python -m k3lab.bench.flash_kda --stages`, ms at B1 T8192 H16, bf16
-# intermediates, same H200 model; not stored in the JSON):
+# intermediates, same H200 model; with the experiments below in `data/results/flash_kda_h200_stages.json`):
 #
 # | stage | morning | final |
 # |---|---|---|
@@ -343,16 +343,17 @@ for c in latest["cases"]:
 #
 # (The backward also re-runs the forward state scan.) At the large shapes the forward does ~16–24
 # TFLOP/s of useful work and moves ~150–190 GB/s (the table's columns), far under both ceilings: the
-# kernels are bound by instruction issue and latency, not by compute or bandwidth. Two measurements
-# showed it. Cutting the UT inverse's 16-step substitution loops to one step saved only 0.06 ms of the
-# intra forward's 0.97, so the inverse is cheap. The compiled intra forward had 46 thousand SASS
-# instructions per program and used all 255 registers, so only 8 warps fit an SM. The K-tiled rewrite
-# computes the row norms once per chunk and scales the scores by them instead of re-normalising
-# every sub-tile. It runs the gate, KG, QG and W pass on `[64, 32]` tiles and accumulates each
-# sub-tile's scores over 32-column slices of K. That halves the instruction count (20.7 thousand) and
-# takes the intra forward from 0.97 to 0.65 ms. The intra backward is now the largest stage, and still
-# works on `[16, 128]` tiles. The forward still uses all 255 registers: compiled without the score
-# phase it still needs them, so the `[64, 32]` gate/KG/QG/W pass is the next place to look.
+# kernels are bound by instruction issue and latency, not by compute or bandwidth. Cutting the UT
+# inverse's 16-step substitution loops to one step saved only 0.06 ms of the intra forward's 0.97, so
+# the inverse is cheap; the compiled kernel uses all 255 registers, so only 8 warps fit an SM. The
+# K-tiled rewrite computes the row norms once per sub-tile (not inside each of the 10 sub-tile pairs),
+# runs the gate, KG, QG and W pass on `[64, 32]` tiles and accumulates each sub-tile's scores over
+# 32-column slices of K, in loops that are not unrolled. It took the intra forward from 0.97 to
+# 0.65 ms, yet offline it executes only ~9% fewer instructions (29 vs 32 thousand per thread at 2
+# warps): the gain is not explained by instruction count alone, and the kernel still uses all 255
+# registers (compiled without the score phase it still needs them, so the `[64, 32]` pass is the
+# next place to look). The intra backward is now the largest stage, and still works on `[16, 128]`
+# tiles.
 
 # %%
 baseline_fla = {(1, 8192, 16): (1.16, 3.05), (4, 8192, 16): (1.87, 8.22), (1, 32768, 32): (3.72, 16.5),

@@ -2,8 +2,8 @@
 
 1. ``kda_intra_fwd_kernel`` (one program per chunk and value head, all chunks in parallel): the fused
    gate g = lb * sigmoid(exp(A_log) (z + dt_bias)) and its in-chunk cumsum G, q/k L2 norm, beta
-   sigmoid (on [64, 32] tiles of K), the 16x16 sub-tiles of (Gamma K)(K / Gamma)^T and (Gamma Q)(K / Gamma)^T on tensor cores,
-   the UT-transform inverse T = (I + Diag(beta) StrictTril(...))^-1 by 16x16 blocks, and
+   sigmoid (on [64, 32] tiles of K), the 16x16 sub-tiles of (Gamma K)(K / Gamma)^T and
+   (Gamma Q)(K / Gamma)^T on tensor cores (summed over 32-column slices of K), the UT-transform inverse T = (I + Diag(beta) StrictTril(...))^-1 by 16x16 blocks, and
    W = T Diag(beta)(Gamma K), U = T Diag(beta) V.
 2. ``kda_state_fwd_kernel`` (one program per sequence, value head and V tile; the only sequential
    loop): S_n for every chunk, pseudo-values V~ = U - W S, S <- Diag(gamma_C) S + (Gamma_{i->C} K)^T V~.
@@ -33,7 +33,7 @@ def score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rqi, b_rki, b_rkj, I: tl.con
     before sub-tile I when J < I (both factors <= 1), and G at the middle of the sub-tile when
     J == I, so no factor exceeds exp(8 |lb|) (the "1/Gamma in bf16" of the lower-bounded gate).
     K goes in tiles of BKT columns (small register tiles); the rows are scaled by their inverse norms
-    b_rqi (with the query scale), b_rki, b_rkj ([BC] each), computed once per chunk.
+    b_rqi (with the query scale), b_rki, b_rkj ([BC] each), which the caller computes once per sub-tile.
     """
     dt = Aqk.dtype.element_ty
     o_c = tl.arange(0, BC)
