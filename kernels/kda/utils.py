@@ -108,9 +108,10 @@ def chunk_index(lengths: list[int], device: torch.device, chunk: int = BT
     """The kernels' tables of packed sequences, built on the host and sent in one copy. Cached per
     (lengths, device, chunk): a training loop at fixed shapes builds them once; the returned tensors
     are shared and must not be written to. The copy is a blocking one (once per shape), so a cached
-    table is complete before any stream reads it; varlen calls sync anyway to read their lengths. They are built outside inference mode even
-    when the first call comes from ``torch.inference_mode()`` (evaluation), so that later autograd calls
-    at the same shape can save them for backward.
+    table is complete before any stream reads it; varlen calls sync anyway to read their lengths.
+    They are built outside inference mode even when the first call comes from
+    ``torch.inference_mode()`` (evaluation), so that later autograd calls at the same shape can save
+    them for backward.
 
     Args:
         lengths (list[int]): the N sequence lengths (validated by the caller, all > 0).
