@@ -23,17 +23,17 @@ SCALARS = dict(cu_seqlens=I32, chunk_indices=I32, chunk_offsets=I32, scale="fp32
 SHAPE = dict(HV=16, K=128, V=128, BT=64)
 INTRA = dict(q=BF, k=BF, v=BF, z=BF, beta=BF, A_log=F32, dt_bias=F32, G=F32, Tinv=F32, Aqk=BF, W=BF, U=BF, KG=BF,
              QG=BF)
-INTRA_C = dict(SHAPE, H=16, HAS_BIAS=True, BC=16, BV=64, BKT=32, PREC="tf32")
+INTRA_C = dict(SHAPE, H=16, HAS_BIAS=True, BC=16, BK=128, BV=64, PREC="tf32")
 KERNELS = {
     "intra_fwd": (cf.kda_intra_fwd_kernel, INTRA, dict(INTRA_C, REPLAY=False)),
     "intra_replay": (cf.kda_intra_fwd_kernel, INTRA, dict(INTRA_C, REPLAY=True)),
     "state_fwd": (cf.kda_state_fwd_kernel, dict(W=BF, U=BF, KG=BF, G=F32, h=BF, Vn=BF, h0=F32, ht=F32),
-                  dict(SHAPE, VU=128, BK=128, BV=32, USE_H0=True, STORE_HT=True, STORE_STATES=True, PREC="tf32")),
+                  dict(SHAPE, VU=128, BKH=64, BV=32, USE_H0=True, STORE_HT=True, STORE_STATES=True, PREC="tf32")),
     "output_fwd": (cf.kda_output_fwd_kernel, dict(QG=BF, h=BF, Aqk=BF, Vn=BF, o=BF),
                    dict(SHAPE, BK=128, BV=64, PREC="tf32")),
     "state_bwd": (cb.kda_state_bwd_kernel, dict(QG=BF, KG=BF, W=BF, G=F32, Aqk=BF, do=BF, dh=F32, dVn=F32, dht=F32,
                                                 dh0=F32),
-                  dict(SHAPE, BK=128, BV=32, USE_DHT=True, STORE_DH0=True, PREC="tf32")),
+                  dict(SHAPE, BKH=64, BV=32, USE_DHT=True, STORE_DH0=True, PREC="tf32")),
     "dqk_bwd": (cb.kda_dqk_bwd_kernel, dict(q=BF, k=BF, G=F32, h=BF, dh=F32, Vn=BF, dVn=F32, do=BF, dqs=F32, dkn=F32,
                                             dG=F32, dW=F32, dgx=F32),
                 dict(SHAPE, H=16, BKK=128, BK=64, BV=32, PREC="tf32")),
@@ -41,9 +41,12 @@ KERNELS = {
                                             dkn=F32, dG=F32, db=F32, dv=BF, dAqk=F32, dAkk=F32),
                 dict(SHAPE, H=16, BKK=128, BK=32, BV=32, PREC="tf32")),
     "intra_bwd": (cb.kda_intra_bwd_kernel, dict(q=BF, k=BF, z=BF, beta=BF, A_log=F32, dt_bias=F32, G=F32, dAqk=F32,
-                                                dAkk=F32, dqs=F32, dkn=F32, dG=F32, dgx=F32, db=F32, dq=F32, dk=F32,
-                                                dz=BF, dbeta=BF, dA_part=F32, dbias_part=F32),
-                  dict(H=16, HV=16, K=128, BT=64, BC=16, BK=128, HAS_BIAS=True, BKG=32, PREC="tf32")),
+                                                dAkk=F32, dqs=F32, dkn=F32, dG=F32, dgx=F32, dz=BF, dbeta_part=F32,
+                                                dA_part=F32, dbias_part=F32, T_total="i32"),
+                  dict(H=16, HV=16, K=128, BT=64, BC=16, BKT=32, HAS_BIAS=True, PREC="tf32")),
+    "qk_norm_bwd": (cb.kda_qk_norm_bwd_kernel, dict(q=BF, k=BF, beta=BF, dqs=F32, dkn=F32, dbeta_part=F32, db=F32,
+                                                    dq=BF, dk=BF, dbeta=BF, T_total="i32"),
+                    dict(H=16, HV=16, K=128, NKT=4, BR=32, BK=128)),
 }
 
 

@@ -1,4 +1,4 @@
-"""FlashKDA backward: four Triton kernels and their launchers (after ``kda_intra_replay`` rebuilds W, U,
+"""FlashKDA backward: five Triton kernels and their launchers (after ``kda_intra_replay`` rebuilds W, U,
 KG, QG from the forward's saved G, T, Aqk, and the state kernel re-runs for the chunk states h and the
 pseudo-values V~).
 
@@ -9,9 +9,11 @@ pseudo-values V~).
    straight to dg as a prefix sum).
 3. ``kda_dwv_bwd_kernel`` (chunks): dAqk = dO V~^T; dV, dbeta and dT through U and W; then
    dL = -T^T dT T^T (the inverse's backward), kept strictly lower.
-4. ``kda_intra_bwd_kernel`` (chunks): the 16x16 sub-tile gradients of the two decayed score matrices,
-   the L2-norm and beta-sigmoid backward, the reverse cumsum of dG and the gate backward (dz, and
-   per-chunk partial sums for dA_log and ddt_bias).
+4. ``kda_intra_bwd_kernel`` (chunks x K tiles): the 16x16 sub-tile gradients of the two decayed score
+   matrices, the reverse cumsum of dG and the gate backward (dz, and per-chunk partial sums for dA_log
+   and ddt_bias); dbeta's score term as one partial sum per K tile.
+5. ``kda_qk_norm_bwd_kernel`` (token blocks): the GVA group sum and L2-norm backward of q and k, and
+   the beta-sigmoid backward.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import triton.language as tl
 
 from k3lab.kernels.kda.chunk_fwd import block_sizes
 from k3lab.kernels.kda.utils import (
-    BC, BT, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, sequence_span, state_tile, store_rows,
+    BC, BT, chunk_span, dot_precision, inverse_norm, load_rows, load_vec, sequence_span, state_half, state_tile,
+    store_rows,
     warp_configs,
 )
 
@@ -30,39 +33,60 @@ from k3lab.kernels.kda.utils import (
 def kda_state_bwd_kernel(
     QG, KG, W, G, Aqk, do, dh, dVn, dht, dh0,  # dh [NT, HV, K, V]: dLoss/d(state after each chunk), fp32
     cu_seqlens, chunk_offsets,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKH: tl.constexpr,
     BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
 ):
+    # dS in two halves of BKH rows of K, as the forward's state kernel holds S.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     bos, eos, c0, NT = sequence_span(cu_seqlens, chunk_offsets, i_n, BT)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
+    o_k1 = tl.arange(0, BKH)
+    o_k2 = BKH + o_k1
     o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    m_1 = (o_k1 < K)[:, None] & (o_v < V)[None, :]
+    m_2 = (o_k2 < K)[:, None] & (o_v < V)[None, :]
     dt = W.dtype.element_ty
-    o_s = i_hv * K * V + o_k[:, None] * V + o_v[None, :]
+    o_s1 = i_hv * K * V + o_k1[:, None] * V + o_v[None, :]
+    o_s2 = o_s1 + BKH * V
 
-    b_dS = tl.zeros([BK, BV], tl.float32)
+    b_dS1 = tl.zeros([BKH, BV], tl.float32)
+    b_dS2 = tl.zeros([BKH, BV], tl.float32)
     if USE_DHT:
-        b_dS += tl.load(dht + i_n.to(tl.int64) * HV * K * V + o_s, mask=m_kv, other=0.0).to(tl.float32)
+        p_dht = dht + i_n.to(tl.int64) * HV * K * V
+        b_dS1 += tl.load(p_dht + o_s1, mask=m_1, other=0.0).to(tl.float32)
+        b_dS2 += tl.load(p_dht + o_s2, mask=m_2, other=0.0).to(tl.float32)
     for i_r in range(NT):
         i_j = NT - 1 - i_r
         t0 = bos + i_j * BT
         n_t = tl.minimum(eos - t0, BT).to(tl.int32)
-        tl.store(dh + (c0 + i_j) * HV * K * V + o_s, b_dS.to(dh.dtype.element_ty), mask=m_kv)
+        p_dh = dh + (c0 + i_j) * HV * K * V
+        tl.store(p_dh + o_s1, b_dS1.to(dh.dtype.element_ty), mask=m_1)
+        tl.store(p_dh + o_s2, b_dS2.to(dh.dtype.element_ty), mask=m_2)
         b_do = load_rows(do, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False).to(dt)
         b_A = load_rows(Aqk, t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT, False).to(dt)
-        b_kg = load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False).to(dt)
-        b_dvn = tl.dot(tl.trans(b_A), b_do, input_precision=PREC) + tl.dot(b_kg, b_dS.to(dt), input_precision=PREC)
+        b_dvn = tl.dot(tl.trans(b_A), b_do, input_precision=PREC)
+        b_dvn += tl.dot(load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k1, K, False).to(dt), b_dS1.to(dt),
+                        input_precision=PREC)
+        b_dvn += tl.dot(load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k2, K, False).to(dt), b_dS2.to(dt),
+                        input_precision=PREC)
         store_rows(dVn, b_dvn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
-        b_qg = load_rows(QG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False).to(dt)
-        b_W = load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False).to(dt)
-        b_gl = tl.sum(load_rows(G, t0, n_t, n_t - 1 + tl.zeros([1], tl.int32), HV * K, i_hv * K, o_k, K, True), 0)
-        b_dS = (b_dS * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
-                - tl.dot(tl.trans(b_W), b_dvn.to(dt), input_precision=PREC))
+        b_dv = b_dvn.to(dt)
+        o_l = n_t - 1 + tl.zeros([1], tl.int32)
+        b_g1 = tl.sum(load_rows(G, t0, n_t, o_l, HV * K, i_hv * K, o_k1, K, True), 0)
+        b_g2 = tl.sum(load_rows(G, t0, n_t, o_l, HV * K, i_hv * K, o_k2, K, True), 0)
+        b_qg1 = load_rows(QG, t0, n_t, o_t, HV * K, i_hv * K, o_k1, K, False).to(dt)
+        b_qg2 = load_rows(QG, t0, n_t, o_t, HV * K, i_hv * K, o_k2, K, False).to(dt)
+        b_W1 = load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k1, K, False).to(dt)
+        b_W2 = load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k2, K, False).to(dt)
+        b_dS1 = (b_dS1 * tl.exp(b_g1)[:, None] + tl.dot(tl.trans(b_qg1), b_do, input_precision=PREC)
+                 - tl.dot(tl.trans(b_W1), b_dv, input_precision=PREC))
+        b_dS2 = (b_dS2 * tl.exp(b_g2)[:, None] + tl.dot(tl.trans(b_qg2), b_do, input_precision=PREC)
+                 - tl.dot(tl.trans(b_W2), b_dv, input_precision=PREC))
     if STORE_DH0:
-        tl.store(dh0 + i_n.to(tl.int64) * HV * K * V + o_s, b_dS, mask=m_kv)
+        p_dh0 = dh0 + i_n.to(tl.int64) * HV * K * V
+        tl.store(p_dh0 + o_s1, b_dS1, mask=m_1)
+        tl.store(p_dh0 + o_s2, b_dS2, mask=m_2)
 
 
 @triton.autotune(configs=warp_configs(4, 8), key=["H", "HV", "K", "V"])
@@ -191,42 +215,61 @@ def kda_dwv_bwd_kernel(
     store_rows(dAkk, tl.where(m_tt & (o_t[:, None] > o_t[None, :]), b_dL, 0.0), t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT)
 
 
-@triton.autotune(configs=warp_configs(4, 8, 16), key=["H", "HV", "K"], restore_value=["dG"])
+@triton.jit
+def pick(J: tl.constexpr, x0, x1, x2, x3):
+    """x_J for a compile-time sub-tile index J (one [BC] row vector per sub-tile of the chunk)."""
+    return x0 if J == 0 else (x1 if J == 1 else (x2 if J == 2 else x3))
+
+
+# One program per K tile of BKT columns, chunk and value head: every product below is column-separable
+# except the scores Ks (summed over K for dbeta: each K tile writes its partial sum) and the L2-norm
+# backward (a row reduction over K: ``kda_qk_norm_bwd_kernel``, after this one). Small [16, BKT] tiles
+# and K / BKT times the programs of one whole-K program per chunk (measured on an H200, bf16: B1 T8192 H16
+# 1.45 -> 1.19 ms, B4 T8192 H16 5.86 -> 4.71 ms, the norm kernel included).
+@triton.autotune(configs=warp_configs(2, 4), key=["H", "HV", "K", "BKT"], restore_value=["dqs", "dkn", "dG"])
 @triton.jit
 def kda_intra_bwd_kernel(
-    q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db,  # dG is overwritten with the total
-    dq, dk, dz, dbeta, dA_part, dbias_part,  # dq, dk fp32 [T, HV, K] (per value head); dz [T, HV, K];
-                                             # dbeta [T, HV]; dA_part [NT, HV]; dbias_part [NT, HV, K]
-    cu_seqlens, chunk_indices, scale, lower_bound,
+    q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx,  # dqs, dkn, dG [T, HV, K] fp32: the
+                                                                       # other kernels' parts, totals written back
+    dz, dbeta_part, dA_part, dbias_part,  # dz [T, HV, K]; dbeta_part fp32 [NKT, T, HV]; dA_part [NKT, NT, HV];
+                                          # dbias_part [NT, HV, K]
+    cu_seqlens, chunk_indices, scale, lower_bound, T_total,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKG: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BKT: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_k, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BKT + tl.arange(0, BKT)
     o_c = tl.arange(0, BC)
     m_t = o_t < n_t
     # Float32 operands; PREC: tf32 for 16-bit inputs, the float32 emulation for float32 ones.
     dt = tl.float32
     s_A = HV * BT
     s_K = HV * K
+    s_Q = H * K
+    # Inverse norms of the chunk's four sub-tiles of q and k (whole rows: the only reads outside the tile).
+    b_rq0 = inverse_norm(q, t0, n_t, o_c, s_Q, i_h * K, K, BC, BKT) * scale
+    b_rq1 = inverse_norm(q, t0, n_t, BC + o_c, s_Q, i_h * K, K, BC, BKT) * scale
+    b_rq2 = inverse_norm(q, t0, n_t, 2 * BC + o_c, s_Q, i_h * K, K, BC, BKT) * scale
+    b_rq3 = inverse_norm(q, t0, n_t, 3 * BC + o_c, s_Q, i_h * K, K, BC, BKT) * scale
+    b_rk0 = inverse_norm(k, t0, n_t, o_c, s_Q, i_h * K, K, BC, BKT)
+    b_rk1 = inverse_norm(k, t0, n_t, BC + o_c, s_Q, i_h * K, K, BC, BKT)
+    b_rk2 = inverse_norm(k, t0, n_t, 2 * BC + o_c, s_Q, i_h * K, K, BC, BKT)
+    b_rk3 = inverse_norm(k, t0, n_t, 3 * BC + o_c, s_Q, i_h * K, K, BC, BKT)
 
     for I in tl.static_range(BT // BC):
         o_i = I * BC + o_c
-        b_ki = load_rows(k, t0, n_t, o_i, H * K, i_h * K, o_k, K, False)
-        b_rk = 1.0 / tl.sqrt(tl.sum(b_ki * b_ki, 1) + 1e-6)
-        b_ki = b_ki * b_rk[:, None]
-        b_qi = load_rows(q, t0, n_t, o_i, H * K, i_h * K, o_k, K, False)
-        b_rq = 1.0 / tl.sqrt(tl.sum(b_qi * b_qi, 1) + 1e-6)
-        b_qi = b_qi * (b_rq * scale)[:, None]
+        b_ki = load_rows(k, t0, n_t, o_i, s_Q, i_h * K, o_k, K, False) * pick(I, b_rk0, b_rk1, b_rk2, b_rk3)[:, None]
+        b_qi = load_rows(q, t0, n_t, o_i, s_Q, i_h * K, o_k, K, False) * pick(I, b_rq0, b_rq1, b_rq2, b_rq3)[:, None]
         b_Gi = load_rows(G, t0, n_t, o_i, s_K, i_hv * K, o_k, K, True)
         b_bi = tl.where(o_i < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_i, HV, i_hv)), 0.0)
         b_rm = tl.sum(tl.where((o_c == BC // 2)[:, None], b_Gi, 0.0), 0)
-        # Tile I as the row side: dX_i = sum_j dA_ij Y_j exp(G_i - G_j) for Aqk (X = q) and Ks (X = k).
-        b_dq = tl.zeros([BC, BK], tl.float32)
-        b_dk = tl.zeros([BC, BK], tl.float32)
+        # Tile I as the row side: dX_i = sum_j dA_ij Y_j exp(G_i - G_j) for Aqk (X = q) and Ks (X = k),
+        # with the reference r of the forward's sub-tile (I, J).
+        b_dq = tl.zeros([BC, BKT], tl.float32)
+        b_dk = tl.zeros([BC, BKT], tl.float32)
         b_dbi = tl.zeros([BC], tl.float32)
         for J in tl.static_range(I + 1):
             if J == I:
@@ -236,16 +279,17 @@ def kda_intra_bwd_kernel(
             else:
                 o_j = J * BC + o_c
                 b_r = tl.sum(load_rows(G, t0, n_t, I * BC - 1 + tl.zeros([1], tl.int32), s_K, i_hv * K, o_k, K, True), 0)
-                b_kj = l2norm_rows(load_rows(k, t0, n_t, o_j, H * K, i_h * K, o_k, K, False))
+                b_kj = load_rows(k, t0, n_t, o_j, s_Q, i_h * K, o_k, K, False) * pick(J, b_rk0, b_rk1, b_rk2, b_rk3)[:, None]
                 b_Gj = load_rows(G, t0, n_t, o_j, s_K, i_hv * K, o_k, K, True)
             b_er = tl.exp(b_Gi - b_r[None, :])
             b_kr = (b_kj * tl.exp(b_r[None, :] - b_Gj)).to(dt)
             b_dAq = load_rows(dAqk, t0, n_t, o_i, s_A, i_hv * BT + J * BC, o_c, BC, False)
             b_dAk = load_rows(dAkk, t0, n_t, o_i, s_A, i_hv * BT + J * BC, o_c, BC, False)
+            # L = Diag(beta) Ks: dbeta_i = sum_j dL_ij Ks_ij (dAkk is zero off L's support), this tile's
+            # columns' share of Ks.
             b_Ks = tl.dot((b_ki * b_er).to(dt), tl.trans(b_kr), input_precision=PREC)
             if J == I:
                 b_Ks = tl.where(o_c[:, None] > o_c[None, :], b_Ks, 0.0)
-            # L = Diag(beta) Ks: dbeta_i = sum_j dL_ij Ks_ij (dAkk is zero off L's support).
             b_dbi += tl.sum(b_dAk * b_Ks, 1)
             if J == I:
                 # Aqk's diagonal (q_i . k_i, no decay) has no gate dependence: keep it out of dG
@@ -257,7 +301,7 @@ def kda_intra_bwd_kernel(
         b_dGi = b_qi * b_dq + b_ki * b_dk
         b_dq += b_dAqd[:, None] * b_ki
         # Tile I as the column side: dY_j = sum_i dA_ij X_i exp(G_i - G_j), rows from tiles J >= I.
-        b_dkc = tl.zeros([BC, BK], tl.float32)
+        b_dkc = tl.zeros([BC, BKT], tl.float32)
         for J in tl.static_range(I, BT // BC):
             if J == I:
                 b_r = b_rm
@@ -268,8 +312,8 @@ def kda_intra_bwd_kernel(
             else:
                 o_j = J * BC + o_c
                 b_r = tl.sum(load_rows(G, t0, n_t, J * BC - 1 + tl.zeros([1], tl.int32), s_K, i_hv * K, o_k, K, True), 0)
-                b_kj = l2norm_rows(load_rows(k, t0, n_t, o_j, H * K, i_h * K, o_k, K, False))
-                b_qj = l2norm_rows(load_rows(q, t0, n_t, o_j, H * K, i_h * K, o_k, K, False)) * scale
+                b_kj = load_rows(k, t0, n_t, o_j, s_Q, i_h * K, o_k, K, False) * pick(J, b_rk0, b_rk1, b_rk2, b_rk3)[:, None]
+                b_qj = load_rows(q, t0, n_t, o_j, s_Q, i_h * K, o_k, K, False) * pick(J, b_rq0, b_rq1, b_rq2, b_rq3)[:, None]
                 b_Gj = load_rows(G, t0, n_t, o_j, s_K, i_hv * K, o_k, K, True)
                 b_bj = tl.where(o_j < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_j, HV, i_hv)), 0.0)
             b_erj = tl.exp(b_Gj - b_r[None, :])
@@ -282,38 +326,66 @@ def kda_intra_bwd_kernel(
             b_dkc += b_x * tl.exp(b_r[None, :] - b_Gi)
         b_dGi -= b_ki * b_dkc
         b_dk += b_dkc + b_dAqd[:, None] * b_qi
-        # Totals with the state/WY path, then the L2-norm backward dx = (dy - y <dy, y>) / ||x||.
-        b_dqs = b_dq + load_rows(dqs, t0, n_t, o_i, s_K, i_hv * K, o_k, K, False)
-        b_dkn = b_dk + load_rows(dkn, t0, n_t, o_i, s_K, i_hv * K, o_k, K, False)
-        b_dGi += load_rows(dG, t0, n_t, o_i, s_K, i_hv * K, o_k, K, False)
-        b_dbi += load_vec(db, t0, n_t, o_i, HV, i_hv)
-        b_qn = b_qi / scale
-        b_dqn = b_dqs * scale
-        b_dqx = (b_dqn - b_qn * tl.sum(b_dqn * b_qn, 1)[:, None]) * b_rq[:, None]
-        b_dkx = (b_dkn - b_ki * tl.sum(b_dkn * b_ki, 1)[:, None]) * b_rk[:, None]
-        store_rows(dq, b_dqx, t0, n_t, o_i, s_K, i_hv * K, o_k, K)
-        store_rows(dk, b_dkx, t0, n_t, o_i, s_K, i_hv * K, o_k, K)
-        tl.store(dbeta + (t0 + o_i).to(tl.int64) * HV + i_hv, b_dbi * b_bi * (1.0 - b_bi), mask=o_i < n_t)
-        store_rows(dG, b_dGi, t0, n_t, o_i, s_K, i_hv * K, o_k, K)
+        # Totals with the state/WY path (gradients of scale * q / |q| and k / |k|), written back in place.
+        store_rows(dqs, b_dq + load_rows(dqs, t0, n_t, o_i, s_K, i_hv * K, o_k, K, False), t0, n_t, o_i, s_K, i_hv * K, o_k, K)
+        store_rows(dkn, b_dk + load_rows(dkn, t0, n_t, o_i, s_K, i_hv * K, o_k, K, False), t0, n_t, o_i, s_K, i_hv * K, o_k, K)
+        store_rows(dG, b_dGi + load_rows(dG, t0, n_t, o_i, s_K, i_hv * K, o_k, K, False), t0, n_t, o_i, s_K, i_hv * K, o_k, K)
+        tl.store(dbeta_part + (i_k * T_total + t0 + o_i).to(tl.int64) * HV + i_hv, b_dbi, mask=o_i < n_t)
     tl.debug_barrier()
 
     # G = cumsum(g) in the chunk: dg = reverse cumsum of dG; then g = lb * sigmoid(a (z + bias)).
-    # Column-independent, so in K tiles of BKG (small register tiles).
     b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    b_dA = tl.zeros([BKG], tl.float32)
-    for i_k in tl.static_range(BK // BKG):
-        o_kg = i_k * BKG + tl.arange(0, BKG)
-        b_dg = tl.cumsum(load_rows(dG, t0, n_t, o_t, s_K, i_hv * K, o_kg, K, False), axis=0, reverse=True)
-        b_dg += load_rows(dgx, t0, n_t, o_t, s_K, i_hv * K, o_kg, K, False)
-        b_z = load_rows(z, t0, n_t, o_t, s_K, i_hv * K, o_kg, K, False)
-        if HAS_BIAS:
-            b_z += tl.load(dt_bias + i_hv * K + o_kg, mask=o_kg < K, other=0.0).to(tl.float32)[None, :]
-        b_s = tl.sigmoid(b_a * b_z)
-        b_ds = tl.where(m_t[:, None] & (o_kg < K)[None, :], b_dg * lower_bound * b_s * (1.0 - b_s), 0.0)
-        store_rows(dz, b_ds * b_a, t0, n_t, o_t, s_K, i_hv * K, o_kg, K)
-        b_dA += tl.sum(b_ds * b_z, 0)
-        tl.store(dbias_part + (i_c.to(tl.int64) * HV + i_hv) * K + o_kg, tl.sum(b_ds, 0) * b_a, mask=o_kg < K)
-    tl.store(dA_part + i_c.to(tl.int64) * HV + i_hv, tl.sum(b_dA, 0) * b_a)
+    b_dg = tl.cumsum(load_rows(dG, t0, n_t, o_t, s_K, i_hv * K, o_k, K, False), axis=0, reverse=True)
+    b_dg += load_rows(dgx, t0, n_t, o_t, s_K, i_hv * K, o_k, K, False)
+    b_z = load_rows(z, t0, n_t, o_t, s_K, i_hv * K, o_k, K, False)
+    if HAS_BIAS:
+        b_z += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+    b_s = tl.sigmoid(b_a * b_z)
+    b_ds = tl.where(m_t[:, None] & (o_k < K)[None, :], b_dg * lower_bound * b_s * (1.0 - b_s), 0.0)
+    store_rows(dz, b_ds * b_a, t0, n_t, o_t, s_K, i_hv * K, o_k, K)
+    tl.store(dbias_part + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.sum(b_ds, 0) * b_a, mask=o_k < K)
+    tl.store(dA_part + (i_k * tl.num_programs(1) + i_c).to(tl.int64) * HV + i_hv, tl.sum(tl.sum(b_ds * b_z, 0), 0) * b_a)
+
+
+@triton.jit
+def kda_qk_norm_bwd_kernel(
+    q, k, beta, dqs, dkn, dbeta_part, db, dq, dk, dbeta,  # q, k, dq, dk [T, H, K]; dqs, dkn fp32 [T, HV, K];
+                                                        # beta, db, dbeta [T, HV]; dbeta_part fp32 [NKT, T, HV]
+    T_total, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, NKT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+):
+    """Per block of BR tokens and q/k head: the gradients of q / |q| (times the scale) and k / |k| summed
+    over the head's GVA group, then the L2-norm backward dx = (dy - y <dy, y>) / |x|; and
+    dbeta = (sum of the K tiles' parts + the WY path's) * sigmoid'(beta)."""
+    i_r, i_h = tl.program_id(0), tl.program_id(1)
+    GV: tl.constexpr = HV // H
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_k = tl.arange(0, BK)
+    m_r = o_r < T_total
+    m = m_r[:, None] & (o_k < K)[None, :]
+    o_r64 = o_r.to(tl.int64)
+    b_dq = tl.zeros([BR, BK], tl.float32)
+    b_dk = tl.zeros([BR, BK], tl.float32)
+    for i_g in tl.static_range(GV):
+        i_hv = i_h * GV + i_g
+        p = (o_r64 * HV + i_hv)[:, None] * K + o_k[None, :]
+        b_dq += tl.load(dqs + p, mask=m, other=0.0)
+        b_dk += tl.load(dkn + p, mask=m, other=0.0)
+        b_db = tl.load(db + o_r64 * HV + i_hv, mask=m_r, other=0.0)
+        for i_k in tl.static_range(NKT):
+            b_db += tl.load(dbeta_part + (i_k * T_total + o_r64) * HV + i_hv, mask=m_r, other=0.0)
+        b_b = tl.sigmoid(tl.load(beta + o_r64 * HV + i_hv, mask=m_r, other=0.0).to(tl.float32))
+        tl.store(dbeta + o_r64 * HV + i_hv, (b_db * b_b * (1.0 - b_b)).to(dbeta.dtype.element_ty), mask=m_r)
+    p = (o_r64 * H + i_h)[:, None] * K + o_k[None, :]
+    b_q = tl.load(q + p, mask=m, other=0.0).to(tl.float32)
+    b_rq = 1.0 / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)
+    b_q *= b_rq[:, None]
+    b_dq *= scale
+    tl.store(dq + p, ((b_dq - b_q * tl.sum(b_dq * b_q, 1)[:, None]) * b_rq[:, None]).to(dq.dtype.element_ty), mask=m)
+    b_k = tl.load(k + p, mask=m, other=0.0).to(tl.float32)
+    b_rk = 1.0 / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)
+    b_k *= b_rk[:, None]
+    tl.store(dk + p, ((b_dk - b_k * tl.sum(b_dk * b_k, 1)[:, None]) * b_rk[:, None]).to(dk.dtype.element_ty), mask=m)
 
 
 def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offsets, NT, dh=None, dVn=None):
@@ -325,15 +397,14 @@ def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offset
     T, HV, K = W.shape
     V = do.shape[-1]
     N = cu_seqlens.numel() - 1
-    BK, _ = block_sizes(K, V)
     BV = state_tile(N, HV, V, W.device)
     dh = torch.empty(NT, HV, K, V, device=W.device, dtype=torch.float32) if dh is None else dh
     dVn = torch.empty(T, HV, V, device=W.device, dtype=torch.float32) if dVn is None else dVn
     dh0 = torch.empty(N, HV, K, V, device=W.device, dtype=torch.float32) if need_dh0 else None
     kda_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
         QG, KG, W, G, Aqk, do, dh, dVn, dht, dh0, cu_seqlens, chunk_offsets, HV=HV, K=K, V=V, BT=BT,
-        BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=need_dh0, PREC=dot_precision(W.dtype, W.device), num_warps=4,
-        num_stages=2,
+        BKH=state_half(K), BV=BV, USE_DHT=dht is not None, STORE_DH0=need_dh0, PREC=dot_precision(W.dtype, W.device),
+        num_warps=4, num_stages=3 if W.element_size() == 2 else 2,
     )
     return dh, dVn, dh0
 
@@ -376,24 +447,33 @@ def kda_dwv_bwd(k, v, beta, G, Tinv, dW, dVn, do, Vn, dkn, dG, cu_seqlens, chunk
 
 def kda_intra_bwd(q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale, lower_bound,
                   cu_seqlens, chunk_indices):
-    """Launch ``kda_intra_bwd_kernel``. Returns (dq, dk per value head fp32, dz, dbeta, dA_part, dbias_part)."""
+    """Launch ``kda_intra_bwd_kernel`` then ``kda_qk_norm_bwd_kernel`` (``dqs``, ``dkn``, ``dG`` are
+    overwritten with their totals). Returns (dq, dk [T, H, K] in q's dtype, dz [T, HV, K], dbeta [T, HV],
+    dA_part fp32 [parts, HV], dbias_part fp32 [NT, HV, K]); the parts sum to dA_log and dt_bias's gradient."""
     T, H, K = k.shape
     HV = z.shape[1]
     NT = chunk_indices.shape[0]
     BK, _ = block_sizes(K, K)
+    BKT = min(BK, 32)
+    NKT = triton.cdiv(K, BKT)
     dev = k.device
-    dq, dk = (torch.empty(T, HV, K, device=dev, dtype=torch.float32) for _ in range(2))
     dz = torch.empty_like(z)
-    dbeta = torch.empty_like(beta)
-    dA_part = torch.empty(NT, HV, device=dev, dtype=torch.float32)
+    dbeta_part = torch.empty(NKT, T, HV, device=dev, dtype=torch.float32)
+    dA_part = torch.empty(NKT, NT, HV, device=dev, dtype=torch.float32)
     dbias_part = torch.empty(NT, HV, K, device=dev, dtype=torch.float32)
-    kda_intra_bwd_kernel[(NT, HV)](
-        q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db, dq, dk, dz, dbeta, dA_part,
-        dbias_part, cu_seqlens, chunk_indices, scale, lower_bound, H=H, HV=HV, K=K,
-        HAS_BIAS=dt_bias is not None, BT=BT, BC=BC, BK=BK, BKG=min(BK, 32),
-        PREC=intra_bwd_precision(q.dtype, dev),
+    kda_intra_bwd_kernel[(NKT, NT, HV)](
+        q, k, z, beta, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, dz, dbeta_part, dA_part, dbias_part,
+        cu_seqlens, chunk_indices, scale, lower_bound, T, H=H, HV=HV, K=K, HAS_BIAS=dt_bias is not None,
+        BT=BT, BC=BC, BKT=BKT, PREC=intra_bwd_precision(q.dtype, dev),
     )
-    return dq, dk, dz, dbeta, dA_part, dbias_part
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dbeta = torch.empty_like(beta)
+    BR = 16 if dev.type != "cuda" else 32
+    kda_qk_norm_bwd_kernel[(triton.cdiv(T, BR), H)](
+        q, k, beta, dqs, dkn, dbeta_part, db, dq, dk, dbeta, T, scale, H=H, HV=HV, K=K, NKT=NKT, BR=BR, BK=BK,
+        num_warps=8,
+    )
+    return dq, dk, dz, dbeta, dA_part.view(NKT * NT, HV), dbias_part
 
 
 def intra_bwd_precision(dtype: torch.dtype, device: torch.device) -> str:

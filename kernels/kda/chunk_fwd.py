@@ -2,8 +2,8 @@
 
 1. ``kda_intra_fwd_kernel`` (one program per chunk and value head, all chunks in parallel): the fused
    gate g = lb * sigmoid(exp(A_log) (z + dt_bias)) and its in-chunk cumsum G, q/k L2 norm, beta
-   sigmoid (on [64, 32] tiles of K), the 16x16 sub-tiles of (Gamma K)(K / Gamma)^T and
-   (Gamma Q)(K / Gamma)^T on tensor cores (summed over 32-column slices of K), the UT-transform inverse T = (I + Diag(beta) StrictTril(...))^-1 by 16x16 blocks, and
+   sigmoid, the 16x16 sub-tiles of (Gamma K)(K / Gamma)^T and (Gamma Q)(K / Gamma)^T on tensor cores,
+   the UT-transform inverse T = (I + Diag(beta) StrictTril(...))^-1 by 16x16 blocks, and
    W = T Diag(beta)(Gamma K), U = T Diag(beta) V.
 2. ``kda_state_fwd_kernel`` (one program per sequence, value head and V tile; the only sequential
    loop): S_n for every chunk, pseudo-values V~ = U - W S, S <- Diag(gamma_C) S + (Gamma_{i->C} K)^T V~.
@@ -16,74 +16,122 @@ import triton
 import triton.language as tl
 
 from k3lab.kernels.kda.utils import (
-    BC, BT, chunk_span, dot_precision, load_rows, load_vec, sequence_span, state_tile, store_rows,
+    BC, BT, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, sequence_span, state_half, state_tile, store_rows,
     warp_configs,
 )
 
 
 @triton.jit
-def score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rqi, b_rki, b_rkj, I: tl.constexpr, J: tl.constexpr,
-                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                BC: tl.constexpr, BKT: tl.constexpr, PREC: tl.constexpr):
-    """Sub-tile (I, J), J <= I, of the two decayed score matrices of one chunk.
+def exp_ftz(x):
+    """e^x as 2^(x log2 e): Triton lowers that to one MUFU.EX2, which flushes results below 2^-126 to zero;
+    tl.exp (the same rounding otherwise) adds a three-instruction fix-up per element for them."""
+    return tl.exp2(x * 1.4426950408889634)
 
-    Ks[i, j] = sum_c k_ic k_jc exp(G_ic - G_jc) (strictly lower on the diagonal) is returned;
-    Aqk[i, j] = same with q_i (inclusive) is stored. Both are tensor-core dots of
-    (x_i exp(G_i - r)) (k_j exp(r - G_j))^T with a reference r per sub-tile: r = G at the last token
-    before sub-tile I when J < I (both factors <= 1), and G at the middle of the sub-tile when
-    J == I, so no factor exceeds exp(8 |lb|) (the "1/Gamma in bf16" of the lower-bounded gate).
-    K goes in tiles of BKT columns (small register tiles); the rows are scaled by their inverse norms
-    b_rqi (with the query scale), b_rki, b_rkj ([BC] each), which the caller computes once per sub-tile.
+
+@triton.jit
+def gate_rows(z, G, t0, n_t, i_hv, b_a, b_bias, b_Gp, lower_bound, I: tl.constexpr, HV: tl.constexpr,
+              K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """Rows I*BC .. I*BC+BC-1 of G = G_prev + cumsum(lb * sigmoid(a (z + bias))), stored; returns the
+    prefix for the next sub-tile. Padded rows get g = 0 (no decay)."""
+    o_i = I * BC + tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    b_z = load_rows(z, t0, n_t, o_i, HV * K, i_hv * K, o_k, K, False) + b_bias[None, :]
+    b_g = tl.where((o_i < n_t)[:, None] & (o_k < K)[None, :], lower_bound / (1.0 + exp_ftz(-b_a * b_z)), 0.0)
+    store_rows(G, b_Gp[None, :] + tl.cumsum(b_g, axis=0), t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
+    return b_Gp + tl.sum(b_g, 0)
+
+
+@triton.jit
+def last_row(G, t0, n_t, i_hv, I: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+             BK: tl.constexpr):
+    """G at the last row of sub-tile I (clamped to the chunk's last token) as a [BK] vector."""
+    o_r = I * BC + BC - 1 + tl.zeros([1], tl.int32)
+    return tl.sum(load_rows(G, t0, n_t, o_r, HV * K, i_hv * K, tl.arange(0, BK), K, True), 0)
+
+
+@triton.jit
+def row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_r, b_e, b_Gl, I: tl.constexpr,
+              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """Sub-tile I, with r = G before its first row (0 for I = 0) and e = G at its last row: stores
+    KG = k exp(G_last - G), QG = scale q exp(G) and W's right operand Diag(beta) k exp(G) (in W), and
+    returns the operands of the decayed scores (k P, scale q P, k Q, k exp(e - G), sigmoid(beta)); k and q
+    are L2-normalised here, once.
+
+    The two exponentials per element are taken at the sub-tile's middle m = (r + e) / 2,
+    P = exp(G - m) and Q = exp(m - G), so neither exceeds exp(8 |lb|) (the "1/Gamma in bf16" of the
+    lower-bounded gate); the other factors are [BK] vectors. Products that may underflow are formed from
+    two factors <= 1 (exp(G - r) = P exp(m - r), then exp(r)): the lost values are below float32's range.
     """
+    o_i = I * BC + tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    b_k = l2norm_rows(load_rows(k, t0, n_t, o_i, H * K, i_h * K, o_k, K, False))
+    b_q = l2norm_rows(load_rows(q, t0, n_t, o_i, H * K, i_h * K, o_k, K, False)) * scale
+    b_G = load_rows(G, t0, n_t, o_i, HV * K, i_hv * K, o_k, K, True)
+    b_b = tl.where(o_i < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_i, HV, i_hv)), 0.0)
+    b_m = 0.5 * (b_r + b_e)
+    b_P = exp_ftz(b_G - b_m[None, :])
+    b_kp = b_k * b_P
+    b_qp = b_q * b_P
+    b_kq = b_k * exp_ftz(b_m[None, :] - b_G)
+    # m - r and e - m, not (e - r) / 2: the rounding of m cancels in the exponents' sums.
+    b_kh = b_kq * exp_ftz(b_e - b_m)[None, :]
+    b_fr = exp_ftz(b_m - b_r)[None, :]
+    b_er = exp_ftz(b_r)[None, :]
+    store_rows(KG, b_kh * exp_ftz(b_Gl - b_e)[None, :], t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
+    store_rows(QG, b_qp * b_fr * b_er, t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
+    store_rows(W, b_kp * b_fr * (b_er * b_b[:, None]), t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
+    return b_kp, b_qp, b_kq, b_kh, b_b
+
+
+@triton.jit
+def diag_scores(b_kp, b_qp, b_kq, Aqk, t0, n_t, i_hv, I: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr, PREC: tl.constexpr):
+    """Diagonal sub-tile I of the decayed scores from ``row_block``'s operands (middle reference):
+    Ks[i, j] = sum_c k_ic k_jc exp(G_ic - G_jc), strictly lower, is returned; Aqk (q_i, inclusive) is
+    stored."""
     dt = Aqk.dtype.element_ty
     o_c = tl.arange(0, BC)
-    o_i = I * BC + o_c
-    o_j = J * BC + o_c
-    if I == J:
-        o_r = I * BC + BC // 2 + tl.zeros([1], tl.int32)
-    else:
-        o_r = I * BC - 1 + tl.zeros([1], tl.int32)
-    b_Ks = tl.zeros([BC, BC], tl.float32)
-    b_Aq = tl.zeros([BC, BC], tl.float32)
-    for i_k in range((K + BKT - 1) // BKT):
-        o_k = i_k * BKT + tl.arange(0, BKT)
-        b_r = tl.sum(load_rows(G, t0, n_t, o_r, HV * K, i_hv * K, o_k, K, True), 0)
-        b_er = tl.exp(load_rows(G, t0, n_t, o_i, HV * K, i_hv * K, o_k, K, True) - b_r[None, :])
-        b_ki = load_rows(k, t0, n_t, o_i, H * K, i_h * K, o_k, K, False) * (b_rki[:, None] * b_er)
-        b_qi = load_rows(q, t0, n_t, o_i, H * K, i_h * K, o_k, K, False) * (b_rqi[:, None] * b_er)
-        b_kr = (load_rows(k, t0, n_t, o_j, H * K, i_h * K, o_k, K, False) * b_rkj[:, None]
-                * tl.exp(b_r[None, :] - load_rows(G, t0, n_t, o_j, HV * K, i_hv * K, o_k, K, True))).to(dt)
-        b_Ks = tl.dot(b_ki.to(dt), tl.trans(b_kr), acc=b_Ks, input_precision=PREC)
-        b_Aq = tl.dot(b_qi.to(dt), tl.trans(b_kr), acc=b_Aq, input_precision=PREC)
-    if I == J:
-        b_Ks = tl.where(o_c[:, None] > o_c[None, :], b_Ks, 0.0)
-        b_Aq = tl.where(o_c[:, None] >= o_c[None, :], b_Aq, 0.0)
-    store_rows(Aqk, b_Aq, t0, n_t, o_i, HV * BT, i_hv * BT + J * BC, o_c, BC)
+    b_kd = tl.trans(b_kq.to(dt))
+    b_Ks = tl.dot(b_kp.to(dt), b_kd, input_precision=PREC)
+    b_Aq = tl.dot(b_qp.to(dt), b_kd, input_precision=PREC)
+    b_Aq = tl.where(o_c[:, None] >= o_c[None, :], b_Aq, 0.0)
+    store_rows(Aqk, b_Aq, t0, n_t, I * BC + o_c, HV * BT, i_hv * BT + I * BC, o_c, BC)
+    return tl.where(o_c[:, None] > o_c[None, :], b_Ks, 0.0)
+
+
+@triton.jit
+def off_scores(b_kp, b_qp, b_cj, b_mI, b_eJ, Aqk, t0, n_t, i_hv, I: tl.constexpr, J: tl.constexpr,
+               HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Sub-tile (I, J), J < I, of the same scores at the reference e_J (G at sub-tile J's last row), where
+    both factors are <= 1: rows x_i exp(G_i - e_J) = x P exp(m_I - e_J), columns
+    b_cj = k_j exp(e_J - G_j) (``row_block``'s fourth result for sub-tile J). Ks is returned, Aqk stored."""
+    dt = Aqk.dtype.element_ty
+    o_c = tl.arange(0, BC)
+    b_f = exp_ftz(b_mI - b_eJ)[None, :]
+    b_ck = tl.trans(b_cj)
+    b_Ks = tl.dot((b_kp * b_f).to(dt), b_ck, input_precision=PREC)
+    b_Aq = tl.dot((b_qp * b_f).to(dt), b_ck, input_precision=PREC)
+    store_rows(Aqk, b_Aq, t0, n_t, I * BC + o_c, HV * BT, i_hv * BT + J * BC, o_c, BC)
     return b_Ks
 
 
 @triton.jit
-def inverse_norm(x, t0, n_t, o_r, stride, off, K: tl.constexpr, BC: tl.constexpr, BKT: tl.constexpr):
-    """1 / sqrt(sum(x^2) + 1e-6) of the BC rows t0 + o_r (zero rows past n_t give 1e3), over K in BKT tiles."""
-    b_ss = tl.zeros([BC], tl.float32)
-    for i_k in range((K + BKT - 1) // BKT):
-        o_k = i_k * BKT + tl.arange(0, BKT)
-        b_x = load_rows(x, t0, n_t, o_r, stride, off, o_k, K, False)
-        b_ss += tl.sum(b_x * b_x, 1)
-    return 1.0 / tl.sqrt(b_ss + 1e-6)
-
-
-@triton.jit
-def unit_lower_inverse(b_N, BC: tl.constexpr):
-    """(I + N)^-1 for a strictly lower [BC, BC] block N, by forward substitution on rows:
-    X_i = e_i - sum_{j<i} N_ij X_j."""
+def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr):
+    """(I + N)^-1 of four strictly lower [BC, BC] blocks, by forward substitution on rows,
+    X_i = e_i - sum_{j<i} N_ij X_j, on the four at once (stacked on two trailing axes of size 2, held by
+    the same thread): one chain of BC - 1 steps, each with the cross-thread reductions of one block."""
     o_c = tl.arange(0, BC)
-    b_X = (o_c[:, None] == o_c[None, :]).to(tl.float32)
+    m_r = o_c[:, None, None, None]
+    b_N = tl.join(tl.join(b_N0, b_N1), tl.join(b_N2, b_N3))
+    b_X = tl.where(m_r == o_c[None, :, None, None], 1.0, tl.zeros_like(b_N))
     for i in range(1, BC):
-        b_n = tl.sum(tl.where((o_c == i)[:, None], b_N, 0.0), 0)
-        b_x = tl.sum(b_n[:, None] * b_X, 0)
-        b_X = tl.where((o_c == i)[:, None], b_X - b_x[None, :], b_X)
-    return b_X
+        b_n = tl.sum(tl.where(m_r == i, b_N, 0.0), 0)
+        b_x = tl.sum(b_n[:, None, :, :] * b_X, 0)
+        b_X = tl.where(m_r == i, b_X - b_x[None, :, :, :], b_X)
+    b_X01, b_X23 = tl.split(b_X)
+    b_X0, b_X1 = tl.split(b_X01)
+    b_X2, b_X3 = tl.split(b_X23)
+    return b_X0, b_X1, b_X2, b_X3
 
 
 @triton.jit
@@ -92,9 +140,29 @@ def dot32(a, b):
     return tl.dot(a, b, input_precision="ieee")
 
 
-# 2 warps first: the measured best with float32 intermediates (B1 T8192 H16 on an H200: 8 warps 1.76 ms,
-# 4: 1.44, 2: 1.38), when more resident programs hid the latency of the chain of small steps.
-@triton.autotune(configs=warp_configs(2, 4, 8), key=["H", "HV", "K", "V", "REPLAY"])
+@triton.jit
+def store_tinv_row(Tinv, b_T0, b_T1, b_T2, b_T3, t0, n_t, i_hv, I: tl.constexpr, HV: tl.constexpr,
+                   BT: tl.constexpr, BC: tl.constexpr):
+    """Row block I of Tinv (its blocks J <= I given; unused arguments repeat one) and zeros right of it."""
+    o_c = tl.arange(0, BC)
+    o_i = I * BC + o_c
+    s_T = HV * BT
+    store_rows(Tinv, b_T0, t0, n_t, o_i, s_T, i_hv * BT, o_c, BC)
+    if I >= 1:
+        store_rows(Tinv, b_T1, t0, n_t, o_i, s_T, i_hv * BT + BC, o_c, BC)
+    if I >= 2:
+        store_rows(Tinv, b_T2, t0, n_t, o_i, s_T, i_hv * BT + 2 * BC, o_c, BC)
+    if I >= 3:
+        store_rows(Tinv, b_T3, t0, n_t, o_i, s_T, i_hv * BT + 3 * BC, o_c, BC)
+    if I < BT // BC - 1:
+        o_z = (I + 1) * BC + tl.arange(0, BT)
+        b_0 = tl.zeros([BC, BT], tl.float32)
+        store_rows(Tinv, b_0, t0, n_t, o_i, s_T, i_hv * BT, o_z, BT)
+
+
+# 2 and 4 warps: at 255 registers each fits 8 warps per SM, and 2 warps issue the fewest warp-instructions
+# (offline sm_90, bf16, K = V = 128: 2 warps 35k, 4 warps 41k, 8 warps 64k per program); 2 warps spill more.
+@triton.autotune(configs=warp_configs(2, 4), key=["H", "HV", "K", "V", "REPLAY"])
 @triton.jit
 def kda_intra_fwd_kernel(
     q, k, v, z, beta, A_log, dt_bias,  # inputs: [T, H, K], [T, H, K], [T, HV, V], [T, HV, K], [T, HV], [HV], [HV*K]
@@ -102,111 +170,95 @@ def kda_intra_fwd_kernel(
                                  # W, KG = k exp(G_last - G), QG = scale q exp(G) [T, HV, K]; U [T, HV, V]
     cu_seqlens, chunk_indices, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, BKT: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     REPLAY: tl.constexpr,  # G and Tinv are inputs (saved by the forward); only KG, QG, W, U are written
 ):
+    tl.static_assert(BT == 4 * BC)
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
-    o_c = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
     m_t = o_t < n_t
     dt = W.dtype.element_ty
 
-    # Per BKT columns: the gate activation and its in-chunk cumsum G (padded rows get g = 0: no decay,
-    # so row BT - 1 is G at the last token), KG = k exp(G_last - G), QG = scale q exp(G), and W's right
-    # operand Diag(beta)(Gamma K) (kept in W), with q and k scaled by their rows' inverse norms.
-    b_rq = inverse_norm(q, t0, n_t, o_t, H * K, i_h * K, K, BT, BKT) * scale
-    b_rk = inverse_norm(k, t0, n_t, o_t, H * K, i_h * K, K, BT, BKT)
-    b_b = tl.where(m_t, tl.sigmoid(load_vec(beta, t0, n_t, o_t, HV, i_hv)), 0.0)
     if not REPLAY:
         b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    for i_k in range(tl.cdiv(K, BKT)):
-        o_k = i_k * BKT + tl.arange(0, BKT)
-        if REPLAY:
-            b_G = load_rows(G, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, True)
-        else:
-            b_z = load_rows(z, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
-            if HAS_BIAS:
-                b_z += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-            b_G = tl.cumsum(tl.where(m_t[:, None], lower_bound * tl.sigmoid(b_a * b_z), 0.0), axis=0)
-            store_rows(G, b_G, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
-        b_Gl = tl.sum(tl.where((o_t == BT - 1)[:, None], b_G, 0.0), 0)
-        b_k = load_rows(k, t0, n_t, o_t, H * K, i_h * K, o_k, K, False) * b_rk[:, None]
-        b_q = load_rows(q, t0, n_t, o_t, H * K, i_h * K, o_k, K, False) * b_rq[:, None]
-        store_rows(KG, b_k * tl.exp(b_Gl[None, :] - b_G), t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
-        store_rows(W, b_k * tl.exp(b_G) * b_b[:, None], t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
-        store_rows(QG, b_q * tl.exp(b_G), t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
-    # G goes through global memory so the sub-tile loads below can read any 16 rows of it.
-    tl.debug_barrier()
+        b_bias = tl.zeros([BK], tl.float32)
+        if HAS_BIAS:
+            b_bias += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+        b_Gp = tl.zeros([BK], tl.float32)
+        for I in tl.static_range(BT // BC):
+            b_Gp = gate_rows(z, G, t0, n_t, i_hv, b_a, b_bias, b_Gp, lower_bound, I, HV, K, BC, BK)
+        # G's rows written by other threads are read below.
+        tl.debug_barrier()
+    # e_I = G at the last row of sub-tile I (e_3 = G_last), read back rather than kept from the gate pass:
+    # Triton would otherwise compute the whole gate twice, in the layouts of both uses.
+    b_e0 = last_row(G, t0, n_t, i_hv, 0, HV, K, BC, BK)
+    b_e1 = last_row(G, t0, n_t, i_hv, 1, HV, K, BC, BK)
+    b_e2 = last_row(G, t0, n_t, i_hv, 2, HV, K, BC, BK)
+    b_e3 = last_row(G, t0, n_t, i_hv, 3, HV, K, BC, BK)
 
-    s_T = HV * BT
+    # Sub-tile by sub-tile: KG, QG, W's operand and, unless replaying, the rows of Aqk and of
+    # L = Diag(beta) StrictTril(Ks); then the UT inverse by block forward substitution,
+    # T_II = (I + L_II)^-1, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ.
+    b_0 = tl.zeros([BK], tl.float32)
+    b_kp, b_qp, b_kq, b_kh, b_b = row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_0, b_e0, b_e3,
+                                            0, H, HV, K, BC, BK)
     if not REPLAY:
-        # Sub-tiles of L = Diag(beta) StrictTril(Ks) (returned) and Aqk (stored), 4 x 4 blocks of 16.
-        b_b0 = tl.where(o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_c, HV, i_hv)), 0.0)[:, None]
-        b_b1 = tl.where(BC + o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, BC + o_c, HV, i_hv)), 0.0)[:, None]
-        b_b2 = tl.where(2 * BC + o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, 2 * BC + o_c, HV, i_hv)), 0.0)[:, None]
-        b_b3 = tl.where(3 * BC + o_c < n_t, tl.sigmoid(load_vec(beta, t0, n_t, 3 * BC + o_c, HV, i_hv)), 0.0)[:, None]
-        b_rq0 = inverse_norm(q, t0, n_t, o_c, H * K, i_h * K, K, BC, BKT) * scale
-        b_rq1 = inverse_norm(q, t0, n_t, BC + o_c, H * K, i_h * K, K, BC, BKT) * scale
-        b_rq2 = inverse_norm(q, t0, n_t, 2 * BC + o_c, H * K, i_h * K, K, BC, BKT) * scale
-        b_rq3 = inverse_norm(q, t0, n_t, 3 * BC + o_c, H * K, i_h * K, K, BC, BKT) * scale
-        b_rk0 = inverse_norm(k, t0, n_t, o_c, H * K, i_h * K, K, BC, BKT)
-        b_rk1 = inverse_norm(k, t0, n_t, BC + o_c, H * K, i_h * K, K, BC, BKT)
-        b_rk2 = inverse_norm(k, t0, n_t, 2 * BC + o_c, H * K, i_h * K, K, BC, BKT)
-        b_rk3 = inverse_norm(k, t0, n_t, 3 * BC + o_c, H * K, i_h * K, K, BC, BKT)
-        b_L00 = b_b0 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq0, b_rk0, b_rk0, 0, 0, H, HV, K, BT, BC, BKT, PREC)
-        b_L10 = b_b1 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq1, b_rk1, b_rk0, 1, 0, H, HV, K, BT, BC, BKT, PREC)
-        b_L11 = b_b1 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq1, b_rk1, b_rk1, 1, 1, H, HV, K, BT, BC, BKT, PREC)
-        b_L20 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq2, b_rk2, b_rk0, 2, 0, H, HV, K, BT, BC, BKT, PREC)
-        b_L21 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq2, b_rk2, b_rk1, 2, 1, H, HV, K, BT, BC, BKT, PREC)
-        b_L22 = b_b2 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq2, b_rk2, b_rk2, 2, 2, H, HV, K, BT, BC, BKT, PREC)
-        b_L30 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq3, b_rk3, b_rk0, 3, 0, H, HV, K, BT, BC, BKT, PREC)
-        b_L31 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq3, b_rk3, b_rk1, 3, 1, H, HV, K, BT, BC, BKT, PREC)
-        b_L32 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq3, b_rk3, b_rk2, 3, 2, H, HV, K, BT, BC, BKT, PREC)
-        b_L33 = b_b3 * score_block(q, k, G, Aqk, t0, n_t, i_h, i_hv, b_rq3, b_rk3, b_rk3, 3, 3, H, HV, K, BT, BC, BKT, PREC)
-
-        # Block forward substitution: T_II = (I + L_II)^-1, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ.
-        b_T00 = unit_lower_inverse(b_L00, BC)
-        b_T11 = unit_lower_inverse(b_L11, BC)
-        b_T22 = unit_lower_inverse(b_L22, BC)
-        b_T33 = unit_lower_inverse(b_L33, BC)
+        b_L00 = b_b[:, None] * diag_scores(b_kp, b_qp, b_kq, Aqk, t0, n_t, i_hv, 0, HV, BT, BC, PREC)
+        b_c0 = b_kh.to(dt)
+    b_kp, b_qp, b_kq, b_kh, b_b = row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_e0, b_e1, b_e3,
+                                            1, H, HV, K, BC, BK)
+    if not REPLAY:
+        b_m = 0.5 * (b_e0 + b_e1)
+        b_L11 = b_b[:, None] * diag_scores(b_kp, b_qp, b_kq, Aqk, t0, n_t, i_hv, 1, HV, BT, BC, PREC)
+        b_L10 = b_b[:, None] * off_scores(b_kp, b_qp, b_c0, b_m, b_e0, Aqk, t0, n_t, i_hv, 1, 0, HV, BT, BC, PREC)
+        b_c1 = b_kh.to(dt)
+    b_kp, b_qp, b_kq, b_kh, b_b = row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_e1, b_e2, b_e3,
+                                            2, H, HV, K, BC, BK)
+    if not REPLAY:
+        b_m = 0.5 * (b_e1 + b_e2)
+        b_L22 = b_b[:, None] * diag_scores(b_kp, b_qp, b_kq, Aqk, t0, n_t, i_hv, 2, HV, BT, BC, PREC)
+        b_L20 = b_b[:, None] * off_scores(b_kp, b_qp, b_c0, b_m, b_e0, Aqk, t0, n_t, i_hv, 2, 0, HV, BT, BC, PREC)
+        b_L21 = b_b[:, None] * off_scores(b_kp, b_qp, b_c1, b_m, b_e1, Aqk, t0, n_t, i_hv, 2, 1, HV, BT, BC, PREC)
+        b_c2 = b_kh.to(dt)
+    b_kp, b_qp, b_kq, b_kh, b_b = row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_e2, b_e3, b_e3,
+                                            3, H, HV, K, BC, BK)
+    if not REPLAY:
+        b_m = 0.5 * (b_e2 + b_e3)
+        b_L33 = b_b[:, None] * diag_scores(b_kp, b_qp, b_kq, Aqk, t0, n_t, i_hv, 3, HV, BT, BC, PREC)
+        b_L30 = b_b[:, None] * off_scores(b_kp, b_qp, b_c0, b_m, b_e0, Aqk, t0, n_t, i_hv, 3, 0, HV, BT, BC, PREC)
+        b_L31 = b_b[:, None] * off_scores(b_kp, b_qp, b_c1, b_m, b_e1, Aqk, t0, n_t, i_hv, 3, 1, HV, BT, BC, PREC)
+        b_L32 = b_b[:, None] * off_scores(b_kp, b_qp, b_c2, b_m, b_e2, Aqk, t0, n_t, i_hv, 3, 2, HV, BT, BC, PREC)
+        b_T00, b_T11, b_T22, b_T33 = unit_lower_inverse(b_L00, b_L11, b_L22, b_L33, BC)
         b_T10 = -dot32(dot32(b_T11, b_L10), b_T00)
         b_T21 = -dot32(dot32(b_T22, b_L21), b_T11)
-        b_T32 = -dot32(dot32(b_T33, b_L32), b_T22)
         b_T20 = -dot32(b_T22, dot32(b_L20, b_T00) + dot32(b_L21, b_T10))
+        b_T32 = -dot32(dot32(b_T33, b_L32), b_T22)
         b_T31 = -dot32(b_T33, dot32(b_L31, b_T11) + dot32(b_L32, b_T21))
         b_T30 = -dot32(b_T33, dot32(b_L30, b_T00) + dot32(b_L31, b_T10) + dot32(b_L32, b_T20))
-        b_0 = tl.zeros([BC, BC], tl.float32)
-        store_rows(Tinv, b_T00, t0, n_t, o_c, s_T, i_hv * BT, o_c, BC)
-        store_rows(Tinv, b_0, t0, n_t, o_c, s_T, i_hv * BT + BC, o_c, BC)
-        store_rows(Tinv, b_0, t0, n_t, o_c, s_T, i_hv * BT + 2 * BC, o_c, BC)
-        store_rows(Tinv, b_0, t0, n_t, o_c, s_T, i_hv * BT + 3 * BC, o_c, BC)
-        store_rows(Tinv, b_T10, t0, n_t, BC + o_c, s_T, i_hv * BT, o_c, BC)
-        store_rows(Tinv, b_T11, t0, n_t, BC + o_c, s_T, i_hv * BT + BC, o_c, BC)
-        store_rows(Tinv, b_0, t0, n_t, BC + o_c, s_T, i_hv * BT + 2 * BC, o_c, BC)
-        store_rows(Tinv, b_0, t0, n_t, BC + o_c, s_T, i_hv * BT + 3 * BC, o_c, BC)
-        store_rows(Tinv, b_T20, t0, n_t, 2 * BC + o_c, s_T, i_hv * BT, o_c, BC)
-        store_rows(Tinv, b_T21, t0, n_t, 2 * BC + o_c, s_T, i_hv * BT + BC, o_c, BC)
-        store_rows(Tinv, b_T22, t0, n_t, 2 * BC + o_c, s_T, i_hv * BT + 2 * BC, o_c, BC)
-        store_rows(Tinv, b_0, t0, n_t, 2 * BC + o_c, s_T, i_hv * BT + 3 * BC, o_c, BC)
-        store_rows(Tinv, b_T30, t0, n_t, 3 * BC + o_c, s_T, i_hv * BT, o_c, BC)
-        store_rows(Tinv, b_T31, t0, n_t, 3 * BC + o_c, s_T, i_hv * BT + BC, o_c, BC)
-        store_rows(Tinv, b_T32, t0, n_t, 3 * BC + o_c, s_T, i_hv * BT + 2 * BC, o_c, BC)
-        store_rows(Tinv, b_T33, t0, n_t, 3 * BC + o_c, s_T, i_hv * BT + 3 * BC, o_c, BC)
-        # Aqk's upper blocks are zero (causal).
-        for I in tl.static_range(3):
-            for J in tl.static_range(I + 1, 4):
-                store_rows(Aqk, b_0, t0, n_t, I * BC + o_c, s_T, i_hv * BT + J * BC, o_c, BC)
-        tl.debug_barrier()
+        store_tinv_row(Tinv, b_T00, b_T00, b_T00, b_T00, t0, n_t, i_hv, 0, HV, BT, BC)
+        store_tinv_row(Tinv, b_T10, b_T11, b_T11, b_T11, t0, n_t, i_hv, 1, HV, BT, BC)
+        store_tinv_row(Tinv, b_T20, b_T21, b_T22, b_T22, t0, n_t, i_hv, 2, HV, BT, BC)
+        store_tinv_row(Tinv, b_T30, b_T31, b_T32, b_T33, t0, n_t, i_hv, 3, HV, BT, BC)
+        # Aqk's blocks right of the diagonal are zero (causal).
+        for I in tl.static_range(BT // BC - 1):
+            o_z = (I + 1) * BC + o_t
+            store_rows(Aqk, tl.zeros([BC, BT], tl.float32), t0, n_t, I * BC + tl.arange(0, BC), HV * BT,
+                       i_hv * BT, o_z, BT)
+    # Tinv's and W's rows written by other threads are read next.
+    tl.debug_barrier()
 
-    # W = T Diag(beta)(Gamma K), U = T Diag(beta) V, with the whole T as one [BT, BT] operand.
-    b_T = load_rows(Tinv, t0, n_t, o_t, s_T, i_hv * BT, o_t, BT, False).to(dt)
+    # W = T Diag(beta)(Gamma K), U = T Diag(beta) V, with the whole T as one [BT, BT] operand, in column
+    # tiles of BV (smaller accumulators).
+    b_T = load_rows(Tinv, t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT, False).to(dt)
     for i_k in range(tl.cdiv(K, BV)):
         o_w = i_k * BV + tl.arange(0, BV)
         b_W = tl.dot(b_T, load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_w, K, False).to(dt), input_precision=PREC)
         tl.debug_barrier()
         store_rows(W, b_W, t0, n_t, o_t, HV * K, i_hv * K, o_w, K)
+    b_b = tl.where(m_t, tl.sigmoid(load_vec(beta, t0, n_t, o_t, HV, i_hv)), 0.0)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         b_v = load_rows(v, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False)
@@ -220,40 +272,64 @@ def kda_state_fwd_kernel(
                                  # h [NT, HV, K, V] state before each chunk; h0, ht fp32 [N, HV, K, V]
     cu_seqlens, chunk_offsets,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VU: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    BKH: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
     STORE_STATES: tl.constexpr, PREC: tl.constexpr,
 ):
+    # The state is held as two halves of BKH rows of K (S1 over K rows [0, BKH), S2 over [BKH, 2 BKH)):
+    # two independent products per step, half the registers each (measured on an H200 at B4 T8192 H16:
+    # 0.62 -> 0.31 ms against one [K, BV] tile).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     bos, eos, c0, NT = sequence_span(cu_seqlens, chunk_offsets, i_n, BT)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
+    o_k1 = tl.arange(0, BKH)
+    o_k2 = BKH + o_k1
     o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    m_1 = (o_k1 < K)[:, None] & (o_v < V)[None, :]
+    m_2 = (o_k2 < K)[:, None] & (o_v < V)[None, :]
     dt = W.dtype.element_ty
-    o_s = i_hv * K * V + o_k[:, None] * V + o_v[None, :]
+    o_s1 = i_hv * K * V + o_k1[:, None] * V + o_v[None, :]
+    o_s2 = o_s1 + BKH * V
     # The values are [0 | U]: the first V - VU columns are zero (the identity-state trick; none when
-    # V == VU). Those columns read U's column VU, which the load masks to zero.
-    o_u = tl.where(o_v >= V - VU, o_v - (V - VU), VU)
+    # V == VU). Those columns read U's column VU, which the load masks to zero. The plain case keeps
+    # contiguous column offsets (vectorised loads).
+    if VU == V:
+        o_u = o_v
+    else:
+        o_u = tl.where(o_v >= V - VU, o_v - (V - VU), VU)
 
-    b_S = tl.zeros([BK, BV], tl.float32)
+    b_S1 = tl.zeros([BKH, BV], tl.float32)
+    b_S2 = tl.zeros([BKH, BV], tl.float32)
     if USE_H0:
-        b_S += tl.load(h0 + i_n.to(tl.int64) * HV * K * V + o_s, mask=m_kv, other=0.0).to(tl.float32)
+        p_h0 = h0 + i_n.to(tl.int64) * HV * K * V
+        b_S1 += tl.load(p_h0 + o_s1, mask=m_1, other=0.0).to(tl.float32)
+        b_S2 += tl.load(p_h0 + o_s2, mask=m_2, other=0.0).to(tl.float32)
     for i_j in range(NT):
         t0 = bos + i_j * BT
         n_t = tl.minimum(eos - t0, BT).to(tl.int32)
         if STORE_STATES:
-            tl.store(h + (c0 + i_j) * HV * K * V + o_s, b_S.to(h.dtype.element_ty), mask=m_kv)
-        b_W = load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
-        b_U = load_rows(U, t0, n_t, o_t, HV * VU, i_hv * VU, o_u, VU, False)
-        b_vn = b_U - tl.dot(b_W.to(dt), b_S.to(dt), input_precision=PREC)
+            p_h = h + (c0 + i_j) * HV * K * V
+            tl.store(p_h + o_s1, b_S1.to(h.dtype.element_ty), mask=m_1)
+            tl.store(p_h + o_s2, b_S2.to(h.dtype.element_ty), mask=m_2)
+        b_vn = load_rows(U, t0, n_t, o_t, HV * VU, i_hv * VU, o_u, VU, False)
+        b_vn -= tl.dot(load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k1, K, False).to(dt), b_S1.to(dt),
+                       input_precision=PREC)
+        b_vn -= tl.dot(load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k2, K, False).to(dt), b_S2.to(dt),
+                       input_precision=PREC)
         if STORE_STATES:
             store_rows(Vn, b_vn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
-        b_kg = load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
-        b_gl = tl.sum(load_rows(G, t0, n_t, n_t - 1 + tl.zeros([1], tl.int32), HV * K, i_hv * K, o_k, K, True), 0)
-        b_S = b_S * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_kg.to(dt)), b_vn.to(dt), input_precision=PREC)
+        b_v = b_vn.to(dt)
+        o_l = n_t - 1 + tl.zeros([1], tl.int32)
+        b_g1 = tl.sum(load_rows(G, t0, n_t, o_l, HV * K, i_hv * K, o_k1, K, True), 0)
+        b_g2 = tl.sum(load_rows(G, t0, n_t, o_l, HV * K, i_hv * K, o_k2, K, True), 0)
+        b_kg1 = load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k1, K, False).to(dt)
+        b_kg2 = load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k2, K, False).to(dt)
+        b_S1 = b_S1 * tl.exp(b_g1)[:, None] + tl.dot(tl.trans(b_kg1), b_v, input_precision=PREC)
+        b_S2 = b_S2 * tl.exp(b_g2)[:, None] + tl.dot(tl.trans(b_kg2), b_v, input_precision=PREC)
     if STORE_HT:
-        tl.store(ht + i_n.to(tl.int64) * HV * K * V + o_s, b_S, mask=m_kv)
+        p_ht = ht + i_n.to(tl.int64) * HV * K * V
+        tl.store(p_ht + o_s1, b_S1, mask=m_1)
+        tl.store(p_ht + o_s2, b_S2, mask=m_2)
 
 
 @triton.jit
@@ -313,7 +389,7 @@ def _launch_intra(q, k, v, z, beta, A_log, dt_bias, G, Tinv, Aqk, scale, lower_b
     kda_intra_fwd_kernel[(NT, HV)](
         q, k, v, z, beta, A_log, dt_bias, G, Tinv, Aqk, W, U, KG, QG, cu_seqlens, chunk_indices,
         scale, lower_bound, H=H, HV=HV, K=K, V=V, HAS_BIAS=dt_bias is not None,
-        BT=BT, BC=BC, BV=BV, BKT=min(BK, 32), PREC=dot_precision(dtype, k.device), REPLAY=replay,
+        BT=BT, BC=BC, BK=BK, BV=BV, PREC=dot_precision(dtype, k.device), REPLAY=replay,
     )
     return W, U, KG, QG
 
@@ -333,7 +409,6 @@ def kda_state_fwd(W, U, KG, G, h0, output_final_state, cu_seqlens, chunk_offsets
     VU = U.shape[-1]
     V = lead + VU
     N = cu_seqlens.numel() - 1
-    BK, _ = block_sizes(K, V)
     BV = state_tile(N, HV, V, W.device)
     if store_states:
         h = torch.empty(NT, HV, K, V, device=W.device, dtype=W.dtype) if h is None else h
@@ -341,8 +416,9 @@ def kda_state_fwd(W, U, KG, G, h0, output_final_state, cu_seqlens, chunk_offsets
     ht = torch.empty(N, HV, K, V, device=W.device, dtype=torch.float32) if output_final_state else None
     kda_state_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
         W, U, KG, G, h if store_states else W, Vn if store_states else W, h0, ht, cu_seqlens, chunk_offsets,
-        HV=HV, K=K, V=V, VU=VU, BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=output_final_state,
-        STORE_STATES=store_states, PREC=dot_precision(W.dtype, W.device), num_warps=4, num_stages=2,
+        HV=HV, K=K, V=V, VU=VU, BT=BT, BKH=state_half(K), BV=BV, USE_H0=h0 is not None,
+        STORE_HT=output_final_state, STORE_STATES=store_states, PREC=dot_precision(W.dtype, W.device),
+        num_warps=4, num_stages=3 if W.element_size() == 2 else 2,
     )
     return (h, Vn, ht) if store_states else (None, None, ht)
 

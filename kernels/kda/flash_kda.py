@@ -71,13 +71,11 @@ def intermediate_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 def input_grads(dq, dk, dv, dz, dbeta, dA_part, dbias_part, q, v, A_log, dt_bias):
-    """The backward's flat outputs ([T, HV, K] per value head, per-chunk gate sums) -> the gradients of
+    """The backward's flat outputs (dq, dk [T, H, K], per-chunk gate sums) -> the gradients of
     q, k [B, T, H, K], v [B, T, HV, V], z [B, T, HV, K], beta [B, T, HV], A_log, dt_bias in their dtypes."""
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
-    # GVA: value heads i*G .. i*G+G-1 read q/k head i; their gradients add up.
-    dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
-    dk = dk.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
+    dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     dA_log = dA_part.sum(0).to(A_log.dtype)
     ddt_bias = dbias_part.sum(0).view(dt_bias.shape).to(dt_bias.dtype) if dt_bias is not None else None
     return dq, dk, dv.view(B, T, HV, V), dz.view(B, T, HV, K), dbeta.view(B, T, HV), dA_log, ddt_bias

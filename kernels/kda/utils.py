@@ -33,14 +33,24 @@ def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
 
 
 def state_tile(N: int, HV: int, V: int, device: torch.device) -> int:
-    """V tile of the two sequential (state) kernels, one program per sequence, value head and V tile:
-    32 when that still gives every SM a program (measured on an H200: B4 T8192 H16 backward state
-    3.96 -> 2.57 ms), else 16 (B1 T8192 H16: 32 would leave half the SMs idle, 1.00 -> 1.28 ms)."""
+    """V tile of the two sequential (state) kernels, one program per sequence, value head and V tile: the
+    widest of 64, 32, 16 whose grid still gives about every SM a program (each program re-reads the
+    chunk's [C, K] operands, so wider is better once the SMs are busy). Measured on an H200 with the
+    state in two K halves, forward state: B1 T8192 H16 16 -> 0.19 ms (32: 0.20), B4 T8192 H16
+    64 -> 0.31 ms (32: 0.34, 16: 0.42)."""
     bv = min(64, max(16, triton.next_power_of_2(V)))
     if device.type != "cuda":
         return bv
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return min(bv, 32 if N * HV * triton.cdiv(V, 32) >= sms else 16)
+    while bv > 16 and N * HV * triton.cdiv(V, bv) < 0.9 * sms:
+        bv //= 2
+    return bv
+
+
+def state_half(K: int) -> int:
+    """Rows of K in each of the two halves the state kernels hold their [K, BV] state in (>= 16, the
+    smallest tl.dot tile; rows past K are masked)."""
+    return max(16, triton.next_power_of_2(K) // 2)
 
 
 @triton.jit
@@ -95,6 +105,18 @@ def load_vec(x, t0, n_t, o_r, stride, off):
     """x[t0 + o_r, off] for rows o_r < n_t (zero past n_t), as float32: one scalar per token."""
     p = x + t0 * stride + (o_r * stride + off)
     return tl.load(p, mask=o_r < n_t, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def inverse_norm(x, t0, n_t, o_r, stride, off, K: tl.constexpr, BR: tl.constexpr, BKT: tl.constexpr):
+    """1 / sqrt(sum(x^2) + 1e-6) of the BR rows t0 + o_r of a [T, stride] tensor (columns off .. off + K),
+    read in tiles of BKT columns; rows past n_t give 1e3."""
+    b_ss = tl.zeros([BR], tl.float32)
+    for i_k in tl.static_range(triton.cdiv(K, BKT)):
+        o_k = i_k * BKT + tl.arange(0, BKT)
+        b_x = load_rows(x, t0, n_t, o_r, stride, off, o_k, K, False)
+        b_ss += tl.sum(b_x * b_x, 1)
+    return 1.0 / tl.sqrt(b_ss + 1e-6)
 
 
 @triton.jit
