@@ -171,28 +171,31 @@ assert MIN_LOWER_BOUND == -10.0
 #
 # ## 3. The kernel design
 #
-# Three forward kernels and four backward kernels, each a `@triton.jit` function
+# Three forward kernels and five backward kernels, each a `@triton.jit` function
 # (`kda_<stage>_{fwd,bwd}_kernel`) with a launcher, one `autograd.Function` (`FlashKDAFunction`) and
 # the public `flash_kda`, which validates (shapes always; NaN/inf with `check_values=True`, the
 # default) and builds the chunk table on the host from the sequence lengths, once per shape (cached:
-# a training loop at fixed shapes never copies it again). Chunk `C = 64`, sub-tile 16, `K` in slices
-# of 32 in the intra forward and in one tile (≤ 256) elsewhere, `V` in tiles of 16–64. The backward runs, in order: `intra_fwd` in replay mode,
-# `state_fwd` (for the chunk states and `Ṽ`), then the four backward kernels of the table.
+# a training loop at fixed shapes never copies it again). Chunk `C = 64`, sub-tile 16, `K` whole in the
+# intra forward, in two halves in the state kernels and in tiles of 32 in the intra backward, `V` in
+# tiles of 16–64. The backward runs, in order: `intra_fwd` in replay mode, `state_fwd` (for the chunk
+# states and `Ṽ`), then the five backward kernels of the table.
 #
 # | stage | grid | what it does | fused |
 # |---|---|---|---|
-# | `intra_fwd` | chunks × value heads | gate + cumsum, KG, QG on `[64, 32]` tiles, q/k row norms once per chunk, β sigmoid; the 10 sub-tiles (summed over 32-column slices of K) of `Diag(β)(ΓK)(K/Γ)ᵀ` and `(ΓQ)(K/Γ)ᵀ` on tensor cores; UT inverse `T` by 16×16 blocks (4 forward substitutions + 6 block products); `W = T·Diag(β)ΓK`, `U = T·Diag(β)V` | all elementwise prep, both score matrices, inverse, W/U |
+# | `intra_fwd` | chunks × value heads | gate + cumsum, then sub-tile by sub-tile (16 rows): q/k normalised once, KG, QG, β sigmoid, two exponentials per element at the sub-tile's middle reference (`exp2`), and that row's sub-tiles of `Diag(β)(ΓK)(K/Γ)ᵀ` and `(ΓQ)(K/Γ)ᵀ` on tensor cores; the UT inverse `T` by 16×16 blocks (the 4 diagonal inverses as one stacked forward substitution + 6 block products); `W = T·Diag(β)ΓK`, `U = T·Diag(β)V` | all elementwise prep, both score matrices, inverse, W/U |
 # | `intra_fwd`, `REPLAY` (backward) | chunks × value heads | from the saved `G` and `T`: only the prep (`KG`, `QG`) and `W`, `U` — no sub-tile scores, no inverse (`kda_intra_replay`) | same kernel, one constexpr |
-# | `state_fwd` | sequences × value heads × V tiles | the one sequential loop: per chunk store `S`, `Ṽ = U − W S`, `S ← γ_C S + (Γ_{i→C}K)ᵀ Ṽ`; `S` stays in registers (fp32) | final state |
+# | `state_fwd` | sequences × value heads × V tiles | the one sequential loop: per chunk store `S`, `Ṽ = U − W S`, `S ← γ_C S + (Γ_{i→C}K)ᵀ Ṽ`; `S` stays in registers (fp32) as two `[K/2, BV]` halves | final state |
 # | `output_fwd` | chunks × value heads × V tiles | `O = (ΓQ) S + Aqk Ṽ` | — |
-# | `state_bwd` | sequences × value heads × V tiles | reverse loop: `dṼ = Aqkᵀ dO + (Γ_{i→C}K) dS'`, `dS ← γ_C dS' + (ΓQ)ᵀ dO − Wᵀ dṼ` | d(initial state) |
+# | `state_bwd` | sequences × value heads × V tiles | reverse loop: `dṼ = Aqkᵀ dO + (Γ_{i→C}K) dS'`, `dS ← γ_C dS' + (ΓQ)ᵀ dO − Wᵀ dṼ`, `dS` in two K halves | d(initial state) |
 # | `dqk_bwd` | K tiles × chunks × value heads | `d(ΓQ) = dO Sᵀ`, `d(Γ_{i→C}K) = Ṽ dS'ᵀ`, `dW = −dṼ Sᵀ`, the state-decay terms of dg | L2-norm rows, G chain |
 # | `dwv_bwd` | chunks × value heads | `dAqk = dO Ṽᵀ`, dV and dβ through `U`, dT, then `dL = −Tᵀ dT Tᵀ` | inverse backward |
-# | `intra_bwd` | chunks × value heads | the 16×16 sub-tile gradients of both score matrices, L2-norm and sigmoid backward, reverse cumsum of dG, the gate backward; float32 operands | dz, dA_log, ddt_bias partials |
+# | `intra_bwd` | K tiles (32) × chunks × value heads | the 16×16 sub-tile gradients of both score matrices on `[16, 32]` tiles (dβ's score term as one partial sum per K tile), reverse cumsum of dG, the gate backward; float32 operands (tf32 for bf16 inputs) | dz, dA_log, ddt_bias partials |
+# | `qk_norm_bwd` | token blocks × q/k heads | the GVA group's sum of the q and k gradients, the L2-norm backward (a row reduction over K), dβ's sigmoid backward | GVA sum, casts |
 #
-# *Registers vs shared memory.* The state tile (`K × 16` or `K × 32` fp32 per program: 32 when that
-# still gives every SM a program) and all accumulators live in registers; `tl.dot` stages its
-# operands through shared memory (Triton's software pipeline, `num_stages = 2` for the state loops).
+# *Registers vs shared memory.* The state (two `K/2 × BV` fp32 halves per program, `BV` the widest
+# of 64, 32, 16 whose grid still gives about every SM a program) and all accumulators live in
+# registers; `tl.dot` stages its operands through shared memory (Triton's software pipeline,
+# `num_stages = 3` for the bf16 state loops, 2 for float32, whose third stage does not fit).
 # Compiled offline for sm_90 with ptxas (`triton.compile(..., target=GPUTarget("cuda", 90, 32))` +
 # `cuobjdump -res-usage`, no GPU needed), register spills were cut from 9 KB to 0.04–1.3 KB per
 # thread by splitting the backward's V- and K-shaped work into two kernels and streaming the prep in
@@ -303,13 +306,16 @@ for c in cases:
 assert all(e <= (1e-2 if n.startswith("d") else 5e-3) for n, e in worst_check.items())
 
 # %% [markdown]
-# The sweep above is the morning's run. The kernels changed after it (the K-tiled intra forward and
-# tf32 in the intra backward, below); the two baseline shapes were re-timed against fla on the final
-# kernels, with the correctness check first, into `data/results/flash_kda_h200_latest.json`:
+# The sweep above is the morning's run. The kernels changed after it (below); the two baseline shapes
+# were re-timed on the final kernels, with the correctness check, into
+# `data/results/flash_kda_h200_latest.json` (fla's times there come from an earlier run of the same
+# benchmark on the same GPU model, as the file's `fla_times_from` says):
 
 # %%
 latest = json.loads(Path(results_path).with_name("flash_kda_h200_latest.json").read_text())
-print(f"{latest['date']} | fla-core {latest['versions']['fla-core']}")
+ver_l = latest["versions"]
+print(f"{latest['date']} | " + (f"fla-core {ver_l['fla-core']}" if ver_l.get("fla-core") else
+                               f"fla times from {ver_l.get('fla_times_from')}"))
 for c in latest["cases"]:
     print(f"B{c['B']} T{c['T']} H{c['H']}: fwd {c['ours_fwd_ms']:.3f} ms vs fla {c['fla_fwd_ms']:.3f} "
           f"({c['speedup_fwd']:.2f}x) | fwd+bwd {c['ours_fwd_bwd_ms']:.3f} vs {c['fla_fwd_bwd_ms']:.3f} "
@@ -318,42 +324,41 @@ for c in latest["cases"]:
 # %% [markdown]
 # **Reading the tables.** The kernels are correct in bf16 with margin: outputs ≤ 3.9e-3 (bound 5e-3),
 # final state ≤ 2.95e-3, every gradient ≤ 3.7e-3 (bound 1e-2), on the morning's kernels and again on
-# the final ones. They are **not faster than fla**, and the issue's floors (≥ 1.5x forward, ≥ 1.2x
-# forward+backward) are not met. On the final kernels, at B1 T8192 H16 the forward is 0.85x fla's
-# (1.09 ms vs 0.93) and forward+backward 0.97x (4.24 vs 4.12); at B4 T8192 H16, 0.53x and 0.56x. The
-# morning's sweep had B1 T8192 H16 at 1.74 / 5.42 ms. fla's own times vary between runs (3.63 and
-# 4.12 ms forward+backward at B1 T8192 H16 on the same GPU model). Peak memory stays below fla's
-# (786 vs 965 MiB at B1 T8192 H16). The sweep's B8 T32768 H64 row is ours alone: since the backward
-# launches dq/dk and dW/dv separately it fits (542 ms forward+backward). fla was timed by the sweep
-# only at B1 T8192 H16 (it autotunes for ~4 minutes per shape), so elsewhere the table says n/a and
-# the figure shows fla's published baseline (issue 3, crosses) where one exists.
+# the final ones. At B1 T8192 H16 the final kernels beat fla: forward 0.61 ms vs 0.93 (1.53x),
+# forward+backward 3.06 vs 4.12 (1.35x), with 752 vs 965 MiB peak. At B4 T8192 H16 they do not:
+# forward 1.89 vs 1.87 ms (0.99x), forward+backward 10.8 vs 8.24 (0.76x). So the issue's floors
+# (≥ 1.5x forward, ≥ 1.2x forward+backward at every shape) are not met. The morning's sweep had
+# B1 T8192 H16 at 1.74 / 5.42 ms. fla's own times vary between runs (3.63 and 4.12 ms
+# forward+backward at B1 T8192 H16 on the same GPU model). The sweep's B8 T32768 H64 row is ours
+# alone: since the backward launches dq/dk and dW/dv separately it fits (542 ms forward+backward).
+# fla was timed by the sweep only at B1 T8192 H16 (it autotunes for ~4 minutes per shape), so
+# elsewhere the table says n/a and the figure shows fla's published baseline (issue 3, crosses)
+# where one exists.
 #
-# Where the time goes (`python -m k3lab.bench.flash_kda --stages`, ms at B1 T8192 H16, bf16
-# intermediates, same H200 model; with the experiments below in `data/results/flash_kda_h200_stages.json`):
+# Where the time goes (`python -m k3lab.bench.flash_kda --stages`, ms, bf16 intermediates, same H200
+# model; with the experiments in `data/results/flash_kda_h200_stages.json`):
 #
-# | stage | morning | final |
-# |---|---|---|
-# | forward: intra | 0.97 | 0.65 |
-# | forward: state | 0.39 | 0.39 |
-# | forward: output | 0.06 | 0.06 |
-# | backward: intra replay | 0.13 | 0.13 |
-# | backward: state | 0.32 | 0.32 |
-# | backward: dq/dk, dW/dv | 0.33, 0.38 | 0.32, 0.37 |
-# | backward: intra | 1.77 | 1.45 |
+# | stage | morning, B1 | final, B1 | final, B4 | fla, B4 |
+# |---|---|---|---|---|
+# | forward: intra | 0.97 | 0.35 | 1.37 | 1.12 (5 kernels) |
+# | forward: state | 0.39 | 0.19 | 0.31 | 0.29 |
+# | forward: output | 0.06 | 0.06 | 0.21 | 0.25 |
+# | backward: intra replay | 0.13 | 0.13 | 0.40 | |
+# | backward: state | 0.32 | 0.25 | 0.46 | |
+# | backward: dq/dk, dW/dv | 0.33, 0.38 | 0.32, 0.37 | 1.25, 1.45 | |
+# | backward: intra (+ norm) | 1.77 | 1.19 | 4.71 | |
 #
-# (The backward also re-runs the forward state scan.) At the large shapes the forward does ~16–24
-# TFLOP/s of useful work and moves ~150–190 GB/s (the table's columns), far under both ceilings: the
-# kernels are bound by instruction issue and latency, not by compute or bandwidth. Cutting the UT
-# inverse's 16-step substitution loops to one step saved only 0.06 ms of the intra forward's 0.97, so
-# the inverse is cheap; the compiled kernel uses all 255 registers, so only 8 warps fit an SM. The
-# K-tiled rewrite computes the row norms once per sub-tile (not inside each of the 10 sub-tile pairs),
-# runs the gate, KG, QG and W pass on `[64, 32]` tiles and accumulates each sub-tile's scores over
-# 32-column slices of K, in loops that are not unrolled. It took the intra forward from 0.97 to
-# 0.65 ms, yet offline it executes only ~9% fewer instructions (29 vs 32 thousand per thread at 2
-# warps): the gain is not explained by instruction count alone, and the kernel still uses all 255
-# registers (compiled without the score phase it still needs them, so the `[64, 32]` pass is the
-# next place to look). The intra backward is now the largest stage, and still works on `[16, 128]`
-# tiles.
+# (fla's column is its forward's kernels under `torch.profiler` at B4: its intra work is five kernels,
+# gate cumsum, two L2 norms, the sub-chunk scores, the fused inverse and the W/U recompute.) Three
+# changes made the final column. The intra forward works sub-tile by sub-tile: each 16-row block of q
+# and k is normalised once and gets two exponentials per element, at the block's middle reference
+# (bounded by `exp(8|lb|)`, the "1/Γ in bf16" of section 2), and the four diagonal inverses run as
+# one stacked substitution (15 dependent steps instead of 60): 2x faster. The state kernels hold the
+# state as two `[K/2, BV]` halves, two independent products per step: 0.62 → 0.31 ms forward at B4.
+# The intra backward runs per K tile of 32 columns with the row reductions (L2-norm backward, GVA
+# sum) moved to a small kernel after it: 5.86 → 4.71 ms at B4. The kernels remain bound by latency,
+# not by compute or bandwidth (the table's TFLOP/s and GB/s columns are far under both ceilings), and
+# the B4 gap is in the backward: its intra kernel is 4.7 of the 10.8 ms.
 
 # %%
 baseline_fla = {(1, 8192, 16): (1.16, 3.05), (4, 8192, 16): (1.87, 8.22), (1, 32768, 32): (3.72, 16.5),
