@@ -23,9 +23,8 @@ import triton.language as tl
 
 from k3lab.kernels.kda.chunk_fwd import block_sizes
 from k3lab.kernels.kda.utils import (
-    BC, BT, chunk_span, dot_precision, inverse_norm, load_rows, load_vec, sequence_span, state_half, state_tile,
-    store_rows,
-    warp_configs,
+    BC, BT, add_rows, chunk_span, dot_precision, inverse_norm, l2norm_bwd, load_rows, load_vec, sequence_span,
+    state_half, state_halves, state_tile, store_rows, warp_configs,
 )
 
 
@@ -41,14 +40,8 @@ def kda_state_bwd_kernel(
     i_n, i_hv = i_nh // HV, i_nh % HV
     bos, eos, c0, NT = sequence_span(cu_seqlens, chunk_offsets, i_n, BT)
     o_t = tl.arange(0, BT)
-    o_k1 = tl.arange(0, BKH)
-    o_k2 = BKH + o_k1
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_1 = (o_k1 < K)[:, None] & (o_v < V)[None, :]
-    m_2 = (o_k2 < K)[:, None] & (o_v < V)[None, :]
+    o_k1, o_k2, o_v, o_s1, o_s2, m_1, m_2 = state_halves(i_hv, i_v, K, V, BKH, BV)
     dt = W.dtype.element_ty
-    o_s1 = i_hv * K * V + o_k1[:, None] * V + o_v[None, :]
-    o_s2 = o_s1 + BKH * V
 
     b_dS1 = tl.zeros([BKH, BV], tl.float32)
     b_dS2 = tl.zeros([BKH, BV], tl.float32)
@@ -128,11 +121,8 @@ def kda_dqk_bwd_kernel(
         b_hdh += tl.sum(b_h * b_dh, 1)
     store_rows(dW, b_dW, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
     # q_hat and k_hat need the whole row for their norms.
-    o_kk = tl.arange(0, BKK)
-    b_qraw = load_rows(q, t0, n_t, o_t, H * K, i_h * K, o_kk, K, False)
-    b_rq = 1.0 / tl.sqrt(tl.sum(b_qraw * b_qraw, 1) + 1e-6)
-    b_kraw = load_rows(k, t0, n_t, o_t, H * K, i_h * K, o_kk, K, False)
-    b_rk = 1.0 / tl.sqrt(tl.sum(b_kraw * b_kraw, 1) + 1e-6)
+    b_rq = inverse_norm(q, t0, n_t, o_t, H * K, i_h * K, K, BT, BKK)
+    b_rk = inverse_norm(k, t0, n_t, o_t, H * K, i_h * K, K, BT, BKK)
     b_q = load_rows(q, t0, n_t, o_t, H * K, i_h * K, o_k, K, False) * (b_rq * scale)[:, None]
     b_k = load_rows(k, t0, n_t, o_t, H * K, i_h * K, o_k, K, False) * b_rk[:, None]
     b_G = load_rows(G, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, True)
@@ -193,9 +183,7 @@ def kda_dwv_bwd_kernel(
     store_rows(dAqk, tl.where(m_tt & (o_t[:, None] >= o_t[None, :]), b_dA, 0.0), t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT)
 
     # W = T Diag(beta)(Gamma K), in K tiles of BK (the norms need whole rows first).
-    o_kk = tl.arange(0, BKK)
-    b_kraw = load_rows(k, t0, n_t, o_t, H * K, i_h * K, o_kk, K, False)
-    b_rk = 1.0 / tl.sqrt(tl.sum(b_kraw * b_kraw, 1) + 1e-6)
+    b_rk = inverse_norm(k, t0, n_t, o_t, H * K, i_h * K, K, BT, BKK)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         b_dW = load_rows(dW, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
@@ -205,10 +193,8 @@ def kda_dwv_bwd_kernel(
         b_dT += tl.dot(b_dW.to(dt), tl.trans(b_kb.to(dt)), input_precision=PREC)
         b_dkb = tl.dot(tl.trans(b_T), b_dW, input_precision=PREC)
         b_db += tl.sum(b_dkb * b_k * b_eG, 1)
-        b_dk = b_dkb * b_eG * b_b[:, None] + load_rows(dkn, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
-        store_rows(dkn, b_dk, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
-        b_dG = b_dkb * b_kb + load_rows(dG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
-        store_rows(dG, b_dG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+        add_rows(dkn, b_dkb * b_eG * b_b[:, None], t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+        add_rows(dG, b_dkb * b_kb, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
     tl.store(db + (t0 + o_t).to(tl.int64) * HV + i_hv, b_db, mask=m_t)
     # T = (I + L)^-1: dL = -T^T dT T^T.
     b_dL = -tl.dot(tl.trans(b_T), tl.dot(b_dT, tl.trans(b_T), input_precision=PREC), input_precision=PREC)
@@ -261,8 +247,10 @@ def kda_intra_bwd_kernel(
 
     for I in tl.static_range(BT // BC):
         o_i = I * BC + o_c
-        b_ki = load_rows(k, t0, n_t, o_i, s_Q, i_h * K, o_k, K, False) * pick(I, b_rk0, b_rk1, b_rk2, b_rk3)[:, None]
-        b_qi = load_rows(q, t0, n_t, o_i, s_Q, i_h * K, o_k, K, False) * pick(I, b_rq0, b_rq1, b_rq2, b_rq3)[:, None]
+        b_rki = pick(I, b_rk0, b_rk1, b_rk2, b_rk3)
+        b_rqi = pick(I, b_rq0, b_rq1, b_rq2, b_rq3)
+        b_ki = load_rows(k, t0, n_t, o_i, s_Q, i_h * K, o_k, K, False) * b_rki[:, None]
+        b_qi = load_rows(q, t0, n_t, o_i, s_Q, i_h * K, o_k, K, False) * b_rqi[:, None]
         b_Gi = load_rows(G, t0, n_t, o_i, s_K, i_hv * K, o_k, K, True)
         b_bi = tl.where(o_i < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_i, HV, i_hv)), 0.0)
         b_rm = tl.sum(tl.where((o_c == BC // 2)[:, None], b_Gi, 0.0), 0)
@@ -279,7 +267,8 @@ def kda_intra_bwd_kernel(
             else:
                 o_j = J * BC + o_c
                 b_r = tl.sum(load_rows(G, t0, n_t, I * BC - 1 + tl.zeros([1], tl.int32), s_K, i_hv * K, o_k, K, True), 0)
-                b_kj = load_rows(k, t0, n_t, o_j, s_Q, i_h * K, o_k, K, False) * pick(J, b_rk0, b_rk1, b_rk2, b_rk3)[:, None]
+                b_rkj = pick(J, b_rk0, b_rk1, b_rk2, b_rk3)
+                b_kj = load_rows(k, t0, n_t, o_j, s_Q, i_h * K, o_k, K, False) * b_rkj[:, None]
                 b_Gj = load_rows(G, t0, n_t, o_j, s_K, i_hv * K, o_k, K, True)
             b_er = tl.exp(b_Gi - b_r[None, :])
             b_kr = (b_kj * tl.exp(b_r[None, :] - b_Gj)).to(dt)
@@ -312,8 +301,10 @@ def kda_intra_bwd_kernel(
             else:
                 o_j = J * BC + o_c
                 b_r = tl.sum(load_rows(G, t0, n_t, J * BC - 1 + tl.zeros([1], tl.int32), s_K, i_hv * K, o_k, K, True), 0)
-                b_kj = load_rows(k, t0, n_t, o_j, s_Q, i_h * K, o_k, K, False) * pick(J, b_rk0, b_rk1, b_rk2, b_rk3)[:, None]
-                b_qj = load_rows(q, t0, n_t, o_j, s_Q, i_h * K, o_k, K, False) * pick(J, b_rq0, b_rq1, b_rq2, b_rq3)[:, None]
+                b_rkj = pick(J, b_rk0, b_rk1, b_rk2, b_rk3)
+                b_rqj = pick(J, b_rq0, b_rq1, b_rq2, b_rq3)
+                b_kj = load_rows(k, t0, n_t, o_j, s_Q, i_h * K, o_k, K, False) * b_rkj[:, None]
+                b_qj = load_rows(q, t0, n_t, o_j, s_Q, i_h * K, o_k, K, False) * b_rqj[:, None]
                 b_Gj = load_rows(G, t0, n_t, o_j, s_K, i_hv * K, o_k, K, True)
                 b_bj = tl.where(o_j < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_j, HV, i_hv)), 0.0)
             b_erj = tl.exp(b_Gj - b_r[None, :])
@@ -327,9 +318,9 @@ def kda_intra_bwd_kernel(
         b_dGi -= b_ki * b_dkc
         b_dk += b_dkc + b_dAqd[:, None] * b_qi
         # Totals with the state/WY path (gradients of scale * q / |q| and k / |k|), written back in place.
-        store_rows(dqs, b_dq + load_rows(dqs, t0, n_t, o_i, s_K, i_hv * K, o_k, K, False), t0, n_t, o_i, s_K, i_hv * K, o_k, K)
-        store_rows(dkn, b_dk + load_rows(dkn, t0, n_t, o_i, s_K, i_hv * K, o_k, K, False), t0, n_t, o_i, s_K, i_hv * K, o_k, K)
-        store_rows(dG, b_dGi + load_rows(dG, t0, n_t, o_i, s_K, i_hv * K, o_k, K, False), t0, n_t, o_i, s_K, i_hv * K, o_k, K)
+        add_rows(dqs, b_dq, t0, n_t, o_i, s_K, i_hv * K, o_k, K)
+        add_rows(dkn, b_dk, t0, n_t, o_i, s_K, i_hv * K, o_k, K)
+        add_rows(dG, b_dGi, t0, n_t, o_i, s_K, i_hv * K, o_k, K)
         tl.store(dbeta_part + (i_k * T_total + t0 + o_i).to(tl.int64) * HV + i_hv, b_dbi, mask=o_i < n_t)
     tl.debug_barrier()
 
@@ -344,7 +335,8 @@ def kda_intra_bwd_kernel(
     b_ds = tl.where(m_t[:, None] & (o_k < K)[None, :], b_dg * lower_bound * b_s * (1.0 - b_s), 0.0)
     store_rows(dz, b_ds * b_a, t0, n_t, o_t, s_K, i_hv * K, o_k, K)
     tl.store(dbias_part + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.sum(b_ds, 0) * b_a, mask=o_k < K)
-    tl.store(dA_part + (i_k * tl.num_programs(1) + i_c).to(tl.int64) * HV + i_hv, tl.sum(tl.sum(b_ds * b_z, 0), 0) * b_a)
+    b_dA = tl.sum(tl.sum(b_ds * b_z, 0), 0) * b_a
+    tl.store(dA_part + (i_k * tl.num_programs(1) + i_c).to(tl.int64) * HV + i_hv, b_dA)
 
 
 @triton.jit
@@ -378,14 +370,9 @@ def kda_qk_norm_bwd_kernel(
         tl.store(dbeta + o_r64 * HV + i_hv, (b_db * b_b * (1.0 - b_b)).to(dbeta.dtype.element_ty), mask=m_r)
     p = (o_r64 * H + i_h)[:, None] * K + o_k[None, :]
     b_q = tl.load(q + p, mask=m, other=0.0).to(tl.float32)
-    b_rq = 1.0 / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)
-    b_q *= b_rq[:, None]
-    b_dq *= scale
-    tl.store(dq + p, ((b_dq - b_q * tl.sum(b_dq * b_q, 1)[:, None]) * b_rq[:, None]).to(dq.dtype.element_ty), mask=m)
+    tl.store(dq + p, l2norm_bwd(b_q, b_dq * scale).to(dq.dtype.element_ty), mask=m)
     b_k = tl.load(k + p, mask=m, other=0.0).to(tl.float32)
-    b_rk = 1.0 / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)
-    b_k *= b_rk[:, None]
-    tl.store(dk + p, ((b_dk - b_k * tl.sum(b_dk * b_k, 1)[:, None]) * b_rk[:, None]).to(dk.dtype.element_ty), mask=m)
+    tl.store(dk + p, l2norm_bwd(b_k, b_dk).to(dk.dtype.element_ty), mask=m)
 
 
 def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offsets, NT, dh=None, dVn=None):

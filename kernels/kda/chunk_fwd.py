@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from k3lab.kernels.kda.utils import (
-    BC, BT, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, sequence_span, state_half, state_tile, store_rows,
-    warp_configs,
+    BC, BT, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, sequence_span, state_half, state_halves,
+    state_tile, store_rows, warp_configs,
 )
 
 
@@ -282,14 +282,8 @@ def kda_state_fwd_kernel(
     i_n, i_hv = i_nh // HV, i_nh % HV
     bos, eos, c0, NT = sequence_span(cu_seqlens, chunk_offsets, i_n, BT)
     o_t = tl.arange(0, BT)
-    o_k1 = tl.arange(0, BKH)
-    o_k2 = BKH + o_k1
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_1 = (o_k1 < K)[:, None] & (o_v < V)[None, :]
-    m_2 = (o_k2 < K)[:, None] & (o_v < V)[None, :]
+    o_k1, o_k2, o_v, o_s1, o_s2, m_1, m_2 = state_halves(i_hv, i_v, K, V, BKH, BV)
     dt = W.dtype.element_ty
-    o_s1 = i_hv * K * V + o_k1[:, None] * V + o_v[None, :]
-    o_s2 = o_s1 + BKH * V
     # The values are [0 | U]: the first V - VU columns are zero (the identity-state trick; none when
     # V == VU). Those columns read U's column VU, which the load masks to zero. The plain case keeps
     # contiguous column offsets (vectorised loads).

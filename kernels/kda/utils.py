@@ -101,6 +101,12 @@ def store_rows(x, b_x, t0, n_t, o_r, stride, off, o_c, n_c):
 
 
 @triton.jit
+def add_rows(x, b_x, t0, n_t, o_r, stride, off, o_c, n_c):
+    """x[rows, columns] += b_x, for a block that one program owns (``load_rows`` then ``store_rows``)."""
+    store_rows(x, b_x + load_rows(x, t0, n_t, o_r, stride, off, o_c, n_c, False), t0, n_t, o_r, stride, off, o_c, n_c)
+
+
+@triton.jit
 def load_vec(x, t0, n_t, o_r, stride, off):
     """x[t0 + o_r, off] for rows o_r < n_t (zero past n_t), as float32: one scalar per token."""
     p = x + t0 * stride + (o_r * stride + off)
@@ -117,6 +123,28 @@ def inverse_norm(x, t0, n_t, o_r, stride, off, K: tl.constexpr, BR: tl.constexpr
         b_x = load_rows(x, t0, n_t, o_r, stride, off, o_k, K, False)
         b_ss += tl.sum(b_x * b_x, 1)
     return 1.0 / tl.sqrt(b_ss + 1e-6)
+
+
+@triton.jit
+def state_halves(i_hv, i_v, K: tl.constexpr, V: tl.constexpr, BKH: tl.constexpr, BV: tl.constexpr):
+    """Where the state kernels' two halves of a value head's [K, V] state sit: (o_k1, o_k2) the K rows
+    [0, BKH) and [BKH, 2 BKH), o_v the columns of V tile i_v, (o_s1, o_s2) the halves' offsets in a
+    [.., HV, K, V] tensor and (m_1, m_2) their masks."""
+    o_k1 = tl.arange(0, BKH)
+    o_k2 = BKH + o_k1
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_s1 = i_hv * K * V + o_k1[:, None] * V + o_v[None, :]
+    m_1 = (o_k1 < K)[:, None] & (o_v < V)[None, :]
+    m_2 = (o_k2 < K)[:, None] & (o_v < V)[None, :]
+    return o_k1, o_k2, o_v, o_s1, o_s1 + BKH * V, m_1, m_2
+
+
+@triton.jit
+def l2norm_bwd(b_x, b_dy):
+    """The gradient of x for y = x / sqrt(sum(x^2) + 1e-6) along the last axis: (dy - y <dy, y>) / |x|."""
+    b_r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + 1e-6)
+    b_y = b_x * b_r[:, None]
+    return (b_dy - b_y * tl.sum(b_dy * b_y, axis=1)[:, None]) * b_r[:, None]
 
 
 @triton.jit
