@@ -33,8 +33,8 @@ def setup(seed: int = 0, profile: str | None = None, verbose: bool = True):
     Raises:
         TypeError: ``seed`` is not an int (a bool is refused too).
         ValueError: ``seed`` not in [0, 2**32) (NumPy's range); ``profile`` is not "cpu", "gpu" or None.
-        RuntimeError: ``profile="gpu"`` without CUDA; a Triton kernel module was imported before
-            ``setup()`` on a CPU-only machine (the interpreter flag would come too late); or the
+        RuntimeError: ``profile="gpu"`` without CUDA; triton or a k3lab kernel module was imported
+            before ``setup()`` on a CPU-only machine (the interpreter flag would come too late); or the
             imported k3lab is not the one in the checkout the session runs from.
     """
     # Checked before any generator is seeded: NumPy refuses what Python's random.seed accepts.
@@ -54,12 +54,14 @@ def setup(seed: int = 0, profile: str | None = None, verbose: bool = True):
     if not torch.cuda.is_available():
         # Triton reads TRITON_INTERPRET when a @triton.jit function is defined, so it must be set
         # before any kernel module is imported.
-        if os.environ.get("TRITON_INTERPRET") != "1" and any(
-            m.startswith("k3lab.kernels.") for m in sys.modules
-        ):
+        # Triton's own jit helpers are defined when triton is imported (by the user, or through e.g.
+        # torch._dynamo): once compiled mode is chosen, kernels fail inside the interpreter.
+        early = next((m for m in sorted(sys.modules) if m == "triton" or m.startswith("k3lab.kernels.")), None)
+        if os.environ.get("TRITON_INTERPRET") != "1" and early:
             raise RuntimeError(
-                "k3lab.kernels was imported before k3lab.setup(): restart the kernel and call "
-                "k3lab.setup() first so TRITON_INTERPRET=1 is set before kernels are defined"
+                f"{early} was imported before k3lab.setup() on a machine without CUDA: restart the "
+                "kernel and call k3lab.setup() first (or set TRITON_INTERPRET=1 before importing it) "
+                "so Triton's interpreter is on before any kernel is defined"
             )
         os.environ["TRITON_INTERPRET"] = "1"
 
