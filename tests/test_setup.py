@@ -1,7 +1,12 @@
-"""k3lab.setup(): argument checks happen before any generator is seeded."""
+"""k3lab.setup(): argument checks happen before any generator is seeded; on CPU, Triton's interpreter is on
+before any kernel is defined."""
+import os
 import random
+import subprocess
+import sys
 
 import pytest
+import torch
 
 import k3lab
 
@@ -26,43 +31,38 @@ def test_numpy_int_seed_accepted():
     assert k3lab.setup(seed=np.int64(3), profile="cpu", verbose=False).type == "cpu"
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the Triton interpreter is the CPU path")
-@pytest.mark.parametrize("first", ["triton", "torch._dynamo", "k3lab.kernels.kda"])
-def test_triton_imported_before_setup_is_refused(first):
+def run_fresh(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python without TRITON_INTERPRET set (as a new notebook kernel starts)."""
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is the CPU path")
+@pytest.mark.parametrize("first, named", [("triton", "triton"), ("torch._dynamo", "triton"),
+                                          ("k3lab.kernels.kda", "k3lab.kernels.kda")])
+def test_triton_imported_before_setup_is_refused(first, named):
     """On CPU, Triton must run interpreted from its first import: once triton (directly, through
     torch._dynamo, or through a k3lab kernel module) is imported without TRITON_INTERPRET=1, setup()
     refuses with an error naming the module, instead of letting the first kernel call fail inside the
-    interpreter ("Cannot call @triton.jit'd outside of the scope of a kernel"). A fresh process each."""
-    import os
-    import subprocess
-    import sys
-
-    code = (f"import {first}, k3lab\n"
-            "try:\n"
-            "    k3lab.setup(verbose=False)\n"
-            "except RuntimeError as e:\n"
-            "    print(e)\n")
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    interpreter ("Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    run = run_fresh(f"import {first}, k3lab\n"
+                    "try:\n"
+                    "    k3lab.setup(verbose=False)\n"
+                    "except RuntimeError as e:\n"
+                    "    print(e)\n")
     assert run.returncode == 0, run.stderr[-600:]
-    assert "was imported before k3lab.setup()" in run.stdout, run.stdout
+    assert f"{named} was imported before k3lab.setup()" in run.stdout, run.stdout
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the Triton interpreter is the CPU path")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is the CPU path")
 def test_setup_first_then_kernels_run():
     """The order the notebooks use (setup, then kernel imports) works in a fresh process: one small
     flash_kda call on CPU gives finite outputs."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("import torch, k3lab\n"
-            "k3lab.setup(verbose=False)\n"
-            "from k3lab.kernels.kda import flash_kda\n"
-            "g = torch.Generator().manual_seed(0)\n"
-            "x = torch.randn(1, 20, 1, 16, generator=g)\n"
-            "o, _ = flash_kda(x, x, x, x, torch.randn(1, 20, 1, generator=g), torch.zeros(1), torch.zeros(16))\n"
-            "assert torch.isfinite(o).all()\n")
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    run = run_fresh("import torch, k3lab\n"
+                    "k3lab.setup(verbose=False)\n"
+                    "from k3lab.kernels.kda import flash_kda\n"
+                    "g = torch.Generator().manual_seed(0)\n"
+                    "x = torch.randn(1, 20, 1, 16, generator=g)\n"
+                    "o, _ = flash_kda(x, x, x, x, torch.randn(1, 20, 1, generator=g), torch.zeros(1), torch.zeros(16))\n"
+                    "assert torch.isfinite(o).all()\n")
     assert run.returncode == 0, run.stderr[-600:]
