@@ -256,9 +256,16 @@ def _error_detail(exc: BaseException) -> str:
     return f"{name}{cell}: {value[0] if value else ''}"[:120]
 
 
+# Per-cell limit (s) on the CPU profile, where no cell takes much over a minute: nbclient can wait
+# forever for a reply that never comes (seen twice here on an ipywidgets cell, jupyter/nbclient#312),
+# and a limit turns that into a failed chapter. The GPU profile has no default limit (long runs).
+CPU_CELL_TIMEOUT = 600.0
+
+
 def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None, build_dir=BUILD_DIR,
         book_dir=BOOK_DIR) -> list[Result]:
-    """Sync, execute and render chapters; returns one :class:`Result` per notebook.
+    """Sync, execute and render chapters; returns one :class:`Result` per notebook. ``timeout``: per-cell
+    seconds (None: ``CPU_CELL_TIMEOUT`` on the CPU profile, no limit on the GPU profile).
 
     Raises:
         ValueError: bad ``profile``, or ``only`` matches no chapter.
@@ -269,6 +276,8 @@ def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None
         raise ValueError(f"profile must be 'cpu' or 'gpu', got {profile!r}")
     if params_file is None:
         params_file = PARAMS.get(profile)
+    if timeout is None and profile == "cpu":
+        timeout = CPU_CELL_TIMEOUT
     paths = chapters(only, book_dir)
     results, used = [], set()
     bar = tqdm(paths, desc="book", unit="notebook", position=0)
@@ -318,8 +327,9 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def store(keys: list[str], timeout=None, book_dir: Path = BOOK_DIR) -> None:
-    """Execute chapters on the CPU defaults and keep the outputs in ``book/NN_name.ipynb``.
+def store(keys: list[str], timeout=CPU_CELL_TIMEOUT, book_dir: Path = BOOK_DIR) -> None:
+    """Execute chapters on the CPU defaults and keep the outputs in ``book/NN_name.ipynb`` (``timeout``:
+    per-cell seconds).
 
     No parameters are injected (the stored notebook keeps exactly the ``.py``'s cells).
 
@@ -353,11 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                    help="override a parameter (int/float/true/false/none/string)")
     p.add_argument("--params-file", type=Path, default=None, help="parameter YAML instead of the profile's")
-    p.add_argument("--timeout", type=float, default=None, help="per-cell timeout in seconds")
+    p.add_argument("--timeout", type=float, default=None,
+                   help=f"per-cell timeout in seconds (default: {CPU_CELL_TIMEOUT:.0f} on the cpu profile, none on gpu)")
     p.add_argument("--build-dir", type=Path, default=BUILD_DIR, help="where notebooks/ and html/ go")
     p = sub.add_parser("store", help="execute on CPU defaults and store outputs in book/NN_*.ipynb")
     p.add_argument("chapters", nargs="+", metavar="NN", help="chapter prefixes or names")
-    p.add_argument("--timeout", type=float, default=None, help="per-cell timeout in seconds")
+    p.add_argument("--timeout", type=float, default=CPU_CELL_TIMEOUT, help="per-cell timeout in seconds")
     sub.add_parser("check-sync", help="fail if a book/NN_*.py and its .ipynb differ in cells")
     args = parser.parse_args(argv)
 

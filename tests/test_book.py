@@ -106,6 +106,19 @@ def test_run_executes_renders_and_reports_failures(tiny_book, tmp_path, monkeypa
     assert book.main(["run", "--only", "01", "--build-dir", str(out)]) == 0
 
 
+def test_stuck_cell_fails_its_chapter_instead_of_hanging(tiny_book, tmp_path, monkeypatch, capsys):
+    """A cell that never finishes (like a lost kernel reply) ends as a FAILED row once the CPU
+    profile's per-cell limit passes; the other chapters still run."""
+    (tiny_book / "02_bad.py").write_text(BAD_NB.replace('raise ZeroDivisionError("chapter 02 is broken")',
+                                                        "import time\ntime.sleep(60)"))
+    monkeypatch.setattr(book, "BOOK_DIR", tiny_book)
+    monkeypatch.setattr(book, "CPU_CELL_TIMEOUT", 3.0)
+    code = book.main(["run", "--build-dir", str(tmp_path / "build")])
+    table = capsys.readouterr().out
+    assert code == 1
+    assert "01_ok" in table and "02_bad" in table and "FAILED" in table and "Timeout" in table, table
+
+
 @pytest.mark.timeout(180)
 def test_store_keeps_outputs_without_parameters_or_run_metadata(tiny_book):
     book.store(["01"], book_dir=tiny_book)
