@@ -189,8 +189,8 @@ assert MIN_LOWER_BOUND == -10.0
 # | `state_bwd` | sequences × value heads × V tiles | reverse loop: `dṼ = Aqkᵀ dO + (Γ_{i→C}K) dS'`, `dS ← γ_C dS' + (ΓQ)ᵀ dO − Wᵀ dṼ`, `dS` in two K halves | d(initial state) |
 # | `dqk_bwd` | K tiles × chunks × value heads | `d(ΓQ) = dO Sᵀ`, `d(Γ_{i→C}K) = Ṽ dS'ᵀ`, `dW = −dṼ Sᵀ`, the state-decay terms of dg | L2-norm rows, G chain |
 # | `dwv_bwd` | chunks × value heads | `dAqk = dO Ṽᵀ`, dV and dβ through `U`, dT, then `dL = −Tᵀ dT Tᵀ` | inverse backward |
-# | `intra_bwd` | K tiles (32) × chunks × value heads | the 16×16 sub-tile gradients of both score matrices on `[16, 32]` tiles (dβ's score term as one partial sum per K tile), reverse cumsum of dG, the gate backward; float32 operands (tf32 for bf16 inputs) | dz, dA_log, ddt_bias partials |
-# | `qk_norm_bwd` | token blocks × q/k heads | the GVA group's sum of the q and k gradients, the L2-norm backward (a row reduction over K), dβ's sigmoid backward | GVA sum, casts |
+# | `intra_bwd` | 16-row sub-tiles × K tiles (32) × chunks × value heads | one sub-tile's rows of the gradients of both score matrices, as rows (sub-tiles before it) and as columns (sub-tiles after it), each side at one reference where every factor is ≤ 1, on `[16, 32]` tiles; dβ's score term as one partial sum per K tile; float32 operands (tf32 for bf16 inputs) | q/k norms from `dqk_bwd` |
+# | `gate_norm_bwd` | chunks × q/k heads | the reverse cumsum of dG in the chunk, the gate backward, dβ's sigmoid backward, the GVA group's sum of the q and k gradients, the L2-norm backward (a row reduction over K) | dz, dA_log and ddt_bias partials, casts |
 #
 # *Registers vs shared memory.* The state (two `K/2 × BV` fp32 halves per program, `BV` the widest
 # of 64, 32, 16 whose grid still gives about every SM a program) and all accumulators live in
@@ -211,7 +211,8 @@ assert MIN_LOWER_BOUND == -10.0
 # *Precision.* For bf16 inputs the intermediates (`W`, `U`, `KG`, `QG`, `Aqk`, the chunk states) are
 # bf16, forward and backward alike: tensor-core operands with float32 accumulators. The gate cumsum
 # `G` and the inverse `T` stay float32 (the inverse's block products in full fp32), and so do the
-# backward's intermediate gradients. One kernel keeps float32 operands: `intra_bwd`. The gate
+# backward's intermediate gradients, except the two that only feed bf16 products (`dS'` per chunk and
+# `dṼ`). One kernel keeps float32 operands: `intra_bwd`. The gate
 # gradient is a sum of large terms that cancel (every `e^{G_i - G_j}` appears with `+` for the row
 # and `−` for the column); bf16 operands there gave 1.96e-2 on `ddt_bias`, over the 1e-2 bound, while
 # tf32 (10 mantissa bits to bf16's 7) gives 3.7e-3 and is what bf16 inputs use. Two

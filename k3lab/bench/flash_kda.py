@@ -230,12 +230,12 @@ def stage_times(B, T, H, K, V, device, rep=100) -> dict:
         bench(f"fwd output ({tag})", lambda: cf.kda_output_fwd(QG, h, Aqk, Vn, cu, chunk_indices))
         dh, dVn, _ = bench(f"bwd state ({tag})", lambda: cb.kda_state_bwd(QG, KG, W, G, Aqk, do, None, False, cu,
                                                                           chunk_offsets, NT))
-        dqs, dkn, dG, dW, dgx = bench(f"bwd dq/dk ({tag})", lambda: cb.kda_dqk_bwd(
+        dqs, dkn, dG, dW, dgx, rn = bench(f"bwd dq/dk ({tag})", lambda: cb.kda_dqk_bwd(
             flat[0], flat[1], G, h, dh, Vn, dVn, do, scale, cu, chunk_indices))
         db, dv, dAqk, dAkk = bench(f"bwd dW/dv ({tag})", lambda: cb.kda_dwv_bwd(
-            flat[1], flat[2], flat[4], G, Tinv, dW, dVn, do, Vn, dkn, dG, cu, chunk_indices))
+            flat[1], flat[2], flat[4], G, Tinv, dW, dVn, do, Vn, dkn, dG, rn, cu, chunk_indices))
         bench(f"bwd intra ({tag})", lambda: cb.kda_intra_bwd(
-            flat[0], flat[1], flat[3], flat[4], A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale,
+            flat[0], flat[1], flat[3], flat[4], A_log, dt_bias, G, rn, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale,
             LOWER_BOUND, cu, chunk_indices))
     return times
 

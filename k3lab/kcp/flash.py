@@ -201,8 +201,8 @@ class KCPFlashFunction(torch.autograd.Function):
         W, U, KG, QG = kda_intra_replay(qf, kf, vf, bf, G, Tinv, scale, lay.cu, lay.chunk_indices,
                                         intermediate_dtype(q))
         do = do.reshape(T, HV, V).contiguous() if do is not None else torch.zeros(T, HV, V, device=dev)
-        dh = torch.empty(NT, HV, K, V, device=dev)
-        dVn = torch.empty(T, HV, V, device=dev)
+        dh = torch.empty(NT, HV, K, V, device=dev, dtype=W.dtype)
+        dVn = torch.empty(T, HV, V, device=dev, dtype=W.dtype)
         d_in = [None] * n
         # 2. the reverse state stage where the end-state gradient is known (pieces that end here).
         b = n - int(lay.cont_out)
@@ -231,12 +231,12 @@ class KCPFlashFunction(torch.autograd.Function):
                 d_in[n - 1] = kda_state_bwd(QG, KG, W, G, Aqk, do, D[None].contiguous(), True, *lay.span(n - 1, n),
                                             NT, dh=dh, dVn=dVn)[2][0]
         del QG, KG, W, Aqk
-        dqs, dkn, dG, dW, dgx = kda_dqk_bwd(qf, kf, G, h, dh, Vn, dVn, do, scale, lay.cu, lay.chunk_indices)
+        dqs, dkn, dG, dW, dgx, rn = kda_dqk_bwd(qf, kf, G, h, dh, Vn, dVn, do, scale, lay.cu, lay.chunk_indices)
         del h, dh
-        db, dv, dAqk, dAkk = kda_dwv_bwd(kf, vf, bf, G, Tinv, dW, dVn, do, Vn, dkn, dG, lay.cu, lay.chunk_indices)
+        db, dv, dAqk, dAkk = kda_dwv_bwd(kf, vf, bf, G, Tinv, dW, dVn, do, Vn, dkn, dG, rn, lay.cu, lay.chunk_indices)
         del Vn, dVn, dW, Tinv
         dq, dk, dz, dbeta, dA_part, dbias_part = kda_intra_bwd(
-            qf, kf, zf, bf, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale, lb, lay.cu,
+            qf, kf, zf, bf, A_log, dt_bias, G, rn, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale, lb, lay.cu,
             lay.chunk_indices)
         d_h0 = None
         if h0 is not None:

@@ -121,12 +121,12 @@ class FlashKDAFunction(torch.autograd.Function):
         dh, dVn, dh0 = kda_state_bwd(QG, KG, W, G, Aqk, do, dht.contiguous() if dht is not None else None,
                                      h0 is not None, cu_seqlens, chunk_offsets, NT)
         del QG, KG, W, Aqk
-        dqs, dkn, dG, dW, dgx = kda_dqk_bwd(qf, kf, G, h, dh, Vn, dVn, do, scale, cu_seqlens, chunk_indices)
+        dqs, dkn, dG, dW, dgx, rn = kda_dqk_bwd(qf, kf, G, h, dh, Vn, dVn, do, scale, cu_seqlens, chunk_indices)
         del h, dh  # before dW/dv's outputs exist: the backward's peak memory
-        db, dv, dAqk, dAkk = kda_dwv_bwd(kf, vf, bf, G, Tinv, dW, dVn, do, Vn, dkn, dG, cu_seqlens, chunk_indices)
+        db, dv, dAqk, dAkk = kda_dwv_bwd(kf, vf, bf, G, Tinv, dW, dVn, do, Vn, dkn, dG, rn, cu_seqlens, chunk_indices)
         del Vn, dVn, dW, Tinv
         dq, dk, dz, dbeta, dA_part, dbias_part = kda_intra_bwd(
-            qf, kf, zf, bf, A_log, dt_bias, G, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale, lb, cu_seqlens, chunk_indices)
+            qf, kf, zf, bf, A_log, dt_bias, G, rn, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale, lb, cu_seqlens, chunk_indices)
         dh0 = dh0.to(h0.dtype) if h0 is not None else None
         return (*input_grads(dq, dk, dv, dz, dbeta, dA_part, dbias_part, q, v, A_log, dt_bias),
                 dh0, None, None, None, None, None, None)
