@@ -171,14 +171,14 @@ assert MIN_LOWER_BOUND == -10.0
 #
 # ## 3. The kernel design
 #
-# Three forward kernels and five backward kernels, each a `@triton.jit` function
+# Three forward kernels and six backward kernels, each a `@triton.jit` function
 # (`kda_<stage>_{fwd,bwd}_kernel`) with a launcher, one `autograd.Function` (`FlashKDAFunction`) and
 # the public `flash_kda`, which validates (shapes always; NaN/inf with `check_values=True`, the
 # default) and builds the chunk table on the host from the sequence lengths, once per shape (cached:
 # a training loop at fixed shapes never copies it again). Chunk `C = 64`, sub-tile 16, `K` whole in the
 # intra forward, in two halves in the state kernels and in tiles of 32 in the intra backward, `V` in
 # tiles of 16–64. The backward runs, in order: `intra_fwd` in replay mode, `state_fwd` (for the chunk
-# states and `Ṽ`), then the five backward kernels of the table.
+# states and `Ṽ`), then the six backward kernels of the table.
 #
 # | stage | grid | what it does | fused |
 # |---|---|---|---|
@@ -190,7 +190,8 @@ assert MIN_LOWER_BOUND == -10.0
 # | `dqk_bwd` | K tiles × chunks × value heads | `d(ΓQ) = dO Sᵀ`, `d(Γ_{i→C}K) = Ṽ dS'ᵀ`, `dW = −dṼ Sᵀ`, the state-decay terms of dg | L2-norm rows, G chain |
 # | `dwv_bwd` | chunks × value heads | `dAqk = dO Ṽᵀ`, dV and dβ through `U`, dT, then `dL = −Tᵀ dT Tᵀ` | inverse backward |
 # | `intra_bwd` | 16-row sub-tiles × K tiles (32) × chunks × value heads | one sub-tile's rows of the gradients of both score matrices, as rows (sub-tiles before it) and as columns (sub-tiles after it), each side at one reference where every factor is ≤ 1, on `[16, 32]` tiles; dβ's score term as one partial sum per K tile; float32 operands (tf32 for bf16 inputs) | q/k norms from `dqk_bwd` |
-# | `gate_norm_bwd` | chunks × q/k heads | the reverse cumsum of dG in the chunk, the gate backward, dβ's sigmoid backward, the GVA group's sum of the q and k gradients, the L2-norm backward (a row reduction over K) | dz, dA_log and ddt_bias partials, casts |
+# | `gate_bwd` | K tiles (32) × chunks × value heads | the reverse cumsum of dG in the chunk, the gate backward | dz, dA_log and ddt_bias partials |
+# | `qk_norm_bwd` | token blocks × q/k heads | the GVA group's sum of the q and k gradients, the L2-norm backward (a row reduction over K), dβ's sigmoid backward | GVA sum, casts |
 #
 # *Registers vs shared memory.* The state (two `K/2 × BV` fp32 halves per program, `BV` the widest
 # of 64, 32, 16 whose grid still gives about every SM a program) and all accumulators live in

@@ -43,10 +43,12 @@ KERNELS = {
     "intra_bwd": (cb.kda_intra_bwd_kernel, dict(q=BF, k=BF, beta=BF, G=F32, rq=F32, rk=F32, dAqk=F32, dAkk=F32,
                                                 dqs=F32, dkn=F32, dG=F32, dbeta_part=F32, T_total="i32"),
                   dict(H=16, HV=16, K=128, BT=64, BC=16, BKT=32, PREC="tf32")),
-    "gate_norm_bwd": (cb.kda_gate_norm_bwd_kernel, dict(q=BF, k=BF, z=BF, beta=BF, A_log=F32, dt_bias=F32, dqs=F32,
-                                                        dkn=F32, dG=F32, dgx=F32, dbeta_part=F32, db=F32, dq=BF, dk=BF,
-                                                        dz=BF, dbeta=BF, dA_part=F32, dbias_part=F32, T_total="i32"),
-                      dict(H=16, HV=16, K=128, NKT=4, HAS_BIAS=True, BT=64, BK=128)),
+    "gate_bwd": (cb.kda_gate_bwd_kernel, dict(z=BF, A_log=F32, dt_bias=F32, dG=F32, dgx=F32, dz=BF, dA_part=F32,
+                                              dbias_part=F32),
+                 dict(HV=16, K=128, HAS_BIAS=True, BT=64, BKT=32)),
+    "qk_norm_bwd": (cb.kda_qk_norm_bwd_kernel, dict(q=BF, k=BF, beta=BF, dqs=F32, dkn=F32, dbeta_part=F32, db=F32,
+                                                    dq=BF, dk=BF, dbeta=BF, T_total="i32"),
+                    dict(H=16, HV=16, K=128, NKT=4, BR=32, BK=128)),
 }
 
 

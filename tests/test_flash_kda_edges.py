@@ -1,4 +1,4 @@
-"""FlashKDA edge cases of the K-tiled intra backward, the gate/norm backward kernel and the state kernels'
+"""FlashKDA edge cases of the K-tiled intra backward, the gate and q/k norm backward kernels and the state kernels'
 two K halves that tests/test_flash_kda.py does not reach (it runs K = 16 and 32 only: one K tile, both
 state halves full or the second empty): K not a multiple of the 32-column tile, K = 256, GVA groups of
 4 with varlen and no dt_bias, the GPU's tile sizes, repeated backward, a loss on the final state alone,
@@ -19,7 +19,7 @@ import triton  # noqa: E402
 from test_flash_kda import DEVICE, NAMES, check, make_inputs, reference  # noqa: E402
 
 from k3lab.kernels.kda import chunk_bwd, chunk_fwd, flash_kda  # noqa: E402
-from k3lab.kernels.kda.chunk_bwd import kda_gate_norm_bwd_kernel  # noqa: E402
+from k3lab.kernels.kda.chunk_bwd import kda_gate_bwd_kernel, kda_qk_norm_bwd_kernel  # noqa: E402
 from k3lab.kernels.kda.utils import chunk_index  # noqa: E402
 from k3lab.testing import assert_close  # noqa: E402
 
@@ -71,42 +71,55 @@ def test_gpu_tile_sizes(monkeypatch):
     check(make_inputs(1, 70, 1, 1, 48, 40, seed=24))
 
 
-@pytest.mark.parametrize("H, HV, K, bias", [(2, 4, 48, True), (1, 4, 256, False), (1, 1, 16, True)])
-def test_gate_norm_bwd_kernel(H, HV, K, bias):
-    """``kda_gate_norm_bwd_kernel`` alone against autograd in float64, on two sequences of 45 and 70 tokens
-    (partial chunks): the in-chunk reverse cumsum of dG and the gate backward (dz, dA_log, ddt_bias),
-    dbeta's sigmoid backward with the K tiles' parts, and the GVA sum and L2-norm backward of
-    scale * q / |q| and k / |k|."""
-    lengths, lb = [45, 70], -5.0
-    T = sum(lengths)
+@pytest.mark.parametrize("H, HV, K", [(2, 4, 48), (1, 4, 256), (1, 1, 16)])
+def test_qk_norm_bwd_kernel_gpu_block(H, HV, K):
+    """``kda_qk_norm_bwd_kernel`` with the GPU's 32-token blocks (the CPU launch uses 16), T = 45 (a
+    partial block): the GVA sum, the L2-norm backward of scale * q / |q| and k / |k| and dbeta's
+    sigmoid backward against autograd in float64."""
+    T, BR = 45, 32
     NKT, BK, scale = triton.cdiv(K, 32), max(16, triton.next_power_of_2(K)), K**-0.5
     gen = torch.Generator().manual_seed(25)
+    q, k, dq_hat, dk_hat = (torch.randn(T, *s, generator=gen) for s in ((H, K), (H, K), (HV, K), (HV, K)))
+    beta, db = torch.randn(T, HV, generator=gen), torch.randn(T, HV, generator=gen)
+    db_parts = torch.randn(NKT, T, HV, generator=gen)
+    dq, dk, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(beta)
+    args = [x.to(DEVICE) for x in (q, k, beta, dq_hat, dk_hat, db_parts, db)]
+    out = [x.to(DEVICE) for x in (dq, dk, dbeta)]
+    kda_qk_norm_bwd_kernel[(triton.cdiv(T, BR), H)](*args, *out, T, scale, H=H, HV=HV, K=K, NKT=NKT, BR=BR, BK=BK)
+    qd, kd, bd = (x.double().requires_grad_() for x in (q, k, beta))
+    norm = lambda x: x / (x.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()  # noqa: E731
+    loss = ((norm(qd) * scale).repeat_interleave(HV // H, 1) * dq_hat.double()).sum() \
+        + (norm(kd).repeat_interleave(HV // H, 1) * dk_hat.double()).sum() \
+        + (bd.sigmoid() * (db_parts.double().sum(0) + db.double())).sum()
+    loss.backward()
+    for name, a, b in zip(("dq", "dk", "dbeta"), (qd, kd, bd), out):
+        assert_close(name, a.grad, b.cpu(), 1e-6)
+
+
+@pytest.mark.parametrize("HV, K, bias", [(4, 48, True), (2, 256, False), (1, 16, True)])
+def test_gate_bwd_kernel(HV, K, bias):
+    """``kda_gate_bwd_kernel`` alone against autograd in float64, on two sequences of 45 and 70 tokens
+    (partial chunks): the in-chunk reverse cumsum of dG, dgx, and the gate backward (dz, dA_log, ddt_bias)."""
+    lengths, lb, BKT = [45, 70], -5.0, 32
+    T, NKT = sum(lengths), triton.cdiv(K, BKT)
+    gen = torch.Generator().manual_seed(26)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    q, k, z, beta, A_log, dt_bias = r(T, H, K), r(T, H, K), r(T, HV, K), r(T, HV), 0.5 * r(HV), 0.5 * r(HV * K)
-    dqs, dkn, dG, dgx, db = r(T, HV, K), r(T, HV, K), r(T, HV, K), r(T, HV, K), r(T, HV)
-    db_parts = r(NKT, T, HV)
+    z, A_log, dt_bias, dG, dgx = r(T, HV, K), 0.5 * r(HV), 0.5 * r(HV * K), r(T, HV, K), r(T, HV, K)
     cu, chunk_indices, _ = chunk_index(lengths, DEVICE)
     NT = chunk_indices.shape[0]
-    dq, dk, dz, dbeta = (torch.empty(x.shape, device=DEVICE) for x in (q, k, z, beta))
-    dA_part, dbias_part = torch.empty(NT, HV, device=DEVICE), torch.empty(NT, HV, K, device=DEVICE)
+    dz, dA_part, dbias_part = (torch.empty(*s, device=DEVICE) for s in ((T, HV, K), (NKT, NT, HV), (NT, HV, K)))
     dev = lambda x: x.float().to(DEVICE)  # noqa: E731
-    kda_gate_norm_bwd_kernel[(NT, H)](
-        *map(dev, (q, k, z, beta, A_log)), dev(dt_bias) if bias else None,
-        *map(dev, (dqs, dkn, dG, dgx, db_parts, db)), dq, dk, dz, dbeta, dA_part, dbias_part,
-        cu, chunk_indices, scale, lb, T, H=H, HV=HV, K=K, NKT=NKT, HAS_BIAS=bias, BT=64, BK=BK)
-
-    leaves = [x.clone().requires_grad_() for x in (q, k, z, beta, A_log, dt_bias)]
-    qd, kd, zd, bd, ad, biasd = leaves
+    kda_gate_bwd_kernel[(NKT, NT, HV)](dev(z), dev(A_log), dev(dt_bias) if bias else None, dev(dG), dev(dgx),
+                                       dz, dA_part, dbias_part, cu, chunk_indices, lb, HV=HV, K=K, HAS_BIAS=bias,
+                                       BT=64, BKT=BKT)
+    zd, ad, biasd = (x.clone().requires_grad_() for x in (z, A_log, dt_bias))
     g = lb * torch.sigmoid(ad.exp()[:, None] * (zd + (biasd.view(HV, K) if bias else 0)))
     G = torch.cat([c.cumsum(0) for n in g.split(lengths) for c in n.split(64)])
-    norm = lambda x: x / (x.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()  # noqa: E731
-    loss = ((norm(qd) * scale).repeat_interleave(HV // H, 1) * dqs).sum() \
-        + (norm(kd).repeat_interleave(HV // H, 1) * dkn).sum() + (G * dG).sum() + (g * dgx).sum() \
-        + (bd.sigmoid() * (db_parts.sum(0) + db)).sum()
-    loss.backward()
-    ours = [dq, dk, dz, dbeta, dA_part.sum(0)] + ([dbias_part.sum(0).view(-1)] if bias else [])
-    for name, x, got in zip(("dq", "dk", "dz", "dbeta", "dA_log", "ddt_bias"), leaves, ours):
-        assert_close(name, x.grad, got.double().cpu(), 1e-5)
+    ((G * dG).sum() + (g * dgx).sum()).backward()
+    assert_close("dz", zd.grad, dz.double().cpu(), 1e-5)
+    assert_close("dA_log", ad.grad, dA_part.sum((0, 1)).double().cpu(), 1e-5)
+    if bias:
+        assert_close("ddt_bias", biasd.grad, dbias_part.sum(0).view(-1).double().cpu(), 1e-5)
 
 
 @pytest.mark.timeout(300)

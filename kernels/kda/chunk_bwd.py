@@ -1,4 +1,4 @@
-"""FlashKDA backward: five Triton kernels and their launchers (after ``kda_intra_replay`` rebuilds W, U,
+"""FlashKDA backward: six Triton kernels and their launchers (after ``kda_intra_replay`` rebuilds W, U,
 KG, QG from the forward's saved G, T, Aqk, and the state kernel re-runs for the chunk states h and the
 pseudo-values V~).
 
@@ -11,11 +11,13 @@ pseudo-values V~).
    dL = -T^T dT T^T (the inverse's backward), kept strictly lower.
 4. ``kda_intra_bwd_kernel`` (16-row sub-tiles x K tiles of 32 x chunks): the gradients of the two
    decayed score matrices for one sub-tile's rows, as rows and as columns; dbeta's score term as one
-   partial sum per K tile (measured on an H200, bf16, with kernel 5: B1 T8192 H16 1.19 -> 0.82 ms, B4
-   T8192 H16 4.71 -> 3.25 ms against one program per chunk and K tile).
-5. ``kda_gate_norm_bwd_kernel`` (chunks x q/k heads): the reverse cumsum of dG in the chunk and the gate
-   backward (dz, per-chunk sums for dA_log and ddt_bias), the beta-sigmoid backward, the GVA group sum
-   and the L2-norm backward of q and k.
+   partial sum per K tile (measured on an H200, bf16, kernels 4-6 together: B1 T8192 H16 1.19 -> 0.76 ms,
+   B4 T8192 H16 4.71 -> 3.08 ms against one program per chunk and K tile).
+5. ``kda_gate_bwd_kernel`` (K tiles x chunks): the reverse cumsum of dG in the chunk and the gate
+   backward (dz, per-chunk sums for dA_log and ddt_bias).
+6. ``kda_qk_norm_bwd_kernel`` (token blocks x q/k heads): the GVA group sum and L2-norm backward of q
+   and k, and the beta-sigmoid backward. (5 and 6 fused per chunk were 0.81 ms against 0.31 + 0.31 at
+   B4: one [64, K] program per chunk left few warps per SM.)
 """
 from __future__ import annotations
 
@@ -315,55 +317,70 @@ def kda_intra_bwd_kernel(
     tl.store(dbeta_part + (i_k * T_total + t0 + o_i).to(tl.int64) * HV + i_hv, b_db, mask=o_i < n_t)
 
 
-@triton.autotune(configs=warp_configs(8, 16), key=["H", "HV", "K"])
 @triton.jit
-def kda_gate_norm_bwd_kernel(
-    q, k, z, beta, A_log, dt_bias, dqs, dkn, dG, dgx, dbeta_part, db,  # dqs, dkn, dG, dgx fp32 [T, HV, K] (totals);
-                                                                       # dbeta_part fp32 [NKT, T, HV]; db fp32 [T, HV]
-    dq, dk, dz, dbeta, dA_part, dbias_part,  # dq, dk [T, H, K]; dz [T, HV, K]; dbeta [T, HV];
-                                             # dA_part fp32 [NT, HV]; dbias_part fp32 [NT, HV, K]
-    cu_seqlens, chunk_indices, scale, lower_bound, T_total,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, NKT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr,
+def kda_gate_bwd_kernel(
+    z, A_log, dt_bias, dG, dgx,  # z [T, HV, K]; dG, dgx fp32 [T, HV, K] (dG's total, after the intra backward)
+    dz, dA_part, dbias_part,  # dz [T, HV, K]; dA_part fp32 [NKT, NT, HV]; dbias_part fp32 [NT, HV, K]
+    cu_seqlens, chunk_indices, lower_bound,
+    HV: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, BT: tl.constexpr, BKT: tl.constexpr,
 ):
-    """Per chunk and q/k head, for each value head of its GVA group: dg = reverse cumsum of dG in the
-    chunk (+ dgx), the gate backward through g = lb * sigmoid(a (z + bias)) (dz, per-chunk sums for
-    dA_log and ddt_bias), dbeta = (the K tiles' parts + the WY path's) * sigmoid'(beta); then the group
-    sums of the gradients of scale * q / |q| and k / |k| and the L2-norm backward dx = (dy - y <dy, y>) / |x|."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    GV: tl.constexpr = HV // H
+    """Per K tile, chunk and value head: G = cumsum(g) in the chunk gives dg = reverse cumsum of dG (+ dgx,
+    the terms sent straight to dg); then g = lb * sigmoid(a (z + bias)) gives dz and this chunk's sums
+    for dA_log (one per K tile) and ddt_bias."""
+    i_k, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_t = o_t < n_t
-    m = m_t[:, None] & (o_k < K)[None, :]
+    o_k = i_k * BKT + tl.arange(0, BKT)
+    m = (o_t < n_t)[:, None] & (o_k < K)[None, :]
     s_K = HV * K
-    b_dq = tl.zeros([BT, BK], tl.float32)
-    b_dk = tl.zeros([BT, BK], tl.float32)
+    b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    b_dg = tl.cumsum(load_rows(dG, t0, n_t, o_t, s_K, i_hv * K, o_k, K, False), axis=0, reverse=True)
+    b_dg += load_rows(dgx, t0, n_t, o_t, s_K, i_hv * K, o_k, K, False)
+    b_z = load_rows(z, t0, n_t, o_t, s_K, i_hv * K, o_k, K, False)
+    if HAS_BIAS:
+        b_z += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+    b_s = tl.sigmoid(b_a * b_z)
+    b_ds = tl.where(m, b_dg * lower_bound * b_s * (1.0 - b_s), 0.0)
+    store_rows(dz, b_ds * b_a, t0, n_t, o_t, s_K, i_hv * K, o_k, K)
+    tl.store(dbias_part + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.sum(b_ds, 0) * b_a, mask=o_k < K)
+    tl.store(dA_part + (i_k * tl.num_programs(1) + i_c).to(tl.int64) * HV + i_hv, tl.sum(tl.sum(b_ds * b_z, 0), 0) * b_a)
+
+
+@triton.jit
+def kda_qk_norm_bwd_kernel(
+    q, k, beta, dqs, dkn, dbeta_part, db, dq, dk, dbeta,  # q, k, dq, dk [T, H, K]; dqs, dkn fp32 [T, HV, K];
+                                                        # beta, db, dbeta [T, HV]; dbeta_part fp32 [NKT, T, HV]
+    T_total, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, NKT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+):
+    """Per block of BR tokens and q/k head: the gradients of q / |q| (times the scale) and k / |k| summed
+    over the head's GVA group, then the L2-norm backward dx = (dy - y <dy, y>) / |x|; and
+    dbeta = (sum of the K tiles' parts + the WY path's) * sigmoid'(beta)."""
+    i_r, i_h = tl.program_id(0), tl.program_id(1)
+    GV: tl.constexpr = HV // H
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_k = tl.arange(0, BK)
+    m_r = o_r < T_total
+    m = m_r[:, None] & (o_k < K)[None, :]
+    o_r64 = o_r.to(tl.int64)
+    b_dq = tl.zeros([BR, BK], tl.float32)
+    b_dk = tl.zeros([BR, BK], tl.float32)
     for i_g in tl.static_range(GV):
         i_hv = i_h * GV + i_g
-        b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        b_dg = tl.cumsum(load_rows(dG, t0, n_t, o_t, s_K, i_hv * K, o_k, K, False), axis=0, reverse=True)
-        b_dg += load_rows(dgx, t0, n_t, o_t, s_K, i_hv * K, o_k, K, False)
-        b_z = load_rows(z, t0, n_t, o_t, s_K, i_hv * K, o_k, K, False)
-        if HAS_BIAS:
-            b_z += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-        b_s = tl.sigmoid(b_a * b_z)
-        b_ds = tl.where(m, b_dg * lower_bound * b_s * (1.0 - b_s), 0.0)
-        store_rows(dz, b_ds * b_a, t0, n_t, o_t, s_K, i_hv * K, o_k, K)
-        tl.store(dbias_part + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.sum(b_ds, 0) * b_a, mask=o_k < K)
-        tl.store(dA_part + i_c.to(tl.int64) * HV + i_hv, tl.sum(tl.sum(b_ds * b_z, 0), 0) * b_a)
-        b_db = load_vec(db, t0, n_t, o_t, HV, i_hv)
+        p = (o_r64 * HV + i_hv)[:, None] * K + o_k[None, :]
+        b_dq += tl.load(dqs + p, mask=m, other=0.0)
+        b_dk += tl.load(dkn + p, mask=m, other=0.0)
+        b_db = tl.load(db + o_r64 * HV + i_hv, mask=m_r, other=0.0)
         for i_k in tl.static_range(NKT):
-            b_db += load_vec(dbeta_part, i_k * T_total + t0, n_t, o_t, HV, i_hv)
-        b_b = tl.sigmoid(load_vec(beta, t0, n_t, o_t, HV, i_hv))
-        tl.store(dbeta + (t0 + o_t) * HV + i_hv, (b_db * b_b * (1.0 - b_b)).to(dbeta.dtype.element_ty), mask=m_t)
-        b_dq += load_rows(dqs, t0, n_t, o_t, s_K, i_hv * K, o_k, K, False)
-        b_dk += load_rows(dkn, t0, n_t, o_t, s_K, i_hv * K, o_k, K, False)
-    b_q = load_rows(q, t0, n_t, o_t, H * K, i_h * K, o_k, K, False)
-    store_rows(dq, l2norm_bwd(b_q, b_dq * scale), t0, n_t, o_t, H * K, i_h * K, o_k, K)
-    b_k = load_rows(k, t0, n_t, o_t, H * K, i_h * K, o_k, K, False)
-    store_rows(dk, l2norm_bwd(b_k, b_dk), t0, n_t, o_t, H * K, i_h * K, o_k, K)
+            b_db += tl.load(dbeta_part + (i_k * T_total + o_r64) * HV + i_hv, mask=m_r, other=0.0)
+        b_b = tl.sigmoid(tl.load(beta + o_r64 * HV + i_hv, mask=m_r, other=0.0).to(tl.float32))
+        tl.store(dbeta + o_r64 * HV + i_hv, (b_db * b_b * (1.0 - b_b)).to(dbeta.dtype.element_ty), mask=m_r)
+    p = (o_r64 * H + i_h)[:, None] * K + o_k[None, :]
+    b_q = tl.load(q + p, mask=m, other=0.0).to(tl.float32)
+    tl.store(dq + p, l2norm_bwd(b_q, b_dq * scale).to(dq.dtype.element_ty), mask=m)
+    b_k = tl.load(k + p, mask=m, other=0.0).to(tl.float32)
+    tl.store(dk + p, l2norm_bwd(b_k, b_dk).to(dk.dtype.element_ty), mask=m)
+
 
 
 def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offsets, NT, dh=None, dVn=None):
@@ -429,9 +446,9 @@ def kda_dwv_bwd(k, v, beta, G, Tinv, dW, dVn, do, Vn, dkn, dG, rn, cu_seqlens, c
 
 def kda_intra_bwd(q, k, z, beta, A_log, dt_bias, G, rn, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale, lower_bound,
                   cu_seqlens, chunk_indices):
-    """Launch ``kda_intra_bwd_kernel`` then ``kda_gate_norm_bwd_kernel`` (``dqs``, ``dkn``, ``dG`` are
-    overwritten with their totals). Returns (dq, dk [T, H, K] in q's dtype, dz [T, HV, K], dbeta [T, HV],
-    dA_part fp32 [NT, HV], dbias_part fp32 [NT, HV, K]); the parts sum to dA_log and dt_bias's gradient."""
+    """Launch ``kda_intra_bwd_kernel``, ``kda_gate_bwd_kernel`` and ``kda_qk_norm_bwd_kernel`` (``dqs``,
+    ``dkn``, ``dG`` are overwritten with their totals). Returns (dq, dk [T, H, K] in q's dtype, dz [T, HV, K],
+    dbeta [T, HV], dA_part fp32 [parts, HV], dbias_part fp32 [NT, HV, K]); the parts sum to dA_log and dt_bias's gradient."""
     T, H, K = k.shape
     HV = z.shape[1]
     NT = chunk_indices.shape[0]
@@ -444,16 +461,20 @@ def kda_intra_bwd(q, k, z, beta, A_log, dt_bias, G, rn, dAqk, dAkk, dqs, dkn, dG
         q, k, beta, G, rn[0], rn[1], dAqk, dAkk, dqs, dkn, dG, dbeta_part, cu_seqlens, chunk_indices, scale, T,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BKT=BKT, PREC=intra_bwd_precision(q.dtype, dev),
     )
-    dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dz, dbeta = torch.empty_like(z), torch.empty_like(beta)
-    dA_part = torch.empty(NT, HV, device=dev, dtype=torch.float32)
+    dz = torch.empty_like(z)
+    dA_part = torch.empty(NKT, NT, HV, device=dev, dtype=torch.float32)
     dbias_part = torch.empty(NT, HV, K, device=dev, dtype=torch.float32)
-    kda_gate_norm_bwd_kernel[(NT, H)](
-        q, k, z, beta, A_log, dt_bias, dqs, dkn, dG, dgx, dbeta_part, db, dq, dk, dz, dbeta, dA_part, dbias_part,
-        cu_seqlens, chunk_indices, scale, lower_bound, T, H=H, HV=HV, K=K, NKT=NKT, HAS_BIAS=dt_bias is not None,
-        BT=BT, BK=BK,
+    kda_gate_bwd_kernel[(NKT, NT, HV)](
+        z, A_log, dt_bias, dG, dgx, dz, dA_part, dbias_part, cu_seqlens, chunk_indices, lower_bound,
+        HV=HV, K=K, HAS_BIAS=dt_bias is not None, BT=BT, BKT=BKT, num_warps=4,
     )
-    return dq, dk, dz, dbeta, dA_part, dbias_part
+    dq, dk, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(beta)
+    BR = 16 if dev.type != "cuda" else 32
+    kda_qk_norm_bwd_kernel[(triton.cdiv(T, BR), H)](
+        q, k, beta, dqs, dkn, dbeta_part, db, dq, dk, dbeta, T, scale, H=H, HV=HV, K=K, NKT=NKT, BR=BR, BK=BK,
+        num_warps=8,
+    )
+    return dq, dk, dz, dbeta, dA_part.view(NKT * NT, HV), dbias_part
 
 
 def intra_bwd_precision(dtype: torch.dtype, device: torch.device) -> str:
