@@ -176,7 +176,7 @@ assert MIN_LOWER_BOUND == -10.0
 # the public `flash_kda`, which validates (shapes always; NaN/inf with `check_values=True`, the
 # default) and builds the chunk table on the host from the sequence lengths, once per shape (cached:
 # a training loop at fixed shapes never copies it again). Chunk `C = 64`, sub-tile 16, `K` whole in the
-# intra forward, in two halves in the state kernels and in tiles of 32 in the intra backward, `V` in
+# intra forward, in two halves in the state kernels and in tiles of 64 in the intra backward, `V` in
 # tiles of 16–64. The backward runs, in order: `intra_fwd` in replay mode, `state_fwd` (for the chunk
 # states and `Ṽ`), then the six backward kernels of the table.
 #
@@ -189,7 +189,7 @@ assert MIN_LOWER_BOUND == -10.0
 # | `state_bwd` | sequences × value heads × V tiles | reverse loop: `dṼ = Aqkᵀ dO + (Γ_{i→C}K) dS'`, `dS ← γ_C dS' + (ΓQ)ᵀ dO − Wᵀ dṼ`, `dS` in two K halves | d(initial state) |
 # | `dqk_bwd` | K tiles × chunks × value heads | `d(ΓQ) = dO Sᵀ`, `d(Γ_{i→C}K) = Ṽ dS'ᵀ`, `dW = −dṼ Sᵀ`, the state-decay terms of dg | L2-norm rows, G chain |
 # | `dwv_bwd` | chunks × value heads | `dAqk = dO Ṽᵀ`, dV and dβ through `U`, dT, then `dL = −Tᵀ dT Tᵀ` | inverse backward |
-# | `intra_bwd` | 16-row sub-tiles × K tiles (32) × chunks × value heads | one sub-tile's rows of the gradients of both score matrices, as rows (sub-tiles before it) and as columns (sub-tiles after it), each side at one reference where every factor is ≤ 1, on `[16, 32]` tiles; dβ's score term as one partial sum per K tile; float32 operands (tf32 for bf16 inputs) | q/k norms from `dqk_bwd` |
+# | `intra_bwd` | 16-row sub-tiles × K tiles (64) × chunks × value heads | one sub-tile's rows of the gradients of both score matrices, as rows (sub-tiles before it) and as columns (sub-tiles after it), each side at one reference where every factor is ≤ 1, on `[16, 64]` tiles; dβ's score term as one partial sum per K tile; float32 operands (tf32 for bf16 inputs) | q/k norms from `dqk_bwd` |
 # | `gate_bwd` | K tiles (32) × chunks × value heads | the reverse cumsum of dG in the chunk, the gate backward | dz, dA_log and ddt_bias partials |
 # | `qk_norm_bwd` | token blocks × q/k heads | the GVA group's sum of the q and k gradients, the L2-norm backward (a row reduction over K), dβ's sigmoid backward | GVA sum, casts |
 #

@@ -42,7 +42,7 @@ KERNELS = {
                 dict(SHAPE, H=16, BK=32, BV=32, PREC="tf32")),
     "intra_bwd": (cb.kda_intra_bwd_kernel, dict(q=BF, k=BF, beta=BF, G=F32, rq=F32, rk=F32, dAqk=F32, dAkk=F32,
                                                 dqs=F32, dkn=F32, dG=F32, dbeta_part=F32, T_total="i32"),
-                  dict(H=16, HV=16, K=128, BT=64, BC=16, BKT=32, PREC="tf32")),
+                  dict(H=16, HV=16, K=128, BT=64, BC=16, BKT=64, PREC="tf32")),
     "gate_bwd": (cb.kda_gate_bwd_kernel, dict(z=BF, A_log=F32, dt_bias=F32, dG=F32, dgx=F32, dz=BF, dA_part=F32,
                                               dbias_part=F32),
                  dict(HV=16, K=128, HAS_BIAS=True, BT=64, BKT=32)),

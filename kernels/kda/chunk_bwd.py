@@ -9,7 +9,7 @@ pseudo-values V~).
    straight to dg as a prefix sum).
 3. ``kda_dwv_bwd_kernel`` (chunks): dAqk = dO V~^T; dV, dbeta and dT through U and W; then
    dL = -T^T dT T^T (the inverse's backward), kept strictly lower.
-4. ``kda_intra_bwd_kernel`` (16-row sub-tiles x K tiles of 32 x chunks): the gradients of the two
+4. ``kda_intra_bwd_kernel`` (16-row sub-tiles x K tiles of 64 x chunks): the gradients of the two
    decayed score matrices for one sub-tile's rows, as rows and as columns; dbeta's score term as one
    partial sum per K tile (measured on an H200, bf16, kernels 4-6 together: B1 T8192 H16 1.19 -> 0.76 ms,
    B4 T8192 H16 4.71 -> 3.08 ms against one program per chunk and K tile).
@@ -407,7 +407,10 @@ def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offset
 
 
 def _dqkw_tiles(K: int, V: int, cuda: bool) -> tuple[int, int, int]:
-    """(BKK, BK, BV) of the dq/dk and dW/dv kernels: K whole (BKK) or in tiles of 64, V in tiles of 32."""
+    """(BKK, BK, BV): K whole (BKK) or in tiles of 64, and the dW/dv kernel's V tile, 32 on the GPU (dq/dk
+    uses ``block_sizes``' 64). Measured on an H200 at B4 T8192 H16, bf16 (tile and warp sweeps,
+    ``data/results/flash_kda_h200_stages.json``): dq/dk V tile 64 -> 1.14 ms, 32 -> 1.24; dW/dv 32 is the
+    fastest of 16, 32 and 64."""
     BKK, BV = block_sizes(K, V)
     return BKK, min(BKK, 64), min(BV, 32) if cuda else BV
 
@@ -417,7 +420,8 @@ def kda_dqk_bwd(q, k, G, h, dh, Vn, dVn, do, scale, cu_seqlens, chunk_indices):
     inverse norms rn float32 [2, T, HV] (q's, k's)."""
     T, H, K = k.shape
     HV, V = Vn.shape[1:]
-    BKK, BK, BV = _dqkw_tiles(K, V, k.is_cuda)
+    BKK, BK, _ = _dqkw_tiles(K, V, k.is_cuda)
+    BV = block_sizes(K, V)[1]
     dqs, dkn, dG, dW, dgx = (torch.empty(T, HV, K, device=k.device, dtype=torch.float32) for _ in range(5))
     rn = torch.empty(2, T, HV, device=k.device, dtype=torch.float32)
     kda_dqk_bwd_kernel[(triton.cdiv(K, BK), chunk_indices.shape[0], HV)](
@@ -453,8 +457,10 @@ def kda_intra_bwd(q, k, z, beta, A_log, dt_bias, G, rn, dAqk, dAkk, dqs, dkn, dG
     HV = z.shape[1]
     NT = chunk_indices.shape[0]
     BK, _ = block_sizes(K, K)
-    BKT = min(BK, 32)
-    NKT = triton.cdiv(K, BKT)
+    # K tiles of 64 for the score gradients (measured on an H200 at B4 T8192 H16, bf16: 2.54 ms at 2 warps
+    # vs 2.89 with tiles of 32 at their best 4 warps and 2.58 with K whole), 32 for the gate backward.
+    BKT, BKG = min(BK, 64), min(BK, 32)
+    NKT, NKG = triton.cdiv(K, BKT), triton.cdiv(K, BKG)
     dev = k.device
     dbeta_part = torch.empty(NKT, T, HV, device=dev, dtype=torch.float32)
     kda_intra_bwd_kernel[(NKT * (BT // BC), NT, HV)](
@@ -462,11 +468,11 @@ def kda_intra_bwd(q, k, z, beta, A_log, dt_bias, G, rn, dAqk, dAkk, dqs, dkn, dG
         H=H, HV=HV, K=K, BT=BT, BC=BC, BKT=BKT, PREC=intra_bwd_precision(q.dtype, dev),
     )
     dz = torch.empty_like(z)
-    dA_part = torch.empty(NKT, NT, HV, device=dev, dtype=torch.float32)
+    dA_part = torch.empty(NKG, NT, HV, device=dev, dtype=torch.float32)
     dbias_part = torch.empty(NT, HV, K, device=dev, dtype=torch.float32)
-    kda_gate_bwd_kernel[(NKT, NT, HV)](
+    kda_gate_bwd_kernel[(NKG, NT, HV)](
         z, A_log, dt_bias, dG, dgx, dz, dA_part, dbias_part, cu_seqlens, chunk_indices, lower_bound,
-        HV=HV, K=K, HAS_BIAS=dt_bias is not None, BT=BT, BKT=BKT, num_warps=4,
+        HV=HV, K=K, HAS_BIAS=dt_bias is not None, BT=BT, BKT=BKG, num_warps=4,
     )
     dq, dk, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(beta)
     BR = 16 if dev.type != "cuda" else 32
@@ -474,7 +480,7 @@ def kda_intra_bwd(q, k, z, beta, A_log, dt_bias, G, rn, dAqk, dAkk, dqs, dkn, dG
         q, k, beta, dqs, dkn, dbeta_part, db, dq, dk, dbeta, T, scale, H=H, HV=HV, K=K, NKT=NKT, BR=BR, BK=BK,
         num_warps=8,
     )
-    return dq, dk, dz, dbeta, dA_part.view(NKT * NT, HV), dbias_part
+    return dq, dk, dz, dbeta, dA_part.view(NKG * NT, HV), dbias_part
 
 
 def intra_bwd_precision(dtype: torch.dtype, device: torch.device) -> str:
