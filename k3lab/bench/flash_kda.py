@@ -307,9 +307,11 @@ def main(argv=None) -> dict:
         for r in result["kernels"]:
             print(r)
         return result
-    earlier_cases = json.loads(Path(args.fla_from).read_text())["cases"] if args.fla_from else []
+    earlier = json.loads(Path(args.fla_from).read_text()) if args.fla_from else {"cases": []}
+    earlier_cases = earlier["cases"]
     if earlier_cases:
-        result["versions"]["fla_times_from"] = json.loads(Path(args.fla_from).read_text())["date"]
+        # The run that timed fla: the file's own date, or the one it took fla's times from in turn.
+        result["versions"]["fla_times_from"] = earlier["versions"].get("fla_times_from") or earlier["date"]
     result["hardware"].update(ceilings(device))
     for case in args.cases:
         B, T, H = (int(x) for x in case.split("x"))
