@@ -599,35 +599,31 @@ print(f"bytes per layer {nbytes.pop():,} at every T: ~{done[0]['bytes_per_layer'
 # **Reading.** KCP is exact on the GPUs as well (the checks above), and it moves the same 12,877,824
 # bytes per layer at 32K, 128K and 512K, where ring attention would pass 0.27 to 4.3 GB of K/V
 # forward alone (`ring_attention_kv_bytes_per_layer`). The forward+backward speedup grows with T:
-# 1.84× at 32K, 1.88× at 128K, 2.05× at 512K. The issue's floor of 1.8× at T ≥ 128K is **met at 128K
-# and at 512K** (the margins are printed above).
+# 1.75× at 32K, 1.80× at 128K (1.7955: just under the issue's floor of 1.8× at T ≥ 128K) and 2.32× at
+# 512K (the margins are printed above).
 #
-# Perfect scaling is the dashed line: 1 GPU over one rank's half alone, about 2×. At 512K it is 2.09×
-# (one GPU over 512K takes a little more than twice as long as over 256K), which is how the 2-GPU
-# speedup can pass 2 there. The gap to the dashed line is KCP's own overhead, the bars on the right:
-# 2 GPUs against one half alone, 24 vs 22 ms, 92 vs 88 ms, 368 vs 361 ms. The collectives are not it
-# (their ~13 MB take about 0.05 ms at NVLink's all-gather bandwidth). It is the state stages that wait
-# on the other rank:
+# Perfect scaling is the dashed line: 1 GPU over one rank's half alone, about 2×. At 512K it is 2.22×
+# (the 1-GPU baseline runs 512K as four 128K slabs chained through the state, and its time grows more
+# than linearly), which is how the 2-GPU speedup can pass 2 there. The gap to the dashed line is KCP's
+# own overhead, the bars on the right: 2 GPUs against one half alone, 10.2 vs 9.2 ms, 37.9 vs
+# 34.6 ms, 143 vs 150 ms. The collectives are not it (their ~13 MB take about 0.05 ms at NVLink's
+# all-gather bandwidth). It is the state stages that wait on the other rank:
 #
 # * **forward**: rank 1 runs its intra stage at once, but its state stage for `p_0` needs the folded
 #   state — rank 0's intra and state pass, then the gather. Rank 1's path is about local + one state
 #   pass of rank 0. This is most of what is left.
 # * **backward**, mirrored: rank 0's reverse state stage for its last piece needs `D_0` — rank 1's
 #   intra and reverse state pass, then the gather. Rank 0 recomputes its forward chunk states while
-#   it waits, so only the part of rank 1's reverse pass that outlasts that recompute shows: 1 ms or
-#   less here. At 512K the backward bar is below zero: it is f+b minus forward, two separately timed
-#   medians, and a wait cannot be negative, so read it as "none measurable".
+#   it waits, so only the part of rank 1's reverse pass that outlasts that recompute shows. At 512K the
+#   overhead bar is below zero: two separately timed medians, and a wait cannot be negative, so read
+#   it as "none measurable".
 #
-# **Why the wait shrank.** The previous run of this benchmark, with FlashKDA's training path on
-# float32 intermediates, gave 1.71×, 1.76×, 1.84×: short of the floor at 128K. That path (the forward
-# with autograd on, and the backward's recompute) now keeps its intermediates in bf16 with float32
-# accumulators; the gate cumsum G and the UT inverse stay float32 (bf16 vs float64 RMS relative
-# errors: outputs 3.9e-3, every gradient ≤ 3.4e-3, bounds 5e-3 and 1e-2). On one H200 at B = 1,
-# T = 8192, H = 16 that made the state stages — the ones the other rank waits for — faster: forward
-# 0.68 → 0.39 ms, backward 1.01 → 0.32 ms (~3×); `flash_kda` forward+backward went 8.78 → 6.11 ms.
-# At that shape the backward's reverse state pass is now shorter than the forward recompute that
-# covers the wait (0.32 vs 0.39 ms), and the forward wait is one faster state pass. The 1-GPU
-# baseline runs the same kernels and sped up too, so the higher speedup is the shorter wait.
+# **Why the margin moved.** Every run of this benchmark uses the FlashKDA kernels of its day, on both
+# sides. The first, on float32 training intermediates, gave 1.71×, 1.76×, 1.84×; bf16 intermediates
+# made the state stages (the ones the other rank waits for) about 3× faster: 1.84×, 1.88×, 2.05×.
+# Chapter 02's later kernels made everything else faster still (at 128K, 1 GPU forward+backward 174 →
+# 68 ms), so the one state pass that the forward still waits for is a larger share of a shorter step:
+# the wait is 3.3 ms of 37.9 at 128K, where it was 4.7 of 92.
 #
 # The state stage is FlashKDA's one sequential stage (a loop over chunks, parallel only over heads and
 # value tiles), so it cannot be split along T, and in the forward a full pass of it still sits on the
