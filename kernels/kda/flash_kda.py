@@ -178,7 +178,10 @@ def flash_kda(
         output_final_state (bool): also return the state after each sequence.
         cu_seqlens (Tensor | None): int [N+1] offsets of N packed sequences (B must be 1).
         lower_bound (float): g_min in [-10, 0) (K3: -5). Beyond -10, 1/Gamma over half a 16-token
-            sub-tile could overflow bf16/fp32.
+            sub-tile could overflow bf16/fp32. Near -10 with the gate saturated at the bound, the gate
+            parameters' gradients lose accuracy (chunked sums of O(1) terms for values ~e^-10 smaller:
+            in float32, dg and ddt_bias ~5e-3 and dA_log ~9e-2 relative, the same as before the
+            backward's rewrite; ``tests/test_flash_kda_probes.py``); the other gradients do not.
         check_values (bool): also reject NaN/inf inputs (one device sync and a read of every input;
             shapes are always checked). Benchmarks pass False.
 
