@@ -27,8 +27,8 @@ import triton.language as tl
 
 from k3lab.kernels.kda.chunk_fwd import block_sizes
 from k3lab.kernels.kda.utils import (
-    BC, BT, add_rows, chunk_span, dot_precision, inverse_norm, l2norm_bwd, load_rows, load_vec, sequence_span,
-    state_half, state_halves, state_tile, store_rows, warp_configs,
+    BC, BT, add_rows, chunk_decay_halves, chunk_span, dot_precision, inverse_norm, l2norm_bwd, load_rows, load_vec,
+    sequence_span, state_half, state_halves, state_tile, store_rows, warp_configs,
 )
 
 
@@ -70,16 +70,14 @@ def kda_state_bwd_kernel(
                         input_precision=PREC)
         store_rows(dVn, b_dvn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
         b_dv = b_dvn.to(dt)
-        o_l = n_t - 1 + tl.zeros([1], tl.int32)
-        b_g1 = tl.sum(load_rows(G, t0, n_t, o_l, HV * K, i_hv * K, o_k1, K, True), 0)
-        b_g2 = tl.sum(load_rows(G, t0, n_t, o_l, HV * K, i_hv * K, o_k2, K, True), 0)
+        b_d1, b_d2 = chunk_decay_halves(G, t0, n_t, i_hv, o_k1, o_k2, HV, K)
         b_qg1 = load_rows(QG, t0, n_t, o_t, HV * K, i_hv * K, o_k1, K, False).to(dt)
         b_qg2 = load_rows(QG, t0, n_t, o_t, HV * K, i_hv * K, o_k2, K, False).to(dt)
         b_W1 = load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k1, K, False).to(dt)
         b_W2 = load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k2, K, False).to(dt)
-        b_dS1 = (b_dS1 * tl.exp(b_g1)[:, None] + tl.dot(tl.trans(b_qg1), b_do, input_precision=PREC)
+        b_dS1 = (b_dS1 * b_d1[:, None] + tl.dot(tl.trans(b_qg1), b_do, input_precision=PREC)
                  - tl.dot(tl.trans(b_W1), b_dv, input_precision=PREC))
-        b_dS2 = (b_dS2 * tl.exp(b_g2)[:, None] + tl.dot(tl.trans(b_qg2), b_do, input_precision=PREC)
+        b_dS2 = (b_dS2 * b_d2[:, None] + tl.dot(tl.trans(b_qg2), b_do, input_precision=PREC)
                  - tl.dot(tl.trans(b_W2), b_dv, input_precision=PREC))
     if STORE_DH0:
         p_dh0 = dh0 + i_n.to(tl.int64) * HV * K * V

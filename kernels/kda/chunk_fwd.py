@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from k3lab.kernels.kda.utils import (
-    BC, BT, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, sequence_span, state_half, state_halves,
-    state_tile, store_rows, warp_configs,
+    BC, BT, chunk_decay_halves, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, sequence_span,
+    state_half, state_halves, state_tile, store_rows, warp_configs,
 )
 
 
@@ -313,13 +313,11 @@ def kda_state_fwd_kernel(
         if STORE_STATES:
             store_rows(Vn, b_vn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
         b_v = b_vn.to(dt)
-        o_l = n_t - 1 + tl.zeros([1], tl.int32)
-        b_g1 = tl.sum(load_rows(G, t0, n_t, o_l, HV * K, i_hv * K, o_k1, K, True), 0)
-        b_g2 = tl.sum(load_rows(G, t0, n_t, o_l, HV * K, i_hv * K, o_k2, K, True), 0)
+        b_d1, b_d2 = chunk_decay_halves(G, t0, n_t, i_hv, o_k1, o_k2, HV, K)
         b_kg1 = load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k1, K, False).to(dt)
         b_kg2 = load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k2, K, False).to(dt)
-        b_S1 = b_S1 * tl.exp(b_g1)[:, None] + tl.dot(tl.trans(b_kg1), b_v, input_precision=PREC)
-        b_S2 = b_S2 * tl.exp(b_g2)[:, None] + tl.dot(tl.trans(b_kg2), b_v, input_precision=PREC)
+        b_S1 = b_S1 * b_d1[:, None] + tl.dot(tl.trans(b_kg1), b_v, input_precision=PREC)
+        b_S2 = b_S2 * b_d2[:, None] + tl.dot(tl.trans(b_kg2), b_v, input_precision=PREC)
     if STORE_HT:
         p_ht = ht + i_n.to(tl.int64) * HV * K * V
         tl.store(p_ht + o_s1, b_S1, mask=m_1)

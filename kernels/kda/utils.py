@@ -140,6 +140,16 @@ def state_halves(i_hv, i_v, K: tl.constexpr, V: tl.constexpr, BKH: tl.constexpr,
 
 
 @triton.jit
+def chunk_decay_halves(G, t0, n_t, i_hv, o_k1, o_k2, HV: tl.constexpr, K: tl.constexpr):
+    """The state kernels' per-chunk decay gamma_C = exp(G at the chunk's last row) on the state's two
+    halves of K rows (o_k1, o_k2), as two [BKH] vectors."""
+    o_l = n_t - 1 + tl.zeros([1], tl.int32)
+    b_g1 = tl.sum(load_rows(G, t0, n_t, o_l, HV * K, i_hv * K, o_k1, K, True), 0)
+    b_g2 = tl.sum(load_rows(G, t0, n_t, o_l, HV * K, i_hv * K, o_k2, K, True), 0)
+    return tl.exp(b_g1), tl.exp(b_g2)
+
+
+@triton.jit
 def l2norm_bwd(b_x, b_dy):
     """The gradient of x for y = x / sqrt(sum(x^2) + 1e-6) along the last axis: (dy - y <dy, y>) / |x|."""
     b_r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + 1e-6)
