@@ -41,7 +41,7 @@ KERNELS = {
                   dict(SHAPE, BKH=64, BV=32, USE_DHT=True, STORE_DH0=True, PREC="tf32")),
     "dqk_bwd": (cb.kda_dqk_bwd_kernel, dict(q=BF, k=BF, G=F32, h=BF, dh=F32, Vn=BF, dVn=F32, do=BF, dqs=F32, dkn=F32,
                                             dG=F32, dW=F32, dgx=F32, rq=F32, rk=F32),
-                dict(SHAPE, H=16, BKK=128, BK=64, BV=32, PREC="tf32")),
+                dict(SHAPE, H=16, BKK=128, BK=64, BV=64, PREC="tf32")),
     "dwv_bwd": (cb.kda_dwv_bwd_kernel, dict(k=BF, v=BF, beta=BF, G=F32, Tinv=F32, dW=F32, dVn=F32, do=BF, Vn=BF,
                                             rk=F32, dkn=F32, dG=F32, db=F32, dv=BF, dAqk=F32, dAkk=F32),
                 dict(SHAPE, H=16, BK=32, BV=32, PREC="tf32")),
