@@ -21,12 +21,17 @@ from k3lab.kernels.kda import chunk_fwd as cf
 BF, F32, I32 = "*bf16", "*fp32", "*i32"
 SCALARS = dict(cu_seqlens=I32, chunk_indices=I32, chunk_offsets=I32, scale="fp32", lower_bound="fp32")
 SHAPE = dict(HV=16, K=128, V=128, BT=64)
-INTRA = dict(q=BF, k=BF, v=BF, z=BF, beta=BF, A_log=F32, dt_bias=F32, G=F32, Tinv=F32, Aqk=BF, W=BF, U=BF, KG=BF,
-             QG=BF)
-INTRA_C = dict(SHAPE, H=16, HAS_BIAS=True, BC=16, BK=128, BV=64, PREC="tf32")
+SCORES = dict(q=BF, k=BF, beta=BF, G=F32, L=F32, Aqk=BF, W=BF, KG=BF, QG=BF)
+SCORES_C = dict(H=16, HV=16, K=128, BT=64, BC=16, BK=128, PREC="tf32")
+SOLVE = dict(Tinv=F32, v=BF, beta=BF, W=BF, U=BF)
+SOLVE_C = dict(HV=16, K=128, V=128, BT=64, BC=16, BV=64, PREC="tf32")
 KERNELS = {
-    "intra_fwd": (cf.kda_intra_fwd_kernel, INTRA, dict(INTRA_C, REPLAY=False)),
-    "intra_replay": (cf.kda_intra_fwd_kernel, INTRA, dict(INTRA_C, REPLAY=True)),
+    "gate_fwd": (cf.kda_gate_fwd_kernel, dict(z=BF, A_log=F32, dt_bias=F32, G=F32),
+                 dict(HV=16, K=128, HAS_BIAS=True, BT=64, BKG=32)),
+    "scores_fwd": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, REPLAY=False)),
+    "scores_replay": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, REPLAY=True)),
+    "solve_fwd": (cf.kda_solve_fwd_kernel, SOLVE, dict(SOLVE_C, REPLAY=False)),
+    "solve_replay": (cf.kda_solve_fwd_kernel, SOLVE, dict(SOLVE_C, REPLAY=True)),
     "state_fwd": (cf.kda_state_fwd_kernel, dict(W=BF, U=BF, KG=BF, G=F32, h=BF, Vn=BF, h0=F32, ht=F32),
                   dict(SHAPE, VU=128, BKH=64, BV=32, USE_H0=True, STORE_HT=True, STORE_STATES=True, PREC="tf32")),
     "output_fwd": (cf.kda_output_fwd_kernel, dict(QG=BF, h=BF, Aqk=BF, Vn=BF, o=BF),

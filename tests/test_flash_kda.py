@@ -303,7 +303,7 @@ def test_bench_flash_kda_help_names_the_module(capsys):
 
 def test_autotuning_leaves_in_place_buffers_intact(monkeypatch):
     """On a GPU, Triton's autotuner runs each config of an autotuned kernel before picking one; the
-    dW/dv and intra-backward kernels update gradient buffers in place, so without ``restore_value``
+    solve, dW/dv and intra-backward kernels update buffers in place, so without ``restore_value``
     the tuning runs would add their terms several times. Here every autotuned kernel gets three
     configs and a stand-in benchmark that runs each twice (the interpreter has no timer) and picks
     the last: the results must still match the reference."""
@@ -313,7 +313,7 @@ def test_autotuning_leaves_in_place_buffers_intact(monkeypatch):
 
     tuned = [fn for mod in (chunk_fwd, chunk_bwd) for fn in vars(mod).values()
              if isinstance(fn, triton.runtime.Autotuner)]
-    assert len(tuned) == 4
+    assert len(tuned) == 5
     runs = []
 
     def bench_twice(kernel_call, quantiles):
@@ -327,4 +327,4 @@ def test_autotuning_leaves_in_place_buffers_intact(monkeypatch):
         monkeypatch.setattr(fn, "cache", {})
         monkeypatch.setitem(fn.__dict__, "do_bench", bench_twice)
     check(make_inputs(1, 70, 1, 2, 16, 16, seed=11))
-    assert len(runs) == 3 * 5  # intra fwd, its replay, dq/dk, dW/dv, intra bwd: 3 configs each
+    assert len(runs) == 3 * 7  # scores and solve (forward, replay), dq/dk, dW/dv, intra bwd: 3 configs each

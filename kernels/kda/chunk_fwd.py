@@ -1,13 +1,15 @@
-"""FlashKDA forward: three Triton kernels and their launchers.
+"""FlashKDA forward: five Triton kernels and their launchers.
 
-1. ``kda_intra_fwd_kernel`` (one program per chunk and value head, all chunks in parallel): the fused
-   gate g = lb * sigmoid(exp(A_log) (z + dt_bias)) and its in-chunk cumsum G, q/k L2 norm, beta
-   sigmoid, the 16x16 sub-tiles of (Gamma K)(K / Gamma)^T and (Gamma Q)(K / Gamma)^T on tensor cores,
-   the UT-transform inverse T = (I + Diag(beta) StrictTril(...))^-1 by 16x16 blocks, and
-   W = T Diag(beta)(Gamma K), U = T Diag(beta) V.
-2. ``kda_state_fwd_kernel`` (one program per sequence, value head and V tile; the only sequential
+1. ``kda_gate_fwd_kernel`` (K tiles x chunks x value heads): the fused gate
+   g = lb * sigmoid(exp(A_log) (z + dt_bias)) and its in-chunk cumsum G.
+2. ``kda_scores_fwd_kernel`` (16-row sub-tiles x chunks x value heads, all in parallel): q/k L2 norm, beta
+   sigmoid, KG, QG and W's right operand for the sub-tile's rows, and its row of 16x16 sub-tiles of
+   (Gamma K)(K / Gamma)^T and (Gamma Q)(K / Gamma)^T on tensor cores (L = Diag(beta) StrictTril(Ks), Aqk).
+3. ``kda_solve_fwd_kernel`` (chunks x value heads): the UT-transform inverse
+   T = (I + L)^-1 by 16x16 blocks, then W = T Diag(beta)(Gamma K), U = T Diag(beta) V.
+4. ``kda_state_fwd_kernel`` (one program per sequence, value head and V tile; the only sequential
    loop): S_n for every chunk, pseudo-values V~ = U - W S, S <- Diag(gamma_C) S + (Gamma_{i->C} K)^T V~.
-3. ``kda_output_fwd_kernel`` (all chunks in parallel): O = (Gamma Q) S + Tril((Gamma Q)(K/Gamma)^T) V~.
+5. ``kda_output_fwd_kernel`` (all chunks in parallel): O = (Gamma Q) S + Tril((Gamma Q)(K/Gamma)^T) V~.
 """
 from __future__ import annotations
 
@@ -29,20 +31,7 @@ def exp_ftz(x):
 
 
 @triton.jit
-def gate_rows(z, G, t0, n_t, i_hv, b_a, b_bias, b_Gp, lower_bound, I: tl.constexpr, HV: tl.constexpr,
-              K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    """Rows I*BC .. I*BC+BC-1 of G = G_prev + cumsum(lb * sigmoid(a (z + bias))), stored; returns the
-    prefix for the next sub-tile. Padded rows get g = 0 (no decay)."""
-    o_i = I * BC + tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
-    b_z = load_rows(z, t0, n_t, o_i, HV * K, i_hv * K, o_k, K, False) + b_bias[None, :]
-    b_g = tl.where((o_i < n_t)[:, None] & (o_k < K)[None, :], lower_bound / (1.0 + exp_ftz(-b_a * b_z)), 0.0)
-    store_rows(G, b_Gp[None, :] + tl.cumsum(b_g, axis=0), t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
-    return b_Gp + tl.sum(b_g, 0)
-
-
-@triton.jit
-def last_row(G, t0, n_t, i_hv, I: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+def last_row(G, t0, n_t, i_hv, I, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
              BK: tl.constexpr):
     """G at the last row of sub-tile I (clamped to the chunk's last token) as a [BK] vector."""
     o_r = I * BC + BC - 1 + tl.zeros([1], tl.int32)
@@ -50,7 +39,7 @@ def last_row(G, t0, n_t, i_hv, I: tl.constexpr, HV: tl.constexpr, K: tl.constexp
 
 
 @triton.jit
-def row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_r, b_e, b_Gl, I: tl.constexpr,
+def row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_r, b_e, b_Gl, I,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """Sub-tile I, with r = G before its first row (0 for I = 0) and e = G at its last row: stores
     KG = k exp(G_last - G), QG = scale q exp(G) and W's right operand Diag(beta) k exp(G) (in W), and
@@ -84,7 +73,7 @@ def row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_r, b_e, b_G
 
 
 @triton.jit
-def diag_scores(b_kp, b_qp, b_kq, Aqk, t0, n_t, i_hv, I: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr,
+def diag_scores(b_kp, b_qp, b_kq, Aqk, t0, n_t, i_hv, I, HV: tl.constexpr, BT: tl.constexpr,
                 BC: tl.constexpr, PREC: tl.constexpr):
     """Diagonal sub-tile I of the decayed scores from ``row_block``'s operands (middle reference):
     Ks[i, j] = sum_c k_ic k_jc exp(G_ic - G_jc), strictly lower, is returned; Aqk (q_i, inclusive) is
@@ -100,7 +89,7 @@ def diag_scores(b_kp, b_qp, b_kq, Aqk, t0, n_t, i_hv, I: tl.constexpr, HV: tl.co
 
 
 @triton.jit
-def off_scores(b_kp, b_qp, b_cj, b_mI, b_eJ, Aqk, t0, n_t, i_hv, I: tl.constexpr, J: tl.constexpr,
+def off_scores(b_kp, b_qp, b_cj, b_mI, b_eJ, Aqk, t0, n_t, i_hv, I, J,
                HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """Sub-tile (I, J), J < I, of the same scores at the reference e_J (G at sub-tile J's last row), where
     both factors are <= 1: rows x_i exp(G_i - e_J) = x P exp(m_I - e_J), columns
@@ -160,95 +149,126 @@ def store_tinv_row(Tinv, b_T0, b_T1, b_T2, b_T3, t0, n_t, i_hv, I: tl.constexpr,
         store_rows(Tinv, b_0, t0, n_t, o_i, s_T, i_hv * BT, o_z, BT)
 
 
-# 2 and 4 warps: at 255 registers each fits 8 warps per SM, and 2 warps issue the fewest warp-instructions
-# (offline sm_90, bf16, K = V = 128: 2 warps 35k, 4 warps 41k, 8 warps 64k per program); 2 warps spill more.
-@triton.autotune(configs=warp_configs(2, 4), key=["H", "HV", "K", "V", "REPLAY"])
 @triton.jit
-def kda_intra_fwd_kernel(
-    q, k, v, z, beta, A_log, dt_bias,  # inputs: [T, H, K], [T, H, K], [T, HV, V], [T, HV, K], [T, HV], [HV], [HV*K]
-    G, Tinv, Aqk, W, U, KG, QG,  # outputs: G fp32 [T, HV, K], Tinv fp32 [T, HV, BT], Aqk [T, HV, BT],
-                                 # W, KG = k exp(G_last - G), QG = scale q exp(G) [T, HV, K]; U [T, HV, V]
-    cu_seqlens, chunk_indices, scale, lower_bound,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    REPLAY: tl.constexpr,  # G and Tinv are inputs (saved by the forward); only KG, QG, W, U are written
+def kda_gate_fwd_kernel(
+    z, A_log, dt_bias, G,  # z [T, HV, K]; G fp32 [T, HV, K]
+    cu_seqlens, chunk_indices, lower_bound,
+    HV: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, BT: tl.constexpr, BKG: tl.constexpr,
 ):
-    tl.static_assert(BT == 4 * BC)
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
+    """Per K tile, chunk and value head: G = cumsum in the chunk of g = lb * sigmoid(a (z + bias)), a =
+    exp(A_log) (K3 report, Eq. 5). Padded rows get g = 0 (no decay)."""
+    i_k, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
+    o_k = i_k * BKG + tl.arange(0, BKG)
+    b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    b_z = load_rows(z, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
+    if HAS_BIAS:
+        b_z += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+    b_g = tl.where((o_t < n_t)[:, None] & (o_k < K)[None, :], lower_bound / (1.0 + exp_ftz(-b_a * b_z)), 0.0)
+    store_rows(G, tl.cumsum(b_g, axis=0), t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+
+
+# Offline sm_90 (bf16, K = V = 128): 254 registers at 4 warps, 212 at 8, spills at 2; timed per shape.
+@triton.autotune(configs=warp_configs(4, 2, 8), key=["H", "HV", "K", "REPLAY"])
+@triton.jit
+def kda_scores_fwd_kernel(
+    q, k, beta, G, L, Aqk, W, KG, QG,  # q, k [T, H, K]; G fp32 [T, HV, K]; outputs: L fp32 [T, HV, BT] (the
+                                       # rows of Diag(beta) StrictTril(Ks)), Aqk [T, HV, BT], W's right operand
+                                       # Diag(beta) k exp(G), KG = k exp(G_last - G), QG = scale q exp(G) [T, HV, K]
+    cu_seqlens, chunk_indices, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    PREC: tl.constexpr, REPLAY: tl.constexpr,  # only W's operand, KG and QG (the backward's replay)
+):
+    """Per 16-row sub-tile I, chunk and value head: ``row_block``'s prep of sub-tile I, and, unless
+    replaying, its row of sub-tiles of the two decayed score matrices, (I, J) for J < I at the reference
+    e_J (``off_scores``) and (I, I) at sub-tile I's middle (``diag_scores``); sub-tiles J < I are
+    reloaded, normalised and decayed again here."""
+    i_i, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    if i_i * BC >= n_t:
+        return
+    o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
-    m_t = o_t < n_t
     dt = W.dtype.element_ty
+    # r = G before the sub-tile's first row (0 for the first), e = G at its last row, G_last.
+    b_r = tl.zeros([BK], tl.float32)
+    if i_i > 0:
+        b_r += last_row(G, t0, n_t, i_hv, i_i - 1, HV, K, BC, BK)
+    b_e = last_row(G, t0, n_t, i_hv, i_i, HV, K, BC, BK)
+    b_Gl = last_row(G, t0, n_t, i_hv, BT // BC - 1, HV, K, BC, BK)
+    b_kp, b_qp, b_kq, b_kh, b_b = row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_r, b_e, b_Gl,
+                                            i_i, H, HV, K, BC, BK)
+    if not REPLAY:
+        s_A = HV * BT
+        o_i = i_i * BC + o_c
+        b_m = 0.5 * (b_r + b_e)
+        for i_j in range(0, i_i):
+            o_j = i_j * BC + o_c
+            b_eJ = last_row(G, t0, n_t, i_hv, i_j, HV, K, BC, BK)
+            b_kj = l2norm_rows(load_rows(k, t0, n_t, o_j, H * K, i_h * K, o_k, K, False))
+            b_cj = (b_kj * exp_ftz(b_eJ[None, :] - load_rows(G, t0, n_t, o_j, HV * K, i_hv * K, o_k, K, True))).to(dt)
+            b_Ks = off_scores(b_kp, b_qp, b_cj, b_m, b_eJ, Aqk, t0, n_t, i_hv, i_i, i_j, HV, BT, BC, PREC)
+            store_rows(L, b_b[:, None] * b_Ks, t0, n_t, o_i, s_A, i_hv * BT + i_j * BC, o_c, BC)
+        b_Ks = diag_scores(b_kp, b_qp, b_kq, Aqk, t0, n_t, i_hv, i_i, HV, BT, BC, PREC)
+        store_rows(L, b_b[:, None] * b_Ks, t0, n_t, o_i, s_A, i_hv * BT + i_i * BC, o_c, BC)
+        # Aqk's blocks right of the diagonal are zero (causal).
+        o_z = (i_i + 1) * BC + tl.arange(0, BT)
+        store_rows(Aqk, tl.zeros([BC, BT], tl.float32), t0, n_t, o_i, s_A, i_hv * BT, o_z, BT)
 
-    if not REPLAY:
-        b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        b_bias = tl.zeros([BK], tl.float32)
-        if HAS_BIAS:
-            b_bias += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
-        b_Gp = tl.zeros([BK], tl.float32)
-        for I in tl.static_range(BT // BC):
-            b_Gp = gate_rows(z, G, t0, n_t, i_hv, b_a, b_bias, b_Gp, lower_bound, I, HV, K, BC, BK)
-        # G's rows written by other threads are read below.
-        tl.debug_barrier()
-    # e_I = G at the last row of sub-tile I (e_3 = G_last), read back rather than kept from the gate pass:
-    # Triton would otherwise compute the whole gate twice, in the layouts of both uses.
-    b_e0 = last_row(G, t0, n_t, i_hv, 0, HV, K, BC, BK)
-    b_e1 = last_row(G, t0, n_t, i_hv, 1, HV, K, BC, BK)
-    b_e2 = last_row(G, t0, n_t, i_hv, 2, HV, K, BC, BK)
-    b_e3 = last_row(G, t0, n_t, i_hv, 3, HV, K, BC, BK)
 
-    # Sub-tile by sub-tile: KG, QG, W's operand and, unless replaying, the rows of Aqk and of
-    # L = Diag(beta) StrictTril(Ks); then the UT inverse by block forward substitution,
-    # T_II = (I + L_II)^-1, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ.
-    b_0 = tl.zeros([BK], tl.float32)
-    b_kp, b_qp, b_kq, b_kh, b_b = row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_0, b_e0, b_e3,
-                                            0, H, HV, K, BC, BK)
+@triton.jit
+def load_block(L, t0, n_t, i_hv, I: tl.constexpr, J: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr,
+               BC: tl.constexpr):
+    """Sub-tile (I, J) of a [T, HV, BT] chunk matrix as float32 (rows past the chunk read as zero)."""
+    o_c = tl.arange(0, BC)
+    return load_rows(L, t0, n_t, I * BC + o_c, HV * BT, i_hv * BT + J * BC, o_c, BC, False)
+
+
+@triton.autotune(configs=warp_configs(4, 2, 8), key=["HV", "K", "V", "REPLAY"], restore_value=["Tinv", "W"])
+@triton.jit
+def kda_solve_fwd_kernel(
+    Tinv, v, beta, W, U,  # Tinv fp32 [T, HV, BT]: L in (from kda_scores_fwd_kernel), T out; W [T, HV, K]:
+                          # W's right operand in, W out; v, U [T, HV, V]
+    cu_seqlens, chunk_indices,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr, REPLAY: tl.constexpr,  # Tinv holds the forward's T already
+):
+    """Per chunk and value head: the UT-transform inverse T = (I + L)^-1 by 16x16 blocks (the four
+    diagonal inverses as one stacked forward substitution, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), stored
+    over L; then W = T Diag(beta)(Gamma K) and U = T Diag(beta) V."""
+    tl.static_assert(BT == 4 * BC)
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    o_t = tl.arange(0, BT)
+    dt = W.dtype.element_ty
     if not REPLAY:
-        b_L00 = b_b[:, None] * diag_scores(b_kp, b_qp, b_kq, Aqk, t0, n_t, i_hv, 0, HV, BT, BC, PREC)
-        b_c0 = b_kh.to(dt)
-    b_kp, b_qp, b_kq, b_kh, b_b = row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_e0, b_e1, b_e3,
-                                            1, H, HV, K, BC, BK)
-    if not REPLAY:
-        b_m = 0.5 * (b_e0 + b_e1)
-        b_L11 = b_b[:, None] * diag_scores(b_kp, b_qp, b_kq, Aqk, t0, n_t, i_hv, 1, HV, BT, BC, PREC)
-        b_L10 = b_b[:, None] * off_scores(b_kp, b_qp, b_c0, b_m, b_e0, Aqk, t0, n_t, i_hv, 1, 0, HV, BT, BC, PREC)
-        b_c1 = b_kh.to(dt)
-    b_kp, b_qp, b_kq, b_kh, b_b = row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_e1, b_e2, b_e3,
-                                            2, H, HV, K, BC, BK)
-    if not REPLAY:
-        b_m = 0.5 * (b_e1 + b_e2)
-        b_L22 = b_b[:, None] * diag_scores(b_kp, b_qp, b_kq, Aqk, t0, n_t, i_hv, 2, HV, BT, BC, PREC)
-        b_L20 = b_b[:, None] * off_scores(b_kp, b_qp, b_c0, b_m, b_e0, Aqk, t0, n_t, i_hv, 2, 0, HV, BT, BC, PREC)
-        b_L21 = b_b[:, None] * off_scores(b_kp, b_qp, b_c1, b_m, b_e1, Aqk, t0, n_t, i_hv, 2, 1, HV, BT, BC, PREC)
-        b_c2 = b_kh.to(dt)
-    b_kp, b_qp, b_kq, b_kh, b_b = row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_e2, b_e3, b_e3,
-                                            3, H, HV, K, BC, BK)
-    if not REPLAY:
-        b_m = 0.5 * (b_e2 + b_e3)
-        b_L33 = b_b[:, None] * diag_scores(b_kp, b_qp, b_kq, Aqk, t0, n_t, i_hv, 3, HV, BT, BC, PREC)
-        b_L30 = b_b[:, None] * off_scores(b_kp, b_qp, b_c0, b_m, b_e0, Aqk, t0, n_t, i_hv, 3, 0, HV, BT, BC, PREC)
-        b_L31 = b_b[:, None] * off_scores(b_kp, b_qp, b_c1, b_m, b_e1, Aqk, t0, n_t, i_hv, 3, 1, HV, BT, BC, PREC)
-        b_L32 = b_b[:, None] * off_scores(b_kp, b_qp, b_c2, b_m, b_e2, Aqk, t0, n_t, i_hv, 3, 2, HV, BT, BC, PREC)
+        b_L00 = load_block(Tinv, t0, n_t, i_hv, 0, 0, HV, BT, BC)
+        b_L11 = load_block(Tinv, t0, n_t, i_hv, 1, 1, HV, BT, BC)
+        b_L22 = load_block(Tinv, t0, n_t, i_hv, 2, 2, HV, BT, BC)
+        b_L33 = load_block(Tinv, t0, n_t, i_hv, 3, 3, HV, BT, BC)
         b_T00, b_T11, b_T22, b_T33 = unit_lower_inverse(b_L00, b_L11, b_L22, b_L33, BC)
+        b_L10 = load_block(Tinv, t0, n_t, i_hv, 1, 0, HV, BT, BC)
+        b_L21 = load_block(Tinv, t0, n_t, i_hv, 2, 1, HV, BT, BC)
+        b_L20 = load_block(Tinv, t0, n_t, i_hv, 2, 0, HV, BT, BC)
+        b_L32 = load_block(Tinv, t0, n_t, i_hv, 3, 2, HV, BT, BC)
+        b_L31 = load_block(Tinv, t0, n_t, i_hv, 3, 1, HV, BT, BC)
+        b_L30 = load_block(Tinv, t0, n_t, i_hv, 3, 0, HV, BT, BC)
         b_T10 = -dot32(dot32(b_T11, b_L10), b_T00)
         b_T21 = -dot32(dot32(b_T22, b_L21), b_T11)
         b_T20 = -dot32(b_T22, dot32(b_L20, b_T00) + dot32(b_L21, b_T10))
         b_T32 = -dot32(dot32(b_T33, b_L32), b_T22)
         b_T31 = -dot32(b_T33, dot32(b_L31, b_T11) + dot32(b_L32, b_T21))
         b_T30 = -dot32(b_T33, dot32(b_L30, b_T00) + dot32(b_L31, b_T10) + dot32(b_L32, b_T20))
+        # Every block of L this program reads is in registers before T overwrites it.
+        tl.debug_barrier()
         store_tinv_row(Tinv, b_T00, b_T00, b_T00, b_T00, t0, n_t, i_hv, 0, HV, BT, BC)
         store_tinv_row(Tinv, b_T10, b_T11, b_T11, b_T11, t0, n_t, i_hv, 1, HV, BT, BC)
         store_tinv_row(Tinv, b_T20, b_T21, b_T22, b_T22, t0, n_t, i_hv, 2, HV, BT, BC)
         store_tinv_row(Tinv, b_T30, b_T31, b_T32, b_T33, t0, n_t, i_hv, 3, HV, BT, BC)
-        # Aqk's blocks right of the diagonal are zero (causal).
-        for I in tl.static_range(BT // BC - 1):
-            o_z = (I + 1) * BC + o_t
-            store_rows(Aqk, tl.zeros([BC, BT], tl.float32), t0, n_t, I * BC + tl.arange(0, BC), HV * BT,
-                       i_hv * BT, o_z, BT)
-    # Tinv's and W's rows written by other threads are read next.
-    tl.debug_barrier()
+        # Tinv's rows written by other threads are read next.
+        tl.debug_barrier()
 
     # W = T Diag(beta)(Gamma K), U = T Diag(beta) V, with the whole T as one [BT, BT] operand, in column
     # tiles of BV (smaller accumulators).
@@ -258,7 +278,7 @@ def kda_intra_fwd_kernel(
         b_W = tl.dot(b_T, load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_w, K, False).to(dt), input_precision=PREC)
         tl.debug_barrier()
         store_rows(W, b_W, t0, n_t, o_t, HV * K, i_hv * K, o_w, K)
-    b_b = tl.where(m_t, tl.sigmoid(load_vec(beta, t0, n_t, o_t, HV, i_hv)), 0.0)
+    b_b = tl.where(o_t < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_t, HV, i_hv)), 0.0)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         b_v = load_rows(v, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False)
@@ -352,36 +372,46 @@ def block_sizes(K: int, V: int) -> tuple[int, int]:
 
 
 def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, chunk_indices, dtype):
-    """Launch ``kda_intra_fwd_kernel``; inputs flattened to [T, heads, D]; ``dtype`` is the intermediates'
-    (``flash_kda.intermediate_dtype``). Returns (G, Tinv, Aqk, W, U, KG, QG)."""
+    """Launch the intra stage (``kda_gate_fwd_kernel``, ``kda_scores_fwd_kernel``, ``kda_solve_fwd_kernel``);
+    inputs flattened to [T, heads, D]; ``dtype`` is the intermediates' (``flash_kda.intermediate_dtype``).
+    Returns (G, Tinv, Aqk, W, U, KG, QG)."""
     T, HV, K = z.shape
+    NT = chunk_indices.shape[0]
     G = torch.empty(T, HV, K, device=z.device, dtype=torch.float32)
+    BKG = min(32, block_sizes(K, K)[0])
+    kda_gate_fwd_kernel[(triton.cdiv(K, BKG), NT, HV)](
+        z, A_log, dt_bias, G, cu_seqlens, chunk_indices, lower_bound, HV=HV, K=K, HAS_BIAS=dt_bias is not None,
+        BT=BT, BKG=BKG, num_warps=4,
+    )
     Tinv = torch.empty(T, HV, BT, device=z.device, dtype=torch.float32)
     Aqk = torch.empty(T, HV, BT, device=z.device, dtype=dtype)
-    return (G, Tinv, Aqk, *_launch_intra(q, k, v, z, beta, A_log, dt_bias, G, Tinv, Aqk, scale, lower_bound,
-                                         cu_seqlens, chunk_indices, dtype, replay=False))
+    return (G, Tinv, Aqk, *_launch_intra(q, k, v, beta, G, Tinv, Aqk, scale, cu_seqlens, chunk_indices, dtype,
+                                         replay=False))
 
 
 def kda_intra_replay(q, k, v, beta, G, Tinv, scale, cu_seqlens, chunk_indices, dtype):
     """The backward's ``kda_intra_fwd`` from the forward's saved G and Tinv: only the cheap part (no
     sub-tile scores, no UT inverse). Returns (W, U, KG, QG) in ``dtype``."""
-    # z, A_log and Aqk are not touched when replaying: G stands in for them.
-    return _launch_intra(q, k, v, G, beta, G, None, G, Tinv, G, scale, 0.0, cu_seqlens, chunk_indices, dtype,
-                         replay=True)
+    # Aqk is not touched when replaying: G stands in for it.
+    return _launch_intra(q, k, v, beta, G, Tinv, G, scale, cu_seqlens, chunk_indices, dtype, replay=True)
 
 
-def _launch_intra(q, k, v, z, beta, A_log, dt_bias, G, Tinv, Aqk, scale, lower_bound, cu_seqlens, chunk_indices,
-                  dtype, replay):
+def _launch_intra(q, k, v, beta, G, Tinv, Aqk, scale, cu_seqlens, chunk_indices, dtype, replay):
     T, H, K = k.shape
     HV, V = v.shape[1:]
     NT = chunk_indices.shape[0]
     BK, BV = block_sizes(K, V)
     W, KG, QG = (torch.empty(T, HV, K, device=k.device, dtype=dtype) for _ in range(3))
     U = torch.empty(T, HV, V, device=k.device, dtype=dtype)
-    kda_intra_fwd_kernel[(NT, HV)](
-        q, k, v, z, beta, A_log, dt_bias, G, Tinv, Aqk, W, U, KG, QG, cu_seqlens, chunk_indices,
-        scale, lower_bound, H=H, HV=HV, K=K, V=V, HAS_BIAS=dt_bias is not None,
-        BT=BT, BC=BC, BK=BK, BV=BV, PREC=dot_precision(dtype, k.device), REPLAY=replay,
+    prec = dot_precision(dtype, k.device)
+    # Unless replaying, the scores kernel writes L into Tinv's buffer and the solve kernel T over it.
+    kda_scores_fwd_kernel[(BT // BC, NT, HV)](
+        q, k, beta, G, Tinv, Aqk, W, KG, QG, cu_seqlens, chunk_indices, scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
+        BK=BK, PREC=prec, REPLAY=replay,
+    )
+    kda_solve_fwd_kernel[(NT, HV)](
+        Tinv, v, beta, W, U, cu_seqlens, chunk_indices, HV=HV, K=K, V=V, BT=BT, BC=BC, BV=BV, PREC=prec,
+        REPLAY=replay,
     )
     return W, U, KG, QG
 
