@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.kernels.kda.chunk_fwd import block_sizes
+from k3lab.kernels.kda.chunk_fwd import block_sizes, exp_ftz
 from k3lab.kernels.kda.utils import (
     BC, BT, add_rows, chunk_decay_halves, chunk_span, dot_precision, inverse_norm, l2norm_bwd, load_rows, load_vec,
     sequence_span, state_half, state_halves, state_tile, store_rows, warp_configs,
@@ -262,18 +262,18 @@ def kda_intra_bwd_kernel(
         for i_j in range(0, i_i):
             o_j = i_j * BC + o_c
             b_kj = unit_rows(k, rk, t0, n_t, o_j, s_Q, i_h * K, o_k, i_hv, HV, K)
-            b_kr = (b_kj * tl.exp(b_r[None, :] - load_rows(G, t0, n_t, o_j, s_K, i_hv * K, o_k, K, True))).to(dt)
+            b_kr = (b_kj * exp_ftz(b_r[None, :] - load_rows(G, t0, n_t, o_j, s_K, i_hv * K, o_k, K, True))).to(dt)
             b_dq += tl.dot(load_rows(dAqk, t0, n_t, o_i, s_A, i_hv * BT + i_j * BC, o_c, BC, False), b_kr,
                            input_precision=PREC)
             b_dk += tl.dot(load_rows(dAkk, t0, n_t, o_i, s_A, i_hv * BT + i_j * BC, o_c, BC, False), b_kr,
                            input_precision=PREC)
-        b_er = tl.exp(b_G - b_r[None, :])
+        b_er = exp_ftz(b_G - b_r[None, :])
         b_dq *= b_er
         b_dk *= b_er
     # The diagonal sub-tile at its middle row m: both exp(G - m) and exp(m - G) stay below exp(8 |lb|).
     b_m = tl.sum(load_rows(G, t0, n_t, i_i * BC + BC // 2 + o_1, s_K, i_hv * K, o_k, K, True), 0)
-    b_P = tl.exp(b_G - b_m[None, :])
-    b_Q = tl.exp(b_m[None, :] - b_G)
+    b_P = exp_ftz(b_G - b_m[None, :])
+    b_Q = exp_ftz(b_m[None, :] - b_G)
     b_dAq = load_rows(dAqk, t0, n_t, o_i, s_A, i_hv * BT + i_i * BC, o_c, BC, False)
     b_dAk = load_rows(dAkk, t0, n_t, o_i, s_A, i_hv * BT + i_i * BC, o_c, BC, False)
     # Aqk's diagonal (q_i . k_i, no decay) has no gate dependence: kept out of dG (its row and column
@@ -295,7 +295,7 @@ def kda_intra_bwd_kernel(
         b_r = tl.sum(load_rows(G, t0, n_t, i_i * BC + BC - 1 + o_1, s_K, i_hv * K, o_k, K, True), 0)
         for i_j in range(i_i + 1, tl.cdiv(n_t, BC)):
             o_j = i_j * BC + o_c
-            b_ej = tl.exp(load_rows(G, t0, n_t, o_j, s_K, i_hv * K, o_k, K, True) - b_r[None, :])
+            b_ej = exp_ftz(load_rows(G, t0, n_t, o_j, s_K, i_hv * K, o_k, K, True) - b_r[None, :])
             b_qj = unit_rows(q, rq, t0, n_t, o_j, s_Q, i_h * K, o_k, i_hv, HV, K) * (b_ej * scale)
             b_kj = unit_rows(k, rk, t0, n_t, o_j, s_Q, i_h * K, o_k, i_hv, HV, K) * b_ej
             b_bj = tl.where(o_j < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_j, HV, i_hv)), 0.0)
@@ -303,7 +303,7 @@ def kda_intra_bwd_kernel(
             b_dAkj = load_rows(dAkk, t0, n_t, o_j, s_A, i_hv * BT + i_i * BC, o_c, BC, False) * b_bj[:, None]
             b_dkc += tl.dot(tl.trans(b_dAqj), b_qj.to(dt), input_precision=PREC)
             b_dkc += tl.dot(tl.trans(b_dAkj), b_kj.to(dt), input_precision=PREC)
-        b_dkc *= tl.exp(b_r[None, :] - b_G)
+        b_dkc *= exp_ftz(b_r[None, :] - b_G)
     b_x = (tl.dot(tl.trans(b_dAq), (b_q * b_P).to(dt), input_precision=PREC)
            + tl.dot(tl.trans(b_dAk * b_b[:, None]), (b_k * b_P).to(dt), input_precision=PREC))
     b_dkc += b_x * b_Q
