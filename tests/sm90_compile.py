@@ -25,6 +25,8 @@ SCORES = dict(q=BF, k=BF, beta=BF, G=F32, L=F32, Aqk=BF, W=BF, KG=BF, QG=BF)
 SCORES_C = dict(H=16, HV=16, K=128, BT=64, BC=16, BK=128, PREC="tf32")
 SOLVE = dict(Tinv=F32, v=BF, beta=BF, W=BF, U=BF)
 SOLVE_C = dict(HV=16, K=128, V=128, BT=64, BC=16, BV=64, PREC="tf32")
+STATE = dict(W=BF, U=BF, KG=BF, G=F32, h=BF, Vn=BF, h0=F32, ht=F32, QG=BF, Aqk=BF, o=BF)
+STATE_C = dict(SHAPE, VU=128, BKH=64, BV=64, USE_H0=True, STORE_HT=True, PREC="tf32")
 KERNELS = {
     "gate_fwd": (cf.kda_gate_fwd_kernel, dict(z=BF, A_log=F32, dt_bias=F32, G=F32),
                  dict(HV=16, K=128, HAS_BIAS=True, BT=64, BKG=32)),
@@ -32,10 +34,8 @@ KERNELS = {
     "scores_replay": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, REPLAY=True)),
     "solve_fwd": (cf.kda_solve_fwd_kernel, SOLVE, dict(SOLVE_C, REPLAY=False)),
     "solve_replay": (cf.kda_solve_fwd_kernel, SOLVE, dict(SOLVE_C, REPLAY=True)),
-    "state_fwd": (cf.kda_state_fwd_kernel, dict(W=BF, U=BF, KG=BF, G=F32, h=BF, Vn=BF, h0=F32, ht=F32),
-                  dict(SHAPE, VU=128, BKH=64, BV=32, USE_H0=True, STORE_HT=True, STORE_STATES=True, PREC="tf32")),
-    "output_fwd": (cf.kda_output_fwd_kernel, dict(QG=BF, h=BF, Aqk=BF, Vn=BF, o=BF),
-                   dict(SHAPE, BK=128, BV=64, PREC="tf32")),
+    "state_fwd": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=False, OUTPUT=True)),
+    "state_replay": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=True, OUTPUT=False)),
     "state_bwd": (cb.kda_state_bwd_kernel, dict(QG=BF, KG=BF, W=BF, G=F32, Aqk=BF, do=BF, dh=F32, dVn=F32, dht=F32,
                                                 dh0=F32),
                   dict(SHAPE, BKH=64, BV=32, USE_DHT=True, STORE_DH0=True, PREC="tf32")),

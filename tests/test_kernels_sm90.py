@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-N_KERNELS = 13  # sm90_compile.KERNELS: gate fwd, scores and solve (forward and replay), state fwd, output,
+N_KERNELS = 13  # sm90_compile.KERNELS: gate fwd; scores, solve, state fwd (forward and replay);
 #                state bwd, dq/dk, dW/dv, intra bwd, gate bwd, q/k norm bwd
 
 

@@ -9,8 +9,8 @@ so its entering state is KNOWN: the document's initial state, or zero.
 
 Forward, every rank at once:
   1. intra:  gate, norms, UT transform -> G, T, Aqk, W, U, KG, QG, once (``kda_intra_fwd``).
-  2. known:  the state stage over the pieces with a known entering state; their chunk states are the
-             local pass's. The map [M | S~] [HV, K, K+V] float32 of p_{n-1} when it continues:
+  2. known:  the state stage over the pieces with a known entering state, writing their outputs.
+             The map [M | S~] [HV, K, K+V] float32 of p_{n-1} when it continues:
                * its entering state is known: the CONSTANT map [0 | S_end], S_end from this stage;
                * p_{n-1} = p_0 continues on both sides: the state stage at width K+V from [I | 0] on
                  values [0 | U] (the identity-state trick), chunk states not stored;
@@ -18,7 +18,7 @@ Forward, every rank at once:
   3. gather: one all-gather of the maps (R * HV * K * (K+V) * 4 bytes, whatever T); the fold
              S <- M_r S + S~_r over the earlier ranks of p_0's document. Its first rank sent a constant
              map, so the fold starts from zero: the initial state entered through that rank's S_end.
-  4. local:  the state stage for p_0 from the folded S_in; the output stage over all pieces.
+  4. local:  the state stage for p_0 from the folded S_in, writing its outputs.
 Backward, mirrored. Given S_in(j), the loss depends on rank j's inputs only through (o_j, S_end(j)),
 so their exact gradient is ONE local backward with cotangents (dO_j, D_j), D_j = dL/dS_end(j):
   1. intra's W, U, KG, QG again from the saved G, Tinv (``kda_intra_replay``).
@@ -45,7 +45,7 @@ from k3lab.kcp.context import KCPContext, check_context
 from k3lab.kcp.kcp import FOLDS, _all_gather
 from k3lab.kda.checks import _shape, check_kda_inputs
 from k3lab.kernels.kda.chunk_bwd import kda_dqk_bwd, kda_dwv_bwd, kda_intra_bwd, kda_state_bwd
-from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_intra_replay, kda_output_fwd, kda_state_fwd
+from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_intra_replay, kda_state_fwd
 from k3lab.kernels.kda.flash_kda import check_finite, check_gate_args, input_grads, intermediate_dtype
 from k3lab.kernels.kda.utils import chunk_index
 
@@ -149,14 +149,13 @@ class KCPFlashFunction(torch.autograd.Function):
         # 1. intra, shared by the map and the local pass.
         G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(*flat, A_log, dt_bias, scale, lower_bound, lay.cu,
                                                    lay.chunk_indices, inter)
-        h = torch.empty(NT, HV, K, V, device=dev, dtype=inter)
-        Vn = torch.empty_like(U)
+        o = torch.empty_like(U)
         final = [None] * n
         # 2. the state stage from the known entering states, then this rank's map.
         a = int(lay.cont_in)
         if a < n:
             _, _, ht = kda_state_fwd(W, U, KG, G, _entering(h0, None, ctx, a, n, (HV, K, V), dev), True,
-                                     *lay.span(a, n), NT, h=h, Vn=Vn)
+                                     *lay.span(a, n), NT, store_states=False, output=(QG, Aqk, o))
             final[a:] = ht.unbind(0)
         S_in = maps = None
         if R > 1:
@@ -175,8 +174,7 @@ class KCPFlashFunction(torch.autograd.Function):
                 S_in = _fold_forward(maps, ctx, lay, fold)
                 # 4. the continued piece's states from the folded state.
                 final[0] = kda_state_fwd(W, U, KG, G, S_in[None].contiguous(), True, *lay.span(0, 1), NT,
-                                         h=h, Vn=Vn)[2][0]
-        o = kda_output_fwd(QG, h, Aqk, Vn, lay.cu, lay.chunk_indices)
+                                         store_states=False, output=(QG, Aqk, o))[2][0]
         if R > 1 and not lay.cont_in:
             work.wait()
         fctx.save_for_backward(q, k, v, z, beta, A_log, dt_bias, h0, S_in, maps, G, Tinv, Aqk)

@@ -1,4 +1,4 @@
-"""FlashKDA forward: five Triton kernels and their launchers.
+"""FlashKDA forward: four Triton kernels and their launchers.
 
 1. ``kda_gate_fwd_kernel`` (K tiles x chunks x value heads): the fused gate
    g = lb * sigmoid(exp(A_log) (z + dt_bias)) and its in-chunk cumsum G.
@@ -8,8 +8,8 @@
 3. ``kda_solve_fwd_kernel`` (chunks x value heads): the UT-transform inverse
    T = (I + L)^-1 by 16x16 blocks, then W = T Diag(beta)(Gamma K), U = T Diag(beta) V.
 4. ``kda_state_fwd_kernel`` (one program per sequence, value head and V tile; the only sequential
-   loop): S_n for every chunk, pseudo-values V~ = U - W S, S <- Diag(gamma_C) S + (Gamma_{i->C} K)^T V~.
-5. ``kda_output_fwd_kernel`` (all chunks in parallel): O = (Gamma Q) S + Tril((Gamma Q)(K/Gamma)^T) V~.
+   loop): S_n for every chunk, pseudo-values V~ = U - W S, the output O = (Gamma Q) S + Tril((Gamma Q)
+   (K/Gamma)^T) V~ while S and V~ are in registers, then S <- Diag(gamma_C) S + (Gamma_{i->C} K)^T V~.
 """
 from __future__ import annotations
 
@@ -290,10 +290,11 @@ def kda_solve_fwd_kernel(
 def kda_state_fwd_kernel(
     W, U, KG, G, h, Vn, h0, ht,  # W, KG [T, HV, K]; U [T, HV, VU]; Vn [T, HV, V]; G fp32 [T, HV, K];
                                  # h [NT, HV, K, V] state before each chunk; h0, ht fp32 [N, HV, K, V]
+    QG, Aqk, o,  # QG [T, HV, K], Aqk [T, HV, BT], o [T, HV, V] (OUTPUT)
     cu_seqlens, chunk_offsets,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VU: tl.constexpr, BT: tl.constexpr,
     BKH: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    STORE_STATES: tl.constexpr, PREC: tl.constexpr,
+    STORE_STATES: tl.constexpr, OUTPUT: tl.constexpr, PREC: tl.constexpr,
 ):
     # The state is held as two halves of BKH rows of K (S1 over K rows [0, BKH), S2 over [BKH, 2 BKH)):
     # two independent products per step, half the registers each (measured on an H200 at B4 T8192 H16:
@@ -333,6 +334,14 @@ def kda_state_fwd_kernel(
         if STORE_STATES:
             store_rows(Vn, b_vn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
         b_v = b_vn.to(dt)
+        if OUTPUT:
+            b_o = tl.dot(load_rows(Aqk, t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT, False).to(dt), b_v,
+                         input_precision=PREC)
+            b_o += tl.dot(load_rows(QG, t0, n_t, o_t, HV * K, i_hv * K, o_k1, K, False).to(dt), b_S1.to(dt),
+                          input_precision=PREC)
+            b_o += tl.dot(load_rows(QG, t0, n_t, o_t, HV * K, i_hv * K, o_k2, K, False).to(dt), b_S2.to(dt),
+                          input_precision=PREC)
+            store_rows(o, b_o, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
         b_d1, b_d2 = chunk_decay_halves(G, t0, n_t, i_hv, o_k1, o_k2, HV, K)
         b_kg1 = load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k1, K, False).to(dt)
         b_kg2 = load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k2, K, False).to(dt)
@@ -342,28 +351,6 @@ def kda_state_fwd_kernel(
         p_ht = ht + i_n.to(tl.int64) * HV * K * V
         tl.store(p_ht + o_s1, b_S1, mask=m_1)
         tl.store(p_ht + o_s2, b_S2, mask=m_2)
-
-
-@triton.jit
-def kda_output_fwd_kernel(
-    QG, h, Aqk, Vn, o,  # QG [T, HV, K]; h [NT, HV, K, V]; Aqk [T, HV, BT]; Vn, o [T, HV, V]
-    cu_seqlens, chunk_indices,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, PREC: tl.constexpr,
-):
-    i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    dt = Vn.dtype.element_ty
-    b_qg = load_rows(QG, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False).to(dt)
-    p_h = h + i_c.to(tl.int64) * HV * K * V + i_hv * K * V + o_k[:, None] * V + o_v[None, :]
-    b_h = tl.load(p_h, mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0).to(dt)
-    b_A = load_rows(Aqk, t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT, False).to(dt)
-    b_vn = load_rows(Vn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False).to(dt)
-    b_o = tl.dot(b_qg, b_h, input_precision=PREC) + tl.dot(b_A, b_vn, input_precision=PREC)
-    store_rows(o, b_o, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
 
 
 def block_sizes(K: int, V: int) -> tuple[int, int]:
@@ -417,9 +404,13 @@ def _launch_intra(q, k, v, beta, G, Tinv, Aqk, scale, cu_seqlens, chunk_indices,
 
 
 def kda_state_fwd(W, U, KG, G, h0, output_final_state, cu_seqlens, chunk_offsets, NT, h=None, Vn=None,
-                  lead=0, store_states=True):
+                  lead=0, store_states=True, output=None):
     """Launch ``kda_state_fwd_kernel``. Returns (h [NT, HV, K, V'], Vn [T, HV, V'], final state or None),
     V' = lead + U's width; h and Vn are None when not ``store_states``.
+
+    ``output`` = (QG, Aqk, o): also write the output O = (Gamma Q) S + Aqk V~ of every chunk into ``o``
+    [T, HV, V] while its state is in registers (the forward needs neither h nor V~ then: the backward
+    recomputes them).
 
     ``cu_seqlens``/``chunk_offsets`` may be a slice [a : b+1] of a layout's tables (sequences a .. b-1,
     chunk offsets still global): then only those sequences' chunks of ``h`` and tokens of ``Vn`` (pass
@@ -436,24 +427,12 @@ def kda_state_fwd(W, U, KG, G, h0, output_final_state, cu_seqlens, chunk_offsets
         h = torch.empty(NT, HV, K, V, device=W.device, dtype=W.dtype) if h is None else h
         Vn = torch.empty(T, HV, V, device=W.device, dtype=U.dtype) if Vn is None else Vn
     ht = torch.empty(N, HV, K, V, device=W.device, dtype=torch.float32) if output_final_state else None
+    QG, Aqk, o = output if output is not None else (W, W, W)
     kda_state_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
-        W, U, KG, G, h if store_states else W, Vn if store_states else W, h0, ht, cu_seqlens, chunk_offsets,
-        HV=HV, K=K, V=V, VU=VU, BT=BT, BKH=state_half(K), BV=BV, USE_H0=h0 is not None,
-        STORE_HT=output_final_state, STORE_STATES=store_states, PREC=dot_precision(W.dtype, W.device),
+        W, U, KG, G, h if store_states else W, Vn if store_states else W, h0, ht, QG, Aqk, o, cu_seqlens,
+        chunk_offsets, HV=HV, K=K, V=V, VU=VU, BT=BT, BKH=state_half(K), BV=BV, USE_H0=h0 is not None,
+        STORE_HT=output_final_state, STORE_STATES=store_states, OUTPUT=output is not None,
+        PREC=dot_precision(W.dtype, W.device),
         num_warps=4, num_stages=3 if W.element_size() == 2 else 2,
     )
     return (h, Vn, ht) if store_states else (None, None, ht)
-
-
-def kda_output_fwd(QG, h, Aqk, Vn, cu_seqlens, chunk_indices):
-    """Launch ``kda_output_fwd_kernel``. Returns o [T, HV, V] in Vn's dtype."""
-    T, HV, K = QG.shape
-    V = Vn.shape[-1]
-    NT = chunk_indices.shape[0]
-    BK, BV = block_sizes(K, V)
-    o = torch.empty_like(Vn)
-    kda_output_fwd_kernel[(triton.cdiv(V, BV), NT, HV)](
-        QG, h, Aqk, Vn, o, cu_seqlens, chunk_indices, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        PREC=dot_precision(Vn.dtype, Vn.device), num_warps=8 if Vn.dtype == torch.float32 else 4,
-    )
-    return o

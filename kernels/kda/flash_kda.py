@@ -9,7 +9,7 @@ from torch.autograd.function import once_differentiable
 
 from k3lab.kda.checks import _shape, check_kda_inputs
 from k3lab.kernels.kda.chunk_bwd import kda_dqk_bwd, kda_dwv_bwd, kda_intra_bwd, kda_state_bwd
-from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_intra_replay, kda_output_fwd, kda_state_fwd
+from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_intra_replay, kda_state_fwd
 from k3lab.kernels.kda.utils import chunk_index
 
 # 8 |lower_bound| must stay below ~88 (float32/bfloat16 exponent range) for the diagonal sub-tiles.
@@ -82,7 +82,7 @@ def input_grads(dq, dk, dv, dz, dbeta, dA_part, dbias_part, q, v, A_log, dt_bias
 
 
 class FlashKDAFunction(torch.autograd.Function):
-    """Forward: intra (gate, norms, UT inverse, W, U, Aqk) -> state scan -> output.
+    """Forward: intra (gate, norms, UT inverse, W, U, Aqk) -> state scan, writing the output as it goes.
     Backward: replays intra's cheap part (W, U, KG, QG) from the saved G, Tinv and Aqk (the tensors fla
     saves too), re-runs the state scan, then the reverse state
     scan -> per-chunk dq/dk/dW/dv -> sub-tile score gradients, norm and gate backward."""
@@ -96,9 +96,9 @@ class FlashKDAFunction(torch.autograd.Function):
         inter = intermediate_dtype(q)
         G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(*flat, A_log, dt_bias, scale, lower_bound, cu_seqlens,
                                                    chunk_indices, inter)
-        h, Vn, ht = kda_state_fwd(W, U, KG, G, initial_state, output_final_state, cu_seqlens, chunk_offsets,
-                                  chunk_indices.shape[0])
-        o = kda_output_fwd(QG, h, Aqk, Vn, cu_seqlens, chunk_indices)
+        o = torch.empty_like(U)
+        ht = kda_state_fwd(W, U, KG, G, initial_state, output_final_state, cu_seqlens, chunk_offsets,
+                           chunk_indices.shape[0], store_states=False, output=(QG, Aqk, o))[2]
         ctx.save_for_backward(q, k, v, z, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices,
                               chunk_offsets, G, Tinv, Aqk)
         ctx.scale, ctx.lower_bound = scale, lower_bound
