@@ -172,16 +172,17 @@ assert MIN_LOWER_BOUND == -10.0
 #
 # ## 3. The kernel design
 #
-# Five forward kernels and six backward kernels, each a `@triton.jit` function
+# Four forward kernels and six backward kernels, each a `@triton.jit` function
 # (`kda_<stage>_{fwd,bwd}_kernel`) with a launcher, one `autograd.Function` (`FlashKDAFunction`) and
 # the public `flash_kda`, which validates (shapes always; NaN/inf with `check_values=True`, the
 # default) and builds the chunk table on the host from the sequence lengths, once per shape (cached:
 # a training loop at fixed shapes never copies it again). Chunk `C = 64`, sub-tile 16, `K` in tiles of
 # 32 in the gate kernels, whole in the scores kernel, in two halves in the state kernels and in tiles
 # of 64 in the intra backward, `V` in tiles of 16–64. The intra forward is three kernels: `gate_fwd`,
-# `scores_fwd` and `solve_fwd` (`kda_intra_fwd`). The backward runs, in order: `scores_fwd` and
-# `solve_fwd` in replay mode (`kda_intra_replay`; `G` is saved, so no gate kernel), `state_fwd` (for
-# the chunk states and `Ṽ`), then the six backward kernels of the table.
+# `scores_fwd` and `solve_fwd` (`kda_intra_fwd`); the fourth, `state_fwd`, walks the chunks and writes
+# the output as it goes. The backward runs, in order: `scores_fwd` and `solve_fwd` in replay mode
+# (`kda_intra_replay`; `G` is saved, so no gate kernel), `state_fwd` again, this time storing the chunk
+# states `h` and `Ṽ` and no output, then the six backward kernels of the table.
 #
 # | stage | grid | what it does | fused |
 # |---|---|---|---|
@@ -189,14 +190,22 @@ assert MIN_LOWER_BOUND == -10.0
 # | `scores_fwd` | 16-row sub-tiles × chunks × value heads | for its sub-tile: q/k L2-normalised, β sigmoid, two exponentials per element at the sub-tile's middle reference (`exp2`), `KG`, `QG` and `W`'s right operand `Diag(β)ΓK`; then its row of 16×16 sub-tiles of `Diag(β)(ΓK)(K/Γ)ᵀ` and `(ΓQ)(K/Γ)ᵀ` on tensor cores — the diagonal one at the middle reference, each earlier one (its keys reloaded and normalised again) at that sub-tile's last row, where both factors are ≤ 1; writes the strictly lower `L = Diag(β)StrictTril(…)` into `T`'s float32 buffer, and `Aqk` | all elementwise prep, both score matrices |
 # | `solve_fwd` | chunks × value heads | the UT inverse `T = (I + L)⁻¹` by 16×16 blocks, in place over `L` (the 4 diagonal inverses as one stacked forward substitution + 6 block products in full fp32); `W = T·Diag(β)ΓK`, `U = T·Diag(β)V` in column tiles of up to 64 | inverse, W/U |
 # | `scores_fwd`, `solve_fwd`, `REPLAY` (backward) | as above | from the saved `G` and `T`: only the prep (`KG`, `QG`, `W`'s operand) and `W`, `U` — no sub-tile scores, no inverse | same kernels, one constexpr |
-# | `state_fwd` | sequences × value heads × V tiles | the one sequential loop: per chunk store `S`, `Ṽ = U − W S`, `S ← γ_C S + (Γ_{i→C}K)ᵀ Ṽ`; `S` stays in registers (fp32) as two `[K/2, BV]` halves | final state |
-# | `output_fwd` | chunks × value heads × V tiles | `O = (ΓQ) S + Aqk Ṽ` | — |
+# | `state_fwd` | sequences × value heads × V tiles | the one sequential loop: per chunk `Ṽ = U − W S`, then the chunk's output `O = (ΓQ) S + Aqk Ṽ` while `S` and `Ṽ` are in registers, then `S ← γ_C S + (Γ_{i→C}K)ᵀ Ṽ`; `S` stays in registers (fp32) as two `[K/2, BV]` halves; neither `S` per chunk nor `Ṽ` is stored | the output, final state |
+# | `state_fwd`, `STORE_STATES` (backward) | as above | the same loop storing `S` before each chunk (`h`, bf16) and `Ṽ`, and no output | same kernel, two constexprs |
 # | `state_bwd` | sequences × value heads × V tiles | reverse loop: `dṼ = Aqkᵀ dO + (Γ_{i→C}K) dS'`, `dS ← γ_C dS' + (ΓQ)ᵀ dO − Wᵀ dṼ`, `dS` in two K halves | d(initial state) |
 # | `dqk_bwd` | K tiles × chunks × value heads | `d(ΓQ) = dO Sᵀ`, `d(Γ_{i→C}K) = Ṽ dS'ᵀ`, `dW = −dṼ Sᵀ`, the state-decay terms of dg | L2-norm rows, G chain |
 # | `dwv_bwd` | chunks × value heads | `dAqk = dO Ṽᵀ`, dV and dβ through `U`, dT, then `dL = −Tᵀ dT Tᵀ` | inverse backward |
 # | `intra_bwd` | 16-row sub-tiles × K tiles (64) × chunks × value heads | one sub-tile's rows of the gradients of both score matrices, as rows (sub-tiles before it) and as columns (sub-tiles after it), each side at one reference where every factor is ≤ 1, on `[16, 64]` tiles, the decay factors as `exp2`; dβ's score term as one partial sum per K tile; float32 operands (tf32 for bf16 inputs) | q/k norms from `dqk_bwd` |
 # | `gate_bwd` | K tiles (32) × chunks × value heads | the reverse cumsum of dG in the chunk, the gate backward | dz, dA_log and ddt_bias partials |
 # | `qk_norm_bwd` | token blocks × q/k heads | the GVA group's sum of the q and k gradients, the L2-norm backward (a row reduction over K), dβ's sigmoid backward | GVA sum, casts |
+#
+# *Why the output costs the state loop nothing.* The state kernel is one program per sequence, value
+# head and V tile, walking the chunks one after another; each step waits on the previous state. The
+# output's two products need only what that program holds at the step (`S` and `Ṽ`) plus `QG` and
+# `Aqk`, which do not depend on the recurrence and can be loaded ahead. A separate output kernel needs
+# the state of every chunk written out and read back: `h` is `B·NT·HV·K·V` bf16 (256 MiB at B4 T8192
+# H16), `Ṽ` another 128 MiB. Measured on an H200 at B4 T8192 H16: the state kernel took 303.6 µs
+# before and 303.9 µs with the output in it; the output kernel it replaced took 203 µs.
 #
 # *Registers vs shared memory.* The state (two `K/2 × BV` fp32 halves per program, `BV` the widest
 # of 64, 32, 16 whose grid still gives about every SM a program) and all accumulators live in
@@ -213,8 +222,8 @@ assert MIN_LOWER_BOUND == -10.0
 #
 # *What the backward keeps and recomputes.* The forward saves the inputs plus `G`, `T` and `Aqk` —
 # the tensors fla saves too. The backward replays only intra's cheap part (`W`, `U`, `KG`, `QG`: the
-# scores and solve kernels with `REPLAY`) and re-runs the state scan; the gate, the sub-tile scores
-# and the UT inverse are not recomputed.
+# scores and solve kernels with `REPLAY`) and re-runs the state scan, storing the chunk states and `Ṽ`
+# that the forward never wrote; the gate, the sub-tile scores and the UT inverse are not recomputed.
 #
 # *Precision.* For bf16 inputs the intermediates (`W`, `U`, `KG`, `QG`, `Aqk`, the chunk states) are
 # bf16, forward and backward alike: tensor-core operands with float32 accumulators. The gate cumsum
@@ -347,63 +356,84 @@ assert [f >= 1.5 and b >= 1.2 for f, b in ratios] == [True, False, False, False]
 # final state ≤ 2.95e-3, every gradient ≤ 3.4e-3 (bound 1e-2) on the morning's kernels (the figures
 # above), ≤ 3.7e-3 once the intra backward moved to tf32 (the stages file); the kernels timed in the
 # second table passed the GPU correctness check too, but its figures were not saved.
-# At B1 T8192 H16 the current kernels beat fla in both directions: forward 0.574 ms vs 0.927 (1.61x),
-# forward+backward 2.352 vs 4.123 (1.75x), with 657 vs 965 MiB peak. At B4 T8192 H16 they are ahead
-# but short of the floors: forward 1.688 vs 1.866 ms (1.11x), forward+backward 7.559 vs 8.240 ms
-# (1.09x; 2628 vs 3859 MiB). At the issue's two larger baseline shapes, B1 T32768 H32 and B8 T4096 H32,
-# the forward is 1.04x and 1.10x of fla's baseline and forward+backward 1.04x and 1.08x. So the
-# issue's floors (≥ 1.5x forward, ≥ 1.2x forward+backward at every shape) are **not met**: they hold at
-# B1 T8192 H16 only. fla's own times vary between runs (3.63 and 4.12 ms forward+backward at B1 T8192
-# H16 on the same GPU model). The sweep's B8 T32768 H64 row is ours alone: since the backward launches
-# dq/dk and dW/dv separately it fits (542 ms forward+backward). fla was timed by the sweep only at B1
-# T8192 H16 (it autotunes for ~4 minutes per shape), so elsewhere the table says n/a and the figure
-# shows fla's published baseline (issue 3, crosses) where one exists.
+# At B1 T8192 H16 the current kernels (the output written by the state kernel) beat fla in both
+# directions: forward 0.537 ms vs 0.927 (1.73x), forward+backward 2.281 vs 4.123 (1.81x), with 657 vs
+# 965 MiB peak. At B4 T8192 H16 they are ahead but short of the floors: forward 1.484 vs 1.866 ms
+# (1.26x), forward+backward 7.356 vs 8.240 ms (1.12x; 2628 vs 3859 MiB). At the issue's two larger
+# baseline shapes, B1 T32768 H32 and B8 T4096 H32, the forward is 1.13x and 1.25x of fla's baseline
+# and forward+backward 1.06x and 1.11x. So the issue's floors (≥ 1.5x forward, ≥ 1.2x
+# forward+backward at every shape) are **not met**: they hold at B1 T8192 H16 only. fla's own times
+# vary between runs (3.63 and 4.12 ms forward+backward at B1 T8192 H16 on the same GPU model). The
+# sweep's B8 T32768 H64 row is ours alone: since the backward launches dq/dk and dW/dv separately it
+# fits (542 ms forward+backward). fla was timed by the sweep only at B1 T8192 H16 (it autotunes for ~4
+# minutes per shape), so elsewhere the table says n/a and the figure shows fla's published baseline
+# (issue 3, crosses) where one exists.
 #
 # **Where the time goes** at B4 T8192 H16: device time per kernel call from `torch.profiler` on the
 # same H200 model, bf16 (`session_7_experiments` in `data/results/flash_kda_h200_stages.json`). The
-# forward was profiled on the current kernels, beside fla-core 0.6.0's forward. The forward+backward
-# was profiled on main just before the merge and on the two merged branches, one change each; the
-# current kernels were not profiled as a whole, so the "after" column puts the branches' new kernels
-# beside the untouched kernels' earlier times, and the sum is checked against the current kernels'
-# timed forward+backward.
+# forward was profiled on the current kernels (the output fused into the state kernel, 944d9aa), beside
+# the same forward just before the fusion and fla-core 0.6.0's forward. The forward+backward was
+# profiled only before the fusion: on main just before the merge of the three-kernel intra forward and
+# the exp2 intra backward, and on those two branches, one change each. That merged code was not
+# profiled as a whole, so the "after" column puts the branches' new kernels beside the untouched
+# kernels' earlier times, and its sum is checked against that code's timed forward+backward (7.559 ms),
+# not against the current 7.356 ms. The fusion's forward+backward was timed, not profiled.
 
 # %%
 session = json.loads(Path(results_path).with_name("flash_kda_h200_stages.json").read_text())["session_7_experiments"]
-fwd_prof = session["forward-only profile B4, merged (us)"]
-ours_f, fla_f = fwd_prof["ours"], fwd_prof["fla 0.6.0"]
+fused = session["output fused into the state kernel (944d9aa)"]
+merged_prof = session["forward-only profile B4, merged (us)"]
+ours_f, before_f, fla_f = fused["forward-only profile B4 (us)"], merged_prof["ours"], merged_prof["fla 0.6.0"]
 parts = lambda d: [(n, t) for n, t in d.items() if n != "total"]  # noqa: E731
-print("forward only, us per call:  ours             | fla-core 0.6.0")
-for (n_o, t_o), (n_f, t_f) in itertools.zip_longest(parts(ours_f), parts(fla_f), fillvalue=("", None)):
-    print(f"{'':28}{n_o:<10}{'' if t_o is None else format(t_o, '6.0f'):>6} | {n_f:<18}{t_f:6.0f}")
-print(f"{'':28}{'total':<10}{ours_f['total']:6.0f} | {'total':<18}{fla_f['total']:6.0f}")
-assert all(abs(sum(t for _, t in parts(d)) - d["total"]) < 1 for d in (ours_f, fla_f))
+cols = (ours_f, before_f, fla_f)
+print("forward only, us per call:")
+print(" | ".join(f"{h:<26}" for h in ("ours (output fused)", "ours before the fusion", "fla-core 0.6.0")).rstrip())
+for row in itertools.zip_longest(*map(parts, cols), fillvalue=("", None)):
+    print(" | ".join(f"{n:<20}{'' if t is None else format(t, '6.0f'):>6}" for n, t in row))
+print(" | ".join(f"{'total':<20}{d['total']:6.0f}" for d in cols))
+assert all(abs(sum(t for _, t in parts(d)) - d["total"]) < 1 for d in cols)
+state_before, state_fused = before_f["state_fwd"], ours_f["state_fwd + output"]
+print(f"state kernel {state_before:.1f} us before, {state_fused:.1f} us with the output in it; "
+      f"the output kernel it replaced: {before_f['output']:.1f} us")
+assert abs(state_fused - state_before) < 0.01 * state_before
 ours_intra = sum(ours_f[n] for n in ("gate_fwd", "scores", "solve"))
 fla_intra = fla_f["total"] - fla_f["fwd_h"] - fla_f["fwd_o"]
 print(f"before the state scan: ours {ours_intra:.0f}, fla {fla_intra:.0f} (with its fills and beta sigmoid)")
+timed = session["do_bench ms (fwd, fwd+bwd)"]
+f_merged, fb_merged = timed["merged (split + exp2 intra bwd)"]["4x8192x16"]
+f_fused, fb_fused = fused["do_bench ms (fwd, fwd+bwd)"]["4x8192x16"]
+assert abs(f_fused - latest["cases"][1]["ours_fwd_ms"]) < 1e-3 and abs(fb_fused - latest["cases"][1]["ours_fwd_bwd_ms"]) < 1e-3
+assert abs(ours_f["total"] / 1e3 - f_fused) < 0.02 * f_fused
 
 fb = session["fwd+bwd profile B4 (us)"]
 before, split, exp2 = fb["main 37cea31"], fb["wip/intra-fwd-split"], fb["wip/exp2-warps8"]
 old_intra, new_intra = "intra_fwd x2 (fwd + replay)", ("gate_fwd", "scores x2", "solve x2")
 rest = [n for n in before if n not in (old_intra, "intra_bwd")]
-print("\nforward+backward, us per call: main before the merge -> after")
+print("\nforward+backward before the fusion, us per call: main before the merge -> after")
 print(f"  {old_intra:<28}{before[old_intra]:6.0f} -> " + " + ".join(f"{n} {split[n]:.0f}" for n in new_intra)
       + f" = {sum(split[n] for n in new_intra):.0f}  (wip/intra-fwd-split)")
 print(f"  {'intra_bwd':<28}{before['intra_bwd']:6.0f} -> {exp2['intra_bwd (exp2)']:.0f}  (exp2; wip/exp2-warps8)")
 for n in rest:
     print(f"  {n:<28}{before[n]:6.0f}    (not changed by the merge)")
 sum_after = sum(split[n] for n in new_intra) + exp2["intra_bwd (exp2)"] + sum(before[n] for n in rest)
-timed = session["do_bench ms (fwd, fwd+bwd)"]
-fb_before, fb_after = timed["main 37cea31"]["4x8192x16"][1], timed["merged (split + exp2 intra bwd)"]["4x8192x16"][1]
+fb_before = timed["main 37cea31"]["4x8192x16"][1]
 print(f"  sum {sum(before.values()) / 1e3:.2f} -> {sum_after / 1e3:.2f} ms per call; "
-      f"timed forward+backward {fb_before:.3f} -> {fb_after:.3f} ms")
-assert abs(fb_after - latest["cases"][1]["ours_fwd_bwd_ms"]) < 1e-2 and abs(sum_after / 1e3 - fb_after) < 0.02 * fb_after
+      f"timed forward+backward {fb_before:.3f} -> {fb_merged:.3f} ms")
+assert abs(sum_after / 1e3 - fb_merged) < 0.02 * fb_merged
+print(f"then the fusion (timed, not profiled): forward {f_merged:.3f} -> {f_fused:.3f} ms "
+      f"(-{f_merged - f_fused:.3f}), forward+backward {fb_merged:.3f} -> {fb_fused:.3f} ms (-{fb_merged - fb_fused:.3f})")
+# The backward did not change: the forward+backward gains what the forward gains.
+assert abs((fb_merged - fb_fused) - (f_merged - f_fused)) < 0.02
 
 # %% [markdown]
-# The forward at B4 is now level with fla's in total (1686 vs 1729 µs). Before the state scan the two
-# are even (ours 1179 µs in gate, scores and solve; fla 1125 in its seven kernels there — gate cumsum,
-# two L2 norms, sub-chunk scores, fused inverse, W/U recompute, β sigmoid — and 1186 with its two
-# fills); the scan is 304 vs 296 µs, and ours is ahead on the output (203 vs 247 µs). A 1.5x forward
-# at B4 would need ≤ 1.24 ms against 1.69 now, and a 1.2x forward+backward ≤ 6.87 ms against 7.56.
+# With the output inside the state loop the forward at B4 takes 1483 µs of kernel time against fla's
+# 1729 (before the fusion 1686). Before the state scan the two are even (ours 1179 µs in gate, scores
+# and solve; fla 1125 in its seven kernels there — gate cumsum, two L2 norms, sub-chunk scores, fused
+# inverse, W/U recompute, β sigmoid — and 1186 with its two fills); the lead is in the scan: ours
+# 304 µs for the states and the output together, fla 296 + 247 µs in two kernels. A 1.5x forward at
+# B4 would need ≤ 1.244 ms against 1.484 now, and a 1.2x forward+backward ≤ 6.867 ms against 7.356:
+# 0.24 ms off the forward and 0.49 ms off the whole, so even with the forward at its floor the backward
+# (unchanged by the fusion) would still owe 0.25 ms.
 #
 # What made the current kernels. The intra forward works sub-tile by sub-tile: each 16-row block of q
 # and k gets two exponentials per element, at the block's middle reference (bounded by `exp(8|lb|)`,
@@ -413,8 +443,9 @@ assert abs(fb_after - latest["cases"][1]["ours_fwd_bwd_ms"]) < 1e-2 and abs(sum_
 # times the programs; each re-normalises and re-decays the keys of the sub-tiles before it), and the
 # solve per chunk, which reads `L` back from memory. The forward went from 1.909 to 1.697 ms at B4
 # (`do_bench`, before exp2 was merged), the intra kernels of the forward and the backward's replay
-# together from 1822 to 1628 µs. The state kernels hold the state as two `[K/2, BV]`
-# halves, two independent products per step: 0.62 → 0.31 ms forward at B4. The intra backward runs
+# together from 1822 to 1628 µs. The state kernels hold the state as two `[K/2, BV]` halves, two
+# independent products per step: 0.62 → 0.31 ms forward at B4; the output then moved into that loop
+# (section 3): 1.688 → 1.484 ms forward, 7.559 → 7.356 ms forward+backward. The intra backward runs
 # one program per 16-row sub-tile and K tile of 64: its rows against the sub-tiles before it at one
 # reference (the gate just before the sub-tile), as columns against the sub-tiles after it at another
 # (its last row), so every factor is ≤ 1; dβ comes from the row side's dk (no score products). Four
