@@ -47,6 +47,7 @@ device = k3lab.setup(seed=seed, profile=profile)
 import itertools
 import json
 import math
+import textwrap
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -300,7 +301,9 @@ for label, kwargs in (
 # recurrence, fixed-length and varlen, T not a multiple of 64, GVA, initial state), measures the
 # ceilings, then times ours and fla's `chunk_kda` (same settings: bf16, K = V = 128, lower bound −5,
 # gate/norm/sigmoid fused, `safe_gate=True`) with `triton.testing.do_bench`, and writes
-# `data/results/flash_kda_h200.json`. The committed file:
+# `data/results/flash_kda_h200.json`. The committed file is a sweep of the issue's shapes
+# (B ∈ {1, 4, 8}, T ∈ {4K, 8K, 32K}, H ∈ {16, 32, 64}) on the current kernels (main at 944d9aa, those
+# of section 3), run with the check skipped and fla not re-timed; its notes say where both come from:
 
 # %%
 result = json.loads(Path(results_path).read_text())
@@ -310,8 +313,16 @@ ver = result["versions"]
 fla_note = f"fla-core {ver['fla-core']}" if ver.get("fla-core") else f"fla times from {ver.get('fla_times_from')}"
 print(f"{hw['name']} | torch {ver['torch']} | triton {ver['triton']} | {fla_note} | {result['date']}")
 print(f"ceilings measured: bf16 matmul {hw['bf16_matmul_tflops']:.0f} TFLOP/s, copy {hw['copy_gbps']:.0f} GB/s")
-worst_check = {n: max(hw["correctness"][c][n] for c in hw["correctness"]) for n in hw["correctness"]["fixed"]}
-print("bf16 correctness (worst of fixed/varlen): " + ", ".join(f"{n} {e:.1e}" for n, e in worst_check.items()))
+print(textwrap.fill("notes: " + result["notes"], 100))
+issue_shapes = sorted(itertools.product((1, 4, 8), (4096, 8192, 32768), (16, 32, 64)))
+swept = sorted((c["B"], c["T"], c["H"]) for c in cases)
+with_fla = [(c["B"], c["T"], c["H"]) for c in cases if c["fla_fwd_ms"] is not None]
+not_run = sorted(set(issue_shapes) - set(swept))
+print(f"{len(swept)} of the issue's {len(issue_shapes)} shapes; not run: "
+      + ", ".join(f"B{b} T{t} H{h}" for b, t, h in not_run)
+      + "; fla times at " + ", ".join(f"B{b} T{t} H{h}" for b, t, h in with_fla))
+assert swept == sorted(set(swept)) and not_run == [(8, 32768, 64)]
+assert with_fla == [(1, 8192, 16), (4, 8192, 16)]
 print(f"\n{'B':>2} {'T':>6} {'H':>3} | {'ours fwd':>8} {'fla fwd':>8} {'x':>5} | {'ours f+b':>8} {'fla f+b':>8} "
       f"{'x':>5} | {'TFLOP/s':>7} {'GB/s':>6} | {'ours MiB':>8} {'fla MiB':>8}")
 fmt = lambda x, f: "n/a".rjust(int(f.split(".")[0])) if x is None else format(x, f)  # noqa: E731
@@ -321,15 +332,15 @@ for c in cases:
           f"{fmt(c['speedup_fwd'], '5.2f')} | {c['ours_fwd_bwd_ms']:8.3f} {fmt(c['fla_fwd_bwd_ms'], '8.3f')} "
           f"{fmt(c['speedup_fwd_bwd'], '5.2f')} | {c['tflops_fwd']:7.1f} {gbps:6.0f} | "
           f"{fmt(c['ours_peak_mib'], '8.0f')} {fmt(c['fla_peak_mib'], '8.0f')}")
-assert all(e <= (1e-2 if n.startswith("d") else 5e-3) for n, e in worst_check.items())
 
 # %% [markdown]
-# The sweep above is the morning's run. The kernels changed after it (section 3 describes the ones now
-# on main); the baseline shapes were re-timed on the current kernels into
-# `data/results/flash_kda_h200_latest.json` (after the bf16 correctness check passed on the GPU; the
-# file keeps only the times). fla's times there come from an earlier run of the same benchmark on the
-# same GPU model (the file's `fla_times_from`); where that run has no time for a shape, the comparison
-# is with the issue's fla baseline (same GPU model, same settings), marked so:
+# The issue's four baseline shapes were timed on the same kernels at 16:28 UTC (the sweep's file is
+# dated 16:51), right after the bf16 correctness check passed on the GPU, into
+# `data/results/flash_kda_h200_latest.json` (the file keeps only the times); the comparison below is
+# on that file. fla's times there come from an earlier run of the same benchmark on the same GPU model
+# (the file's `fla_times_from`, the same run as the sweep's); where that run has no time for a shape,
+# the comparison is with the issue's fla baseline (same GPU model, same settings), marked so. The
+# sweep's times at these shapes are a second measurement of the same kernels:
 
 # %%
 baseline_fla = {(1, 8192, 16): (1.16, 3.05), (4, 8192, 16): (1.87, 8.22), (1, 32768, 32): (3.72, 16.5),
@@ -337,9 +348,11 @@ baseline_fla = {(1, 8192, 16): (1.16, 3.05), (4, 8192, 16): (1.87, 8.22), (1, 32
 latest = json.loads(Path(results_path).with_name("flash_kda_h200_latest.json").read_text())
 ver_l = latest["versions"]
 print(f"{latest['date']} | fla times from {ver_l.get('fla_times_from') or latest['date']}")
+sweep = {(c["B"], c["T"], c["H"]): c for c in cases}
 ratios = []
 for c in latest["cases"]:
     shape = (c["B"], c["T"], c["H"])
+    again = sweep[shape]
     measured = c["fla_fwd_ms"] is not None
     fla_fwd, fla_fb = (c["fla_fwd_ms"], c["fla_fwd_bwd_ms"]) if measured else baseline_fla[shape]
     peak_fla = f"{c['fla_peak_mib']:.0f}" if measured else "n/a"
@@ -348,26 +361,41 @@ for c in latest["cases"]:
           f"({fla_fwd / c['ours_fwd_ms']:.2f}x) | fwd+bwd {c['ours_fwd_bwd_ms']:.3f} vs {fla_fb:.3f} "
           f"({fla_fb / c['ours_fwd_bwd_ms']:.2f}x) | peak {c['ours_peak_mib']:.0f} vs {peak_fla} MiB"
           + ("" if measured else "  [fla: issue baseline]"))
+    print(f"  sweep: fwd {again['ours_fwd_ms']:.3f} ({fla_fwd / again['ours_fwd_ms']:.2f}x), "
+          f"fwd+bwd {again['ours_fwd_bwd_ms']:.3f} ({fla_fb / again['ours_fwd_bwd_ms']:.2f}x)")
+    assert all(abs(again[n] / c[n] - 1) < 0.02 for n in ("ours_fwd_ms", "ours_fwd_bwd_ms"))
 # The text below says where the floors (fwd >= 1.5x, fwd+bwd >= 1.2x) hold: at the first shape only.
 assert [f >= 1.5 and b >= 1.2 for f, b in ratios] == [True, False, False, False]
 
 # %% [markdown]
-# **Reading the tables.** The kernels are correct in bf16 with margin: outputs ≤ 3.9e-3 (bound 5e-3),
-# final state ≤ 2.95e-3, every gradient ≤ 3.4e-3 (bound 1e-2) on the morning's kernels (the figures
-# above), ≤ 3.7e-3 once the intra backward moved to tf32 (the stages file); the kernels timed in the
-# second table passed the GPU correctness check too, but its figures were not saved.
+# **Reading the tables.** The kernels are correct in bf16 with margin: the benchmark's GPU check
+# (float64 reference, fixed-length and varlen) passed on the current kernels at 16:28 UTC with
+# outputs ≤ 3.9e-3 (bound 5e-3) and every gradient ≤ 3.7e-3 (bound 1e-2; `ddt_bias` the largest,
+# 3.66e-3 in the stages file's tf32 check), as the sweep's notes say; neither timed file keeps the
+# per-tensor figures.
 # At B1 T8192 H16 the current kernels (the output written by the state kernel) beat fla in both
 # directions: forward 0.537 ms vs 0.927 (1.73x), forward+backward 2.281 vs 4.123 (1.81x), with 657 vs
 # 965 MiB peak. At B4 T8192 H16 they are ahead but short of the floors: forward 1.484 vs 1.866 ms
 # (1.26x), forward+backward 7.356 vs 8.240 ms (1.12x; 2628 vs 3859 MiB). At the issue's two larger
 # baseline shapes, B1 T32768 H32 and B8 T4096 H32, the forward is 1.13x and 1.25x of fla's baseline
 # and forward+backward 1.06x and 1.11x. So the issue's floors (≥ 1.5x forward, ≥ 1.2x
-# forward+backward at every shape) are **not met**: they hold at B1 T8192 H16 only. fla's own times
-# vary between runs (3.63 and 4.12 ms forward+backward at B1 T8192 H16 on the same GPU model). The
-# sweep's B8 T32768 H64 row is ours alone: since the backward launches dq/dk and dW/dv separately it
-# fits (542 ms forward+backward). fla was timed by the sweep only at B1 T8192 H16 (it autotunes for ~4
-# minutes per shape), so elsewhere the table says n/a and the figure shows fla's published baseline
-# (issue 3, crosses) where one exists.
+# forward+backward at every shape) are **not met**: they hold at B1 T8192 H16 only. The sweep's
+# second measurement agrees within 1% (1.13x / 1.05x and 1.24x / 1.10x at the two H32 shapes). fla's
+# own times vary between runs (3.63 and 4.12 ms forward+backward at B1 T8192 H16, its 07:06 and 10:51
+# UTC runs on the same GPU model).
+#
+# The sweep has 26 of the issue's 27 shapes: B8 T32768 H64 was cut by the GPU call's time limit, not
+# run. fla was not timed in it (fla autotunes for about 4 minutes per new shape): its fields are the
+# 10:51 UTC run's at B1 T8192 H16 and B4 T8192 H16 and n/a elsewhere, and the issue's fla baseline
+# covers two more shapes. So at 22 of the 26 swept shapes (and at the unswept one) there is no fla time
+# to compare with, and the floors cannot be checked there; the figure shows fla's published baseline
+# (issue 3, crosses) where one exists. What the sweep does show is the kernels' progress over the day:
+# against the morning's sweep of the same 26 shapes (08:45 UTC, the kernels of then; this file's
+# version at commit 16d81d3), the forward is 3.0–3.7x faster and forward+backward 2.1–2.5x (1.4x at the
+# smallest shape, B1 T4096 H16), e.g. B8 T32768 H32 forward+backward 275.5 → 116.8 ms, and peak
+# memory is 23% lower at every shape (54304 → 42048 MiB there). The morning's file also had
+# B8 T32768 H64, from a separate run at commit bfaa3e8 (~10:20 UTC; 542 ms forward+backward, ours
+# alone).
 #
 # **Where the time goes** at B4 T8192 H16: device time per kernel call from `torch.profiler` on the
 # same H200 model, bf16 (`session_7_experiments` in `data/results/flash_kda_h200_stages.json`). The
@@ -454,9 +482,9 @@ assert abs((fb_merged - fb_fused) - (f_merged - f_fused)) < 0.02
 # element, where `tl.exp` adds a fix-up for results below 2^-126): 2149 → 1898 µs. The rows' inverse
 # norms are computed once, by dq/dk, and the chunk-state gradients and `dṼ` are stored as the bf16
 # operands they become (−0.08 ms in the state backward, 384 MiB less peak at B4). The tiles come from
-# sweeps on the GPU (the JSON). The kernels remain bound by latency, not by compute or bandwidth (the
-# TFLOP/s and GB/s columns are far under both ceilings); the largest pieces are still the intra
-# backward and the intra forward.
+# tile sweeps on the GPU (`flash_kda_h200_stages.json`). The kernels remain bound by latency, not by
+# compute or bandwidth (the TFLOP/s and GB/s columns are far under both ceilings); the largest pieces
+# are still the intra backward and the intra forward.
 
 # %%
 peak, bw = hw["bf16_matmul_tflops"], hw["copy_gbps"] / 1e3  # TFLOP/s, TB/s
@@ -472,12 +500,7 @@ for c in cases:
         ax.plot(ai * 1.04, flops / fla_ms / 1e9, "s" if c["fla_fwd_ms"] is not None else "x", color="C1")
     ax.annotate(f"B{c['B']} T{c['T']} H{c['H']}", (ai, flops / c["ours_fwd_ms"] / 1e9), fontsize=7,
                 xytext=(4, -10), textcoords="offset points")
-for c in latest["cases"]:
-    flops = fwd_flops(c["B"], c["T"], c["H"], c["K"], c["K"])
-    ax.plot(flops / fwd_bytes(c["B"], c["T"], c["H"], c["K"], c["K"]) * 0.96, flops / c["ours_fwd_ms"] / 1e9, "D",
-            color="C2", ms=4)
-ax.plot([], [], "o", color="C0", label="ours, forward (morning sweep)")
-ax.plot([], [], "D", color="C2", label=f"ours, forward (current kernels, {latest['date'][11:16]} UTC)")
+ax.plot([], [], "o", color="C0", label=f"ours, forward (sweep, current kernels, {result['date'][11:16]} UTC)")
 ax.plot([], [], "s", color="C1", label="fla, forward (measured here)")
 ax.plot([], [], "x", color="C1", label="fla, forward (issue 3 baseline)")
 ax.set(xlabel="arithmetic intensity (useful FLOPs / compulsory bytes)", ylabel="TFLOP/s",
@@ -486,9 +509,10 @@ ax.legend(fontsize=7, loc="upper left")
 plt.show()
 print("current kernels, floors (fwd >= 1.5x, fwd+bwd >= 1.2x fla): "
       + ("met" if all(f >= 1.5 and b >= 1.2 for f, b in ratios) else
-         f"NOT met (measured {', '.join(f'{f:.2f}x / {b:.2f}x' for f, b in ratios)})"))
-peak_latest = latest["hardware"]["bf16_matmul_tflops"]
-print(f"ours reach {max(c['tflops_fwd'] for c in latest['cases']) / peak_latest:.1%} of the bf16 matmul ceiling "
+         f"NOT met (at the {len(ratios)} shapes with an fla time, measured or the issue's: "
+         f"{', '.join(f'{f:.2f}x / {b:.2f}x' for f, b in ratios)})")
+      + f"; no fla time to check them at the other {len(cases) - len(ratios)} swept shapes")
+print(f"ours reach {max(c['tflops_fwd'] for c in cases) / peak:.1%} of the bf16 matmul ceiling "
       f"measured in the same run at best")
 
 # %% [markdown]
