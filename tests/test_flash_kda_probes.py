@@ -1,13 +1,15 @@
-"""FlashKDA backward probes from a fresh-user attempt to break the rewritten backward (intra backward per
+"""FlashKDA probes from fresh-user attempts to break the rewritten backward (intra backward per
 16-row sub-tile x K tile of 64, the gate backward per K tile of 32, the q/k norm backward per token block,
-the rows' inverse norms written by dq/dk and read later, state gradients in the intermediate dtype).
+the rows' inverse norms written by dq/dk and read later, state gradients in the intermediate dtype) and
+the forward whose output the state kernel writes (944d9aa).
 
 Every probe here passed; they are kept as regression tests for what the other FlashKDA test files do not
 reach: every tail length of a chunk's sub-tiles in one varlen batch with K = 72 (a partial second K tile)
 and the backward's empty buffers poisoned with NaN, per-sequence errors, T < 16 with B = 3, gradients of
 a subset of the inputs, strided inputs and expanded output gradients, the gate next to lower_bound = -10
 (no overflow in the backward's products), saturated beta logits, an explicit scale with dt_bias as [HV, K],
-and KCP with documents crossing the rank boundary.
+and KCP with documents crossing the rank boundary; for the forward, grad/no_grad/inference_mode equality
+and varlen with several V tiles per value head into NaN-poisoned outputs.
 
 Float32 kernels (TRITON_INTERPRET=1 on CPU) against the float64 naive recurrence.
 """
@@ -223,3 +225,64 @@ def test_kcp_documents_crossing_the_rank_boundary(monkeypatch):
         print(fold, f"worst {max(errs.values()):.1e}")
         bad = {name: e for name, e in errs.items() if not e <= 1e-5}
         assert not bad, (fold, bad)
+
+
+# Probes of the forward with the output written by the state kernel (944d9aa: one program per sequence,
+# value head and V tile writes that tile's columns of o while its state is in registers). Every probe
+# passed (float32 vs float64, o and final states <= 9e-7, gradients <= 3.1e-6): grad vs no_grad forwards,
+# with and without initial/final state, varlen of 1..130 tokens at V tiles of 16, V = 16/24/40/48/80
+# against K = 8..64 with HV = 2H and 4H, strided inputs, many one-token sequences, KCP on 2 and 3 ranks
+# with several documents per rank (against flash_kda and float64). Kept: the two that reach what the other
+# files do not.
+
+
+def v_tiles_of_16(monkeypatch):
+    """The state kernels' V tile of 16 (several V-tile programs per value head; a GPU picks it at small
+    grids, the CPU launch never does)."""
+    from k3lab.kernels.kda import chunk_bwd, chunk_fwd
+
+    for mod in (chunk_fwd, chunk_bwd):
+        monkeypatch.setattr(mod, "state_tile", lambda N, HV, V, device: 16)
+
+
+@pytest.mark.timeout(120)
+def test_fused_output_grad_and_no_grad_forwards_agree(monkeypatch):
+    """K = 32, V = 48 (three V tiles of 16), H = 1, HV = 2, T = 70: the forward under autograd, under
+    torch.no_grad() and under torch.inference_mode() gives the same o and final state bit for bit, both
+    match float64, and so do the gradients."""
+    v_tiles_of_16(monkeypatch)
+    inputs = make_inputs(1, 70, 1, 2, 32, 48, seed=109)
+    ours, ref = run_both(inputs)
+    assert_all_close(ours, ref)
+    xs = [x.float().to(DEVICE) for x in inputs]
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            o, s = flash_kda(*xs[:7], initial_state=xs[7], output_final_state=True)
+        assert torch.equal(o.cpu(), ours["o"]) and torch.equal(s.cpu(), ours["final_state"]), mode.__name__
+
+
+@pytest.mark.timeout(120)
+def test_fused_output_varlen_v_tiles_poisoned(monkeypatch):
+    """Packed sequences of 1, 15, 16, 17, 63, 64 and 65 tokens (one V-tile program walks each sequence's
+    chunks, tails included), H = 1, HV = 2, K = 32, V = 40 (V tiles 16 + 16 + 8), NaN-poisoned empty
+    buffers (o is one: every element must be written exactly by its tile), lower_bound = -0.5 so a
+    chunk's entering state reaches all its rows of o. Forward only: each sequence's o and final state,
+    and a second call equal bit for bit."""
+    v_tiles_of_16(monkeypatch)
+    poison_empty(monkeypatch)
+    lengths = [1, 15, 16, 17, 63, 64, 65]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    inputs = make_inputs(1, int(cu[-1]), 1, 2, 32, 40, N=len(lengths), seed=110)
+    o_ref, s_ref = reference(*inputs[:7], initial_state=inputs[7], cu_seqlens=cu, lower_bound=-0.5)
+    xs = [x.float().to(DEVICE) for x in inputs]
+    outs = []
+    for _ in range(2):
+        with torch.no_grad():
+            outs.append(flash_kda(*xs[:7], initial_state=xs[7], output_final_state=True, cu_seqlens=cu.to(DEVICE),
+                                  lower_bound=-0.5))
+    (o, s), (o2, s2) = outs
+    assert torch.equal(o, o2) and torch.equal(s, s2)
+    print(f"o: {assert_close('o', o_ref, o.cpu(), TOL):.1e}")
+    for n, (t0, t1) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        assert_close(f"o[seq {n}, len {t1 - t0}]", o_ref[:, t0:t1], o[:, t0:t1].cpu(), TOL)
+        assert_close(f"final_state[seq {n}]", s_ref[n], s[n].cpu(), TOL)
