@@ -82,14 +82,15 @@ def input_grads(dq, dk, dv, dz, dbeta, dA_part, dbias_part, q, v, A_log, dt_bias
 
 
 class FlashKDAFunction(torch.autograd.Function):
-    """Forward: intra (gate, norms, UT inverse, W, U, Aqk) -> state scan, writing the output as it goes.
-    Backward: replays intra's cheap part (W, U, KG, QG) from the saved G, Tinv and Aqk (the tensors fla
-    saves too), re-runs the state scan, then the reverse state
-    scan -> per-chunk dq/dk/dW/dv -> sub-tile score gradients, norm and gate backward."""
+    """Forward: intra (gate, norms, UT inverse, W, U, Aqk) -> state scan, writing the output as it goes
+    and, when autograd records, the chunk states h and pseudo-values V~ for the backward, which also
+    keeps W, KG, QG (and saves G, Tinv, Aqk). Backward: the reverse state scan -> per-chunk dq/dk/dW/dv
+    -> sub-tile score gradients, norm and gate backward. A second backward through a retained graph
+    rebuilds W, KG, QG from G and Tinv (intra's cheap part) and h, V~ by the state scan."""
 
     @staticmethod
     def forward(ctx, q, k, v, z, beta, A_log, dt_bias, initial_state, scale, lower_bound, cu_seqlens,
-                chunk_indices, chunk_offsets, output_final_state):
+                chunk_indices, chunk_offsets, output_final_state, for_backward):
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, z, beta)]
@@ -97,10 +98,13 @@ class FlashKDAFunction(torch.autograd.Function):
         G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(*flat, A_log, dt_bias, scale, lower_bound, cu_seqlens,
                                                    chunk_indices, inter)
         o = torch.empty_like(U)
-        ht = kda_state_fwd(W, U, KG, G, initial_state, output_final_state, cu_seqlens, chunk_offsets,
-                           chunk_indices.shape[0], store_states=False, output=(QG, Aqk, o))[2]
+        h, Vn, ht = kda_state_fwd(W, U, KG, G, initial_state, output_final_state, cu_seqlens, chunk_offsets,
+                                  chunk_indices.shape[0], store_states=for_backward, output=(QG, Aqk, o))
         ctx.save_for_backward(q, k, v, z, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices,
                               chunk_offsets, G, Tinv, Aqk)
+        # Attributes, not saved tensors: the backward drops each as soon as it is used (saved tensors
+        # would live until it returns, raising its peak memory).
+        ctx.intermediates = [W, KG, QG, h, Vn] if for_backward else None
         ctx.scale, ctx.lower_bound = scale, lower_bound
         return o.view(B, T, HV, V).to(q.dtype), ht
 
@@ -113,10 +117,14 @@ class FlashKDAFunction(torch.autograd.Function):
         HV, V = v.shape[2:]
         NT = chunk_indices.shape[0]
         qf, kf, vf, zf, bf = (x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, z, beta))
-        W, U, KG, QG = kda_intra_replay(qf, kf, vf, bf, G, Tinv, scale, cu_seqlens, chunk_indices,
-                                        intermediate_dtype(q))
-        h, Vn, _ = kda_state_fwd(W, U, KG, G, h0, False, cu_seqlens, chunk_offsets, NT)
-        del U
+        if ctx.intermediates is not None:
+            W, KG, QG, h, Vn = ctx.intermediates
+            ctx.intermediates = None
+        else:  # a second backward through a retained graph: rebuild them from G and Tinv
+            W, U, KG, QG = kda_intra_replay(qf, kf, vf, bf, G, Tinv, scale, cu_seqlens, chunk_indices,
+                                            intermediate_dtype(q))
+            h, Vn, _ = kda_state_fwd(W, U, KG, G, h0, False, cu_seqlens, chunk_offsets, NT)
+            del U
         do = do.reshape(B * T, HV, V).contiguous()
         dh, dVn, dh0 = kda_state_bwd(QG, KG, W, G, Aqk, do, dht.contiguous() if dht is not None else None,
                                      h0 is not None, cu_seqlens, chunk_offsets, NT)
@@ -129,7 +137,7 @@ class FlashKDAFunction(torch.autograd.Function):
             qf, kf, zf, bf, A_log, dt_bias, G, rn, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale, lb, cu_seqlens, chunk_indices)
         dh0 = dh0.to(h0.dtype) if h0 is not None else None
         return (*input_grads(dq, dk, dv, dz, dbeta, dA_part, dbias_part, q, v, A_log, dt_bias),
-                dh0, None, None, None, None, None, None)
+                dh0, None, None, None, None, None, None, None)
 
 
 def flash_kda(
@@ -215,6 +223,8 @@ def flash_kda(
     cu, chunk_indices, chunk_offsets = chunk_index(lengths, q.device)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    return FlashKDAFunction.apply(q, k, v, g, beta, A_log.contiguous(),
-                                  dt_bias.contiguous() if dt_bias is not None else None, h0, scale,
-                                  float(lower_bound), cu, chunk_indices, chunk_offsets, output_final_state)
+    dt_bias = dt_bias.contiguous() if dt_bias is not None else None
+    inputs = (q, k, v, g, beta, A_log.contiguous(), dt_bias, h0)
+    for_backward = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    return FlashKDAFunction.apply(*inputs, scale, float(lower_bound), cu, chunk_indices, chunk_offsets,
+                                  output_final_state, for_backward)
