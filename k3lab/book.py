@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3lab.files import atomic_write_text
+
 ROOT = Path(__file__).resolve().parents[1]
 BOOK_DIR = ROOT / "book"
 BUILD_DIR = ROOT / "build"
@@ -92,17 +94,6 @@ def _strip_run_metadata(nb):
     return nb
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _copy_outputs(stored, source) -> None:
     """Give each code cell of ``source`` the outputs of the next stored cell with the same code."""
     code = [c for c in stored.cells if c.cell_type == "code"]
@@ -134,7 +125,7 @@ def sync(py_path: Path) -> bool:
     # Stable cell ids (jupytext draws random ones) keep stored notebooks' diffs to real changes.
     for i, cell in enumerate(source.cells):
         cell.id = hashlib.sha1(f"{i}:{cell.cell_type}:{cell.source}".encode()).hexdigest()[:12]
-    _atomic_write_text(ipynb, jupytext.writes(_with_kernelspec(source), fmt="ipynb"))
+    atomic_write_text(ipynb, jupytext.writes(_with_kernelspec(source), fmt="ipynb"))
     return True
 
 
@@ -245,7 +236,7 @@ def render_html(executed: Path, out: Path) -> None:
     from nbconvert import HTMLExporter
 
     body, _ = HTMLExporter().from_notebook_node(nbformat.read(executed, as_version=4))
-    _atomic_write_text(out, body)
+    atomic_write_text(out, body)
 
 
 def _error_detail(exc: BaseException) -> str:
@@ -313,8 +304,8 @@ def _write_index(results: list[Result], path: Path) -> None:
     rows = "\n".join(
         f'<tr><td><a href="{r.name}.html">{r.name}</a></td><td>{r.status}</td><td>{r.seconds:.1f}</td></tr>'
         for r in results)
-    _atomic_write_text(path, f"<!doctype html><title>k3lab book</title><h1>k3lab book</h1>\n"
-                             f"<table><tr><th>notebook</th><th>status</th><th>seconds</th></tr>\n{rows}\n</table>\n")
+    atomic_write_text(path, f"<!doctype html><title>k3lab book</title><h1>k3lab book</h1>\n"
+                            f"<table><tr><th>notebook</th><th>status</th><th>seconds</th></tr>\n{rows}\n</table>\n")
 
 
 def format_table(results: list[Result]) -> str:
@@ -348,7 +339,7 @@ def store(keys: list[str], timeout=CPU_CELL_TIMEOUT, book_dir: Path = BOOK_DIR) 
         # papermill saves after every cell: keep that partial copy out of book/ (nbval would collect it)
         with tempfile.TemporaryDirectory(prefix="k3lab-store-") as tmp:
             nb = execute(ipynb, Path(tmp) / ipynb.name, {}, timeout)
-        _atomic_write_text(ipynb, nbformat.writes(_strip_run_metadata(_with_kernelspec(nb))) + "\n")
+        atomic_write_text(ipynb, nbformat.writes(_strip_run_metadata(_with_kernelspec(nb))) + "\n")
         print(f"stored {ipynb.relative_to(Path(book_dir).parent)} ({time.perf_counter() - start:.1f} s)")
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shutil
@@ -39,6 +38,7 @@ from pathlib import Path
 
 from k3lab.agentenv import Sandbox, Snapshot, build_image, detect_host
 from k3lab.agentenv.sandbox import resident_kib
+from k3lab.files import write_json
 
 # (anchor text, anchor value in ms or None) per op; K3 report and kvcache-ai/AgentENV README.
 ANCHORS = {
@@ -215,8 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="data/results/agentenv_cpu.json", help="JSON output path")
     args = p.parse_args(argv)
     res = run(args.n, args.paused)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    write_json(args.out, res, indent=2)
     print(f"wrote {args.out}")
     print(table(res))
     return res

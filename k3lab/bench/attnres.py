@@ -33,6 +33,7 @@ import torch
 
 import k3lab
 from k3lab.attnres import block_sizes
+from k3lab.files import write_json
 
 PHASE1_CASES = [  # (tokens M, width d, blocks read n, queries S, buffer dtype)
     (8192, 2048, 8, 6, torch.float32),  # the last block of the 48-sublayer N = 8 model
@@ -401,8 +402,7 @@ def main(argv=None) -> dict:
                 result.update({k: earlier[k] for k in keys if k in earlier})
                 result.setdefault("kept_from_earlier_run", {})[keys[0]] = earlier.get(
                     "kept_from_earlier_run", {}).get(keys[0], earlier["date"])
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
+        write_json(out, result, indent=1)
         print(f"wrote {out}")
     print("\n" + table(result))
     return result

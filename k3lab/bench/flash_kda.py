@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from k3lab.files import write_json
 from k3lab.testing import rel_rms_error
 
 LOWER_BOUND = -5.0
@@ -328,9 +329,8 @@ def main(argv=None) -> dict:
         result["cases"].append(case_result)
         torch.cuda.empty_cache()
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             clean = json.loads(json.dumps(result), parse_constant=lambda c: None)
-            Path(args.out).write_text(json.dumps(clean, indent=1) + "\n")
+            write_json(args.out, clean, indent=1)
     print(table(result))
     return result
 

@@ -29,11 +29,11 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from k3lab.files import write_json
 from k3lab.kcp import kcp_short_conv, make_context
 from k3lab.kcp.affine import fold_scan, fold_sequential
 from k3lab.kcp.workers import (
@@ -336,8 +336,7 @@ def main(argv=None) -> dict:
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     result["notes"] = notes(result)
-    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(cfg.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(cfg.out, result, indent=2)
     print(json.dumps({k: v for k, v in result["check"].items() if k.endswith("max_rel_err")}, indent=1))
     print(json.dumps(result["fold_vs_scan"], indent=1))
     print(result["notes"])

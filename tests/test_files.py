@@ -1,0 +1,94 @@
+"""k3lab.files: a failed or interrupted write leaves the previous file byte for byte and no temp file."""
+import json
+import math
+import os
+
+import pytest
+
+from k3lab.files import atomic_write_text, write_json
+
+OLD = b'{\n "cases": [1, 2]\n}\n'
+
+
+@pytest.fixture
+def old_file(tmp_path):
+    path = tmp_path / "result.json"
+    path.write_bytes(OLD)
+    return path
+
+
+def _circular():
+    d = {}
+    d["self"] = d
+    return d
+
+
+@pytest.mark.parametrize("obj, kwargs, error", [
+    ({"t": object()}, {}, TypeError),
+    ({"x": float("nan")}, {"allow_nan": False}, ValueError),
+    ([math.inf], {"allow_nan": False}, ValueError),
+    (_circular(), {}, ValueError),
+], ids=["not-serialisable", "nan-strict", "inf-strict", "circular"])
+def test_write_json_serialisation_error_leaves_old_file(old_file, obj, kwargs, error):
+    with pytest.raises(error):
+        write_json(old_file, obj, **kwargs)
+    assert old_file.read_bytes() == OLD
+    assert [p.name for p in old_file.parent.iterdir()] == ["result.json"]
+
+
+def test_serialisation_error_creates_no_folder(tmp_path):
+    with pytest.raises(TypeError):
+        write_json(tmp_path / "new" / "r.json", {"s": {1, 2}})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("fails", ["write", "replace", "interrupt"])
+def test_failure_mid_write_leaves_old_file_and_no_temp(old_file, monkeypatch, fails):
+    """The temp file is already (partly) written when the failure hits; it must not survive."""
+    if fails == "write":
+        real_fsync = os.fsync
+
+        def fsync_then_fail(fd):
+            real_fsync(fd)
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(os, "fsync", fsync_then_fail)
+    else:
+        exc = OSError(5, "I/O error") if fails == "replace" else KeyboardInterrupt()
+
+        def replace_fails(src, dst):
+            assert os.path.getsize(src) > 0
+            raise exc
+        monkeypatch.setattr(os, "replace", replace_fails)
+    with pytest.raises((OSError, KeyboardInterrupt)):
+        write_json(old_file, {"cases": [1, 2, 3]})
+    monkeypatch.undo()
+    assert old_file.read_bytes() == OLD
+    assert [p.name for p in old_file.parent.iterdir()] == ["result.json"]
+
+
+def test_text_must_be_str(old_file):
+    with pytest.raises(TypeError, match="text must be a str, got bytes"):
+        atomic_write_text(old_file, b"new")
+    assert old_file.read_bytes() == OLD
+
+
+@pytest.mark.parametrize("indent", [None, 1, 2])
+def test_write_json_round_trips_and_creates_folders(tmp_path, indent):
+    obj = {"cases": [{"B": 4, "T": 8192, "ms": 1.376, "fla": None}], "note": "é 中文", "nan": math.nan}
+    path = tmp_path / "a" / "b" / "r.json"
+    write_json(str(path), obj, indent=indent)
+    text = path.read_text(encoding="utf-8")
+    assert text == json.dumps(obj, indent=indent) + "\n"
+    back = json.loads(text)
+    assert math.isnan(back.pop("nan"))
+    del obj["nan"]
+    assert back == obj
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]
+
+
+def test_atomic_write_text_replaces_exact_bytes(old_file):
+    text = "line 1\nline 2 \u00e9\r\nno newline at end"
+    atomic_write_text(old_file, text)
+    assert old_file.read_bytes() == text.encode("utf-8")
+    atomic_write_text(old_file.parent / "deeper" / "x.txt", "")
+    assert (old_file.parent / "deeper" / "x.txt").read_bytes() == b""
