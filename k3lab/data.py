@@ -26,11 +26,12 @@ import json
 import os
 import sys
 import tarfile
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from k3lab.files import atomic_write_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(os.environ.get("K3LAB_DATA_DIR", ROOT / "data"))
@@ -48,25 +49,6 @@ BUILD_COMMAND = "python -m k3lab.data build"
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        # mkstemp creates 0600; give the file the mode an ordinary open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _json_bytes(obj) -> bytes:
@@ -121,7 +103,7 @@ def write_corpus_archive(source: Path, out: Path, max_bytes: int = MAX_CORPUS_BY
             info.uid = info.gid = 0
             info.uname = info.gname = ""
             tar.addfile(info, io.BytesIO(data))
-    _atomic_write(Path(out), buf.getvalue())
+    atomic_write_bytes(Path(out), buf.getvalue())
     return {"files": len(files), "bytes": sum((Path(source) / r).stat().st_size for r in files),
             "archive_bytes": len(buf.getvalue())}
 
@@ -263,7 +245,7 @@ def build(
     splits = split_files(files)
     if retrain_tokenizer:
         tok = train_tokenizer(splits["train"], vocab)
-        _atomic_write(data_dir / "tokenizer.json", tok.to_str(pretty=True).encode())
+        atomic_write_bytes(data_dir / "tokenizer.json", tok.to_str(pretty=True).encode())
         if verbose:
             print(f"trained tokenizer: vocab {tok.get_vocab_size()} -> {data_dir / 'tokenizer.json'}")
     tok = load_tokenizer(data_dir)
@@ -292,7 +274,7 @@ def build(
 
     committed = data_dir / "manifest.json"
     if update_manifest:
-        _atomic_write(committed, _json_bytes(manifest))
+        atomic_write_bytes(committed, _json_bytes(manifest))
     elif not committed.is_file():
         raise FileNotFoundError(f"{committed} is missing: restore it from git, or run "
                                 f"`{BUILD_COMMAND} --update-manifest` to write a new one")
@@ -306,9 +288,9 @@ def build(
                 + f"\nIf the corpus or tokenizer changed on purpose, run `{BUILD_COMMAND} --update-manifest`."
             )
     for split in SPLITS:
-        _atomic_write(out_dir / f"{split}.bin", arrays[split].tobytes())
+        atomic_write_bytes(out_dir / f"{split}.bin", arrays[split].tobytes())
     # Written last: its presence means both shards are complete (the Makefile's stamp).
-    _atomic_write(out_dir / "manifest.json", _json_bytes(manifest))
+    atomic_write_bytes(out_dir / "manifest.json", _json_bytes(manifest))
     if verbose:
         for split, info in manifest["splits"].items():
             print(f"{split:5s}: {info['files']:4d} files, {info['bytes']:>9,d} bytes -> "

@@ -9,18 +9,49 @@ from __future__ import annotations
 
 import json
 import os
-import threading
+import tempfile
 from pathlib import Path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Replace ``path`` with ``text`` in one step: a reader sees the old file or the new one, never a mix.
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Replace ``path`` with ``data`` in one step: a reader sees the old file or the new one, never a mix.
 
-    The UTF-8 bytes of ``text`` (no newline translation) go to a hidden temporary file beside ``path``
-    (same folder, so same file system), are flushed to disk, then renamed over ``path`` with
-    ``os.replace``, which is atomic. Missing parent folders are created. On any exception,
-    KeyboardInterrupt included, the temporary file is removed and ``path`` keeps its previous bytes
-    (or stays absent). Folders created before the failure stay.
+    ``data`` goes to a hidden temporary file beside ``path`` (same folder, so same file system; a unique
+    name, so concurrent writers never share one), with the mode an ordinary ``open()`` would give, is
+    flushed to disk, then renamed over ``path`` with ``os.replace``, which is atomic. Missing parent
+    folders are created. On any exception, KeyboardInterrupt included, the temporary file is removed
+    and ``path`` keeps its previous bytes (or stays absent). Folders created before the failure stay.
+
+    Args:
+        path (str | os.PathLike): the file to write.
+        data (bytes): its whole new content.
+
+    Raises:
+        TypeError: ``data`` is not bytes (checked before anything is touched).
+        OSError: the folder cannot be created or written, or ``path`` is a directory.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        # mkstemp creates 0600; give the file the mode an ordinary open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """``atomic_write_bytes`` of the UTF-8 bytes of ``text`` (no newline translation).
 
     Args:
         path (str | os.PathLike): the file to write.
@@ -29,7 +60,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     Raises:
         TypeError: ``text`` is not a str (checked before anything is touched).
         UnicodeEncodeError: ``text`` holds characters UTF-8 cannot encode (lone surrogates).
-        OSError: the folder cannot be created or written, or ``path`` is a directory.
+        OSError: as ``atomic_write_bytes``.
 
     Example::
 
@@ -37,20 +68,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
-    data = text.encode("utf-8")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Unique per process and thread, so concurrent writers of one path never share a temp file.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def write_json(path: str | os.PathLike, obj, indent: int | None = 1, *, allow_nan: bool = True) -> None:

@@ -69,15 +69,6 @@ def test_manifest_mismatch_is_an_error_and_writes_nothing(tiny_data_dir, tmp_pat
         data.build(bad, verbose=False)
 
 
-def test_atomic_write_leaves_no_partial_file(tmp_path):
-    target = tmp_path / "x.bin"
-    with pytest.raises(TypeError):
-        data._atomic_write(target, "not bytes")
-    assert list(tmp_path.iterdir()) == []
-    data._atomic_write(target, b"ok")
-    assert target.read_bytes() == b"ok" and [p.name for p in tmp_path.iterdir()] == ["x.bin"]
-
-
 def test_tokenizer_round_trips_real_text():
     tok = data.load_tokenizer()
     name, text = data.read_corpus()[3]

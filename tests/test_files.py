@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from k3lab import files
 from k3lab.files import atomic_write_text, write_json
 
 OLD = b'{\n "cases": [1, 2]\n}\n'
@@ -92,3 +93,14 @@ def test_atomic_write_text_replaces_exact_bytes(old_file):
     assert old_file.read_bytes() == text.encode("utf-8")
     atomic_write_text(old_file.parent / "deeper" / "x.txt", "")
     assert (old_file.parent / "deeper" / "x.txt").read_bytes() == b""
+
+
+def test_bytes_rejects_text_and_keeps_the_mode_of_an_ordinary_open(tmp_path):
+    target = tmp_path / "x.bin"
+    with pytest.raises(TypeError, match="bytes"):
+        files.atomic_write_bytes(target, "not bytes")
+    assert list(tmp_path.iterdir()) == []
+    files.atomic_write_bytes(target, b"ok")
+    plain = tmp_path / "plain.bin"
+    plain.write_bytes(b"ok")
+    assert target.read_bytes() == b"ok" and target.stat().st_mode == plain.stat().st_mode
