@@ -224,13 +224,11 @@ def stage_times(B, T, H, K, V, device, rep=100) -> dict:
         tag = "bf16" if dt == torch.bfloat16 else "fp32"
         G, Tinv, Aqk, W, U, KG, QG = bench(f"fwd intra ({tag})", lambda: cf.kda_intra_fwd(
             *flat, A_log, dt_bias, scale, LOWER_BOUND, cu, chunk_indices, dt))
-        bench(f"bwd intra replay ({tag})", lambda: cf.kda_intra_replay(
-            flat[0], flat[1], flat[2], flat[4], G, Tinv, scale, cu, chunk_indices, dt))
         o = torch.empty_like(U)
         bench(f"fwd state + output ({tag})", lambda: cf.kda_state_fwd(
             W, U, KG, G, None, False, cu, chunk_offsets, NT, store_states=False, output=(QG, Aqk, o)))
-        h, Vn, _ = bench(f"bwd state replay ({tag})", lambda: cf.kda_state_fwd(W, U, KG, G, None, False, cu,
-                                                                               chunk_offsets, NT))
+        h, Vn, _ = bench(f"fwd state + output, h and V~ stored ({tag})", lambda: cf.kda_state_fwd(
+            W, U, KG, G, None, False, cu, chunk_offsets, NT, output=(QG, Aqk, o)))
         dh, dVn, _ = bench(f"bwd state ({tag})", lambda: cb.kda_state_bwd(QG, KG, W, G, Aqk, do, None, False, cu,
                                                                           chunk_offsets, NT))
         dqs, dkn, dG, dW, dgx, rn = bench(f"bwd dq/dk ({tag})", lambda: cb.kda_dqk_bwd(
