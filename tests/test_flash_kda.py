@@ -13,8 +13,12 @@ if not torch.cuda.is_available():
     # Triton reads this when a kernel is defined: before k3lab.kernels is imported.
     os.environ["TRITON_INTERPRET"] = "1"
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from k3lab.kda import chunk_kda, lower_bounded_gate, naive_recurrent_kda  # noqa: E402
 from k3lab.kernels.kda import flash_kda  # noqa: E402
+from k3lab.kernels.kda.chunk_fwd import unit_lower_inverse  # noqa: E402
 from k3lab.testing import assert_close  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -347,3 +351,27 @@ def test_autotuning_leaves_in_place_buffers_intact(monkeypatch):
         monkeypatch.setitem(fn.__dict__, "do_bench", bench_twice)
     check(make_inputs(1, 70, 1, 2, 16, 16, seed=11))
     assert len(runs) == 3 * 5  # scores, solve, dq/dk, dW/dv, intra bwd: 3 configs each
+
+
+@triton.jit
+def _invert_four_blocks(N, X, BC: tl.constexpr):
+    o = tl.arange(0, BC)
+    off = o[:, None] * BC + o[None, :]
+    x0, x1, x2, x3 = unit_lower_inverse(tl.load(N + off), tl.load(N + BC * BC + off),
+                                        tl.load(N + 2 * BC * BC + off), tl.load(N + 3 * BC * BC + off), BC)
+    tl.store(X + off, x0)
+    tl.store(X + BC * BC + off, x1)
+    tl.store(X + 2 * BC * BC + off, x2)
+    tl.store(X + 3 * BC * BC + off, x3)
+
+
+def test_ut_inverse_of_a_near_identical_key_block():
+    """The diagonal blocks' inverse (I + N)^-1 by powers of N plus one Newton step, against float64: on a
+    block from near-identical keys (beta = 1, no decay) N^8 reaches 3432, where the powers alone lose
+    digits in float32 (6e-5); the Newton step must bring it to forward substitution's level."""
+    gen = torch.Generator().manual_seed(0)
+    near = torch.ones(4, 16, 16, dtype=torch.float64) - 0.01 * torch.rand(4, 16, 16, generator=gen, dtype=torch.float64)
+    for N in (near.tril(-1), (0.5 * torch.randn(4, 16, 16, generator=gen, dtype=torch.float64)).tril(-1)):
+        X = torch.empty(4, 16, 16, device=DEVICE)
+        _invert_four_blocks[(1,)](N.float().to(DEVICE).contiguous(), X, BC=16)
+        assert_close("(I + N)^-1", torch.linalg.inv(torch.eye(16, dtype=torch.float64) + N), X.cpu(), 1e-6)
