@@ -1,6 +1,7 @@
-"""FlashKDA backward: six Triton kernels and their launchers (after ``kda_intra_replay`` rebuilds W, U,
-KG, QG from the forward's saved G, T, Aqk, and the state kernel re-runs for the chunk states h and the
-pseudo-values V~).
+"""FlashKDA backward: six Triton kernels and their launchers, on the forward's W, KG, QG, chunk states h
+and pseudo-values V~ (kept when autograd records) and its saved G, T, Aqk. A second backward through a
+retained graph, and KCP's backward, rebuild W, KG, QG with ``kda_intra_replay`` and h, V~ with the state
+kernel first.
 
 1. ``kda_state_bwd_kernel`` (sequential over chunks, in reverse): dV~ = Aqk^T dO + (Gamma_{i->C} K) dS',
    dS <- Diag(gamma_C) dS' + (Gamma Q)^T dO - W^T dV~; stores dS' per chunk and dV~.
