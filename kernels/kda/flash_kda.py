@@ -193,6 +193,13 @@ def flash_kda(
         check_values (bool): also reject NaN/inf inputs (one device sync and a read of every input;
             shapes are always checked). Benchmarks pass False.
 
+    Memory: when autograd records, the forward keeps for the backward, besides its inputs, G and the UT
+    inverse (float32, [T, HV, K] and [T, HV, 64]) and Aqk, also W, KG, QG [T, HV, K], the pseudo-values
+    [T, HV, V] and the chunk states [T / 64, HV, K, V] in the intermediates' dtype: at K = V = 128 with
+    bf16 inputs and H = HV, 1.5x the bytes of q, k, v, g together, held per layer until its backward
+    (the backward then skips recomputing them; its own peak is later and unchanged). Under activation
+    checkpointing they live only while the layer is recomputed.
+
     Returns:
         (o, final_state): o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] float32 or None.
 
