@@ -190,9 +190,9 @@ assert MIN_LOWER_BOUND == -10.0
 # | `gate_fwd` | K tiles (32) × chunks × value heads | `g = lb·σ(exp(A_log)(z + b))` and its cumsum in the chunk, `G` (float32; padded rows get `g = 0`) | gate activation |
 # | `scores_fwd` | 16-row sub-tiles × chunks × value heads | for its sub-tile: q/k L2-normalised, β sigmoid, two exponentials per element at the sub-tile's middle reference (`exp2`), `KG`, `QG` and `W`'s right operand `Diag(β)ΓK`; then its row of 16×16 sub-tiles of `Diag(β)(ΓK)(K/Γ)ᵀ` and `(ΓQ)(K/Γ)ᵀ` on tensor cores — the diagonal one at the middle reference, each earlier one (its keys reloaded and normalised again) at that sub-tile's last row, where both factors are ≤ 1; writes the strictly lower `L = Diag(β)StrictTril(…)` into `T`'s float32 buffer, and `Aqk` | all elementwise prep, both score matrices |
 # | `solve_fwd` | chunks × value heads | the UT inverse `T = (I + L)⁻¹` by 16×16 blocks, in place over `L`: the 4 diagonal blocks as one `[4, 16, 16]` batch, `(I − N)(I + N²)(I + N⁴)(I + N⁸)` in six fp32 products and one Newton step (two more; below), then the 6 blocks under them by block products in full fp32; `W = T·Diag(β)ΓK`, `U = T·Diag(β)V` in column tiles of up to 64 | inverse, W/U |
-# | `scores_fwd`, `solve_fwd`, `REPLAY` (only a second backward through a retained graph, and KCP's backward) | as above | from the saved `G` and `T`: only the prep (`KG`, `QG`, `W`'s operand) and `W`, `U` — no sub-tile scores, no inverse | same kernels, one constexpr |
+# | `scores_fwd`, `solve_fwd`, `REPLAY` (KCP's backward, chapter 03) | as above | from the saved `G` and `T`: only the prep (`KG`, `QG`, `W`'s operand) and `W`, `U` — no sub-tile scores, no inverse | same kernels, one constexpr |
 # | `state_fwd` | sequences × value heads × V tiles | the one sequential loop: per chunk `Ṽ = U − W S`, then the chunk's output `O = (ΓQ) S + Aqk Ṽ` while `S` and `Ṽ` are in registers, then `S ← γ_C S + (Γ_{i→C}K)ᵀ Ṽ`; `S` stays in registers (fp32) as two `[K/2, BV]` halves; when autograd records (`STORE_STATES` with `OUTPUT`) it also stores `S` before each chunk (`h`, bf16) and `Ṽ` for the backward, otherwise neither | the output, final state, the backward's `h` and `Ṽ` |
-# | `state_fwd`, `STORE_STATES` without `OUTPUT` (the same two cases as `REPLAY`) | as above | the same loop storing `h` and `Ṽ`, and no output | same kernel, two constexprs |
+# | `state_fwd`, `STORE_STATES` without `OUTPUT` (KCP's backward, as `REPLAY`) | as above | the same loop storing `h` and `Ṽ`, and no output | same kernel, two constexprs |
 # | `state_bwd` | sequences × value heads × V tiles | reverse loop: `dṼ = Aqkᵀ dO + (Γ_{i→C}K) dS'`, `dS ← γ_C dS' + (ΓQ)ᵀ dO − Wᵀ dṼ`, `dS` in two K halves | d(initial state) |
 # | `dqk_bwd` | K tiles × chunks × value heads | `d(ΓQ) = dO Sᵀ`, `d(Γ_{i→C}K) = Ṽ dS'ᵀ`, `dW = −dṼ Sᵀ`, the state-decay terms of dg | L2-norm rows, G chain |
 # | `dwv_bwd` | chunks × value heads | `dAqk = dO Ṽᵀ`, dV and dβ through `U`, dT, then `dL = −Tᵀ dT Tᵀ` | inverse backward |
@@ -222,20 +222,21 @@ assert MIN_LOWER_BOUND == -10.0
 # dtype on the GPU at hand.
 #
 # *What the forward keeps for the backward.* When autograd records (grad enabled and an input that
-# requires grad), the forward keeps all the backward reads: the inputs, `G`, `T` and `Aqk` as saved
-# tensors, and `W`, `KG`, `QG` and the state kernel's `h` and `Ṽ` as attributes of the autograd
-# context, which the backward drops one by one as soon as it has used them (saved tensors would live
-# until it returns). The backward used to rebuild those five (the scores and solve kernels with
-# `REPLAY`, then the state scan storing `h` and `Ṽ`): about 758 µs of kernels at B4 T8192 H16, against
-# the 88 µs the forward's state kernel now spends storing `h` and `Ṽ`. The peak memory of a
-# forward+backward did not rise (2628 MiB at B4 T8192 H16, fla 3859; unchanged at every swept shape):
-# the replaying backward built the same tensors at its start, and its peak comes later, in `dwv_bwd`,
-# after `h`, `W`, `KG` and `QG` are freed. What does grow is what a layer holds between its forward and
-# its backward: `h` (256 MiB at B4 T8192 H16) and `Ṽ`, `W`, `KG`, `QG` (128 MiB each), 768 MiB more per
-# KDA layer, which a deep model pays once per layer and a one-layer benchmark does not see. An
-# inference forward (`no_grad`, or no input requiring grad) stores none of it; the forward times of
-# section 5 are such forwards. A second backward through a retained graph rebuilds the five with the
-# `REPLAY` kernels, and KCP's backward (chapter 03) still replays.
+# requires grad), the forward keeps all the backward reads as saved tensors: the inputs, `G`, `T`,
+# `Aqk`, and `W`, `KG`, `QG` and the state kernel's `h` and `Ṽ`. The backward used to rebuild those
+# five (the scores and solve kernels with `REPLAY`, then the state scan storing `h` and `Ṽ`): about
+# 758 µs of kernels at B4 T8192 H16, against the 88 µs the forward's state kernel now spends storing
+# `h` and `Ṽ`. What grows is what a layer holds between its forward and its backward: `h` (256 MiB at
+# B4 T8192 H16) and `Ṽ`, `W`, `KG`, `QG` (128 MiB each), 768 MiB more per KDA layer. Because they are
+# saved tensors, saved-tensor hooks see them: under non-reentrant activation checkpointing they live
+# only while the layer is recomputed, and `save_on_cpu` offloads them (a first version kept them as
+# attributes of the autograd context, freed one by one in the backward; hooks never saw them, so
+# checkpointing left them on the GPU — `tests/test_flash_kda_keep.py` checks both). Saved tensors live
+# until the backward returns, so its peak now holds `h`, `W`, `KG` and `QG` too, about 640 MiB more at
+# B4 T8192 H16 by count; the committed peaks (2628 vs fla's 3859 MiB there) were measured with the
+# first version and the new peak is not measured yet. An inference forward (`no_grad`, or no input
+# requiring grad) stores none of it; the forward times of section 5 are such forwards. KCP's backward
+# (chapter 03) still replays.
 #
 # *Precision.* For bf16 inputs the intermediates (`W`, `U`, `KG`, `QG`, `Aqk`, the chunk states) are
 # bf16, forward and backward alike: tensor-core operands with float32 accumulators. The gate cumsum
@@ -611,7 +612,7 @@ assert us["variant"] > us["main"] and ms["main"] == round(latest["cases"][1]["ou
 # norms are computed once, by dq/dk, and the chunk-state gradients and `dṼ` are stored as the bf16
 # operands they become (−0.08 ms in the state backward, 384 MiB less peak at B4). Then the forward
 # kept for the backward what the backward had replayed (section 3: about 758 µs of kernels saved for
-# 88 µs of stores, peak memory unchanged), and the diagonal inverses became six batched products
+# 88 µs of stores), and the diagonal inverses became six batched products
 # (section 3: solve 486 → 385 µs). Those two took B4 from 1.484 to 1.376 ms forward and from 7.356
 # to 6.575 ms forward+backward. The tiles come from tile sweeps on the GPU
 # (`flash_kda_h200_stages.json`). The kernels remain bound by latency, not by compute or bandwidth

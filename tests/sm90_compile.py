@@ -35,6 +35,7 @@ KERNELS = {
     "solve_fwd": (cf.kda_solve_fwd_kernel, SOLVE, dict(SOLVE_C, REPLAY=False)),
     "solve_replay": (cf.kda_solve_fwd_kernel, SOLVE, dict(SOLVE_C, REPLAY=True)),
     "state_fwd": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=False, OUTPUT=True)),
+    "state_train": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=True, OUTPUT=True)),
     "state_replay": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=True, OUTPUT=False)),
     "state_bwd": (cb.kda_state_bwd_kernel, dict(QG=BF, KG=BF, W=BF, G=F32, Aqk=BF, do=BF, dh=F32, dVn=F32, dht=F32,
                                                 dh0=F32),

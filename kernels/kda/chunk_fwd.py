@@ -417,8 +417,8 @@ def kda_state_fwd(W, U, KG, G, h0, output_final_state, cu_seqlens, chunk_offsets
     V' = lead + U's width; h and Vn are None when not ``store_states``.
 
     ``output`` = (QG, Aqk, o): also write the output O = (Gamma Q) S + Aqk V~ of every chunk into ``o``
-    [T, HV, V] while its state is in registers (the forward needs neither h nor V~ then: the backward
-    recomputes them).
+    [T, HV, V] while its state is in registers; with ``store_states`` too (a training forward) h and V~
+    are stored for the backward in the same pass.
 
     ``cu_seqlens``/``chunk_offsets`` may be a slice [a : b+1] of a layout's tables (sequences a .. b-1,
     chunk offsets still global): then only those sequences' chunks of ``h`` and tokens of ``Vn`` (pass

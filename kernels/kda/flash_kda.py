@@ -9,7 +9,7 @@ from torch.autograd.function import once_differentiable
 
 from k3lab.kda.checks import _shape, check_kda_inputs
 from k3lab.kernels.kda.chunk_bwd import kda_dqk_bwd, kda_dwv_bwd, kda_intra_bwd, kda_state_bwd
-from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_intra_replay, kda_state_fwd
+from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_state_fwd
 from k3lab.kernels.kda.utils import chunk_index
 
 # 8 |lower_bound| must stay below ~88 (float32/bfloat16 exponent range) for the diagonal sub-tiles.
@@ -84,9 +84,8 @@ def input_grads(dq, dk, dv, dz, dbeta, dA_part, dbias_part, q, v, A_log, dt_bias
 class FlashKDAFunction(torch.autograd.Function):
     """Forward: intra (gate, norms, UT inverse, W, U, Aqk) -> state scan, writing the output as it goes
     and, when autograd records, the chunk states h and pseudo-values V~ for the backward, which also
-    keeps W, KG, QG (and saves G, Tinv, Aqk). Backward: the reverse state scan -> per-chunk dq/dk/dW/dv
-    -> sub-tile score gradients, norm and gate backward. A second backward through a retained graph
-    rebuilds W, KG, QG from G and Tinv (intra's cheap part) and h, V~ by the state scan."""
+    saves W, KG, QG, G, Tinv, Aqk. Backward: the reverse state scan -> per-chunk dq/dk/dW/dv -> sub-tile
+    score gradients, norm and gate backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, z, beta, A_log, dt_bias, initial_state, scale, lower_bound, cu_seqlens,
@@ -100,39 +99,31 @@ class FlashKDAFunction(torch.autograd.Function):
         o = torch.empty_like(U)
         h, Vn, ht = kda_state_fwd(W, U, KG, G, initial_state, output_final_state, cu_seqlens, chunk_offsets,
                                   chunk_indices.shape[0], store_states=for_backward, output=(QG, Aqk, o))
+        # Everything the backward reads goes through save_for_backward, so saved-tensor hooks
+        # (non-reentrant checkpointing, CPU offload) see it; without autograd nothing is kept.
+        kept = (W, KG, QG, h, Vn) if for_backward else ()
         ctx.save_for_backward(q, k, v, z, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices,
-                              chunk_offsets, G, Tinv, Aqk)
-        # Attributes, not saved tensors: the backward drops each as soon as it is used (saved tensors
-        # would live until it returns, raising its peak memory).
-        ctx.intermediates = [W, KG, QG, h, Vn] if for_backward else None
+                              chunk_offsets, G, Tinv, Aqk, *kept)
         ctx.scale, ctx.lower_bound = scale, lower_bound
         return o.view(B, T, HV, V).to(q.dtype), ht
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dht):
-        q, k, v, z, beta, A_log, dt_bias, h0, cu_seqlens, chunk_indices, chunk_offsets, G, Tinv, Aqk = ctx.saved_tensors
+        (q, k, v, z, beta, A_log, dt_bias, h0, cu_seqlens, chunk_indices, chunk_offsets, G, Tinv, Aqk,
+         W, KG, QG, h, Vn) = ctx.saved_tensors
         scale, lb = ctx.scale, ctx.lower_bound
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         NT = chunk_indices.shape[0]
         qf, kf, vf, zf, bf = (x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, z, beta))
-        if ctx.intermediates is not None:
-            W, KG, QG, h, Vn = ctx.intermediates
-            ctx.intermediates = None
-        else:  # a second backward through a retained graph: rebuild them from G and Tinv
-            W, U, KG, QG = kda_intra_replay(qf, kf, vf, bf, G, Tinv, scale, cu_seqlens, chunk_indices,
-                                            intermediate_dtype(q))
-            h, Vn, _ = kda_state_fwd(W, U, KG, G, h0, False, cu_seqlens, chunk_offsets, NT)
-            del U
         do = do.reshape(B * T, HV, V).contiguous()
         dh, dVn, dh0 = kda_state_bwd(QG, KG, W, G, Aqk, do, dht.contiguous() if dht is not None else None,
                                      h0 is not None, cu_seqlens, chunk_offsets, NT)
-        del QG, KG, W, Aqk
         dqs, dkn, dG, dW, dgx, rn = kda_dqk_bwd(qf, kf, G, h, dh, Vn, dVn, do, scale, cu_seqlens, chunk_indices)
-        del h, dh  # before dW/dv's outputs exist: the backward's peak memory
+        del dh  # before dW/dv's outputs exist: the backward's peak memory
         db, dv, dAqk, dAkk = kda_dwv_bwd(kf, vf, bf, G, Tinv, dW, dVn, do, Vn, dkn, dG, rn, cu_seqlens, chunk_indices)
-        del Vn, dVn, dW, Tinv
+        del dVn, dW
         dq, dk, dz, dbeta, dA_part, dbias_part = kda_intra_bwd(
             qf, kf, zf, bf, A_log, dt_bias, G, rn, dAqk, dAkk, dqs, dkn, dG, dgx, db, scale, lb, cu_seqlens, chunk_indices)
         dh0 = dh0.to(h0.dtype) if h0 is not None else None
@@ -197,8 +188,9 @@ def flash_kda(
     inverse (float32, [T, HV, K] and [T, HV, 64]) and Aqk, also W, KG, QG [T, HV, K], the pseudo-values
     [T, HV, V] and the chunk states [T / 64, HV, K, V] in the intermediates' dtype: at K = V = 128 with
     bf16 inputs and H = HV, 1.5x the bytes of q, k, v, g together, held per layer until its backward
-    (the backward then skips recomputing them; its own peak is later and unchanged). Under activation
-    checkpointing they live only while the layer is recomputed.
+    returns (which then skips recomputing them). They are saved tensors: saved-tensor hooks see them,
+    so under non-reentrant activation checkpointing they live only while the layer is recomputed, and
+    ``save_on_cpu`` offloads them.
 
     Returns:
         (o, final_state): o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] float32 or None.
