@@ -385,8 +385,9 @@ def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqle
 
 
 def kda_intra_replay(q, k, v, beta, G, Tinv, scale, cu_seqlens, chunk_indices, dtype):
-    """The backward's ``kda_intra_fwd`` from the forward's saved G and Tinv: only the cheap part (no
-    sub-tile scores, no UT inverse). Returns (W, U, KG, QG) in ``dtype``."""
+    """``kda_intra_fwd`` again from a forward's saved G and Tinv, for a backward that did not keep its
+    intermediates (KCP's, ``k3lab.kcp.flash``): only the cheap part (no sub-tile scores, no UT
+    inverse). Returns (W, U, KG, QG) in ``dtype``."""
     # Aqk is not touched when replaying: G stands in for it.
     return _launch_intra(q, k, v, beta, G, Tinv, G, scale, cu_seqlens, chunk_indices, dtype, replay=True)
 
