@@ -323,6 +323,34 @@ def test_bench_flash_kda_help_names_the_module(capsys):
     assert out.startswith("usage: python -m k3lab.bench.flash_kda "), out[:80]
 
 
+def test_bench_takes_fla_times_from_several_files(tmp_path):
+    """--fla-from FILE...: the first file with a time for a shape wins, and each time says which run
+    timed fla (a live run's date, or the date its file took the time from); a bad file is named."""
+    import json
+
+    from k3lab.bench.flash_kda import fla_times
+
+    def case(B, fwd):
+        return {"B": B, "T": 8192, "H": 16, "K": 128, "fla_fwd_ms": fwd, "fla_fwd_bwd_ms": None if fwd is None
+                else 4 * fwd, "fla_peak_mib": 1.0}
+
+    copied = {"versions": {"fla_times_from": "10:51"}, "date": "18:37", "cases": [case(1, 0.9), case(2, None)]}
+    live = {"versions": {"fla-core": "0.6.0"}, "date": "18:54", "cases": [case(1, 0.5), case(2, 1.2), case(4, 1.8)]}
+    paths = []
+    for name, data in (("copied", copied), ("live", live)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(data))
+    times = fla_times(paths)
+    assert sorted(times) == [(1, 8192, 16, 128), (2, 8192, 16, 128), (4, 8192, 16, 128)]
+    assert times[1, 8192, 16, 128] == {"fla_fwd_ms": 0.9, "fla_fwd_bwd_ms": 3.6, "fla_peak_mib": 1.0,
+                                       "fla_times_from": "10:51"}
+    assert times[2, 8192, 16, 128]["fla_times_from"] == "18:54" and times[2, 8192, 16, 128]["fla_fwd_ms"] == 1.2
+    assert fla_times(paths[::-1])[1, 8192, 16, 128]["fla_fwd_ms"] == 0.5
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="bad.json"):
+        fla_times([tmp_path / "bad.json"])
+
+
 def test_autotuning_leaves_in_place_buffers_intact(monkeypatch):
     """On a GPU, Triton's autotuner runs each config of an autotuned kernel before picking one; the
     solve, dW/dv and intra-backward kernels update buffers in place, so without ``restore_value``

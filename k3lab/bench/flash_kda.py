@@ -241,6 +241,32 @@ def stage_times(B, T, H, K, V, device, rep=100) -> dict:
     return times
 
 
+def fla_times(paths) -> dict:
+    """fla's times per shape from earlier result JSONs of this benchmark: {(B, T, H, K): {"fla_fwd_ms",
+    "fla_fwd_bwd_ms", "fla_peak_mib", "fla_times_from"}}, the first file with a (non-null) time for a
+    shape winning. "fla_times_from" is the date of the run that timed fla: the case's own field, else
+    the file's ``versions.fla_times_from`` (a file that took fla's times from an earlier one), else the
+    file's date (fla timed live).
+
+    Raises:
+        FileNotFoundError: a path that does not exist. ValueError: a file that is not such a JSON.
+    """
+    found = {}
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+            default = data["versions"].get("fla_times_from") or data["date"]
+            cases = data["cases"]
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"--fla-from {path}: not a result JSON of this benchmark ({e!r})") from None
+        for c in cases:
+            key = (c["B"], c["T"], c["H"], c["K"])
+            if c.get("fla_fwd_ms") is not None and key not in found:
+                found[key] = {k: c[k] for k in ("fla_fwd_ms", "fla_fwd_bwd_ms", "fla_peak_mib")}
+                found[key]["fla_times_from"] = c.get("fla_times_from") or default
+    return found
+
+
 def table(result: dict) -> str:
     """The speed table as text (GB/s = compulsory forward bytes / our forward time)."""
     ceil = result["hardware"]
@@ -284,8 +310,9 @@ def main(argv=None) -> dict:
     p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms of timed runs)")
     p.add_argument("--stages", action="store_true", help="print each kernel's time, registers and spills "
                    "per case and stop")
-    p.add_argument("--fla-from", default="", help="with --no-fla: take fla's times for matching shapes from "
-                   "an earlier result JSON of this benchmark (fla autotunes for minutes per shape)")
+    p.add_argument("--fla-from", nargs="*", default=[], help="with --no-fla: take fla's times for matching shapes "
+                   "from earlier result JSONs of this benchmark, the first file that has a shape winning (fla "
+                   "autotunes for minutes per shape)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m k3lab.bench.flash_kda needs a CUDA GPU")
@@ -308,22 +335,18 @@ def main(argv=None) -> dict:
         for r in result["kernels"]:
             print(r)
         return result
-    earlier = json.loads(Path(args.fla_from).read_text()) if args.fla_from else {"cases": []}
-    earlier_cases = earlier["cases"]
-    if earlier_cases:
-        # The run that timed fla: the file's own date, or the one it took fla's times from in turn.
-        result["versions"]["fla_times_from"] = earlier["versions"].get("fla_times_from") or earlier["date"]
+    earlier = fla_times(args.fla_from) if args.no_fla else {}
     result["hardware"].update(ceilings(device))
     for case in args.cases:
         B, T, H = (int(x) for x in case.split("x"))
         case_result = time_case(B, T, H, args.K, args.K, device, run_fla=not args.no_fla, rep=args.rep)
-        earlier = [c for c in earlier_cases if (c["B"], c["T"], c["H"], c["K"]) == (B, T, H, args.K)
-                   and c["fla_fwd_ms"] is not None]
-        if args.no_fla and earlier:
-            for key in ("fla_fwd_ms", "fla_fwd_bwd_ms", "fla_peak_mib"):
-                case_result[key] = earlier[0][key]
+        if (B, T, H, args.K) in earlier:
+            case_result.update(earlier[B, T, H, args.K])
             case_result["speedup_fwd"] = case_result["fla_fwd_ms"] / case_result["ours_fwd_ms"]
             case_result["speedup_fwd_bwd"] = case_result["fla_fwd_bwd_ms"] / case_result["ours_fwd_bwd_ms"]
+            # The runs that timed fla, over all cases so far.
+            result["versions"]["fla_times_from"] = ", ".join(sorted(
+                {c["fla_times_from"] for c in result["cases"] + [case_result] if "fla_times_from" in c}))
         result["cases"].append(case_result)
         torch.cuda.empty_cache()
         if args.out:
