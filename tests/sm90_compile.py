@@ -24,7 +24,7 @@ SHAPE = dict(HV=16, K=128, V=128, BT=64)
 SCORES = dict(q=BF, k=BF, beta=BF, G=F32, L=F32, Aqk=BF, W=BF, KG=BF, QG=BF)
 SCORES_C = dict(H=16, HV=16, K=128, BT=64, BC=16, BK=128, PREC="tf32")
 SOLVE = dict(Tinv=F32, v=BF, beta=BF, W=BF, U=BF)
-SOLVE_C = dict(HV=16, K=128, V=128, BT=64, BC=16, BV=64, PREC="tf32")
+SOLVE_C = dict(HV=16, K=128, V=128, BT=64, BC=16, BV=64, PREC="tf32", REFINE=False)
 STATE = dict(W=BF, U=BF, KG=BF, G=F32, h=BF, Vn=BF, h0=F32, ht=F32, QG=BF, Aqk=BF, o=BF)
 STATE_C = dict(SHAPE, VU=128, BKH=64, BV=64, USE_H0=True, STORE_HT=True, PREC="tf32")
 KERNELS = {

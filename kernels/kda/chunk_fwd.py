@@ -105,14 +105,16 @@ def off_scores(b_kp, b_qp, b_cj, b_mI, b_eJ, Aqk, t0, n_t, i_hv, I, J,
 
 
 @triton.jit
-def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr):
+def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr, REFINE: tl.constexpr):
     """(I + N)^-1 of four strictly lower [BC, BC] blocks at once, as a [4, BC, BC] batch: N^16 = 0, so
-    (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8), six batched fp32 products (BC = 16), then one
-    Newton step X <- X + X (I - (I + N) X) (two more). The powers of N can be large where the inverse
-    is not (near-identical keys: N^8 up to C(14, 7) = 3432), so the products alone lose digits in float32
-    (6e-5 relative on such a block); the Newton step brings it to 6e-8, below forward substitution's.
-    Measured on an H200 at B4 T8192 H16 without the Newton step: the solve kernel 486 -> 385 us against
-    forward substitution on rows (15 dependent steps, each with two cross-thread reductions)."""
+    (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8), six batched fp32 products (BC = 16), then, with
+    ``REFINE``, one Newton step X <- X + X (I - (I + N) X) (two more). The powers of N can be large where
+    the inverse is not (near-identical keys: N^8 up to C(14, 7) = 3432), so the products alone lose digits
+    in float32 (6e-5 relative on such a block); the Newton step brings it to 6e-8, below forward
+    substitution's. The launcher refines only float32 intermediates: bf16 ones round T to 3.9e-3 before
+    use, far above the products' error, and there the step cost 44 us of the solve kernel's 429 at
+    B4 T8192 H16 on an H200 (87 of 832 at B1 T32768 H32). Without it the kernel took 385 us, against 486
+    for forward substitution on rows (15 dependent steps, each with two cross-thread reductions)."""
     b_N = tl.permute(tl.reshape(tl.join(tl.join(b_N0, b_N1), tl.join(b_N2, b_N3)), (BC, BC, 4)), (2, 0, 1))
     o_c = tl.arange(0, BC)
     b_I = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, tl.zeros_like(b_N))
@@ -123,7 +125,8 @@ def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr):
     b_X += tl.dot(b_X, b_N2, input_precision="ieee")
     b_X += tl.dot(b_X, b_N4, input_precision="ieee")
     b_X += tl.dot(b_X, b_N8, input_precision="ieee")
-    b_X += tl.dot(b_X, b_I - b_X - tl.dot(b_N, b_X, input_precision="ieee"), input_precision="ieee")
+    if REFINE:
+        b_X += tl.dot(b_X, b_I - b_X - tl.dot(b_N, b_X, input_precision="ieee"), input_precision="ieee")
     b_X = tl.reshape(tl.permute(b_X, (1, 2, 0)), (BC, BC, 2, 2))
     b_X01, b_X23 = tl.split(b_X)
     b_X0, b_X1 = tl.split(b_X01)
@@ -242,6 +245,7 @@ def kda_solve_fwd_kernel(
     cu_seqlens, chunk_indices,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr, REPLAY: tl.constexpr,  # Tinv holds the forward's T already
+    REFINE: tl.constexpr,  # a Newton step on the diagonal inverses (float32 intermediates)
 ):
     """Per chunk and value head: the UT-transform inverse T = (I + L)^-1 by 16x16 blocks (the four
     diagonal inverses as one batch of products, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), stored
@@ -256,7 +260,7 @@ def kda_solve_fwd_kernel(
         b_L11 = load_block(Tinv, t0, n_t, i_hv, 1, 1, HV, BT, BC)
         b_L22 = load_block(Tinv, t0, n_t, i_hv, 2, 2, HV, BT, BC)
         b_L33 = load_block(Tinv, t0, n_t, i_hv, 3, 3, HV, BT, BC)
-        b_T00, b_T11, b_T22, b_T33 = unit_lower_inverse(b_L00, b_L11, b_L22, b_L33, BC)
+        b_T00, b_T11, b_T22, b_T33 = unit_lower_inverse(b_L00, b_L11, b_L22, b_L33, BC, REFINE)
         b_L10 = load_block(Tinv, t0, n_t, i_hv, 1, 0, HV, BT, BC)
         b_L21 = load_block(Tinv, t0, n_t, i_hv, 2, 1, HV, BT, BC)
         b_L20 = load_block(Tinv, t0, n_t, i_hv, 2, 0, HV, BT, BC)
@@ -407,7 +411,7 @@ def _launch_intra(q, k, v, beta, G, Tinv, Aqk, scale, cu_seqlens, chunk_indices,
     )
     kda_solve_fwd_kernel[(NT, HV)](
         Tinv, v, beta, W, U, cu_seqlens, chunk_indices, HV=HV, K=K, V=V, BT=BT, BC=BC, BV=BV, PREC=prec,
-        REPLAY=replay,
+        REPLAY=replay, REFINE=W.dtype == torch.float32,
     )
     return W, U, KG, QG
 
