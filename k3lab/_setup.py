@@ -1,6 +1,7 @@
 """`k3lab.setup()`: the first code cell of every notebook."""
 from __future__ import annotations
 
+import importlib.util
 import numbers
 import os
 import platform
@@ -67,13 +68,19 @@ def setup(seed: int = 0, profile: str | None = None, verbose: bool = True):
 
     import k3lab
 
-    here = Path(k3lab.__file__).resolve().parent
     root = _checkout_root(Path.cwd().resolve())
-    if root is not None and (root / "k3lab").resolve() != here:
-        raise RuntimeError(
-            f"the imported k3lab lives in {here}, not in this checkout ({root}); "
-            f"run `pip install -e {root}` (or `make book`, which does it) in this environment"
-        )
+    if root is not None:
+        # k3lab.kernels is mapped from the top-level kernels/ by the install, not found beside k3lab/:
+        # a clone run with another checkout's install gets that checkout's kernels.
+        kernels = importlib.util.find_spec("k3lab.kernels")
+        found = {"k3lab": Path(k3lab.__file__).resolve().parent,
+                 "k3lab.kernels": Path(kernels.origin).resolve().parent if kernels and kernels.origin else None}
+        for name, folder in (("k3lab", "k3lab"), ("k3lab.kernels", "kernels")):
+            if found[name] != (root / folder).resolve():
+                raise RuntimeError(
+                    f"the imported {name} lives in {found[name]}, not in this checkout ({root}); "
+                    f"run `pip install -e {root}` (or `make book`, which does it) in this environment"
+                )
 
     random.seed(seed)
     np.random.seed(seed)

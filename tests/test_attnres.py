@@ -59,11 +59,28 @@ def test_block_sizes_and_config_errors():
         block_attnres_inference(h0, subs, q[:4], 2)
     with pytest.raises(ValueError, match="queries"):
         naive_attnres(h0, subs, q[:, :8])
+    for bad in (dict(d_model=True), dict(recompute_input="no")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            BlockAttnRes(**dict(dict(d_model=16, n_sublayers=4, n_blocks=2), **bad))
     res = BlockAttnRes(16, 4, 2)
     with pytest.raises(ValueError, match="sublayers"):
         res(torch.randn(1, 3, 16), nn.ModuleList([MLP(16, 8)] * 3))
     with pytest.raises(ValueError, match="h0"):
         res(torch.randn(1, 3, 8), nn.ModuleList([MLP(8, 8)] * 4))
+
+
+@pytest.mark.parametrize("path", ["naive", "memory", "inference"])
+@pytest.mark.parametrize("bad", ["pooled", "wider", "none"])
+def test_sublayer_output_shape_is_checked(path, bad):
+    """A fresh user's case: a sublayer returning [B, 1, d] was broadcast silently by the memory and
+    inference paths; a wrong width or None failed deep inside the mixing."""
+    subs, h0, q = make(4, seed=43)
+    outputs = {"pooled": lambda h: h.mean(1, keepdim=True), "wider": lambda h: torch.cat([h, h[..., :1]], -1),
+               "none": lambda h: None}
+    sublayers = list(subs[:2]) + [outputs[bad]] + list(subs[3:])
+    res = module((16, 4, 2), q, path)
+    with pytest.raises(ValueError, match=r"sublayer 2 must return a tensor of its input's shape \[2, 5, 16\]"):
+        res(h0.clone().requires_grad_(path == "memory"), sublayers)
 
 
 @pytest.mark.parametrize("path", ["naive", "memory", "inference"])
@@ -187,6 +204,23 @@ def test_memory_path_is_differentiable_once():
             with pytest.raises(RuntimeError, match="differentiate twice"):
                 gx.square().sum().backward()
     assert_close("dh0 with create_graph", grads["naive"], grads["memory"], 1e-10)
+
+
+def test_memory_path_refuses_second_derivative_for_constant_incoming_gradients():
+    """With a loss linear in the output the incoming gradient does not require grad; torch's
+    once_differentiable then returned plain tensors and a second derivative silently missed the memory
+    path's terms. Now backward() raises; autograd.grad with named inputs finds them unused (the path's
+    functions keep no tensors for their backward, so nothing connects the mark to x)."""
+    subs, h0, q = make(6, seed=42)
+    res = module((16, 6, 3), q, "memory")
+    x = h0.clone().requires_grad_()
+    w = torch.randn_like(h0)
+    (gx,) = torch.autograd.grad((res(x, subs) * w).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.square().sum().backward()
+    (gx,) = torch.autograd.grad((res(x, subs) * w).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        torch.autograd.grad(gx.square().sum(), x)
 
 
 def test_two_phase_under_autocast_stores_o_in_bf16():
@@ -368,3 +402,14 @@ def test_bench_attnres_help_names_the_module(capsys):
     assert out.startswith("usage: python -m k3lab.bench.attnres "), out[:80]
     # The description is the docstring's whole first paragraph, not its first line.
     assert "overhead of Block AttnRes over the standard residual." in " ".join(out.split())
+
+
+@pytest.mark.parametrize("entry", ["naive", "train", "inference"])
+def test_functional_entry_points_check_eps(entry):
+    """A fresh user's case: the functions behind BlockAttnRes took eps=-1 and returned NaN."""
+    from k3lab.attnres import block_attnres_inference, block_attnres_train, naive_block_attnres
+
+    subs, h0, q = make(4, seed=44)
+    fn = {"naive": naive_block_attnres, "train": block_attnres_train, "inference": block_attnres_inference}[entry]
+    with pytest.raises(ValueError, match="eps must be a finite float >= 0, got -1"):
+        fn(h0, subs, q, 2, -1.0)

@@ -200,8 +200,24 @@ def test_second_derivative_is_refused():
     q.requires_grad_()
     o, _ = flash_kda(q, k, v, z, beta, A_log, dt_bias)
     (dq,) = torch.autograd.grad((o**2).sum() + (q**3).sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
+    with pytest.raises(RuntimeError, match="differentiate twice FlashKDAFunction"):
         dq.sum().backward()
+
+
+def test_second_derivative_is_refused_for_constant_incoming_gradients():
+    """A fresh user's case: with a loss linear in o, the incoming gradient does not require grad, and
+    torch's once_differentiable then returned plain tensors: the second derivative silently lacked
+    flash_kda's terms (0.058401 vs the reference's 0.059186). It must raise too."""
+    q, k, v, z, beta, A_log, dt_bias, _ = (x.float().to(DEVICE) for x in make_inputs(1, 8, 1, 1, 16, 16, seed=14))
+    v.requires_grad_()
+    o, _ = flash_kda(q, k, v, z, beta, A_log, dt_bias)
+    w = torch.randn_like(o)
+    loss = (o * w).sum()
+    (dv,) = torch.autograd.grad(loss, v, create_graph=True)
+    assert_close("dv with create_graph", torch.autograd.grad((reference(q, k, v, z, beta, A_log, dt_bias)[0] * w)
+                                                             .sum(), v)[0], dv.detach(), TOL_GRAD)
+    with pytest.raises(RuntimeError, match="differentiate twice FlashKDAFunction"):
+        torch.autograd.grad(loss + (dv**2).sum(), v)
 
 
 def _bad_cases():

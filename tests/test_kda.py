@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3lab.kda import chunk_kda, kimi_linear_gate, lower_bounded_gate, naive_recurrent_kda
+from k3lab.kda import KDALayer, chunk_kda, kimi_linear_gate, lower_bounded_gate, naive_recurrent_kda
 from k3lab.testing import assert_close
 
 F64_TOL = 1e-11
@@ -260,9 +260,24 @@ def test_kimi_linear_gate_formula_and_range():
     assert kimi_linear_gate(torch.full((1, 1, 1, 1), 50.0), torch.zeros(1)).item() == pytest.approx(-50.0)
 
 
-def test_lower_bound_must_be_negative():
-    with pytest.raises(ValueError, match="lower_bound"):
-        lower_bounded_gate(torch.zeros(1, 1, 1, 1), torch.zeros(1), lower_bound=0.0)
+@pytest.mark.parametrize("lower_bound", [0.0, float("-inf"), float("nan"), "a", True])
+def test_lower_bound_must_be_finite_negative(lower_bound):
+    with pytest.raises(ValueError, match="lower_bound must be a finite negative number"):
+        lower_bounded_gate(torch.zeros(1, 1, 1, 1), torch.zeros(1), lower_bound=lower_bound)
+    with pytest.raises(ValueError, match="lower_bound must be a finite negative number"):
+        KDALayer(32, 2, 16, lower_bound=lower_bound)
+
+
+@pytest.mark.parametrize("gate", [lower_bounded_gate, kimi_linear_gate])
+def test_gate_params_are_not_broadcast(gate):
+    """A fresh user's case: z [1, 3, 1, 4] with A_log [3] (HV = 1) broadcast to a [1, 3, 3, 4] gate."""
+    z = torch.randn(1, 3, 1, 4)
+    with pytest.raises(ValueError, match=r"A_log must be a \[HV\] = \[1\] tensor, got \[3\]"):
+        gate(z, torch.zeros(3))
+    with pytest.raises(ValueError, match=r"dt_bias must be \[HV \* K\] = \[4\] or \[HV, K\] = \[1, 4\], got \[5\]"):
+        gate(z, torch.zeros(1), torch.zeros(5))
+    with pytest.raises(ValueError, match=r"z must be a \[B, T, HV, K\] tensor, got \[3, 4\]"):
+        gate(z[0, :, 0], torch.zeros(1))
 
 
 # --- validation ------------------------------------------------------------------------------------------

@@ -157,7 +157,8 @@ def test_k3_init():
     (dict(head_dim=0), "head_dim"),
     (dict(conv_size=0), "conv_size"),
     (dict(lower_bound=0.5), "lower_bound"),
-], ids=["hv", "gate", "head_dim", "conv_size", "lower_bound"])
+    (dict(d_model=True), "d_model must be a positive int"),
+], ids=["hv", "gate", "head_dim", "conv_size", "lower_bound", "bool_d_model"])
 def test_bad_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         KDALayer(**{**dict(d_model=16, num_heads=2, head_dim=8), **kwargs})
@@ -205,3 +206,12 @@ def test_forward_input_dtype_and_cache_type():
 def test_bad_norm_eps(norm_eps):
     with pytest.raises(ValueError, match="norm_eps must be a finite number >= 0"):
         KDALayer(d_model=16, num_heads=2, head_dim=8, norm_eps=norm_eps)
+
+
+def test_reference_op_refuses_unknown_gate():
+    """A fresh user's case: gate='foo' silently ran the kimi_linear gate."""
+    from k3lab.kda.layer import reference_kda_op
+
+    q, k, v, z = (torch.randn(1, 4, 1, 8) for _ in range(4))
+    with pytest.raises(ValueError, match="gate must be one of"):
+        reference_kda_op(q, k, v, z, torch.randn(1, 4, 1), torch.zeros(1), None, gate="foo")

@@ -66,3 +66,27 @@ def test_setup_first_then_kernels_run():
                     "o, _ = flash_kda(x, x, x, x, torch.randn(1, 20, 1, generator=g), torch.zeros(1), torch.zeros(16))\n"
                     "assert torch.isfinite(o).all()\n")
     assert run.returncode == 0, run.stderr[-600:]
+
+
+def test_kernels_from_another_checkout_are_refused(monkeypatch, tmp_path):
+    """A fresh user's case: a clone run with PYTHONPATH on the clone but another checkout's editable
+    install imported k3lab from the clone and k3lab.kernels (mapped by the install) from the other
+    checkout, silently."""
+    import importlib.machinery
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(k3lab.__file__).resolve().parent.parent
+    other = tmp_path / "other" / "kernels" / "__init__.py"
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == "k3lab.kernels":
+            return importlib.machinery.ModuleSpec(name, None, origin=str(other))
+        return real_find_spec(name, *args)
+
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    expected = f"the imported k3lab.kernels lives in {other.parent}, not in this checkout"
+    with pytest.raises(RuntimeError, match=expected):
+        k3lab.setup(verbose=False)

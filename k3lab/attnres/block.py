@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from k3lab.attnres.inference import block_attnres_inference
 from k3lab.attnres.mix import BACKENDS
-from k3lab.attnres.naive import block_sizes, naive_block_attnres
+from k3lab.attnres.naive import block_sizes, check_eps, naive_block_attnres
 from k3lab.attnres.train import block_attnres_train
 
 PATHS = ("auto", "naive", "memory", "inference")
@@ -55,8 +55,9 @@ class BlockAttnRes(nn.Module):
 
     Raises:
         ValueError: N < 1 or N > L, bad d/L, unknown path or backend, eps not finite and >= 0,
-            a non-float buffer_dtype; in forward, h0 not [B, T, d]
-            with d = d_model, or len(sublayers) != L.
+            recompute_input not a bool, a non-float buffer_dtype; in forward, h0 not [B, T, d]
+            with d = d_model, len(sublayers) != L, or a sublayer returning anything but a tensor of
+            h0's shape.
 
     Example:
         >>> res = BlockAttnRes(d_model=64, n_sublayers=8, n_blocks=4)
@@ -67,16 +68,16 @@ class BlockAttnRes(nn.Module):
                  path: str = "auto", backend: str | None = None, recompute_input: bool = True,
                  buffer_dtype: torch.dtype | None = None):
         super().__init__()
-        if not (isinstance(d_model, int) and d_model >= 1):
+        if not (isinstance(d_model, int) and not isinstance(d_model, bool) and d_model >= 1):
             raise ValueError(f"d_model must be a positive int, got {d_model!r}")
+        if not isinstance(recompute_input, bool):
+            raise ValueError(f"recompute_input must be a bool, got {recompute_input!r}")
         self.sizes = block_sizes(n_sublayers, n_blocks)
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
-        # A negative eps makes RMSNorm's mean square + eps negative: NaN outputs.
-        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 <= eps < float("inf")):
-            raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+        check_eps(eps)
         if buffer_dtype is not None and not (isinstance(buffer_dtype, torch.dtype) and buffer_dtype.is_floating_point):
             raise ValueError(f"buffer_dtype must be a floating-point dtype or None, got {buffer_dtype}")
         self.d_model, self.n_sublayers, self.n_blocks, self.eps = d_model, n_sublayers, n_blocks, eps
@@ -92,6 +93,7 @@ class BlockAttnRes(nn.Module):
             raise ValueError(f"h0 must be [B, T, d={self.d_model}], got shape {list(h0.shape)}")
         if len(sublayers) != self.n_sublayers:
             raise ValueError(f"expected {self.n_sublayers} sublayers, got {len(sublayers)}")
+        sublayers = [_shape_checked(f, layer, h0.shape) for layer, f in enumerate(sublayers)]
         path = self.path
         if path == "auto":
             path = "memory" if torch.is_grad_enabled() else "inference"
@@ -140,3 +142,17 @@ class AttnRes(BlockAttnRes):
                  backend: str | None = None, recompute_input: bool = True, buffer_dtype: torch.dtype | None = None):
         super().__init__(d_model, n_sublayers, n_sublayers, eps=eps, path=path, backend=backend,
                          recompute_input=recompute_input, buffer_dtype=buffer_dtype)
+
+
+def _shape_checked(sublayer, layer: int, shape: torch.Size):
+    """``sublayer`` that raises ValueError unless it returns a tensor of its input's shape (the paths
+    would otherwise broadcast a [B, 1, d] output or fail deep inside the mixing)."""
+
+    def run(h: torch.Tensor) -> torch.Tensor:
+        v = sublayer(h)
+        if not isinstance(v, torch.Tensor) or v.shape != shape:
+            got = list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ValueError(f"sublayer {layer} must return a tensor of its input's shape {list(shape)}, got {got}")
+        return v
+
+    return run

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from k3lab.attnres.naive import _check_shapes, block_sizes, rms_norm
+from k3lab.attnres.naive import _check_inputs, block_sizes, rms_norm
 
 
 def _inter_block(blocks: torch.Tensor, Q: torch.Tensor, eps: float):
@@ -45,11 +45,11 @@ def block_attnres_inference(h0: torch.Tensor, sublayers, queries: torch.Tensor, 
         ``naive_block_attnres`` up to float rounding.
 
     Raises:
-        ValueError: N < 1 or N > L, queries not [L + 1, d], h0 not [B, T, d].
+        ValueError: N < 1 or N > L, queries not [L + 1, d], h0 not [B, T, d], eps not a finite number >= 0.
     """
     L = len(sublayers)
     sizes = block_sizes(L, n_blocks)
-    _check_shapes(h0, queries, L)
+    _check_inputs(h0, queries, L, eps)
     dt = torch.float64 if h0.dtype == torch.float64 else torch.float32
     Q = queries.to(dt)
     blocks = [h0.to(dt)]

@@ -101,11 +101,11 @@ def naive_block_attnres(
         order (b_0, ..., completed blocks, partial sum).
 
     Raises:
-        ValueError: N < 1 or N > L, queries not [L + 1, d], h0 not [B, T, d].
+        ValueError: N < 1 or N > L, queries not [L + 1, d], h0 not [B, T, d], eps not a finite number >= 0.
     """
     L = len(sublayers)
     sizes = block_sizes(L, n_blocks)
-    _check_shapes(h0, queries, L)
+    _check_inputs(h0, queries, L, eps)
     blocks, weights, layer = [h0], [], 0
     for size in sizes:
         partial = None
@@ -134,10 +134,10 @@ def naive_attnres(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float
         Tensor: [B, T, d] in h0's dtype.
 
     Raises:
-        ValueError: queries not [L + 1, d], h0 not [B, T, d].
+        ValueError: queries not [L + 1, d], h0 not [B, T, d], eps not a finite number >= 0.
     """
     L = len(sublayers)
-    _check_shapes(h0, queries, L)
+    _check_inputs(h0, queries, L, eps)
     sources = [h0]
     for layer in range(L):
         h, _ = depth_attention(sources, queries[layer], eps)
@@ -145,7 +145,15 @@ def naive_attnres(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float
     return depth_attention(sources, queries[L], eps)[0]
 
 
-def _check_shapes(h0: torch.Tensor, queries: torch.Tensor, L: int) -> None:
+def check_eps(eps: float) -> None:
+    """ValueError unless eps is a finite number >= 0 (a negative one makes RMSNorm's mean square +
+    eps negative: NaN outputs)."""
+    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 <= eps < float("inf")):
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+
+
+def _check_inputs(h0: torch.Tensor, queries: torch.Tensor, L: int, eps: float) -> None:
+    check_eps(eps)
     if h0.ndim != 3:
         raise ValueError(f"h0 must be [B, T, d], got shape {list(h0.shape)}")
     if tuple(queries.shape) != (L + 1, h0.shape[-1]):

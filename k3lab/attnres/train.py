@@ -25,8 +25,9 @@ hands its slot on. The nodes' contexts reference the buffer and the blocks, neve
 tensors: a reference cycle through autograd's C++ graph could not be collected.
 
 The path is differentiable once: its backwards write into shared buffers in place, so they are
-``once_differentiable`` (``create_graph=True`` gives the right first-order gradients; differentiating
-those again raises). Gradient penalties and other second-order uses need the naive path.
+``differentiable_once`` (``create_graph=True`` gives the right first-order gradients; differentiating
+those again raises, whether or not the incoming gradients require grad). Gradient penalties and other
+second-order uses need the naive path.
 """
 from __future__ import annotations
 
@@ -34,10 +35,10 @@ import contextlib
 import functools
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from k3lab.attnres.mix import BACKENDS, kernels
-from k3lab.attnres.naive import _check_shapes, block_sizes
+from k3lab.attnres.naive import _check_inputs, block_sizes
+from k3lab.autograd import differentiable_once
 
 
 class DepthBuffer:
@@ -72,7 +73,7 @@ class _StoreFirst(torch.autograd.Function):
         return h0.new_empty(0)
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, _):
         # A copy: h0 may be a leaf whose .grad would otherwise keep the whole accumulator alive.
         acc = ctx.store.acc
@@ -95,7 +96,7 @@ class _StoreSum(torch.autograd.Function):
         return v.new_empty(0)
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, _):
         # No later backward writes this slot: its view is handed on without a copy.
         g = ctx.store.acc[ctx.i]
@@ -161,7 +162,7 @@ class _Phase1(torch.autograd.Function):
         return (h, *(h.new_empty(0) for _ in range(blk.S - 1)))
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, dh, *_):
         dW = ctx.blk.backward(dh)
         return (dW, None, *(torch.empty(0, dtype=dt, device=dev) for dt, dev in ctx.taps))
@@ -179,7 +180,7 @@ class _AddMerge(torch.autograd.Function):
         return p, h
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, dp_in, dh):
         p, w = ctx.saved_tensors
         dp, dv, dw = ctx.blk.merge_backward(ctx.k, dh, dp_in, p, w, ctx.v_dtype)
@@ -236,11 +237,12 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
         Differentiable once: a second differentiation raises RuntimeError (use the naive path).
 
     Raises:
-        ValueError: N < 1 or N > L, queries not [L + 1, d], h0 not [B, T, d], unknown backend.
+        ValueError: N < 1 or N > L, queries not [L + 1, d], h0 not [B, T, d], eps not a finite number >= 0,
+            unknown backend.
     """
     L = len(sublayers)
     sizes = block_sizes(L, n_blocks)
-    _check_shapes(h0, queries, L)
+    _check_inputs(h0, queries, L, eps)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     dev = h0.device.type

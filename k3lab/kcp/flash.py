@@ -38,8 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from k3lab.autograd import differentiable_once
 from k3lab.kcp.affine import fold_scan, fold_sequential, identity_map
 from k3lab.kcp.context import KCPContext, check_context
 from k3lab.kcp.kcp import FOLDS, _all_gather
@@ -187,7 +187,7 @@ class KCPFlashFunction(torch.autograd.Function):
         return o.view(1, T, HV, V).to(q.dtype), out_final
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(fctx, do, d_final):
         q, k, v, z, beta, A_log, dt_bias, h0, S_in, maps, G, Tinv, Aqk = fctx.saved_tensors
         ctx, lay, scale, lb, fold = fctx.args
@@ -296,7 +296,7 @@ def kcp_flash_kda(
             error of ``flash_kda`` (``check_kda_inputs``, ``check_gate_args``, NaN/inf when
             ``check_values``).
         RuntimeError: CPU tensors without TRITON_INTERPRET=1 (call ``k3lab.setup()`` first);
-            in the backward of a gradient taken with ``create_graph=True`` (no second derivatives).
+            when a gradient taken with ``create_graph=True`` is differentiated again (no second derivatives).
     """
     check_context(ctx)
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != 1 or q.shape[1] != ctx.T_local:

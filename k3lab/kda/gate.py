@@ -1,8 +1,38 @@
 """KDA's channel-wise forget gates, in log space (g = log alpha <= 0)."""
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 import torch.nn.functional as F
+
+
+def check_gate_params(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> None:
+    """ValueError unless z is [B, T, HV, K] and ``check_gate_shapes`` passes for its HV and K."""
+    if not isinstance(z, torch.Tensor) or z.dim() != 4:
+        raise ValueError(f"z must be a [B, T, HV, K] tensor, got {_describe(z)}")
+    check_gate_shapes(z.shape[2], z.shape[3], A_log, dt_bias)
+
+
+def check_gate_shapes(HV: int, K: int, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> None:
+    """ValueError unless A_log is [HV] and dt_bias None, [HV * K] or [HV, K] (no broadcasting: a
+    wrong-sized A_log would otherwise broadcast over the K axis)."""
+    if not isinstance(A_log, torch.Tensor) or A_log.shape != (HV,):
+        raise ValueError(f"A_log must be a [HV] = [{HV}] tensor, got {_describe(A_log)}")
+    if dt_bias is not None and (not isinstance(dt_bias, torch.Tensor) or dt_bias.shape not in ((HV * K,), (HV, K))):
+        raise ValueError(f"dt_bias must be [HV * K] = [{HV * K}] or [HV, K] = [{HV}, {K}], got {_describe(dt_bias)}")
+
+
+def _describe(x) -> str:
+    return str(list(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def check_lower_bound(lower_bound) -> None:
+    """ValueError unless ``lower_bound`` is a finite negative number (a bool is refused)."""
+    if (not isinstance(lower_bound, numbers.Real) or isinstance(lower_bound, bool)
+            or not math.isfinite(lower_bound) or not lower_bound < 0):
+        raise ValueError(f"lower_bound must be a finite negative number, got {lower_bound!r}")
 
 
 def kimi_linear_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -15,7 +45,11 @@ def kimi_linear_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
 
     Returns:
         Tensor: [B, T, HV, K] log-decay in (-inf, 0], in z's dtype (computed in float32 or wider).
+
+    Raises:
+        ValueError: z not [B, T, HV, K], A_log not [HV], dt_bias not [HV * K] or [HV, K].
     """
+    check_gate_params(z, A_log, dt_bias)
     x = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
     if dt_bias is not None:
         x = x + dt_bias.reshape(z.shape[-2:])
@@ -40,10 +74,11 @@ def lower_bounded_gate(
         Tensor: [B, T, HV, K] log-decay in (lower_bound, 0), in z's dtype.
 
     Raises:
-        ValueError: ``lower_bound`` is not negative.
+        ValueError: ``lower_bound`` not a finite negative number; z not [B, T, HV, K], A_log not [HV],
+            dt_bias not [HV * K] or [HV, K].
     """
-    if not lower_bound < 0:
-        raise ValueError(f"lower_bound must be negative, got {lower_bound}")
+    check_lower_bound(lower_bound)
+    check_gate_params(z, A_log, dt_bias)
     x = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
     if dt_bias is not None:
         x = x + dt_bias.reshape(z.shape[-2:])

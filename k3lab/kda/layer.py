@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from k3lab.kda.checks import check_chunk_size, check_cu_seqlens
 from k3lab.kda.chunk import chunk_kda
-from k3lab.kda.gate import kimi_linear_gate, lower_bounded_gate
+from k3lab.kda.gate import check_lower_bound, kimi_linear_gate, lower_bounded_gate
 
 GATES = ("lower_bounded", "kimi_linear")
 
@@ -73,8 +73,10 @@ def reference_kda_op(
         (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] or None).
 
     Raises:
-        ValueError: everything ``chunk_kda`` and ``lower_bounded_gate`` raise.
+        ValueError: everything ``chunk_kda`` and ``lower_bounded_gate`` raise; an unknown ``gate``.
     """
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     z = _wide(z)
     g = (lower_bounded_gate(z, A_log, dt_bias, lower_bound) if gate == "lower_bounded"
          else kimi_linear_gate(z, A_log, dt_bias))
@@ -181,7 +183,8 @@ class KDALayer(nn.Module):
 
     Raises:
         ValueError: non-positive sizes, HV not a multiple of H, unknown gate, conv_size < 1,
-            lower_bound >= 0, chunk_size not accepted by ``chunk_kda``, norm_eps negative or not finite.
+            lower_bound not a finite negative number, chunk_size not accepted by ``chunk_kda``, norm_eps
+            negative or not finite.
 
     Example:
         >>> layer = KDALayer(d_model=64, num_heads=2, head_dim=32)
@@ -201,14 +204,13 @@ class KDALayer(nn.Module):
         sizes = dict(d_model=d_model, num_heads=num_heads, head_dim=head_dim, num_v_heads=num_v_heads,
                      v_head_dim=v_head_dim, conv_size=conv_size, chunk_size=chunk_size)
         for name, n in sizes.items():
-            if not (isinstance(n, int) and n > 0):
+            if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
         if num_v_heads % num_heads:
             raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads} (GVA)")
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
-        if not lower_bound < 0:
-            raise ValueError(f"lower_bound must be negative, got {lower_bound}")
+        check_lower_bound(lower_bound)
         check_chunk_size(chunk_size)
         if not (isinstance(norm_eps, (int, float)) and not isinstance(norm_eps, bool) and math.isfinite(norm_eps)
                 and norm_eps >= 0):

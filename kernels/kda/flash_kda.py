@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from k3lab.kda.checks import _shape, check_kda_inputs
+from k3lab.autograd import differentiable_once
+from k3lab.kda.checks import check_kda_inputs
+from k3lab.kda.gate import check_gate_shapes
 from k3lab.kernels.kda.chunk_bwd import kda_dqk_bwd, kda_dwv_bwd, kda_intra_bwd, kda_state_bwd
 from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_state_fwd
 from k3lab.kernels.kda.utils import chunk_index
@@ -30,13 +31,7 @@ def check_gate_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, A_log, dt
     for name, x in dict(A_log=A_log, dt_bias=dt_bias).items():
         if isinstance(x, torch.Tensor) and x.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
-    if not isinstance(A_log, torch.Tensor) or A_log.shape != (HV,):
-        got = _shape(A_log) if isinstance(A_log, torch.Tensor) else type(A_log).__name__
-        raise ValueError(f"A_log must be a [HV] = [{HV}] tensor, got {got}")
-    if dt_bias is not None and (not isinstance(dt_bias, torch.Tensor) or dt_bias.numel() != HV * K
-                                or dt_bias.shape not in ((HV * K,), (HV, K))):
-        raise ValueError(f"dt_bias must be [HV * K] = [{HV * K}] or [HV, K] = [{HV}, {K}], got "
-                         f"{_shape(dt_bias) if isinstance(dt_bias, torch.Tensor) else type(dt_bias).__name__}")
+    check_gate_shapes(HV, K, A_log, dt_bias)
     try:
         in_range = MIN_LOWER_BOUND <= lower_bound < 0
     except TypeError:
@@ -108,7 +103,7 @@ class FlashKDAFunction(torch.autograd.Function):
         return o.view(B, T, HV, V).to(q.dtype), ht
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, do, dht):
         (q, k, v, z, beta, A_log, dt_bias, h0, cu_seqlens, chunk_indices, chunk_offsets, G, Tinv, Aqk,
          W, KG, QG, h, Vn) = ctx.saved_tensors
@@ -200,7 +195,7 @@ def flash_kda(
             NaN/inf when ``check_values``), and bad A_log/dt_bias shapes or devices, K > 256, mixed
             dtypes, lower_bound not a number in [-10, 0).
         RuntimeError: on a CPU tensor without TRITON_INTERPRET=1 (call ``k3lab.setup()`` first);
-            in the backward of a gradient taken with ``create_graph=True`` (no second derivatives).
+            when a gradient taken with ``create_graph=True`` is differentiated again (no second derivatives).
 
     Example:
         >>> import k3lab; dev = k3lab.setup(verbose=False)
