@@ -60,8 +60,11 @@ class BlockAttnRes(nn.Module):
             h0's shape.
 
     Example:
+        >>> from torch import nn
         >>> res = BlockAttnRes(d_model=64, n_sublayers=8, n_blocks=4)
-        >>> model = k3lab.lm.LM(config, residual=res)     # config.n_layers == 4
+        >>> sublayers = nn.ModuleList(nn.Linear(64, 64) for _ in range(8))
+        >>> res(torch.randn(2, 10, 64), sublayers).shape
+        torch.Size([2, 10, 64])
     """
 
     def __init__(self, d_model: int, n_sublayers: int, n_blocks: int, eps: float = 1e-6,
