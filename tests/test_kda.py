@@ -378,12 +378,18 @@ def _bad_more(name):
         x["initial_state"] = x["initial_state"].to("meta")
     elif name in ("scale_nan", "scale_inf"):
         extra["scale"] = float(name[6:])
+    elif name == "all_meta":
+        x = {k: t.to("meta") for k, t in x.items()}
+    elif name == "int_state":
+        x["initial_state"] = x["initial_state"].round().long()
     return x, extra
 
 
+# all_meta and int_state: a fresh user's cases (NotImplementedError "Cannot copy out of meta tensor"
+# from the value checks; an integer state silently cast).
 BAD_MORE = {"int_q": "q", "int_all": "q", "bool_beta": "beta", "B0": "B", "H0": "H", "cu_list": "cu_seqlens",
             "state_list": "initial_state", "state_other_device": "initial_state", "scale_nan": "scale",
-            "scale_inf": "scale"}
+            "scale_inf": "scale", "all_meta": "meta device", "int_state": "initial_state must be a floating-point"}
 
 
 @pytest.mark.parametrize("fn", [naive_recurrent_kda, chunk_kda], ids=["naive", "chunk"])

@@ -66,9 +66,9 @@ def check_kda_inputs(
 
     Raises:
         ValueError: naming the argument, the shape it got and the one expected; a non-float dtype;
-            a zero-sized dimension; HV not a multiple of H; bad cu_seqlens; an initial_state that is
-            not a tensor or not on q's device; a NaN or inf ``scale``; g > 0; a NaN or inf in any
-            input (when ``check_values``).
+            a zero-sized dimension; HV not a multiple of H; tensors on the meta device; bad cu_seqlens;
+            an initial_state that is not a floating-point tensor or not on q's device; a NaN or inf
+            ``scale``; g > 0; a NaN or inf in any input (when ``check_values``).
     """
     tensors = dict(q=q, k=k, v=v, g=g, beta=beta)
     for name, x in tensors.items():
@@ -97,6 +97,8 @@ def check_kda_inputs(
     devices = {x.device for x in tensors.values()}
     if len(devices) > 1:
         raise ValueError(f"q, k, v, g, beta must be on one device, got {sorted(map(str, devices))}")
+    if q.device.type == "meta":
+        raise ValueError("q, k, v, g, beta are on the meta device: KDA has no meta kernels, use a real device")
     if scale is not None:
         try:
             finite = math.isfinite(scale)
@@ -116,6 +118,8 @@ def check_kda_inputs(
             raise ValueError(f"initial_state must be [N, HV, K, V] = {[N, HV, K, V]}, got {_shape(initial_state)}")
         if initial_state.device != q.device:
             raise ValueError(f"initial_state must be on q's device {q.device}, got {initial_state.device}")
+        if not initial_state.is_floating_point():
+            raise ValueError(f"initial_state must be a floating-point tensor, got dtype {initial_state.dtype}")
     if check_values:
         named = dict(tensors, initial_state=initial_state) if initial_state is not None else tensors
         # One host sync for all value checks.
