@@ -301,7 +301,7 @@ def kcp_flash_kda(
     check_context(ctx)
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != 1 or q.shape[1] != ctx.T_local:
         raise ValueError(f"q must be [1, T_local={ctx.T_local}, H, K] on rank {ctx.rank}, "
-                         f"got {_shape(q) if isinstance(q, torch.Tensor) else type(q).__name__}")
+                         f"got {_shape(q)}")
     local_cu = torch.tensor(ctx.local_cu_seqlens) if len(ctx.local_docs) > 1 else None
     check_kda_inputs(q, k, v, z, beta, None, local_cu, check_values=False, scale=scale)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]

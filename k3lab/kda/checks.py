@@ -6,8 +6,11 @@ import math
 import torch
 
 
-def _shape(x: torch.Tensor | None) -> str:
-    return "None" if x is None else str(list(x.shape))
+def _shape(x) -> str:
+    """A tensor's shape as "[B, T, ...]" for error messages; "None", or the type name of anything else."""
+    if x is None:
+        return "None"
+    return str(list(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> int:

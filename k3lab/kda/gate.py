@@ -7,11 +7,13 @@ import numbers
 import torch
 import torch.nn.functional as F
 
+from k3lab.kda.checks import _shape
+
 
 def check_gate_params(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> None:
     """ValueError unless z is [B, T, HV, K] and ``check_gate_shapes`` passes for its HV and K."""
     if not isinstance(z, torch.Tensor) or z.dim() != 4:
-        raise ValueError(f"z must be a [B, T, HV, K] tensor, got {_describe(z)}")
+        raise ValueError(f"z must be a [B, T, HV, K] tensor, got {_shape(z)}")
     check_gate_shapes(z.shape[2], z.shape[3], A_log, dt_bias)
 
 
@@ -19,13 +21,9 @@ def check_gate_shapes(HV: int, K: int, A_log: torch.Tensor, dt_bias: torch.Tenso
     """ValueError unless A_log is [HV] and dt_bias None, [HV * K] or [HV, K] (no broadcasting: a
     wrong-sized A_log would otherwise broadcast over the K axis)."""
     if not isinstance(A_log, torch.Tensor) or A_log.shape != (HV,):
-        raise ValueError(f"A_log must be a [HV] = [{HV}] tensor, got {_describe(A_log)}")
+        raise ValueError(f"A_log must be a [HV] = [{HV}] tensor, got {_shape(A_log)}")
     if dt_bias is not None and (not isinstance(dt_bias, torch.Tensor) or dt_bias.shape not in ((HV * K,), (HV, K))):
-        raise ValueError(f"dt_bias must be [HV * K] = [{HV * K}] or [HV, K] = [{HV}, {K}], got {_describe(dt_bias)}")
-
-
-def _describe(x) -> str:
-    return str(list(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"dt_bias must be [HV * K] = [{HV * K}] or [HV, K] = [{HV}, {K}], got {_shape(dt_bias)}")
 
 
 def check_lower_bound(lower_bound) -> None:
