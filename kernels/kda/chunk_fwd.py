@@ -180,8 +180,6 @@ def kda_gate_fwd_kernel(
     store_rows(G, tl.cumsum(b_g, axis=0), t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
 
 
-# Offline sm_90 (bf16, K = V = 128): 254 registers at 4 warps, 212 at 8, spills at 2; timed per shape.
-@triton.autotune(configs=warp_configs(4, 2, 8), key=["H", "HV", "K", "REPLAY"])
 @triton.jit
 def kda_scores_fwd_kernel(
     q, k, beta, G, L, Aqk, W, KG, QG,  # q, k [T, H, K]; G fp32 [T, HV, K]; outputs: L fp32 [T, HV, BT] (the
@@ -365,6 +363,14 @@ def kda_state_fwd_kernel(
         tl.store(p_ht + o_s2, b_S2, mask=m_2)
 
 
+# The scores kernel at 2 warps, capped at 168 registers (a few spilled) so that 6 programs share an SM
+# instead of 4: uncapped it takes 244, and Nsight Compute showed it latency-bound at 12.5% occupancy. On an
+# H200 (bf16, K = V = 128) the whole forward went from 1.388 to 1.336 ms at B4 T8192 H16, 1.951 -> 1.898 at
+# B1 T32768 H16, 5.431 -> 5.231 at B8 T4096 H64; caps of 144, 152 and 184, 3 stages, and 4 or 8 warps
+# with or without a cap were slower (``session_11_experiments`` in ``flash_kda_h200_stages.json``).
+SCORES_LAUNCH = dict(num_warps=2, num_stages=2, maxnreg=168)
+
+
 def block_sizes(K: int, V: int) -> tuple[int, int]:
     """(BK, BV): K in one tile (<= 256), V tiled by 64 at most."""
     return max(16, triton.next_power_of_2(K)), min(64, max(16, triton.next_power_of_2(V)))
@@ -407,7 +413,7 @@ def _launch_intra(q, k, v, beta, G, Tinv, Aqk, scale, cu_seqlens, chunk_indices,
     # Unless replaying, the scores kernel writes L into Tinv's buffer and the solve kernel T over it.
     kda_scores_fwd_kernel[(BT // BC, NT, HV)](
         q, k, beta, G, Tinv, Aqk, W, KG, QG, cu_seqlens, chunk_indices, scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
-        BK=BK, PREC=prec, REPLAY=replay,
+        BK=BK, PREC=prec, REPLAY=replay, **SCORES_LAUNCH,
     )
     kda_solve_fwd_kernel[(NT, HV)](
         Tinv, v, beta, W, U, cu_seqlens, chunk_indices, HV=HV, K=K, V=V, BT=BT, BC=BC, BV=BV, PREC=prec,
