@@ -212,14 +212,17 @@ assert MIN_LOWER_BOUND == -10.0
 # of 64, 32, 16 whose grid still gives about every SM a program) and all accumulators live in
 # registers; `tl.dot` stages its operands through shared memory (Triton's software pipeline,
 # `num_stages = 3` for the bf16 state loops, 2 for float32, whose third stage does not fit).
-# Compiled offline for sm_90 with ptxas (`triton.compile(..., target=GPUTarget("cuda", 90, 32))` +
-# `cuobjdump -res-usage`, no GPU needed), register spills were cut from 9 KB to 0.04–1.3 KB per
-# thread by splitting the backward's V- and K-shaped work into two kernels and streaming the prep in
-# 16-row tiles (measured with the earlier float32 training intermediates). With bf16 intermediates
-# each chunk-parallel kernel still spills at some warp counts and not at others (the scores kernel at
-# K = V = 128: 254 registers per thread at 4 warps, 212 at 8, spills at 2), and fewer warps also mean
-# more resident programs, so their `num_warps` is left to `triton.autotune`, timed once per shape and
-# dtype on the GPU at hand.
+# Compiled offline for sm_90 with ptxas (`tests/sm90_compile.py`: `triton.compile(...,
+# target=GPUTarget("cuda", 90, 32))` + `cuobjdump -res-usage`, no GPU needed, with every pointer
+# marked 16-byte aligned as a GPU launch marks torch's allocations; without that mark the counts come
+# out far too high, e.g. 255 registers and 152 B of stack for the state kernel that Nsight Compute
+# measured at 100), the bf16 kernels at K = V = 128 spill only in the backward at 2 warps (the intra
+# backward 160 B, dq/dk 1 KB, dW/dv 4 KB of stack per thread) and not at 4 or 8. Fewer warps mean
+# more resident programs, so the chunk-parallel kernels' `num_warps` is left to `triton.autotune`,
+# timed once per shape and dtype on the GPU at hand, except the scores kernel: 244 registers at 2
+# warps (206 at 4, 158 at 8) left 4 programs, 8 warps, per SM, and Nsight Compute showed it
+# latency-bound at that occupancy; capped at 168 registers (176 B spilled) 6 programs fit, and the
+# forward got 2-4% faster at every shape (a fixed launch config, `SCORES_LAUNCH`).
 #
 # *What the forward keeps for the backward.* When autograd records (grad enabled and an input that
 # requires grad), the forward keeps all the backward reads as saved tensors: the inputs, `G`, `T`,
@@ -399,7 +402,7 @@ for label, kwargs in (
 # gate/norm/sigmoid fused, `safe_gate=True`) with `triton.testing.do_bench` (the forward under
 # `no_grad`, so it stores nothing for a backward), and writes `data/results/flash_kda_h200.json`. The
 # committed file is a sweep of all 27 of the issue's shapes (B ∈ {1, 4, 8}, T ∈ {4K, 8K, 32K},
-# H ∈ {16, 32, 64}) on the current kernels (main at e60777c). fla autotunes for minutes per new
+# H ∈ {16, 32, 64}) on the current kernels (main at fe05db6). fla autotunes for minutes per new
 # shape, so the sweep timed ours only and took fla's times from the live runs of the same benchmark on
 # the same GPU model (`--fla-from`), per shape the newest; the last column says which run. fla ran
 # out of GPU memory at B8 T32768 H64; ours ran there.
@@ -436,15 +439,22 @@ ratios = [(c["speedup_fwd"], c["speedup_fwd_bwd"]) for c in timed]
 fast_fwd = sorted((c["B"], c["T"], c["H"]) for c in timed if c["speedup_fwd"] >= 1.5)
 print(f"\nforward+backward {min(b for _, b in ratios):.2f}-{max(b for _, b in ratios):.2f}x at all {len(timed)} shapes "
       f"with an fla time; forward {min(f for f, _ in ratios):.2f}-{max(f for f, _ in ratios):.2f}x, >= 1.5x at {fast_fwd}")
-assert len(timed) == 26 and all(b >= 1.2 for _, b in ratios)
-assert all(c["ours_peak_mib"] < c["fla_peak_mib"] for c in timed)
-assert fast_fwd == [(1, 4096, 32), (1, 4096, 64), (1, 8192, 16)]
+assert len(timed) == 26 and all(c["ours_peak_mib"] < c["fla_peak_mib"] for c in timed)
+assert fast_fwd == [(1, 4096, 16), (1, 4096, 32), (1, 4096, 64), (1, 8192, 16)]
+# One row under the 1.2x floor: B1 T4096 H16, the smallest shape, whose forward+backward costs more on
+# the host (Python launching ten Triton kernels and the autograd graph) than on the GPU. Timed three
+# more times in the next call on the same machine (the notes say more):
+low = [(c["B"], c["T"], c["H"]) for c in timed if c["speedup_fwd_bwd"] < 1.2]
+again = json.loads(Path(results_path).with_name("flash_kda_h200_session11_small.json").read_text())
+speed_table([(c, "next call") for c in again["cases"]])
+assert low == [(1, 4096, 16)] and all(c["speedup_fwd_bwd"] >= 1.2 for c in again["cases"])
 
 # %% [markdown]
-# The sweep pairs ours with fla from other calls. This session's two live runs timed both in one call
-# on the same kernels, at 14 shapes (`flash_kda_h200_session10_fla.json`: the 11 shapes that had no
-# live fla time before; `flash_kda_h200_session10_h16.json`: three H16 shapes again), and ours in them
-# agrees with the sweep's to 2% except at B1 T4096 H16, the sweep's first case (its notes):
+# The sweep pairs ours with fla from other calls. The previous session's two live runs timed both in
+# one call, at 14 shapes (`flash_kda_h200_session10_fla.json`: the 11 shapes that had no live fla
+# time before; `flash_kda_h200_session10_h16.json`: three H16 shapes again), on the kernels before
+# this session's change to the scores kernel; ours in the sweep is faster than ours in those calls at
+# every one of them:
 
 # %%
 per_call = []
@@ -453,10 +463,9 @@ for name in ("flash_kda_h200_session10_fla.json", "flash_kda_h200_session10_h16.
     per_call += [(c, f"same call, {run['date'][11:16]} UTC") for c in run["cases"]]
 speed_table(per_call)
 sweep = {(c["B"], c["T"], c["H"]): c for c in cases}
-off = sorted((c["B"], c["T"], c["H"]) for c, _ in per_call
-             if abs(sweep[c["B"], c["T"], c["H"]]["ours_fwd_ms"] / c["ours_fwd_ms"] - 1) > 0.02)
-print(f"ours in the sweep more than 2% off these calls at {off}")
-assert off == [(1, 4096, 16)] and all(c["speedup_fwd_bwd"] >= 1.2 for c, _ in per_call)
+change = [sweep[c["B"], c["T"], c["H"]]["ours_fwd_ms"] / c["ours_fwd_ms"] - 1 for c, _ in per_call]
+print(f"ours' forward in the sweep against these calls: {min(change):+.1%} to {max(change):+.1%}")
+assert max(change) < 0 and all(c["speedup_fwd_bwd"] >= 1.2 for c, _ in per_call)
 assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] >= 1.5) == [
     (1, 4096, 16), (1, 4096, 64), (1, 8192, 16)]
 
@@ -464,31 +473,34 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 # **Reading the tables.** The kernels are correct in bf16 with margin: the benchmark's GPU check
 # (float64 reference, fixed-length and varlen) passed in the sweep's call, with outputs 3.93e-3 (bound
 # 5e-3), final state 2.93e-3 and every gradient ≤ 3.71e-3 (bound 1e-2). Forward+backward clears the
-# issue's 1.2x floor at every shape fla could run, in the sweep (1.24x at the lowest, B8 T4096 H64,
-# B1 T32768 H32 and B8 T8192 H64; 2.43x at B1 T4096 H32) and in each same-call run, and peak memory
-# is about a fifth below fla's at every shape. The forward does not clear its 1.5x floor: it reaches
-# it at small B1 shapes only; at B ≥ 4 it is 1.33–1.37x for H16/H32 and 1.25–1.29x for H64, and
-# 1.16x at B1 T32768 H16, where the state scan has 16 (sequence, head) pairs to spread over 132 SMs
-# (863 µs against fla's 781 for its state pass alone, `session_10_experiments`). So issue 3 stays
-# open on the forward floor.
+# issue's 1.2x floor at every shape fla could run (1.25x at the lowest, B1 T32768 H32, B4 T4096 H64
+# and B8 T4096 H64; 2.12x at B1 T4096 H32) but in the sweep's B1 T4096 H16 row, whose three timings in
+# the next call gave 1.48–2.03x, and in each same-call run; peak memory is about a fifth below fla's
+# at every shape. The forward does not clear its 1.5x floor: it reaches it at the four small B1 shapes
+# only; at B ≥ 4 it is 1.38–1.42x for H16/H32 and 1.30–1.34x for H64, 1.32–1.34x at B1 H64 (T ≥ 8K),
+# 1.25x at B1 T8192 H32 and B1 T32768 H32, and 1.19x at B1 T32768 H16, where the state scan has 16
+# (sequence, head) pairs to spread over 132 SMs (863 µs against fla's 781 for its state pass alone,
+# `session_10_experiments`).
+# So issue 3 stays open on the forward floor.
 #
-# The last change to the kernels stores the backward's dW, dAqk and dAkk as the bf16 operands their
-# readers make of them anyway (16-bit or tf32 products): forward+backward 13.788 → 13.314 ms at
-# B1 T32768 H32 and 6.598 → 6.372 ms at B4 T8192 H16, the largest gradient error 3.66e-3 → 3.71e-3
-# (`session_10_experiments`). That took B1 T32768 H32 from 1.198x, just under the floor in the
-# previous session, to 1.24x. Register caps (`maxnreg`) offered to Triton's autotuner for the
-# chunk-parallel kernels were never chosen and changed nothing (same file). fla's own times move
-# between runs: at B1 T4096 H16 its forward took 0.799 ms in this session's call and 1.487 ms in the
-# previous one (right after its autotuning); at B1 T8192 H16 its forward+backward took 3.125 and
-# 4.123 ms in two runs.
+# The last change to the kernels is the scores kernel's launch: Nsight Compute showed it latency-bound
+# (37% of issue slots busy, 40% of DRAM bandwidth) with 4 programs of 2 warps per SM, held there by its
+# 244 registers; capped at 168, 6 fit, and the forward got 2–4% faster at every shape (1.391 → 1.340 ms
+# at B4 T8192 H16). Two larger rewrites were measured and dropped this session
+# (`session_11_experiments`): one intra kernel per chunk (gate, the four sub-tiles' scores with `L`
+# kept in registers, the UT inverse, `W` and `U`), 2.3x slower than the three kernels it replaced; and
+# a state kernel holding `Sᵀ`, so that each product's chained operand is read from registers, no
+# faster. fla's own times move between runs: at B1 T4096 H16 its forward took 0.799 ms in one call
+# and 1.487 ms in another (right after its autotuning); at B1 T8192 H16 its forward+backward took
+# 3.125 and 4.123 ms in two runs.
 #
 # **Where the time goes** at B4 T8192 H16: device time per kernel call from `torch.profiler` on the
 # same H200 model, bf16 (`session_8_experiments` in `data/results/flash_kda_h200_stages.json`). The
-# forward on the current kernels, beside the forward of 944d9aa and fla-core 0.6.0's (both from
-# `session_7_experiments`), and the forward at B1 T32768 H32:
+# forward as it was before this session's scores-kernel launch (Nsight Compute timed that kernel at
+# 563 µs in this session, the capped one makes the whole forward 52 µs faster), beside the forward of
+# 944d9aa and fla-core 0.6.0's (both from `session_7_experiments`), and the forward at B1 T32768 H32:
 # %%
-# The profiles were taken on the forward that is still current, and checked against the times of the
-# four baseline shapes from that session (`flash_kda_h200_latest.json`, fla-less rows aside).
+# The profiles were checked against the times of the four baseline shapes from their session (`flash_kda_h200_latest.json`, fla-less rows aside).
 latest = json.loads(Path(results_path).with_name("flash_kda_h200_latest.json").read_text())
 stages = json.loads(Path(results_path).with_name("flash_kda_h200_stages.json").read_text())
 s7, s8 = stages["session_7_experiments"], stages["session_8_experiments"]
@@ -529,11 +541,11 @@ big_now = big["total"] - big["solve_fwd"] + inverse["solve_fwd B1 T32768 H32"]["
 assert abs(big_now / 1e3 / latest["cases"][2]["ours_fwd_ms"] - 1) < 0.02
 
 # %% [markdown]
-# At B4 the forward now takes 1379 µs of kernel time against fla's 1729. Before the state scan ours is
+# At B4 the forward took 1379 µs of kernel time then against fla's 1729. Before the state scan ours is
 # ahead too (1076 µs in gate, scores and solve; fla 1124 in its seven kernels there — gate cumsum, two
 # L2 norms, sub-chunk scores, fused inverse, W/U recompute, β sigmoid — and 1186 with its two fills),
 # and in the scan ours takes 303 µs for the states and the output together, fla 296 + 247 in two
-# kernels. The largest forward kernel is now the scores kernel (565 µs). At B1 T32768 H32 the state
+# kernels. The largest forward kernel is the scores kernel (565 µs then). At B1 T32768 H32 the state
 # kernel is what scales worse: twice B4's work in 3.15x the time, because its grid is only 128 programs
 # (one per head and V tile of 32, for 132 SMs) of 512 chunk steps each, about 1.9 µs a step, one after
 # another.
