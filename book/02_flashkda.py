@@ -222,7 +222,8 @@ assert MIN_LOWER_BOUND == -10.0
 # timed once per shape and dtype on the GPU at hand, except the scores kernel: 244 registers at 2
 # warps (206 at 4, 158 at 8) left 4 programs, 8 warps, per SM, and Nsight Compute showed it
 # latency-bound at that occupancy; capped at 168 registers (176 B spilled) 6 programs fit, and the
-# forward got 2-4% faster at every shape (a fixed launch config, `SCORES_LAUNCH`).
+# forward got 2-4% faster at every shape (a fixed launch config for K ≤ 128, `SCORES_LAUNCH`; a wider K
+# would spill kilobytes under the cap, so there the warps are timed as for the others).
 #
 # *What the forward keeps for the backward.* When autograd records (grad enabled and an input that
 # requires grad), the forward keeps all the backward reads as saved tensors: the inputs, `G`, `T`,

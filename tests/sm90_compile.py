@@ -33,6 +33,7 @@ KERNELS = {
                  dict(HV=16, K=128, HAS_BIAS=True, BT=64, BKG=32)),
     "scores_fwd": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, REPLAY=False), cf.SCORES_LAUNCH),
     "scores_replay": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, REPLAY=True), cf.SCORES_LAUNCH),
+    "scores_fwd_K256": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, K=256, BK=256, REPLAY=False)),
     "solve_fwd": (cf.kda_solve_fwd_kernel, SOLVE, dict(SOLVE_C, REPLAY=False)),
     "solve_replay": (cf.kda_solve_fwd_kernel, SOLVE, dict(SOLVE_C, REPLAY=True)),
     "state_fwd": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=False, OUTPUT=True)),

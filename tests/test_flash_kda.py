@@ -379,7 +379,7 @@ def test_autotuning_leaves_in_place_buffers_intact(monkeypatch):
 
     tuned = [fn for mod in (chunk_fwd, chunk_bwd) for fn in vars(mod).values()
              if isinstance(fn, triton.runtime.Autotuner)]
-    assert len(tuned) == 4
+    assert len(tuned) == 5
     runs = []
 
     def bench_twice(kernel_call, quantiles):
@@ -393,7 +393,8 @@ def test_autotuning_leaves_in_place_buffers_intact(monkeypatch):
         monkeypatch.setattr(fn, "cache", {})
         monkeypatch.setitem(fn.__dict__, "do_bench", bench_twice)
     check(make_inputs(1, 70, 1, 2, 16, 16, seed=11))
-    assert len(runs) == 3 * 4  # solve, dq/dk, dW/dv, intra bwd: 3 configs each
+    # solve, dq/dk, dW/dv, intra bwd: 3 configs each (the scores kernel is tuned only for K > 128)
+    assert len(runs) == 3 * 4
 
 
 @triton.jit
