@@ -222,8 +222,9 @@ assert MIN_LOWER_BOUND == -10.0
 # timed once per shape and dtype on the GPU at hand, except the scores kernel: 244 registers at 2
 # warps (206 at 4, 158 at 8) left 4 programs, 8 warps, per SM, and Nsight Compute showed it
 # latency-bound at that occupancy; capped at 168 registers (176 B spilled) 6 programs fit, and the
-# forward got 2-4% faster at every shape (a fixed launch config for K ≤ 128, `SCORES_LAUNCH`; a wider K
-# would spill kilobytes under the cap, so there the warps are timed as for the others).
+# forward got 1.8–4.3% faster at every shape but the smallest, B1 T4096 H16 (0.9%; a fixed launch for
+# bf16 at K ≤ 128, `SCORES_LAUNCH`; a wider K or float32 intermediates would spill more under the cap,
+# so there the warps are timed as for the others).
 #
 # *What the forward keeps for the backward.* When autograd records (grad enabled and an input that
 # requires grad), the forward keeps all the backward reads as saved tensors: the inputs, `G`, `T`,
@@ -486,8 +487,9 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 #
 # The last change to the kernels is the scores kernel's launch: Nsight Compute showed it latency-bound
 # (37% of issue slots busy, 40% of DRAM bandwidth) with 4 programs of 2 warps per SM, held there by its
-# 244 registers; capped at 168, 6 fit, and the forward got 2–4% faster at every shape (1.391 → 1.340 ms
-# at B4 T8192 H16). Two larger rewrites were measured and dropped this session
+# 244 registers; capped at 168, 6 fit, and the forward got 1.8–4.3% faster at every shape (1.391 →
+# 1.340 ms at B4 T8192 H16) but B1 T4096 H16, 0.9% there against a same-call run of the kernels
+# before. Two larger rewrites were measured and dropped this session
 # (`session_11_experiments`): one intra kernel per chunk (gate, the four sub-tiles' scores with `L`
 # kept in registers, the UT inverse, `W` and `U`), 2.3x slower than the three kernels it replaced; and
 # a state kernel holding `Sᵀ`, so that each product's chained operand is read from registers, no
@@ -593,8 +595,9 @@ assert us["variant"] > us["main"] and ms["main"] == round(latest["cases"][1]["ou
 # Without the replays the backward's kernels at B4 are, largest first, `intra_bwd` (1884 µs), `dqk_bwd`
 # (1136) and `dwv_bwd` (1099). The forward's state kernel takes 392 µs here against 303 in an inference
 # forward: 88 µs for storing `h` and `Ṽ`, against about 758 µs of replays the backward no longer runs.
-# A 1.2x forward+backward at B4 needs ≤ 6.867 ms: met, with 0.29 ms to spare. In both modes the launcher's state tile (64 at B4, 32 at B1 T32768 H32, 4
-# warps) was the fastest; 128 does not fit in shared memory.
+# In this session's sweep a 1.2x forward+backward at B4 needs ≤ 6.910 ms (fla 8.292): ours took 6.343.
+# In both modes the launcher's state tile (64 at B4, 32 at B1 T32768 H32, 4 warps) was the fastest; 128
+# does not fit in shared memory.
 #
 # What made the current kernels. The intra forward works sub-tile by sub-tile: each 16-row block of q
 # and k gets two exponentials per element, at the block's middle reference (bounded by `exp(8|lb|)`,

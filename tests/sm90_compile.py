@@ -34,6 +34,7 @@ KERNELS = {
     "scores_fwd": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, REPLAY=False), cf.SCORES_LAUNCH),
     "scores_replay": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, REPLAY=True), cf.SCORES_LAUNCH),
     "scores_fwd_K256": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, K=256, BK=256, REPLAY=False)),
+    "scores_fwd_fp32": (cf.kda_scores_fwd_kernel, {n: F32 for n in SCORES}, dict(SCORES_C, PREC="bf16x3", REPLAY=False)),
     "solve_fwd": (cf.kda_solve_fwd_kernel, SOLVE, dict(SOLVE_C, REPLAY=False)),
     "solve_replay": (cf.kda_solve_fwd_kernel, SOLVE, dict(SOLVE_C, REPLAY=True)),
     "state_fwd": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=False, OUTPUT=True)),

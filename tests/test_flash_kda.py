@@ -393,8 +393,9 @@ def test_autotuning_leaves_in_place_buffers_intact(monkeypatch):
         monkeypatch.setattr(fn, "cache", {})
         monkeypatch.setitem(fn.__dict__, "do_bench", bench_twice)
     check(make_inputs(1, 70, 1, 2, 16, 16, seed=11))
-    # solve, dq/dk, dW/dv, intra bwd: 3 configs each (the scores kernel is tuned only for K > 128)
-    assert len(runs) == 3 * 4
+    # scores, solve, dq/dk, dW/dv, intra bwd: 3 configs each (the scores kernel is tuned for the float32
+    # intermediates the interpreter runs; a fixed launch serves bf16 at K <= 128)
+    assert len(runs) == 3 * 5
 
 
 @triton.jit

@@ -301,7 +301,7 @@ def versions() -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m k3lab.bench.flash_kda", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", nargs="*", default=BASELINE_CASES, help="shapes BxTxH (K = V = 128, HV = H)")
+    p.add_argument("--cases", nargs="*", default=BASELINE_CASES, help="shapes BxTxH (K = V = --K, HV = H)")
     p.add_argument("--K", type=int, default=128, help="key and value head dim")
     p.add_argument("--out", default="data/results/flash_kda_h200.json", help="where the JSON goes ('' = nowhere)")
     p.add_argument("--check-only", action="store_true", help="run the correctness check and stop")

@@ -367,8 +367,9 @@ def kda_state_fwd_kernel(
 # instead of 4: uncapped it takes 244, and Nsight Compute showed it latency-bound at 12.5% occupancy. On an
 # H200 (bf16, K = V = 128) the whole forward went from 1.388 to 1.336 ms at B4 T8192 H16, 1.951 -> 1.898 at
 # B1 T32768 H16, 5.431 -> 5.231 at B8 T4096 H64; caps of 144, 152 and 184, 3 stages, and 4 or 8 warps
-# with or without a cap were slower (``session_11_experiments`` in ``flash_kda_h200_stages.json``). For
-# K > 128 the cap would spill kilobytes (1272 B at K = 256, offline sm_90), so there the warps are timed.
+# with or without a cap were slower (``session_11_experiments`` in ``flash_kda_h200_stages.json``).
+# Elsewhere the cap would spill more (offline sm_90: 1272 B at K = 256, 456 B with float32
+# intermediates), so for K > 128 and float32 intermediates the warps are timed, as before.
 SCORES_LAUNCH = dict(num_warps=2, num_stages=2, maxnreg=168)
 kda_scores_fwd_tuned = triton.autotune(configs=warp_configs(4, 2, 8), key=["H", "HV", "K", "REPLAY"])(
     kda_scores_fwd_kernel)
@@ -414,7 +415,8 @@ def _launch_intra(q, k, v, beta, G, Tinv, Aqk, scale, cu_seqlens, chunk_indices,
     U = torch.empty(T, HV, V, device=k.device, dtype=dtype)
     prec = dot_precision(dtype, k.device)
     # Unless replaying, the scores kernel writes L into Tinv's buffer and the solve kernel T over it.
-    scores, launch = (kda_scores_fwd_kernel, SCORES_LAUNCH) if BK <= 128 else (kda_scores_fwd_tuned, {})
+    capped = BK <= 128 and W.element_size() == 2
+    scores, launch = (kda_scores_fwd_kernel, SCORES_LAUNCH) if capped else (kda_scores_fwd_tuned, {})
     scores[(BT // BC, NT, HV)](
         q, k, beta, G, Tinv, Aqk, W, KG, QG, cu_seqlens, chunk_indices, scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
         BK=BK, PREC=prec, REPLAY=replay, **launch,
