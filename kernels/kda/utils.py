@@ -22,8 +22,8 @@ def warp_configs(*warps: int) -> list[triton.Config]:
     """``triton.autotune`` choices of num_warps, timed by Triton at the first launch per key (shapes and
     dtypes) on the GPU at hand: fewer warps fit more programs per SM, more warps hold fewer registers
     each (offline sm_90 compiles show the backward kernels spilling at 2 warps), and which costs more
-    depends on the GPU and the grid. The first entry
-    only under the interpreter, which has no warps (read at import: ``k3lab.setup()`` goes first)."""
+    depends on the GPU and the grid. The first entry only under the interpreter, which has no warps
+    (read at import: ``k3lab.setup()`` goes first)."""
     return [triton.Config({}, num_warps=w) for w in (warps[:1] if os.environ.get("TRITON_INTERPRET") == "1" else warps)]
 
 
