@@ -188,8 +188,8 @@ assert MIN_LOWER_BOUND == -10.0
 # | stage | grid | what it does | fused |
 # |---|---|---|---|
 # | `gate_fwd` | K tiles (32) × chunks × value heads | `g = lb·σ(exp(A_log)(z + b))` and its cumsum in the chunk, `G` (float32; padded rows get `g = 0`) | gate activation |
-# | `scores_fwd` | 16-row sub-tiles × chunks × value heads | for its sub-tile: q/k L2-normalised, β sigmoid, two exponentials per element at the sub-tile's middle reference (`exp2`), `KG`, `QG` and `W`'s right operand `Diag(β)ΓK`; then its row of 16×16 sub-tiles of `Diag(β)(ΓK)(K/Γ)ᵀ` and `(ΓQ)(K/Γ)ᵀ` on tensor cores — the diagonal one at the middle reference, each earlier one (its keys reloaded and normalised again) at that sub-tile's last row, where both factors are ≤ 1; writes the strictly lower `L = Diag(β)StrictTril(…)` into `T`'s float32 buffer, and `Aqk` | all elementwise prep, both score matrices |
-# | `solve_fwd` | chunks × value heads | the UT inverse `T = (I + L)⁻¹` by 16×16 blocks, in place over `L`: the 4 diagonal blocks as one `[4, 16, 16]` batch, `(I − N)(I + N²)(I + N⁴)(I + N⁸)` in six fp32 products and one Newton step (two more; below), then the 6 blocks under them by block products in full fp32; `W = T·Diag(β)ΓK`, `U = T·Diag(β)V` in column tiles of up to 64 | inverse, W/U |
+# | `scores_fwd` | 16-row sub-tiles × chunks × value heads | for its sub-tile: q/k L2-normalised, β sigmoid, two exponentials per element at the sub-tile's middle reference (`exp2`), `KG`, `QG` and `W`'s right operand `Diag(β)ΓK`; then its row of 16×16 sub-tiles of `Diag(β)(ΓK)(K/Γ)ᵀ` and `(ΓQ)(K/Γ)ᵀ` on tensor cores — the diagonal one at the middle reference, each earlier one (its keys reloaded and normalised again) at that sub-tile's last row, where both factors are ≤ 1; writes the strictly lower `L = Diag(β)StrictTril(…)` (float32), and `Aqk` | all elementwise prep, both score matrices |
+# | `solve_fwd` | chunks × value heads | the UT inverse `T = (I + L)⁻¹` by 16×16 blocks: the 4 diagonal blocks as one `[4, 16, 16]` batch, `(I − N)(I + N²)(I + N⁴)(I + N⁸)` in six fp32 products and one Newton step (two more; below), then the 6 blocks under them by block products in full fp32; `W = T·Diag(β)ΓK`, `U = T·Diag(β)V` in column tiles of up to 64 | inverse, W/U |
 # | `scores_fwd`, `solve_fwd`, `REPLAY` (KCP's backward, chapter 03) | as above | from the saved `G` and `T`: only the prep (`KG`, `QG`, `W`'s operand) and `W`, `U` — no sub-tile scores, no inverse | same kernels, one constexpr |
 # | `state_fwd` | sequences × value heads × V tiles | the one sequential loop: per chunk `Ṽ = U − W S`, then the chunk's output `O = (ΓQ) S + Aqk Ṽ` while `S` and `Ṽ` are in registers, then `S ← γ_C S + (Γ_{i→C}K)ᵀ Ṽ`; `S` stays in registers (fp32) as two `[K/2, BV]` halves; when autograd records (`STORE_STATES` with `OUTPUT`) it also stores `S` before each chunk (`h`, bf16) and `Ṽ` for the backward, otherwise neither | the output, final state, the backward's `h` and `Ṽ` |
 # | `state_fwd`, `STORE_STATES` without `OUTPUT` (KCP's backward, as `REPLAY`) | as above | the same loop storing `h` and `Ṽ`, and no output | same kernel, two constexprs |
@@ -244,9 +244,12 @@ assert MIN_LOWER_BOUND == -10.0
 # (chapter 03) still replays.
 #
 # *Precision.* For bf16 inputs the intermediates (`W`, `U`, `KG`, `QG`, `Aqk`, the chunk states) are
-# bf16, forward and backward alike: tensor-core operands with float32 accumulators. The gate cumsum
-# `G`, the scores' `L` and the inverse `T` written over it stay float32 (the inverse's block products
-# in full fp32), and so do the backward's intermediate gradients, except the two that only feed bf16
+# bf16, forward and backward alike: tensor-core operands with float32 accumulators. So is the inverse
+# `T` as stored: it is computed from a float32 `L` by block products in full fp32, then rounded once to
+# the bf16 that its products with `Diag(β)ΓK` and `Diag(β)V` use, and the backward reads that same `T`
+# (storing it in float32, as before, cost 15 µs of the intra stage and 26 µs of `dwv_bwd` at B4 T8192
+# H16, and 64 MiB of peak memory). The gate cumsum `G` and `L` stay float32, and so do the backward's
+# intermediate gradients, except the two that only feed bf16
 # products (`dS'` per chunk and `dṼ`). One kernel keeps float32 operands: `intra_bwd`. The gate
 # gradient is a sum of large terms that cancel (every `e^{G_i - G_j}` appears with `+` for the row
 # and `−` for the column); bf16 operands there gave 1.96e-2 on `ddt_bias`, over the 1e-2 bound, while

@@ -24,7 +24,7 @@ SCALARS = dict(cu_seqlens=I32, chunk_indices=I32, chunk_offsets=I32, scale="fp32
 SHAPE = dict(HV=16, K=128, V=128, BT=64)
 SCORES = dict(q=BF, k=BF, beta=BF, G=F32, L=F32, Aqk=BF, W=BF, KG=BF, QG=BF)
 SCORES_C = dict(H=16, HV=16, K=128, BT=64, BC=16, BK=128, PREC="tf32")
-SOLVE = dict(Tinv=F32, v=BF, beta=BF, W=BF, U=BF)
+SOLVE = dict(L=F32, Tinv=BF, v=BF, beta=BF, W=BF, U=BF)
 SOLVE_C = dict(HV=16, K=128, V=128, BT=64, BC=16, BV=64, PREC="tf32", REFINE=False)
 STATE = dict(W=BF, U=BF, KG=BF, G=F32, h=BF, Vn=BF, h0=F32, ht=F32, QG=BF, Aqk=BF, o=BF)
 STATE_C = dict(SHAPE, VU=128, BKH=64, BV=64, USE_H0=True, STORE_HT=True, PREC="tf32")
@@ -47,7 +47,7 @@ KERNELS = {
     "dqk_bwd": (cb.kda_dqk_bwd_kernel, dict(q=BF, k=BF, G=F32, h=BF, dh=BF, Vn=BF, dVn=BF, do=BF, dqs=F32, dkn=F32,
                                             dG=F32, dW=BF, dgx=F32, rq=F32, rk=F32),
                 dict(SHAPE, H=16, BKK=128, BK=64, BV=64, PREC="tf32")),
-    "dwv_bwd": (cb.kda_dwv_bwd_kernel, dict(k=BF, v=BF, beta=BF, G=F32, Tinv=F32, dW=BF, dVn=BF, do=BF, Vn=BF,
+    "dwv_bwd": (cb.kda_dwv_bwd_kernel, dict(k=BF, v=BF, beta=BF, G=F32, Tinv=BF, dW=BF, dVn=BF, do=BF, Vn=BF,
                                             rk=F32, dkn=F32, dG=F32, db=F32, dv=BF, dAqk=BF, dAkk=BF),
                 dict(SHAPE, H=16, BK=32, BV=32, PREC="tf32")),
     "intra_bwd": (cb.kda_intra_bwd_kernel, dict(q=BF, k=BF, beta=BF, G=F32, rq=F32, rk=F32, dAqk=BF, dAkk=BF,

@@ -57,11 +57,13 @@ def _prune(configs, nargs, **_):
 
 # (G, BM, num_warps). Compiled for sm_90 (ptxas, no GPU needed, pointers 16-byte aligned as a launch
 # marks them), at d = 2048 these keep their tiles in registers except the forward's (1, 1, 16) (8 KB of
-# stack) and the backward's (8, 1, 16) (104 B), which covers a block of up to 8 sublayers in one query
-# group, so the backward reads each block twice instead of twice per group of 4.
+# stack). Fewer queries per program win although each group re-reads the blocks: at M = 8192, d = 2048,
+# n = 8, S = 6 on an H200 the autotuner takes (2, 2, 4) forward (0.50 ms) and (2, 1 or 2, 8) backward
+# (1.95-2.30 ms); a backward (8, 1, 16), all six queries in one group, took 5.1-5.3 ms
+# (data/results/attnres_h200_session12.json).
 _FWD_OPTIONS = [(8, 1, 8), (8, 1, 16), (4, 1, 8), (4, 2, 8), (2, 1, 8), (2, 2, 4), (2, 4, 8), (1, 2, 8), (1, 4, 4),
                 (1, 1, 16)]
-_BWD_OPTIONS = [(8, 1, 16), (4, 1, 8), (4, 1, 16), (2, 1, 8), (2, 2, 8), (1, 1, 8), (1, 1, 16), (1, 1, 32)]
+_BWD_OPTIONS = [(4, 1, 8), (4, 1, 16), (2, 1, 8), (2, 2, 8), (1, 1, 8), (1, 1, 16), (1, 1, 32)]
 
 
 @triton.autotune(configs=_configs(_FWD_OPTIONS), key=["D", "S"], prune_configs_by={"early_config_prune": _prune})

@@ -235,11 +235,11 @@ def load_block(L, t0, n_t, i_hv, I: tl.constexpr, J: tl.constexpr, HV: tl.conste
     return load_rows(L, t0, n_t, I * BC + o_c, HV * BT, i_hv * BT + J * BC, o_c, BC, False)
 
 
-@triton.autotune(configs=warp_configs(4, 2, 8), key=["HV", "K", "V", "REPLAY"], restore_value=["Tinv", "W"])
+@triton.autotune(configs=warp_configs(4, 2, 8), key=["HV", "K", "V", "REPLAY"], restore_value=["W"])
 @triton.jit
 def kda_solve_fwd_kernel(
-    Tinv, v, beta, W, U,  # Tinv fp32 [T, HV, BT]: L in (from kda_scores_fwd_kernel), T out; W [T, HV, K]:
-                          # W's right operand in, W out; v, U [T, HV, V]
+    L, Tinv, v, beta, W, U,  # L fp32 [T, HV, BT] (from kda_scores_fwd_kernel); Tinv [T, HV, BT] T out, in the
+                             # intermediates' dtype (W's); W [T, HV, K]: W's right operand in, W out; v, U [T, HV, V]
     cu_seqlens, chunk_indices,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr, REPLAY: tl.constexpr,  # Tinv holds the forward's T already
@@ -247,32 +247,31 @@ def kda_solve_fwd_kernel(
 ):
     """Per chunk and value head: the UT-transform inverse T = (I + L)^-1 by 16x16 blocks (the four
     diagonal inverses as one batch of products, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), stored
-    over L; then W = T Diag(beta)(Gamma K) and U = T Diag(beta) V."""
+    in the intermediates' dtype (what the products below and the backward use); then
+    W = T Diag(beta)(Gamma K) and U = T Diag(beta) V."""
     tl.static_assert(BT == 4 * BC)
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
     dt = W.dtype.element_ty
     if not REPLAY:
-        b_L00 = load_block(Tinv, t0, n_t, i_hv, 0, 0, HV, BT, BC)
-        b_L11 = load_block(Tinv, t0, n_t, i_hv, 1, 1, HV, BT, BC)
-        b_L22 = load_block(Tinv, t0, n_t, i_hv, 2, 2, HV, BT, BC)
-        b_L33 = load_block(Tinv, t0, n_t, i_hv, 3, 3, HV, BT, BC)
+        b_L00 = load_block(L, t0, n_t, i_hv, 0, 0, HV, BT, BC)
+        b_L11 = load_block(L, t0, n_t, i_hv, 1, 1, HV, BT, BC)
+        b_L22 = load_block(L, t0, n_t, i_hv, 2, 2, HV, BT, BC)
+        b_L33 = load_block(L, t0, n_t, i_hv, 3, 3, HV, BT, BC)
         b_T00, b_T11, b_T22, b_T33 = unit_lower_inverse(b_L00, b_L11, b_L22, b_L33, BC, REFINE)
-        b_L10 = load_block(Tinv, t0, n_t, i_hv, 1, 0, HV, BT, BC)
-        b_L21 = load_block(Tinv, t0, n_t, i_hv, 2, 1, HV, BT, BC)
-        b_L20 = load_block(Tinv, t0, n_t, i_hv, 2, 0, HV, BT, BC)
-        b_L32 = load_block(Tinv, t0, n_t, i_hv, 3, 2, HV, BT, BC)
-        b_L31 = load_block(Tinv, t0, n_t, i_hv, 3, 1, HV, BT, BC)
-        b_L30 = load_block(Tinv, t0, n_t, i_hv, 3, 0, HV, BT, BC)
+        b_L10 = load_block(L, t0, n_t, i_hv, 1, 0, HV, BT, BC)
+        b_L21 = load_block(L, t0, n_t, i_hv, 2, 1, HV, BT, BC)
+        b_L20 = load_block(L, t0, n_t, i_hv, 2, 0, HV, BT, BC)
+        b_L32 = load_block(L, t0, n_t, i_hv, 3, 2, HV, BT, BC)
+        b_L31 = load_block(L, t0, n_t, i_hv, 3, 1, HV, BT, BC)
+        b_L30 = load_block(L, t0, n_t, i_hv, 3, 0, HV, BT, BC)
         b_T10 = -dot32(dot32(b_T11, b_L10), b_T00)
         b_T21 = -dot32(dot32(b_T22, b_L21), b_T11)
         b_T20 = -dot32(b_T22, dot32(b_L20, b_T00) + dot32(b_L21, b_T10))
         b_T32 = -dot32(dot32(b_T33, b_L32), b_T22)
         b_T31 = -dot32(b_T33, dot32(b_L31, b_T11) + dot32(b_L32, b_T21))
         b_T30 = -dot32(b_T33, dot32(b_L30, b_T00) + dot32(b_L31, b_T10) + dot32(b_L32, b_T20))
-        # Every block of L this program reads is in registers before T overwrites it.
-        tl.debug_barrier()
         store_tinv_row(Tinv, b_T00, b_T00, b_T00, b_T00, t0, n_t, i_hv, 0, HV, BT, BC)
         store_tinv_row(Tinv, b_T10, b_T11, b_T11, b_T11, t0, n_t, i_hv, 1, HV, BT, BC)
         store_tinv_row(Tinv, b_T20, b_T21, b_T22, b_T22, t0, n_t, i_hv, 2, HV, BT, BC)
@@ -392,9 +391,10 @@ def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqle
         z, A_log, dt_bias, G, cu_seqlens, chunk_indices, lower_bound, HV=HV, K=K, HAS_BIAS=dt_bias is not None,
         BT=BT, BKG=BKG, num_warps=4,
     )
-    Tinv = torch.empty(T, HV, BT, device=z.device, dtype=torch.float32)
+    L = torch.empty(T, HV, BT, device=z.device, dtype=torch.float32)
+    Tinv = torch.empty(T, HV, BT, device=z.device, dtype=dtype)
     Aqk = torch.empty(T, HV, BT, device=z.device, dtype=dtype)
-    return (G, Tinv, Aqk, *_launch_intra(q, k, v, beta, G, Tinv, Aqk, scale, cu_seqlens, chunk_indices, dtype,
+    return (G, Tinv, Aqk, *_launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indices, dtype,
                                          replay=False))
 
 
@@ -402,11 +402,11 @@ def kda_intra_replay(q, k, v, beta, G, Tinv, scale, cu_seqlens, chunk_indices, d
     """``kda_intra_fwd`` again from a forward's saved G and Tinv, for a backward that did not keep its
     intermediates (KCP's, ``k3lab.kcp.flash``): only the cheap part (no sub-tile scores, no UT
     inverse). Returns (W, U, KG, QG) in ``dtype``."""
-    # Aqk is not touched when replaying: G stands in for it.
-    return _launch_intra(q, k, v, beta, G, Tinv, G, scale, cu_seqlens, chunk_indices, dtype, replay=True)
+    # L and Aqk are not touched when replaying: G stands in for them.
+    return _launch_intra(q, k, v, beta, G, G, Tinv, G, scale, cu_seqlens, chunk_indices, dtype, replay=True)
 
 
-def _launch_intra(q, k, v, beta, G, Tinv, Aqk, scale, cu_seqlens, chunk_indices, dtype, replay):
+def _launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indices, dtype, replay):
     T, H, K = k.shape
     HV, V = v.shape[1:]
     NT = chunk_indices.shape[0]
@@ -414,15 +414,14 @@ def _launch_intra(q, k, v, beta, G, Tinv, Aqk, scale, cu_seqlens, chunk_indices,
     W, KG, QG = (torch.empty(T, HV, K, device=k.device, dtype=dtype) for _ in range(3))
     U = torch.empty(T, HV, V, device=k.device, dtype=dtype)
     prec = dot_precision(dtype, k.device)
-    # Unless replaying, the scores kernel writes L into Tinv's buffer and the solve kernel T over it.
     capped = BK <= 128 and W.element_size() == 2
     scores, launch = (kda_scores_fwd_kernel, SCORES_LAUNCH) if capped else (kda_scores_fwd_tuned, {})
     scores[(BT // BC, NT, HV)](
-        q, k, beta, G, Tinv, Aqk, W, KG, QG, cu_seqlens, chunk_indices, scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
+        q, k, beta, G, L, Aqk, W, KG, QG, cu_seqlens, chunk_indices, scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
         BK=BK, PREC=prec, REPLAY=replay, **launch,
     )
     kda_solve_fwd_kernel[(NT, HV)](
-        Tinv, v, beta, W, U, cu_seqlens, chunk_indices, HV=HV, K=K, V=V, BT=BT, BC=BC, BV=BV, PREC=prec,
+        L, Tinv, v, beta, W, U, cu_seqlens, chunk_indices, HV=HV, K=K, V=V, BT=BT, BC=BC, BV=BV, PREC=prec,
         REPLAY=replay, REFINE=W.dtype == torch.float32,
     )
     return W, U, KG, QG
