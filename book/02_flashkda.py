@@ -180,8 +180,8 @@ assert MIN_LOWER_BOUND == -10.0
 # default) and builds the chunk table on the host from the sequence lengths, once per shape (cached:
 # a training loop at fixed shapes never copies it again). Chunk `C = 64`, sub-tile 16, `K` in tiles of
 # 32 in the gate kernels, whole in the scores kernel, in two halves in the state kernels and in tiles
-# of 64 in the intra backward, `V` in tiles of 16–64. The intra forward is three kernels: `gate_fwd`,
-# `scores_fwd` and `solve_fwd` (`kda_intra_fwd`); the fourth, `state_fwd`, walks the chunks and writes
+# of 64 in the intra backward, `V` in tiles of 16–64. The intra forward is four kernels: `gate_fwd`,
+# `scores_fwd`, `inverse_fwd` and `wu_fwd` (`kda_intra_fwd`); the fifth, `state_fwd`, walks the chunks and writes
 # the output as it goes, and, when autograd records, also the chunk states `h` and `Ṽ`. The backward
 # runs the six backward kernels of the table and nothing else: it replays no forward kernel.
 #
@@ -189,8 +189,9 @@ assert MIN_LOWER_BOUND == -10.0
 # |---|---|---|---|
 # | `gate_fwd` | K tiles (32) × chunks × value heads | `g = lb·σ(exp(A_log)(z + b))` and its cumsum in the chunk, `G` (float32; padded rows get `g = 0`) | gate activation |
 # | `scores_fwd` | 16-row sub-tiles × chunks × value heads | for its sub-tile: q/k L2-normalised, β sigmoid, two exponentials per element at the sub-tile's middle reference (`exp2`), `KG`, `QG` and `W`'s right operand `Diag(β)ΓK`; then its row of 16×16 sub-tiles of `Diag(β)(ΓK)(K/Γ)ᵀ` and `(ΓQ)(K/Γ)ᵀ` on tensor cores — the diagonal one at the middle reference, each earlier one (its keys reloaded and normalised again) at that sub-tile's last row, where both factors are ≤ 1; writes the strictly lower `L = Diag(β)StrictTril(…)` (float32), and `Aqk` | all elementwise prep, both score matrices |
-# | `solve_fwd` | chunks × value heads | the UT inverse `T = (I + L)⁻¹` by 16×16 blocks: the 4 diagonal blocks as one `[4, 16, 16]` batch, `(I − N)(I + N²)(I + N⁴)(I + N⁸)` in six fp32 products and one Newton step (two more; below), then the 6 blocks under them by block products in full fp32; `W = T·Diag(β)ΓK`, `U = T·Diag(β)V` in column tiles of up to 64 | inverse, W/U |
-# | `scores_fwd`, `solve_fwd`, `REPLAY` (KCP's backward, chapter 03) | as above | from the saved `G` and `T`: only the prep (`KG`, `QG`, `W`'s operand) and `W`, `U` — no sub-tile scores, no inverse | same kernels, one constexpr |
+# | `inverse_fwd` | chunks × value heads | the UT inverse `T = (I + L)⁻¹` by 16×16 blocks: the 4 diagonal blocks as one `[4, 16, 16]` batch, `(I − N)(I + N²)(I + N⁴)(I + N⁸)` in six fp32 products (and, for float32 intermediates, one Newton step: two more; below), then the 6 blocks under them by block products in full fp32; `T` stored in the intermediates' dtype | the whole inverse |
+# | `wu_fwd` | chunks × value heads | `W = T·Diag(β)ΓK` (in place over its right operand), `U = T·Diag(β)V`, in column tiles of up to 64 | W/U |
+# | `scores_fwd` with `REPLAY`, then `wu_fwd` (KCP's backward, chapter 03) | as above | from the saved `G` and `T`: only the prep (`KG`, `QG`, `W`'s operand) and `W`, `U` — no sub-tile scores, no inverse | one constexpr |
 # | `state_fwd` | sequences × value heads × V tiles | the one sequential loop: per chunk `Ṽ = U − W S`, then the chunk's output `O = (ΓQ) S + Aqk Ṽ` while `S` and `Ṽ` are in registers, then `S ← γ_C S + (Γ_{i→C}K)ᵀ Ṽ`; `S` stays in registers (fp32) as two `[K/2, BV]` halves; when autograd records (`STORE_STATES` with `OUTPUT`) it also stores `S` before each chunk (`h`, bf16) and `Ṽ` for the backward, otherwise neither | the output, final state, the backward's `h` and `Ṽ` |
 # | `state_fwd`, `STORE_STATES` without `OUTPUT` (KCP's backward, as `REPLAY`) | as above | the same loop storing `h` and `Ṽ`, and no output | same kernel, two constexprs |
 # | `state_bwd` | sequences × value heads × V tiles | reverse loop: `dṼ = Aqkᵀ dO + (Γ_{i→C}K) dS'`, `dS ← γ_C dS' + (ΓQ)ᵀ dO − Wᵀ dṼ`, `dS` in two K halves | d(initial state) |
@@ -229,7 +230,7 @@ assert MIN_LOWER_BOUND == -10.0
 # *What the forward keeps for the backward.* When autograd records (grad enabled and an input that
 # requires grad), the forward keeps all the backward reads as saved tensors: the inputs, `G`, `T`,
 # `Aqk`, and `W`, `KG`, `QG` and the state kernel's `h` and `Ṽ`. The backward used to rebuild those
-# five (the scores and solve kernels with `REPLAY`, then the state scan storing `h` and `Ṽ`): about
+# five (the scores kernel with `REPLAY` and the W/U products, then the state scan storing `h` and `Ṽ`): about
 # 758 µs of kernels at B4 T8192 H16, against the 88 µs the forward's state kernel now spends storing
 # `h` and `Ṽ`. What grows is what a layer holds between its forward and its backward: `h` (256 MiB at
 # B4 T8192 H16) and `Ṽ`, `W`, `KG`, `QG` (128 MiB each), 768 MiB more per KDA layer. Because they are
@@ -267,12 +268,16 @@ assert MIN_LOWER_BOUND == -10.0
 #
 # $$(I + N)(I - N)(I + N^2)(I + N^4)(I + N^8) = (I - N^2)(I + N^2)(I + N^4)(I + N^8) = \dots = I - N^{16} = I,$$
 #
-# so $(I + N)^{-1} = (I - N)(I + N^2)(I + N^4)(I + N^8)$: exact, not a truncated series. `solve_fwd`
+# so $(I + N)^{-1} = (I - N)(I + N^2)(I + N^4)(I + N^8)$: exact, not a truncated series. `inverse_fwd`
 # computes `N²`, `N⁴`, `N⁸` (three squarings), then `X = I − N`, `X += X N²`, `X += X N⁴`,
 # `X += X N⁸`: six `tl.dot`s in full fp32, on the four diagonal blocks at once as one `[4, 16, 16]`
 # batch. Forward substitution, which it replaced, takes 15 dependent row steps, each with two
 # reductions across threads; the products do more arithmetic in six parallel steps. On the H200 the
-# solve kernel went from 486 to 385 µs at B4 T8192 H16 (948 → 745 at B1 T32768 H32). The price is
+# solve kernel (the inverse and the W/U products, then one kernel) went from 486 to 385 µs at B4 T8192 H16
+# (948 → 745 at B1 T32768 H32). In session 12 it was split in two: the inverse is a chain of about twenty
+# dependent small products, the W/U products stream `[64, 64]` tiles in 82 registers; apart, the intra
+# forward took the same time with bf16 intermediates (1.015 → 1.011 ms at B4 T8192 H16) and 7% less with
+# float32 ones (1.822 → 1.700 ms; `flash_kda_h200_session12.json`). The price is
 # rounding: where the entries of `N` are near 1 (near-identical consecutive keys, β near 1, little
 # decay — a known hard input) `N⁸` has entries in the thousands that cancel back to `|T| ≤ 1`. So with
 # float32 intermediates the kernel ends with one Newton step, `X ← X + X (I − (I + N) X)` (two more products), which squares the

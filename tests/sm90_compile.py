@@ -24,8 +24,6 @@ SCALARS = dict(cu_seqlens=I32, chunk_indices=I32, chunk_offsets=I32, scale="fp32
 SHAPE = dict(HV=16, K=128, V=128, BT=64)
 SCORES = dict(q=BF, k=BF, beta=BF, G=F32, L=F32, Aqk=BF, W=BF, KG=BF, QG=BF)
 SCORES_C = dict(H=16, HV=16, K=128, BT=64, BC=16, BK=128, PREC="tf32")
-SOLVE = dict(L=F32, Tinv=BF, v=BF, beta=BF, W=BF, U=BF)
-SOLVE_C = dict(HV=16, K=128, V=128, BT=64, BC=16, BV=64, PREC="tf32", REFINE=False)
 STATE = dict(W=BF, U=BF, KG=BF, G=F32, h=BF, Vn=BF, h0=F32, ht=F32, QG=BF, Aqk=BF, o=BF)
 STATE_C = dict(SHAPE, VU=128, BKH=64, BV=64, USE_H0=True, STORE_HT=True, PREC="tf32")
 KERNELS = {
@@ -36,8 +34,9 @@ KERNELS = {
     "scores_fwd_K256": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, K=256, BK=256, REPLAY=False)),
     "scores_fwd_fp32": (cf.kda_scores_fwd_kernel, dict.fromkeys(SCORES, F32), dict(SCORES_C, PREC="bf16x3",
                                                                                    REPLAY=False)),
-    "solve_fwd": (cf.kda_solve_fwd_kernel, SOLVE, dict(SOLVE_C, REPLAY=False)),
-    "solve_replay": (cf.kda_solve_fwd_kernel, SOLVE, dict(SOLVE_C, REPLAY=True)),
+    "inverse_fwd": (cf.kda_inverse_fwd_kernel, dict(L=F32, Tinv=BF), dict(HV=16, BT=64, BC=16, REFINE=False)),
+    "wu_fwd": (cf.kda_wu_fwd_kernel, dict(Tinv=BF, v=BF, beta=BF, W=BF, U=BF),
+               dict(HV=16, K=128, V=128, BT=64, BV=64, PREC="tf32")),
     "state_fwd": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=False, OUTPUT=True)),
     "state_train": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=True, OUTPUT=True)),
     "state_replay": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=True, OUTPUT=False)),

@@ -369,7 +369,7 @@ def test_bench_takes_fla_times_from_several_files(tmp_path):
 
 def test_autotuning_leaves_in_place_buffers_intact(monkeypatch):
     """On a GPU, Triton's autotuner runs each config of an autotuned kernel before picking one; the
-    solve, dW/dv and intra-backward kernels update buffers in place, so without ``restore_value``
+    W/U, dW/dv and intra-backward kernels update buffers in place, so without ``restore_value``
     the tuning runs would add their terms several times. Here every autotuned kernel gets three
     configs and a stand-in benchmark that runs each twice (the interpreter has no timer) and picks
     the last: the results must still match the reference."""
@@ -379,7 +379,7 @@ def test_autotuning_leaves_in_place_buffers_intact(monkeypatch):
 
     tuned = [fn for mod in (chunk_fwd, chunk_bwd) for fn in vars(mod).values()
              if isinstance(fn, triton.runtime.Autotuner)]
-    assert len(tuned) == 5
+    assert len(tuned) == 6
     runs = []
 
     def bench_twice(kernel_call, quantiles):
@@ -393,9 +393,9 @@ def test_autotuning_leaves_in_place_buffers_intact(monkeypatch):
         monkeypatch.setattr(fn, "cache", {})
         monkeypatch.setitem(fn.__dict__, "do_bench", bench_twice)
     check(make_inputs(1, 70, 1, 2, 16, 16, seed=11))
-    # scores, solve, dq/dk, dW/dv, intra bwd: 3 configs each (the scores kernel is tuned for the float32
-    # intermediates the interpreter runs; a fixed launch serves bf16 at K <= 128)
-    assert len(runs) == 3 * 5
+    # scores, inverse, W/U, dq/dk, dW/dv, intra bwd: 3 configs each (the scores kernel is tuned for the
+    # float32 intermediates the interpreter runs; a fixed launch serves bf16 at K <= 128)
+    assert len(runs) == 3 * 6
 
 
 @triton.jit

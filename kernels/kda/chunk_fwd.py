@@ -1,13 +1,14 @@
-"""FlashKDA forward: four Triton kernels and their launchers.
+"""FlashKDA forward: five Triton kernels and their launchers.
 
 1. ``kda_gate_fwd_kernel`` (K tiles x chunks x value heads): the fused gate
    g = lb * sigmoid(exp(A_log) (z + dt_bias)) and its in-chunk cumsum G.
 2. ``kda_scores_fwd_kernel`` (16-row sub-tiles x chunks x value heads, all in parallel): q/k L2 norm, beta
    sigmoid, KG, QG and W's right operand for the sub-tile's rows, and its row of 16x16 sub-tiles of
    (Gamma K)(K / Gamma)^T and (Gamma Q)(K / Gamma)^T on tensor cores (L = Diag(beta) StrictTril(Ks), Aqk).
-3. ``kda_solve_fwd_kernel`` (chunks x value heads): the UT-transform inverse
-   T = (I + L)^-1 by 16x16 blocks, then W = T Diag(beta)(Gamma K), U = T Diag(beta) V.
-4. ``kda_state_fwd_kernel`` (one program per sequence, value head and V tile; the only sequential
+3. ``kda_inverse_fwd_kernel`` (chunks x value heads): the UT-transform inverse T = (I + L)^-1 by 16x16
+   blocks.
+4. ``kda_wu_fwd_kernel`` (chunks x value heads): W = T Diag(beta)(Gamma K), U = T Diag(beta) V.
+5. ``kda_state_fwd_kernel`` (one program per sequence, value head and V tile; the only sequential
    loop): S_n for every chunk, pseudo-values V~ = U - W S, the output O = (Gamma Q) S + Tril((Gamma Q)
    (K/Gamma)^T) V~ while S and V~ are in registers, then S <- Diag(gamma_C) S + (Gamma_{i->C} K)^T V~.
 """
@@ -235,56 +236,62 @@ def load_block(L, t0, n_t, i_hv, I: tl.constexpr, J: tl.constexpr, HV: tl.conste
     return load_rows(L, t0, n_t, I * BC + o_c, HV * BT, i_hv * BT + J * BC, o_c, BC, False)
 
 
-@triton.autotune(configs=warp_configs(4, 2, 8), key=["HV", "K", "V", "REPLAY"], restore_value=["W"])
+@triton.autotune(configs=warp_configs(4, 2, 8), key=["HV", "REFINE"])
 @triton.jit
-def kda_solve_fwd_kernel(
-    L, Tinv, v, beta, W, U,  # L fp32 [T, HV, BT] (from kda_scores_fwd_kernel); Tinv [T, HV, BT] T out, in the
-                             # intermediates' dtype (W's); W [T, HV, K]: W's right operand in, W out; v, U [T, HV, V]
+def kda_inverse_fwd_kernel(
+    L, Tinv,  # L fp32 [T, HV, BT] (from kda_scores_fwd_kernel); Tinv [T, HV, BT] out, in the intermediates' dtype
     cu_seqlens, chunk_indices,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr, REPLAY: tl.constexpr,  # Tinv holds the forward's T already
+    HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     REFINE: tl.constexpr,  # a Newton step on the diagonal inverses (float32 intermediates)
 ):
     """Per chunk and value head: the UT-transform inverse T = (I + L)^-1 by 16x16 blocks (the four
-    diagonal inverses as one batch of products, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), stored
-    in the intermediates' dtype (what the products below and the backward use); then
-    W = T Diag(beta)(Gamma K) and U = T Diag(beta) V."""
+    diagonal inverses as one batch of products, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), stored in the
+    intermediates' dtype (what ``kda_wu_fwd_kernel`` and the backward use). A kernel of its own: a chain
+    of about twenty dependent small products in few registers, so that many programs share an SM."""
     tl.static_assert(BT == 4 * BC)
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    b_L00 = load_block(L, t0, n_t, i_hv, 0, 0, HV, BT, BC)
+    b_L11 = load_block(L, t0, n_t, i_hv, 1, 1, HV, BT, BC)
+    b_L22 = load_block(L, t0, n_t, i_hv, 2, 2, HV, BT, BC)
+    b_L33 = load_block(L, t0, n_t, i_hv, 3, 3, HV, BT, BC)
+    b_T00, b_T11, b_T22, b_T33 = unit_lower_inverse(b_L00, b_L11, b_L22, b_L33, BC, REFINE)
+    b_L10 = load_block(L, t0, n_t, i_hv, 1, 0, HV, BT, BC)
+    b_L21 = load_block(L, t0, n_t, i_hv, 2, 1, HV, BT, BC)
+    b_L20 = load_block(L, t0, n_t, i_hv, 2, 0, HV, BT, BC)
+    b_L32 = load_block(L, t0, n_t, i_hv, 3, 2, HV, BT, BC)
+    b_L31 = load_block(L, t0, n_t, i_hv, 3, 1, HV, BT, BC)
+    b_L30 = load_block(L, t0, n_t, i_hv, 3, 0, HV, BT, BC)
+    b_T10 = -dot32(dot32(b_T11, b_L10), b_T00)
+    b_T21 = -dot32(dot32(b_T22, b_L21), b_T11)
+    b_T20 = -dot32(b_T22, dot32(b_L20, b_T00) + dot32(b_L21, b_T10))
+    b_T32 = -dot32(dot32(b_T33, b_L32), b_T22)
+    b_T31 = -dot32(b_T33, dot32(b_L31, b_T11) + dot32(b_L32, b_T21))
+    b_T30 = -dot32(b_T33, dot32(b_L30, b_T00) + dot32(b_L31, b_T10) + dot32(b_L32, b_T20))
+    store_tinv_row(Tinv, b_T00, b_T00, b_T00, b_T00, t0, n_t, i_hv, 0, HV, BT, BC)
+    store_tinv_row(Tinv, b_T10, b_T11, b_T11, b_T11, t0, n_t, i_hv, 1, HV, BT, BC)
+    store_tinv_row(Tinv, b_T20, b_T21, b_T22, b_T22, t0, n_t, i_hv, 2, HV, BT, BC)
+    store_tinv_row(Tinv, b_T30, b_T31, b_T32, b_T33, t0, n_t, i_hv, 3, HV, BT, BC)
+
+
+@triton.autotune(configs=warp_configs(4, 2, 8), key=["HV", "K", "V"], restore_value=["W"])
+@triton.jit
+def kda_wu_fwd_kernel(
+    Tinv, v, beta, W, U,  # Tinv [T, HV, BT]; W [T, HV, K]: W's right operand in, W out; v, U [T, HV, V]
+    cu_seqlens, chunk_indices,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per chunk and value head: W = T Diag(beta)(Gamma K) and U = T Diag(beta) V, with the whole T as one
+    [BT, BT] operand, in column tiles of BV (smaller accumulators)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
     dt = W.dtype.element_ty
-    if not REPLAY:
-        b_L00 = load_block(L, t0, n_t, i_hv, 0, 0, HV, BT, BC)
-        b_L11 = load_block(L, t0, n_t, i_hv, 1, 1, HV, BT, BC)
-        b_L22 = load_block(L, t0, n_t, i_hv, 2, 2, HV, BT, BC)
-        b_L33 = load_block(L, t0, n_t, i_hv, 3, 3, HV, BT, BC)
-        b_T00, b_T11, b_T22, b_T33 = unit_lower_inverse(b_L00, b_L11, b_L22, b_L33, BC, REFINE)
-        b_L10 = load_block(L, t0, n_t, i_hv, 1, 0, HV, BT, BC)
-        b_L21 = load_block(L, t0, n_t, i_hv, 2, 1, HV, BT, BC)
-        b_L20 = load_block(L, t0, n_t, i_hv, 2, 0, HV, BT, BC)
-        b_L32 = load_block(L, t0, n_t, i_hv, 3, 2, HV, BT, BC)
-        b_L31 = load_block(L, t0, n_t, i_hv, 3, 1, HV, BT, BC)
-        b_L30 = load_block(L, t0, n_t, i_hv, 3, 0, HV, BT, BC)
-        b_T10 = -dot32(dot32(b_T11, b_L10), b_T00)
-        b_T21 = -dot32(dot32(b_T22, b_L21), b_T11)
-        b_T20 = -dot32(b_T22, dot32(b_L20, b_T00) + dot32(b_L21, b_T10))
-        b_T32 = -dot32(dot32(b_T33, b_L32), b_T22)
-        b_T31 = -dot32(b_T33, dot32(b_L31, b_T11) + dot32(b_L32, b_T21))
-        b_T30 = -dot32(b_T33, dot32(b_L30, b_T00) + dot32(b_L31, b_T10) + dot32(b_L32, b_T20))
-        store_tinv_row(Tinv, b_T00, b_T00, b_T00, b_T00, t0, n_t, i_hv, 0, HV, BT, BC)
-        store_tinv_row(Tinv, b_T10, b_T11, b_T11, b_T11, t0, n_t, i_hv, 1, HV, BT, BC)
-        store_tinv_row(Tinv, b_T20, b_T21, b_T22, b_T22, t0, n_t, i_hv, 2, HV, BT, BC)
-        store_tinv_row(Tinv, b_T30, b_T31, b_T32, b_T33, t0, n_t, i_hv, 3, HV, BT, BC)
-        # Tinv's rows written by other threads are read next.
-        tl.debug_barrier()
-
-    # W = T Diag(beta)(Gamma K), U = T Diag(beta) V, with the whole T as one [BT, BT] operand, in column
-    # tiles of BV (smaller accumulators).
     b_T = load_rows(Tinv, t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT, False).to(dt)
     for i_k in range(tl.cdiv(K, BV)):
         o_w = i_k * BV + tl.arange(0, BV)
         b_W = tl.dot(b_T, load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_w, K, False).to(dt), input_precision=PREC)
+        # W is rewritten in place: every thread's reads of this tile come before any write to it.
         tl.debug_barrier()
         store_rows(W, b_W, t0, n_t, o_t, HV * K, i_hv * K, o_w, K)
     b_b = tl.where(o_t < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_t, HV, i_hv)), 0.0)
@@ -380,7 +387,8 @@ def block_sizes(K: int, V: int) -> tuple[int, int]:
 
 
 def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, chunk_indices, dtype):
-    """Launch the intra stage (``kda_gate_fwd_kernel``, ``kda_scores_fwd_kernel``, ``kda_solve_fwd_kernel``);
+    """Launch the intra stage (``kda_gate_fwd_kernel``, ``kda_scores_fwd_kernel``, ``kda_inverse_fwd_kernel``,
+    ``kda_wu_fwd_kernel``);
     inputs flattened to [T, heads, D]; ``dtype`` is the intermediates' (``flash_kda.intermediate_dtype``).
     Returns (G, Tinv, Aqk, W, U, KG, QG)."""
     T, HV, K = z.shape
@@ -420,10 +428,11 @@ def _launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indic
         q, k, beta, G, L, Aqk, W, KG, QG, cu_seqlens, chunk_indices, scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
         BK=BK, PREC=prec, REPLAY=replay, **launch,
     )
-    kda_solve_fwd_kernel[(NT, HV)](
-        L, Tinv, v, beta, W, U, cu_seqlens, chunk_indices, HV=HV, K=K, V=V, BT=BT, BC=BC, BV=BV, PREC=prec,
-        REPLAY=replay, REFINE=W.dtype == torch.float32,
-    )
+    if not replay:
+        kda_inverse_fwd_kernel[(NT, HV)](L, Tinv, cu_seqlens, chunk_indices, HV=HV, BT=BT, BC=BC,
+                                         REFINE=W.dtype == torch.float32)
+    kda_wu_fwd_kernel[(NT, HV)](Tinv, v, beta, W, U, cu_seqlens, chunk_indices, HV=HV, K=K, V=V, BT=BT, BV=BV,
+                                PREC=prec)
     return W, U, KG, QG
 
 
