@@ -35,6 +35,7 @@ KERNELS = {
     "scores_fwd_fp32": (cf.kda_scores_fwd_kernel, dict.fromkeys(SCORES, F32), dict(SCORES_C, PREC="bf16x3",
                                                                                    REPLAY=False)),
     "inverse_fwd": (cf.kda_inverse_fwd_kernel, dict(L=F32, Tinv=BF), dict(HV=16, BT=64, BC=16, REFINE=False)),
+    "inverse_fwd_fp32": (cf.kda_inverse_fwd_kernel, dict(L=F32, Tinv=F32), dict(HV=16, BT=64, BC=16, REFINE=True)),
     "wu_fwd": (cf.kda_wu_fwd_kernel, dict(Tinv=BF, v=BF, beta=BF, W=BF, U=BF),
                dict(HV=16, K=128, V=128, BT=64, BV=64, PREC="tf32")),
     "state_fwd": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=False, OUTPUT=True)),

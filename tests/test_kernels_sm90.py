@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-N_KERNELS = 16  # sm90_compile.KERNELS: gate fwd; scores (forward, replay; K = 256 and float32 at 4 warps);
-#                solve (forward and replay); state fwd (inference, training, replay); state bwd, dq/dk,
+N_KERNELS = 17  # sm90_compile.KERNELS: gate fwd; scores (forward, replay; K = 256 and float32 at 4 warps);
+#                UT inverse (bf16, and float32 with the Newton step), W/U; state fwd (inference, training, replay); state bwd, dq/dk,
 #                dW/dv, intra bwd, gate bwd, q/k norm bwd
 
 

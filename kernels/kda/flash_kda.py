@@ -57,9 +57,10 @@ def check_finite(**named: torch.Tensor | None) -> None:
 
 
 def intermediate_dtype(q: torch.Tensor) -> torch.dtype:
-    """The intermediates' dtype (W, U, KG, QG, Aqk, the chunk states), forward and backward: bfloat16 for
-    bfloat16 inputs, as tensor-core operands with float32 accumulators (the gate's cumsum G, the UT
-    inverse and every gradient accumulator stay float32); float32 otherwise, and on CPU (the Triton
+    """The intermediates' dtype (W, U, KG, QG, Aqk, the UT inverse T as stored, the chunk states), forward
+    and backward: bfloat16 for bfloat16 inputs, as tensor-core operands with float32 accumulators (the
+    gate's cumsum G, the scores' L, the inverse's block products and every gradient accumulator stay
+    float32); float32 otherwise, and on CPU (the Triton
     interpreter has no bf16 arithmetic: bf16 intermediates there gave garbage). Never float16: a
     diagonal sub-tile's factor exp(8 |lower_bound|) (e^40 at -5) exceeds its range."""
     return torch.bfloat16 if q.dtype == torch.bfloat16 and q.device.type == "cuda" else torch.float32
@@ -179,10 +180,11 @@ def flash_kda(
         check_values (bool): also reject NaN/inf inputs (one device sync and a read of every input;
             shapes are always checked). Benchmarks pass False.
 
-    Memory: when autograd records, the forward keeps for the backward, besides its inputs, G and the UT
-    inverse (float32, [T, HV, K] and [T, HV, 64]) and Aqk, also W, KG, QG [T, HV, K], the pseudo-values
-    [T, HV, V] and the chunk states [T / 64, HV, K, V] in the intermediates' dtype: at K = V = 128 with
-    bf16 inputs and H = HV, 1.5x the bytes of q, k, v, g together, held per layer until its backward
+    Memory: when autograd records, the forward keeps for the backward, besides its inputs, G (float32,
+    [T, HV, K]) and, in the intermediates' dtype, the UT inverse and Aqk [T, HV, 64], W, KG, QG
+    [T, HV, K], the pseudo-values [T, HV, V] and the chunk states [T / 64, HV, K, V]: the last five
+    alone, at K = V = 128 with bf16 inputs and H = HV, 1.5x the bytes of q, k, v, g together, held per
+    layer until its backward
     returns (which then skips recomputing them). They are saved tensors: saved-tensor hooks see them,
     so under non-reentrant activation checkpointing they live only while the layer is recomputed, and
     ``save_on_cpu`` offloads them.
