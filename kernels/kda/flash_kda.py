@@ -184,8 +184,7 @@ def flash_kda(
     [T, HV, K]) and, in the intermediates' dtype, the UT inverse and Aqk [T, HV, 64], W, KG, QG
     [T, HV, K], the pseudo-values [T, HV, V] and the chunk states [T / 64, HV, K, V]: the last five
     alone, at K = V = 128 with bf16 inputs and H = HV, 1.5x the bytes of q, k, v, g together, held per
-    layer until its backward
-    returns (which then skips recomputing them). They are saved tensors: saved-tensor hooks see them,
+    layer until its backward returns (which then skips recomputing them). They are saved tensors: saved-tensor hooks see them,
     so under non-reentrant activation checkpointing they live only while the layer is recomputed, and
     ``save_on_cpu`` offloads them.
 
