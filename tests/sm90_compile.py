@@ -25,7 +25,7 @@ SHAPE = dict(HV=16, K=128, V=128, BT=64)
 SCORES = dict(q=BF, k=BF, beta=BF, G=F32, L=F32, Aqk=BF, W=BF, KG=BF, QG=BF)
 SCORES_C = dict(H=16, HV=16, K=128, BT=64, BC=16, BK=128, PREC="tf32")
 STATE = dict(W=BF, U=BF, KG=BF, G=F32, h=BF, Vn=BF, h0=F32, ht=F32, QG=BF, Aqk=BF, o=BF)
-STATE_C = dict(SHAPE, VU=128, BKH=64, BV=64, USE_H0=True, STORE_HT=True, PREC="tf32")
+STATE_C = dict(SHAPE, VU=128, BKH=64, BV=64, USE_H0=True, STORE_HT=True, PREFETCH=False, PREC="tf32")
 KERNELS = {
     "gate_fwd": (cf.kda_gate_fwd_kernel, dict(z=BF, A_log=F32, dt_bias=F32, G=F32),
                  dict(HV=16, K=128, HAS_BIAS=True, BT=64, BKG=32)),
@@ -39,11 +39,13 @@ KERNELS = {
     "wu_fwd": (cf.kda_wu_fwd_kernel, dict(Tinv=BF, v=BF, beta=BF, W=BF, U=BF),
                dict(HV=16, K=128, V=128, BT=64, BV=64, PREC="tf32")),
     "state_fwd": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=False, OUTPUT=True)),
+    "state_fwd_BV16": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, BV=16, PREFETCH=True, STORE_STATES=False,
+                                                            OUTPUT=True)),
     "state_train": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=True, OUTPUT=True)),
     "state_replay": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=True, OUTPUT=False)),
     "state_bwd": (cb.kda_state_bwd_kernel, dict(QG=BF, KG=BF, W=BF, G=F32, Aqk=BF, do=BF, dh=BF, dVn=BF, dht=F32,
                                                 dh0=F32),
-                  dict(SHAPE, BKH=64, BV=32, USE_DHT=True, STORE_DH0=True, PREC="tf32")),
+                  dict(SHAPE, BKH=64, BV=32, USE_DHT=True, STORE_DH0=True, PREFETCH=True, PREC="tf32")),
     "dqk_bwd": (cb.kda_dqk_bwd_kernel, dict(q=BF, k=BF, G=F32, h=BF, dh=BF, Vn=BF, dVn=BF, do=BF, dqs=F32, dkn=F32,
                                             dG=F32, dW=BF, dgx=F32, rq=F32, rk=F32),
                 dict(SHAPE, H=16, BKK=128, BK=64, BV=64, PREC="tf32")),

@@ -45,14 +45,20 @@ def make_inputs(B, T, H, HV, K, V, N=None, seed=0):
 
 
 def check(inputs, cu_seqlens=None, lower_bound=-5.0, vanishing=(), gate_tol=TOL_GRAD):
-    """Forward, final state and every gradient of flash_kda (float32) vs the float64 reference;
-    gradients named in ``vanishing`` are ~0 in the reference and must be ~0 (< 1e-30) here too."""
+    """Forward (with autograd recording, and without: only the first stores the chunk states), final
+    state and every gradient of flash_kda (float32) vs the float64 reference; gradients named in
+    ``vanishing`` are ~0 in the reference and must be ~0 (< 1e-30) here too."""
     ours = [x.float().to(DEVICE).requires_grad_() for x in inputs]
     ref = [x.clone().requires_grad_() for x in inputs]
     cu_dev = cu_seqlens.to(DEVICE) if cu_seqlens is not None else None
-    o, s = flash_kda(*ours[:7], initial_state=ours[7], output_final_state=True, cu_seqlens=cu_dev,
-                     lower_bound=lower_bound)
+    run = lambda: flash_kda(*ours[:7], initial_state=ours[7], output_final_state=True,  # noqa: E731
+                            cu_seqlens=cu_dev, lower_bound=lower_bound)
     o_ref, s_ref = reference(*ref[:7], initial_state=ref[7], cu_seqlens=cu_seqlens, lower_bound=lower_bound)
+    with torch.no_grad():
+        o, s = run()
+    assert_close("o (no autograd)", o_ref, o.cpu(), TOL_OUT)
+    assert_close("final_state (no autograd)", s_ref, s.cpu(), TOL_OUT)
+    o, s = run()
     assert_close("o", o_ref, o.cpu(), TOL_OUT)
     assert_close("final_state", s_ref, s.cpu(), TOL_OUT)
     gen = torch.Generator().manual_seed(1)
@@ -72,6 +78,19 @@ def check(inputs, cu_seqlens=None, lower_bound=-5.0, vanishing=(), gate_tol=TOL_
 def test_gva_batch_tail_chunk():
     """B=2, GVA (2 value heads per q/k head), T = 70: a full chunk plus a 6-token tail."""
     check(make_inputs(2, 70, 1, 2, 16, 16))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("prefetch", [False, True], ids=["loads_when_used", "prefetch"])
+def test_state_kernels_with_and_without_prefetch(monkeypatch, prefetch):
+    """The state kernels' two schedules (``state_prefetch``: a chunk's U and decay loaded when used, or
+    one chunk ahead) on packed sequences of 7, 130 and 64 tokens: tails, a three-chunk walk each way,
+    and the chunk after a sequence's last (masked)."""
+    from k3lab.kernels.kda import chunk_bwd, chunk_fwd
+
+    for mod in (chunk_fwd, chunk_bwd):
+        monkeypatch.setattr(mod, "state_prefetch", lambda BV, stores: prefetch)
+    check(make_inputs(1, 201, 1, 1, 16, 16, N=3, seed=21), cu_seqlens=torch.tensor([0, 7, 137, 201]))
 
 
 @pytest.mark.timeout(300)

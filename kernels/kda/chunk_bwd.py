@@ -29,7 +29,7 @@ import triton.language as tl
 from k3lab.kernels.kda.chunk_fwd import block_sizes, exp_ftz
 from k3lab.kernels.kda.utils import (
     BC, BT, add_rows, chunk_decay_halves, chunk_span, dot_precision, inverse_norm, l2norm_bwd, load_rows, load_vec,
-    sequence_span, state_half, state_halves, state_tile, store_rows, warp_configs,
+    sequence_span, state_half, state_halves, state_prefetch, state_tile, store_rows, warp_configs,
 )
 
 
@@ -39,7 +39,7 @@ def kda_state_bwd_kernel(
                                                # [T, HV, V], in W's dtype (tensor-core operands after this)
     cu_seqlens, chunk_offsets,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKH: tl.constexpr,
-    BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+    BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREFETCH: tl.constexpr, PREC: tl.constexpr,
 ):
     # dS in two halves of BKH rows of K, as the forward's state kernel holds S.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -55,10 +55,17 @@ def kda_state_bwd_kernel(
         p_dht = dht + i_n.to(tl.int64) * HV * K * V
         b_dS1 += tl.load(p_dht + o_s1, mask=m_1, other=0.0).to(tl.float32)
         b_dS2 += tl.load(p_dht + o_s2, mask=m_2, other=0.0).to(tl.float32)
+    # With PREFETCH the decay (an elementwise operand, not staged by Triton's pipeliner) is loaded a chunk
+    # ahead, as in ``kda_state_fwd_kernel``.
+    if PREFETCH:
+        t0 = bos + (NT - 1) * BT
+        b_d1, b_d2 = chunk_decay_halves(G, t0, (eos - t0).to(tl.int32), i_hv, o_k1, o_k2, HV, K)
     for i_r in range(NT):
         i_j = NT - 1 - i_r
         t0 = bos + i_j * BT
         n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+        if PREFETCH:
+            b_dn1, b_dn2 = chunk_decay_halves(G, t0 - BT, tl.where(i_j > 0, BT, 0), i_hv, o_k1, o_k2, HV, K)
         p_dh = dh + (c0 + i_j) * HV * K * V
         tl.store(p_dh + o_s1, b_dS1.to(dh.dtype.element_ty), mask=m_1)
         tl.store(p_dh + o_s2, b_dS2.to(dh.dtype.element_ty), mask=m_2)
@@ -71,7 +78,8 @@ def kda_state_bwd_kernel(
                         input_precision=PREC)
         store_rows(dVn, b_dvn, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
         b_dv = b_dvn.to(dt)
-        b_d1, b_d2 = chunk_decay_halves(G, t0, n_t, i_hv, o_k1, o_k2, HV, K)
+        if not PREFETCH:
+            b_d1, b_d2 = chunk_decay_halves(G, t0, n_t, i_hv, o_k1, o_k2, HV, K)
         b_qg1 = load_rows(QG, t0, n_t, o_t, HV * K, i_hv * K, o_k1, K, False).to(dt)
         b_qg2 = load_rows(QG, t0, n_t, o_t, HV * K, i_hv * K, o_k2, K, False).to(dt)
         b_W1 = load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k1, K, False).to(dt)
@@ -80,6 +88,8 @@ def kda_state_bwd_kernel(
                  - tl.dot(tl.trans(b_W1), b_dv, input_precision=PREC))
         b_dS2 = (b_dS2 * b_d2[:, None] + tl.dot(tl.trans(b_qg2), b_do, input_precision=PREC)
                  - tl.dot(tl.trans(b_W2), b_dv, input_precision=PREC))
+        if PREFETCH:
+            b_d1, b_d2 = b_dn1, b_dn2
     if STORE_DH0:
         p_dh0 = dh0 + i_n.to(tl.int64) * HV * K * V
         tl.store(p_dh0 + o_s1, b_dS1, mask=m_1)
@@ -398,7 +408,8 @@ def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offset
     dh0 = torch.empty(N, HV, K, V, device=W.device, dtype=torch.float32) if need_dh0 else None
     kda_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
         QG, KG, W, G, Aqk, do, dh, dVn, dht, dh0, cu_seqlens, chunk_offsets, HV=HV, K=K, V=V, BT=BT,
-        BKH=state_half(K), BV=BV, USE_DHT=dht is not None, STORE_DH0=need_dh0, PREC=dot_precision(W.dtype, W.device),
+        BKH=state_half(K), BV=BV, USE_DHT=dht is not None, STORE_DH0=need_dh0, PREFETCH=state_prefetch(BV, stores=True),
+        PREC=dot_precision(W.dtype, W.device),
         num_warps=4, num_stages=3 if W.element_size() == 2 else 2,
     )
     return dh, dVn, dh0

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from k3lab.kernels.kda.utils import (
     BC, BT, chunk_decay_halves, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, sequence_span,
-    state_half, state_halves, state_tile, store_rows, warp_configs,
+    state_half, state_halves, state_prefetch, state_tile, store_rows, warp_configs,
 )
 
 
@@ -312,7 +312,7 @@ def kda_state_fwd_kernel(
     cu_seqlens, chunk_offsets,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VU: tl.constexpr, BT: tl.constexpr,
     BKH: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    STORE_STATES: tl.constexpr, OUTPUT: tl.constexpr, PREC: tl.constexpr,
+    STORE_STATES: tl.constexpr, OUTPUT: tl.constexpr, PREFETCH: tl.constexpr, PREC: tl.constexpr,
 ):
     # The state is held as two halves of BKH rows of K (S1 over K rows [0, BKH), S2 over [BKH, 2 BKH)):
     # two independent products per step, half the registers each (measured on an H200 at B4 T8192 H16:
@@ -337,14 +337,28 @@ def kda_state_fwd_kernel(
         p_h0 = h0 + i_n.to(tl.int64) * HV * K * V
         b_S1 += tl.load(p_h0 + o_s1, mask=m_1, other=0.0).to(tl.float32)
         b_S2 += tl.load(p_h0 + o_s2, mask=m_2, other=0.0).to(tl.float32)
+    # U and the decay feed elementwise ops on the S -> V~ -> S chain, not a dot, so Triton's pipeliner
+    # does not stage their loads; with PREFETCH each chunk's are loaded one chunk ahead (past the end:
+    # masked, zeros and decay 1). See ``state_prefetch``.
+    if PREFETCH:
+        n_t = tl.minimum(eos - bos, BT).to(tl.int32)
+        b_u = load_rows(U, bos, n_t, o_t, HV * VU, i_hv * VU, o_u, VU, False).to(dt)
+        b_d1, b_d2 = chunk_decay_halves(G, bos, n_t, i_hv, o_k1, o_k2, HV, K)
     for i_j in range(NT):
         t0 = bos + i_j * BT
         n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+        if PREFETCH:
+            n_n = tl.minimum(eos - t0 - BT, BT).to(tl.int32)
+            b_un = load_rows(U, t0 + BT, n_n, o_t, HV * VU, i_hv * VU, o_u, VU, False).to(dt)
+            b_dn1, b_dn2 = chunk_decay_halves(G, t0 + BT, n_n, i_hv, o_k1, o_k2, HV, K)
         if STORE_STATES:
             p_h = h + (c0 + i_j) * HV * K * V
             tl.store(p_h + o_s1, b_S1.to(h.dtype.element_ty), mask=m_1)
             tl.store(p_h + o_s2, b_S2.to(h.dtype.element_ty), mask=m_2)
-        b_vn = load_rows(U, t0, n_t, o_t, HV * VU, i_hv * VU, o_u, VU, False)
+        if PREFETCH:
+            b_vn = b_u.to(tl.float32)
+        else:
+            b_vn = load_rows(U, t0, n_t, o_t, HV * VU, i_hv * VU, o_u, VU, False)
         b_vn -= tl.dot(load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k1, K, False).to(dt), b_S1.to(dt),
                        input_precision=PREC)
         b_vn -= tl.dot(load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_k2, K, False).to(dt), b_S2.to(dt),
@@ -360,11 +374,14 @@ def kda_state_fwd_kernel(
             b_o += tl.dot(load_rows(QG, t0, n_t, o_t, HV * K, i_hv * K, o_k2, K, False).to(dt), b_S2.to(dt),
                           input_precision=PREC)
             store_rows(o, b_o, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
-        b_d1, b_d2 = chunk_decay_halves(G, t0, n_t, i_hv, o_k1, o_k2, HV, K)
+        if not PREFETCH:
+            b_d1, b_d2 = chunk_decay_halves(G, t0, n_t, i_hv, o_k1, o_k2, HV, K)
         b_kg1 = load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k1, K, False).to(dt)
         b_kg2 = load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k2, K, False).to(dt)
         b_S1 = b_S1 * b_d1[:, None] + tl.dot(tl.trans(b_kg1), b_v, input_precision=PREC)
         b_S2 = b_S2 * b_d2[:, None] + tl.dot(tl.trans(b_kg2), b_v, input_precision=PREC)
+        if PREFETCH:
+            b_u, b_d1, b_d2 = b_un, b_dn1, b_dn2
     if STORE_HT:
         p_ht = ht + i_n.to(tl.int64) * HV * K * V
         tl.store(p_ht + o_s1, b_S1, mask=m_1)
@@ -467,7 +484,7 @@ def kda_state_fwd(W, U, KG, G, h0, output_final_state, cu_seqlens, chunk_offsets
         W, U, KG, G, h if store_states else W, Vn if store_states else W, h0, ht, QG, Aqk, o, cu_seqlens,
         chunk_offsets, HV=HV, K=K, V=V, VU=VU, BT=BT, BKH=state_half(K), BV=BV, USE_H0=h0 is not None,
         STORE_HT=output_final_state, STORE_STATES=store_states, OUTPUT=output is not None,
-        PREC=dot_precision(W.dtype, W.device),
+        PREFETCH=state_prefetch(BV, store_states), PREC=dot_precision(W.dtype, W.device),
         num_warps=4, num_stages=3 if W.element_size() == 2 else 2,
     )
     return (h, Vn, ht) if store_states else (None, None, ht)

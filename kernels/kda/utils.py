@@ -48,6 +48,18 @@ def state_tile(N: int, HV: int, V: int, device: torch.device) -> int:
     return bv
 
 
+def state_prefetch(BV: int, stores: bool) -> bool:
+    """Whether a state kernel loads each chunk's elementwise operands (the forward's U and decay, the
+    backward's decay) one chunk ahead, by hand: Triton stages only loads that feed a dot, so these wait
+    on the S -> V~ -> S chain each chunk. It pays where the V tile leaves registers spare: V tiles of 16,
+    and of 32 when the kernel does not also write per-chunk tensors (``stores``: the training forward's
+    h and V~, the backward's dh and dV~). On an H200 (bf16, K = V = 128): forward state + output
+    0.871 -> 0.653 ms at B1 T32768 H16 (BV 16; 0.966 -> 0.744 storing h and V~, backward state 0.968 ->
+    0.924), 0.245 -> 0.201 ms at B1 T8192 H32 (BV 32; but storing 0.278 -> 0.348, backward 0.265 ->
+    0.314), 0.308 -> 0.330 ms at B4 T8192 H16 (BV 64)."""
+    return BV <= (16 if stores else 32)
+
+
 def state_half(K: int) -> int:
     """Rows of K in each of the two halves the state kernels hold their [K, BV] state in (>= 16, the
     smallest tl.dot tile; rows past K are masked)."""
