@@ -348,6 +348,22 @@ def test_gate_parameters_on_another_device_or_bad_scale():
         flash_kda(q, k, v, z, beta.long(), A_log, dt_bias)
 
 
+def test_silently_accepted_arguments_are_refused():
+    """A fresh user's cases, all accepted without a word before: a scale <= 0, a tensor as
+    output_final_state (truthy), an integer A_log or dt_bias (no gradient), a 0-d tensor lower_bound."""
+    q, k, v, z, beta, A_log, dt_bias, h0 = (x.float() for x in make_inputs(1, 8, 1, 1, 16, 16))
+    cases = [(dict(scale=-0.25), "scale must be a finite positive float, got -0.25"),
+             (dict(scale=0), "scale must be a finite positive float, got 0"),
+             (dict(output_final_state=h0), "output_final_state must be a bool, got Tensor"),
+             (dict(A_log=A_log.long()), "A_log must be a floating-point tensor, got dtype torch.int64"),
+             (dict(dt_bias=dt_bias.long()), "dt_bias must be a floating-point tensor, got dtype torch.int64"),
+             (dict(lower_bound=torch.tensor(-5.0)), r"lower_bound must be a float in \[-10.0, 0\), got tensor")]
+    for change, message in cases:
+        args = dict(q=q, k=k, v=v, g=z, beta=beta, A_log=A_log, dt_bias=dt_bias) | change
+        with pytest.raises(ValueError, match=message):
+            flash_kda(**args)
+
+
 def test_bench_flash_kda_help_names_the_module(capsys):
     """--help printed `usage: flash_kda.py`; it must show how the bench is run."""
     from k3lab.bench import flash_kda as bench

@@ -378,6 +378,10 @@ def _bad_more(name):
         x["initial_state"] = x["initial_state"].to("meta")
     elif name in ("scale_nan", "scale_inf"):
         extra["scale"] = float(name[6:])
+    elif name in ("scale_negative", "scale_zero"):
+        extra["scale"] = -0.5 if name == "scale_negative" else 0.0
+    elif name == "final_state_not_bool":
+        extra["output_final_state"] = x["initial_state"]
     elif name == "all_meta":
         x = {k: t.to("meta") for k, t in x.items()}
     elif name == "int_state":
@@ -386,10 +390,13 @@ def _bad_more(name):
 
 
 # all_meta and int_state: a fresh user's cases (NotImplementedError "Cannot copy out of meta tensor"
-# from the value checks; an integer state silently cast).
+# from the value checks; an integer state silently cast); so are a scale <= 0 and a tensor passed as
+# output_final_state (both accepted silently).
 BAD_MORE = {"int_q": "q", "int_all": "q", "bool_beta": "beta", "B0": "B", "H0": "H", "cu_list": "cu_seqlens",
             "state_list": "initial_state", "state_other_device": "initial_state", "scale_nan": "scale",
-            "scale_inf": "scale", "all_meta": "meta device", "int_state": "initial_state must be a floating-point"}
+            "scale_inf": "scale", "all_meta": "meta device", "int_state": "initial_state must be a floating-point",
+            "scale_negative": "scale must be a finite positive", "scale_zero": "scale must be a finite positive",
+            "final_state_not_bool": "output_final_state must be a bool, got Tensor"}
 
 
 @pytest.mark.parametrize("fn", [naive_recurrent_kda, chunk_kda], ids=["naive", "chunk"])

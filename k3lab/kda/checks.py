@@ -61,6 +61,7 @@ def check_kda_inputs(
     cu_seqlens: torch.Tensor | None = None,
     check_values: bool = True,
     scale: float | None = None,
+    output_final_state: bool = False,
 ) -> int:
     """Check the shapes and values of KDA inputs; returns N (the number of sequences).
 
@@ -70,8 +71,9 @@ def check_kda_inputs(
     Raises:
         ValueError: naming the argument, the shape it got and the one expected; a non-float dtype;
             a zero-sized dimension; HV not a multiple of H; tensors on the meta device; bad cu_seqlens;
-            an initial_state that is not a floating-point tensor or not on q's device; a NaN or inf
-            ``scale``; g > 0; a NaN or inf in any input (when ``check_values``).
+            an initial_state that is not a floating-point tensor or not on q's device; a ``scale`` that
+            is not a finite positive number; an ``output_final_state`` that is not a bool; g > 0; a NaN or
+            inf in any input (when ``check_values``).
     """
     tensors = dict(q=q, k=k, v=v, g=g, beta=beta)
     for name, x in tensors.items():
@@ -104,11 +106,13 @@ def check_kda_inputs(
         raise ValueError("q, k, v, g, beta are on the meta device: KDA has no meta kernels, use a real device")
     if scale is not None:
         try:
-            finite = math.isfinite(scale)
+            ok = math.isfinite(scale) and scale > 0 and not isinstance(scale, bool)
         except TypeError:
-            finite = False
-        if not finite:
-            raise ValueError(f"scale must be a finite float, got {scale!r}")
+            ok = False
+        if not ok:
+            raise ValueError(f"scale must be a finite positive float, got {scale!r}")
+    if not isinstance(output_final_state, bool):
+        raise ValueError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
     N = B
     if cu_seqlens is not None:
         if B != 1:

@@ -121,10 +121,13 @@ def chunk_kda(
         (float64 for float64 inputs), or None.
 
     Raises:
-        ValueError: bad shapes, HV not a multiple of H, bad cu_seqlens, g > 0, NaN/inf inputs, or a
-            chunk_size that is not a multiple of 16 or a power of two below 16.
+        ValueError: bad shapes, HV not a multiple of H, bad cu_seqlens, g > 0, NaN/inf inputs, a scale
+            that is not a finite positive number, a non-bool output_final_state
+            (``k3lab.kda.checks.check_kda_inputs``), or a chunk_size that is not a multiple of 16 or a
+            power of two below 16.
     """
-    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale)
+    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
+                         output_final_state=output_final_state)
     check_chunk_size(chunk_size, SUB_TILE)
     B, T, H, K = q.shape
     HV, V = v.shape[2:]

@@ -18,12 +18,16 @@ def check_gate_params(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tenso
 
 
 def check_gate_shapes(HV: int, K: int, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> None:
-    """ValueError unless A_log is [HV] and dt_bias None, [HV * K] or [HV, K] (no broadcasting: a
-    wrong-sized A_log would otherwise broadcast over the K axis)."""
+    """ValueError unless A_log is a floating-point [HV] tensor and dt_bias None or a floating-point
+    [HV * K] or [HV, K] one (no broadcasting: a wrong-sized A_log would otherwise broadcast over the K
+    axis; an integer one has no gradient)."""
     if not isinstance(A_log, torch.Tensor) or A_log.shape != (HV,):
         raise ValueError(f"A_log must be a [HV] = [{HV}] tensor, got {_shape(A_log)}")
     if dt_bias is not None and (not isinstance(dt_bias, torch.Tensor) or dt_bias.shape not in ((HV * K,), (HV, K))):
         raise ValueError(f"dt_bias must be [HV * K] = [{HV * K}] or [HV, K] = [{HV}, {K}], got {_shape(dt_bias)}")
+    for name, x in dict(A_log=A_log, dt_bias=dt_bias).items():
+        if x is not None and not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
 
 
 def check_lower_bound(lower_bound) -> None:

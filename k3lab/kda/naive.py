@@ -50,7 +50,9 @@ def naive_recurrent_kda(
         dtype (float64 for float64 inputs, else float32), or None.
 
     Raises:
-        ValueError: bad shapes, HV not a multiple of H, bad cu_seqlens, g > 0, NaN/inf inputs.
+        ValueError: bad shapes, HV not a multiple of H, bad cu_seqlens, g > 0, NaN/inf inputs, a scale
+            that is not a finite positive number, a non-bool output_final_state
+            (``k3lab.kda.checks.check_kda_inputs``).
 
     Example:
         >>> B, T, H, K = 1, 5, 2, 4
@@ -60,7 +62,8 @@ def naive_recurrent_kda(
         >>> o.shape, s.shape
         (torch.Size([1, 5, 2, 4]), torch.Size([1, 2, 4, 4]))
     """
-    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale)
+    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
+                         output_final_state=output_final_state)
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale

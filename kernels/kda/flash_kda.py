@@ -2,6 +2,7 @@
 Eq. 5; Kimi Linear, Sec. 3.2). The autograd function and the public entry point."""
 from __future__ import annotations
 
+import numbers
 import os
 
 import torch
@@ -22,8 +23,9 @@ def check_gate_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, A_log, dt
     """The checks ``flash_kda`` adds to ``check_kda_inputs`` (run after it, on the same q, k, v).
 
     Raises:
-        ValueError: A_log not a [HV] tensor, dt_bias not [HV * K] or [HV, K], either on another device
-            than q, lower_bound not a number in [-10, 0), K > 256, q, k, v not one of float16/bfloat16/float32.
+        ValueError: A_log not a floating-point [HV] tensor, dt_bias not a floating-point [HV * K] or
+            [HV, K] one, either on another device than q, lower_bound not a number (int or float, not a
+            tensor or bool) in [-10, 0), K > 256, q, k, v not one of float16/bfloat16/float32.
         RuntimeError: CPU tensors without TRITON_INTERPRET=1.
     """
     K = q.shape[3]
@@ -32,11 +34,8 @@ def check_gate_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, A_log, dt
         if isinstance(x, torch.Tensor) and x.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
     check_gate_shapes(HV, K, A_log, dt_bias)
-    try:
-        in_range = MIN_LOWER_BOUND <= lower_bound < 0
-    except TypeError:
-        in_range = False
-    if not in_range:
+    if not (isinstance(lower_bound, numbers.Real) and not isinstance(lower_bound, bool)
+            and MIN_LOWER_BOUND <= lower_bound < 0):
         raise ValueError(f"lower_bound must be a float in [{MIN_LOWER_BOUND}, 0), got {lower_bound!r}")
     if K > MAX_K:
         raise ValueError(f"flash_kda supports K <= {MAX_K}, got K={K}")
@@ -192,9 +191,10 @@ def flash_kda(
         (o, final_state): o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] float32 or None.
 
     Raises:
-        ValueError: the errors of ``k3lab.kda.checks.check_kda_inputs`` (shapes, GVA, cu_seqlens,
-            NaN/inf when ``check_values``), and bad A_log/dt_bias shapes or devices, K > 256, mixed
-            dtypes, lower_bound not a number in [-10, 0).
+        ValueError: the errors of ``k3lab.kda.checks.check_kda_inputs`` (shapes, GVA, cu_seqlens, a
+            scale not finite and positive, a non-bool output_final_state, NaN/inf when ``check_values``),
+            and A_log/dt_bias of bad shapes, integer dtypes or on another device, K > 256, mixed dtypes,
+            lower_bound not a number in [-10, 0).
         RuntimeError: on a CPU tensor without TRITON_INTERPRET=1 (call ``k3lab.setup()`` first);
             when a gradient taken with ``create_graph=True`` is differentiated again (no second derivatives).
 
@@ -208,7 +208,8 @@ def flash_kda(
         >>> o.shape, s.shape
         (torch.Size([1, 20, 1, 16]), torch.Size([1, 1, 16, 16]))
     """
-    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values=False, scale=scale)
+    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values=False, scale=scale,
+                     output_final_state=output_final_state)
     check_gate_args(q, k, v, A_log, dt_bias, lower_bound)
     if check_values:
         check_finite(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
