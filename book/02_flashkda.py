@@ -194,7 +194,7 @@ assert MIN_LOWER_BOUND == -10.0
 # | `scores_fwd` with `REPLAY`, then `wu_fwd` (KCP's backward, chapter 03) | as above | from the saved `G` and `T`: only the prep (`KG`, `QG`, `W`'s operand) and `W`, `U` — no sub-tile scores, no inverse | one constexpr |
 # | `state_fwd` | sequences × value heads × V tiles | the one sequential loop: per chunk `Ṽ = U − W S`, then the chunk's output `O = (ΓQ) S + Aqk Ṽ` while `S` and `Ṽ` are in registers, then `S ← γ_C S + (Γ_{i→C}K)ᵀ Ṽ`; `S` stays in registers (fp32) as two `[K/2, BV]` halves; when autograd records (`STORE_STATES` with `OUTPUT`) it also stores `S` before each chunk (`h`, bf16) and `Ṽ` for the backward, otherwise neither; at narrow V tiles (`PREFETCH`, below) the next chunk's `U` and decay are loaded one step ahead | the output, final state, the backward's `h` and `Ṽ` |
 # | `state_fwd`, `STORE_STATES` without `OUTPUT` (KCP's backward, as `REPLAY`) | as above | the same loop storing `h` and `Ṽ`, and no output | same kernel, two constexprs |
-# | `state_bwd` | sequences × value heads × V tiles | reverse loop: `dṼ = Aqkᵀ dO + (Γ_{i→C}K) dS'`, `dS ← γ_C dS' + (ΓQ)ᵀ dO − Wᵀ dṼ`, `dS` in two K halves | d(initial state) |
+# | `state_bwd` | sequences × value heads × V tiles | reverse loop: `dṼ = Aqkᵀ dO + (Γ_{i→C}K) dS'`, `dS ← γ_C dS' + (ΓQ)ᵀ dO − Wᵀ dṼ`, `dS` in two K halves; at V tiles of 16 the next chunk's decay is loaded one step ahead | d(initial state) |
 # | `dqk_bwd` | K tiles × chunks × value heads | `d(ΓQ) = dO Sᵀ`, `d(Γ_{i→C}K) = Ṽ dS'ᵀ`, `dW = −dṼ Sᵀ`, the state-decay terms of dg | L2-norm rows, G chain |
 # | `dwv_bwd` | chunks × value heads | `dAqk = dO Ṽᵀ`, dV and dβ through `U`, dT, then `dL = −Tᵀ dT Tᵀ` | inverse backward |
 # | `intra_bwd` | 16-row sub-tiles × K tiles (64) × chunks × value heads | one sub-tile's rows of the gradients of both score matrices, as rows (sub-tiles before it) and as columns (sub-tiles after it), each side at one reference where every factor is ≤ 1, on `[16, 64]` tiles, the decay factors as `exp2`; dβ's score term as one partial sum per K tile; float32 operands (tf32 for bf16 inputs) | q/k norms from `dqk_bwd` |
@@ -213,13 +213,17 @@ assert MIN_LOWER_BOUND == -10.0
 # of 64, 32, 16 whose grid still gives about every SM a program) and all accumulators live in
 # registers; `tl.dot` stages its operands through shared memory (Triton's software pipeline,
 # `num_stages = 3` for the bf16 state loops, 2 for float32, whose third stage does not fit). The
-# pipeline stages only loads that feed a `tl.dot`: the state loop's `U` (the accumulator `Ṽ` starts
-# from) and its decay `γ_C` feed elementwise work on the `S → Ṽ → S` chain, so each chunk waited for
-# them. Loaded one chunk ahead by hand (`state_prefetch`), they took the forward's state stage from
-# 0.871 to 0.653 ms at B1 T32768 H16 (V tiles of 16, 108 registers) and 0.245 to 0.201 ms at B1 T8192
-# H32 (tiles of 32), but cost at tiles of 64 (0.308 → 0.330 ms at B4 T8192 H16, 248 registers
-# before the extra tile) and at 32 in the kernels that also store per-chunk tensors, so they are
-# used at 16, and at 32 in the inference forward (`flash_kda_h200_session13.json`).
+# pipeline stages only loads that feed a `tl.dot`: the forward state loop's `U` (the accumulator `Ṽ`
+# starts from) and both state loops' decay `γ_C` feed elementwise work on the chain, so each chunk
+# waited for them. Loaded one chunk ahead by hand (`state_prefetch`), they took the inference
+# forward's state stage from 0.871 to 0.653 ms at B1 T32768 H16 (V tiles of 16, 108 registers; with
+# `h` and `Ṽ` stored 0.966 → 0.744, the backward's state loop 0.968 → 0.924) and from 0.245 to 0.201
+# ms at B1 T8192 H32 (tiles of 32), but cost at tiles of 64 (0.308 → 0.330 ms at B4 T8192 H16, 248
+# registers before the extra tile) and at 32 in the loops that also store per-chunk tensors (0.278 →
+# 0.348 ms storing `h` and `Ṽ`, backward 0.265 → 0.314), so they run at 16, and at 32 in the inference
+# forward (`flash_kda_h200_session13.json`). On this CPU profile the tile is `V` rounded up to a power
+# of two (at most 64), so the `V = 16` tests take the prefetching loops and section 4's `V = 128` ones
+# do not; `tests/test_flash_kda.py` runs both on the same inputs.
 # Compiled offline for sm_90 with ptxas (`tests/sm90_compile.py`: `triton.compile(...,
 # target=GPUTarget("cuda", 90, 32))` + `cuobjdump -res-usage`, no GPU needed, with every pointer
 # marked 16-byte aligned as a GPU launch marks torch's allocations; without that mark the counts come
@@ -497,9 +501,12 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 # T8192 H32 and B1 T32768 H32, and 1.36x at B1 T32768 H16, where the state scan has 16 (sequence,
 # head) pairs to spread over 132 SMs. So issue 3 stays open on the forward floor.
 #
-# The last change to the kernels is the state loops' prefetch (section 3): the forward at B1 T32768
-# H16 went from 1.896 to 1.662 ms (1.19x → 1.36x), at B1 T8192 H32 from 0.781 to 0.719, at B1 T32768
-# H32 from 2.991 to 2.775; elsewhere the sweep is within 1–2% of the previous one. Two more rewrites of
+# The last change to the kernels is the state loops' prefetch (section 3). Against the previous sweep
+# the forward got faster where the state loop runs V tiles of 16 or 32 (one sequence, H ≤ 32): B1
+# T32768 H16 1.896 → 1.662 ms (1.19x → 1.36x), B1 T8192 H16 −12.9%, B1 T8192 H32 −7.9%, B1 T4096 H32
+# −7.5%, B1 T32768 H32 −7.2%; at the other shapes it moved −2.4% to +0.3% (the smaller changes of
+# `flash_kda_h200_session12.json`, and noise). Forward+backward moved −0.5% to −6.2%, and −37% in B1
+# T4096 H16's host-bound row (2.566 → 1.620 ms). Two more rewrites of
 # the inference forward were measured and dropped (`flash_kda_h200_session13.json`): without a
 # backward, `W` and `U` need never be formed, since `Ṽ = T (Diag(β)V − (Diag(β)ΓK) S)`. Applying `T` in
 # the state loop saved the `wu_fwd` kernel (1.010 → 0.839 ms for the intra stage at B4 T8192 H16) but
