@@ -179,7 +179,7 @@ assert MIN_LOWER_BOUND == -10.0
 # the public `flash_kda`, which validates (shapes always; NaN/inf with `check_values=True`, the
 # default) and builds the chunk table on the host from the sequence lengths, once per shape (cached:
 # a training loop at fixed shapes never copies it again). Chunk `C = 64`, sub-tile 16, `K` in tiles of
-# 32 in the gate kernels, whole in the scores kernel, in two halves in the state kernels and in tiles
+# 64 in the forward's gate kernel (32 in its backward), whole in the scores kernel, in two halves in the state kernels and in tiles
 # of 64 in the intra backward, `V` in tiles of 16–64. The intra forward is four kernels: `gate_fwd`,
 # `scores_fwd`, `inverse_fwd` and `wu_fwd` (`kda_intra_fwd`); the fifth, `state_fwd`, walks the chunks and writes
 # the output as it goes, and, when autograd records, also the chunk states `h` and `Ṽ`. The backward
@@ -187,7 +187,7 @@ assert MIN_LOWER_BOUND == -10.0
 #
 # | stage | grid | what it does | fused |
 # |---|---|---|---|
-# | `gate_fwd` | K tiles (32) × chunks × value heads | `g = lb·σ(exp(A_log)(z + b))` and its cumsum in the chunk, `G` (float32; padded rows get `g = 0`) | gate activation |
+# | `gate_fwd` | K tiles (64) × chunks × value heads | `g = lb·σ(exp(A_log)(z + b))` and its cumsum in the chunk, `G` (float32; padded rows get `g = 0`) | gate activation |
 # | `scores_fwd` | 16-row sub-tiles × chunks × value heads | for its sub-tile: q/k L2-normalised, β sigmoid, two exponentials per element at the sub-tile's middle reference (`exp2`), `KG`, `QG` and `W`'s right operand `Diag(β)ΓK`; then its row of 16×16 sub-tiles of `Diag(β)(ΓK)(K/Γ)ᵀ` and `(ΓQ)(K/Γ)ᵀ` on tensor cores — the diagonal one at the middle reference, each earlier one (its keys reloaded and normalised again) at that sub-tile's last row, where both factors are ≤ 1; writes the strictly lower `L = Diag(β)StrictTril(…)` (float32), and `Aqk` | all elementwise prep, both score matrices |
 # | `inverse_fwd` | chunks × value heads | the UT inverse `T = (I + L)⁻¹` by 16×16 blocks: the 4 diagonal blocks as one `[4, 16, 16]` batch, `(I − N)(I + N²)(I + N⁴)(I + N⁸)` in six fp32 products (and, for float32 intermediates, one Newton step: two more; below), then the 6 blocks under them by block products in full fp32; `T` stored in the intermediates' dtype | the whole inverse |
 # | `wu_fwd` | chunks × value heads | `W = T·Diag(β)ΓK` (in place over its right operand), `U = T·Diag(β)V`, in column tiles of up to 64 | W/U |
@@ -506,7 +506,10 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 # T32768 H16 1.896 → 1.662 ms (1.19x → 1.36x), B1 T8192 H16 −12.9%, B1 T8192 H32 −7.9%, B1 T4096 H32
 # −7.5%, B1 T32768 H32 −7.2%; at the other shapes it moved −2.4% to +0.3% (the smaller changes of
 # `flash_kda_h200_session12.json`, and noise). Forward+backward moved −0.5% to −6.2%, and −37% in B1
-# T4096 H16's host-bound row (2.566 → 1.620 ms). Two more rewrites of
+# T4096 H16's host-bound row (2.566 → 1.620 ms). After the sweep the forward's gate kernel moved to
+# K tiles of 64 (114.5 µs against 131.7 for 32 at B4 T8192 H16, same call); in the next call the whole
+# forward took 1.305, 0.713 and 5.166 ms at B4 T8192 H16, B1 T8192 H32 and B8 T4096 H64 (the sweep:
+# 1.318, 0.719, 5.211; ratios 1.43x, 1.37x, 1.32x). Two more rewrites of
 # the inference forward were measured and dropped (`flash_kda_h200_session13.json`): without a
 # backward, `W` and `U` need never be formed, since `Ṽ = T (Diag(β)V − (Diag(β)ΓK) S)`. Applying `T` in
 # the state loop saved the `wu_fwd` kernel (1.010 → 0.839 ms for the intra stage at B4 T8192 H16) but
