@@ -106,28 +106,30 @@ def off_scores(b_kp, b_qp, b_cj, b_mI, b_eJ, Aqk, t0, n_t, i_hv, I, J,
 
 
 @triton.jit
-def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr, REFINE: tl.constexpr):
+def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr, PREC: tl.constexpr, REFINE: tl.constexpr):
     """(I + N)^-1 of four strictly lower [BC, BC] blocks at once, as a [4, BC, BC] batch: N^16 = 0, so
-    (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8), six batched fp32 products (BC = 16), then, with
-    ``REFINE``, one Newton step X <- X + X (I - (I + N) X) (two more). The powers of N can be large where
-    the inverse is not (near-identical keys: N^8 up to C(14, 7) = 3432), so the products alone lose digits
-    in float32 (6e-5 relative on such a block); the Newton step brings it to 6e-8, below forward
-    substitution's. The launcher refines only float32 intermediates: bf16 ones round T to 3.9e-3 before
-    use, far above the products' error, and there the step cost 44 us of the solve kernel's 429 at
-    B4 T8192 H16 on an H200 (87 of 832 at B1 T32768 H32). Without it the kernel took 385 us, against 486
-    for forward substitution on rows (15 dependent steps, each with two cross-thread reductions)."""
+    (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8), six batched float32 products (BC = 16) at input
+    precision ``PREC``, then, with ``REFINE``, one Newton step X <- X + X (I - (I + N) X) (two more).
+
+    The powers of N can be large where the inverse is not (near-identical keys: N^8 up to C(14, 7) =
+    3432), so they need about float32's digits: the products alone lose 6e-5 relative on such a block
+    ("ieee", on CUDA cores), which the Newton step brings to 6e-8, below forward substitution's. The
+    launcher uses that for float32 intermediates, and for bf16 ones, which round T to 2^-9 before use,
+    3xTF32 on tensor cores without the step: on an H200 with identical keys in runs of 8 (weak gates,
+    strong beta), T's error is then that of ieee products (8.2e-4 relative, 2.0e-3 max, both bf16's
+    rounding), where bf16x3 gave 8.0e-3 max and plain TF32 0.65 (flash_kda_h200_session14.json)."""
     b_N = tl.permute(tl.reshape(tl.join(tl.join(b_N0, b_N1), tl.join(b_N2, b_N3)), (BC, BC, 4)), (2, 0, 1))
     o_c = tl.arange(0, BC)
     b_I = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, tl.zeros_like(b_N))
-    b_N2 = tl.dot(b_N, b_N, input_precision="ieee")
-    b_N4 = tl.dot(b_N2, b_N2, input_precision="ieee")
-    b_N8 = tl.dot(b_N4, b_N4, input_precision="ieee")
+    b_N2 = tl.dot(b_N, b_N, input_precision=PREC)
+    b_N4 = tl.dot(b_N2, b_N2, input_precision=PREC)
+    b_N8 = tl.dot(b_N4, b_N4, input_precision=PREC)
     b_X = b_I - b_N
-    b_X += tl.dot(b_X, b_N2, input_precision="ieee")
-    b_X += tl.dot(b_X, b_N4, input_precision="ieee")
-    b_X += tl.dot(b_X, b_N8, input_precision="ieee")
+    b_X += tl.dot(b_X, b_N2, input_precision=PREC)
+    b_X += tl.dot(b_X, b_N4, input_precision=PREC)
+    b_X += tl.dot(b_X, b_N8, input_precision=PREC)
     if REFINE:
-        b_X += tl.dot(b_X, b_I - b_X - tl.dot(b_N, b_X, input_precision="ieee"), input_precision="ieee")
+        b_X += tl.dot(b_X, b_I - b_X - tl.dot(b_N, b_X, input_precision=PREC), input_precision=PREC)
     b_X = tl.reshape(tl.permute(b_X, (1, 2, 0)), (BC, BC, 2, 2))
     b_X01, b_X23 = tl.split(b_X)
     b_X0, b_X1 = tl.split(b_X01)
@@ -136,9 +138,15 @@ def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr, REFINE: tl.cons
 
 
 @triton.jit
-def dot32(a, b):
-    """A small fp32 product kept in full fp32 on the GPU (the UT inverse is where precision matters)."""
-    return tl.dot(a, b, input_precision="ieee")
+def dot_at(a, b, PREC: tl.constexpr):
+    """tl.dot of two float32 blocks at input precision ``PREC`` (a constexpr chosen by the launcher)."""
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def block_product(a, b, c, PREC: tl.constexpr):
+    """(a b) c at input precision ``PREC``."""
+    return dot_at(dot_at(a, b, PREC), c, PREC)
 
 
 @triton.jit
@@ -236,12 +244,13 @@ def load_block(L, t0, n_t, i_hv, I: tl.constexpr, J: tl.constexpr, HV: tl.conste
     return load_rows(L, t0, n_t, I * BC + o_c, HV * BT, i_hv * BT + J * BC, o_c, BC, False)
 
 
-@triton.autotune(configs=warp_configs(4, 2, 8), key=["HV", "REFINE"])
+@triton.autotune(configs=warp_configs(4, 2, 8), key=["HV", "DIAG_PREC", "BLOCK_PREC", "REFINE"])
 @triton.jit
 def kda_inverse_fwd_kernel(
     L, Tinv,  # L fp32 [T, HV, BT] (from kda_scores_fwd_kernel); Tinv [T, HV, BT] out, in the intermediates' dtype
     cu_seqlens, chunk_indices,
     HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    DIAG_PREC: tl.constexpr, BLOCK_PREC: tl.constexpr,  # tl.dot input precisions (``inverse_precisions``)
     REFINE: tl.constexpr,  # a Newton step on the diagonal inverses (float32 intermediates)
 ):
     """Per chunk and value head: the UT-transform inverse T = (I + L)^-1 by 16x16 blocks (the four
@@ -257,19 +266,20 @@ def kda_inverse_fwd_kernel(
     b_L11 = load_block(L, t0, n_t, i_hv, 1, 1, HV, BT, BC)
     b_L22 = load_block(L, t0, n_t, i_hv, 2, 2, HV, BT, BC)
     b_L33 = load_block(L, t0, n_t, i_hv, 3, 3, HV, BT, BC)
-    b_T00, b_T11, b_T22, b_T33 = unit_lower_inverse(b_L00, b_L11, b_L22, b_L33, BC, REFINE)
+    b_T00, b_T11, b_T22, b_T33 = unit_lower_inverse(b_L00, b_L11, b_L22, b_L33, BC, DIAG_PREC, REFINE)
     b_L10 = load_block(L, t0, n_t, i_hv, 1, 0, HV, BT, BC)
     b_L21 = load_block(L, t0, n_t, i_hv, 2, 1, HV, BT, BC)
     b_L20 = load_block(L, t0, n_t, i_hv, 2, 0, HV, BT, BC)
     b_L32 = load_block(L, t0, n_t, i_hv, 3, 2, HV, BT, BC)
     b_L31 = load_block(L, t0, n_t, i_hv, 3, 1, HV, BT, BC)
     b_L30 = load_block(L, t0, n_t, i_hv, 3, 0, HV, BT, BC)
-    b_T10 = -dot32(dot32(b_T11, b_L10), b_T00)
-    b_T21 = -dot32(dot32(b_T22, b_L21), b_T11)
-    b_T20 = -dot32(b_T22, dot32(b_L20, b_T00) + dot32(b_L21, b_T10))
-    b_T32 = -dot32(dot32(b_T33, b_L32), b_T22)
-    b_T31 = -dot32(b_T33, dot32(b_L31, b_T11) + dot32(b_L32, b_T21))
-    b_T30 = -dot32(b_T33, dot32(b_L30, b_T00) + dot32(b_L31, b_T10) + dot32(b_L32, b_T20))
+    b_T10 = -block_product(b_T11, b_L10, b_T00, BLOCK_PREC)
+    b_T21 = -block_product(b_T22, b_L21, b_T11, BLOCK_PREC)
+    b_T20 = -dot_at(b_T22, dot_at(b_L20, b_T00, BLOCK_PREC) + dot_at(b_L21, b_T10, BLOCK_PREC), BLOCK_PREC)
+    b_T32 = -block_product(b_T33, b_L32, b_T22, BLOCK_PREC)
+    b_T31 = -dot_at(b_T33, dot_at(b_L31, b_T11, BLOCK_PREC) + dot_at(b_L32, b_T21, BLOCK_PREC), BLOCK_PREC)
+    b_L3x = dot_at(b_L30, b_T00, BLOCK_PREC) + dot_at(b_L31, b_T10, BLOCK_PREC) + dot_at(b_L32, b_T20, BLOCK_PREC)
+    b_T30 = -dot_at(b_T33, b_L3x, BLOCK_PREC)
     store_tinv_row(Tinv, b_T00, b_T00, b_T00, b_T00, t0, n_t, i_hv, 0, HV, BT, BC)
     store_tinv_row(Tinv, b_T10, b_T11, b_T11, b_T11, t0, n_t, i_hv, 1, HV, BT, BC)
     store_tinv_row(Tinv, b_T20, b_T21, b_T22, b_T22, t0, n_t, i_hv, 2, HV, BT, BC)
@@ -400,6 +410,16 @@ kda_scores_fwd_tuned = triton.autotune(configs=warp_configs(4, 2, 8), key=["H", 
     kda_scores_fwd_kernel)
 
 
+def inverse_precisions(exact: bool) -> tuple[str, str]:
+    """tl.dot input precisions of the UT inverse's diagonal powers and off-diagonal blocks: full float32
+    on CUDA cores ("ieee") for float32 intermediates; for bf16 ones, 3xTF32 for the powers (see
+    ``unit_lower_inverse``) and TF32 for the blocks T_IJ = -T_II (sum L T), products of terms of size
+    about 1 whose TF32 rounding (2^-11) stays below T's bf16 rounding. On an H200 (bf16, K = 128) that
+    took the inverse kernel from 202 to 149 us at B4 T8192 H16 and 778 to 557 us at B8 T4096 H64, T's
+    error unchanged (flash_kda_h200_session14.json)."""
+    return ("ieee", "ieee") if exact else ("tf32x3", "tf32")
+
+
 def block_sizes(K: int, V: int) -> tuple[int, int]:
     """(BK, BV): K in one tile (<= 256), V tiled by 64 at most."""
     return max(16, triton.next_power_of_2(K)), min(64, max(16, triton.next_power_of_2(V)))
@@ -450,8 +470,10 @@ def _launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indic
         BK=BK, PREC=prec, REPLAY=replay, **launch,
     )
     if not replay:
+        exact = W.dtype == torch.float32
+        diag, block = inverse_precisions(exact)
         kda_inverse_fwd_kernel[(NT, HV)](L, Tinv, cu_seqlens, chunk_indices, HV=HV, BT=BT, BC=BC,
-                                         REFINE=W.dtype == torch.float32)
+                                         DIAG_PREC=diag, BLOCK_PREC=block, REFINE=exact)
     kda_wu_fwd_kernel[(NT, HV)](Tinv, v, beta, W, U, cu_seqlens, chunk_indices, HV=HV, K=K, V=V, BT=BT, BV=BV,
                                 PREC=prec)
     return W, U, KG, QG
