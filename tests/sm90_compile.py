@@ -20,7 +20,7 @@ from k3lab.kernels.kda import chunk_bwd as cb
 from k3lab.kernels.kda import chunk_fwd as cf
 
 BF, F32, I32 = "*bf16", "*fp32", "*i32"
-SCALARS = dict(cu_seqlens=I32, chunk_indices=I32, chunk_offsets=I32, scale="fp32", lower_bound="fp32")
+SCALARS = dict(cu_seqlens=I32, chunk_indices=I32, chunk_offsets=I32, scale="fp32", lower_bound="fp32", grid_log2="i32")
 SHAPE = dict(HV=16, K=128, V=128, BT=64)
 SCORES = dict(q=BF, k=BF, beta=BF, G=F32, L=F32, Aqk=BF, W=BF, KG=BF, QG=BF)
 SCORES_C = dict(H=16, HV=16, K=128, BT=64, BC=16, BK=128, PREC="tf32")
@@ -34,8 +34,10 @@ KERNELS = {
     "scores_fwd_K256": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, K=256, BK=256, REPLAY=False)),
     "scores_fwd_fp32": (cf.kda_scores_fwd_kernel, dict.fromkeys(SCORES, F32), dict(SCORES_C, PREC="bf16x3",
                                                                                    REPLAY=False)),
-    "inverse_fwd": (cf.kda_inverse_fwd_kernel, dict(L=F32, Tinv=BF), dict(HV=16, BT=64, BC=16, REFINE=False)),
-    "inverse_fwd_fp32": (cf.kda_inverse_fwd_kernel, dict(L=F32, Tinv=F32), dict(HV=16, BT=64, BC=16, REFINE=True)),
+    "inverse_fwd": (cf.kda_inverse_fwd_kernel, dict(L=F32, Tinv=BF),
+                    dict(HV=16, BT=64, BC=16, DIAG_PREC="tf32x3", BLOCK_PREC="tf32", REFINE=False)),
+    "inverse_fwd_fp32": (cf.kda_inverse_fwd_kernel, dict(L=F32, Tinv=F32),
+                         dict(HV=16, BT=64, BC=16, DIAG_PREC="ieee", BLOCK_PREC="ieee", REFINE=True)),
     "wu_fwd": (cf.kda_wu_fwd_kernel, dict(Tinv=BF, v=BF, beta=BF, W=BF, U=BF),
                dict(HV=16, K=128, V=128, BT=64, BV=64, PREC="tf32")),
     "state_fwd": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=False, OUTPUT=True)),

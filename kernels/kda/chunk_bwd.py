@@ -22,14 +22,16 @@ kernel first.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from k3lab.kernels.kda.chunk_fwd import block_sizes, exp_ftz
 from k3lab.kernels.kda.utils import (
-    BC, BT, add_rows, chunk_decay_halves, chunk_span, dot_precision, inverse_norm, l2norm_bwd, load_rows, load_vec,
-    sequence_span, state_half, state_halves, state_prefetch, state_tile, store_rows, warp_configs,
+    BC, BT, add_rows, chunk_decay_halves, chunk_span, dot_precision, grid_log2, inverse_norm, l2norm_bwd, load_rows,
+    load_vec, sequence_span, state_half, state_halves, state_prefetch, state_tile, store_rows, warp_configs,
 )
 
 
@@ -96,14 +98,14 @@ def kda_state_bwd_kernel(
         tl.store(p_dh0 + o_s2, b_dS2, mask=m_2)
 
 
-@triton.autotune(configs=warp_configs(4, 8), key=["H", "HV", "K", "V"])
+@triton.autotune(configs=warp_configs(4, 8), key=["grid_log2", "H", "HV", "K", "V"])
 @triton.jit
 def kda_dqk_bwd_kernel(
     q, k, G, h, dh, Vn, dVn, do,  # inputs and recomputed forward pieces
     dqs, dkn, dG, dW, dgx,  # outputs [T, HV, K]: fp32 partial grads of scale*q_hat, k_hat, G; dW in the
                             # intermediates' dtype; fp32 dgx: a part of dg itself (added after the reverse cumsum)
     rq, rk,  # outputs, fp32 [T, HV]: the rows' inverse L2 norms of q and k, for the kernels after this one
-    cu_seqlens, chunk_indices, scale,
+    cu_seqlens, chunk_indices, scale, grid_log2,  # grid_log2: the autotuner's key only (``grid_log2``)
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BKK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -161,13 +163,13 @@ def kda_dqk_bwd_kernel(
     store_rows(dgx, b_dgx, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
 
 
-@triton.autotune(configs=warp_configs(4, 8), key=["H", "HV", "K", "V"], restore_value=["dkn", "dG"])
+@triton.autotune(configs=warp_configs(4, 8), key=["grid_log2", "H", "HV", "K", "V"], restore_value=["dkn", "dG"])
 @triton.jit
 def kda_dwv_bwd_kernel(
     k, v, beta, G, Tinv, dW, dVn, do, Vn, rk,  # inputs (dW and rk from kda_dqk_bwd_kernel)
     dkn, dG, db, dv, dAqk, dAkk,  # dkn, dG are added to in place; db fp32 [T, HV]; dv [T, HV, V];
                                   # dAqk, dAkk [T, HV, BT] in the intermediates' dtype
-    cu_seqlens, chunk_indices,
+    cu_seqlens, chunk_indices, grid_log2,  # grid_log2: the autotuner's key only (``grid_log2``)
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -230,13 +232,14 @@ def unit_rows(x, rx, t0, n_t, o_r, stride, off, o_k, i_hv, HV: tl.constexpr, K: 
 # chunk): every product below is column-separable except the scores Ks (summed over K for dbeta: each K
 # tile writes its partial sum). The reverse cumsum of dG, the gate and the L2-norm backward need whole
 # chunks or rows: ``kda_gate_norm_bwd_kernel``, after this one.
-@triton.autotune(configs=warp_configs(2, 4), key=["H", "HV", "K", "BKT"], restore_value=["dqs", "dkn", "dG"])
+@triton.autotune(configs=warp_configs(2, 4), key=["grid_log2", "H", "HV", "K", "BKT"],
+                 restore_value=["dqs", "dkn", "dG"])
 @triton.jit
 def kda_intra_bwd_kernel(
     q, k, beta, G, rq, rk, dAqk, dAkk,  # rq, rk fp32 [T, HV]: inverse norms; dAqk, dAkk [T, HV, BT]
     dqs, dkn, dG, dbeta_part,  # dqs, dkn, dG [T, HV, K] fp32: the other kernels' parts, totals written back;
                                # dbeta_part fp32 [NKT, T, HV]
-    cu_seqlens, chunk_indices, scale, T_total,
+    cu_seqlens, chunk_indices, scale, T_total, grid_log2,  # grid_log2: the autotuner's key only (``grid_log2``)
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BKT: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -439,9 +442,11 @@ def kda_dqk_bwd(q, k, G, h, dh, Vn, dVn, do, scale, cu_seqlens, chunk_indices):
     dqs, dkn, dG, dgx = (torch.empty(T, HV, K, device=k.device, dtype=torch.float32) for _ in range(4))
     dW = torch.empty(T, HV, K, device=k.device, dtype=h.dtype)
     rn = torch.empty(2, T, HV, device=k.device, dtype=torch.float32)
-    kda_dqk_bwd_kernel[(triton.cdiv(K, BK), chunk_indices.shape[0], HV)](
+    grid = (triton.cdiv(K, BK), chunk_indices.shape[0], HV)
+    kda_dqk_bwd_kernel[grid](
         q, k, G, h, dh, Vn, dVn, do, dqs, dkn, dG, dW, dgx, rn[0], rn[1], cu_seqlens, chunk_indices, scale,
-        H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=BK, BV=BV, PREC=dot_precision(h.dtype, k.device),
+        grid_log2(math.prod(grid)), H=H, HV=HV, K=K, V=V, BT=BT, BKK=BKK, BK=BK, BV=BV,
+        PREC=dot_precision(h.dtype, k.device),
     )
     return dqs, dkn, dG, dW, dgx, rn
 
@@ -459,7 +464,8 @@ def kda_dwv_bwd(k, v, beta, G, Tinv, dW, dVn, do, Vn, dkn, dG, rn, cu_seqlens, c
     dAqk, dAkk = (torch.empty(T, HV, BT, device=k.device, dtype=Vn.dtype) for _ in range(2))
     kda_dwv_bwd_kernel[(chunk_indices.shape[0], HV)](
         k, v, beta, G, Tinv, dW, dVn, do, Vn, rn[1], dkn, dG, db, dv, dAqk, dAkk, cu_seqlens, chunk_indices,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=min(BK, 32), BV=BV, PREC=dot_precision(Vn.dtype, k.device),
+        grid_log2(chunk_indices.shape[0] * HV), H=H, HV=HV, K=K, V=V, BT=BT, BK=min(BK, 32), BV=BV,
+        PREC=dot_precision(Vn.dtype, k.device),
     )
     return db, dv, dAqk, dAkk
 
@@ -479,9 +485,10 @@ def kda_intra_bwd(q, k, z, beta, A_log, dt_bias, G, rn, dAqk, dAkk, dqs, dkn, dG
     NKT, NKG = triton.cdiv(K, BKT), triton.cdiv(K, BKG)
     dev = k.device
     dbeta_part = torch.empty(NKT, T, HV, device=dev, dtype=torch.float32)
-    kda_intra_bwd_kernel[(NKT * (BT // BC), NT, HV)](
+    grid = (NKT * (BT // BC), NT, HV)
+    kda_intra_bwd_kernel[grid](
         q, k, beta, G, rn[0], rn[1], dAqk, dAkk, dqs, dkn, dG, dbeta_part, cu_seqlens, chunk_indices, scale, T,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BKT=BKT, PREC=intra_bwd_precision(q.dtype, dev),
+        grid_log2(math.prod(grid)), H=H, HV=HV, K=K, BT=BT, BC=BC, BKT=BKT, PREC=intra_bwd_precision(q.dtype, dev),
     )
     dz = torch.empty_like(z)
     dA_part = torch.empty(NKG, NT, HV, device=dev, dtype=torch.float32)

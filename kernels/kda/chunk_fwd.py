@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from k3lab.kernels.kda.utils import (
-    BC, BT, chunk_decay_halves, chunk_span, dot_precision, l2norm_rows, load_rows, load_vec, sequence_span,
-    state_half, state_halves, state_prefetch, state_tile, store_rows, warp_configs,
+    BC, BT, chunk_decay_halves, chunk_span, dot_precision, grid_log2, l2norm_rows, load_rows, load_vec,
+    sequence_span, state_half, state_halves, state_prefetch, state_tile, store_rows, warp_configs,
 )
 
 
@@ -194,7 +194,7 @@ def kda_scores_fwd_kernel(
     q, k, beta, G, L, Aqk, W, KG, QG,  # q, k [T, H, K]; G fp32 [T, HV, K]; outputs: L fp32 [T, HV, BT] (the
                                        # rows of Diag(beta) StrictTril(Ks)), Aqk [T, HV, BT], W's right operand
                                        # Diag(beta) k exp(G), KG = k exp(G_last - G), QG = scale q exp(G) [T, HV, K]
-    cu_seqlens, chunk_indices, scale,
+    cu_seqlens, chunk_indices, scale, grid_log2,  # grid_log2: the autotuned launch's key only (``grid_log2``)
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, REPLAY: tl.constexpr,  # only W's operand, KG and QG (the backward's replay)
 ):
@@ -244,11 +244,11 @@ def load_block(L, t0, n_t, i_hv, I: tl.constexpr, J: tl.constexpr, HV: tl.conste
     return load_rows(L, t0, n_t, I * BC + o_c, HV * BT, i_hv * BT + J * BC, o_c, BC, False)
 
 
-@triton.autotune(configs=warp_configs(4, 2, 8), key=["HV", "DIAG_PREC", "BLOCK_PREC", "REFINE"])
+@triton.autotune(configs=warp_configs(4, 2, 8), key=["grid_log2", "HV", "DIAG_PREC", "BLOCK_PREC", "REFINE"])
 @triton.jit
 def kda_inverse_fwd_kernel(
     L, Tinv,  # L fp32 [T, HV, BT] (from kda_scores_fwd_kernel); Tinv [T, HV, BT] out, in the intermediates' dtype
-    cu_seqlens, chunk_indices,
+    cu_seqlens, chunk_indices, grid_log2,  # grid_log2: the autotuner's key only (``grid_log2``)
     HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     DIAG_PREC: tl.constexpr, BLOCK_PREC: tl.constexpr,  # tl.dot input precisions (``inverse_precisions``)
     REFINE: tl.constexpr,  # a Newton step on the diagonal inverses (float32 intermediates)
@@ -286,11 +286,11 @@ def kda_inverse_fwd_kernel(
     store_tinv_row(Tinv, b_T30, b_T31, b_T32, b_T33, t0, n_t, i_hv, 3, HV, BT, BC)
 
 
-@triton.autotune(configs=warp_configs(4, 2, 8), key=["HV", "K", "V"], restore_value=["W"])
+@triton.autotune(configs=warp_configs(4, 2, 8), key=["grid_log2", "HV", "K", "V"], restore_value=["W"])
 @triton.jit
 def kda_wu_fwd_kernel(
     Tinv, v, beta, W, U,  # Tinv [T, HV, BT]; W [T, HV, K]: W's right operand in, W out; v, U [T, HV, V]
-    cu_seqlens, chunk_indices,
+    cu_seqlens, chunk_indices, grid_log2,  # grid_log2: the autotuner's key only (``grid_log2``)
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
     """Per chunk and value head: W = T Diag(beta)(Gamma K) and U = T Diag(beta) V, with the whole T as one
@@ -406,7 +406,7 @@ def kda_state_fwd_kernel(
 # Elsewhere the cap would spill more (offline sm_90: 1272 B at K = 256, 456 B with float32
 # intermediates), so for K > 128 and float32 intermediates the warps are timed, as before.
 SCORES_LAUNCH = dict(num_warps=2, num_stages=2, maxnreg=168)
-kda_scores_fwd_tuned = triton.autotune(configs=warp_configs(4, 2, 8), key=["H", "HV", "K", "REPLAY"])(
+kda_scores_fwd_tuned = triton.autotune(configs=warp_configs(4, 2, 8), key=["grid_log2", "H", "HV", "K", "REPLAY"])(
     kda_scores_fwd_kernel)
 
 
@@ -466,16 +466,16 @@ def _launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indic
     capped = BK <= 128 and W.element_size() == 2
     scores, launch = (kda_scores_fwd_kernel, SCORES_LAUNCH) if capped else (kda_scores_fwd_tuned, {})
     scores[(BT // BC, NT, HV)](
-        q, k, beta, G, L, Aqk, W, KG, QG, cu_seqlens, chunk_indices, scale, H=H, HV=HV, K=K, BT=BT, BC=BC,
-        BK=BK, PREC=prec, REPLAY=replay, **launch,
+        q, k, beta, G, L, Aqk, W, KG, QG, cu_seqlens, chunk_indices, scale, grid_log2(NT * HV * BT // BC), H=H,
+        HV=HV, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, REPLAY=replay, **launch,
     )
     if not replay:
         exact = W.dtype == torch.float32
         diag, block = inverse_precisions(exact)
-        kda_inverse_fwd_kernel[(NT, HV)](L, Tinv, cu_seqlens, chunk_indices, HV=HV, BT=BT, BC=BC,
-                                         DIAG_PREC=diag, BLOCK_PREC=block, REFINE=exact)
-    kda_wu_fwd_kernel[(NT, HV)](Tinv, v, beta, W, U, cu_seqlens, chunk_indices, HV=HV, K=K, V=V, BT=BT, BV=BV,
-                                PREC=prec)
+        kda_inverse_fwd_kernel[(NT, HV)](L, Tinv, cu_seqlens, chunk_indices, grid_log2(NT * HV), HV=HV, BT=BT,
+                                         BC=BC, DIAG_PREC=diag, BLOCK_PREC=block, REFINE=exact)
+    kda_wu_fwd_kernel[(NT, HV)](Tinv, v, beta, W, U, cu_seqlens, chunk_indices, grid_log2(NT * HV), HV=HV, K=K, V=V,
+                                BT=BT, BV=BV, PREC=prec)
     return W, U, KG, QG
 
 
