@@ -257,8 +257,9 @@ def kda_inverse_fwd_kernel(
     diagonal inverses as one batch of products, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), stored in the
     intermediates' dtype (what ``kda_wu_fwd_kernel`` and the backward use). A kernel of its own, so that
     the W/U products (82 registers at 4 warps, offline sm_90) do not run at this chain of about twenty
-    dependent small fp32 products' count (243): on an H200 the split took the float32 intra forward from
-    1.822 to 1.700 ms at B4 T8192 H16 and left bf16's as it was (1.015 -> 1.011 ms)."""
+    dependent small fp32 products' count (offline sm_90 at 4 warps: 255 with full-fp32 products and the
+    Newton step, 128 with the bf16 path's tensor-core ones): on an H200 the split took the float32 intra
+    forward from 1.822 to 1.700 ms at B4 T8192 H16 and left bf16's as it was (1.015 -> 1.011 ms)."""
     tl.static_assert(BT == 4 * BC)
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
