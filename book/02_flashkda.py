@@ -231,7 +231,9 @@ assert MIN_LOWER_BOUND == -10.0
 # measured at 100), the bf16 kernels at K = V = 128 spill only in the backward at 2 warps (the intra
 # backward 160 B, dq/dk 1 KB, dW/dv 4 KB of stack per thread) and not at 4 or 8. Fewer warps mean
 # more resident programs, so the chunk-parallel kernels' `num_warps` is left to `triton.autotune`,
-# timed once per shape and dtype on the GPU at hand, except the scores kernel: 244 registers at 2
+# timed once per shape, dtype and grid size class (`grid_log2`: the best warps at 1024 programs are
+# not those at 8192; tuned at B1 T4096 H16, the forward at B4 T8192 H16 took 1.277 ms, tuned at its
+# own grid 1.247) on the GPU at hand, except the scores kernel: 244 registers at 2
 # warps (206 at 4, 158 at 8) left 4 programs, 8 warps, per SM, and Nsight Compute showed it
 # latency-bound at that occupancy; capped at 168 registers (176 B spilled) 6 programs fit, and the
 # forward got 1.8–4.3% faster at every shape but the smallest, B1 T4096 H16 (0.9%; a fixed launch for
@@ -433,7 +435,8 @@ for label, kwargs in (
 # gate/norm/sigmoid fused, `safe_gate=True`) with `triton.testing.do_bench` (the forward under
 # `no_grad`, so it stores nothing for a backward), and writes `data/results/flash_kda_h200.json`. The
 # committed file is a sweep of all 27 of the issue's shapes (B ∈ {1, 4, 8}, T ∈ {4K, 8K, 32K},
-# H ∈ {16, 32, 64}) on the current kernels (with the state loop's prefetch). fla autotunes for minutes per new
+# H ∈ {16, 32, 64}) on the kernels at 12d4c9e (the UT inverse on tensor cores; the autotuner's grid
+# size key came after, and was timed at five shapes only: `flash_kda_h200_session14.json`). fla autotunes for minutes per new
 # shape, so the sweep timed ours only and took fla's times from the live runs of the same benchmark on
 # the same GPU model (`--fla-from`), per shape the newest; the last column says which run. fla ran
 # out of GPU memory at B8 T32768 H64; ours ran there.
