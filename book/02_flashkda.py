@@ -231,9 +231,9 @@ assert MIN_LOWER_BOUND == -10.0
 # measured at 100), the bf16 kernels at K = V = 128 spill only in the backward at 2 warps (the intra
 # backward 160 B, dq/dk 1 KB, dW/dv 4 KB of stack per thread) and not at 4 or 8. Fewer warps mean
 # more resident programs, so the chunk-parallel kernels' `num_warps` is left to `triton.autotune`,
-# timed once per shape, dtype and grid size class (`grid_log2`: the best warps at 1024 programs are
-# not those at 8192; tuned at B1 T4096 H16, the forward at B4 T8192 H16 took 1.277 ms, tuned at its
-# own grid 1.247) on the GPU at hand, except the scores kernel: 244 registers at 2
+# timed once per key (head counts, K, V, dtypes, and the grid size class `grid_log2`: the best warps
+# at 1024 programs are not those at 8192; tuned at B1 T4096 H16, the forward at B4 T8192 H16 took
+# 1.277 ms, tuned at its own grid 1.247) on the GPU at hand, except the scores kernel: 244 registers at 2
 # warps (206 at 4, 158 at 8) left 4 programs, 8 warps, per SM, and Nsight Compute showed it
 # latency-bound at that occupancy; capped at 168 registers (176 B spilled) 6 programs fit, and the
 # forward got 1.8–4.3% faster at every shape but the smallest, B1 T4096 H16 (0.9%; a fixed launch for
@@ -365,9 +365,10 @@ assert typical < 1e-6 and worst > 100 * worst_sub and worst_newton < 10 * worst_
 # need about float32's digits, for the cancellation above: as 3xTF32 (three TF32 products per
 # product, about fp32's accuracy) `T`'s error on the H200 was that of full-fp32 CUDA-core products
 # (`"ieee"`), 8.2e-4 relative and 2.0e-3 at most on keys identical in runs of 8 (weak gates, β near
-# 1; both are bf16's rounding of `T`), where three bf16 passes (`bf16x3`) gave 8.0e-3 at most and
-# plain TF32 0.65. The six blocks under the diagonal are products of terms of size about 1, so plain
-# TF32 (rounding 2⁻¹¹, below bf16's 2⁻⁹) leaves `T` as it was. Together they took the inverse kernel
+# 1; both are bf16's rounding of `T`), where three bf16 passes (`bf16x3`) gave 8.1e-3 at most and
+# plain TF32 0.65 (with β left as drawn, the same keys gave 2.0e-3 and 0.028). The six blocks under
+# the diagonal are products of terms of size about 1, so plain TF32 (unit roundoff 2⁻¹¹, below bf16's
+# 2⁻⁸) leaves `T` as it was. Together they took the inverse kernel
 # from 202 to 149 µs at B4 T8192 H16 and from 778 to 557 µs at B8 T4096 H64
 # (`flash_kda_h200_session14.json`). float32 intermediates keep the CUDA-core products.
 #
@@ -476,13 +477,13 @@ print(f"\nforward+backward {min(b for _, b in ratios):.2f}-{max(b for _, b in ra
 assert len(timed) == 26 and all(c["ours_peak_mib"] < c["fla_peak_mib"] for c in timed)
 assert fast_fwd == [(1, 4096, 16), (1, 4096, 64), (1, 8192, 16), (4, 32768, 32)]
 assert all(b >= 1.2 for _, b in ratios)
-# One-sequence shapes up to T8192 H32 cost more on the host (Python launching the Triton kernels and,
+# The smallest one-sequence shapes cost more on the host (Python launching the Triton kernels and,
 # for the backward, the autograd graph) than on the GPU, so their times measure the host and swing
 # between calls and machines: this sweep's forward at B1 T4096 H32, 0.692 ms, took 0.36-0.57 ms in
-# the next two calls, as did the previous kernels' in the same calls (`small_shapes_host_bound` in
-# flash_kda_h200_session14.json; the previous sweep, on another machine, measured 0.378 ms). B1
+# the next two calls, and the previous kernels' 0.36-0.49 ms in the second (`small_shapes_host_bound`
+# in flash_kda_h200_session14.json; the previous sweep, on another machine, measured 0.378 ms). B1
 # T4096 H16's forward+backward was 1.14x in an earlier sweep, then three timings in the next call:
-host_bound = {(1, T, H) for T in (4096, 8192) for H in (16, 32)}
+host_bound = {(1, 4096, 16), (1, 4096, 32), (1, 8192, 16)}
 again = json.loads(Path(results_path).with_name("flash_kda_h200_session11_small.json").read_text())
 speed_table([(c, "next call") for c in again["cases"]])
 assert all(c["speedup_fwd_bwd"] >= 1.2 for c in again["cases"])
@@ -515,14 +516,15 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 # 5e-3), final state 2.93e-3 and every gradient ≤ 3.71e-3 (bound 1e-2). Forward+backward clears the
 # issue's 1.2x floor at every shape fla could run (1.27x at the lowest the GPU bounds, B8 T4096 H64;
 # 1.22x in the host-bound B1 T4096 H16 row), and in each same-call run; peak memory is about a fifth
-# below fla's at every shape. The forward does not clear its 1.5x floor: at B ≥ 4 it is 1.45–1.50x for
-# H16/H32 (1.50x only at B4 T32768 H32) and 1.38–1.41x for H64, and 1.39–1.42x at the one-sequence
-# shapes the GPU bounds (B1 T8192 H64, B1 T32768); it is above 1.5x only in host-bound rows. So issue
-# 3 stays open on the forward floor.
+# below fla's at every shape. The forward does not clear its 1.5x floor: it is 1.12–1.99x over the 26
+# shapes, ≥ 1.5x at B1 T4096 H64 (1.94x), B4 T32768 H32 (1.50x) and two host-bound rows; at B ≥ 4 it
+# is 1.45–1.50x for H16/H32 and 1.38–1.41x for H64, at B1 T8192 H32/H64 and B1 T32768 1.39–1.42x, and
+# 1.12x in the host-bound B1 T4096 H32 row (0.692 ms here, 0.378 in the previous sweep). So issue 3
+# stays open on the forward floor.
 #
 # The last changes to the kernels are the forward's gate kernel at K tiles of 64 (114.5 µs against
 # 131.7 for 32 at B4 T8192 H16, same call) and the UT inverse's products on tensor cores (section 3).
-# Against the previous sweep the forward is 2.4–5.4% faster at the 23 shapes the GPU bounds (about 3%
+# Against the previous sweep the forward is 2.4–5.4% faster at the 24 shapes the GPU bounds (about 3%
 # at H16, 5% at H32/H64), forward+backward 0–1.4%. Four more designs for the forward were measured
 # and dropped. Without a backward, `W` and `U` need never be formed, since
 # `Ṽ = T (Diag(β)V − (Diag(β)ΓK) S)`. Applying `T` in

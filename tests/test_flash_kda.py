@@ -454,7 +454,8 @@ def test_ut_inverse_of_a_near_identical_key_block():
     block from near-identical keys (beta = 1, no decay) N^8 reaches 3432, where the powers alone lose
     digits in float32 (6e-5); the Newton step (float32 intermediates) must bring it to forward
     substitution's level. Without it, at bf16 intermediates' precisions (3xTF32 on the GPU), the error
-    must stay far below bf16's rounding of T (3.9e-3)."""
+    must stay far below bf16's rounding of T (3.9e-3). Triton's interpreter computes every tl.dot in
+    float32 whatever its input precision, so the precisions' half of this check bites on a GPU only."""
     gen = torch.Generator().manual_seed(0)
     near = torch.ones(4, 16, 16, dtype=torch.float64) - 0.01 * torch.rand(4, 16, 16, generator=gen, dtype=torch.float64)
     for N in (near.tril(-1), (0.5 * torch.randn(4, 16, 16, generator=gen, dtype=torch.float64)).tril(-1)):

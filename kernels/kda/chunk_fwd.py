@@ -114,10 +114,10 @@ def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr, PREC: tl.conste
     The powers of N can be large where the inverse is not (near-identical keys: N^8 up to C(14, 7) =
     3432), so they need about float32's digits: the products alone lose 6e-5 relative on such a block
     ("ieee", on CUDA cores), which the Newton step brings to 6e-8, below forward substitution's. The
-    launcher uses that for float32 intermediates, and for bf16 ones, which round T to 2^-9 before use,
+    launcher uses that for float32 intermediates, and for bf16 ones, which round T (unit roundoff 2^-8) before use,
     3xTF32 on tensor cores without the step: on an H200 with identical keys in runs of 8 (weak gates,
     strong beta), T's error is then that of ieee products (8.2e-4 relative, 2.0e-3 max, both bf16's
-    rounding), where bf16x3 gave 8.0e-3 max and plain TF32 0.65 (flash_kda_h200_session14.json)."""
+    rounding), where bf16x3 gave 8.1e-3 max and plain TF32 0.65 (flash_kda_h200_session14.json)."""
     b_N = tl.permute(tl.reshape(tl.join(tl.join(b_N0, b_N1), tl.join(b_N2, b_N3)), (BC, BC, 4)), (2, 0, 1))
     o_c = tl.arange(0, BC)
     b_I = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, tl.zeros_like(b_N))
@@ -257,8 +257,8 @@ def kda_inverse_fwd_kernel(
     diagonal inverses as one batch of products, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), stored in the
     intermediates' dtype (what ``kda_wu_fwd_kernel`` and the backward use). A kernel of its own, so that
     the W/U products (82 registers at 4 warps, offline sm_90) do not run at this chain of about twenty
-    dependent small fp32 products' count (offline sm_90 at 4 warps: 255 with full-fp32 products and the
-    Newton step, 128 with the bf16 path's tensor-core ones): on an H200 the split took the float32 intra
+    dependent small fp32 products' count (offline sm_90 at 4 warps: 255 and 104 B of stack with full-fp32
+    products and the Newton step, 128 with the bf16 path's tensor-core ones): on an H200 the split took the float32 intra
     forward from 1.822 to 1.700 ms at B4 T8192 H16 and left bf16's as it was (1.015 -> 1.011 ms)."""
     tl.static_assert(BT == 4 * BC)
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -415,7 +415,7 @@ def inverse_precisions(exact: bool) -> tuple[str, str]:
     """tl.dot input precisions of the UT inverse's diagonal powers and off-diagonal blocks: full float32
     on CUDA cores ("ieee") for float32 intermediates; for bf16 ones, 3xTF32 for the powers (see
     ``unit_lower_inverse``) and TF32 for the blocks T_IJ = -T_II (sum L T), products of terms of size
-    about 1 whose TF32 rounding (2^-11) stays below T's bf16 rounding. On an H200 (bf16, K = 128) that
+    about 1 whose TF32 rounding (unit roundoff 2^-11) stays below T's bf16 rounding (2^-8). On an H200 (bf16, K = 128) that
     took the inverse kernel from 202 to 149 us at B4 T8192 H16 and 778 to 557 us at B8 T4096 H64, T's
     error unchanged (flash_kda_h200_session14.json)."""
     return ("ieee", "ieee") if exact else ("tf32x3", "tf32")

@@ -33,12 +33,13 @@ def grid_log2(programs: int) -> int:
     On an H200 (bf16, H16) the UT inverse and W/U kernels tuned at B1 T4096 H16 (1024 programs) took 4
     and 8 warps, tuned at B4 T8192 H16 (8192) 2 and 4; the forward at B4 T8192 H16 took 1.277 ms with
     the first choice and 1.247 with its own (flash_kda_h200_session14.json)."""
-    return min(max(programs.bit_length() - 1, 10), 16)
+    return min(max(max(programs, 1).bit_length() - 1, 10), 16)
 
 
 def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
-    """tl.dot input precision: float32 operands (float32 inputs, the UT inverse) use 3 bf16 passes on the
-    GPU (about fp32 accuracy); bf16 operands ignore it."""
+    """tl.dot input precision of the kernels' main products: float32 operands (float32 intermediates) use
+    3 bf16 passes on the GPU (about fp32 accuracy); bf16 operands ignore it. (The UT inverse has its own:
+    ``chunk_fwd.inverse_precisions``.)"""
     return "bf16x3" if dtype == torch.float32 and device.type == "cuda" else "tf32"
 
 
