@@ -114,8 +114,8 @@ def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr, PREC: tl.conste
     The powers of N can be large where the inverse is not (near-identical keys: N^8 up to C(14, 7) =
     3432), so they need about float32's digits: the products alone lose 6e-5 relative on such a block
     ("ieee", on CUDA cores), which the Newton step brings to 6e-8, below forward substitution's. The
-    launcher uses that for float32 intermediates, and for bf16 ones, which round T (unit roundoff 2^-8) before use,
-    3xTF32 on tensor cores without the step: on an H200 with identical keys in runs of 8 (weak gates,
+    launcher uses that for float32 intermediates, and for bf16 ones, which round T (unit roundoff 2^-8)
+    before use, 3xTF32 on tensor cores without the step: on an H200 with identical keys in runs of 8 (weak gates,
     strong beta), T's error is then that of ieee products (8.2e-4 relative, 2.0e-3 max, both bf16's
     rounding), where bf16x3 gave 8.1e-3 max and plain TF32 0.65 (flash_kda_h200_session14.json)."""
     b_N = tl.permute(tl.reshape(tl.join(tl.join(b_N0, b_N1), tl.join(b_N2, b_N3)), (BC, BC, 4)), (2, 0, 1))
@@ -141,12 +141,6 @@ def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr, PREC: tl.conste
 def dot_at(a, b, PREC: tl.constexpr):
     """tl.dot of two float32 blocks at input precision ``PREC`` (a constexpr chosen by the launcher)."""
     return tl.dot(a, b, input_precision=PREC)
-
-
-@triton.jit
-def block_product(a, b, c, PREC: tl.constexpr):
-    """(a b) c at input precision ``PREC``."""
-    return dot_at(dot_at(a, b, PREC), c, PREC)
 
 
 @triton.jit
@@ -258,8 +252,9 @@ def kda_inverse_fwd_kernel(
     intermediates' dtype (what ``kda_wu_fwd_kernel`` and the backward use). A kernel of its own, so that
     the W/U products (82 registers at 4 warps, offline sm_90) do not run at this chain of about twenty
     dependent small fp32 products' count (offline sm_90 at 4 warps: 255 and 104 B of stack with full-fp32
-    products and the Newton step, 128 with the bf16 path's tensor-core ones): on an H200 the split took the float32 intra
-    forward from 1.822 to 1.700 ms at B4 T8192 H16 and left bf16's as it was (1.015 -> 1.011 ms)."""
+    products and the Newton step, 128 with the bf16 path's tensor-core ones): on an H200 the split took
+    the float32 intra forward from 1.822 to 1.700 ms at B4 T8192 H16 and left bf16's as it was (1.015 ->
+    1.011 ms)."""
     tl.static_assert(BT == 4 * BC)
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
@@ -274,13 +269,13 @@ def kda_inverse_fwd_kernel(
     b_L32 = load_block(L, t0, n_t, i_hv, 3, 2, HV, BT, BC)
     b_L31 = load_block(L, t0, n_t, i_hv, 3, 1, HV, BT, BC)
     b_L30 = load_block(L, t0, n_t, i_hv, 3, 0, HV, BT, BC)
-    b_T10 = -block_product(b_T11, b_L10, b_T00, BLOCK_PREC)
-    b_T21 = -block_product(b_T22, b_L21, b_T11, BLOCK_PREC)
-    b_T20 = -dot_at(b_T22, dot_at(b_L20, b_T00, BLOCK_PREC) + dot_at(b_L21, b_T10, BLOCK_PREC), BLOCK_PREC)
-    b_T32 = -block_product(b_T33, b_L32, b_T22, BLOCK_PREC)
-    b_T31 = -dot_at(b_T33, dot_at(b_L31, b_T11, BLOCK_PREC) + dot_at(b_L32, b_T21, BLOCK_PREC), BLOCK_PREC)
-    b_L3x = dot_at(b_L30, b_T00, BLOCK_PREC) + dot_at(b_L31, b_T10, BLOCK_PREC) + dot_at(b_L32, b_T20, BLOCK_PREC)
-    b_T30 = -dot_at(b_T33, b_L3x, BLOCK_PREC)
+    P: tl.constexpr = BLOCK_PREC
+    b_T10 = -dot_at(dot_at(b_T11, b_L10, P), b_T00, P)
+    b_T21 = -dot_at(dot_at(b_T22, b_L21, P), b_T11, P)
+    b_T20 = -dot_at(b_T22, dot_at(b_L20, b_T00, P) + dot_at(b_L21, b_T10, P), P)
+    b_T32 = -dot_at(dot_at(b_T33, b_L32, P), b_T22, P)
+    b_T31 = -dot_at(b_T33, dot_at(b_L31, b_T11, P) + dot_at(b_L32, b_T21, P), P)
+    b_T30 = -dot_at(b_T33, dot_at(b_L30, b_T00, P) + dot_at(b_L31, b_T10, P) + dot_at(b_L32, b_T20, P), P)
     store_tinv_row(Tinv, b_T00, b_T00, b_T00, b_T00, t0, n_t, i_hv, 0, HV, BT, BC)
     store_tinv_row(Tinv, b_T10, b_T11, b_T11, b_T11, t0, n_t, i_hv, 1, HV, BT, BC)
     store_tinv_row(Tinv, b_T20, b_T21, b_T22, b_T22, t0, n_t, i_hv, 2, HV, BT, BC)
@@ -415,9 +410,9 @@ def inverse_precisions(exact: bool) -> tuple[str, str]:
     """tl.dot input precisions of the UT inverse's diagonal powers and off-diagonal blocks: full float32
     on CUDA cores ("ieee") for float32 intermediates; for bf16 ones, 3xTF32 for the powers (see
     ``unit_lower_inverse``) and TF32 for the blocks T_IJ = -T_II (sum L T), products of terms of size
-    about 1 whose TF32 rounding (unit roundoff 2^-11) stays below T's bf16 rounding (2^-8). On an H200 (bf16, K = 128) that
-    took the inverse kernel from 202 to 149 us at B4 T8192 H16 and 778 to 557 us at B8 T4096 H64, T's
-    error unchanged (flash_kda_h200_session14.json)."""
+    about 1 whose TF32 rounding (unit roundoff 2^-11) stays below T's bf16 rounding (2^-8). On an H200
+    (bf16, K = 128) that took the inverse kernel from 202 to 149 us at B4 T8192 H16 and 778 to 557 us at
+    B8 T4096 H64, T's error unchanged (flash_kda_h200_session14.json)."""
     return ("ieee", "ieee") if exact else ("tf32x3", "tf32")
 
 
