@@ -254,12 +254,12 @@ reads = [depth_attention(leaves[:4] + ([leaves[5][k]] if k else []), leaves[4][k
 sum((h_k * G[k]).sum() for k, h_k in enumerate(reads)).backward()
 h0, o, lse = phase1_fwd_torch(buf, 4, W, 1e-6)
 hs = [h0] + [merge_fwd_torch(P[k], o[k - 1], lse[k], W[k], 1e-6)[1] for k in (1, 2)]
-dO, dlse = torch.empty(2, 3, 9, 24, dtype=torch.float64), torch.zeros(3, 3, 9, dtype=torch.float64)
+dO, delta = torch.empty(2, 3, 9, 24, dtype=torch.float64), torch.zeros(3, 3, 9, dtype=torch.float64)
 dP, dW = torch.zeros_like(P), torch.zeros_like(W)
 for k in (1, 2):
-    dP[k], _, dW[k] = merge_bwd_torch(G[k], None, P[k], o[k - 1], lse[k], W[k], 1e-6, dO[k - 1], dlse[k])
+    dP[k], _, dW[k] = merge_bwd_torch(G[k], None, P[k], o[k - 1], lse[k], W[k], 1e-6, dO[k - 1], delta[k])
 dbuf = torch.zeros(4, 3, 9, 24, dtype=torch.float64)
-dW += phase1_bwd_torch(buf, 4, W, lse, G[0], dO, dlse, 1e-6, dbuf)
+dW += phase1_bwd_torch(buf, 4, W, lse, h0, G[0], dO, delta, 1e-6, dbuf)
 errs = [rel_rms_error(reads[k].detach(), hs[k]) for k in range(3)]
 errs += [rel_rms_error(leaves[i].grad, dbuf[i]) for i in range(4)]
 errs += [rel_rms_error(leaves[4].grad, dW), rel_rms_error(leaves[5].grad[1:], dP[1:])]
@@ -359,9 +359,10 @@ with torch.no_grad():
 # `k3lab.kernels.attnres` has one kernel per closed form. Phase 1 forward: a program owns a few token
 # rows and a group of the block's queries, walks the $n$ blocks once with an **online softmax over
 # depth** (running max, running sum, one $[rows, d]$ accumulator per query), and writes $h_0$, the
-# $o_k$ and the lse. Phase 1 backward walks the blocks twice (pass 1: $\partial o_k^\top o_k =
-# \sum_i a_{k,i}\,\partial o_k^\top b_i$; pass 2: the gradients above), reads each $\partial o_k$ once
-# and adds into the accumulator; its programs are persistent over token tiles so that $\partial w$ is
+# $o_k$ and the lse. Phase 1 backward walks the blocks once: the softmax's per-token offset
+# $\delta_k = \partial o_k^\top o_k - \partial\,\mathrm{lse}_k$ (FlashAttention's $D$) comes from the merge's
+# backward, which has $o_k$ and $\partial o_k$ at hand ($\delta_0 = \partial h_0^\top h_0$ is formed here);
+# it reads each $\partial o_k$ once and adds into the accumulator; its programs are persistent over token tiles so that $\partial w$ is
 # summed in registers. The merge kernels read and write whole rows (the logit needs all of $d$).
 # On the CPU they run under Triton's interpreter; here they are checked against the PyTorch closed forms:
 
@@ -370,12 +371,12 @@ gen = torch.Generator().manual_seed(seed)
 for S_q, n_blk, M_tok, D in ((3, 4, 21, 40), (1, 3, 9, 24)):
     kb, kW = torch.randn(n_blk, M_tok, D, generator=gen) * 2, torch.randn(S_q, D, generator=gen)
     kg, kdO = torch.randn(M_tok, D, generator=gen), torch.randn(S_q - 1, M_tok, D, generator=gen) if S_q > 1 else None
-    kdlse = torch.randn(S_q, M_tok, generator=gen) if S_q > 1 else None
+    kdelta = torch.randn(S_q, M_tok, generator=gen) if S_q > 1 else None
     out_t, out_r = phase1_fwd(kb, n_blk, kW, 1e-6), phase1_fwd_torch(kb, n_blk, kW, 1e-6)
     errs = [rel_rms_error(a, b) for a, b in zip(out_r, out_t) if a is not None]
     acc_t, acc_r = torch.zeros(n_blk, M_tok, D), torch.zeros(n_blk, M_tok, D)
-    errs.append(rel_rms_error(phase1_bwd_torch(kb, n_blk, kW, out_r[2], kg, kdO, kdlse, 1e-6, acc_r),
-                              phase1_bwd(kb, n_blk, kW, out_t[2], kg, kdO, kdlse, 1e-6, acc_t)))
+    errs.append(rel_rms_error(phase1_bwd_torch(kb, n_blk, kW, out_r[2], out_r[0], kg, kdO, kdelta, 1e-6, acc_r),
+                              phase1_bwd(kb, n_blk, kW, out_t[2], out_t[0], kg, kdO, kdelta, 1e-6, acc_t)))
     errs.append(rel_rms_error(acc_r, acc_t))
     print(f"phase 1, {S_q} queries over {n_blk} blocks, {M_tok} tokens, d = {D}: "
           f"Triton vs PyTorch max rel error (h, o, lse, dW, block grads) {max(errs):.0e}")
@@ -387,7 +388,7 @@ merged = [f(kp, ko, klse, kw, 1e-6)[1] for f in (merge_fwd, merge_fwd_torch)]
 grads_t, grads_r = (f(kg, None, kp, ko, klse, kw, 1e-6, *sl) for f, sl in zip((merge_bwd, merge_bwd_torch), slots))
 errs = [rel_rms_error(merged[1], merged[0])] + [rel_rms_error(a, b) for a, b in zip(grads_r, grads_t)]
 errs += [rel_rms_error(a, b) for a, b in zip(slots[1], slots[0])]
-print(f"merge, {M_tok} tokens, d = {D}: Triton vs PyTorch max rel error (h, dp, dv, dw, do, dlse) {max(errs):.0e}")
+print(f"merge, {M_tok} tokens, d = {D}: Triton vs PyTorch max rel error (h, dp, dv, dw, do, delta) {max(errs):.0e}")
 assert max(errs) < 1e-5
 
 # %% [markdown]
@@ -501,15 +502,17 @@ else:
 
 # %% [markdown]
 # **Reading the numbers.** The training-step overhead of Block AttnRes ($N = 8$) in this 24-layer
-# $d = 2048$ dense model is **8.8%** with the two-phase path of section 3 (it was 14.1% with the
-# earlier per-read path, which moved $\approx 4(n+1)$ d-vectors per token per read), still far from the
-# issue's 2% goal and the paper's < 4% (measured there with pipeline parallelism and K3-sized
-# layers, where a 7168-wide layer does 3.5x more arithmetic per byte of mixing). The bytes model,
-# `python -m k3lab.bench.attnres --bytes-model`, predicts ~9 ms (4.6%) at 4 TB/s; the measured
-# ~17 ms is mostly the phase-1 kernels, which reach only 1.3-1.5 TB/s when one program serves all
-# S = 6 queries of a block (3.9-4.4 TB/s with S = 1). What would close the rest: phase 1 at full
+# $d = 2048$ dense model is **8.2%** with the two-phase path of section 3 (8.8% before phase 1's
+# backward read the blocks once, 14.1% with the earlier per-read path, which moved $\approx 4(n+1)$
+# d-vectors per token per read), still far from the issue's 2% goal and the paper's < 4% (measured
+# there with pipeline parallelism and K3-sized layers, where a 7168-wide layer does 3.5x more
+# arithmetic per byte of mixing). The bytes model, `python -m k3lab.bench.attnres --bytes-model`,
+# predicts ~8.4 ms (4.3%) at 4 TB/s; a profile of the step (`attnres_h200_session15.json`) finds
+# 20.6 ms a step in the AttnRes kernels, of which the standard residual's own adds and copies (5.8 ms)
+# are saved: phase 1 takes 12.5 ms, its forward reaching only ~1.5 TB/s when a program serves several
+# of a block's S = 6 queries (3.9-4.1 TB/s with S = 1). What would close the rest: phase 1 at full
 # bandwidth, the block buffer and the inter-block gradients in bf16, and the merge fused into the
-# sublayer's own RMSNorm. The merge kernel runs at 3.3-3.7 TB/s, 5-6x faster than eager PyTorch and
+# sublayer's own RMSNorm. The merge kernel runs at 3.3-3.8 TB/s, 5-8x faster than eager PyTorch and
 # `torch.compile`. Activation memory stays at the standard residual's plus about one d-vector per
 # token per block (peak +1.2 GiB on a 41 GiB step). In float32 the two-phase path's gradients are as
 # close to float64 autograd as the formula's own float32 gradients (both ~3e-4 here: the softmax over

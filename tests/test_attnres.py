@@ -275,14 +275,14 @@ def test_closed_forms_match_autograd(S, n):
     hs = [h0] + [merge_fwd_torch(P[k], o[k - 1], lse[k], W[k], 1e-6)[1] for k in range(1, S)]
     for k in range(S):
         assert_close(f"h{k}", depth_attention(list(buf[:n]) + ([P[k]] if k else []), W[k])[0], hs[k], 1e-12)
-    dO, dlse = (torch.empty(S - 1, 3, 7, 12, dtype=torch.float64), torch.zeros(S, 3, 7, dtype=torch.float64)) \
+    dO, delta = (torch.empty(S - 1, 3, 7, 12, dtype=torch.float64), torch.zeros(S, 3, 7, dtype=torch.float64)) \
         if S > 1 else (None, None)
     dP, dW = torch.zeros_like(P), torch.zeros_like(W)
     for k in range(1, S):
-        dP[k], _, dW[k] = merge_bwd_torch(dH[k], None, P[k], o[k - 1], lse[k], W[k], 1e-6, dO[k - 1], dlse[k])
+        dP[k], _, dW[k] = merge_bwd_torch(dH[k], None, P[k], o[k - 1], lse[k], W[k], 1e-6, dO[k - 1], delta[k])
     dacc = torch.randn(5, 3, 7, 12, **kw)
     dacc0 = dacc.clone()
-    dW += phase1_bwd_torch(buf, n, W, lse, dH[0], dO, dlse, 1e-6, dacc, accumulate=True)
+    dW += phase1_bwd_torch(buf, n, W, lse, h0, dH[0], dO, delta, 1e-6, dacc, accumulate=True)
     for i in range(n):
         assert_close(f"db{i}", ref[i], dacc[i] - dacc0[i], 1e-10)
     assert torch.equal(dacc[n:], dacc0[n:])

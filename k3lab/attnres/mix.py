@@ -13,11 +13,14 @@ Phase 2 (per sublayer k > 0): merge with the partial sum's logit s = r_p w_k^T p
 
     beta = sigmoid(s - lse_k),   h_k = (1 - beta) o_k + beta p          (k = 0: h_0 = o_0)
 
-which is softmax over [b_0..b_{n-1}, p] exactly. Backward, with g = dL/dh_k (derived in book/04):
+which is softmax over [b_0..b_{n-1}, p] exactly. Backward, with g = dL/dh_k (derived in book/04); the
+merge has o_k and dO_k at hand, so it leaves phase 1 the per-token offset delta_k (FlashAttention's
+D = rowsum(dO * O), with the lse gradient folded in) and phase 1's backward reads the blocks once:
 
     merge:   dO_k = (1 - beta) g,   ds = beta (1 - beta) g^T (p - o_k),   dlse_k = -ds,
-             dp = beta g + r_p ds (w_k - (s r_p / d) p),   dw_k += sum_tokens ds r_p p
-    phase 1: ds_{k,i} = a_{k,i} (dO_k^T b_i - dO_k^T o_k + dlse_k)
+             dp = beta g + r_p ds (w_k - (s r_p / d) p),   dw_k += sum_tokens ds r_p p,
+             delta_k = dO_k^T o_k - dlse_k            (delta_0 = dh_0^T h_0: phase 1 forms it)
+    phase 1: ds_{k,i} = a_{k,i} (dO_k^T b_i - delta_k)
              db_i = sum_k [a_{k,i} dO_k + r_i ds_{k,i} (w_k - (s_{k,i} r_i / d) b_i)],
              dw_k += sum_tokens sum_i ds_{k,i} r_i b_i
 
@@ -84,16 +87,17 @@ def phase1_fwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_d
 
 
 @_no_autocast
-def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, dh: torch.Tensor,
-                     dO: torch.Tensor | None, dlse: torch.Tensor | None, eps: float, dacc: torch.Tensor,
-                     accumulate: bool = True) -> torch.Tensor:
+def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h: torch.Tensor,
+                     dh: torch.Tensor, dO: torch.Tensor | None, delta: torch.Tensor | None, eps: float,
+                     dacc: torch.Tensor, accumulate: bool = True) -> torch.Tensor:
     """Phase 1 backward (closed form in the module docstring).
 
     Args:
-        buf, n, W, eps: as in ``phase1_fwd_torch``; lse (Tensor): [S, ...] from it.
+        buf, n, W, eps: as in ``phase1_fwd_torch``; lse (Tensor): [S, ...] and h (Tensor): [..., d] from it.
         dh (Tensor): [..., d] gradient of h (query 0).
         dO (Tensor | None): [S - 1, ..., d] gradients of o (None when S = 1).
-        dlse (Tensor | None): [S, ...] gradients of lse; row 0 is ignored (None when S = 1).
+        delta (Tensor | None): [S, ...] dO_k^T o_k - dlse_k as ``merge_bwd_torch`` leaves it; row 0 is
+            ignored (dh^T h is formed here; None when S = 1).
         dacc (Tensor): [>= n, ..., d] the blocks' gradients: ``dacc[:n]`` is written, or added to
             when ``accumulate``.
 
@@ -105,10 +109,10 @@ def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tens
     r, s = _scores(V, Wd, eps)
     a = torch.exp(s - lse[:, None])
     G = dh.to(dt)[None] if dO is None else torch.cat([dh.to(dt)[None], dO.to(dt)])
-    g = torch.einsum("s...d,n...d->sn...", G, V)
-    ds = a * (g - (a * g).sum(1, keepdim=True))
-    if dlse is not None:
-        ds[1:] += a[1:] * dlse[1:, None].to(dt)
+    offset = (G[0] * h.to(dt)).sum(-1)[None]
+    if delta is not None:
+        offset = torch.cat([offset, delta[1:].to(dt)])
+    ds = a * (torch.einsum("s...d,n...d->sn...", G, V) - offset[:, None])
     dV = (torch.einsum("sn...,s...d->n...d", a, G) + r[..., None] * torch.einsum("sn...,sd->n...d", ds, Wd)
           - (r.pow(2) / V.shape[-1] * (ds * s).sum(0))[..., None] * V)
     if accumulate:
@@ -146,7 +150,7 @@ def merge_fwd_torch(p: torch.Tensor | None, o: torch.Tensor, lse: torch.Tensor, 
 
 @_no_autocast
 def merge_bwd_torch(dh: torch.Tensor, dp_in: torch.Tensor | None, p: torch.Tensor, o: torch.Tensor,
-                    lse: torch.Tensor, w: torch.Tensor, eps: float, dO: torch.Tensor, dlse: torch.Tensor,
+                    lse: torch.Tensor, w: torch.Tensor, eps: float, dO: torch.Tensor, delta: torch.Tensor,
                     v_dtype: torch.dtype | None = None, need_dp: bool = True):
     """Phase 2 backward (closed form in the module docstring).
 
@@ -155,7 +159,7 @@ def merge_bwd_torch(dh: torch.Tensor, dp_in: torch.Tensor | None, p: torch.Tenso
         dp_in (Tensor | None): [..., d] gradient of p from its other uses (added).
         p, o, lse, w, eps: as in ``merge_fwd_torch``.
         dO (Tensor): [..., d] output slot, written with the gradient of o.
-        dlse (Tensor): [...] output slot, written with the gradient of lse.
+        delta (Tensor): [...] output slot, written with dO^T o - dlse (phase 1's backward offset).
         v_dtype (torch.dtype | None): dtype of the gradient of v (p = prev + v).
         need_dp (bool): False when p had no prev (p = v): dp is then only returned as dv.
 
@@ -171,7 +175,7 @@ def merge_bwd_torch(dh: torch.Tensor, dp_in: torch.Tensor | None, p: torch.Tenso
     beta = torch.sigmoid(s - lse)
     ds = beta * (1 - beta) * (g * (P - o.to(dt))).sum(-1)
     dO.copy_((1 - beta)[..., None] * g)
-    dlse.copy_(-ds)
+    delta.copy_(((1 - beta)[..., None] * g * o.to(dt)).sum(-1) + ds)
     dp = beta[..., None] * g + (r * ds)[..., None] * (wd - (s * r / P.shape[-1])[..., None] * P)
     if dp_in is not None:
         dp = dp + dp_in.to(dt)

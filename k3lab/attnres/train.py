@@ -105,14 +105,14 @@ class _StoreSum(torch.autograd.Function):
 
 class _Block:
     """One block's reads: phase 1 over ``store.buf[:n]`` for queries W [S, d], the merges' inputs,
-    and the slots where the merges' backward leaves dO_k and dlse_k for phase 1's backward."""
+    and the slots where the merges' backward leaves dO_k and delta_k for phase 1's backward."""
 
     def __init__(self, store: DepthBuffer, n: int, W: torch.Tensor, eps: float, backend: str,
                  o_dtype: torch.dtype, last: bool):
         self.store, self.n, self.W, self.eps, self.o_dtype, self.last = store, n, W, eps, o_dtype, last
         self.phase1_fwd, self.phase1_bwd, self.merge_fwd, self.merge_bwd = kernels(backend)
         self.S = W.shape[0]
-        self.h = self.o = self.lse = self.dO = self.dlse = None
+        self.h = self.o = self.lse = self.dO = self.delta = None
 
     def inter(self):
         """(h_0, o [S - 1, ...]): kept during the block's forward, recomputed once in backward."""
@@ -139,38 +139,44 @@ class _Block:
     def merge_backward(self, k, dh, dp_in, p, w, v_dtype):
         if self.dO is None:
             self.dO = torch.empty((self.S - 1, *p.shape), dtype=self.store.grad_dtype, device=p.device)
-            self.dlse = torch.zeros_like(self.lse)
+            self.delta = torch.empty_like(self.lse)
         return self.merge_bwd(dh, dp_in, p, self.inter()[1][k - 1], self.lse[k], w, self.eps, self.dO[k - 1],
-                              self.dlse[k], v_dtype, need_dp=k > 1)
+                              self.delta[k], v_dtype, need_dp=k > 1)
 
-    def backward(self, dh: torch.Tensor) -> torch.Tensor:
+    def backward(self, dh: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+        """Phase 1's backward; ``h``: query 0's read when kept (else recomputed, as the merges' o are)."""
         acc = self.store.accumulator(overwrite=self.last)
-        dW = self.phase1_bwd(self.store.buf, self.n, self.W, self.lse, dh, self.dO, self.dlse, self.eps, acc,
+        h = self.inter()[0] if h is None else h
+        dW = self.phase1_bwd(self.store.buf, self.n, self.W, self.lse, h, dh, self.dO, self.delta, self.eps, acc,
                              accumulate=not self.last)
-        self.h = self.o = self.dO = self.dlse = None
+        self.h = self.o = self.dO = self.delta = None
         return dW
 
 
 class _Phase1(torch.autograd.Function):
     """Forward: phase 1 of ``blk``; returns h_0 and S - 1 empty taps (one per merge), the o_k
-    staying in ``blk``. Backward: phase 1's backward (blocks' gradients into the accumulator; dW)."""
+    staying in ``blk``. Backward: phase 1's backward (blocks' gradients into the accumulator; dW).
+    The final aggregation saves its output h_0 (the model's, kept by the caller anyway); other blocks
+    recompute theirs."""
 
     @staticmethod
     def forward(ctx, W, blk, *taps):
         h, _ = blk.inter()
         ctx.blk, ctx.taps = blk, [(t.dtype, t.device) for t in taps]
+        if blk.last:
+            ctx.save_for_backward(h)
         return (h, *(h.new_empty(0) for _ in range(blk.S - 1)))
 
     @staticmethod
     @differentiable_once
     def backward(ctx, dh, *_):
-        dW = ctx.blk.backward(dh)
+        dW = ctx.blk.backward(dh, *ctx.saved_tensors)
         return (dW, None, *(torch.empty(0, dtype=dt, device=dev) for dt, dev in ctx.taps))
 
 
 class _AddMerge(torch.autograd.Function):
     """Forward: p = prev + v (or v) and h = merge(o_k, lse_k, p) in one pass; saves p.
-    Backward: the total gradient of p (for prev and v) and of w; dO_k, dlse_k into ``blk``'s slots."""
+    Backward: the total gradient of p (for prev and v) and of w; dO_k, delta_k into ``blk``'s slots."""
 
     @staticmethod
     def forward(ctx, prev, v, w, blk, k, tap):

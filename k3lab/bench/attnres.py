@@ -86,17 +86,17 @@ def bytes_model(L: int = 48, N: int = 8, buf: int = 4, h: int = 4, o: int = 2, v
         new["fwd"] += (h if S > 1 else 0) + v + buf
         new["bwd"] += h + v
         # phase 1: read the n blocks, write h_0 and o_1..o_{S-1}; once more in backward; its
-        # backward reads the blocks twice and every dO_k once, reads and writes the gradient sum
+        # backward reads the blocks once, h_0 and every dO_k once, reads and writes the gradient sum
         phase1 = n * buf + h + (S - 1) * o
         new["fwd"] += phase1
-        new["bwd"] += phase1 + 2 * n * buf + S * h + 2 * n * h
+        new["bwd"] += phase1 + n * buf + (S + 1) * h + 2 * n * h
     # final aggregation over N + 1 blocks; two-phase keeps its lse (no recompute) and is the first
     # backward writer of the gradient sum (no read of it)
     final_fwd = (N + 1) * buf + h
     old["fwd"] += final_fwd
     old["bwd"] += final_fwd + h + 2 * (N + 1) * buf + 2 * (N + 1) * h
     new["fwd"] += final_fwd
-    new["bwd"] += h + 2 * (N + 1) * buf + (N + 1) * h
+    new["bwd"] += 2 * h + (N + 1) * buf + (N + 1) * h
     per_sublayer = lambda t: {k: round(x / L, 2) for k, x in t.items()}  # noqa: E731
     return dict(L=L, N=N, standard=std, per_read=per_sublayer(old), two_phase=per_sublayer(new))
 
@@ -138,9 +138,9 @@ def check_correctness(device, M=1000, d_check=320, T=300) -> dict:
             errors[f"phase1_{k}_{name}"] = assert_close(k, a.float(), b.float(), tol if k == "o" else 1e-4)
         lse = ours[2]
         dh, dO = torch.randn(M, d_check, generator=g).to(device), torch.randn(S - 1, M, d_check, generator=g).to(device)
-        dlse = torch.randn(S, M, generator=g).to(device)
+        delta = torch.randn(S, M, generator=g).to(device)
         acc = [torch.randn(6, M, d_check, generator=torch.Generator().manual_seed(1)).to(device) for _ in range(2)]
-        dW = [f(buf, n, W, lse, dh, dO, dlse, 1e-6, a) for f, a in zip((phase1_bwd, phase1_bwd_torch), acc)]
+        dW = [f(buf, n, W, lse, ours[0], dh, dO, delta, 1e-6, a) for f, a in zip((phase1_bwd, phase1_bwd_torch), acc)]
         errors[f"phase1_dblocks_{name}"] = assert_close("dblocks", acc[1][:n], acc[0][:n], 1e-4)
         errors[f"phase1_dW_{name}"] = assert_close("dW", dW[1], dW[0], 1e-4)
         prev = torch.randn(M, d_check, generator=g).to(device)
@@ -208,17 +208,17 @@ def bench_kernels(device, phase1_cases, merge_cases, compile_: bool) -> list[dic
         buf = torch.randn(n, M, d, device=device, generator=g).to(dtype)
         W = torch.randn(S, d, device=device, generator=g) * 0.1
         o_dt = torch.bfloat16
-        _, _, lse = phase1_fwd(buf, n, W, 1e-6, torch.float32, o_dt)
+        h, _, lse = phase1_fwd(buf, n, W, 1e-6, torch.float32, o_dt)
         dh = torch.randn(M, d, device=device, generator=g)
         dO = torch.randn(S - 1, M, d, device=device, generator=g) if S > 1 else None
-        dlse = torch.randn(S, M, device=device, generator=g) if S > 1 else None
+        delta = torch.randn(S, M, device=device, generator=g) if S > 1 else None
         acc = torch.zeros(n, M, d, device=device)
         eb, row = buf.element_size(), M * d
         bytes_fwd = row * (n * eb + 4 + 2 * (S - 1))  # read the blocks once; write h (fp32) and o_1.. (bf16)
-        bytes_bwd = row * (2 * n * eb + 4 * S + 8 * n)  # two passes over the blocks, each dO once, dacc read + write
+        bytes_bwd = row * (n * eb + 4 * (S + 1) + 8 * n)  # the blocks, h, dh and each dO once, dacc read + write
         shape = f"phase1_M{M}_d{d}_n{n}_S{S}" + ("_bf16" if dtype == torch.bfloat16 else "")
         fwd_args = (buf, n, W, 1e-6, torch.float32, o_dt)
-        bwd_args = (buf, n, W, lse, dh, dO, dlse, 1e-6, acc)
+        bwd_args = (buf, n, W, lse, h, dh, dO, delta, 1e-6, acc)
         time_case(shape, "fwd", lambda: phase1_fwd(*fwd_args), lambda: phase1_fwd_torch(*fwd_args),
                   lambda: comp["phase1_fwd_torch"](*fwd_args), bytes_fwd)
         time_case(shape, "bwd", lambda: phase1_bwd(*bwd_args), lambda: phase1_bwd_torch(*bwd_args),
@@ -229,10 +229,10 @@ def bench_kernels(device, phase1_cases, merge_cases, compile_: bool) -> list[dic
         o, v = (torch.randn(M, d, device=device, generator=g).bfloat16() for _ in range(2))
         lse, w = torch.randn(M, device=device, generator=g), torch.randn(d, device=device, generator=g) * 0.1
         p, _ = merge_fwd(None, o, lse, w, 1e-6, prev=prev, v=v)
-        dO, dlse = torch.empty(M, d, device=device), torch.empty(M, device=device)
+        dO, delta = torch.empty(M, d, device=device), torch.empty(M, device=device)
         shape = f"merge_M{M}_d{d}"
         fwd_args, fwd_kw = (None, o, lse, w, 1e-6), dict(prev=prev, v=v)
-        bwd_args = (dh, dp_in, p, o, lse, w, 1e-6, dO, dlse, torch.bfloat16)
+        bwd_args = (dh, dp_in, p, o, lse, w, 1e-6, dO, delta, torch.bfloat16)
         time_case(shape, "fwd", lambda: merge_fwd(*fwd_args, **fwd_kw), lambda: merge_fwd_torch(*fwd_args, **fwd_kw),
                   lambda: comp["merge_fwd_torch"](*fwd_args, **fwd_kw), M * d * (4 + 2 + 2 + 8))
         time_case(shape, "bwd", lambda: merge_bwd(*bwd_args), lambda: merge_bwd_torch(*bwd_args),

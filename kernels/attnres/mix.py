@@ -3,8 +3,9 @@ PyTorch functions take the same arguments and return the same values).
 
 - ``phase1_fwd`` / ``phase1_bwd``: the inter-block depth softmax of all S sublayers of a block
   at once. Forward reads each block representation once per token tile (online softmax over depth,
-  G queries per program); backward reads them twice (pass 1: dO_l . o_l; pass 2: the gradients),
-  reads each dO_l once, and adds the blocks' gradients into the accumulator.
+  G queries per program); backward reads them once more, with each dO_l and the per-token offsets
+  delta_l = dO_l . o_l - dlse_l that the merges' backward leaves (FlashAttention's "D"; for query 0
+  it is dh . h, formed here from h), and adds the blocks' gradients into the accumulator.
 - ``merge_fwd`` / ``merge_bwd``: one sublayer's merge of the inter-block part with its partial sum
   (per-token scalars times two vectors); the forward optionally forms the partial sum p = prev + v
   first, the backward adds the partial sum's incoming gradient.
@@ -55,15 +56,17 @@ def _prune(configs, nargs, **_):
     return kept or [min(configs, key=lambda c: c.kwargs["G"] * c.kwargs["BM"])]
 
 
-# (G, BM, num_warps). Compiled for sm_90 (ptxas, no GPU needed, pointers 16-byte aligned as a launch
-# marks them), at d = 2048 these keep their tiles in registers except the forward's (1, 1, 16) (8 KB of
-# stack). Fewer queries per program win although each group re-reads the blocks: at M = 8192, d = 2048,
-# n = 8, S = 6 on an H200 the autotuner takes (2, 2, 4) forward (0.50 ms) and (2, 1 or 2, 8) backward
-# (1.95-2.30 ms); a backward (8, 1, 16), all six queries in one group, took 5.1-5.3 ms
-# (data/results/attnres_h200_session12.json).
-_FWD_OPTIONS = [(8, 1, 8), (8, 1, 16), (4, 1, 8), (4, 2, 8), (2, 1, 8), (2, 2, 4), (2, 4, 8), (1, 2, 8), (1, 4, 4),
-                (1, 1, 16)]
-_BWD_OPTIONS = [(4, 1, 8), (4, 1, 16), (2, 1, 8), (2, 2, 8), (1, 1, 8), (1, 1, 16), (1, 1, 32)]
+# (G, BM, num_warps). Offline sm_90 compiles (tests/sm90_compile.py's ``compile_sm90``, d = 2048) keep the
+# forward's tiles in registers (101-252); the backward's (8, 1, 8), (4, 2, 8) and (2, 2, 8) use 255 and
+# the first two spill (280 and 152 bytes of stack). On an H200 at M = 8192, d = 2048, n = 8, S = 6
+# (float32 blocks, 3 pipeline stages, each option launched directly) the forward is fastest at
+# (2, 1, 4): 0.454 ms, against 0.503 for (2, 2, 4) and 0.669 for (8, 1, 8); the backward, now one pass
+# over the blocks, at (8, 1, 8): 1.064 ms, all six queries in one group despite the spill, against
+# 1.163 for (4, 2, 8) and 1.392 for (2, 2, 8) (data/results/attnres_h200_session15.json). A forward
+# (1, 1, 16) took 429 ms in session 12 (attnres_h200_session12.json): not offered.
+_FWD_OPTIONS = [(8, 1, 8), (8, 1, 16), (4, 1, 8), (4, 2, 8), (2, 1, 4), (2, 1, 8), (2, 2, 4), (2, 4, 8), (1, 2, 8),
+                (1, 4, 4)]
+_BWD_OPTIONS = [(8, 1, 8), (4, 1, 8), (4, 2, 8), (4, 1, 16), (2, 1, 8), (2, 2, 8), (1, 1, 8), (1, 1, 16), (1, 1, 32)]
 
 
 @triton.autotune(configs=_configs(_FWD_OPTIONS), key=["D", "S"], prune_configs_by={"early_config_prune": _prune})
@@ -120,9 +123,10 @@ def attnres_phase1_bwd_kernel(
     buf,  # [S_max, M, D] block representations
     W,  # [S, D]
     lse,  # [S, M] float32 from the forward
+    h,  # [M, D] query 0's read (the forward's h)
     dh,  # [M, D] gradient of query 0's read
     dO,  # [S - 1, M, D] gradients of queries 1..S-1's inter-block parts (when HAS_REST)
-    dlse,  # [S, M] float32 gradients of the lse (row 0 unused; when HAS_REST)
+    delta,  # [S, M] float32 dO_l . o_l - dlse_l of queries 1..S-1 (row 0 unused; when HAS_REST)
     dacc,  # [>= n_src, M, D] the blocks' gradients: written, or added to when ACCUMULATE
     dW,  # [n_programs, S, D] float32 output: per-program partial sums of dW
     M, D, n_src, S, stride_s,
@@ -153,28 +157,21 @@ def attnres_phase1_bwd_kernel(
             o_lm = o_l[:, None] * M + o_m[None, :]
             b_dO = tl.load(dh + o_md[None, :, :] + 0 * o_l[:, None, None],
                            mask=(o_l == 0)[:, None, None] & m_md[None, :, :], other=0.0).to(tl.float32)
-            b_dlse = tl.zeros([G, BM], tl.float32)
+            b_h = tl.load(h + o_md, mask=m_md & (i_g == 0), other=0.0).to(tl.float32)
+            b_delta = tl.sum(b_dO * b_h[None, :, :], axis=2)
             if HAS_REST:
                 p_dO = dO + (o_l[:, None, None] - 1).to(tl.int64) * M * D + o_md[None, :, :]
                 m_dO = (m_l & (o_l > 0))[:, None, None] & m_md[None, :, :]
                 b_dO += tl.load(p_dO, mask=m_dO, other=0.0).to(tl.float32)
-                b_dlse = tl.load(dlse + o_lm, mask=m_lm & (o_l > 0)[:, None], other=0.0)
+                b_delta += tl.load(delta + o_lm, mask=m_lm & (o_l > 0)[:, None], other=0.0)
             b_lse = tl.load(lse + o_lm, mask=m_lm, other=0.0)
-            # Pass 1: dd_l = sum_i a_{l,i} dO_l . b_i (= dO_l . o_l).
-            b_dd = tl.zeros([G, BM], tl.float32)
-            p_src = buf
-            for _ in tl.range(0, n_src, num_stages=3):
-                b_v = tl.load(p_src + o_md, mask=m_md, other=0.0).to(tl.float32)
-                b_r, b_s = _scores(b_v, b_W, D, eps)
-                b_dd += tl.exp(b_s - b_lse) * tl.sum(b_dO * b_v[None, :, :], axis=2)
-                p_src += stride_s
-            # Pass 2: ds_{l,i} = a (dO_l . b_i - dd_l + dlse_l); db_i = sum_l [a dO_l + r ds (w_l - s r / D b_i)].
+            # ds_{l,i} = a (dO_l . b_i - delta_l); db_i = sum_l [a dO_l + r ds (w_l - s r / D b_i)].
             p_src, p_dsrc = buf, dacc
             for _ in tl.range(0, n_src, num_stages=3):
                 b_v = tl.load(p_src + o_md, mask=m_md, other=0.0).to(tl.float32)
                 b_r, b_s = _scores(b_v, b_W, D, eps)
                 b_a = tl.where(m_lm, tl.exp(b_s - b_lse), 0.0)
-                b_ds = b_a * (tl.sum(b_dO * b_v[None, :, :], axis=2) - b_dd + b_dlse)
+                b_ds = b_a * (tl.sum(b_dO * b_v[None, :, :], axis=2) - b_delta)
                 b_dv = (tl.sum(b_a[:, :, None] * b_dO, axis=0)
                         + b_r[:, None] * tl.sum(b_ds[:, :, None] * b_W[:, None, :], axis=0)
                         - (b_r * b_r / D * tl.sum(b_ds * b_s, axis=0))[:, None] * b_v)
@@ -236,7 +233,7 @@ def attnres_merge_bwd_kernel(
     dp,  # [M, D] output: total gradient of p, p's dtype (when WRITE_DP)
     dv,  # [M, D] output: the same in v's dtype (when WRITE_DV)
     dO,  # [M, D] output: gradient of o (float32 slot of the block)
-    dlse,  # [M] float32 output: gradient of lse
+    delta,  # [M] float32 output: dO . o - dlse (phase 1's backward offset)
     dw,  # [n_programs, D] float32 output: per-program partial sums of dw
     M, D, eps,
     HAS_DP: tl.constexpr,
@@ -265,7 +262,7 @@ def attnres_merge_bwd_kernel(
         b_alpha, b_beta = b_ea / (b_ea + b_eb), b_eb / (b_ea + b_eb)
         b_ds = b_alpha * b_beta * tl.sum(b_g * (b_p - b_o), axis=1)
         tl.store(dO + o_md, (b_alpha[:, None] * b_g).to(dO.dtype.element_ty), mask=m_md)
-        tl.store(dlse + o_m, -b_ds, mask=m_m)
+        tl.store(delta + o_m, b_alpha * tl.sum(b_g * b_o, axis=1) + b_ds, mask=m_m)
         b_dp = b_beta[:, None] * b_g + (b_r * b_ds)[:, None] * (b_w[None, :] - (b_s * b_r / D)[:, None] * b_p)
         if HAS_DP:
             b_dp += tl.load(dp_in + o_md, mask=m_md, other=0.0).to(tl.float32)
@@ -316,8 +313,8 @@ def phase1_fwd(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: 
     return h, o, lse
 
 
-def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, dh: torch.Tensor,
-               dO: torch.Tensor | None, dlse: torch.Tensor | None, eps: float, dacc: torch.Tensor,
+def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
+               dO: torch.Tensor | None, delta: torch.Tensor | None, eps: float, dacc: torch.Tensor,
                accumulate: bool = True) -> torch.Tensor:
     """Triton phase-1 backward; as ``k3lab.attnres.mix.phase1_bwd_torch`` (the blocks' gradients go
     into ``dacc[:n]``, written or added; returns dW [S, d] in W's dtype).
@@ -330,14 +327,16 @@ def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, dh
     M = buf[0].numel() // D
     if not dacc.is_contiguous() or dacc.shape[1:] != buf.shape[1:] or dacc.shape[0] < n:
         raise ValueError(f"dacc must be contiguous [>= {n}, {list(buf.shape[1:])}], got {list(dacc.shape)}")
-    if (dO is None) != (S == 1) or (dlse is None) != (S == 1):
-        raise ValueError(f"dO and dlse are needed exactly when S > 1 (S = {S})")
+    if (dO is None) != (S == 1) or (delta is None) != (S == 1):
+        raise ValueError(f"dO and delta are needed exactly when S > 1 (S = {S})")
+    if h.shape != buf.shape[1:] or dh.shape != buf.shape[1:]:
+        raise ValueError(f"h and dh must be {list(buf.shape[1:])}, got {list(h.shape)} and {list(dh.shape)}")
     # Persistent grid, sized for one token per program at most; every program writes its dW rows.
     n_prog = _n_programs(buf.device, M)
     dW = torch.empty((n_prog, S, D), dtype=torch.float32, device=buf.device)
     attnres_phase1_bwd_kernel[(n_prog,)](
-        buf, W.contiguous(), lse.contiguous(), dh.contiguous(), dO if dO is not None else dh,
-        dlse if dlse is not None else lse, dacc, dW, M, D, n, S, M * D, eps,
+        buf, W.contiguous(), lse.contiguous(), h.contiguous(), dh.contiguous(), dO if dO is not None else dh,
+        delta if delta is not None else lse, dacc, dW, M, D, n, S, M * D, eps,
         HAS_REST=S > 1, ACCUMULATE=int(accumulate), BD=triton.next_power_of_2(D),
     )
     return dW.sum(0).to(W.dtype)
@@ -371,9 +370,9 @@ def merge_fwd(p: torch.Tensor | None, o: torch.Tensor, lse: torch.Tensor, w: tor
 
 
 def merge_bwd(dh: torch.Tensor, dp_in: torch.Tensor | None, p: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-              w: torch.Tensor, eps: float, dO: torch.Tensor, dlse: torch.Tensor, v_dtype: torch.dtype | None = None,
+              w: torch.Tensor, eps: float, dO: torch.Tensor, delta: torch.Tensor, v_dtype: torch.dtype | None = None,
               need_dp: bool = True):
-    """Triton merge backward; as ``k3lab.attnres.mix.merge_bwd_torch``: writes dO and dlse in place,
+    """Triton merge backward; as ``k3lab.attnres.mix.merge_bwd_torch``: writes dO and delta in place,
     returns (dp, dv, dw) (dp None when not ``need_dp`` and dv is written in another dtype).
 
     Raises:
@@ -381,8 +380,8 @@ def merge_bwd(dh: torch.Tensor, dp_in: torch.Tensor | None, p: torch.Tensor, o: 
     """
     if any(t is not None and t.shape != p.shape for t in (dh, dp_in, o, dO)):
         raise ValueError(f"dh, dp_in, o and dO must be {list(p.shape)} like p")
-    if not (dO.is_contiguous() and dlse.is_contiguous() and p.is_contiguous()):
-        raise ValueError("p, dO and dlse must be contiguous")
+    if not (dO.is_contiguous() and delta.is_contiguous() and p.is_contiguous()):
+        raise ValueError("p, dO and delta must be contiguous")
     D = p.shape[-1]
     M = p.numel() // D
     write_dv = v_dtype is not None and v_dtype != p.dtype
@@ -394,7 +393,7 @@ def merge_bwd(dh: torch.Tensor, dp_in: torch.Tensor | None, p: torch.Tensor, o: 
     dw = torch.empty((n_prog, D), dtype=torch.float32, device=p.device)
     attnres_merge_bwd_kernel[(n_prog,)](
         dh.contiguous(), dp_in.contiguous() if dp_in is not None else dh, p, o.contiguous(), lse.contiguous(),
-        w.contiguous(), dp if write_dp else dv, dv, dO, dlse, dw, M, D, eps,
+        w.contiguous(), dp if write_dp else dv, dv, dO, delta, dw, M, D, eps,
         HAS_DP=dp_in is not None, WRITE_DP=write_dp, WRITE_DV=write_dv, BM=block_m, BD=block_d, num_warps=num_warps,
     )
     return dp, dv, dw.sum(0).to(w.dtype)
