@@ -503,19 +503,23 @@ else:
 # %% [markdown]
 # **Reading the numbers.** The training-step overhead of Block AttnRes ($N = 8$) in this 24-layer
 # $d = 2048$ dense model is **8.2%** with the two-phase path of section 3 (8.8% before phase 1's
-# backward read the blocks once, 14.1% with the earlier per-read path, which moved $\approx 4(n+1)$
-# d-vectors per token per read), still far from the issue's 2% goal and the paper's < 4% (measured
-# there with pipeline parallelism and K3-sized layers, where a 7168-wide layer does 3.5x more
-# arithmetic per byte of mixing). The bytes model, `python -m k3lab.bench.attnres --bytes-model`,
-# predicts ~8.4 ms (4.3%) at 4 TB/s; a profile of the step (`attnres_h200_session15.json`) finds
-# 20.6 ms a step in the AttnRes kernels, of which the standard residual's own adds and copies (5.8 ms)
-# are saved: phase 1 takes 12.5 ms, its forward reaching only ~1.5 TB/s when a program serves several
-# of a block's S = 6 queries (3.9-4.1 TB/s with S = 1). What would close the rest: phase 1 at full
-# bandwidth, the block buffer and the inter-block gradients in bf16, and the merge fused into the
-# sublayer's own RMSNorm. The merge kernel runs at 3.3-3.8 TB/s, 5-8x faster than eager PyTorch and
-# `torch.compile`. Activation memory stays at the standard residual's plus about one d-vector per
-# token per block (peak +1.2 GiB on a 41 GiB step). In float32 the two-phase path's gradients are as
-# close to float64 autograd as the formula's own float32 gradients (both ~3e-4 here: the softmax over
+# backward read the blocks once; 14.1% with the earlier per-read path, which moved $\approx 4(n+1)$
+# d-vectors per token per read: `attnres_h200.json` as of commit 8752841), still far from the issue's
+# 2% goal and the paper's < 4% (measured there with pipeline parallelism and K3-sized layers, where a
+# 7168-wide layer does 3.5x more arithmetic per byte of mixing). The bytes model,
+# `python -m k3lab.bench.attnres --bytes-model`, predicts ~8.4 ms (4.3%) at 4 TB/s. A profile of the
+# step (`attnres_h200_session15.json`) puts 20.6 ms a step in the AttnRes kernels, while the step's
+# device time grows by only 14.8 ms: the other 5.8 ms are the standard residual's own work, which
+# Block AttnRes does not do (3.1 ms of it in the float adds and bf16 copies alone). Phase 1 takes 12.5 ms of the 20.6; its forward reached only
+# ~1.5 TB/s at the launch option then chosen, when a program serves several of a block's S = 6 queries
+# (3.9-4.1 TB/s with S = 1; the option (2, 1, 4) now offered to the autotuner took 0.454 ms against
+# 0.503 in a direct sweep). What would close the rest: phase 1 at full bandwidth, the block buffer and
+# the inter-block gradients in bf16, and the merge fused into the sublayer's own RMSNorm. The merge
+# kernel runs at 3.3-3.8 TB/s, 5-8x faster than eager PyTorch and `torch.compile`. Activation memory
+# stays at the standard residual's plus the block buffer and its gradient sum, about two d-vectors per
+# token per block (peak +1.2 GiB on a 41 GiB step). In float32 the two-phase path's gradients are
+# within 1.5x of the formula's own float32 gradients' error against float64 autograd (3e-4 to 6e-4
+# here: the softmax over
 # depth cancels). The learned curves and depth weights of the GPU-sized experiment:
 
 # %%

@@ -383,6 +383,46 @@ def test_memory_path_frees_its_buffer(monkeypatch):
     assert len(made) == 2 and all(r() is None for r in made)
 
 
+@pytest.mark.parametrize("backward", ["none", "retain_graph"])
+def test_memory_path_frees_its_graph(monkeypatch, backward):
+    """A forward whose graph is dropped without backward (evaluation with grad on) or after a
+    retain_graph backward leaves nothing alive: no saved tensor references its own node."""
+    import gc
+    import weakref
+
+    import k3lab.attnres.train as train
+
+    made = []
+
+    class Tracked(train.DepthBuffer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(train, "DepthBuffer", Tracked)
+    subs, h0, q = make(6, seed=14)
+    res = module((16, 6, 3), q, "memory")
+    y = res(h0.clone().requires_grad_(), subs)
+    if backward == "retain_graph":
+        y.sum().backward(retain_graph=True)
+    out = weakref.ref(y)
+    del y
+    gc.collect()
+    assert out() is None and len(made) == 1 and made[0]() is None
+
+
+def test_phase1_backward_checks_its_gradients():
+    g = torch.Generator().manual_seed(4)
+    buf, W = torch.randn(4, 6, 12, generator=g, dtype=torch.float64), torch.randn(3, 12, generator=g, dtype=torch.float64)
+    h, o, lse = phase1_fwd_torch(buf, 3, W, 1e-6)
+    dh, dO, delta = torch.randn_like(h), torch.randn_like(o), torch.randn_like(lse)
+    acc = torch.zeros_like(buf)
+    for args, match in (((h, dh, dO, None), "exactly when S > 1"), ((h[:1], dh, dO, delta), "h and dh"),
+                        ((h, dh, dO[:1], delta), "dO must be"), ((h, dh, dO, delta[1:]), "delta")):
+        with pytest.raises(ValueError, match=match):
+            phase1_bwd_torch(buf, 3, W, lse, *args, 1e-6, acc)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(eps=-1.0), "eps"), (dict(eps=float("nan")), "eps"), (dict(buffer_dtype=torch.int32), "buffer_dtype"),
     (dict(buffer_dtype="bfloat16"), "buffer_dtype"), (dict(eps=True), "eps"),

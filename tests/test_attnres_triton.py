@@ -120,6 +120,48 @@ def test_module_triton_backend_matches_naive(N):
           f"params {max(errs[3:]):.1e}")
 
 
+def test_module_triton_output_changed_in_place():
+    """Changing the output in place after forward (legal: no node saves it) leaves the gradients
+    those of the formula doing the same."""
+    L, N, d = 4, 2, 8
+    subs = sublayers(L, d, 5)
+    g = torch.Generator().manual_seed(6)
+    h0, q = randn(2, 3, d, g=g), randn(L + 1, d, g=g)
+    grads = {}
+    for path in ("naive", "memory"):
+        res = BlockAttnRes(d, L, N, path=path, backend="triton").to(DEVICE)
+        with torch.no_grad():
+            res.queries.copy_(q)
+        x = h0.clone().requires_grad_()
+        y = res(x, subs)
+        y.mul_(2).add_(1)
+        y.pow(2).sum().backward()
+        grads[path] = (x.grad, res.queries.grad)
+    for name, a, b in zip(("dh0", "dqueries"), grads["naive"], grads["memory"]):
+        assert_close(name, a, b, 10 * TOL)
+
+
+def test_phase1_bwd_takes_strided_gradients():
+    """dO and delta as views (not contiguous) give what their contiguous copies give."""
+    g = torch.Generator().manual_seed(9)
+    S, n, M, D = 3, 2, 5, 16
+    buf, W = randn(3, M, D, g=g), randn(S, D, g=g)
+    h, _, lse = phase1_fwd(buf, n, W, 1e-6)
+    dh, dO, delta = randn(M, D, g=g), randn(M, S - 1, D, g=g).transpose(0, 1), randn(M, S, g=g).t()
+    accs = [torch.zeros(n, M, D, device=DEVICE) for _ in range(2)]
+    dW = [phase1_bwd(buf, n, W, lse, h, dh, a, b, 1e-6, acc) for (a, b), acc in
+          zip(((dO, delta), (dO.contiguous(), delta.contiguous())), accs)]
+    assert torch.equal(accs[0], accs[1]) and torch.equal(dW[0], dW[1])
+
+
+def test_merge_bwd_checks_its_slots():
+    g = torch.Generator().manual_seed(8)
+    p, o, dh, dO = (randn(5, 8, g=g) for _ in range(4))
+    lse, w = randn(5, g=g), randn(8, g=g)
+    with pytest.raises(ValueError, match="delta"):
+        merge_bwd(dh, None, p, o, lse, w, 1e-6, dO, torch.empty(3, device=DEVICE))
+
+
 def test_module_triton_zero_init_is_uniform_average():
     L, N, d = 5, 2, 8
     subs = sublayers(L, d, 2)

@@ -143,34 +143,30 @@ class _Block:
         return self.merge_bwd(dh, dp_in, p, self.inter()[1][k - 1], self.lse[k], w, self.eps, self.dO[k - 1],
                               self.delta[k], v_dtype, need_dp=k > 1)
 
-    def backward(self, dh: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
-        """Phase 1's backward; ``h``: query 0's read when kept (else recomputed, as the merges' o are)."""
+    def backward(self, dh: torch.Tensor) -> torch.Tensor:
+        """Phase 1's backward, with h_0 as recomputed (never the forward's output, which the caller may
+        have changed in place)."""
         acc = self.store.accumulator(overwrite=self.last)
-        h = self.inter()[0] if h is None else h
-        dW = self.phase1_bwd(self.store.buf, self.n, self.W, self.lse, h, dh, self.dO, self.delta, self.eps, acc,
-                             accumulate=not self.last)
+        dW = self.phase1_bwd(self.store.buf, self.n, self.W, self.lse, self.inter()[0], dh, self.dO, self.delta,
+                             self.eps, acc, accumulate=not self.last)
         self.h = self.o = self.dO = self.delta = None
         return dW
 
 
 class _Phase1(torch.autograd.Function):
     """Forward: phase 1 of ``blk``; returns h_0 and S - 1 empty taps (one per merge), the o_k
-    staying in ``blk``. Backward: phase 1's backward (blocks' gradients into the accumulator; dW).
-    The final aggregation saves its output h_0 (the model's, kept by the caller anyway); other blocks
-    recompute theirs."""
+    staying in ``blk``. Backward: phase 1's backward (blocks' gradients into the accumulator; dW)."""
 
     @staticmethod
     def forward(ctx, W, blk, *taps):
         h, _ = blk.inter()
         ctx.blk, ctx.taps = blk, [(t.dtype, t.device) for t in taps]
-        if blk.last:
-            ctx.save_for_backward(h)
         return (h, *(h.new_empty(0) for _ in range(blk.S - 1)))
 
     @staticmethod
     @differentiable_once
     def backward(ctx, dh, *_):
-        dW = ctx.blk.backward(dh, *ctx.saved_tensors)
+        dW = ctx.blk.backward(dh)
         return (dW, None, *(torch.empty(0, dtype=dt, device=dev) for dt, dev in ctx.taps))
 
 
@@ -213,7 +209,9 @@ class _RecomputeInput:
         if (h is not None and t.dtype == h.dtype and t.device == h.device
                 and t.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()):
             return (self.key, self.recipe, t.shape, t.stride(), t.storage_offset())
-        return t
+        # Detached (same storage): a saved output returned as itself would reference its own node through
+        # its grad_fn, a cycle that keeps a graph never run backward (and its buffer) alive.
+        return t.detach()
 
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
@@ -239,7 +237,9 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
 
     Returns:
         Tensor: [B, T, d] in h0's dtype; equal to ``naive_block_attnres`` in value and gradients
-        (up to float rounding; under autocast the o_k are stored in the autocast dtype).
+        (up to float rounding; under autocast the o_k are stored in the autocast dtype, and phase 1's
+        backward takes its offsets delta_k from the o_k and h_0 as stored, so with bf16 o_k or a bf16
+        h0 the gradients carry that rounding).
         Differentiable once: a second differentiation raises RuntimeError (use the naive path).
 
     Raises:

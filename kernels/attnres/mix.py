@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3lab.attnres.mix import check_phase1_grads
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Elements of one [G, BM, BD] register tile (the G queries' accumulators); more spills on an H200.
 _TILE_BUDGET = 16384
@@ -320,23 +322,21 @@ def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h:
     into ``dacc[:n]``, written or added; returns dW [S, d] in W's dtype).
 
     Raises:
-        ValueError: non-contiguous inputs, n out of range, shape mismatch.
+        ValueError: non-contiguous buf or dacc, n out of range, shape mismatch (``check_phase1_grads``).
     """
     _check_phase1(buf, n, W)
     S, D = W.shape[0], buf.shape[-1]
     M = buf[0].numel() // D
     if not dacc.is_contiguous() or dacc.shape[1:] != buf.shape[1:] or dacc.shape[0] < n:
         raise ValueError(f"dacc must be contiguous [>= {n}, {list(buf.shape[1:])}], got {list(dacc.shape)}")
-    if (dO is None) != (S == 1) or (delta is None) != (S == 1):
-        raise ValueError(f"dO and delta are needed exactly when S > 1 (S = {S})")
-    if h.shape != buf.shape[1:] or dh.shape != buf.shape[1:]:
-        raise ValueError(f"h and dh must be {list(buf.shape[1:])}, got {list(h.shape)} and {list(dh.shape)}")
+    check_phase1_grads(buf, W, h, dh, dO, delta)
     # Persistent grid, sized for one token per program at most; every program writes its dW rows.
     n_prog = _n_programs(buf.device, M)
     dW = torch.empty((n_prog, S, D), dtype=torch.float32, device=buf.device)
     attnres_phase1_bwd_kernel[(n_prog,)](
-        buf, W.contiguous(), lse.contiguous(), h.contiguous(), dh.contiguous(), dO if dO is not None else dh,
-        delta if delta is not None else lse, dacc, dW, M, D, n, S, M * D, eps,
+        buf, W.contiguous(), lse.contiguous(), h.contiguous(), dh.contiguous(),
+        dO.contiguous() if dO is not None else dh, delta.contiguous() if delta is not None else lse, dacc, dW,
+        M, D, n, S, M * D, eps,
         HAS_REST=S > 1, ACCUMULATE=int(accumulate), BD=triton.next_power_of_2(D),
     )
     return dW.sum(0).to(W.dtype)
@@ -378,8 +378,8 @@ def merge_bwd(dh: torch.Tensor, dp_in: torch.Tensor | None, p: torch.Tensor, o: 
     Raises:
         ValueError: shape mismatch or non-contiguous output slots.
     """
-    if any(t is not None and t.shape != p.shape for t in (dh, dp_in, o, dO)):
-        raise ValueError(f"dh, dp_in, o and dO must be {list(p.shape)} like p")
+    if any(t is not None and t.shape != p.shape for t in (dh, dp_in, o, dO)) or delta.shape != p.shape[:-1]:
+        raise ValueError(f"dh, dp_in, o and dO must be {list(p.shape)} like p, delta {list(p.shape[:-1])}")
     if not (dO.is_contiguous() and delta.is_contiguous() and p.is_contiguous()):
         raise ValueError("p, dO and delta must be contiguous")
     D = p.shape[-1]
