@@ -360,9 +360,9 @@ def test_lm_integration_trains_and_matches_naive():
     assert model(x, y)[1].item() < first - 0.1
 
 
-def test_memory_path_frees_its_buffer(monkeypatch):
-    """After backward, nothing keeps the block buffer alive (no reference cycle through the graph)."""
-    import gc
+@pytest.fixture
+def buffers_made(monkeypatch):
+    """Weak references to every DepthBuffer the memory path makes while the test runs."""
     import weakref
 
     import k3lab.attnres.train as train
@@ -375,31 +375,28 @@ def test_memory_path_frees_its_buffer(monkeypatch):
             made.append(weakref.ref(self))
 
     monkeypatch.setattr(train, "DepthBuffer", Tracked)
+    return made
+
+
+def test_memory_path_frees_its_buffer(buffers_made):
+    """After backward, nothing keeps the block buffer alive (no reference cycle through the graph)."""
+    import gc
+
     subs, h0, q = make(6, seed=13)
     res = module((16, 6, 3), q, "memory")
     for _ in range(2):
         res(h0.clone().requires_grad_(), subs).sum().backward()
     gc.collect()
-    assert len(made) == 2 and all(r() is None for r in made)
+    assert len(buffers_made) == 2 and all(r() is None for r in buffers_made)
 
 
 @pytest.mark.parametrize("backward", ["none", "retain_graph"])
-def test_memory_path_frees_its_graph(monkeypatch, backward):
+def test_memory_path_frees_its_graph(buffers_made, backward):
     """A forward whose graph is dropped without backward (evaluation with grad on) or after a
     retain_graph backward leaves nothing alive: no saved tensor references its own node."""
     import gc
     import weakref
 
-    import k3lab.attnres.train as train
-
-    made = []
-
-    class Tracked(train.DepthBuffer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(weakref.ref(self))
-
-    monkeypatch.setattr(train, "DepthBuffer", Tracked)
     subs, h0, q = make(6, seed=14)
     res = module((16, 6, 3), q, "memory")
     y = res(h0.clone().requires_grad_(), subs)
@@ -408,7 +405,7 @@ def test_memory_path_frees_its_graph(monkeypatch, backward):
     out = weakref.ref(y)
     del y
     gc.collect()
-    assert out() is None and len(made) == 1 and made[0]() is None
+    assert out() is None and len(buffers_made) == 1 and buffers_made[0]() is None
 
 
 def test_phase1_backward_checks_its_gradients():
