@@ -541,7 +541,11 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 # than there is (`flash_kda_h200_session14.json`). Before those, one intra kernel per chunk (gate, the
 # four sub-tiles' scores with `L` in registers, the UT inverse, `W` and `U`) was 2.3x slower than the
 # kernels it would replace, and a state kernel holding `Sᵀ`, so that each product's chained operand is
-# read from registers, no faster (`session_11_experiments`). fla's own times move between runs: at B1
+# read from registers, no faster (`session_11_experiments`). Two later variants fared no better: the
+# gate fused in as well, so that `G` is never read back (1183 µs against about 627 for the gate and
+# scores kernels at B4 T8192 H16, 255 registers a thread), and the scores kernel alone walking a
+# chunk's four sub-tiles with the earlier sub-tiles' decayed keys kept in registers (591 against 513 µs;
+# `flash_kda_h200_session16.json`). fla's own times move between runs: at B1
 # T4096 H16 its forward took 0.799 ms in one call and 1.487 ms in another (right after its
 # autotuning); at B1 T8192 H16 its forward+backward took 3.125 and 4.123 ms in two runs.
 #
