@@ -301,6 +301,68 @@ def test_train_path_errors():
         block_attnres_train(h0, subs, q, 5)
     with pytest.raises(ValueError, match="exactly one"):
         merge_fwd_torch(None, h0, h0[..., 0], q[0], 1e-6)
+    # A fresh user's cases: an integer h0 reached the first sublayer, a list of queries gave an AttributeError.
+    with pytest.raises(ValueError, match="h0 must be a floating-point tensor"):
+        block_attnres_train(h0.long(), subs, q, 2)
+    with pytest.raises(ValueError, match="queries must be a torch.Tensor, got list"):
+        naive_attnres(h0, subs, q.tolist())
+
+
+class InPlaceInput(nn.Module):
+    """A sublayer that scales its input in place before using it."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, h):
+        return self.inner(h.mul_(2))
+
+
+@pytest.mark.parametrize("case", ["output", "sublayer_input"])
+def test_memory_path_allows_in_place_changes_as_the_naive_path_does(case):
+    """A fresh user's case: on the torch backend, changing the output (or a sublayer changing its input)
+    in place raised "Output 0 of _Phase1 is a view", where the naive path allows it; and once allowed, a
+    sublayer's input changed in place was rebuilt for backward as it was before the change (wrong
+    gradients, silently; the Triton backend did that already). Values and gradients must match the
+    naive path's with the same in-place change."""
+    subs, h0, q = make(5, seed=61)
+    if case == "sublayer_input":
+        subs = nn.ModuleList(InPlaceInput(s) for s in subs)
+    g_out = torch.randn(h0.shape, dtype=h0.dtype, generator=torch.Generator().manual_seed(62))
+    results = []
+    for path in ("naive", "memory"):
+        res, x = module((16, 5, 2), q, path), h0.clone().requires_grad_()
+        subs.zero_grad()
+        out = res(x, subs)
+        if case == "output":
+            out.mul_(3)
+        (out * g_out).sum().backward()
+        results.append([out.detach(), x.grad, res.queries.grad] + [p.grad.clone() for p in subs.parameters()])
+    for i, (a, b) in enumerate(zip(*results)):
+        assert_close(f"{case} tensor {i}", a, b, 1e-10)
+
+
+class ChangesASavedOutput(nn.Module):
+    """A sublayer that doubles tanh's output in place after tanh saved it for its backward."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, h):
+        return torch.tanh(self.inner(h)).mul_(2)
+
+
+@pytest.mark.parametrize("path", ["naive", "memory"])
+def test_a_changed_saved_tensor_is_refused_on_every_path(path):
+    """Autograd refuses a backward through a saved tensor changed in place since; under the memory
+    path's saved-tensor hooks autograd does not check, so the hooks do (else wrong gradients)."""
+    subs, h0, q = make(3, seed=63)
+    subs = nn.ModuleList(ChangesASavedOutput(s) for s in subs)
+    out = module((16, 3, 2), q, path)(h0.clone().requires_grad_(), subs)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
 
 
 def test_activation_memory_matches_standard_residual():

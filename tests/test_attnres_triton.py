@@ -120,11 +120,24 @@ def test_module_triton_backend_matches_naive(N):
           f"params {max(errs[3:]):.1e}")
 
 
-def test_module_triton_output_changed_in_place():
-    """Changing the output in place after forward (legal: no node saves it) leaves the gradients
-    those of the formula doing the same."""
+class DoublesItsInput(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, h):
+        return self.inner(h.mul_(2))
+
+
+@pytest.mark.parametrize("change", ["output", "sublayer_input"])
+def test_module_triton_output_changed_in_place(change):
+    """Changing the output in place after forward (legal: no node saves it), or a sublayer changing its
+    input in place before using it, leaves the gradients those of the formula doing the same (the
+    second gave wrong ones silently: the input was rebuilt for backward as it was before the change)."""
     L, N, d = 4, 2, 8
     subs = sublayers(L, d, 5)
+    if change == "sublayer_input":
+        subs = nn.ModuleList(DoublesItsInput(s) for s in subs)
     g = torch.Generator().manual_seed(6)
     h0, q = randn(2, 3, d, g=g), randn(L + 1, d, g=g)
     grads = {}
@@ -134,7 +147,8 @@ def test_module_triton_output_changed_in_place():
             res.queries.copy_(q)
         x = h0.clone().requires_grad_()
         y = res(x, subs)
-        y.mul_(2).add_(1)
+        if change == "output":
+            y.mul_(2).add_(1)
         y.pow(2).sum().backward()
         grads[path] = (x.grad, res.queries.grad)
     for name, a, b in zip(("dh0", "dqueries"), grads["naive"], grads["memory"]):

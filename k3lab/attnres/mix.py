@@ -83,7 +83,9 @@ def phase1_fwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_d
     out = torch.einsum("sn...,n...d->s...d", torch.exp(s - lse[:, None]), V)
     h_dtype = h_dtype or buf.dtype
     o = out[1:].to(o_dtype or h_dtype) if W.shape[0] > 1 else None
-    return out[0].to(h_dtype), o, lse
+    # h a tensor of its own, as the Triton kernel's: a view of out, returned by the training path's
+    # autograd Function, could not be modified in place by the caller or by a sublayer.
+    return out[0].to(h_dtype, copy=True), o, lse
 
 
 def check_phase1_grads(buf: torch.Tensor, W: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,

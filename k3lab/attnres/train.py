@@ -192,30 +192,40 @@ class _AddMerge(torch.autograd.Function):
 class _RecomputeInput:
     """Saved-tensor hooks that replace a sublayer's saved copy of its input h (or a view of it) by a
     recipe, and rebuild it in backward. One rebuilt h is cached at a time: backward visits one
-    sublayer's nodes together."""
+    sublayer's nodes together.
+
+    Under saved-tensor hooks autograd no longer checks that a saved tensor was left unchanged; the hooks
+    do it as autograd would (same error). An h that its sublayer changed in place before a save is
+    saved as it is then, not rebuilt (the recipe gives the h the sublayer received)."""
 
     def __init__(self):
-        self.h, self.recipe, self.key = None, None, None
+        self.h, self.recipe, self.key, self.version = None, None, None, None
         self.cache_key, self.cache = None, None
 
     def watch(self, h: torch.Tensor, recipe, key: int) -> None:
-        self.h, self.recipe, self.key = h, recipe, key
+        self.h, self.recipe, self.key, self.version = h, recipe, key, h._version
 
     def unwatch(self) -> None:
-        self.h, self.recipe, self.key = None, None, None
+        self.h, self.recipe, self.key, self.version = None, None, None, None
 
     def pack(self, t: torch.Tensor):
         h = self.h
-        if (h is not None and t.dtype == h.dtype and t.device == h.device
+        if (h is not None and t.dtype == h.dtype and t.device == h.device and t._version == self.version
                 and t.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()):
             return (self.key, self.recipe, t.shape, t.stride(), t.storage_offset())
-        # Detached (same storage): a saved output returned as itself would reference its own node through
-        # its grad_fn, a cycle that keeps a graph never run backward (and its buffer) alive.
-        return t.detach()
+        # Detached (same storage and version counter): a saved output returned as itself would reference its
+        # own node through its grad_fn, a cycle that keeps a graph never run backward (and its buffer) alive.
+        return t.detach(), t._version
 
     def unpack(self, packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
+        if len(packed) == 2:
+            t, version = packed
+            if t._version != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: a saved tensor of shape {list(t.shape)} is at version {t._version}; expected "
+                    f"version {version} instead (Block AttnRes memory path)")
+            return t
         key, recipe, shape, stride, offset = packed
         if self.cache_key != key:
             self.cache_key, self.cache = key, recipe()
@@ -243,8 +253,8 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
         Differentiable once: a second differentiation raises RuntimeError (use the naive path).
 
     Raises:
-        ValueError: N < 1 or N > L, queries not [L + 1, d], h0 not [B, T, d], eps not a finite number >= 0,
-            unknown backend.
+        ValueError: N < 1 or N > L, h0 or queries not a floating-point tensor, queries not [L + 1, d],
+            h0 not [B, T, d], eps not a finite number >= 0, unknown backend.
     """
     L = len(sublayers)
     sizes = block_sizes(L, n_blocks)
