@@ -169,6 +169,18 @@ def test_entry_points_reject_wrong_argument_types():
         kcp_kda(q, k, v, g, beta, None)
     with pytest.raises(ValueError, match="initial_state"):
         kcp_kda(q, k, v, g, beta, ctx, initial_state=[[0.0]])
+    # A fresh user's cases: these were taken (the state silently converted, the flag read as truthy) or
+    # failed deep inside with a TypeError.
+    with pytest.raises(ValueError, match="initial_state must be a floating-point tensor"):
+        kcp_kda(q, k, v, g, beta, ctx, initial_state=torch.zeros(1, H, K, K, dtype=torch.long))
+    with pytest.raises(ValueError, match="output_final_state must be a bool"):
+        kcp_kda(q, k, v, g, beta, ctx, output_final_state=1)
+    for slab in (16.0, "16", True):
+        with pytest.raises(ValueError, match="slab_tokens must be an int"):
+            kcp_kda(q, k, v, g, beta, ctx, chunk_size=16, slab_tokens=slab)
+    for T_bad in (16.0, "16", True):
+        with pytest.raises(ValueError, match="T must be an int"):
+            make_context(T_bad)
     with pytest.raises(ValueError, match="ctx"):
         kcp_short_conv(torch.randn(1, T, 6), torch.randn(6, 4), None)
     with pytest.raises(ValueError, match="weight"):

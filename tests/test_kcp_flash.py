@@ -92,6 +92,43 @@ def test_one_process_is_flash_kda():
         assert_close(f"d{name}", a.grad, b.grad, 0.0)
 
 
+@pytest.mark.timeout(300)
+def test_outputs_can_be_changed_in_place():
+    """A fresh user's case: with float32 inputs, o.mul_(2) on flash_kda's or kcp_flash_kda's output
+    raised "Output 0 of ... is a view" (the output was a view made inside the Function; bf16 inputs, cast
+    by a copy, did not). Both now allow it, and the gradients follow the change (R = 1, bit for bit)."""
+    T, cu = 40, (0, 13, 40)
+    ctx = make_context(T, cu)
+    ours = [x.requires_grad_() for x in _inputs(T, 1, 1, 16, 16, 2, seed=6)]
+    ref = [x.detach().clone().requires_grad_() for x in ours]
+    o, _ = kcp_flash_kda(*ours[:7], ctx, initial_state=ours[7])
+    o_ref, _ = flash_kda(*ref[:7], initial_state=ref[7], cu_seqlens=torch.tensor(cu, device=DEVICE))
+    o.mul_(2)
+    o_ref.mul_(2)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    (o * do).sum().backward()
+    (o_ref * do).sum().backward()
+    assert_close("o", o_ref, o, 0.0)
+    for name, a, b in zip(("q", "k", "v", "z", "beta", "A_log", "dt_bias", "h0"), ref, ours):
+        assert_close(f"d{name}", a.grad, b.grad, 0.0)
+    plain = [x.detach().clone().requires_grad_() for x in ref]
+    o_plain, _ = flash_kda(*plain[:7], initial_state=plain[7], cu_seqlens=torch.tensor(cu, device=DEVICE))
+    (o_plain * do).sum().backward()
+    assert_close("dv follows the in-place change", 2 * plain[2].grad, ref[2].grad, 1e-6)
+
+
+def test_flags_and_state_types_are_checked():
+    """A fresh user's cases: kcp_flash_kda took output_final_state=1 and an integer initial_state
+    (converted silently), where flash_kda refuses both."""
+    T = 32
+    ctx = make_context(T)
+    xs = _inputs(T, 1, 1, 16, 16, 1, seed=8)
+    with pytest.raises(ValueError, match="output_final_state must be a bool"):
+        kcp_flash_kda(*xs[:7], ctx, output_final_state=1)
+    with pytest.raises(ValueError, match="initial_state must be a floating-point tensor"):
+        kcp_flash_kda(*xs[:7], ctx, initial_state=xs[7].long())
+
+
 def test_second_derivative_is_refused():
     """As for flash_kda: a create_graph=True gradient differentiated again lost kcp_flash_kda's
     second-order term without a word. It must raise instead."""

@@ -260,6 +260,13 @@ def test_kimi_linear_gate_formula_and_range():
     assert kimi_linear_gate(torch.full((1, 1, 1, 1), 50.0), torch.zeros(1)).item() == pytest.approx(-50.0)
 
 
+@pytest.mark.parametrize("gate", [lower_bounded_gate, kimi_linear_gate])
+def test_gates_refuse_integer_pre_activations(gate):
+    """A fresh user's case: an int64 z gave an int64, truncated log-decay (-4 for -4.91)."""
+    with pytest.raises(ValueError, match="z must be a floating-point tensor, got dtype torch.int64"):
+        gate(torch.ones(1, 2, 1, 3, dtype=torch.long), torch.zeros(1), torch.zeros(3))
+
+
 @pytest.mark.parametrize("lower_bound", [0.0, float("-inf"), float("nan"), "a", True])
 def test_lower_bound_must_be_finite_negative(lower_bound):
     with pytest.raises(ValueError, match="lower_bound must be a finite negative number"):

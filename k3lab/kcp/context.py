@@ -194,7 +194,7 @@ def make_context(
         KCPContext.
 
     Raises:
-        ValueError: T not a positive multiple of the world size, bad ``cu_seqlens`` (see
+        ValueError: T not an int that is a positive multiple of the world size, bad ``cu_seqlens`` (see
             ``check_cu_seqlens``), world_size not an int >= 1, rank not an int in [0, world_size).
     """
     if group is None and rank is None and world_size is None and dist.is_available() and dist.is_initialized():
@@ -207,8 +207,8 @@ def make_context(
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if not _is_int(rank) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-    if T <= 0 or T % world_size != 0:
-        raise ValueError(f"T must be a positive multiple of the world size {world_size}, got T={T}")
+    if not _is_int(T) or T <= 0 or T % world_size != 0:
+        raise ValueError(f"T must be an int, a positive multiple of the world size {world_size}, got T={T!r}")
     if cu_seqlens is None:
         bounds = (0, T)
     else:

@@ -43,7 +43,7 @@ from k3lab.autograd import differentiable_once
 from k3lab.kcp.affine import fold_scan, fold_sequential, identity_map
 from k3lab.kcp.context import KCPContext, check_context
 from k3lab.kcp.kcp import FOLDS, _all_gather
-from k3lab.kda.checks import _shape, check_kda_inputs
+from k3lab.kda.checks import _shape, check_initial_state, check_kda_inputs
 from k3lab.kernels.kda.chunk_bwd import kda_dqk_bwd, kda_dwv_bwd, kda_intra_bwd, kda_state_bwd
 from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_intra_replay, kda_state_fwd
 from k3lab.kernels.kda.flash_kda import check_finite, check_gate_args, input_grads, intermediate_dtype
@@ -149,13 +149,13 @@ class KCPFlashFunction(torch.autograd.Function):
         # 1. intra, shared by the map and the local pass.
         G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(*flat, A_log, dt_bias, scale, lower_bound, lay.cu,
                                                    lay.chunk_indices, inter)
-        o = torch.empty_like(U)
+        o = torch.empty(1, T, HV, V, device=dev, dtype=U.dtype)  # not a view: see FlashKDAFunction.forward
         final = [None] * n
         # 2. the state stage from the known entering states, then this rank's map.
         a = int(lay.cont_in)
         if a < n:
             _, _, ht = kda_state_fwd(W, U, KG, G, _entering(h0, None, ctx, a, n, (HV, K, V), dev), True,
-                                     *lay.span(a, n), NT, store_states=False, output=(QG, Aqk, o))
+                                     *lay.span(a, n), NT, store_states=False, output=(QG, Aqk, o[0]))
             final[a:] = ht.unbind(0)
         S_in = maps = None
         if R > 1:
@@ -174,7 +174,7 @@ class KCPFlashFunction(torch.autograd.Function):
                 S_in = _fold_forward(maps, ctx, lay, fold)
                 # 4. the continued piece's states from the folded state.
                 final[0] = kda_state_fwd(W, U, KG, G, S_in[None].contiguous(), True, *lay.span(0, 1), NT,
-                                         store_states=False, output=(QG, Aqk, o))[2][0]
+                                         store_states=False, output=(QG, Aqk, o[0]))[2][0]
         if R > 1 and not lay.cont_in:
             work.wait()
         fctx.save_for_backward(q, k, v, z, beta, A_log, dt_bias, h0, S_in, maps, G, Tinv, Aqk)
@@ -184,7 +184,7 @@ class KCPFlashFunction(torch.autograd.Function):
         for i, ends in enumerate(ctx.ends_here):
             if ends:
                 out_final[ctx.local_docs[i]] = final[i]
-        return o.view(1, T, HV, V).to(q.dtype), out_final
+        return o.to(q.dtype), out_final
 
     @staticmethod
     @differentiable_once
@@ -292,9 +292,9 @@ def kcp_flash_kda(
 
     Raises:
         ValueError: ctx not a KCPContext or layout-only (``check_context``), q not
-            [1, T_local, H, K], fold unknown, initial_state not [N, HV, K, V] on q's device, and every
-            error of ``flash_kda`` (``check_kda_inputs``, ``check_gate_args``, NaN/inf when
-            ``check_values``).
+            [1, T_local, H, K], fold unknown, initial_state not a floating-point [N, HV, K, V] tensor on
+            q's device, and every error of ``flash_kda`` (``check_kda_inputs``, ``check_gate_args``,
+            NaN/inf when ``check_values``).
         RuntimeError: CPU tensors without TRITON_INTERPRET=1 (call ``k3lab.setup()`` first);
             when a gradient taken with ``create_graph=True`` is differentiated again (no second derivatives).
     """
@@ -303,15 +303,10 @@ def kcp_flash_kda(
         raise ValueError(f"q must be [1, T_local={ctx.T_local}, H, K] on rank {ctx.rank}, "
                          f"got {_shape(q)}")
     local_cu = torch.tensor(ctx.local_cu_seqlens) if len(ctx.local_docs) > 1 else None
-    check_kda_inputs(q, k, v, z, beta, None, local_cu, check_values=False, scale=scale)
+    check_kda_inputs(q, k, v, z, beta, None, local_cu, check_values=False, scale=scale,
+                     output_final_state=output_final_state)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    if initial_state is not None:
-        if not isinstance(initial_state, torch.Tensor):
-            raise ValueError(f"initial_state must be a torch.Tensor [N, HV, K, V], got {type(initial_state).__name__}")
-        if initial_state.shape != (ctx.N, HV, K, V):
-            raise ValueError(f"initial_state must be [N, HV, K, V] = {[ctx.N, HV, K, V]}, got {_shape(initial_state)}")
-        if initial_state.device != q.device:
-            raise ValueError(f"initial_state must be on q's device {q.device}, got {initial_state.device}")
+    check_initial_state(initial_state, (ctx.N, HV, K, V), q.device)
     if fold not in FOLDS:
         raise ValueError(f"fold must be one of {FOLDS}, got {fold!r}")
     check_gate_args(q, k, v, A_log, dt_bias, lower_bound)

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from k3lab.kcp.affine import fold_scan, fold_sequential, segment_map
-from k3lab.kcp.context import KCPContext, check_context
+from k3lab.kcp.context import KCPContext, _is_int, check_context
 from k3lab.kda import chunk_kda
-from k3lab.kda.checks import check_kda_inputs
+from k3lab.kda.checks import check_initial_state, check_kda_inputs
 from k3lab.kda.naive import compute_dtype, expand_heads
 
 FOLDS = ("sequential", "scan")
@@ -247,23 +247,22 @@ def kcp_kda(
 
     Raises:
         ValueError: ctx not a KCPContext or layout-only (``check_context``), bad shapes (see
-            ``check_kda_inputs``), B != 1, T_local != ctx.T_local, initial_state not [N, HV, K, V], unknown ``fold``, slab_tokens not a multiple of
-            chunk_size.
+            ``check_kda_inputs``, output_final_state not a bool included), B != 1, T_local != ctx.T_local,
+            initial_state not a floating-point [N, HV, K, V] tensor on q's device, unknown ``fold``,
+            slab_tokens not a multiple of chunk_size.
     """
     check_context(ctx)
     if q.ndim != 4 or q.shape[0] != 1 or q.shape[1] != ctx.T_local:
         raise ValueError(f"q must be [1, T_local={ctx.T_local}, H, K] on rank {ctx.rank}, got {list(q.shape)}")
     local_cu = torch.tensor(ctx.local_cu_seqlens) if len(ctx.local_docs) > 1 else None
-    check_kda_inputs(q, k, v, g, beta, None, local_cu)
+    check_kda_inputs(q, k, v, g, beta, None, local_cu, output_final_state=output_final_state)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
-        raise ValueError(f"initial_state must be a torch.Tensor [N, HV, K, V], got {type(initial_state).__name__}")
-    if initial_state is not None and initial_state.shape != (ctx.N, HV, K, V):
-        raise ValueError(f"initial_state must be [N, HV, K, V] = {[ctx.N, HV, K, V]}, got {list(initial_state.shape)}")
+    check_initial_state(initial_state, (ctx.N, HV, K, V), q.device)
     if fold not in FOLDS:
         raise ValueError(f"fold must be one of {FOLDS}, got {fold!r}")
-    if slab_tokens is not None and (slab_tokens <= 0 or slab_tokens % chunk_size):
-        raise ValueError(f"slab_tokens must be a positive multiple of chunk_size={chunk_size}, got {slab_tokens}")
+    if slab_tokens is not None and not (_is_int(slab_tokens) and slab_tokens > 0 and slab_tokens % chunk_size == 0):
+        raise ValueError(f"slab_tokens must be an int, a positive multiple of chunk_size={chunk_size}, "
+                         f"got {slab_tokens!r}")
     scale = K**-0.5 if scale is None else scale
     op = chunk_kda if local_op is None else local_op
     o, final = KCPFunction.apply(q, k, v, g, beta, initial_state, ctx, scale, fold, chunk_size, slab_tokens, op)

@@ -51,6 +51,21 @@ def check_chunk_size(chunk_size: int, sub_tile: int = 16, name: str = "chunk_siz
         raise ValueError(f"{name} must be an int, a multiple of {sub_tile} or 1, 2, 4, 8, got {chunk_size!r}")
 
 
+def check_initial_state(initial_state, shape: tuple[int, int, int, int], device: torch.device) -> None:
+    """ValueError unless ``initial_state`` is None or a floating-point tensor of ``shape`` [N, HV, K, V] on
+    ``device`` (the message names what it got)."""
+    if initial_state is None:
+        return
+    if not isinstance(initial_state, torch.Tensor):
+        raise ValueError(f"initial_state must be a torch.Tensor [N, HV, K, V], got {type(initial_state).__name__}")
+    if initial_state.shape != shape:
+        raise ValueError(f"initial_state must be [N, HV, K, V] = {list(shape)}, got {_shape(initial_state)}")
+    if initial_state.device != device:
+        raise ValueError(f"initial_state must be on q's device {device}, got {initial_state.device}")
+    if not initial_state.is_floating_point():
+        raise ValueError(f"initial_state must be a floating-point tensor, got dtype {initial_state.dtype}")
+
+
 def check_kda_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -118,15 +133,7 @@ def check_kda_inputs(
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed into B=1, got B={B}")
         N = check_cu_seqlens(cu_seqlens, T)
-    if initial_state is not None:
-        if not isinstance(initial_state, torch.Tensor):
-            raise ValueError(f"initial_state must be a torch.Tensor [N, HV, K, V], got {type(initial_state).__name__}")
-        if initial_state.shape != (N, HV, K, V):
-            raise ValueError(f"initial_state must be [N, HV, K, V] = {[N, HV, K, V]}, got {_shape(initial_state)}")
-        if initial_state.device != q.device:
-            raise ValueError(f"initial_state must be on q's device {q.device}, got {initial_state.device}")
-        if not initial_state.is_floating_point():
-            raise ValueError(f"initial_state must be a floating-point tensor, got dtype {initial_state.dtype}")
+    check_initial_state(initial_state, (N, HV, K, V), q.device)
     if check_values:
         named = dict(tensors, initial_state=initial_state) if initial_state is not None else tensors
         # One host sync for all value checks.

@@ -11,9 +11,12 @@ from k3lab.kda.checks import _shape
 
 
 def check_gate_params(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> None:
-    """ValueError unless z is [B, T, HV, K] and ``check_gate_shapes`` passes for its HV and K."""
+    """ValueError unless z is a floating-point [B, T, HV, K] tensor (an integer one would give a truncated
+    integer gate) and ``check_gate_shapes`` passes for its HV and K."""
     if not isinstance(z, torch.Tensor) or z.dim() != 4:
         raise ValueError(f"z must be a [B, T, HV, K] tensor, got {_shape(z)}")
+    if not z.is_floating_point():
+        raise ValueError(f"z must be a floating-point tensor, got dtype {z.dtype}")
     check_gate_shapes(z.shape[2], z.shape[3], A_log, dt_bias)
 
 
@@ -49,7 +52,8 @@ def kimi_linear_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
         Tensor: [B, T, HV, K] log-decay in (-inf, 0], in z's dtype (computed in float32 or wider).
 
     Raises:
-        ValueError: z not [B, T, HV, K], A_log not [HV], dt_bias not [HV * K] or [HV, K].
+        ValueError: z not a floating-point [B, T, HV, K] tensor, A_log not [HV], dt_bias not [HV * K] or
+            [HV, K].
     """
     check_gate_params(z, A_log, dt_bias)
     x = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
@@ -76,8 +80,8 @@ def lower_bounded_gate(
         Tensor: [B, T, HV, K] log-decay in (lower_bound, 0), in z's dtype.
 
     Raises:
-        ValueError: ``lower_bound`` not a finite negative number; z not [B, T, HV, K], A_log not [HV],
-            dt_bias not [HV * K] or [HV, K].
+        ValueError: ``lower_bound`` not a finite negative number; z not a floating-point [B, T, HV, K]
+            tensor, A_log not [HV], dt_bias not [HV * K] or [HV, K].
     """
     check_lower_bound(lower_bound)
     check_gate_params(z, A_log, dt_bias)

@@ -91,16 +91,18 @@ class FlashKDAFunction(torch.autograd.Function):
         inter = intermediate_dtype(q)
         G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(*flat, A_log, dt_bias, scale, lower_bound, cu_seqlens,
                                                    chunk_indices, inter)
-        o = torch.empty_like(U)
+        # o in the output's shape, the kernel writing a flat view of it: a view made inside a Function and
+        # returned could not be modified in place by the caller.
+        o = torch.empty(B, T, HV, V, device=U.device, dtype=U.dtype)
         h, Vn, ht = kda_state_fwd(W, U, KG, G, initial_state, output_final_state, cu_seqlens, chunk_offsets,
-                                  chunk_indices.shape[0], store_states=for_backward, output=(QG, Aqk, o))
+                                  chunk_indices.shape[0], store_states=for_backward, output=(QG, Aqk, o.view_as(U)))
         # Everything the backward reads goes through save_for_backward, so saved-tensor hooks
         # (non-reentrant checkpointing, CPU offload) see it; without autograd nothing is kept.
         kept = (W, KG, QG, h, Vn) if for_backward else ()
         ctx.save_for_backward(q, k, v, z, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices,
                               chunk_offsets, G, Tinv, Aqk, *kept)
         ctx.scale, ctx.lower_bound = scale, lower_bound
-        return o.view(B, T, HV, V).to(q.dtype), ht
+        return o.to(q.dtype), ht
 
     @staticmethod
     @differentiable_once
