@@ -502,9 +502,10 @@ else:
 
 # %% [markdown]
 # **Reading the numbers.** The training-step overhead of Block AttnRes ($N = 8$) in this 24-layer
-# $d = 2048$ dense model is **7.0%** with the two-phase path of section 3 (208.8 vs 195.2 ms). The run
-# before, on another H200 with code that did slightly less work (the final aggregation's output saved,
-# not recomputed), gave 8.2%: read the two as the spread between machines and runs. Before phase 1's
+# $d = 2048$ dense model is **7.5%** with the two-phase path of section 3 (210.6 vs 195.8 ms). Two
+# earlier runs gave 7.0% (before the saved-tensor hooks checked versions) and 8.2% (another H200); the
+# variant that runs no hooks moved by 2 ms between the last two, so read the three as the spread between
+# machines and runs. Before phase 1's
 # backward read the blocks once it was 8.8%, and 14.1% with the earlier per-read path, which moved $\approx 4(n+1)$
 # d-vectors per token per read: `attnres_h200.json` as of commit 8752841), still far from the issue's
 # 2% goal and the paper's < 4% (measured there with pipeline parallelism and K3-sized layers, where a
