@@ -55,7 +55,7 @@ class BlockAttnRes(nn.Module):
 
     Raises:
         ValueError: N < 1 or N > L, bad d/L, unknown path or backend, eps not finite and >= 0,
-            recompute_input not a bool, a non-float buffer_dtype; in forward, h0 not [B, T, d]
+            recompute_input not a bool, a non-float buffer_dtype; in forward, h0 not a floating-point [B, T, d]
             with d = d_model, len(sublayers) != L, or a sublayer returning anything but a tensor of
             h0's shape.
 

@@ -45,7 +45,8 @@ def block_attnres_inference(h0: torch.Tensor, sublayers, queries: torch.Tensor, 
         ``naive_block_attnres`` up to float rounding.
 
     Raises:
-        ValueError: N < 1 or N > L, queries not [L + 1, d], h0 not [B, T, d], eps not a finite number >= 0.
+        ValueError: N < 1 or N > L, h0 or queries not a floating-point tensor, queries not [L + 1, d],
+            h0 not [B, T, d], eps not a finite number >= 0.
     """
     L = len(sublayers)
     sizes = block_sizes(L, n_blocks)

@@ -101,7 +101,8 @@ def naive_block_attnres(
         order (b_0, ..., completed blocks, partial sum).
 
     Raises:
-        ValueError: N < 1 or N > L, queries not [L + 1, d], h0 not [B, T, d], eps not a finite number >= 0.
+        ValueError: N < 1 or N > L, h0 or queries not a floating-point tensor, queries not [L + 1, d],
+            h0 not [B, T, d], eps not a finite number >= 0.
     """
     L = len(sublayers)
     sizes = block_sizes(L, n_blocks)
@@ -134,7 +135,8 @@ def naive_attnres(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float
         Tensor: [B, T, d] in h0's dtype.
 
     Raises:
-        ValueError: queries not [L + 1, d], h0 not [B, T, d], eps not a finite number >= 0.
+        ValueError: h0 or queries not a floating-point tensor, queries not [L + 1, d], h0 not [B, T, d],
+            eps not a finite number >= 0.
     """
     L = len(sublayers)
     _check_inputs(h0, queries, L, eps)
@@ -154,6 +156,11 @@ def check_eps(eps: float) -> None:
 
 def _check_inputs(h0: torch.Tensor, queries: torch.Tensor, L: int, eps: float) -> None:
     check_eps(eps)
+    for name, x in dict(h0=h0, queries=queries).items():
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if h0.ndim != 3:
         raise ValueError(f"h0 must be [B, T, d], got shape {list(h0.shape)}")
     if tuple(queries.shape) != (L + 1, h0.shape[-1]):
