@@ -2,8 +2,20 @@
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
 from k3lab.attnres import block_sizes
+
+
+class DoublesItsInput(nn.Module):
+    """A sublayer that doubles its input in place, then applies ``inner`` to it."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, h):
+        return self.inner(h.mul_(2))
 
 
 def uniform_block_average(h0: torch.Tensor, sublayers, n_blocks: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ from k3lab.attnres import (AttnRes, BlockAttnRes, block_attnres_inference, block
 from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch
 from k3lab.testing import assert_close, rel_rms_error
 
-from attnres_helpers import uniform_block_average
+from attnres_helpers import DoublesItsInput, uniform_block_average
 
 
 class MLP(nn.Module):
@@ -308,17 +308,6 @@ def test_train_path_errors():
         naive_attnres(h0, subs, q.tolist())
 
 
-class InPlaceInput(nn.Module):
-    """A sublayer that scales its input in place before using it."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, h):
-        return self.inner(h.mul_(2))
-
-
 @pytest.mark.parametrize("case", ["output", "sublayer_input"])
 def test_memory_path_allows_in_place_changes_as_the_naive_path_does(case):
     """A fresh user's case: on the torch backend, changing the output (or a sublayer changing its input)
@@ -328,7 +317,7 @@ def test_memory_path_allows_in_place_changes_as_the_naive_path_does(case):
     naive path's with the same in-place change."""
     subs, h0, q = make(5, seed=61)
     if case == "sublayer_input":
-        subs = nn.ModuleList(InPlaceInput(s) for s in subs)
+        subs = nn.ModuleList(DoublesItsInput(s) for s in subs)
     g_out = torch.randn(h0.shape, dtype=h0.dtype, generator=torch.Generator().manual_seed(62))
     results = []
     for path in ("naive", "memory"):

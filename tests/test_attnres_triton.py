@@ -15,7 +15,7 @@ from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch
 from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd  # noqa: E402
 from k3lab.testing import assert_close  # noqa: E402
 
-from attnres_helpers import uniform_block_average  # noqa: E402
+from attnres_helpers import DoublesItsInput, uniform_block_average  # noqa: E402
 
 TOL = 1e-5 if DEVICE.type == "cpu" else 1e-4
 
@@ -118,15 +118,6 @@ def test_module_triton_backend_matches_naive(N):
     errs = [assert_close(f"tensor {i}", a, b, 10 * TOL) for i, (a, b) in enumerate(zip(out["naive"], out["memory"]))]
     print(f"N={N} triton float32: out {errs[0]:.1e}, dh0 {errs[1]:.1e}, dqueries {errs[2]:.1e}, "
           f"params {max(errs[3:]):.1e}")
-
-
-class DoublesItsInput(nn.Module):
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, h):
-        return self.inner(h.mul_(2))
 
 
 @pytest.mark.parametrize("change", ["output", "sublayer_input"])
