@@ -218,7 +218,7 @@ class _RecomputeInput:
         return t.detach(), t._version
 
     def unpack(self, packed):
-        if len(packed) == 2:
+        if isinstance(packed[0], torch.Tensor):  # (tensor, version), else a recipe
             t, version = packed
             if t._version != version:
                 raise RuntimeError(
