@@ -545,7 +545,16 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 # gate fused in as well, so that `G` is never read back (1183 µs against about 627 for the gate and
 # scores kernels at B4 T8192 H16, 255 registers a thread), and the scores kernel alone walking a
 # chunk's four sub-tiles with the earlier sub-tiles' decayed keys kept in registers (591 against 513 µs;
-# `flash_kda_h200_session16.json`). fla's own times move between runs: at B1
+# `flash_kda_h200_session16.json`). Three more, with the forward's per-kernel device times at
+# B4 T8192 H16 for scale (gate 110, scores 515, inverse 146, W/U 171, state 306 µs): each scores
+# program inverting its own diagonal block of `I + L`, so that the inverse kernel only forms the
+# off-diagonal blocks, took 60 µs off the inverse and added 269 to the scores kernel (forward 1.253 →
+# 1.449 ms); the inverse's off-diagonal blocks by 32-row halves, four products deep instead of six,
+# were no faster (146.5 → 149.1 µs), so the chain's depth is not what bounds it; and the state scan at
+# one or two pipeline stages, where two programs then share an SM, was 1.5x slower at H64. The scores
+# kernel at 32-row sub-tiles (inside float32's range at `g_min = -5`, not below -5.5) was 2.5% faster,
+# about 1% of the forward, not worth a sub-tile that depends on the bound
+# (`flash_kda_h200_session17.json`). fla's own times move between runs: at B1
 # T4096 H16 its forward took 0.799 ms in one call and 1.487 ms in another (right after its
 # autotuning); at B1 T8192 H16 its forward+backward took 3.125 and 4.123 ms in two runs.
 #
