@@ -517,7 +517,10 @@ else:
 # ~1.5 TB/s at the launch option then chosen, when a program serves several of a block's S = 6 queries
 # (3.9-4.1 TB/s with S = 1; the option (2, 1, 4) now offered to the autotuner took 0.454 ms against
 # 0.503 in a direct sweep). What would close the rest: phase 1 at full bandwidth, the block buffer and
-# the inter-block gradients in bf16, and the merge fused into the sublayer's own RMSNorm. The merge
+# the inter-block gradients in bf16, and the merge fused into the sublayer's own RMSNorm. (Phase 1's
+# forward in two passes, all six queries' logits first and then the weighted sums re-reading the
+# blocks by d tiles, was 1.4-2x slower: 703 against 495 µs at n = 8, S = 6;
+# `attnres_h200_session17.json`.) The merge
 # kernel runs at 3.3-3.8 TB/s, 5-8x faster than eager PyTorch and `torch.compile`. Activation memory
 # stays at the standard residual's plus the block buffer and its gradient sum, about two d-vectors per
 # token per block (peak +1.2 GiB on a 41 GiB step). In float32 the two-phase path's gradients are
