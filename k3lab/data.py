@@ -237,19 +237,22 @@ def build(
     Raises:
         FileNotFoundError: the corpus, the tokenizer (without ``retrain_tokenizer``) or the committed
             manifest (without ``update_manifest``) is missing.
-        RuntimeError: the built shards differ from the committed manifest; nothing is written then.
+        RuntimeError: the built shards differ from the committed manifest; nothing is written then
+            (a retrained tokenizer included).
     """
     data_dir = Path(data_dir)
     out_dir = Path(out_dir) if out_dir is not None else data_dir / "shards"
     files = read_corpus(data_dir)
     splits = split_files(files)
     if retrain_tokenizer:
-        tok = train_tokenizer(splits["train"], vocab)
-        atomic_write_bytes(data_dir / "tokenizer.json", tok.to_str(pretty=True).encode())
-        if verbose:
-            print(f"trained tokenizer: vocab {tok.get_vocab_size()} -> {data_dir / 'tokenizer.json'}")
-    tok = load_tokenizer(data_dir)
-    tok_bytes = (data_dir / "tokenizer.json").read_bytes()
+        # Kept in memory until the manifest check passes: a failed build changes no file.
+        tok_bytes = train_tokenizer(splits["train"], vocab).to_str(pretty=True).encode()
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_str(tok_bytes.decode())
+    else:
+        tok = load_tokenizer(data_dir)
+        tok_bytes = (data_dir / "tokenizer.json").read_bytes()
 
     manifest = {
         "corpus": "corpus.tar.xz",
@@ -273,12 +276,10 @@ def build(
         }
 
     committed = data_dir / "manifest.json"
-    if update_manifest:
-        atomic_write_bytes(committed, _json_bytes(manifest))
-    elif not committed.is_file():
-        raise FileNotFoundError(f"{committed} is missing: restore it from git, or run "
-                                f"`{BUILD_COMMAND} --update-manifest` to write a new one")
-    else:
+    if not update_manifest:
+        if not committed.is_file():
+            raise FileNotFoundError(f"{committed} is missing: restore it from git, or run "
+                                    f"`{BUILD_COMMAND} --update-manifest` to write a new one")
         expected = json.loads(committed.read_text())
         if expected != manifest:
             diffs = _manifest_diff(expected, manifest)
@@ -287,6 +288,12 @@ def build(
                 + "\n  ".join(diffs)
                 + f"\nIf the corpus or tokenizer changed on purpose, run `{BUILD_COMMAND} --update-manifest`."
             )
+    if retrain_tokenizer:
+        atomic_write_bytes(data_dir / "tokenizer.json", tok_bytes)
+        if verbose:
+            print(f"trained tokenizer: vocab {tok.get_vocab_size()} -> {data_dir / 'tokenizer.json'}")
+    if update_manifest:
+        atomic_write_bytes(committed, _json_bytes(manifest))
     for split in SPLITS:
         atomic_write_bytes(out_dir / f"{split}.bin", arrays[split].tobytes())
     # Written last: its presence means both shards are complete (the Makefile's stamp).

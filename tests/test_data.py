@@ -64,6 +64,11 @@ def test_manifest_mismatch_is_an_error_and_writes_nothing(tiny_data_dir, tmp_pat
     with pytest.raises(RuntimeError, match=r"(?s)splits\.train\.tokens.*--update-manifest"):
         data.build(bad, verbose=False)
     assert not (bad / "shards").exists() or not any((bad / "shards").iterdir())
+    # A retrained tokenizer that does not match is not written either.
+    tokenizer = (bad / "tokenizer.json").read_bytes()
+    with pytest.raises(RuntimeError, match="nothing written"):
+        data.build(bad, retrain_tokenizer=True, vocab=280, verbose=False)
+    assert (bad / "tokenizer.json").read_bytes() == tokenizer
     (bad / "manifest.json").unlink()
     with pytest.raises(FileNotFoundError, match="manifest"):
         data.build(bad, verbose=False)
