@@ -12,8 +12,10 @@ the residual module decides how outputs are combined (``PreNormResidual``: h = h
 
 Usage:
     >>> import k3lab.lm as lm
-    >>> model = lm.LM(lm.LMConfig.tiny(vocab_size=512, mixer="kda"))
-    >>> logits, loss = model(torch.randint(0, 512, (2, 16)), targets=torch.randint(0, 512, (2, 16)))
+    >>> from k3lab.data import vocab_size
+    >>> model = lm.LM(lm.LMConfig.tiny(vocab_size=vocab_size(), mixer="kda"))  # the corpus tokenizer's 4096
+    >>> x = torch.randint(0, vocab_size(), (2, 16))
+    >>> logits, loss = model(x, targets=x)
     >>> history = lm.train(model, steps=100, batch_size=8, seq_len=128, lr=3e-3, device="cpu")  # reads k3lab.data
 """
 from __future__ import annotations
@@ -347,8 +349,9 @@ def train(
         log), val_loss, tokens_per_s (training throughput since the last log), lr, elapsed_s.
 
     Raises:
-        ValueError: non-positive steps/batch_size/seq_len/log_every/eval_batches, lr <= 0 or not
-            finite, token ids >= the model's ``config.vocab_size``.
+        ValueError: non-positive steps/batch_size/seq_len/log_every/eval_batches, lr or grad_clip <= 0
+            or not finite, weight_decay < 0 or not finite, warmup not an int >= 0, token ids >= the
+            model's ``config.vocab_size``.
         FileNotFoundError: the token shards are missing (from ``k3lab.data``; it names the build command).
     """
     from tqdm.auto import tqdm
@@ -362,6 +365,13 @@ def train(
         raise ValueError(f"lr must be positive and finite, got {lr}")
     if not (isinstance(eval_batches, int) and eval_batches > 0):
         raise ValueError(f"eval_batches must be a positive int, got {eval_batches!r}")
+    # A negative max norm would flip every gradient (clip_grad_norm_ scales by it): gradient ascent.
+    if not (grad_clip > 0 and math.isfinite(grad_clip)):
+        raise ValueError(f"grad_clip must be positive and finite, got {grad_clip}")
+    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise ValueError(f"weight_decay must be >= 0 and finite, got {weight_decay}")
+    if warmup is not None and not (isinstance(warmup, int) and warmup >= 0):
+        raise ValueError(f"warmup must be an int >= 0 or None, got {warmup!r}")
     device = torch.device(device)
     train_tokens, val_tokens = data if data is not None else (kdata.load_split("train"), kdata.load_split("val"))
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)

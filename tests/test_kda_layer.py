@@ -215,3 +215,17 @@ def test_reference_op_refuses_unknown_gate():
     q, k, v, z = (torch.randn(1, 4, 1, 8) for _ in range(4))
     with pytest.raises(ValueError, match="gate must be one of"):
         reference_kda_op(q, k, v, z, torch.randn(1, 4, 1), torch.zeros(1), None, gate="foo")
+
+
+def test_bf16_input_under_autocast():
+    """The layer's check allows another input dtype under autocast, but b_proj ran with autocast off on
+    the bf16 x against float32 weights: RuntimeError (same dtype expected). Now it runs, and agrees with
+    the float32 forward of the same x to bf16's precision."""
+    torch.manual_seed(16)
+    layer = KDALayer(d_model=32, num_heads=2, head_dim=8)
+    x = torch.randn(1, 9, 32)
+    ref, _ = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, _ = layer(x.bfloat16())
+    assert torch.isfinite(y).all()
+    assert_close("bf16 autocast vs float32", ref, y.float(), 5e-2)

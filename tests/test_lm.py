@@ -172,6 +172,11 @@ def test_train_rejects_bad_arguments_before_training():
         lm.train(model, lr=1e-3, eval_batches=0, **kw)
     with pytest.raises(ValueError, match="lr"):
         lm.train(model, lr=float("inf"), **kw)
+    # grad_clip=-1 flipped every gradient (clip_grad_norm_ scales by it): the loss rose.
+    for bad in (dict(grad_clip=-1.0), dict(grad_clip=0.0), dict(weight_decay=float("nan")), dict(weight_decay=-0.1),
+                dict(warmup=-1), dict(warmup=2.5)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            lm.train(model, lr=1e-3, **kw, **bad)
     big = stream.copy()
     big[-1] = VOCAB
     with pytest.raises(ValueError, match="vocab_size"):

@@ -309,7 +309,9 @@ class KDALayer(nn.Module):
         # (the reference computes in float32): keep autocast from making its matmuls bf16.
         op = _kda_op(x.device, self.gate, self.chunk_size)
         with torch.autocast(x.device.type, enabled=False):
-            o, state = op(q, k, v, z, self.b_proj(x), self.A_log, self.dt_bias, initial_state=c.state,
+            # x in the weights' dtype: under autocast it may be bf16 while the weights are float32.
+            beta = self.b_proj(x.to(self.b_proj.weight.dtype))
+            o, state = op(q, k, v, z, beta, self.A_log, self.dt_bias, initial_state=c.state,
                           output_final_state=use_cache, cu_seqlens=cu_seqlens, lower_bound=self.lower_bound)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).unflatten(-1, (self.HV, self.V))
         y = self.o_proj(o.flatten(-2))
