@@ -105,6 +105,23 @@ def test_extreme_gates(gate):
     compare(inputs)
 
 
+@pytest.mark.parametrize("reset", [-1e4, -1e6, -1e30])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_hard_reset_gate(reset, dtype):
+    """One token's gate far below the rest (a hard reset) among small decays: the in-chunk cumsum then
+    swamped the small gates after it (float32 o 5e-4 off at -1e4, 3e-2 at -1e6; float64 0.10 off at
+    -1e30). Gates are floored at -60 before the cumsum (e^-60 clears the state either way)."""
+    inputs = make_inputs(64, H=1, K=16, seed=17, gate="zero")
+    gen = torch.Generator().manual_seed(18)
+    inputs["g"] = -0.01 * torch.rand(inputs["g"].shape, generator=gen, dtype=torch.float64)
+    inputs["g"][:, 20] = reset
+    o_ref, s_ref = naive_recurrent_kda(**inputs, output_final_state=True)
+    o, s = chunk_kda(**{key: x.to(dtype) for key, x in inputs.items()}, output_final_state=True)
+    tol = 2e-5 if dtype == torch.float32 else F64_TOL
+    assert_close("o", o_ref, o, tol)
+    assert_close("final_state", s_ref, s, tol)
+
+
 @pytest.mark.parametrize("beta_value", [None, 1.0], ids=["beta_random", "beta_1"])
 def test_identical_consecutive_keys(beta_value):
     """20 identical keys in a row (a rank-1 block: the textbook ill-conditioned UT inverse)."""

@@ -9,6 +9,10 @@ from k3lab.kda.checks import check_chunk_size, check_kda_inputs
 from k3lab.kda.naive import compute_dtype, expand_heads
 
 SUB_TILE = 16
+# Per-token log-decays below this are raised to it before the in-chunk cumsum (a decay of e^-60 ~ 1e-26
+# clears the state either way): a reset of -1e6 left G so large that the small gates after it were lost
+# to rounding in G_i - G_j (float32 outputs 3e-2 off; float64 0.1 off at -1e30).
+G_FLOOR = -60.0
 
 
 def decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, inclusive: bool) -> torch.Tensor:
@@ -66,7 +70,7 @@ def chunk_kda_fwd(
     q, k, v, g = (x.unflatten(2, (T // C, C)) for x in (q, k, v, g))
     beta = beta.unflatten(2, (T // C, C))[..., None]
     # Gamma: cumulative decay inside each chunk, as a log (G <= 0, non-increasing).
-    G = g.cumsum(-2)
+    G = g.clamp(min=G_FLOOR).cumsum(-2)
     # UT transform: (I + StrictTril(Diag(beta) (Gamma K)(K / Gamma)^T)) Delta = Diag(beta)(V - (Gamma K) S).
     L = torch.eye(C, dtype=k.dtype, device=k.device) + beta * decayed_scores(k, k, G, inclusive=False)
     U = torch.linalg.solve_triangular(L, beta * v, upper=False, unitriangular=True)
@@ -101,7 +105,10 @@ def chunk_kda(
         M = (I + StrictTril(Diag(beta)(Gamma K)(K/Gamma)^T))^-1 Diag(beta),  W = M (Gamma K),  U = M V
         V~ = U - W S,   O = (Gamma Q) S + Tril((Gamma Q)(K/Gamma)^T) V~
         S <- Diag(gamma_C) S + (Gamma_{i->C} K)^T V~
-    Decays enter only as exp(non-positive) (see ``decayed_scores``), so it is stable for any g <= 0.
+    Decays enter only as exp(non-positive) (see ``decayed_scores``): nothing overflows for any g <= 0.
+    Gates below ``G_FLOOR`` (-60) are raised to it first, so a hard reset (g = -1e6, say) does not
+    swamp the in-chunk cumsum; G's rounding still grows with |G|, so in float32 a chunk of many
+    near-reset tokens is good to about 1e-4 relative rather than the naive recurrence's 1e-7.
     The tail chunk is padded with g = 0, beta = 0, k = 0, which leaves outputs and state unchanged.
 
     Args:
