@@ -1,1 +1,27 @@
 """Benchmarks run on a GPU as ``python -m k3lab.bench.<name>``; each writes data/results/<name>_h200.json."""
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a bad value stops the command before any work, naming the option)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {n}")
+    return n
+
+
+def shape_bth(text: str) -> tuple[int, int, int]:
+    """argparse type: a shape written BxTxH (positive ints), e.g. 4x8192x16."""
+    parts = text.split("x")
+    try:
+        shape = tuple(positive_int(p) for p in parts)
+    except argparse.ArgumentTypeError:
+        shape = ()
+    if len(shape) != 3:
+        raise argparse.ArgumentTypeError(f"expected BxTxH with positive ints, e.g. 4x8192x16, got {text!r}")
+    return shape

@@ -33,6 +33,7 @@ import torch
 
 import k3lab
 from k3lab.attnres import block_sizes
+from k3lab.bench import positive_int
 from k3lab.files import write_json
 
 PHASE1_CASES = [  # (tokens M, width d, blocks read n, queries S, buffer dtype)
@@ -339,9 +340,9 @@ def main(argv=None) -> dict:
     p.add_argument("--skip-kernels", action="store_true", help="skip the kernel timings (kept from --out)")
     p.add_argument("--skip-step", action="store_true", help="skip the training-step benchmark (kept from --out)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile timings")
-    p.add_argument("--steps", type=int, default=10, help="timed training steps per variant")
-    p.add_argument("--batch", type=int, default=4, help="training-step batch size")
-    p.add_argument("--seq", type=int, default=2048, help="training-step sequence length")
+    p.add_argument("--steps", type=positive_int, default=10, help="timed training steps per variant")
+    p.add_argument("--batch", type=positive_int, default=4, help="training-step batch size")
+    p.add_argument("--seq", type=positive_int, default=2048, help="training-step sequence length")
     p.add_argument("--lm-steps", type=int, default=0,
                    help="also run chapter 04's LM experiment (d=512, 8 layers, real corpus) for this many steps")
     args = p.parse_args(argv)

@@ -2,6 +2,7 @@
 
     python -m k3lab.bench.flash_kda                        # check, ceilings, the 4 baseline cases
     python -m k3lab.bench.flash_kda --cases 1x8192x16 4x8192x16 --out data/results/flash_kda_h200.json
+    python -m k3lab.bench.flash_kda --cases 1x4096x16      # one shape, table only (no JSON without --out)
     python -m k3lab.bench.flash_kda --check-only           # correctness only (bf16 vs float64 naive)
 
 Order: (1) correctness first, bf16 on the GPU against the float64 naive recurrence (outputs and final
@@ -23,11 +24,13 @@ from pathlib import Path
 
 import torch
 
+from k3lab.bench import positive_int, shape_bth
 from k3lab.files import write_json
 from k3lab.testing import rel_rms_error
 
 LOWER_BOUND = -5.0
 BASELINE_CASES = ["1x8192x16", "4x8192x16", "1x32768x32", "8x4096x32"]
+DEFAULT_OUT = "data/results/flash_kda_h200.json"
 OUT_TOL, GRAD_TOL = 5e-3, 1e-2
 
 
@@ -301,19 +304,24 @@ def versions() -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m k3lab.bench.flash_kda", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", nargs="*", default=BASELINE_CASES, help="shapes BxTxH (K = V = --K, HV = H)")
-    p.add_argument("--K", type=int, default=128, help="key and value head dim")
-    p.add_argument("--out", default="data/results/flash_kda_h200.json", help="where the JSON goes ('' = nowhere)")
+    p.add_argument("--cases", nargs="*", type=shape_bth, default=None,
+                   help=f"shapes BxTxH (K = V = --K, HV = H); default {' '.join(BASELINE_CASES)}")
+    p.add_argument("--K", type=positive_int, default=128, help="key and value head dim")
+    p.add_argument("--out", default=None, help=f"where the JSON goes ('' = nowhere); default {DEFAULT_OUT} for "
+                   "the default cases, nowhere with --cases (a one-shape try must not replace the committed sweep)")
     p.add_argument("--check-only", action="store_true", help="run the correctness check and stop")
     p.add_argument("--skip-check", action="store_true", help="skip the correctness check")
     p.add_argument("--no-fla", action="store_true", help="time ours only")
-    p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms of timed runs)")
+    p.add_argument("--rep", type=positive_int, default=100, help="do_bench rep (ms of timed runs)")
     p.add_argument("--stages", action="store_true", help="print each kernel's time, registers and spills "
                    "per case and stop")
     p.add_argument("--fla-from", nargs="*", default=[], help="with --no-fla: take fla's times for matching shapes "
                    "from earlier result JSONs of this benchmark, the first file that has a shape winning (fla "
                    "autotunes for minutes per shape)")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = DEFAULT_OUT if args.cases is None else ""
+    args.cases = args.cases if args.cases is not None else [shape_bth(c) for c in BASELINE_CASES]
     if not torch.cuda.is_available():
         raise SystemExit("python -m k3lab.bench.flash_kda needs a CUDA GPU")
     device = torch.device("cuda")
@@ -326,8 +334,8 @@ def main(argv=None) -> dict:
         if args.check_only:
             return result
     if args.stages:
-        for case in args.cases:
-            B, T, H = (int(x) for x in case.split("x"))
+        for B, T, H in args.cases:
+            case = f"{B}x{T}x{H}"
             times = stage_times(B, T, H, args.K, args.K, device, rep=args.rep)
             print(f"stages {case}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in times.items()), flush=True)
             result.setdefault("stages", {})[case] = times
@@ -337,8 +345,7 @@ def main(argv=None) -> dict:
         return result
     earlier = fla_times(args.fla_from) if args.no_fla else {}
     result["hardware"].update(ceilings(device))
-    for case in args.cases:
-        B, T, H = (int(x) for x in case.split("x"))
+    for B, T, H in args.cases:
         case_result = time_case(B, T, H, args.K, args.K, device, run_fla=not args.no_fla, rep=args.rep)
         if (B, T, H, args.K) in earlier:
             case_result.update(earlier[B, T, H, args.K])
@@ -353,6 +360,8 @@ def main(argv=None) -> dict:
             clean = json.loads(json.dumps(result), parse_constant=lambda c: None)
             write_json(args.out, clean, indent=1)
     print(table(result))
+    if not args.out:
+        print("(no JSON written: pass --out PATH to keep this run)")
     return result
 
 

@@ -33,6 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from k3lab.bench import positive_int
 from k3lab.files import write_json
 from k3lab.kcp import kcp_short_conv, make_context
 from k3lab.kcp.affine import fold_scan, fold_sequential
@@ -288,19 +289,19 @@ def notes(result: dict) -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m k3lab.bench.kcp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--T", type=int, nargs="+", default=[32768, 131072, 524288], help="global sequence lengths")
-    p.add_argument("--H", type=int, default=32, help="heads (H = HV)")
-    p.add_argument("--K", type=int, default=128, help="key and value head dim")
-    p.add_argument("--conv", type=int, default=4, help="short-conv width W (halo W-1)")
-    p.add_argument("--slab", type=int, default=131072, help="tokens per flash_kda call of the 1-GPU baseline")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up")
-    p.add_argument("--ranks", type=int, default=2, help="processes (GPUs) to start")
+    p.add_argument("--T", type=positive_int, nargs="+", default=[32768, 131072, 524288], help="global sequence lengths")
+    p.add_argument("--H", type=positive_int, default=32, help="heads (H = HV)")
+    p.add_argument("--K", type=positive_int, default=128, help="key and value head dim")
+    p.add_argument("--conv", type=positive_int, default=4, help="short-conv width W (halo W-1)")
+    p.add_argument("--slab", type=positive_int, default=131072, help="tokens per flash_kda call of the 1-GPU baseline")
+    p.add_argument("--reps", type=positive_int, default=3, help="timed repetitions after one warm-up")
+    p.add_argument("--ranks", type=positive_int, default=2, help="processes (GPUs) to start")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                    help="benchmark dtype (default bfloat16 on cuda, float32 on cpu: the interpreter has no bf16)")
-    p.add_argument("--check-T", type=int, default=None, dest="check_T",
+    p.add_argument("--check-T", type=positive_int, default=None, dest="check_T",
                    help="float32 check length (default 4096 on cuda, 128 on cpu)")
-    p.add_argument("--bf16-check-T", type=int, default=None, dest="bf16_check_T",
+    p.add_argument("--bf16-check-T", type=positive_int, default=None, dest="bf16_check_T",
                    help="length of the check in the benchmark dtype (default 32768 on cuda, 128 on cpu)")
     p.add_argument("--budget-s", type=float, default=420.0, dest="budget_s",
                    help="skip (and record as skipped) cases that would start after this many seconds")

@@ -1,0 +1,30 @@
+"""The benchmarks' command lines refuse bad numbers before any work: --reps 0 ran the KCP check for a
+minute, then died in statistics.median; --ranks 0 raised IndexError; a malformed flash_kda --cases was
+parsed only after the correctness check."""
+import importlib
+
+import pytest
+
+from k3lab.bench import shape_bth
+
+
+@pytest.mark.parametrize("module, argv, match", [
+    ("kcp", ["--reps", "0"], "--reps: expected a positive int, got 0"),
+    ("kcp", ["--ranks", "0"], "--ranks: expected a positive int, got 0"),
+    ("kcp", ["--T", "128", "-5"], "--T: expected a positive int, got -5"),
+    ("flash_kda", ["--cases", "4x8192"], "--cases: expected BxTxH"),
+    ("flash_kda", ["--cases", "4x0x16"], "--cases: expected BxTxH"),
+    ("flash_kda", ["--rep", "ten"], "--rep: expected a positive int, got 'ten'"),
+    ("attnres", ["--steps", "0"], "--steps: expected a positive int"),
+    ("agentenv", ["--n", "0"], "--n: expected a positive int"),
+])
+def test_bad_numbers_stop_at_parsing(module, argv, match, capsys):
+    main = importlib.import_module(f"k3lab.bench.{module}").main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_shape_bth():
+    assert shape_bth("4x8192x16") == (4, 8192, 16)
