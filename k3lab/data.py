@@ -334,7 +334,8 @@ def load_split(split: str, shard_dir: Path | None = None) -> np.memmap:
 
     Raises:
         ValueError: ``split`` is not "train" or "val".
-        FileNotFoundError: the shards are missing or incomplete; the message names the build command.
+        FileNotFoundError: the shards are missing, empty or incomplete, or their manifest unreadable;
+            the message names the build command.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -343,7 +344,13 @@ def load_split(split: str, shard_dir: Path | None = None) -> np.memmap:
     if not manifest_path.is_file() or not path.is_file():
         raise FileNotFoundError(f"token shards missing in {shard_dir} ({path.name} or manifest.json): "
                                 f"run `{BUILD_COMMAND}` from the repository root (or `make data`)")
-    tokens = json.loads(manifest_path.read_text())["splits"][split]["tokens"]
+    try:
+        tokens = json.loads(manifest_path.read_text())["splits"][split]["tokens"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise FileNotFoundError(f"{manifest_path} is unreadable or has no '{split}' split: rebuild with "
+                                f"`{BUILD_COMMAND}`") from None
+    if tokens == 0:
+        raise FileNotFoundError(f"{path} holds no tokens: rebuild with `{BUILD_COMMAND}`")
     if path.stat().st_size != 2 * tokens:
         raise FileNotFoundError(f"{path} holds {path.stat().st_size} bytes, the manifest says {2 * tokens}: "
                                 f"rebuild with `{BUILD_COMMAND}`")
@@ -395,7 +402,7 @@ def get_batch(
     if device.type == "cuda":
         return (x.pin_memory().to(device, non_blocking=True),
                 y.pin_memory().to(device, non_blocking=True))
-    return x.contiguous(), y.contiguous()
+    return x.contiguous().to(device), y.contiguous().to(device)
 
 
 # ---------------------------------------------------------------------------------------------

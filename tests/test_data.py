@@ -94,6 +94,18 @@ def test_load_split_is_a_uint16_memmap():
         data.load_split("test")
 
 
+def test_broken_manifest_or_empty_shard_name_the_build_command(tmp_path):
+    """A corrupt manifest raised JSONDecodeError, one without the split KeyError, an empty shard
+    ValueError from np.memmap; get_batch ignored a non-CUDA device."""
+    (tmp_path / "train.bin").write_bytes(b"")
+    for manifest in ("{not json", json.dumps({"splits": {}}), json.dumps({"splits": {"train": {"tokens": 0}}})):
+        (tmp_path / "manifest.json").write_text(manifest)
+        with pytest.raises(FileNotFoundError, match="k3lab.data build"):
+            data.load_split("train", tmp_path)
+    x, y = data.get_batch(np.arange(100, dtype=np.uint16), 2, 8, torch.Generator().manual_seed(0), device="meta")
+    assert x.device.type == y.device.type == "meta"
+
+
 def test_missing_shards_name_the_build_command(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"python -m k3lab\.data build"):
         data.load_split("train", shard_dir=tmp_path)
