@@ -81,8 +81,6 @@ class LMConfig:
                 raise ValueError(f"LMConfig.{name} must be a positive int, got {n!r}")
         if self.mixer not in MIXERS:
             raise ValueError(f"LMConfig.mixer must be one of {MIXERS}, got {self.mixer!r}")
-        if not self.ffn_mult > 0:
-            raise ValueError(f"LMConfig.ffn_mult must be positive, got {self.ffn_mult}")
         if self.head_dim % 2:
             raise ValueError(f"LMConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
         if self.n_v_heads is not None and not (
@@ -94,8 +92,10 @@ class LMConfig:
         if self.kda_gate not in GATES:
             raise ValueError(f"LMConfig.kda_gate must be one of {GATES}, got {self.kda_gate!r}")
         check_chunk_size(self.kda_chunk_size, name="LMConfig.kda_chunk_size")
-        for name, x, low in (("rope_theta", self.rope_theta, "> 0"), ("norm_eps", self.norm_eps, ">= 0"),
-                             ("init_std", self.init_std, ">= 0")):
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"LMConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        for name, x, low in (("ffn_mult", self.ffn_mult, "> 0"), ("rope_theta", self.rope_theta, "> 0"),
+                             ("norm_eps", self.norm_eps, ">= 0"), ("init_std", self.init_std, ">= 0")):
             ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
             if not (ok and (x > 0 if low == "> 0" else x >= 0)):
                 raise ValueError(f"LMConfig.{name} must be a finite number {low}, got {x!r}")
@@ -258,11 +258,12 @@ class LM(nn.Module):
             if targets.shape != idx.shape:
                 raise ValueError(f"targets must have idx's shape {list(idx.shape)}, got {list(targets.shape)}")
             _check_ids("targets", targets, self.config.vocab_size, ignore_index=-100)
-        h = self.residual(self.embed(idx), self.sublayers)
+        # Any integer dtype: nn.Embedding takes int32/int64 only, cross_entropy int64 (uint8 ids failed there).
+        h = self.residual(self.embed(idx.long()), self.sublayers)
         logits = self.head(self.norm(h)).float()
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten().long())
 
 
 def _check_ids(name: str, ids: torch.Tensor, vocab_size: int, ignore_index: int | None = None) -> None:
@@ -296,7 +297,9 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_lr_ratio: float = 0
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], amp: bool) -> float:
-    """Mean loss of ``model`` over fixed (x, y) batches."""
+    """Mean loss of ``model`` over fixed (x, y) batches (ValueError when there are none)."""
+    if not batches:
+        raise ValueError("evaluate needs at least one (x, y) batch")
     was_training = model.training
     model.eval()
     total = 0.0

@@ -72,9 +72,13 @@ def test_loss_decreases_on_fixed_batch(mixer):
     (dict(n_layers=-1), "n_layers"),
     (dict(head_dim=15), "head_dim"),
     (dict(ffn_mult=0.0), "ffn_mult"),
+    (dict(ffn_mult=float("inf")), "ffn_mult"),
+    (dict(ffn_mult="2"), "ffn_mult"),
+    (dict(tie_embeddings="no"), "tie_embeddings"),
     (dict(n_v_heads=3), "n_v_heads"),
     (dict(vocab_size=1.5), "vocab_size"),
-], ids=["mixer", "d_model", "n_layers", "odd_head_dim", "ffn_mult", "n_v_heads", "vocab_float"])
+], ids=["mixer", "d_model", "n_layers", "odd_head_dim", "ffn_mult", "ffn_mult_inf", "ffn_mult_str", "tie_str",
+        "n_v_heads", "vocab_float"])
 def test_bad_config(bad, match):
     with pytest.raises(ValueError, match=match):
         tiny(**bad)
@@ -208,3 +212,17 @@ def test_empty_batch_is_a_clear_error():
         model = lm.LM(tiny(mixer))
         with pytest.raises(ValueError, match=r"idx must be \[B, T\] with B >= 1 and T >= 1, got shape \[0, 5\]"):
             model(torch.zeros(0, 5, dtype=torch.long))
+
+
+def test_any_integer_id_dtype_and_evaluate_needs_batches():
+    """uint8/int16 ids passed the id check, then failed in nn.Embedding or cross_entropy (int32/int64
+    only); evaluate on no batches raised ZeroDivisionError."""
+    torch.manual_seed(0)
+    model = lm.LM(tiny("attention"))
+    x = torch.randint(0, VOCAB, (2, 8))
+    logits, loss = model(x, x)
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        got_logits, got_loss = model(x.to(dtype), x.to(dtype))
+        assert torch.equal(got_logits, logits) and torch.equal(got_loss, loss)
+    with pytest.raises(ValueError, match="at least one"):
+        lm.evaluate(model, [], amp=False)
