@@ -462,10 +462,16 @@ def kda_dwv_bwd(k, v, beta, G, Tinv, dW, dVn, do, Vn, dkn, dG, rn, cu_seqlens, c
     db = torch.empty(T, HV, device=k.device, dtype=torch.float32)
     dv = torch.empty_like(v)
     dAqk, dAkk = (torch.empty(T, HV, BT, device=k.device, dtype=Vn.dtype) for _ in range(2))
-    kda_dwv_bwd_kernel[(chunk_indices.shape[0], HV)](
+    # Triton 3.6 on an H200: with float32 intermediates (bf16x3 products) this kernel read shared memory
+    # out of bounds at 4 and 8 warps at small K and V tiles (compute-sanitizer memcheck at K = V = 16,
+    # and still at V tiles of 32: gradients NaN or ~1e36, or an illegal-address crash); at 2 warps it
+    # is clean, so float32 intermediates (float32 and float16 inputs) launch it there, untuned.
+    fp32 = k.is_cuda and Vn.dtype == torch.float32
+    kernel, launch = (kda_dwv_bwd_kernel.fn, dict(num_warps=2)) if fp32 else (kda_dwv_bwd_kernel, {})
+    kernel[(chunk_indices.shape[0], HV)](
         k, v, beta, G, Tinv, dW, dVn, do, Vn, rn[1], dkn, dG, db, dv, dAqk, dAkk, cu_seqlens, chunk_indices,
         grid_log2(chunk_indices.shape[0] * HV), H=H, HV=HV, K=K, V=V, BT=BT, BK=min(BK, 32), BV=BV,
-        PREC=dot_precision(Vn.dtype, k.device),
+        PREC=dot_precision(Vn.dtype, k.device), **launch,
     )
     return db, dv, dAqk, dAkk
 
