@@ -238,7 +238,10 @@ assert MIN_LOWER_BOUND == -10.0
 # latency-bound at that occupancy; capped at 168 registers (176 B spilled) 6 programs fit, and the
 # forward got 1.8–4.3% faster at every shape but the smallest, B1 T4096 H16 (0.9%; a fixed launch for
 # bf16 at K ≤ 128, `SCORES_LAUNCH`; a wider K or float32 intermediates would spill more under the cap,
-# so there the warps are timed as for the others).
+# so there the warps are timed as for the others). One exception the other way: with float32
+# intermediates (float32 and float16 inputs) the dW/dv kernel runs at 2 warps, untuned, because
+# Triton 3.6's 4- and 8-warp builds of it read shared memory out of bounds at small tiles (K = V = 16:
+# NaN gradients or a crash; found by `compute-sanitizer`, `flash_kda_h200_session17.json`).
 #
 # *What the forward keeps for the backward.* When autograd records (grad enabled and an input that
 # requires grad), the forward keeps all the backward reads as saved tensors: the inputs, `G`, `T`,
