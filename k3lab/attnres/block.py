@@ -45,6 +45,8 @@ class BlockAttnRes(nn.Module):
             inputs and "torch" otherwise.
         recompute_input (bool): memory path: rebuild each sublayer's saved input h_l in backward
             (default) instead of keeping it (one more d-vector per token per sublayer, no recompute).
+            Under ``torch.compile`` the inputs are kept: compile does not carry the saved-tensor
+            hooks that rebuild them (with them, h0's gradient was lost).
             The memory path is differentiable once: second-order gradients need path="naive".
         buffer_dtype (torch.dtype | None): memory path: storage dtype of the block buffer, default
             h0's; ``torch.bfloat16`` halves the bytes phase 1 moves (blocks are rounded to bf16

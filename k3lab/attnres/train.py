@@ -242,7 +242,8 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
             queries (Tensor): [L + 1, d]; n_blocks (int): N in [1, L]; eps (float): RMSNorm eps.
         backend (str): "torch" or "triton" (``k3lab.kernels.attnres``; on CPU under TRITON_INTERPRET=1).
         recompute_input (bool): rebuild each sublayer's saved input in backward (default) instead of
-            keeping it (one more d-vector per token per sublayer).
+            keeping it (one more d-vector per token per sublayer). Ignored under ``torch.compile``,
+            which does not carry the saved-tensor hooks that do it: compiled, the inputs are kept.
         buffer_dtype (torch.dtype | None): storage dtype of the block buffer, default h0's.
 
     Returns:
@@ -267,6 +268,9 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
     taps = [_StoreFirst.apply(h0, store)]
     hooks = _RecomputeInput()
     Q, layer = queries, 0
+    # torch.compile does not carry saved-tensor hooks through: h0's gradient came back None. Compiled,
+    # the inputs are kept (recompute_input=False), which gives the eager gradients.
+    recompute_input = recompute_input and not torch.compiler.is_compiling()
     with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack) if recompute_input \
             else contextlib.nullcontext():
         for size in sizes:
