@@ -304,3 +304,6 @@ def test_backend_argument(fake, monkeypatch):
     monkeypatch.setattr(sandbox_mod, "detect_host", lambda: host)
     with pytest.raises(ValueError, match=r"vcpus must be in \[1, 32\] on firecracker, got 33"):
         Sandbox.create(vcpus=33)
+    # This host has no qemu: a bare FileNotFoundError for qemu-img came from deep in the boot.
+    with pytest.raises(SandboxError, match="qemu backend needs qemu-system-x86_64 and qemu-img.*fake firecracker"):
+        Sandbox.create(backend="qemu")

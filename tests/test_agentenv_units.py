@@ -262,6 +262,10 @@ def test_timeout_mode_and_nul_paths_checked_before_any_vm_call():
     for timeout in (float("inf"), float("nan"), 1e9, -1):
         with pytest.raises(ValueError, match="timeout must be > 0 and <= 1e"):
             sb.exec("true", timeout=timeout)
+    # "5" failed in a comparison (TypeError naming nothing); True ran as 1 s.
+    for timeout in ("5", True, None):
+        with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+            sb.exec("true", timeout=timeout)
     with pytest.raises(TypeError, match="mode must be an int, got str"):
         sb.write_file("/tmp/x", b"", mode="755")
     for mode in (-1, 0o10000, 0o100644):
@@ -296,6 +300,9 @@ def test_vm_shape_and_fork_count_checked_before_any_vm_work(monkeypatch):
             Sandbox.create(**kwargs)
         with pytest.raises(exc, match=match):
             SandboxPool(**kwargs)
+    # A path instead of an Image failed with AttributeError: 'str' object has no attribute 'rootfs'.
+    with pytest.raises(TypeError, match="image must be an Image"):
+        Sandbox.create(image="nope")
 
     sb = object.__new__(Sandbox)
     monkeypatch.setattr(sb, "snapshot", no_vm, raising=False)
@@ -305,6 +312,16 @@ def test_vm_shape_and_fork_count_checked_before_any_vm_work(monkeypatch):
         sb.fork(True)
     with pytest.raises(ValueError, match="n must be >= 1, got 0"):
         sb.fork(0)
+
+
+def test_build_image_cache_dir_that_is_a_file(tmp_path):
+    """A file as cache_dir raised a raw NotADirectoryError from deep inside the download."""
+    from k3lab.agentenv.image import ImageError, build_image
+
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ImageError, match="not a directory"):
+        build_image(cache_dir=f)
 
 
 def test_bench_agentenv_help_names_the_module(capsys):

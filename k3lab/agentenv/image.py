@@ -434,9 +434,12 @@ def build_image(cache_dir: str | os.PathLike | None = None, force: bool = False)
 
     Raises:
         ImageError: a package cannot be found or downloaded, a tool is missing (the message names
-            ``python -m k3lab.agentenv.sysdeps``), or a checksum does not match.
+            ``python -m k3lab.agentenv.sysdeps``), a checksum does not match, or ``cache_dir`` is
+            a file.
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if cache.exists() and not cache.is_dir():
+        raise ImageError(f"cache_dir {cache} exists and is not a directory")
     debs = _fetch_debs(cache / "debs")
     deb_sums = {k: {"file": p.name, "sha256": _sha256(p)} for k, p in debs.items()}
     key_src = json.dumps({"format": FORMAT_VERSION, "debs": deb_sums, "init": INIT_SH,

@@ -318,15 +318,19 @@ class Sandbox:
                 :func:`~k3lab.agentenv.host.detect_host` picks (its ``reason`` says why).
 
         Raises:
-            TypeError: ``memory_mib`` or ``vcpus`` not an int (a bool is refused too).
+            TypeError: ``memory_mib`` or ``vcpus`` not an int (a bool is refused too), ``image`` not
+                an Image or None.
             ValueError: ``memory_mib`` or ``vcpus`` out of range, ``backend`` not one of the names,
                 ``root`` so deep that the VM's unix sockets would exceed 107 bytes.
             SandboxError: ``backend="firecracker"`` on a host without a firecracker binary, real
-                KVM and ``$K3LAB_FIRECRACKER_KERNEL``.
+                KVM and ``$K3LAB_FIRECRACKER_KERNEL``; the qemu backend without qemu-system-x86_64
+                and qemu-img on PATH.
             SandboxCrashed: the VM exited during boot. SandboxTimeout: the guest never got ready.
         """
         _check_vm_shape(memory_mib, vcpus)
         _check_backend_name(backend)
+        if image is not None and not isinstance(image, Image):
+            raise TypeError(f"image must be an Image (from build_image) or None, got {image!r}")
         host = detect_host()
         name = _pick_backend(backend, host)
         if vcpus > BACKENDS[name].max_vcpus:
@@ -459,7 +463,8 @@ class Sandbox:
             ExecResult: exit code, stdout, stderr (bytes), timed_out.
 
         Raises:
-            TypeError: ``cmd`` not a str. ValueError: ``timeout`` not in (0, 1e8] (inf and nan
+            TypeError: ``cmd`` not a str, ``timeout`` not an int or float (a bool is refused).
+            ValueError: ``timeout`` not in (0, 1e8] (inf and nan
             too: the host's wait needs a deadline). SandboxStateError: not
             running. SandboxCrashed: the VM died. SandboxTimeout: no answer ``grace_s`` after the
             timeout (hung guest). SandboxError: the command or its output arrived damaged (md5 or
@@ -469,6 +474,8 @@ class Sandbox:
         """
         if not isinstance(cmd, str):
             raise TypeError(f"cmd must be a str (a shell script), got {type(cmd).__name__}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
         if not 0 < timeout <= MAX_TIMEOUT_S:
             raise ValueError(f"timeout must be > 0 and <= {MAX_TIMEOUT_S:g} seconds, got {timeout}")
         return self._agent_call("exec", cmd, timeout, wait_s=timeout + self.grace_s)
@@ -714,14 +721,18 @@ def _check_backend_name(backend) -> None:
 
 
 def _pick_backend(backend: str | None, host: HostInfo) -> str:
-    """The backend to use: ``host.backend`` for None; "firecracker" only where the host has it."""
-    if backend is None:
-        return host.backend
+    """The backend to use: ``host.backend`` for None; "firecracker" only where the host has it; "qemu"
+    only with qemu-system-x86_64 and qemu-img on PATH (without them it failed on a bare
+    FileNotFoundError for qemu-img)."""
     if backend == "firecracker" and host.backend != "firecracker":
         raise SandboxError("backend='firecracker' needs a firecracker binary ($K3LAB_FIRECRACKER or"
                            " PATH), real KVM and a guest kernel in $K3LAB_FIRECRACKER_KERNEL; this"
                            f" host: {host.reason}")
-    return backend
+    name = backend or host.backend
+    if name == "qemu" and (host.qemu is None or shutil.which("qemu-img") is None):
+        raise SandboxError("the qemu backend needs qemu-system-x86_64 and qemu-img on PATH (`python -m"
+                           f" k3lab.agentenv.sysdeps` installs them); this host: {host.reason}")
+    return name
 
 
 class SandboxPool:
