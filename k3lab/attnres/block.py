@@ -42,7 +42,8 @@ class BlockAttnRes(nn.Module):
             or "inference".
         backend (str | None): mixing backend of the memory path, "torch" or "triton" (on a CPU only
             under TRITON_INTERPRET=1, i.e. after ``k3lab.setup()``); None picks "triton" for CUDA
-            inputs and "torch" otherwise.
+            inputs and "torch" otherwise. The Triton kernels compute in float32: float64 inputs get
+            float32 accuracy there (about 1e-6), "torch" keeps float64.
         recompute_input (bool): memory path: rebuild each sublayer's saved input h_l in backward
             (default) instead of keeping it (one more d-vector per token per sublayer, no recompute).
             Under ``torch.compile`` the inputs are kept: compile does not carry the saved-tensor

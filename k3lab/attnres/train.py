@@ -195,8 +195,10 @@ class _RecomputeInput:
     sublayer's nodes together.
 
     Under saved-tensor hooks autograd no longer checks that a saved tensor was left unchanged; the hooks
-    do it as autograd would (same error). An h that its sublayer changed in place before a save is
-    saved as it is then, not rebuilt (the recipe gives the h the sublayer received)."""
+    do it as autograd would (same error) for every tensor they keep. An h saved as a recipe is exempt:
+    changed in place after the save it raises nothing (autograd without the hooks would), and backward
+    uses the h as it was saved, so the gradients stay right. An h that its sublayer changed in place
+    before a save is saved as it is then, not rebuilt (the recipe gives the h the sublayer received)."""
 
     def __init__(self):
         self.h, self.recipe, self.key, self.version = None, None, None, None
