@@ -247,7 +247,9 @@ class Snapshot:
                 self.parent._release()
 
     def delete(self) -> None:
-        """Release the caller's handle; files go when no sandbox or snapshot depends on them."""
+        """Release the caller's handle; files go when no sandbox or snapshot depends on them. Until
+        then the snapshot still restores and forks; ``deleted`` turns True (and they raise
+        SandboxStateError) when the files are gone."""
         self._released = True
         self._maybe_remove()
 
