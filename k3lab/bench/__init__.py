@@ -17,11 +17,11 @@ def positive_int(text: str) -> int:
 
 def shape_bth(text: str) -> tuple[int, int, int]:
     """argparse type: a shape written BxTxH (positive ints), e.g. 4x8192x16."""
+    bad = argparse.ArgumentTypeError(f"expected BxTxH with positive ints, e.g. 4x8192x16, got {text!r}")
     parts = text.split("x")
+    if len(parts) != 3:
+        raise bad
     try:
-        shape = tuple(positive_int(p) for p in parts)
+        return tuple(positive_int(p) for p in parts)
     except argparse.ArgumentTypeError:
-        shape = ()
-    if len(shape) != 3:
-        raise argparse.ArgumentTypeError(f"expected BxTxH with positive ints, e.g. 4x8192x16, got {text!r}")
-    return shape
+        raise bad from None
