@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokens = load_split(split, args.data_dir / "shards")
                 print(f"{split}: {len(tokens):,d} tokens")
             print(f"vocab size: {vocab_size(args.data_dir)}")
-    except (FileNotFoundError, RuntimeError, ValueError) as e:
+    except (OSError, RuntimeError, ValueError) as e:  # OSError: missing files, an --out-dir that cannot be made
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -324,6 +324,16 @@ def test_build_image_cache_dir_that_is_a_file(tmp_path):
         build_image(cache_dir=f)
 
 
+def test_agentenv_cli_build_error_is_one_line(tmp_path, capsys):
+    """``python -m k3lab.agentenv build --cache <a file>`` ended in a traceback."""
+    from k3lab.agentenv.__main__ import main
+
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["build", "--cache", str(f)]) == 1
+    assert "not a directory" in capsys.readouterr().err
+
+
 def test_bench_agentenv_help_names_the_module(capsys):
     """--help printed `usage: agentenv.py`; it must show how the bench is run."""
     from k3lab.bench import agentenv as bench

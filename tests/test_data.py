@@ -160,3 +160,11 @@ def test_get_batch_wrong_types(kwargs, match):
                 generator=torch.Generator().manual_seed(0), device="cpu")
     with pytest.raises(TypeError, match=match):
         data.get_batch(**{**args, **kwargs})
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    """An --out-dir that cannot be made raised a NotADirectoryError traceback from the CLI."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert data.main(["build", "--out-dir", str(blocker / "shards")]) == 1
+    assert "error:" in capsys.readouterr().err
