@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import os
 import sys
 import tempfile
@@ -185,23 +186,39 @@ def parse_value(text: str):
     return text
 
 
+def read_params_file(params_file: Path) -> dict:
+    """A parameter YAML: {"all" | chapter prefix | notebook name: {parameter: value}}.
+
+    Raises:
+        ValueError: the file is missing, not YAML, or not a mapping of mappings.
+    """
+    import yaml
+
+    if not Path(params_file).is_file():
+        raise ValueError(f"parameter file {params_file} not found")
+    try:
+        spec = yaml.safe_load(Path(params_file).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{params_file} is not valid YAML: {e}") from None
+    if not isinstance(spec, dict) or not all(isinstance(v, dict) for v in spec.values()):
+        raise ValueError(f"{params_file} must map 'all' / notebook names to parameter mappings")
+    return spec
+
+
 def notebook_parameters(path: Path, profile: str, overrides: dict, params_file: Path | None) -> dict:
     """Parameters for one notebook: profile, then the parameter file's sections, then ``-p``.
 
     Only names declared in the notebook's ``parameters`` cell are kept.
 
     Raises:
-        ValueError: the parameter file is not a mapping of mappings.
+        ValueError: the parameter file is missing, not YAML or not a mapping of mappings.
     """
     import papermill
-    import yaml
 
     declared = set(papermill.inspect_notebook(str(path)))
     params = {"profile": profile}
     if params_file is not None:
-        spec = yaml.safe_load(Path(params_file).read_text()) or {}
-        if not isinstance(spec, dict) or not all(isinstance(v, dict) for v in spec.values()):
-            raise ValueError(f"{params_file} must map 'all' / notebook names to parameter mappings")
+        spec = read_params_file(params_file)
         stem = path.stem
         for key in ("all", stem.split("_", 1)[0], stem):
             params.update(spec.get(key, {}))
@@ -259,7 +276,8 @@ def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None
     seconds (None: ``CPU_CELL_TIMEOUT`` on the CPU profile, no limit on the GPU profile).
 
     Raises:
-        ValueError: bad ``profile``, or ``only`` matches no chapter.
+        ValueError: bad ``profile``, ``only`` matches no chapter, a bad parameter file, a timeout that is
+            not a positive number (0 or less turned papermill's cell timeout off).
     """
     from tqdm.auto import tqdm
 
@@ -269,6 +287,10 @@ def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None
         params_file = PARAMS.get(profile)
     if timeout is None and profile == "cpu":
         timeout = CPU_CELL_TIMEOUT
+    if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout}")
+    if params_file is not None:
+        read_params_file(params_file)  # once, before any chapter runs
     paths = chapters(only, book_dir)
     results, used = [], set()
     bar = tqdm(paths, desc="book", unit="notebook", position=0)

@@ -86,6 +86,20 @@ def test_parameters_layering_and_filtering(tiny_book, tmp_path):
         book.notebook_parameters(ipynb, "gpu", {}, params_file)
 
 
+def test_run_checks_its_arguments_before_any_chapter(tiny_book, tmp_path):
+    """A missing or invalid --params-file failed each chapter separately, after syncing it; --timeout 0
+    or -1 turned the cell timeout off."""
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("all: {steps: [1\n")
+    for kwargs, match in ((dict(params_file=tmp_path / "missing.yaml"), "not found"),
+                          (dict(params_file=bad_yaml), "not valid YAML"),
+                          (dict(timeout=0), "timeout must be a positive number"),
+                          (dict(timeout=-1.0), "timeout must be a positive number")):
+        with pytest.raises(ValueError, match=match):
+            book.run(build_dir=tmp_path / "build", book_dir=tiny_book, **kwargs)
+    assert not (tmp_path / "build").exists()
+
+
 @pytest.mark.timeout(180)
 def test_run_executes_renders_and_reports_failures(tiny_book, tmp_path, monkeypatch, capsys):
     out = tmp_path / "build"
