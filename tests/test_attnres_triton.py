@@ -167,6 +167,24 @@ def test_merge_bwd_checks_its_slots():
         merge_bwd(dh, None, p, o, lse, w, 1e-6, dO, torch.empty(3, device=DEVICE))
 
 
+def test_lse_and_w_shapes_are_checked():
+    """The kernels index lse by token and w by channel: a smaller w gave NaN, a one-element lse finite
+    garbage, a transposed lse a wrong result, all silently (read out of bounds); phase 1's backward
+    ran on an lse of the wrong shape. ValueError now, as the PyTorch versions raise."""
+    g = torch.Generator().manual_seed(10)
+    buf, W = randn(4, 2, 5, 32, g=g), randn(3, 32, g=g)
+    h, o, lse = phase1_fwd(buf, 2, W, 1e-6)
+    p, w = randn(2, 5, 32, g=g), randn(32, g=g)
+    for bad_lse, bad_w in ((lse[1], randn(4, g=g)), (randn(1, g=g), w), (lse[1].T.contiguous(), w)):
+        with pytest.raises(ValueError, match="lse must be"):
+            merge_fwd(p, o[0], bad_lse, bad_w, 1e-6)
+        with pytest.raises(ValueError, match="lse must be"):
+            merge_bwd(p, None, p, o[0], bad_lse, bad_w, 1e-6, torch.empty_like(p), torch.empty(2, 5, device=DEVICE))
+    dh, dO, delta = randn(2, 5, 32, g=g), randn(2, 2, 5, 32, g=g), randn(3, 2, 5, g=g)
+    with pytest.raises(ValueError, match="lse must be"):
+        phase1_bwd(buf, 2, W, lse[:, :, 0].contiguous(), h, dh, dO, delta, 1e-6, torch.zeros(2, 2, 5, 32, device=DEVICE))
+
+
 def test_module_triton_zero_init_is_uniform_average():
     L, N, d = 5, 2, 8
     subs = sublayers(L, d, 2)

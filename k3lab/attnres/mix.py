@@ -88,15 +88,18 @@ def phase1_fwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_d
     return out[0].to(h_dtype, copy=True), o, lse
 
 
-def check_phase1_grads(buf: torch.Tensor, W: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
+def check_phase1_grads(buf: torch.Tensor, W: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
                        dO: torch.Tensor | None, delta: torch.Tensor | None) -> None:
     """The phase-1 backward's inputs beside the forward's (both backends).
 
     Raises:
-        ValueError: h or dh not [..., d] like a block of ``buf``; dO ([S - 1, ..., d]) and delta
-            ([S, ...]) not given exactly when S > 1, or of other shapes.
+        ValueError: lse not [S, ...] (the Triton kernel read past a smaller one); h or dh not [..., d]
+            like a block of ``buf``; dO ([S - 1, ..., d]) and delta ([S, ...]) not given exactly when
+            S > 1, or of other shapes.
     """
     S, row = W.shape[0], buf.shape[1:]
+    if lse.shape != (S, *row[:-1]):
+        raise ValueError(f"lse must be {[S, *row[:-1]]}, got {list(lse.shape)}")
     if h.shape != row or dh.shape != row:
         raise ValueError(f"h and dh must be {list(row)}, got {list(h.shape)} and {list(dh.shape)}")
     if (dO is None) != (S == 1) or (delta is None) != (S == 1):
@@ -127,7 +130,7 @@ def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tens
     Raises:
         ValueError: as ``check_phase1_grads``.
     """
-    check_phase1_grads(buf, W, h, dh, dO, delta)
+    check_phase1_grads(buf, W, lse, h, dh, dO, delta)
     dt = lse.dtype
     V, Wd = buf[:n].to(dt), W.to(dt)
     r, s = _scores(V, Wd, eps)

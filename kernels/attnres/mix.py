@@ -329,7 +329,7 @@ def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h:
     M = buf[0].numel() // D
     if not dacc.is_contiguous() or dacc.shape[1:] != buf.shape[1:] or dacc.shape[0] < n:
         raise ValueError(f"dacc must be contiguous [>= {n}, {list(buf.shape[1:])}], got {list(dacc.shape)}")
-    check_phase1_grads(buf, W, h, dh, dO, delta)
+    check_phase1_grads(buf, W, lse, h, dh, dO, delta)
     # Persistent grid, sized for one token per program at most; every program writes its dW rows.
     n_prog = _n_programs(buf.device, M)
     dW = torch.empty((n_prog, S, D), dtype=torch.float32, device=buf.device)
@@ -342,16 +342,25 @@ def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h:
     return dW.sum(0).to(W.dtype)
 
 
+def _check_merge(o: torch.Tensor, lse: torch.Tensor, w: torch.Tensor) -> None:
+    # The kernels index lse by token and w by channel: smaller ones were read past their ends.
+    if lse.shape != o.shape[:-1] or w.shape != o.shape[-1:]:
+        raise ValueError(f"lse must be {list(o.shape[:-1])} and w {list(o.shape[-1:])} for o of shape "
+                         f"{list(o.shape)}, got {list(lse.shape)} and {list(w.shape)}")
+
+
 def merge_fwd(p: torch.Tensor | None, o: torch.Tensor, lse: torch.Tensor, w: torch.Tensor, eps: float,
               prev: torch.Tensor | None = None, v: torch.Tensor | None = None, dtype: torch.dtype | None = None):
     """Triton merge forward; as ``k3lab.attnres.mix.merge_fwd_torch``: with ``v`` given, p = prev + v
     (or v) is formed in ``dtype`` first; returns (p, h).
 
     Raises:
-        ValueError: shape mismatch, or neither p nor v given.
+        ValueError: shape mismatch (p, prev, v like o; lse o.shape[:-1]; w [d]), or not exactly one of p
+            and v given.
     """
     if (p is None) == (v is None):
         raise ValueError("give exactly one of p (read) and v (p = prev + v formed here)")
+    _check_merge(o, lse, w)
     D = o.shape[-1]
     M = o.numel() // D
     if v is not None:
@@ -376,10 +385,12 @@ def merge_bwd(dh: torch.Tensor, dp_in: torch.Tensor | None, p: torch.Tensor, o: 
     returns (dp, dv, dw) (dp None when not ``need_dp`` and dv is written in another dtype).
 
     Raises:
-        ValueError: shape mismatch or non-contiguous output slots.
+        ValueError: shape mismatch (dh, dp_in, o, dO like p; delta and lse p.shape[:-1]; w [d]) or
+            non-contiguous output slots.
     """
     if any(t is not None and t.shape != p.shape for t in (dh, dp_in, o, dO)) or delta.shape != p.shape[:-1]:
         raise ValueError(f"dh, dp_in, o and dO must be {list(p.shape)} like p, delta {list(p.shape[:-1])}")
+    _check_merge(o, lse, w)
     if not (dO.is_contiguous() and delta.is_contiguous() and p.is_contiguous()):
         raise ValueError("p, dO and delta must be contiguous")
     D = p.shape[-1]
