@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3lab.kcp import kcp_kda, kcp_short_conv, make_context, short_conv_reference
+from k3lab.kcp import kcp_kda, kcp_short_conv, make_context, naive_kcp_kda, short_conv_reference
 from k3lab.kcp.affine import compose, fold_scan, fold_sequential, scan_maps, segment_map
 from k3lab.kcp.workers import Case, check_worker, errors_vs_reference, launch, reference
 from k3lab.kda import chunk_kda
@@ -103,6 +103,20 @@ def test_one_process_matches_chunk_kda_and_rejects_bad_input():
         kcp_kda(q, k, v, g, beta, ctx, chunk_size=16, slab_tokens=24)
     with pytest.raises(ValueError, match="weight"):
         kcp_short_conv(x, torch.randn(5, 4), ctx)
+    # From a fresh-user probe: an integer x cast the taps to int (all-zero output); q=None raised
+    # AttributeError, chunk_size=0 ZeroDivisionError; offsets past T gave the reference a longer output.
+    with pytest.raises(ValueError, match="x must be a floating-point tensor"):
+        kcp_short_conv(x.round().long(), w, ctx)
+    with pytest.raises(ValueError, match="q must be a tensor"):
+        kcp_kda(None, k, v, g, beta, ctx)
+    with pytest.raises(ValueError, match="chunk_size"):
+        kcp_kda(q, k, v, g, beta, ctx, chunk_size=0, slab_tokens=64)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        short_conv_reference(x, w, [0, 10, 50])
+    with pytest.raises(ValueError, match="ctx must be a KCPContext"):
+        naive_kcp_kda(q, k, v, g, beta, None)
+    with pytest.raises(ValueError, match="output_final_state must be a bool"):
+        naive_kcp_kda(q, k, v, g, beta, ctx, output_final_state="yes")
 
 
 def _cases():

@@ -30,10 +30,16 @@ def kcp_short_conv(x: torch.Tensor, weight: torch.Tensor, ctx: KCPContext) -> to
         contribution: sum it over the group (as for any replicated parameter).
 
     Raises:
-        ValueError: ctx not a KCPContext or layout-only (``check_context``), x not [1, T_local, D],
-            weight not [D, W >= 1], or T_local < W-1 with R > 1.
+        ValueError: ctx not a KCPContext or layout-only (``check_context``), x or weight not a
+            floating-point tensor, x not [1, T_local, D], weight not [D, W >= 1], or T_local < W-1
+            with R > 1.
     """
     check_context(ctx)
+    for name, t in (("x", x), ("weight", weight)):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            # An integer x cast the taps to int (0.5 -> 0): all-zero output, no error.
+            raise ValueError(f"{name} must be a floating-point tensor, got "
+                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
     if x.ndim != 3 or x.shape[0] != 1 or x.shape[1] != ctx.T_local:
         raise ValueError(f"x must be [1, T_local={ctx.T_local}, D], got {list(x.shape)}")
     D = x.shape[2]

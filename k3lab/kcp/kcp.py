@@ -19,7 +19,7 @@ import torch.distributed as dist
 from k3lab.kcp.affine import fold_scan, fold_sequential, segment_map
 from k3lab.kcp.context import KCPContext, _is_int, check_context
 from k3lab.kda import chunk_kda
-from k3lab.kda.checks import check_initial_state, check_kda_inputs
+from k3lab.kda.checks import check_chunk_size, check_initial_state, check_kda_inputs
 from k3lab.kda.naive import compute_dtype, expand_heads
 
 FOLDS = ("sequential", "scan")
@@ -241,19 +241,21 @@ def kcp_kda(
             ``k3lab.kcp.kcp_flash_kda`` is KCP on its kernel stages.
 
     Returns:
-        (o [1, T_local, HV, V] in q's dtype, final_state [N, HV, K, V] float32 or None). Row n of
-        final_state is non-zero only on the rank holding document n's last token; summing over the
-        group (all_reduce) gives every document's final state.
+        (o [1, T_local, HV, V] in q's dtype, final_state [N, HV, K, V] float32 (float64 for float64
+        inputs) or None). Row n of final_state is non-zero only on the rank holding document n's last
+        token; summing over the group (all_reduce) gives every document's final state.
 
     Raises:
         ValueError: ctx not a KCPContext or layout-only (``check_context``), bad shapes (see
             ``check_kda_inputs``, output_final_state not a bool included), B != 1, T_local != ctx.T_local,
             initial_state not a floating-point [N, HV, K, V] tensor on q's device, unknown ``fold``,
-            slab_tokens not a multiple of chunk_size.
+            slab_tokens not a multiple of chunk_size, a bad chunk_size (``check_chunk_size``).
     """
     check_context(ctx)
-    if q.ndim != 4 or q.shape[0] != 1 or q.shape[1] != ctx.T_local:
-        raise ValueError(f"q must be [1, T_local={ctx.T_local}, H, K] on rank {ctx.rank}, got {list(q.shape)}")
+    check_chunk_size(chunk_size)
+    if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != 1 or q.shape[1] != ctx.T_local:
+        raise ValueError(f"q must be a tensor [1, T_local={ctx.T_local}, H, K] on rank {ctx.rank}, got "
+                         f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     local_cu = torch.tensor(ctx.local_cu_seqlens) if len(ctx.local_docs) > 1 else None
     check_kda_inputs(q, k, v, g, beta, None, local_cu, output_final_state=output_final_state)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
