@@ -177,7 +177,8 @@ class KDALayer(nn.Module):
             (g = -exp(A_log) softplus(z + dt_bias)).
         lower_bound (float): g_min of the lower-bounded gate (K3: -5).
         norm_eps (float): eps of the per-head output RMSNorm.
-        chunk_size (int): C for ``chunk_kda``.
+        chunk_size (int): C for ``chunk_kda`` (the reference path; ``flash_kda`` on CUDA always uses
+            64).
 
     Shapes: ``forward(x [B, T, d]) -> (y [B, T, d], KDACache | None)``.
 

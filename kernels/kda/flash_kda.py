@@ -165,12 +165,14 @@ def flash_kda(
             float32 intermediates: the Triton interpreter has no bf16 arithmetic).
         k (Tensor): [B, T, H, K] keys (not normalised), q's dtype.
         v (Tensor): [B, T, HV, V] values, q's dtype.
-        g (Tensor): [B, T, HV, K] the gate pre-activation z (the decay projection's output).
-        beta (Tensor): [B, T, HV] write-strength logits.
+        g (Tensor): [B, T, HV, K] the gate pre-activation z (the decay projection's output), any
+            floating dtype (read into float32).
+        beta (Tensor): [B, T, HV] write-strength logits, any floating dtype (read into float32).
         A_log (Tensor): [HV] per-head log scale of the gate (float32 recommended; K3 inits 0).
         dt_bias (Tensor | None): [HV * K] or [HV, K] gate bias.
         scale (float | None): query scale, default K ** -0.5.
-        initial_state (Tensor | None): [N, HV, K, V] float32 state before each sequence.
+        initial_state (Tensor | None): [N, HV, K, V] state before each sequence, any floating dtype
+            (used in float32; its gradient comes back in its dtype).
         output_final_state (bool): also return the state after each sequence.
         cu_seqlens (Tensor | None): int [N+1] offsets of N packed sequences (B must be 1).
         lower_bound (float): g_min in [-10, 0) (K3: -5). Beyond -10, 1/Gamma over half a 16-token
