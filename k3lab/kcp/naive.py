@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from k3lab.kcp.context import KCPContext, check_context
 from k3lab.kcp.kcp import gather_from_group
 from k3lab.kda import chunk_kda
-from k3lab.kda.checks import check_cu_seqlens
+from k3lab.kda.checks import check_cu_seqlens, check_kda_inputs
 
 
 def naive_kcp_kda(
@@ -35,12 +35,13 @@ def naive_kcp_kda(
         inputs) or None), as ``kcp_kda``.
 
     Raises:
-        ValueError: ctx not a KCPContext or layout-only (``check_context``), output_final_state not a
-            bool, and ``chunk_kda``'s errors on the gathered inputs.
+        ValueError: ctx not a KCPContext or layout-only (``check_context``), the local inputs'
+            errors of ``check_kda_inputs`` (as ``kcp_kda``: shapes, dtypes, output_final_state not a
+            bool), and ``chunk_kda``'s on the gathered ones.
     """
     check_context(ctx)
-    if not isinstance(output_final_state, bool):
-        raise ValueError(f"output_final_state must be a bool, got {output_final_state!r}")
+    local_cu = torch.tensor(ctx.local_cu_seqlens) if len(ctx.local_docs) > 1 else None
+    check_kda_inputs(q, k, v, g, beta, None, local_cu, output_final_state=output_final_state)
     full = [gather_from_group(x[0], ctx, f"naive_{name}").flatten(0, 1)[None]
             for name, x in zip("qkvgb", (q, k, v, g, beta))]
     cu = torch.tensor(ctx.seq_bounds, device=q.device) if ctx.N > 1 else None
