@@ -3,3 +3,18 @@
 On a CPU-only machine call ``k3lab.setup()`` before importing any of them: it sets
 ``TRITON_INTERPRET=1``, which Triton reads when a ``@triton.jit`` function is defined.
 """
+import os
+
+import numpy
+
+
+def numpy_supports_interpreter() -> bool:
+    """Whether Triton 3.6's CPU interpreter runs this numpy: from numpy 2.4 on, its loops with a runtime
+    bound fail inside the interpreter ("only 0-dimensional arrays can be converted to Python scalars"),
+    hence the project's ``numpy<2.4`` pin."""
+    return tuple(int(x) for x in numpy.__version__.split(".")[:2]) < (2, 4)
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and not numpy_supports_interpreter():
+    raise ImportError(f"k3lab's kernels under TRITON_INTERPRET=1 need numpy<2.4 (the project's pin; Triton 3.6's "
+                      f"interpreter fails on newer), found numpy {numpy.__version__}: pip install 'numpy<2.4'")

@@ -16,11 +16,11 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import triton  # noqa: E402
-from test_flash_kda import DEVICE, NAMES, check, make_inputs, reference  # noqa: E402
+from test_flash_kda import DEVICE, INTERPRETED_RANKS, NAMES, check, make_inputs, reference  # noqa: E402
 
 from k3lab.kernels.kda import chunk_bwd, chunk_fwd, flash_kda  # noqa: E402
 from k3lab.kernels.kda.chunk_bwd import kda_gate_bwd_kernel, kda_qk_norm_bwd_kernel  # noqa: E402
-from k3lab.kernels.kda.utils import chunk_index  # noqa: E402
+from k3lab.kernels.kda.utils import chunk_index, launch_fitting  # noqa: E402
 from k3lab.testing import assert_close  # noqa: E402
 
 
@@ -35,8 +35,35 @@ def test_k_not_a_multiple_of_the_k_tile(K, V):
 
 @pytest.mark.timeout(300)
 def test_largest_k():
-    """K = 256 (the limit): 8 K tiles in the intra backward, state halves of 128 rows; T = 20."""
+    """K = 256 (the limit): 8 K tiles in the intra backward, state halves of 128 rows; T = 20. (On an
+    H200 the state kernels' shared memory at K = 256 fits 1 or 2 pipeline stages, not 3: ``launch_fitting``.)"""
     check(make_inputs(1, 20, 1, 1, 256, 16, seed=22))
+
+
+class SharedMemoryBound:
+    """A stand-in for a Triton kernel whose launch fits the GPU's shared memory at ``fits`` stages or fewer."""
+
+    def __init__(self, fits):
+        self.fits, self.tried = fits, []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_stages, **kwargs):
+            self.tried.append(num_stages)
+            if num_stages > self.fits:
+                raise triton.runtime.errors.OutOfResources(100_000 * num_stages, 232_448, "shared memory")
+            return grid, args, kwargs
+        return launch
+
+
+def test_launch_fitting_drops_stages_until_the_kernel_fits():
+    kernel = SharedMemoryBound(fits=1)
+    assert launch_fitting(kernel, (2, 3), "x", num_stages=3, num_warps=4) == ((2, 3), ("x",), {"num_warps": 4})
+    assert kernel.tried == [3, 2, 1]
+    kernel = SharedMemoryBound(fits=3)
+    launch_fitting(kernel, (1,), num_stages=3)
+    assert kernel.tried == [3]
+    with pytest.raises(triton.runtime.errors.OutOfResources, match="shared memory"):
+        launch_fitting(SharedMemoryBound(fits=0), (1,), num_stages=2)
 
 
 @pytest.mark.timeout(300)
@@ -152,6 +179,7 @@ def test_loss_on_the_final_state_only():
 
 
 @pytest.mark.timeout(240)
+@INTERPRETED_RANKS
 def test_kcp_flash_partial_k_tile(monkeypatch):
     """KCP over 2 gloo ranks with K = 48, V = 40: the state kernel's lead columns (values [0 | U], V' =
     K + V = 88) with the state in two halves of 32 rows, and the K-tiled backward on each rank."""

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
     # Triton reads this when a kernel is defined: before k3lab.kernels is imported.
     os.environ["TRITON_INTERPRET"] = "1"
 
-from test_flash_kda import DEVICE, NAMES, make_inputs  # noqa: E402
+from test_flash_kda import DEVICE, INTERPRETED_RANKS, NAMES, make_inputs  # noqa: E402
 
 from k3lab.kda import lower_bounded_gate, naive_recurrent_kda  # noqa: E402
 from k3lab.kernels.kda import flash_kda  # noqa: E402
@@ -208,6 +208,7 @@ def test_explicit_scale_bias_per_head_weak_lower_bound():
 
 
 @pytest.mark.timeout(240)
+@INTERPRETED_RANKS
 def test_kcp_documents_crossing_the_rank_boundary(monkeypatch):
     """kcp_flash_kda on 2 gloo ranks (20 tokens each) against one-process flash_kda: documents [0, 1),
     [1, 19) ending just before the boundary, [19, 21) with one token on each rank, [21, 40); H = 2,

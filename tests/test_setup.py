@@ -54,6 +54,16 @@ def test_triton_imported_before_setup_is_refused(first, named):
     assert f"{named} was imported before k3lab.setup()" in run.stdout, run.stdout
 
 
+@pytest.mark.parametrize("version, refused", [("2.4.0", True), ("2.3.5", False)])
+def test_kernels_under_the_interpreter_refuse_a_numpy_it_cannot_run(version, refused):
+    """Triton 3.6's interpreter fails inside runtime-bound loops from numpy 2.4 on ("only 0-dimensional
+    arrays ..."): importing the kernels under TRITON_INTERPRET=1 with such a numpy names the pin instead."""
+    run = run_fresh(f"import os, numpy\nnumpy.__version__ = {version!r}\nos.environ['TRITON_INTERPRET'] = '1'\n"
+                    "try:\n    import k3lab.kernels\nexcept ImportError as e:\n    print(e)\n")
+    assert run.returncode == 0, run.stderr[-600:]
+    assert ("need numpy<2.4" in run.stdout and f"found numpy {version}" in run.stdout) == refused, run.stdout
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is the CPU path")
 def test_setup_first_then_kernels_run():
     """The order the notebooks use (setup, then kernel imports) works in a fresh process: one small

@@ -30,8 +30,9 @@ import triton.language as tl
 
 from k3lab.kernels.kda.chunk_fwd import block_sizes, exp_ftz
 from k3lab.kernels.kda.utils import (
-    BC, BT, add_rows, chunk_decay_halves, chunk_span, dot_precision, grid_log2, inverse_norm, l2norm_bwd, load_rows,
-    load_vec, sequence_span, state_half, state_halves, state_prefetch, state_tile, store_rows, warp_configs,
+    BC, BT, add_rows, chunk_decay_halves, chunk_span, dot_precision, grid_log2, inverse_norm, l2norm_bwd,
+    launch_fitting, load_rows, load_vec, sequence_span, state_half, state_halves, state_prefetch, state_tile,
+    store_rows, warp_configs,
 )
 
 
@@ -409,7 +410,8 @@ def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offset
     dh = torch.empty(NT, HV, K, V, device=W.device, dtype=W.dtype) if dh is None else dh
     dVn = torch.empty(T, HV, V, device=W.device, dtype=W.dtype) if dVn is None else dVn
     dh0 = torch.empty(N, HV, K, V, device=W.device, dtype=torch.float32) if need_dh0 else None
-    kda_state_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
+    launch_fitting(
+        kda_state_bwd_kernel, (triton.cdiv(V, BV), N * HV),
         QG, KG, W, G, Aqk, do, dh, dVn, dht, dh0, cu_seqlens, chunk_offsets, HV=HV, K=K, V=V, BT=BT,
         BKH=state_half(K), BV=BV, USE_DHT=dht is not None, STORE_DH0=need_dh0, PREFETCH=state_prefetch(BV, stores=True),
         PREC=dot_precision(W.dtype, W.device),

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from k3lab.kernels.kda.utils import (
-    BC, BT, chunk_decay_halves, chunk_span, dot_precision, grid_log2, l2norm_rows, load_rows, load_vec,
-    sequence_span, state_half, state_halves, state_prefetch, state_tile, store_rows, warp_configs,
+    BC, BT, chunk_decay_halves, chunk_span, dot_precision, grid_log2, l2norm_rows, launch_fitting, load_rows,
+    load_vec, sequence_span, state_half, state_halves, state_prefetch, state_tile, store_rows, warp_configs,
 )
 
 
@@ -500,7 +500,8 @@ def kda_state_fwd(W, U, KG, G, h0, output_final_state, cu_seqlens, chunk_offsets
         Vn = torch.empty(T, HV, V, device=W.device, dtype=U.dtype) if Vn is None else Vn
     ht = torch.empty(N, HV, K, V, device=W.device, dtype=torch.float32) if output_final_state else None
     QG, Aqk, o = output if output is not None else (W, W, W)
-    kda_state_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
+    launch_fitting(
+        kda_state_fwd_kernel, (triton.cdiv(V, BV), N * HV),
         W, U, KG, G, h if store_states else W, Vn if store_states else W, h0, ht, QG, Aqk, o, cu_seqlens,
         chunk_offsets, HV=HV, K=K, V=V, VU=VU, BT=BT, BKH=state_half(K), BV=BV, USE_H0=h0 is not None,
         STORE_HT=output_final_state, STORE_STATES=store_states, OUTPUT=output is not None,

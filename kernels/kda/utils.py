@@ -70,6 +70,25 @@ def state_prefetch(BV: int, stores: bool) -> bool:
     return BV <= (16 if stores else 32)
 
 
+def launch_fitting(kernel, grid, *args, num_stages: int, **kwargs):
+    """``kernel[grid](*args, num_stages=num_stages, **kwargs)``, or at the most stages below that whose
+    shared memory fits the GPU. The state kernels stage [BT, K] operands per pipeline stage: on an H200
+    (227 KiB per program) bf16 at K = 128 fits 3 stages, K = 256 only 1 (offline sm_90: 377 KiB at 3
+    stages, 262 at 2, 57 at 1, V tile 64), and GPUs with less shared memory (an A100's 164 KiB) take
+    fewer at K = 128 too. Triton raises OutOfResources before anything runs, so a refused launch has
+    written nothing.
+
+    Raises:
+        triton.runtime.errors.OutOfResources: even one stage does not fit.
+    """
+    for stages in range(num_stages, 0, -1):
+        try:
+            return kernel[grid](*args, num_stages=stages, **kwargs)
+        except triton.runtime.errors.OutOfResources:
+            if stages == 1:
+                raise
+
+
 def state_half(K: int) -> int:
     """Rows of K in each of the two halves the state kernels hold their [K, BV] state in (>= 16, the
     smallest tl.dot tile; rows past K are masked)."""
