@@ -44,8 +44,8 @@ def row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_r, b_e, b_G
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """Sub-tile I, with r = G before its first row (0 for I = 0) and e = G at its last row: stores
     KG = k exp(G_last - G), QG = scale q exp(G) and W's right operand Diag(beta) k exp(G) (in W), and
-    returns the operands of the decayed scores (k P, scale q P, k Q, k exp(e - G), sigmoid(beta)); k and q
-    are L2-normalised here, once.
+    returns the operands of the decayed scores (k P, scale q P, k Q, sigmoid(beta)); k and q are
+    L2-normalised here, once.
 
     The two exponentials per element are taken at the sub-tile's middle m = (r + e) / 2,
     P = exp(G - m) and Q = exp(m - G), so neither exceeds exp(8 |lb|) (the "1/Gamma in bf16" of the
@@ -70,39 +70,38 @@ def row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_r, b_e, b_G
     store_rows(KG, b_kh * exp_ftz(b_Gl - b_e)[None, :], t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
     store_rows(QG, b_qp * b_fr * b_er, t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
     store_rows(W, b_kp * b_fr * (b_er * b_b[:, None]), t0, n_t, o_i, HV * K, i_hv * K, o_k, K)
-    return b_kp, b_qp, b_kq, b_kh, b_b
+    return b_kp, b_qp, b_kq, b_b
 
 
 @triton.jit
-def diag_scores(b_kp, b_qp, b_kq, Aqk, t0, n_t, i_hv, I, HV: tl.constexpr, BT: tl.constexpr,
-                BC: tl.constexpr, PREC: tl.constexpr):
-    """Diagonal sub-tile I of the decayed scores from ``row_block``'s operands (middle reference):
-    Ks[i, j] = sum_c k_ic k_jc exp(G_ic - G_jc), strictly lower, is returned; Aqk (q_i, inclusive) is
-    stored."""
-    dt = Aqk.dtype.element_ty
-    o_c = tl.arange(0, BC)
-    b_kd = tl.trans(b_kq.to(dt))
-    b_Ks = tl.dot(b_kp.to(dt), b_kd, input_precision=PREC)
-    b_Aq = tl.dot(b_qp.to(dt), b_kd, input_precision=PREC)
-    b_Aq = tl.where(o_c[:, None] >= o_c[None, :], b_Aq, 0.0)
-    store_rows(Aqk, b_Aq, t0, n_t, I * BC + o_c, HV * BT, i_hv * BT + I * BC, o_c, BC)
-    return tl.where(o_c[:, None] > o_c[None, :], b_Ks, 0.0)
+def key_columns(k, G, t0, n_t, i_h, i_hv, J, b_m, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                BC: tl.constexpr, BK: tl.constexpr):
+    """The decayed keys of sub-tile J < I as the scores' columns at sub-tile I's middle m:
+    k_j exp(m - G_j), L2-normalised, every factor <= 1 (G falls, so G_j >= G before sub-tile I >= m)."""
+    o_j = J * BC + tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    b_kj = l2norm_rows(load_rows(k, t0, n_t, o_j, H * K, i_h * K, o_k, K, False))
+    return b_kj * exp_ftz(b_m[None, :] - load_rows(G, t0, n_t, o_j, HV * K, i_hv * K, o_k, K, True))
 
 
 @triton.jit
-def off_scores(b_kp, b_qp, b_cj, b_mI, b_eJ, Aqk, t0, n_t, i_hv, I, J,
-               HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """Sub-tile (I, J), J < I, of the same scores at the reference e_J (G at sub-tile J's last row), where
-    both factors are <= 1: rows x_i exp(G_i - e_J) = x P exp(m_I - e_J), columns
-    b_cj = k_j exp(e_J - G_j) (``row_block``'s fourth result for sub-tile J). Ks is returned, Aqk stored."""
-    dt = Aqk.dtype.element_ty
+def score_block(b_kp, b_qp, b_c, b_b, L, Aqk, t0, n_t, i_hv, I, J, HV: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr, PREC: tl.constexpr, DIAG: tl.constexpr):
+    """Sub-tile (I, J), J <= I, of the two decayed score matrices, both at sub-tile I's middle m: rows
+    x_i exp(G_i - m) (``row_block``'s k P and scale q P, already in the dot's dtype), columns
+    b_c = k_j exp(m - G_j) (``key_columns``; k Q for J = I). Stores L = Diag(beta) StrictTril(Ks) and Aqk
+    (inclusive) for the block. A product exp(G_i - m) exp(m - G_j) whose second factor underflows is
+    below exp(8 |lb|) e^-87: nothing float32 would keep beside the diagonal's 1."""
     o_c = tl.arange(0, BC)
-    b_f = exp_ftz(b_mI - b_eJ)[None, :]
-    b_ck = tl.trans(b_cj)
-    b_Ks = tl.dot((b_kp * b_f).to(dt), b_ck, input_precision=PREC)
-    b_Aq = tl.dot((b_qp * b_f).to(dt), b_ck, input_precision=PREC)
-    store_rows(Aqk, b_Aq, t0, n_t, I * BC + o_c, HV * BT, i_hv * BT + J * BC, o_c, BC)
-    return b_Ks
+    o_i = I * BC + o_c
+    b_ct = tl.trans(b_c.to(b_kp.dtype))
+    b_Ks = tl.dot(b_kp, b_ct, input_precision=PREC)
+    b_Aq = tl.dot(b_qp, b_ct, input_precision=PREC)
+    if DIAG:
+        b_Ks = tl.where(o_c[:, None] > o_c[None, :], b_Ks, 0.0)
+        b_Aq = tl.where(o_c[:, None] >= o_c[None, :], b_Aq, 0.0)
+    store_rows(Aqk, b_Aq, t0, n_t, o_i, HV * BT, i_hv * BT + J * BC, o_c, BC)
+    store_rows(L, b_b[:, None] * b_Ks, t0, n_t, o_i, HV * BT, i_hv * BT + J * BC, o_c, BC)
 
 
 @triton.jit
@@ -193,16 +192,14 @@ def kda_scores_fwd_kernel(
     PREC: tl.constexpr, REPLAY: tl.constexpr,  # only W's operand, KG and QG (the backward's replay)
 ):
     """Per 16-row sub-tile I, chunk and value head: ``row_block``'s prep of sub-tile I, and, unless
-    replaying, its row of sub-tiles of the two decayed score matrices, (I, J) for J < I at the reference
-    e_J (``off_scores``) and (I, I) at sub-tile I's middle (``diag_scores``); sub-tiles J < I are
-    reloaded, normalised and decayed again here."""
+    replaying, its row of sub-tiles (I, J), J <= I, of the two decayed score matrices, all at sub-tile I's
+    middle (``score_block``): the rows' operands are formed once, and sub-tiles J < I are reloaded,
+    normalised and decayed again here as columns (``key_columns``)."""
     i_i, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     if i_i * BC >= n_t:
         return
-    o_c = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
     dt = W.dtype.element_ty
     # r = G before the sub-tile's first row (0 for the first), e = G at its last row, G_last.
     b_r = tl.zeros([BK], tl.float32)
@@ -210,24 +207,19 @@ def kda_scores_fwd_kernel(
         b_r += last_row(G, t0, n_t, i_hv, i_i - 1, HV, K, BC, BK)
     b_e = last_row(G, t0, n_t, i_hv, i_i, HV, K, BC, BK)
     b_Gl = last_row(G, t0, n_t, i_hv, BT // BC - 1, HV, K, BC, BK)
-    b_kp, b_qp, b_kq, b_kh, b_b = row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_r, b_e, b_Gl,
-                                            i_i, H, HV, K, BC, BK)
+    b_kp, b_qp, b_kq, b_b = row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_r, b_e, b_Gl, i_i, H, HV,
+                                      K, BC, BK)
     if not REPLAY:
-        s_A = HV * BT
-        o_i = i_i * BC + o_c
         b_m = 0.5 * (b_r + b_e)
+        b_kp, b_qp = b_kp.to(dt), b_qp.to(dt)
         for i_j in range(0, i_i):
-            o_j = i_j * BC + o_c
-            b_eJ = last_row(G, t0, n_t, i_hv, i_j, HV, K, BC, BK)
-            b_kj = l2norm_rows(load_rows(k, t0, n_t, o_j, H * K, i_h * K, o_k, K, False))
-            b_cj = (b_kj * exp_ftz(b_eJ[None, :] - load_rows(G, t0, n_t, o_j, HV * K, i_hv * K, o_k, K, True))).to(dt)
-            b_Ks = off_scores(b_kp, b_qp, b_cj, b_m, b_eJ, Aqk, t0, n_t, i_hv, i_i, i_j, HV, BT, BC, PREC)
-            store_rows(L, b_b[:, None] * b_Ks, t0, n_t, o_i, s_A, i_hv * BT + i_j * BC, o_c, BC)
-        b_Ks = diag_scores(b_kp, b_qp, b_kq, Aqk, t0, n_t, i_hv, i_i, HV, BT, BC, PREC)
-        store_rows(L, b_b[:, None] * b_Ks, t0, n_t, o_i, s_A, i_hv * BT + i_i * BC, o_c, BC)
+            b_c = key_columns(k, G, t0, n_t, i_h, i_hv, i_j, b_m, H, HV, K, BC, BK)
+            score_block(b_kp, b_qp, b_c, b_b, L, Aqk, t0, n_t, i_hv, i_i, i_j, HV, BT, BC, PREC, False)
+        score_block(b_kp, b_qp, b_kq, b_b, L, Aqk, t0, n_t, i_hv, i_i, i_i, HV, BT, BC, PREC, True)
         # Aqk's blocks right of the diagonal are zero (causal).
         o_z = (i_i + 1) * BC + tl.arange(0, BT)
-        store_rows(Aqk, tl.zeros([BC, BT], tl.float32), t0, n_t, o_i, s_A, i_hv * BT, o_z, BT)
+        store_rows(Aqk, tl.zeros([BC, BT], tl.float32), t0, n_t, i_i * BC + tl.arange(0, BC), HV * BT, i_hv * BT,
+                   o_z, BT)
 
 
 @triton.jit
