@@ -169,8 +169,11 @@ assert MIN_LOWER_BOUND == -10.0
 # With the first token as reference, anything below about `g_min = -5.9` overflows; the midpoint
 # doubles the room (`-11`), which is why `flash_kda` accepts `lower_bound` in `[-10, 0)` and raises
 # outside it. The errors that remain (~1e-2 per entry here, with random unnormalised data) are bf16's
-# 8-bit mantissa, the same as any bf16 matmul; off-diagonal sub-tiles use the last token before the
-# row tile as reference, where both factors are ≤ 1 and nothing can overflow at all.
+# 8-bit mantissa, the same as any bf16 matmul. The off-diagonal sub-tiles of a row tile use the same
+# middle reference: their rows are the diagonal's, and their columns `k_j exp(m − G_j)` come from
+# earlier tokens, where `G_j ≥ m`, so every column factor is ≤ 1 and can only underflow. The rows'
+# factor is at most `exp(7.5|g_min|)`, so what a flushed column factor loses is below
+# `exp(7.5|g_min| − 87.3)`: 4.4e-6 at the bound −10, under 1e-8 from −9 on, beside entries up to 1.
 #
 # ## 3. The kernel design
 #
@@ -188,7 +191,7 @@ assert MIN_LOWER_BOUND == -10.0
 # | stage | grid | what it does | fused |
 # |---|---|---|---|
 # | `gate_fwd` | K tiles (64) × chunks × value heads | `g = lb·σ(exp(A_log)(z + b))` and its cumsum in the chunk, `G` (float32; padded rows get `g = 0`) | gate activation |
-# | `scores_fwd` | 16-row sub-tiles × chunks × value heads | for its sub-tile: q/k L2-normalised, β sigmoid, two exponentials per element at the sub-tile's middle reference (`exp2`), `KG`, `QG` and `W`'s right operand `Diag(β)ΓK`; then its row of 16×16 sub-tiles of `Diag(β)(ΓK)(K/Γ)ᵀ` and `(ΓQ)(K/Γ)ᵀ` on tensor cores — the diagonal one at the middle reference, each earlier one (its keys reloaded and normalised again) at that sub-tile's last row, where both factors are ≤ 1; writes the strictly lower `L = Diag(β)StrictTril(…)` (float32), and `Aqk` | all elementwise prep, both score matrices |
+# | `scores_fwd` | 16-row sub-tiles × chunks × value heads | for its sub-tile: q/k L2-normalised, β sigmoid, two exponentials per element at the sub-tile's middle reference (`exp2`), `KG`, `QG` and `W`'s right operand `Diag(β)ΓK`; then its row of 16×16 sub-tiles of `Diag(β)(ΓK)(K/Γ)ᵀ` and `(ΓQ)(K/Γ)ᵀ` on tensor cores, all at that middle reference: the rows' operands formed once, each earlier sub-tile's keys reloaded, normalised again and decayed into columns `k_j exp(m − G_j)` (factors ≤ 1, one exponential each); writes the strictly lower `L = Diag(β)StrictTril(…)` (float32), and `Aqk` | all elementwise prep, both score matrices |
 # | `inverse_fwd` | chunks × value heads | the UT inverse `T = (I + L)⁻¹` by 16×16 blocks: the 4 diagonal blocks as one `[4, 16, 16]` batch, `(I − N)(I + N²)(I + N⁴)(I + N⁸)` in six float32 products (for bf16 intermediates 3xTF32 on tensor cores; for float32 ones full fp32 on CUDA cores and one Newton step: two more; below), then the 6 blocks under them by block products (TF32, or full fp32); `T` stored in the intermediates' dtype | the whole inverse |
 # | `wu_fwd` | chunks × value heads | `W = T·Diag(β)ΓK` (in place over its right operand), `U = T·Diag(β)V`, in column tiles of up to 64 | W/U |
 # | `scores_fwd` with `REPLAY`, then `wu_fwd` (KCP's backward, chapter 03) | as above | from the saved `G` and `T`: only the prep (`KG`, `QG`, `W`'s operand) and `W`, `U` — no sub-tile scores, no inverse | one constexpr |
@@ -235,7 +238,8 @@ assert MIN_LOWER_BOUND == -10.0
 # at 1024 programs are not those at 8192; tuned at B1 T4096 H16, the forward at B4 T8192 H16 took
 # 1.277 ms, tuned at its own grid 1.247) on the GPU at hand, except the scores kernel: 244 registers at 2
 # warps (206 at 4, 158 at 8) left 4 programs, 8 warps, per SM, and Nsight Compute showed it
-# latency-bound at that occupancy; capped at 168 registers (176 B spilled) 6 programs fit, and the
+# latency-bound at that occupancy; capped at 168 registers (176 B spilled then, 96 B since its
+# sub-tiles share one reference) 6 programs fit, and the
 # forward got 1.8–4.3% faster at every shape but the smallest, B1 T4096 H16 (0.9%; a fixed launch for
 # bf16 at K ≤ 128, `SCORES_LAUNCH`; a wider K or float32 intermediates would spill more under the cap,
 # so there the warps are timed as for the others). One exception the other way: with float32
@@ -557,7 +561,9 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 # one or two pipeline stages, where two programs then share an SM, was 1.5x slower at H64. The scores
 # kernel at 32-row sub-tiles (inside float32's range at `g_min = -5`, not below -5.5) was 2.5% faster,
 # about 1% of the forward, not worth a sub-tile that depends on the bound
-# (`flash_kda_h200_session17.json`). fla's own times move between runs: at B1
+# (`flash_kda_h200_session17.json`). The state scan at V tiles of 128, one program per sequence and
+# head so that `W`, `QG`, `KG` and `Aqk` are read once, does not fit three stages and spills at two:
+# 1516 against 1211 µs at B8 T4096 H64 (`flash_kda_h200_session18.json`). fla's own times move between runs: at B1
 # T4096 H16 its forward took 0.799 ms in one call and 1.487 ms in another (right after its
 # autotuning); at B1 T8192 H16 its forward+backward took 3.125 and 4.123 ms in two runs.
 #

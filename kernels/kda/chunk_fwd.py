@@ -90,8 +90,10 @@ def score_block(b_kp, b_qp, b_c, b_b, L, Aqk, t0, n_t, i_hv, I, J, HV: tl.conste
     """Sub-tile (I, J), J <= I, of the two decayed score matrices, both at sub-tile I's middle m: rows
     x_i exp(G_i - m) (``row_block``'s k P and scale q P, already in the dot's dtype), columns
     b_c = k_j exp(m - G_j) (``key_columns``; k Q for J = I). Stores L = Diag(beta) StrictTril(Ks) and Aqk
-    (inclusive) for the block. A product exp(G_i - m) exp(m - G_j) whose second factor underflows is
-    below exp(8 |lb|) e^-87: nothing float32 would keep beside the diagonal's 1."""
+    (inclusive) for the block. The rows' factor exp(G_i - m) is at most exp(7.5 |lb|) (m sits half a
+    sub-tile's decay below the first row, which has already decayed once), so a product whose column factor
+    flushes to zero (below 2^-126 = e^-87.3) is below exp(7.5 |lb| - 87.3): 4.4e-6 at the bound lb = -10,
+    under 1e-8 from lb = -9 on, beside entries of size up to 1."""
     o_c = tl.arange(0, BC)
     o_i = I * BC + o_c
     b_ct = tl.trans(b_c.to(b_kp.dtype))
