@@ -12,7 +12,7 @@ def numpy_supports_interpreter() -> bool:
     """Whether Triton 3.6's CPU interpreter runs this numpy: from numpy 2.4 on, its loops with a runtime
     bound fail inside the interpreter ("only 0-dimensional arrays can be converted to Python scalars"),
     hence the project's ``numpy<2.4`` pin."""
-    return tuple(int(x) for x in numpy.__version__.split(".")[:2]) < (2, 4)
+    return numpy.lib.NumpyVersion(numpy.__version__) < "2.4.0.dev0"  # its pre-releases too, as the pin
 
 
 if os.environ.get("TRITON_INTERPRET") == "1" and not numpy_supports_interpreter():
