@@ -1,9 +1,10 @@
 """Compile every FlashKDA kernel for the H200 (sm_90) without a GPU: Triton's front end, ptxas from the
 triton wheel. Run as a script WITHOUT TRITON_INTERPRET (the interpreter accepts code that the compiler
-refuses, e.g. a tensor-valued tl.static_range bound). Prints one line per kernel: registers and stack
-(at the launch options the launcher fixes, else 4 warps).
+refuses, e.g. a tensor-valued tl.static_range bound). Prints one line per kernel: registers, stack and
+dynamic shared memory (at the launch options the launcher fixes, else 4 warps and 3 stages).
 
-The signatures are the bf16 training setup (K = V = 128, bf16 inputs and intermediates).
+The signatures are the bf16 training setup (K = V = 128, bf16 inputs and intermediates), plus the few
+variants named in KERNELS.
 """
 from __future__ import annotations
 
@@ -53,6 +54,13 @@ KERNELS = {
     "state_bwd": (cb.kda_state_bwd_kernel, dict(QG=BF, KG=BF, W=BF, G=F32, Aqk=BF, do=BF, dh=BF, dVn=BF, dht=F32,
                                                 dh0=F32),
                   dict(SHAPE, BKH=64, BV=32, USE_DHT=True, STORE_DH0=True, PREFETCH=True, PREC="tf32")),
+    # K = 256: the pipeline stages ``launch_fitting`` reaches on an H200 (3 and 2 do not fit there).
+    "state_train_K256": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, K=256, VU=128, BKH=128, STORE_STATES=True,
+                                                               OUTPUT=True), dict(num_stages=1)),
+    "state_bwd_K256": (cb.kda_state_bwd_kernel, dict(QG=BF, KG=BF, W=BF, G=F32, Aqk=BF, do=BF, dh=BF, dVn=BF,
+                                                     dht=F32, dh0=F32),
+                       dict(SHAPE, K=256, BKH=128, BV=32, USE_DHT=True, STORE_DH0=True, PREFETCH=False, PREC="tf32"),
+                       dict(num_stages=1)),
     "dqk_bwd": (cb.kda_dqk_bwd_kernel, dict(q=BF, k=BF, G=F32, h=BF, dh=BF, Vn=BF, dVn=BF, do=BF, dqs=F32, dkn=F32,
                                             dG=F32, dW=BF, dgx=F32, rq=F32, rk=F32),
                 dict(SHAPE, H=16, BKK=128, BK=64, BV=64, PREC="tf32")),
@@ -73,7 +81,7 @@ KERNELS = {
 
 def compile_sm90(fn, pointers: dict, constants: dict, num_warps: int = 4, **options) -> str:
     """Compile one kernel for sm_90 (``options``: more of ``triton.compile``'s, e.g. num_stages, maxnreg);
-    returns cuobjdump's resource line (REG, STACK, ...)."""
+    returns cuobjdump's resource line (REG, STACK, ...) and SMEM, the dynamic shared memory it launches with."""
     if isinstance(fn, triton.runtime.Autotuner):
         fn = fn.fn
     types = dict(SCALARS, **pointers)
@@ -88,7 +96,8 @@ def compile_sm90(fn, pointers: dict, constants: dict, num_warps: int = 4, **opti
         f.write(kernel.asm["cubin"])
         f.flush()
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return next(line.strip() for line in usage.splitlines() if "REG:" in line)
+    line = next(line.strip() for line in usage.splitlines() if "REG:" in line)
+    return f"{line} SMEM:{kernel.metadata.shared}"  # dynamic shared memory (Triton's staging buffers), bytes
 
 
 if __name__ == "__main__":
