@@ -215,7 +215,8 @@ assert MIN_LOWER_BOUND == -10.0
 # *Registers vs shared memory.* The state (two `K/2 × BV` fp32 halves per program, `BV` the widest
 # of 64, 32, 16 whose grid still gives about every SM a program) and all accumulators live in
 # registers; `tl.dot` stages its operands through shared memory (Triton's software pipeline,
-# `num_stages = 3` for the bf16 state loops, 2 for float32, whose third stage does not fit). The
+# `num_stages = 3` for the bf16 state loops, 2 for float32, whose third stage does not fit; at K = 256
+# only one stage fits an H200's 227 KiB, and `launch_fitting` drops stages until a launch fits). The
 # pipeline stages only loads that feed a `tl.dot`: the forward state loop's `U` (the accumulator `Ṽ`
 # starts from) and both state loops' decay `γ_C` feed elementwise work on the chain, so each chunk
 # waited for them. Loaded one chunk ahead by hand (`state_prefetch`), they took the inference

@@ -58,7 +58,8 @@ def setup(seed: int = 0, profile: str | None = None, verbose: bool = True):
         # Triton's own jit helpers are defined when triton is imported (by the user, or through e.g.
         # torch._dynamo): once compiled mode is chosen, kernels fail inside the interpreter.
         early = next((m for m in sorted(sys.modules) if m == "triton" or m.startswith("k3lab.kernels.")), None)
-        if os.environ.get("TRITON_INTERPRET") != "1" and early:
+        # Triton is imported by then, so asking it how it reads TRITON_INTERPRET costs nothing.
+        if early and not importlib.import_module("k3lab.kernels").interpreting():
             raise RuntimeError(
                 f"{early} was imported before k3lab.setup() on a machine without CUDA: restart the "
                 "kernel and call k3lab.setup() first (or set TRITON_INTERPRET=1 before importing it) "

@@ -3,9 +3,8 @@
 On a CPU-only machine call ``k3lab.setup()`` before importing any of them: it sets
 ``TRITON_INTERPRET=1``, which Triton reads when a ``@triton.jit`` function is defined.
 """
-import os
-
 import numpy
+import triton
 
 
 def numpy_supports_interpreter() -> bool:
@@ -15,6 +14,12 @@ def numpy_supports_interpreter() -> bool:
     return numpy.lib.NumpyVersion(numpy.__version__) < "2.4.0.dev0"  # its pre-releases too, as the pin
 
 
-if os.environ.get("TRITON_INTERPRET") == "1" and not numpy_supports_interpreter():
+def interpreting() -> bool:
+    """Whether Triton runs the kernels in its CPU interpreter: TRITON_INTERPRET set to 1, true, on or yes,
+    as Triton reads it (``triton.knobs.runtime.interpret``)."""
+    return triton.knobs.runtime.interpret
+
+
+if interpreting() and not numpy_supports_interpreter():
     raise ImportError(f"k3lab's kernels under TRITON_INTERPRET=1 need numpy<2.4 (the project's pin; Triton 3.6's "
                       f"interpreter fails on newer), found numpy {numpy.__version__}: pip install 'numpy<2.4'")

@@ -78,6 +78,20 @@ def test_setup_first_then_kernels_run():
     assert run.returncode == 0, run.stderr[-600:]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is the CPU path")
+def test_interpreter_flag_is_read_as_triton_reads_it():
+    """TRITON_INTERPRET=true turns Triton's interpreter on as 1 does; flash_kda used to refuse to run then
+    ("needs TRITON_INTERPRET=1"), and setup() to call triton imported too early."""
+    run = run_fresh("import os\nos.environ['TRITON_INTERPRET'] = 'true'\n"
+                    "import torch, triton, k3lab\n"
+                    "k3lab.setup(verbose=False)\n"
+                    "from k3lab.kernels.kda import flash_kda\n"
+                    "x = torch.randn(1, 20, 1, 16, generator=torch.Generator().manual_seed(0))\n"
+                    "o, _ = flash_kda(x, x, x, x, x[..., 0], torch.zeros(1), torch.zeros(16))\n"
+                    "assert torch.isfinite(o).all()\n")
+    assert run.returncode == 0, run.stderr[-600:]
+
+
 def test_kernels_from_another_checkout_are_refused(monkeypatch, tmp_path):
     """A fresh user's case: a clone run with PYTHONPATH on the clone but another checkout's editable
     install imported k3lab from the clone and k3lab.kernels (mapped by the install) from the other

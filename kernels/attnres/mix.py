@@ -17,15 +17,15 @@ and autotuning is off (one config).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from k3lab.attnres.mix import check_phase1_grads
+from k3lab.kernels import interpreting
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = interpreting()
 # Elements of one [G, BM, BD] register tile (the G queries' accumulators); more spills on an H200.
 _TILE_BUDGET = 16384
 

@@ -3,13 +3,13 @@ Eq. 5; Kimi Linear, Sec. 3.2). The autograd function and the public entry point.
 from __future__ import annotations
 
 import numbers
-import os
 
 import torch
 
 from k3lab.autograd import differentiable_once
 from k3lab.kda.checks import check_kda_inputs
 from k3lab.kda.gate import check_gate_shapes
+from k3lab.kernels import interpreting
 from k3lab.kernels.kda.chunk_bwd import kda_dqk_bwd, kda_dwv_bwd, kda_intra_bwd, kda_state_bwd
 from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_state_fwd
 from k3lab.kernels.kda.utils import chunk_index
@@ -41,7 +41,7 @@ def check_gate_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, A_log, dt
         raise ValueError(f"flash_kda supports K <= {MAX_K}, got K={K}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or len({q.dtype, k.dtype, v.dtype}) > 1:
         raise ValueError(f"q, k, v must share one of float16/bfloat16/float32, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if q.device.type == "cpu" and not interpreting():
         raise RuntimeError("flash_kda on CPU needs TRITON_INTERPRET=1 set before kernels are imported: "
                            "call k3lab.setup() first")
 

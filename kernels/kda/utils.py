@@ -6,11 +6,12 @@ packed stream with offsets b*T), so fixed-length and varlen inputs share one cod
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from k3lab.kernels import interpreting
 
 # Chunk length C and sub-tile length: 16 is the smallest tl.dot tile and the span over which the
 # lower-bounded gate keeps 1/Gamma (relative to the sub-tile's midpoint) inside bf16's range.
@@ -24,7 +25,7 @@ def warp_configs(*warps: int) -> list[triton.Config]:
     each (offline sm_90 compiles show the backward kernels spilling at 2 warps), and which costs more
     depends on the GPU and the grid. The first entry only under the interpreter, which has no warps
     (read at import: ``k3lab.setup()`` goes first)."""
-    return [triton.Config({}, num_warps=w) for w in (warps[:1] if os.environ.get("TRITON_INTERPRET") == "1" else warps)]
+    return [triton.Config({}, num_warps=w) for w in (warps[:1] if interpreting() else warps)]
 
 
 def grid_log2(programs: int) -> int:
