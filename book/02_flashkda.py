@@ -177,7 +177,7 @@ assert MIN_LOWER_BOUND == -10.0
 #
 # ## 3. The kernel design
 #
-# Four forward kernels and six backward kernels, each a `@triton.jit` function
+# Five forward kernels and six backward kernels, each a `@triton.jit` function
 # (`kda_<stage>_{fwd,bwd}_kernel`) with a launcher, one `autograd.Function` (`FlashKDAFunction`) and
 # the public `flash_kda`, which validates (shapes always; NaN/inf with `check_values=True`, the
 # default) and builds the chunk table on the host from the sequence lengths, once per shape (cached:
