@@ -180,6 +180,19 @@ def test_gate_near_lower_bound_minus_10():
 
 
 @pytest.mark.timeout(300)
+def test_saturated_gates():
+    """a (z + bias) near +12, where the gate's sigmoid is 1 - 6e-6: its derivative taken as s (1 - s) lost
+    1 - s to cancellation in float32 (dz 5.4e-3, dA_log 7.8e-3 relative; a fresh-user probe); as
+    t / (1 + t)^2 with t = e^-|x| every gradient is at float32 accuracy (dz 9e-6)."""
+    from test_flash_kda import check
+
+    inputs = make_inputs(1, 40, 1, 1, 16, 16, seed=3)
+    inputs[3] = 0.3 * inputs[3] + 12.0
+    inputs[5] = torch.zeros_like(inputs[5])
+    check(inputs)
+
+
+@pytest.mark.timeout(300)
 def test_saturated_beta_and_repeated_keys():
     """beta logits +-30 and every pair of consecutive keys equal: all gradients but dbeta at float32
     accuracy; dbeta = sigmoid'(+-30) ~ 1e-13 times the upstream term is 0 in float32 at +30 (s = 1), as in
