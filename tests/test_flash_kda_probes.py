@@ -195,8 +195,8 @@ def test_saturated_gates():
 @pytest.mark.timeout(300)
 def test_saturated_beta_and_repeated_keys():
     """beta logits +-30 and every pair of consecutive keys equal: all gradients but dbeta at float32
-    accuracy; dbeta = sigmoid'(+-30) ~ 1e-13 times the upstream term is 0 in float32 at +30 (s = 1), as in
-    torch's float32 autograd, so it is held to that."""
+    accuracy; dbeta = sigmoid'(+-30) ~ 1e-13 times the upstream term, which torch's float32 autograd (s (1 - s)
+    with s = 1) gives as 0 (0.95 relative); ours (``sigmoid_grad``) 9.7e-4, held to at most torch's."""
     inputs = make_inputs(1, 40, 1, 2, 24, 16, seed=106)
     inputs[4] = 30.0 * inputs[4].sign()
     inputs[1][:, 1::2] = inputs[1][:, 0::2]

@@ -17,7 +17,6 @@ and autotuning is off (one config).
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

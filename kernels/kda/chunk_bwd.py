@@ -28,11 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.kernels.kda.chunk_fwd import block_sizes, exp_ftz
+from k3lab.kernels.kda.chunk_fwd import block_sizes
 from k3lab.kernels.kda.utils import (
-    BC, BT, add_rows, chunk_decay_halves, chunk_span, dot_precision, grid_log2, inverse_norm, l2norm_bwd,
-    launch_fitting, load_rows, load_vec, sequence_span, state_half, state_halves, state_prefetch, state_tile,
-    store_rows, warp_configs,
+    BC, BT, add_rows, chunk_decay_halves, chunk_span, dot_precision, exp_ftz, grid_log2, inverse_norm, l2norm_bwd,
+    launch_fitting, load_rows, load_vec, sequence_span, sigmoid_grad, state_half, state_halves, state_prefetch,
+    state_tile, store_rows, warp_configs,
 )
 
 
@@ -352,10 +352,7 @@ def kda_gate_bwd_kernel(
     b_z = load_rows(z, t0, n_t, o_t, s_K, i_hv * K, o_k, K, False)
     if HAS_BIAS:
         b_z += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-    # sigmoid'(x) = t / (1 + t)^2 with t = e^-|x|: s (1 - s) lost 1 - s to cancellation where the gate
-    # saturates (x = 12: 4e-2 relative in dz).
-    b_t = exp_ftz(-tl.abs(b_a * b_z))
-    b_ds = tl.where(m, b_dg * lower_bound * b_t / ((1.0 + b_t) * (1.0 + b_t)), 0.0)
+    b_ds = tl.where(m, b_dg * lower_bound * sigmoid_grad(b_a * b_z), 0.0)
     store_rows(dz, b_ds * b_a, t0, n_t, o_t, s_K, i_hv * K, o_k, K)
     tl.store(dbias_part + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.sum(b_ds, 0) * b_a, mask=o_k < K)
     tl.store(dA_part + (i_k * tl.num_programs(1) + i_c).to(tl.int64) * HV + i_hv, tl.sum(tl.sum(b_ds * b_z, 0), 0) * b_a)
@@ -388,8 +385,8 @@ def kda_qk_norm_bwd_kernel(
         b_db = tl.load(db + o_r64 * HV + i_hv, mask=m_r, other=0.0)
         for i_k in tl.static_range(NKT):
             b_db += tl.load(dbeta_part + (i_k * T_total + o_r64) * HV + i_hv, mask=m_r, other=0.0)
-        b_b = tl.sigmoid(tl.load(beta + o_r64 * HV + i_hv, mask=m_r, other=0.0).to(tl.float32))
-        tl.store(dbeta + o_r64 * HV + i_hv, (b_db * b_b * (1.0 - b_b)).to(dbeta.dtype.element_ty), mask=m_r)
+        b_x = tl.load(beta + o_r64 * HV + i_hv, mask=m_r, other=0.0).to(tl.float32)
+        tl.store(dbeta + o_r64 * HV + i_hv, (b_db * sigmoid_grad(b_x)).to(dbeta.dtype.element_ty), mask=m_r)
     p = (o_r64 * H + i_h)[:, None] * K + o_k[None, :]
     b_q = tl.load(q + p, mask=m, other=0.0).to(tl.float32)
     tl.store(dq + p, l2norm_bwd(b_q, b_dq * scale).to(dq.dtype.element_ty), mask=m)

@@ -19,16 +19,9 @@ import triton
 import triton.language as tl
 
 from k3lab.kernels.kda.utils import (
-    BC, BT, chunk_decay_halves, chunk_span, dot_precision, grid_log2, l2norm_rows, launch_fitting, load_rows,
-    load_vec, sequence_span, state_half, state_halves, state_prefetch, state_tile, store_rows, warp_configs,
+    BC, BT, chunk_decay_halves, chunk_span, dot_precision, exp_ftz, grid_log2, l2norm_rows, launch_fitting,
+    load_rows, load_vec, sequence_span, state_half, state_halves, state_prefetch, state_tile, store_rows, warp_configs,
 )
-
-
-@triton.jit
-def exp_ftz(x):
-    """e^x as 2^(x log2 e): Triton lowers that to one MUFU.EX2, which flushes results below 2^-126 to zero;
-    tl.exp (the same rounding otherwise) adds a three-instruction fix-up per element for them."""
-    return tl.exp2(x * 1.4426950408889634)
 
 
 @triton.jit
