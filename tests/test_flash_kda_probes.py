@@ -147,6 +147,23 @@ def test_strided_inputs_and_expanded_output_gradients():
 
 
 @pytest.mark.timeout(300)
+def test_strong_decay_then_open_gates_in_one_chunk():
+    """48 tokens at a log-decay near -10 (G reaches about -480 in the chunk), then 16 nearly open ones
+    (-4.5e-4 each): float32 resolves G only to 3e-5 there, so a float32 running sum rounded each small
+    gate and missed by up to 1.5e-4 (o 5.7e-5, final state 9.8e-5, gradients up to 1.4e-4; a fresh-user
+    probe). With float32 intermediates G is summed in float64 and rounded once: o and the state are
+    1.2e-5 / 1.4e-5 off."""
+    from test_flash_kda import check
+
+    inputs = make_inputs(1, 64, 1, 1, 16, 16, seed=0)
+    closed = (torch.arange(64) < 48)[None, :, None, None]
+    inputs[3] = torch.where(closed, 2.0, -2.0).double().expand(1, 64, 1, 16).clone()
+    inputs[5] = torch.full_like(inputs[5], 1.6)
+    inputs[6] = torch.zeros_like(inputs[6])
+    check(inputs, lower_bound=-10.0)
+
+
+@pytest.mark.timeout(300)
 def test_gate_near_lower_bound_minus_10():
     """z + 8 with A_log = 0: every log-decay sits at -9.997, next to lower_bound = -10 (e^-150 over a
     sub-tile). o, the state and the q, k, v, beta and initial-state gradients stay at float32 accuracy,

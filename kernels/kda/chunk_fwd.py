@@ -162,9 +162,16 @@ def kda_gate_fwd_kernel(
     z, A_log, dt_bias, G,  # z [T, HV, K]; G fp32 [T, HV, K]
     cu_seqlens, chunk_indices, lower_bound,
     HV: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, BT: tl.constexpr, BKG: tl.constexpr,
+    EXACT_SUM: tl.constexpr,
 ):
     """Per K tile, chunk and value head: G = cumsum in the chunk of g = lb * sigmoid(a (z + bias)), a =
-    exp(A_log) (K3 report, Eq. 5). Padded rows get g = 0 (no decay)."""
+    exp(A_log) (K3 report, Eq. 5). Padded rows get g = 0 (no decay).
+
+    With ``EXACT_SUM`` (float32 intermediates) the sum runs in float64 and is rounded once: after strong
+    decay G is hundreds, where float32 resolves only ~3e-5, and a float32 running sum rounds every small
+    gate after it (a fresh-user probe: up to 1.5e-4 in G, 1.4e-4 in the float32 gradients). bf16
+    intermediates round at 2^-8 anyway, and on an H200 the float64 sum took this kernel from 436 to 647 us
+    at B8 T4096 H64 (forward +4%, flash_kda_h200_session19.json), so they keep the float32 sum."""
     i_k, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
@@ -174,7 +181,11 @@ def kda_gate_fwd_kernel(
     if HAS_BIAS:
         b_z += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
     b_g = tl.where((o_t < n_t)[:, None] & (o_k < K)[None, :], lower_bound / (1.0 + exp_ftz(-b_a * b_z)), 0.0)
-    store_rows(G, tl.cumsum(b_g, axis=0), t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+    if EXACT_SUM:
+        b_G = tl.cumsum(b_g.to(tl.float64), axis=0)
+    else:
+        b_G = tl.cumsum(b_g, axis=0)
+    store_rows(G, b_G, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
 
 
 @triton.jit
@@ -421,7 +432,7 @@ def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqle
     BKG = min(64, block_sizes(K, K)[0])
     kda_gate_fwd_kernel[(triton.cdiv(K, BKG), NT, HV)](
         z, A_log, dt_bias, G, cu_seqlens, chunk_indices, lower_bound, HV=HV, K=K, HAS_BIAS=dt_bias is not None,
-        BT=BT, BKG=BKG, num_warps=4,
+        BT=BT, BKG=BKG, EXACT_SUM=dtype == torch.float32, num_warps=4,
     )
     L = torch.empty(T, HV, BT, device=z.device, dtype=torch.float32)
     Tinv = torch.empty(T, HV, BT, device=z.device, dtype=dtype)
