@@ -35,6 +35,8 @@ def inverse_precs(exact: bool) -> dict:
 KERNELS = {
     "gate_fwd": (cf.kda_gate_fwd_kernel, dict(z=BF, A_log=F32, dt_bias=F32, G=F32),
                  dict(HV=16, K=128, HAS_BIAS=True, BT=64, BKG=64, EXACT_SUM=False)),
+    "gate_fwd_fp32": (cf.kda_gate_fwd_kernel, dict(z=F32, A_log=F32, dt_bias=F32, G=F32),
+                      dict(HV=16, K=128, HAS_BIAS=True, BT=64, BKG=64, EXACT_SUM=True)),
     "scores_fwd": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, REPLAY=False), cf.SCORES_LAUNCH),
     "scores_replay": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, REPLAY=True), cf.SCORES_LAUNCH),
     "scores_fwd_K256": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, K=256, BK=256, REPLAY=False)),

@@ -176,10 +176,13 @@ def flash_kda(
         output_final_state (bool): also return the state after each sequence.
         cu_seqlens (Tensor | None): int [N+1] offsets of N packed sequences (B must be 1).
         lower_bound (float): g_min in [-10, 0) (K3: -5). Beyond -10, 1/Gamma over half a 16-token
-            sub-tile could overflow bf16/fp32. Near -10 with the gate saturated at the bound, the gate
-            parameters' gradients lose accuracy (chunked sums of O(1) terms for values ~e^-10 smaller:
-            in float32, dg and ddt_bias ~5e-3 and dA_log ~9e-2 relative, the same as before the
-            backward's rewrite; ``tests/test_flash_kda_probes.py``); the other gradients do not.
+            sub-tile could overflow bf16/fp32. Where the gate saturates at a strong bound, the gate
+            parameters' gradients lose accuracy, growing like e^|lb|: they are small differences of
+            the O(1) terms the chunkwise form sums (the reverse cumsum of dG). In float32, saturated at
+            the bound: dg and ddt_bias ~1.6e-4 and dA_log ~2.6e-3 relative at -7, ~5e-3 and ~9e-2 at
+            -10 (torch's float32 autograd through the naive recurrence: ~3e-5 and ~2e-4); at -5 dA_log
+            ~5e-4 (torch: 2.4e-4; its sum is ~540x its value). ``tests/test_flash_kda_probes.py``.
+            The other gradients keep float32 accuracy.
         check_values (bool): also reject NaN/inf inputs (one device sync and a read of every input;
             shapes are always checked). Benchmarks pass False.
 
