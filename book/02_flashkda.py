@@ -91,8 +91,10 @@ assert rows[0][3] < 1 and rows[2][3] > 50 * rows[0][3]
 
 # %% [markdown]
 # The H200's ridge point (bf16 dense ~750 TFLOP/s measured, over ~4.3 TB/s copy bandwidth) is about
-# 175 FLOP/B: with `C = 64` KDA's forward sits near it, so it is neither hopelessly memory-bound nor
-# compute-bound — it is bound by *latency and fusion*: how many launches, how many round trips of
+# 175 FLOP/B. At `C = 64` KDA's forward does about 47 FLOP per byte by the count above, a quarter of
+# that: on the memory side, but over 60 times the recurrence's intensity, and close enough to the ridge
+# that neither the bandwidth nor the tensor cores alone set its time — it is bound by *latency and
+# fusion*: how many launches, how many round trips of
 # intermediates through HBM, and how long the one sequential loop over chunks takes. That is where a
 # fused kernel can win, and (section 5) where ours still falls short of its targets.
 #
@@ -260,8 +262,8 @@ assert MIN_LOWER_BOUND == -10.0
 # attributes of the autograd context, freed one by one in the backward; hooks never saw them, so
 # checkpointing left them on the GPU — `tests/test_flash_kda_keep.py` checks both). Saved tensors live
 # until the backward returns, so its peak now holds `h`, `W`, `KG` and `QG` too, about 640 MiB more at
-# B4 T8192 H16 by count; the committed peaks (2628 vs fla's 3859 MiB there) were measured with the
-# first version and the new peak is not measured yet. An inference forward (`no_grad`, or no input
+# B4 T8192 H16 by count; the committed sweep (section 5) measures the peak with saved tensors: 2959
+# MiB against fla's 3858 there. An inference forward (`no_grad`, or no input
 # requiring grad) stores none of it; the forward times of section 5 are such forwards. KCP's backward
 # (chapter 03) still replays.
 #
@@ -498,6 +500,13 @@ assert all(b >= 1.2 for (f, b), c in zip(ratios, timed) if (c["B"], c["T"], c["H
 again = json.loads(Path(results_path).with_name("flash_kda_h200_session11_small.json").read_text())
 speed_table([(c, "next call") for c in again["cases"]])
 assert all(c["speedup_fwd_bwd"] >= 1.2 for c in again["cases"])
+previous = {(c["B"], c["T"], c["H"]): c for c in
+            json.loads(Path(results_path).with_name("flash_kda_h200_session14_sweep.json").read_text())["cases"]}
+gpu_bound = [c for c in cases if (c["B"], c["T"], c["H"]) not in host_bound]
+for mode in ("ours_fwd_ms", "ours_fwd_bwd_ms"):
+    change = [c[mode] / previous[c["B"], c["T"], c["H"]][mode] - 1 for c in gpu_bound]
+    print(f"{mode} against the previous sweep, {len(change)} shapes the GPU bounds: {min(change):+.1%} to {max(change):+.1%}")
+    assert max(change) < 0
 
 # %% [markdown]
 # The sweep pairs ours with fla from other calls. Two earlier live runs timed both in one call, at 14
@@ -524,18 +533,19 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 # %% [markdown]
 # **Reading the tables.** The kernels are correct in bf16 with margin: the benchmark's GPU check
 # (float64 reference, fixed-length and varlen) passed on the same kernels in the sweep's session, with
-# outputs 3.94e-3 (bound 5e-3), final state 2.93e-3 and every gradient ≤ 3.65e-3 (bound 1e-2).
+# outputs 3.94e-3 (bound 5e-3), final state 2.93e-3 and every gradient ≤ 3.71e-3 (bound 1e-2).
 # Forward+backward clears the issue's 1.2x floor at every shape the GPU bounds (1.27x at the lowest,
 # B8 T4096 H64), and in each same-call run, but not in this sweep's host-bound B1 T4096 H16 row
-# (1.15x); peak memory is about a fifth below fla's at every shape. The forward does not clear its
+# (1.15x); peak memory is 23% below fla's at every shape. The forward does not clear its
 # 1.5x floor everywhere: it is 1.41–1.98x over the 26 shapes and ≥ 1.5x at 15 of them; at B ≥ 4 it
 # is 1.49–1.55x for H16 (B4 T4096 H16 the one below), 1.51–1.54x for H32 and 1.41–1.44x for H64, and
 # at B1 T8192 H32/H64 and B1 T32768 1.44–1.45x. So issue 3 stays open on the forward floor: the H64
 # shapes need a forward about 6% faster.
 #
-# The last change to the kernels before this sweep is the scores kernel at one reference per row
-# tile (section 3): against the previous sweep (at 12d4c9e) the forward is 0.9–4.6% faster at the 24
-# shapes the GPU bounds, forward+backward 0.4–1.6%. Earlier, the forward's gate kernel at K tiles of
+# The last change to the forward's kernels before this sweep is the scores kernel at one reference
+# per row tile (section 3): against the previous sweep (`flash_kda_h200_session14_sweep.json`) the
+# forward is 0.9–4.6% faster at the 24 shapes the GPU bounds (23 with an fla time, and B8 T32768 H64),
+# forward+backward 0.4–1.6%. Earlier, the forward's gate kernel at K tiles of
 # 64 (114.5 µs against 131.7 for 32 at B4 T8192 H16, same call) and the UT inverse's products on
 # tensor cores. Four more designs for the forward were measured
 # and dropped. Without a backward, `W` and `U` need never be formed, since
@@ -570,10 +580,10 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 # head so that `W`, `QG`, `KG` and `Aqk` are read once, does not fit three stages and spills at two:
 # 1516 against 1211 µs at B8 T4096 H64 (`flash_kda_h200_session18.json`). Storing fewer bytes did
 # not pay either: `L` in float16 and the zero blocks above the diagonals of `Aqk` and `T` never
-# stored, their readers masking them, took the forward from 4.85 to 5.78 ms at B8 T4096 H64 (an
-# element-wise triangular mask costs the loads their vector width: state 1205 → 1750 µs); with masks
-# by whole 16x16 blocks and `L` in float32, the readers gained 4 µs each and the scores kernel, only
-# its zero stores gone, lost 227 µs at that register cap (`flash_kda_h200_session19.json`). fla's own times move between runs: at B1
+# stored, their readers masking them, took the forward from 4.85 to 5.76 ms at B8 T4096 H64 (an
+# element-wise triangular mask costs the loads their vector width: state 1205 → 1752 µs); with masks
+# by whole 16x16 blocks and `L` in float32, the readers moved by −5 to +3 µs and the scores kernel,
+# only its zero stores gone, lost 58 µs at B4 T8192 H16 and 226 at B8 T4096 H64 at its register cap (`flash_kda_h200_session19.json`). fla's own times move between runs: at B1
 # T4096 H16 its forward took 0.799 ms in one call and 1.487 ms in another (right after its
 # autotuning); at B1 T8192 H16 its forward+backward took 3.125 and 4.123 ms in two runs.
 #
@@ -675,7 +685,7 @@ assert us["variant"] > us["main"] and ms["main"] == round(latest["cases"][1]["ou
 # Without the replays the backward's kernels at B4 are, largest first, `intra_bwd` (1884 µs), `dqk_bwd`
 # (1136) and `dwv_bwd` (1099). The forward's state kernel takes 392 µs here against 303 in an inference
 # forward: 88 µs for storing `h` and `Ṽ`, against about 758 µs of replays the backward no longer runs.
-# A 1.2x forward+backward at B4 needs ≤ 6.910 ms (fla 8.292): ours took 6.276 in the committed sweep.
+# A 1.2x forward+backward at B4 needs ≤ 6.910 ms (fla 8.292): ours took 6.174 in the committed sweep.
 # In both modes the launcher's state tile (64 at B4, 32 at B1 T32768 H32, 4 warps) was the fastest; 128
 # does not fit in shared memory.
 #
