@@ -14,8 +14,12 @@
 # tensor cores busy: the recurrence of chapter 01 is a chain of rank-1 updates, one token at a time.
 # MoonshotAI's FlashKDA (CUDA/CUTLASS, forward only) claims 1.72–2.22x over fla's Triton forward.
 # This chapter builds `k3lab.kernels.kda.flash_kda`: forward **and** backward in Triton, with K3's
-# lower-bounded gate, the q/k L2 norm and the beta sigmoid fused in, varlen, GVA and states; and
-# measures it honestly against fla-core 0.6.0 on an H200.
+# lower-bounded gate, the q/k L2 norm and the beta sigmoid fused in, varlen (packed sequences of
+# different lengths, `cu_seqlens`), GVA (more value heads than query/key heads) and states; and
+# measures it honestly against fla-core 0.6.0 on an H200. The targets (the project's issue 3): a
+# forward at least 1.5x fla's and a forward+backward at least 1.2x, at every one of 27 shapes
+# (B ∈ {1, 4, 8}, T ∈ {4K, 8K, 32K}, H ∈ {16, 32, 64}, K = V = 128, bf16). Section 5 shows where
+# they are met and where not yet.
 #
 # 1. Why the chunkwise form maps onto tensor cores (arithmetic intensity).
 # 2. Why K3's lower-bounded gate keeps `1/Γ` inside bf16's range on 16-token sub-tiles (a plot and an
@@ -547,43 +551,32 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 # forward is 0.9–4.6% faster at the 24 shapes the GPU bounds (23 with an fla time, and B8 T32768 H64),
 # forward+backward 0.4–1.6%. Earlier, the forward's gate kernel at K tiles of
 # 64 (114.5 µs against 131.7 for 32 at B4 T8192 H16, same call) and the UT inverse's products on
-# tensor cores. Four more designs for the forward were measured
-# and dropped. Without a backward, `W` and `U` need never be formed, since
-# `Ṽ = T (Diag(β)V − (Diag(β)ΓK) S)`. Applying `T` in
-# the state loop saved the `wu_fwd` kernel (1.010 → 0.839 ms for the intra stage at B4 T8192 H16) but
-# put one more product on the chain and a third pipeline stage out of shared memory (state 0.305 →
-# 0.492 ms); folding `T` into `KG` and `Aqk` instead (`(Tᵀ KG)`, `Aqk T`, the chain as before) saved
-# 37 µs in the intra stage and lost 161 in the state loop, whose `V` and `β` are elementwise operands
-# the pipeline does not stage (`flash_kda_h200_session13.json`). Rebuilding `G` inside the scores
-# kernel from the bf16 `z` (the gate kernel then storing only each sub-tile's last row) saves bytes
-# but took the intra stage from 944 to 1407 µs: the sigmoids and cumsums cost more in that
-# register-capped kernel than the float32 reads. And running the state scan of one time segment on a
-# second stream while the next segment's intra stage runs gave the same outputs but no speed at any
-# shape: the intra kernels take every SM, and together the two stages ask for more memory bandwidth
-# than there is (`flash_kda_h200_session14.json`). Before those, one intra kernel per chunk (gate, the
-# four sub-tiles' scores with `L` in registers, the UT inverse, `W` and `U`) was 2.3x slower than the
-# kernels it would replace, and a state kernel holding `Sᵀ`, so that each product's chained operand is
-# read from registers, no faster (`session_11_experiments`). Two later variants fared no better: the
-# gate fused in as well, so that `G` is never read back (1183 µs against about 627 for the gate and
-# scores kernels at B4 T8192 H16, 255 registers a thread), and the scores kernel alone walking a
-# chunk's four sub-tiles with the earlier sub-tiles' decayed keys kept in registers (591 against 513 µs;
-# `flash_kda_h200_session16.json`). Three more, with the forward's per-kernel device times at
-# B4 T8192 H16 for scale (gate 110, scores 515, inverse 146, W/U 171, state 306 µs): each scores
-# program inverting its own diagonal block of `I + L`, so that the inverse kernel only forms the
-# off-diagonal blocks, took 60 µs off the inverse and added 269 to the scores kernel (forward 1.253 →
-# 1.449 ms); the inverse's off-diagonal blocks by 32-row halves, four products deep instead of six,
-# were no faster (146.5 → 149.1 µs), so the chain's depth is not what bounds it; and the state scan at
-# one or two pipeline stages, where two programs then share an SM, was 1.5x slower at H64. The scores
-# kernel at 32-row sub-tiles (inside float32's range at `g_min = -5`, not below -5.5) was 2.5% faster,
-# about 1% of the forward, not worth a sub-tile that depends on the bound
-# (`flash_kda_h200_session17.json`). The state scan at V tiles of 128, one program per sequence and
-# head so that `W`, `QG`, `KG` and `Aqk` are read once, does not fit three stages and spills at two:
-# 1516 against 1211 µs at B8 T4096 H64 (`flash_kda_h200_session18.json`). Storing fewer bytes did
-# not pay either: `L` in float16 and the zero blocks above the diagonals of `Aqk` and `T` never
-# stored, their readers masking them, took the forward from 4.85 to 5.76 ms at B8 T4096 H64 (an
-# element-wise triangular mask costs the loads their vector width: state 1205 → 1752 µs); with masks
-# by whole 16x16 blocks and `L` in float32, the readers moved by −5 to +3 µs and the scores kernel,
-# only its zero stores gone, lost 58 µs at B4 T8192 H16 and 226 at B8 T4096 H64 at its register cap (`flash_kda_h200_session19.json`). fla's own times move between runs: at B1
+# tensor cores.
+#
+# Designs for the forward that were measured on the H200 and dropped, with the forward's device time
+# per kernel at B4 T8192 H16 for scale (gate 109, scores 493, inverse 146, W/U 171, state 303 µs;
+# the `session…` files are in `data/results/`, named `flash_kda_h200_session<N>.json`):
+#
+# | design | what it would save | measured | why it lost | data |
+# |---|---|---|---|---|
+# | apply `T` in the state loop: `Ṽ = T (Diag(β)V − (Diag(β)ΓK) S)`, no `W`, `U` | the `wu_fwd` kernel | intra 1.010 → 0.839 ms, state 0.305 → 0.492 ms | one more product on the sequential chain; a third pipeline stage no longer fits | session13 |
+# | fold `T` into `KG` and `Aqk` (`TᵀKG`, `Aqk T`) | the `wu_fwd` kernel | intra −37 µs, state +161 µs | `V` and `β` become elementwise operands the pipeline does not stage | session13 |
+# | rebuild `G` from the bf16 `z` in the scores kernel | the float32 `G` reads | intra 944 → 1407 µs | sigmoids and cumsums cost more than the reads in a register-capped kernel | session14 |
+# | one time segment's state scan on a second stream beside the next segment's intra stage | idle SMs | no faster at any shape | the intra kernels fill every SM, and both stages together want more bandwidth than there is | session14 |
+# | one intra kernel per chunk: gate, scores with `L` in registers, inverse, `W`, `U` | launches, round trips of `L` and `T` | 2.3x slower | 255 registers a thread (offline sm_90) | `session_11_experiments` (stages file) |
+# | the state held transposed (`Sᵀ`), chained operands read from registers | operand moves on the chain | slower at 5 of 6 shapes (B8 T4096 H64 5.438 → 5.712 ms), 3% faster at B1 T32768 H16 | — | `session_11_experiments` |
+# | gate, norms and a whole chunk's scores in one program | `G` never read back | 1183 µs against about 627 (gate + scores) | 255 registers a thread | session16 |
+# | the scores kernel walking a chunk's four sub-tiles, earlier keys kept in registers | the column reloads | 591 against 513 µs (best launch of each) | — | session16 |
+# | each scores program inverts its own diagonal block of `I + L` | the inverse's diagonal work | inverse −60 µs, scores +269; forward 1.253 → 1.449 ms | the register-capped scores kernel pays more than the inverse saves | session17 |
+# | the inverse's off-diagonal blocks by 32-row halves (4 products deep, not 6) | chain depth | 146.5 → 149.1 µs | the chain's depth is not what bounds it | session17 |
+# | the state scan at one or two pipeline stages (two programs per SM) | idle SMs in the last wave | 1.5x slower at H64 | the scan needs its loads staged ahead; co-resident programs do not hide them | session17 |
+# | the scores kernel at 32-row sub-tiles | two thirds of the column reloads | 2.5% faster, about 1% of the forward | valid only down to `g_min` = −5.5 (float32's range) | session17 |
+# | the state scan at V tiles of 128 (`W`, `QG`, `KG`, `Aqk` read once per head) | re-reads across V tiles | 1516 against 1211 µs at B8 T4096 H64 | three stages do not fit; spills at two | session18 |
+# | `L` in float16, the zero blocks above the diagonals of `Aqk` and `T` never stored (element-wise masks) | bytes | forward 4.85 → 5.76 ms at B8 T4096 H64 (state 1205 → 1752 µs) | an element-wise triangular mask costs the loads their vector width | session19 |
+# | the same with masks by 16×16 blocks, `L` in float32 | bytes | readers −5 to +3 µs; scores +58 µs (B4) and +226 (B8 T4096 H64) | dropping its zero stores alone slows the register-capped scores kernel | session19 |
+# | the gate's cumsum in float64 for bf16 intermediates too | (accuracy) | gate 109 → 163 µs, 436 → 647 at B8 T4096 H64: forward +4% | bf16 rounds at 2⁻⁸ anyway, so only float32 intermediates sum in float64 | session19 |
+#
+# fla's own times move between runs: at B1
 # T4096 H16 its forward took 0.799 ms in one call and 1.487 ms in another (right after its
 # autotuning); at B1 T8192 H16 its forward+backward took 3.125 and 4.123 ms in two runs.
 #
