@@ -33,6 +33,20 @@
 #
 # Code: `kernels/kda/` (`utils.py`, `chunk_fwd.py`, `chunk_bwd.py`, `flash_kda.py`), the benchmark
 # `k3lab/bench/flash_kda.py`, tests `tests/test_flash_kda.py`.
+#
+# Terms used below:
+#
+# - **chunk** (64 tokens) and **sub-tile** (16 tokens): the blocks the kernels cut a sequence into.
+# - **intermediates**: what one kernel writes for the next (`G`, `W`, `U`, `KG`, `QG`, `Aqk`, `T`, the
+#   chunk states), in bf16 for bf16 inputs; "float32 intermediates" is the exact path the CPU tests run.
+# - **TF32 / 3xTF32**: tensor-core products that round their float32 inputs to 10 mantissa bits, or
+#   split each input in a high and a low part and sum three such products (about float32's accuracy).
+# - **`do_bench`**: `triton.testing.do_bench`, which times a function on the GPU over many runs.
+# - **host-bound**: a shape so small that launching the kernels from Python takes longer than the GPU
+#   takes to run them, so its timings measure the CPU that launches them.
+# - **`REPLAY`**, **`STORE_STATES`**, **`OUTPUT`**: compile-time flags (Triton `constexpr`s) that make
+#   one kernel serve several callers (section 3's table).
+# - **fills**: two small kernels in fla's forward profile that fill a buffer with a constant before use.
 
 # %% tags=["parameters"]
 profile: str = "cpu"
