@@ -268,7 +268,7 @@ assert max(errs) < 1e-12
 
 # %% [markdown]
 # Activation memory, measured: `retained_bytes` counts the tensor storages a forward pass leaves
-# alive for backward (on a GPU, `torch.cuda.max_memory_allocated` says the same). 16 pre-norm SwiGLU
+# alive for backward. 16 pre-norm SwiGLU
 # sublayers, $d = 64$, 2 x 64 tokens, float32:
 
 # %% tags=["nbval-ignore-output"]
@@ -503,23 +503,25 @@ else:
 # %% [markdown]
 # **Reading the numbers.** The training-step overhead of Block AttnRes ($N = 8$) in this 24-layer
 # $d = 2048$ dense model is **7.5%** with the two-phase path of section 3 (210.6 vs 195.8 ms). Two
-# earlier runs gave 7.0% (before the saved-tensor hooks checked versions) and 8.2% (another H200); the
-# variant that runs no hooks moved by 2 ms between the last two, so read the three as the spread between
-# machines and runs. Before phase 1's
+# earlier runs gave 7.0% (before the saved-tensor hooks checked versions) and 8.2% (another H200, and
+# code that did slightly less work): three versions of the code on two machines, so the three mix code
+# changes with the spread between machines and runs (the variant that runs no hooks moved by 2 ms
+# between the last two). Before phase 1's
 # backward read the blocks once it was 8.8%, and 14.1% with the earlier per-read path, which moved $\approx 4(n+1)$
 # d-vectors per token per read: `attnres_h200.json` as of commit 8752841), still far from the issue's
 # 2% goal and the paper's < 4% (measured there with pipeline parallelism and K3-sized layers, where a
 # 7168-wide layer does 3.5x more arithmetic per byte of mixing). The bytes model,
 # `python -m k3lab.bench.attnres --bytes-model`, predicts ~8.4 ms (4.3%) at 4 TB/s. A profile of the
 # step (`attnres_h200_session15.json`) puts 20.6 ms a step in the AttnRes kernels, while the step's
-# device time grows by only 14.8 ms: the other 5.8 ms are the standard residual's own work, which
-# Block AttnRes does not do (3.1 ms of it in the float adds and bf16 copies alone). Phase 1 takes 12.5 ms of the 20.6; its forward reached only
+# device time grows by only 14.8 ms: Block AttnRes does not run some of the standard residual's own
+# work, 3.1 ms of it itemised in that profile (float adds 6.89 → 4.85 ms, bf16 copies 7.06 → 6.02);
+# the other 2.7 ms are not broken down. Phase 1 takes 12.5 ms of the 20.6; its forward reached only
 # ~1.5 TB/s at the launch option then chosen, when a program serves several of a block's S = 6 queries
 # (3.9-4.1 TB/s with S = 1; the option (2, 1, 4) now offered to the autotuner took 0.454 ms against
 # 0.503 in a direct sweep). What would close the rest: phase 1 at full bandwidth, the block buffer and
 # the inter-block gradients in bf16, and the merge fused into the sublayer's own RMSNorm. (Phase 1's
 # forward in two passes, all six queries' logits first and then the weighted sums re-reading the
-# blocks by d tiles, was 1.4-2x slower: 703 against 495 µs at n = 8, S = 6;
+# blocks by d tiles, was 1.2-1.9x slower: 703 against 495 µs at n = 8, S = 6;
 # `attnres_h200_session17.json`.) The merge
 # kernel runs at 3.3-3.8 TB/s, 5-8x faster than eager PyTorch and `torch.compile`. Activation memory
 # stays at the standard residual's plus the block buffer and its gradient sum, about two d-vectors per
