@@ -100,30 +100,35 @@ def score_block(b_kp, b_qp, b_c, b_b, L, Aqk, t0, n_t, i_hv, I, J, HV: tl.conste
 
 
 @triton.jit
-def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr, PREC: tl.constexpr, REFINE: tl.constexpr):
-    """(I + N)^-1 of four strictly lower [BC, BC] blocks at once, as a [4, BC, BC] batch: N^16 = 0, so
-    (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8), six batched float32 products (BC = 16) at input
-    precision ``PREC``, then, with ``REFINE``, one Newton step X <- X + X (I - (I + N) X) (two more).
+def doubling_step(b_X, b_N, S: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """From X = the inverses of the diagonal S-blocks of I + N (a [4, BC, BC] batch), those of its 2S-blocks:
+    with N_S = N's lower-left S-block inside each 2S-block, [[A, 0], [C, B]]^-1 = X - (X N_S) X."""
+    o_c = tl.arange(0, BC)
+    o_i, o_j = o_c[:, None], o_c[None, :]
+    b_Ns = tl.where(((o_i // (2 * S) == o_j // (2 * S)) & (o_i // S > o_j // S))[None, :, :], b_N, 0.0)
+    return b_X - tl.dot(tl.dot(b_X, b_Ns, input_precision=PREC), b_X, input_precision=PREC)
 
-    The powers of N can be large where the inverse is not (near-identical keys: N^8 up to C(14, 7) =
-    3432), so they need about float32's digits: the products alone lose 6e-5 relative on such a block
-    ("ieee", on CUDA cores), which the Newton step brings to 6e-8, below forward substitution's. The
-    launcher uses that for float32 intermediates, and for bf16 ones, which round T (unit roundoff 2^-8)
-    before use, 3xTF32 on tensor cores without the step: on an H200 with identical keys in runs of 8 (weak gates,
-    strong beta), T's error is then that of ieee products (8.2e-4 relative, 2.0e-3 max, both bf16's
-    rounding), where bf16x3 gave 8.1e-3 max and plain TF32 0.65 (flash_kda_h200_session14.json)."""
+
+@triton.jit
+def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr, PREC: tl.constexpr):
+    """(I + N)^-1 of four strictly lower [BC, BC] blocks (BC = 16) at once, as a [4, BC, BC] batch, by
+    recursive doubling: the 2x2 diagonal blocks' inverses are I - N there, then three ``doubling_step``s
+    (4x4, 8x8, 16x16), six batched products at input precision ``PREC``.
+
+    Every intermediate is an entry of an inverse of a diagonal block of I + N, so the products never
+    form the large terms that cancel in the power form (I - N)(I + N^2)(I + N^4)(I + N^8) this replaced:
+    on near-identical keys (N's entries near 1) N^8 reaches C(14, 7) = 3432, where float32 products of
+    the powers lose 6e-5 relative and plain TF32 ones 0.65 at most. Doubling in float32 ("ieee") is at
+    float32's rounding (2.7e-8 relative on identical keys in runs of 8 on an H200, no Newton step); in
+    TF32 it adds TF32's rounding (unit roundoff 2^-11) to T's bf16 rounding (2^-8): 8.9e-4 relative,
+    2.6e-3 at most against 8.2e-4 and 2.0e-3 for the 3xTF32 powers (flash_kda_h200_session20.json)."""
     b_N = tl.permute(tl.reshape(tl.join(tl.join(b_N0, b_N1), tl.join(b_N2, b_N3)), (BC, BC, 4)), (2, 0, 1))
     o_c = tl.arange(0, BC)
-    b_I = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, tl.zeros_like(b_N))
-    b_N2 = tl.dot(b_N, b_N, input_precision=PREC)
-    b_N4 = tl.dot(b_N2, b_N2, input_precision=PREC)
-    b_N8 = tl.dot(b_N4, b_N4, input_precision=PREC)
-    b_X = b_I - b_N
-    b_X += tl.dot(b_X, b_N2, input_precision=PREC)
-    b_X += tl.dot(b_X, b_N4, input_precision=PREC)
-    b_X += tl.dot(b_X, b_N8, input_precision=PREC)
-    if REFINE:
-        b_X += tl.dot(b_X, b_I - b_X - tl.dot(b_N, b_X, input_precision=PREC), input_precision=PREC)
+    o_i, o_j = o_c[:, None], o_c[None, :]
+    b_X = tl.where((o_i == o_j)[None, :, :], 1.0, 0.0) - tl.where((o_i // 2 == o_j // 2)[None, :, :], b_N, 0.0)
+    b_X = doubling_step(b_X, b_N, 2, BC, PREC)
+    b_X = doubling_step(b_X, b_N, 4, BC, PREC)
+    b_X = doubling_step(b_X, b_N, 8, BC, PREC)
     b_X = tl.reshape(tl.permute(b_X, (1, 2, 0)), (BC, BC, 2, 2))
     b_X01, b_X23 = tl.split(b_X)
     b_X0, b_X1 = tl.split(b_X01)
@@ -236,22 +241,19 @@ def load_block(L, t0, n_t, i_hv, I: tl.constexpr, J: tl.constexpr, HV: tl.conste
     return load_rows(L, t0, n_t, I * BC + o_c, HV * BT, i_hv * BT + J * BC, o_c, BC, False)
 
 
-@triton.autotune(configs=warp_configs(4, 2, 8), key=["grid_log2", "HV", "DIAG_PREC", "BLOCK_PREC", "REFINE"])
+@triton.autotune(configs=warp_configs(4, 2, 8), key=["grid_log2", "HV", "PREC"])
 @triton.jit
 def kda_inverse_fwd_kernel(
     L, Tinv,  # L fp32 [T, HV, BT] (from kda_scores_fwd_kernel); Tinv [T, HV, BT] out, in the intermediates' dtype
     cu_seqlens, chunk_indices, grid_log2,  # grid_log2: the autotuner's key only (``grid_log2``)
     HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    DIAG_PREC: tl.constexpr, BLOCK_PREC: tl.constexpr,  # tl.dot input precisions (``inverse_precisions``)
-    REFINE: tl.constexpr,  # a Newton step on the diagonal inverses (float32 intermediates)
+    PREC: tl.constexpr,  # tl.dot input precision (``inverse_precision``)
 ):
     """Per chunk and value head: the UT-transform inverse T = (I + L)^-1 by 16x16 blocks (the four
-    diagonal inverses as one batch of products, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), stored in the
-    intermediates' dtype (what ``kda_wu_fwd_kernel`` and the backward use). A kernel of its own, so that
-    the W/U products (82 registers at 4 warps, offline sm_90) do not run at this chain of about twenty
-    dependent small fp32 products' count (offline sm_90 at 4 warps: 255 and 104 B of stack with full-fp32
-    products and the Newton step, 128 with the bf16 path's tensor-core ones): on an H200 the split took
-    the float32 intra forward from 1.822 to 1.700 ms at B4 T8192 H16 and left bf16's as it was (1.015 ->
+    diagonal inverses as one batch, ``unit_lower_inverse``; then T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ),
+    stored in the intermediates' dtype (what ``kda_wu_fwd_kernel`` and the backward use). A kernel of its own, so that the W/U products (82 registers at 4 warps, offline sm_90)
+    do not run at this chain of dependent small products' register count: on an H200 the split took the
+    float32 intra forward from 1.822 to 1.700 ms at B4 T8192 H16 and left bf16's as it was (1.015 ->
     1.011 ms)."""
     tl.static_assert(BT == 4 * BC)
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -260,14 +262,14 @@ def kda_inverse_fwd_kernel(
     b_L11 = load_block(L, t0, n_t, i_hv, 1, 1, HV, BT, BC)
     b_L22 = load_block(L, t0, n_t, i_hv, 2, 2, HV, BT, BC)
     b_L33 = load_block(L, t0, n_t, i_hv, 3, 3, HV, BT, BC)
-    b_T00, b_T11, b_T22, b_T33 = unit_lower_inverse(b_L00, b_L11, b_L22, b_L33, BC, DIAG_PREC, REFINE)
+    b_T00, b_T11, b_T22, b_T33 = unit_lower_inverse(b_L00, b_L11, b_L22, b_L33, BC, PREC)
     b_L10 = load_block(L, t0, n_t, i_hv, 1, 0, HV, BT, BC)
     b_L21 = load_block(L, t0, n_t, i_hv, 2, 1, HV, BT, BC)
     b_L20 = load_block(L, t0, n_t, i_hv, 2, 0, HV, BT, BC)
     b_L32 = load_block(L, t0, n_t, i_hv, 3, 2, HV, BT, BC)
     b_L31 = load_block(L, t0, n_t, i_hv, 3, 1, HV, BT, BC)
     b_L30 = load_block(L, t0, n_t, i_hv, 3, 0, HV, BT, BC)
-    P: tl.constexpr = BLOCK_PREC
+    P: tl.constexpr = PREC
     b_T10 = -dot_at(dot_at(b_T11, b_L10, P), b_T00, P)
     b_T21 = -dot_at(dot_at(b_T22, b_L21, P), b_T11, P)
     b_T20 = -dot_at(b_T22, dot_at(b_L20, b_T00, P) + dot_at(b_L21, b_T10, P), P)
@@ -404,14 +406,14 @@ kda_scores_fwd_tuned = triton.autotune(configs=warp_configs(4, 2, 8), key=["grid
     kda_scores_fwd_kernel)
 
 
-def inverse_precisions(exact: bool) -> tuple[str, str]:
-    """tl.dot input precisions of the UT inverse's diagonal powers and off-diagonal blocks: full float32
-    on CUDA cores ("ieee") for float32 intermediates; for bf16 ones, 3xTF32 for the powers (see
-    ``unit_lower_inverse``) and TF32 for the blocks T_IJ = -T_II (sum L T), products of terms of size
-    about 1 whose TF32 rounding (unit roundoff 2^-11) stays below T's bf16 rounding (2^-8). On an H200
-    (bf16, K = 128) that took the inverse kernel from 202 to 149 us at B4 T8192 H16 and 778 to 557 us at
-    B8 T4096 H64, T's error unchanged (flash_kda_h200_session14.json)."""
-    return ("ieee", "ieee") if exact else ("tf32x3", "tf32")
+def inverse_precision(exact: bool) -> str:
+    """tl.dot input precision of the UT inverse's products: full float32 on CUDA cores ("ieee") for float32
+    intermediates; TF32 on tensor cores for bf16 ones, whose T is rounded to bf16 (2^-8) after: every
+    product's terms are entries of inverses, of size about 1, so TF32's rounding (2^-11) stays below it
+    (``unit_lower_inverse``). On an H200 (bf16, K = 128) the doubling inverse in TF32 took the inverse
+    kernel from 146 to 109 us at B4 T8192 H16 and from 560 to 424 us at B8 T4096 H64, against the 3xTF32
+    powers it replaced (flash_kda_h200_session20.json)."""
+    return "ieee" if exact else "tf32"
 
 
 def block_sizes(K: int, V: int) -> tuple[int, int]:
@@ -464,10 +466,8 @@ def _launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indic
         HV=HV, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, REPLAY=replay, **launch,
     )
     if not replay:
-        exact = W.dtype == torch.float32
-        diag, block = inverse_precisions(exact)
         kda_inverse_fwd_kernel[(NT, HV)](L, Tinv, cu_seqlens, chunk_indices, grid_log2(NT * HV), HV=HV, BT=BT,
-                                         BC=BC, DIAG_PREC=diag, BLOCK_PREC=block, REFINE=exact)
+                                         BC=BC, PREC=inverse_precision(W.dtype == torch.float32))
     kda_wu_fwd_kernel[(NT, HV)](Tinv, v, beta, W, U, cu_seqlens, chunk_indices, grid_log2(NT * HV), HV=HV, K=K, V=V,
                                 BT=BT, BV=BV, PREC=prec)
     return W, U, KG, QG
