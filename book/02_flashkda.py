@@ -25,7 +25,7 @@
 # 2. Why K3's lower-bounded gate keeps `1/Γ` inside bf16's range on 16-token sub-tiles (a plot and an
 #    experiment on where the factoring overflows).
 # 3. The kernel design: stages, what is fused, tiles, what the forward keeps for the backward, the
-#    UT inverse as six matrix products, where bf16 is safe.
+#    UT inverse by recursive doubling (six batched matrix products), where bf16 is safe.
 # 4. The check: the Triton kernels (under the interpreter on CPU) against the float64 recurrence,
 #    outputs and all eight gradients.
 # 5. The benchmark on one H200: roofline and speed table from the committed JSON; the GPU profile
@@ -41,6 +41,7 @@
 #   chunk states), in bf16 for bf16 inputs; "float32 intermediates" is the exact path the CPU tests run.
 # - **TF32 / 3xTF32**: tensor-core products that round their float32 inputs to 10 mantissa bits, or
 #   split each input in a high and a low part and sum three such products (about float32's accuracy).
+#   **`ieee`**: full float32 products on CUDA cores.
 # - **`do_bench`**: `triton.testing.do_bench`, which times a function on the GPU over many runs.
 # - **host-bound**: a shape so small that launching the kernels from Python takes longer than the GPU
 #   takes to run them, so its timings measure the CPU that launches them.
@@ -212,7 +213,7 @@ assert MIN_LOWER_BOUND == -10.0
 # |---|---|---|---|
 # | `gate_fwd` | K tiles (64) × chunks × value heads | `g = lb·σ(exp(A_log)(z + b))` and its cumsum in the chunk, `G` (float32, summed in float64 for float32 intermediates; padded rows get `g = 0`) | gate activation |
 # | `scores_fwd` | 16-row sub-tiles × chunks × value heads | for its sub-tile: q/k L2-normalised, β sigmoid, two exponentials per element at the sub-tile's middle reference (`exp2`), `KG`, `QG` and `W`'s right operand `Diag(β)ΓK`; then its row of 16×16 sub-tiles of `Diag(β)(ΓK)(K/Γ)ᵀ` and `(ΓQ)(K/Γ)ᵀ` on tensor cores, all at that middle reference: the rows' operands formed once, each earlier sub-tile's keys reloaded, normalised again and decayed into columns `k_j exp(m − G_j)` (factors ≤ 1, one exponential each); writes the strictly lower `L = Diag(β)StrictTril(…)` (float32), and `Aqk` | all elementwise prep, both score matrices |
-# | `inverse_fwd` | chunks × value heads | the UT inverse `T = (I + L)⁻¹` by 16×16 blocks: the 4 diagonal blocks as one `[4, 16, 16]` batch, `(I − N)(I + N²)(I + N⁴)(I + N⁸)` in six float32 products (for bf16 intermediates 3xTF32 on tensor cores; for float32 ones full fp32 on CUDA cores and one Newton step: two more; below), then the 6 blocks under them by block products (TF32, or full fp32); `T` stored in the intermediates' dtype | the whole inverse |
+# | `inverse_fwd` | chunks × value heads | the UT inverse `T = (I + L)⁻¹` by 16×16 blocks: the 4 diagonal blocks as one `[4, 16, 16]` batch by recursive doubling (2×2 → 4×4 → 8×8 → 16×16, two products per level; below), then the 6 blocks under them by block products; for bf16 intermediates on tensor cores (the doubling in three bf16 passes, the blocks in TF32), for float32 ones full fp32 (`ieee`); `T` stored in the intermediates' dtype | the whole inverse |
 # | `wu_fwd` | chunks × value heads | `W = T·Diag(β)ΓK` (in place over its right operand), `U = T·Diag(β)V`, in column tiles of up to 64 | W/U |
 # | `scores_fwd` with `REPLAY`, then `wu_fwd` (KCP's backward, chapter 03) | as above | from the saved `G` and `T`: only the prep (`KG`, `QG`, `W`'s operand) and `W`, `U` — no sub-tile scores, no inverse | one constexpr |
 # | `state_fwd` | sequences × value heads × V tiles | the one sequential loop: per chunk `Ṽ = U − W S`, then the chunk's output `O = (ΓQ) S + Aqk Ṽ` while `S` and `Ṽ` are in registers, then `S ← γ_C S + (Γ_{i→C}K)ᵀ Ṽ`; `S` stays in registers (fp32) as two `[K/2, BV]` halves; when autograd records (`STORE_STATES` with `OUTPUT`) it also stores `S` before each chunk (`h`, bf16) and `Ṽ` for the backward, otherwise neither; at narrow V tiles (`PREFETCH`, below) the next chunk's `U` and decay are loaded one step ahead | the output, final state, the backward's `h` and `Ṽ` |
@@ -287,7 +288,7 @@ assert MIN_LOWER_BOUND == -10.0
 #
 # *Precision.* For bf16 inputs the intermediates (`W`, `U`, `KG`, `QG`, `Aqk`, the chunk states) are
 # bf16, forward and backward alike: tensor-core operands with float32 accumulators. So is the inverse
-# `T` as stored: it is computed from a float32 `L` by float32 block products (section 3's last paragraph), then rounded once to
+# `T` as stored: it is computed from a float32 `L` by block products on tensor cores (bf16x3 and TF32; section 3's inverse paragraphs), then rounded once to
 # the bf16 that its products with `Diag(β)ΓK` and `Diag(β)V` use, and the backward reads that same `T`
 # (storing it in float32, as before, cost 15 µs of the intra stage and 26 µs of `dwv_bwd` at B4 T8192
 # H16, and 64 MiB of peak memory). The gate cumsum `G` and `L` stay float32, and so do the backward's
@@ -301,47 +302,54 @@ assert MIN_LOWER_BOUND == -10.0
 # inputs use float32 intermediates (products as `bf16x3`, three bf16 passes, ≈ fp32): float16
 # cannot hold a diagonal sub-tile's factor `e^{8 |g_min|}`.
 #
-# *The UT inverse in six products.* `L` is strictly lower triangular, so each 16×16 diagonal block of
-# `I + L` is `I + N` with `N` strictly lower. Each product with `N` moves the nonzeros one diagonal
-# further down (`(Nᵏ)ᵢⱼ = 0` unless `i − j ≥ k`), so `N¹⁶ = 0`, exactly, in floating point too: every
-# term of its entries has a structural zero factor. The factors below are polynomials in `N`, so they
-# commute, and the product telescopes:
+# *The UT inverse by recursive doubling.* `L` is strictly lower triangular, so each 16×16 diagonal
+# block of `I + L` is `I + N` with `N` strictly lower, and a unit lower triangular matrix split in
+# halves inverts by its halves:
 #
-# $$(I + N)(I - N)(I + N^2)(I + N^4)(I + N^8) = (I - N^2)(I + N^2)(I + N^4)(I + N^8) = \dots = I - N^{16} = I,$$
+# $$\begin{pmatrix} A & 0 \\ C & B \end{pmatrix}^{-1} = \begin{pmatrix} A^{-1} & 0 \\ -B^{-1} C A^{-1} & B^{-1} \end{pmatrix}
+# = X - (X N_s) X, \qquad X = \begin{pmatrix} A^{-1} & 0 \\ 0 & B^{-1} \end{pmatrix},\;
+# N_s = \begin{pmatrix} 0 & 0 \\ C & 0 \end{pmatrix}.$$
 #
-# so $(I + N)^{-1} = (I - N)(I + N^2)(I + N^4)(I + N^8)$: exact, not a truncated series. `inverse_fwd`
-# computes `N²`, `N⁴`, `N⁸` (three squarings), then `X = I − N`, `X += X N²`, `X += X N⁴`,
-# `X += X N⁸`: six float32 `tl.dot`s, on the four diagonal blocks at once as one `[4, 16, 16]`
-# batch. Forward substitution, which it replaced, takes 15 dependent row steps, each with two
-# reductions across threads; the products do more arithmetic in six parallel steps. On the H200 the
-# solve kernel (the inverse and the W/U products, then one kernel) went from 486 to 385 µs at B4 T8192 H16
-# (948 → 745 at B1 T32768 H32). In session 12 it was split in two: the inverse is a chain of about twenty
-# dependent small products, the W/U products stream `[64, 64]` tiles in 82 registers; apart, the intra
-# forward took the same time with bf16 intermediates (1.015 → 1.011 ms at B4 T8192 H16) and 7% less with
-# float32 ones (1.822 → 1.700 ms; `flash_kda_h200_session12.json`). The price is
-# rounding: where the entries of `N` are near 1 (near-identical consecutive keys, β near 1, little
-# decay — a known hard input) `N⁸` has entries in the thousands that cancel back to `|T| ≤ 1`. So with
-# float32 intermediates the kernel ends with one Newton step, `X ← X + X (I − (I + N) X)` (two more products), which squares the
-# relative error of `X` and leaves only the rounding of the residual `I − (I + N) X`, whose terms are
-# small. The cell inverts a typical block and such a worst case all three ways, against
-# `torch.linalg.inv` in float64:
+# `inverse_fwd` starts from the 2×2 diagonal blocks (their inverses are `I − N` there) and doubles
+# three times (4×4, 8×8, 16×16), two products per level, on the four diagonal blocks at once as one
+# `[4, 16, 16]` batch (`unit_lower_inverse`); the six blocks under them follow from the same formula
+# at block level, `T_IJ = −T_II Σ L_IM T_MJ`. Every intermediate is an entry of the inverse of a
+# diagonal block of `I + N`, so the products never hold numbers much larger than the answer.
+#
+# Until session 20 the kernel used the power form. `N` is nilpotent (`Nᵏ` moves the nonzeros `k`
+# diagonals down, so `N¹⁶ = 0`, exactly, in floating point too), the factors commute, and the product
+# telescopes, $(I + N)(I - N)(I + N^2)(I + N^4)(I + N^8) = I - N^{16} = I$: also six products. But
+# where the entries of `N` are near 1 (near-identical consecutive keys, β near 1, little decay — a
+# known hard input) `N⁸` has entries in the thousands that cancel back to `|T| ≤ 1`: float32 products
+# lose digits, and the kernel needed a Newton step (two more products) for float32 intermediates and
+# 3xTF32 (three TF32 products per product) for bf16 ones. The cell inverts a typical block and such a
+# worst case both ways, against `torch.linalg.inv` in float64 and forward substitution in float32,
+# and prints the largest number each form holds on the way:
 
 # %% tags=["nbval-ignore-output"]
-def inverse_by_products(N):
-    """(I + N)^-1 of strictly lower [..., 16, 16] blocks N, as (I - N)(I + N^2)(I + N^4)(I + N^8)."""
+def inverse_by_powers(N):
+    """(I + N)^-1 of strictly lower [..., 16, 16] blocks N as (I - N)(I + N^2)(I + N^4)(I + N^8);
+    also the largest |entry| formed on the way."""
     N2 = N @ N
     N4 = N2 @ N2
     N8 = N4 @ N4
     X = torch.eye(N.shape[-1], dtype=N.dtype) - N
     for P in (N2, N4, N8):
         X = X + X @ P
-    return X
+    return X, max(float(M.abs().max()) for M in (N2, N4, N8, X))
 
 
-def newton_step(X, N):
-    """One Newton step for (I + N)^-1: X + X (I - (I + N) X)."""
-    eye = torch.eye(N.shape[-1], dtype=N.dtype)
-    return X + X @ (eye - X - N @ X)
+def inverse_by_doubling(N):
+    """(I + N)^-1 of strictly lower [..., 16, 16] blocks N by recursive doubling (the kernel's
+    ``unit_lower_inverse``); also the largest |entry| formed on the way."""
+    i, j = torch.arange(N.shape[-1])[:, None], torch.arange(N.shape[-1])[None, :]
+    X = torch.eye(N.shape[-1], dtype=N.dtype) - torch.where(i // 2 == j // 2, N, 0)
+    largest = float(X.abs().max())
+    for s in (2, 4, 8):
+        E = X @ torch.where((i // (2 * s) == j // (2 * s)) & (i // s > j // s), N, 0)
+        X = X - E @ X
+        largest = max(largest, float(E.abs().max()), float(X.abs().max()))
+    return X, largest
 
 
 def diagonal_blocks(keys, beta, g):
@@ -365,40 +373,62 @@ for name, N in blocks.items():
     N32 = N.float()
     subst = torch.linalg.solve_triangular(eye.float() + N32, eye.float().expand(4, 16, 16), upper=False,
                                           unitriangular=True)
-    products = inverse_by_products(N32)
-    e64, e32, e_newton, e_sub = (rel_rms_error(exact, x) for x in (
-        inverse_by_products(N), products, newton_step(products, N32), subst))
-    inv_errors.append((e32, e_newton, e_sub))
-    nilpotent = bool((torch.linalg.matrix_power(N, 16) == 0).all())
-    print(f"{name}: max|N| {N.abs().max():.2f}, max|N^8| {torch.linalg.matrix_power(N, 8).abs().max():.0f}, "
-          f"N^16 == 0 exactly: {nilpotent}")
-    print(f"  rel. RMS error vs torch.linalg.inv in float64: products in float64 {e64:.1e}; in float32: "
-          f"products {e32:.1e}, + Newton step {e_newton:.1e}, forward substitution {e_sub:.1e}")
-    assert nilpotent and e64 < 1e-12 and e_sub < 1e-6 and e_newton < 1e-6
-(typical, _, _), (worst, worst_newton, worst_sub) = inv_errors
-assert typical < 1e-6 and worst > 100 * worst_sub and worst_newton < 10 * worst_sub
+    (pow64, _), (dbl64, _) = inverse_by_powers(N), inverse_by_doubling(N)
+    (pow32, pow_max), (dbl32, dbl_max) = inverse_by_powers(N32), inverse_by_doubling(N32)
+    e_pow64, e_dbl64, e_pow, e_dbl, e_sub = (rel_rms_error(exact, x) for x in (pow64, dbl64, pow32, dbl32, subst))
+    inv_errors.append((e_pow, e_dbl, e_sub, pow_max, dbl_max))
+    print(f"{name}: max|N| {N.abs().max():.2f}, largest entry formed: powers {pow_max:.0f}, doubling {dbl_max:.2f}")
+    print(f"  rel. RMS error vs torch.linalg.inv in float64: in float64 powers {e_pow64:.1e}, doubling {e_dbl64:.1e}; "
+          f"in float32 powers {e_pow:.1e}, doubling {e_dbl:.1e}, forward substitution {e_sub:.1e}")
+    assert max(e_pow64, e_dbl64) < 1e-12 and e_sub < 1e-6 and e_dbl < 1e-6
+(typical, typical_dbl, _, _, _), (worst, worst_dbl, worst_sub, worst_pow_max, worst_dbl_max) = inv_errors
+assert typical < 1e-6 and worst > 100 * worst_sub and worst_dbl < 10 * worst_sub and worst_pow_max > 1000 > 100 * worst_dbl_max
 
 # %% [markdown]
-# In float64 the products match `torch.linalg.inv` to rounding: the identity is exact. In float32 the
-# typical block (entries of `N` ≤ 0.03) loses nothing against substitution; the worst case carries
-# about 5e-5 from the products alone where substitution carries 6e-8, and the Newton step brings it
-# back to substitution's level (`tests/test_flash_kda.py` checks the kernel's own inverse on such a
-# block). With bf16 intermediates the kernel skips the step: `T` is rounded to bf16 (3.9e-3) before
-# it multiplies anything, far above the products' 5e-5, and on the H200 the step cost 44 µs of the
-# solve kernel's 429 at B4 T8192 H16 (87 of 832 at B1 T32768 H32; `session_9_experiments`). The H200
-# times in this chapter are for that bf16 path; its GPU check gave the same errors as before the
-# change (outputs 3.93e-3, gradients ≤ 3.66e-3).
-#
-# On the GPU the bf16 path also runs its products on tensor cores (`inverse_precisions`). The powers
-# need about float32's digits, for the cancellation above: as 3xTF32 (three TF32 products per
-# product, about fp32's accuracy) `T`'s error on the H200 was that of full-fp32 CUDA-core products
-# (`"ieee"`), 8.2e-4 relative and 2.0e-3 at most on keys identical in runs of 8 (weak gates, β near
-# 1; both are bf16's rounding of `T`), where three bf16 passes (`bf16x3`) gave 8.1e-3 at most and
-# plain TF32 0.65 (with β left as drawn, the same keys gave 2.0e-3 and 0.028). The six blocks under
-# the diagonal are products of terms of size about 1, so plain TF32 (unit roundoff 2⁻¹¹, below bf16's
-# 2⁻⁸) leaves `T` as it was. Together they took the inverse kernel
-# from 202 to 149 µs at B4 T8192 H16 and from 778 to 557 µs at B8 T4096 H64
-# (`flash_kda_h200_session14.json`). float32 intermediates keep the CUDA-core products.
+# In float64 both forms match `torch.linalg.inv` to rounding: both are exact identities. In float32
+# the typical block (entries of `N` ≤ 0.03) loses nothing either way; on the worst case the power form
+# forms entries in the thousands and carries about 5e-5 where substitution carries 6e-8, and doubling,
+# whose largest intermediate is about 1, stays at substitution's level (`tests/test_flash_kda.py`
+# checks the kernel's own inverse on such a block, and on the GPU at bf16 intermediates' precision).
+# So float32 intermediates need no Newton step any more, and bf16 ones can run the diagonal's products
+# as three bf16 passes (`bf16x3`, about 16 significant bits) instead of three TF32 ones
+# (`inverse_precisions`). Plain TF32 was faster still, but on the H200 it lost 2.2e-3 relative on the
+# near-identical block (the test's bound is 4e-4, well below `T`'s own bf16 rounding of 3.9e-3), and
+# identical consecutive keys are a known hard input, so it was dropped. On the H200, against the power
+# form in the same calls (`flash_kda_h200_session20.json`):
+
+# %%
+s20 = json.loads(Path(results_path).with_name("flash_kda_h200_session20.json").read_text())
+alone = s20["inverse_kernel_alone"]["rows"]
+print("UT inverse kernel alone, us at 2 warps (the fastest for each); T's error vs float64 (relative, max):")
+for variant, label in (("main bf16", "power form, 3xTF32 + TF32 blocks"), ("dbl bf16x3", "doubling, bf16x3 + TF32 blocks"),
+                       ("dbl tf32", "doubling, TF32 (dropped)"),
+                       ("main fp32 production (ieee + Newton)", "float32: powers + Newton step (autotuned)"),
+                       ("dbl fp32 ieee", "float32: doubling, no Newton step")):
+    rows = alone[variant]
+    us = lambda s: rows[s].get("us_w2", rows[s].get("us_autotuned"))  # noqa: E731
+    stress = ", ".join(f"{rows[s]['T_rel']:.1e} / {rows[s]['T_max_rel']:.1e}" for s in ("1x8192x16 run8", "1x8192x16 run16"))
+    print(f"  {label:<42} B4 T8192 H16 {us('4x8192x16'):6.1f}  B8 T4096 H64 {us('8x4096x64'):6.1f} | identical keys: {stress}")
+forward = s20["forward"]["session20_call2"]
+for shape_key in ("4x8192x16", "8x4096x64", "1x32768x16", "4x4096x16"):
+    before, after = (min(r["fwd_ms"] for r in forward[v][shape_key]) for v in ("main", "dbl_bf16x3"))
+    inv_b, inv_a = (min(r["inverse_fwd"] for r in forward[v][shape_key]) for v in ("main", "dbl_bf16x3"))
+    print(f"forward {shape_key}: {before:.3f} -> {after:.3f} ms ({after / before - 1:+.1%}), inverse {inv_b:.0f} -> {inv_a:.0f} us")
+    assert after < before and inv_a < 0.93 * inv_b
+adopted, power = alone["dbl bf16x3"], alone["main bf16"]
+assert all(adopted[s]["T_max_rel"] < 1.01 * power[s]["T_max_rel"] for s in ("1x8192x16 run8", "1x8192x16 run16"))
+assert s20["check"]["doubling dbl_bf16x3"] < 5e-3 and alone["dbl tf32"]["1x8192x16 run16"]["T_max_rel"] > power["1x8192x16 run16"]["T_max_rel"]
+
+# %% [markdown]
+# The committed code timed again at the end of the session (`production_check`): inverse 133 µs at B4
+# T8192 H16 and 514 at B8 T4096 H64, forward 1.218 and 4.815 ms; the benchmark's check of outputs and
+# gradients unchanged (largest 3.93e-3). `T`'s error on keys identical in runs of 8 or 16 is the power
+# form's. The float32 path without its Newton step is as accurate as before (2.7e-8 relative against
+# 1.2e-8) and faster. Where the kernel's time went before the change, at B8 T4096 H64
+# (`inverse_split_us`): 561 µs in all, 265 with the diagonal blocks' products removed, 427 with the
+# off-diagonal ones removed — the 18 TF32 passes of the diagonal were half the kernel. Forward
+# substitution for the diagonal (15 dependent row steps) was cheaper than them alone but not beside the
+# off-diagonal products (646 µs against 561); it is in the table of dropped designs.
 #
 # ## 4. The check: Triton kernels vs the float64 recurrence
 #
@@ -560,6 +590,12 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 # at B1 T8192 H32/H64 and B1 T32768 1.44–1.45x. So issue 3 stays open on the forward floor: the H64
 # shapes need a forward about 6% faster.
 #
+# This sweep predates session 20's UT inverse by recursive doubling (section 3), which was not swept
+# again: in the same calls as the power form it took the forward 1.0% (B4 T8192 H16), 1.1% (B8 T4096
+# H64), 0.6% (B1 T32768 H16) and 1.3% (B4 T4096 H16) lower, and at B4 T4096 H16 the committed code's
+# forward took 0.629 ms at the session's end, 1.53x the sweep's fla time there (0.964 ms). Its faster
+# TF32 variant was swept (`flash_kda_h200_session20_tf32_sweep.json`): H64 still at 1.44–1.48x.
+#
 # The last change to the forward's kernels before this sweep is the scores kernel at one reference
 # per row tile (section 3): against the previous sweep (`flash_kda_h200_session14_sweep.json`) the
 # forward is 0.9–4.6% faster at the 24 shapes the GPU bounds (23 with an fla time, and B8 T32768 H64),
@@ -568,7 +604,7 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 # tensor cores.
 #
 # Designs for the forward that were measured on the H200 and dropped, with the forward's device time
-# per kernel at B4 T8192 H16 for scale (gate 109, scores 493, inverse 146, W/U 171, state 303 µs;
+# per kernel at B4 T8192 H16 for scale (gate 110, scores 491, inverse 133, W/U 170, state 303 µs;
 # the `session…` files are in `data/results/`, named `flash_kda_h200_session<N>.json`):
 #
 # | design | what it would save | measured | why it lost | data |
@@ -589,6 +625,9 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 # | `L` in float16, the zero blocks above the diagonals of `Aqk` and `T` never stored (element-wise masks) | bytes | forward 4.85 → 5.76 ms at B8 T4096 H64 (state 1205 → 1752 µs) | an element-wise triangular mask costs the loads their vector width | session19 |
 # | the same with masks by 16×16 blocks, `L` in float32 | bytes | readers −5 to +3 µs; scores +58 µs (B4) and +226 (B8 T4096 H64) | dropping its zero stores alone slows the register-capped scores kernel | session19 |
 # | the gate's cumsum in float64 for bf16 intermediates too | (accuracy) | gate 109 → 163 µs, 436 → 647 at B8 T4096 H64: forward +4% | bf16 rounds at 2⁻⁸ anyway, so only float32 intermediates sum in float64 | session19 |
+# | `L` stored as float16 (no masks) | 256 B per token and head between the scores and inverse kernels | inverse 146 → 242 µs, scores 493 → 514; forward 1.232 → 1.349 ms (B8 T4096 H64: 4.865 → 5.299) | the inverse's float16 loads cost more than the bytes they save | session20 |
+# | the diagonal inverses by forward substitution (15 dependent row steps) | the diagonal's tensor-core passes | inverse 146 → 167 µs, 560 → 645 at B8 T4096 H64 (alone, without the off-diagonal products, 317 against the power form's 427 there) | slower beside the off-diagonal products; recursive doubling (adopted) took it to 133 / 514 | session20 |
+# | the diagonal's doubling in plain TF32 | two of the three bf16 passes | inverse 109 µs (bf16x3: 134), 424 at B8 T4096 H64 (510); forward −3.0% / −2.7% | 2.2e-3 relative on a near-identical-key block on the H200 (bound 4e-4); a sweep of it is `flash_kda_h200_session20_tf32_sweep.json` | session20 |
 #
 # fla's own times move between runs: at B1
 # T4096 H16 its forward took 0.799 ms in one call and 1.487 ms in another (right after its

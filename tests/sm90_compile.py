@@ -27,6 +27,11 @@ SCORES = dict(q=BF, k=BF, beta=BF, G=F32, L=F32, Aqk=BF, W=BF, KG=BF, QG=BF)
 SCORES_C = dict(H=16, HV=16, K=128, BT=64, BC=16, BK=128, PREC="tf32")
 STATE = dict(W=BF, U=BF, KG=BF, G=F32, h=BF, Vn=BF, h0=F32, ht=F32, QG=BF, Aqk=BF, o=BF)
 STATE_C = dict(SHAPE, VU=128, BKH=64, BV=64, USE_H0=True, STORE_HT=True, PREFETCH=False, PREC="tf32")
+def inverse_precs(exact: bool) -> dict:
+    """The UT inverse's precision constexprs as its launcher passes them."""
+    return dict(zip(("DIAG_PREC", "BLOCK_PREC"), cf.inverse_precisions(exact)))
+
+
 KERNELS = {
     "gate_fwd": (cf.kda_gate_fwd_kernel, dict(z=BF, A_log=F32, dt_bias=F32, G=F32),
                  dict(HV=16, K=128, HAS_BIAS=True, BT=64, BKG=64, EXACT_SUM=False)),
@@ -38,9 +43,9 @@ KERNELS = {
     "scores_fwd_fp32": (cf.kda_scores_fwd_kernel, dict.fromkeys(SCORES, F32), dict(SCORES_C, PREC="bf16x3",
                                                                                    REPLAY=False)),
     "inverse_fwd": (cf.kda_inverse_fwd_kernel, dict(L=F32, Tinv=BF),
-                    dict(HV=16, BT=64, BC=16, PREC=cf.inverse_precision(False))),
+                    dict(HV=16, BT=64, BC=16, **inverse_precs(False))),
     "inverse_fwd_fp32": (cf.kda_inverse_fwd_kernel, dict(L=F32, Tinv=F32),
-                         dict(HV=16, BT=64, BC=16, PREC=cf.inverse_precision(True))),
+                         dict(HV=16, BT=64, BC=16, **inverse_precs(True))),
     "wu_fwd": (cf.kda_wu_fwd_kernel, dict(Tinv=BF, v=BF, beta=BF, W=BF, U=BF),
                dict(HV=16, K=128, V=128, BT=64, BV=64, PREC="tf32")),
     "state_fwd": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=False, OUTPUT=True)),

@@ -19,7 +19,7 @@ import triton.language as tl  # noqa: E402
 from k3lab.kda import chunk_kda, lower_bounded_gate, naive_recurrent_kda  # noqa: E402
 from k3lab.kernels import numpy_supports_interpreter  # noqa: E402
 from k3lab.kernels.kda import flash_kda  # noqa: E402
-from k3lab.kernels.kda.chunk_fwd import inverse_precision, unit_lower_inverse  # noqa: E402
+from k3lab.kernels.kda.chunk_fwd import inverse_precisions, unit_lower_inverse  # noqa: E402
 from k3lab.testing import assert_close  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -461,15 +461,17 @@ def test_ut_inverse_of_a_near_identical_key_block():
     """The diagonal blocks' inverse (I + N)^-1 by recursive doubling, against float64: on a block from
     near-identical keys (beta = 1, no decay), where the power form (I - N)(I + N^2)(I + N^4)(I + N^8)
     it replaced lost 6e-5 in float32 (N^8 reaches 3432), and on a random one. Float32 intermediates'
-    products ("ieee") must be at float32's rounding; bf16 intermediates' (TF32 on a GPU, unit roundoff
-    2^-11 = 4.9e-4) must stay well below bf16's rounding of T (3.9e-3). Triton's interpreter computes
-    every tl.dot in float32 whatever its input precision, so the precisions' half of this check bites on
-    a GPU only."""
+    products ("ieee") must be at float32's rounding; bf16 intermediates' (three bf16 passes on a GPU)
+    must stay far below bf16's rounding of T (3.9e-3): plain TF32 lost 2.2e-3 here on an H200. Triton's
+    interpreter computes every tl.dot in float32 whatever its input precision, so the precisions' half of
+    this check bites on a GPU only."""
     gen = torch.Generator().manual_seed(0)
     near = torch.ones(4, 16, 16, dtype=torch.float64) - 0.01 * torch.rand(4, 16, 16, generator=gen, dtype=torch.float64)
     for N in (near.tril(-1), (0.5 * torch.randn(4, 16, 16, generator=gen, dtype=torch.float64)).tril(-1)):
         ref = torch.linalg.inv(torch.eye(16, dtype=torch.float64) + N)
-        for exact, bound in ((True, 1e-6), (False, 1e-3)):
+        for exact, bound in ((True, 1e-6), (False, 4e-4)):
             X = torch.empty(4, 16, 16, device=DEVICE)
-            _invert_four_blocks[(1,)](N.float().to(DEVICE).contiguous(), X, BC=16, PREC=inverse_precision(exact))
+            # The interpreter takes only tf32/tf32x3/ieee (and computes each in float32).
+            prec = inverse_precisions(exact)[0] if DEVICE == "cuda" else "ieee"
+            _invert_four_blocks[(1,)](N.float().to(DEVICE).contiguous(), X, BC=16, PREC=prec)
             assert_close(f"(I + N)^-1, exact={exact}", ref, X.cpu(), bound)

@@ -119,9 +119,9 @@ def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr, PREC: tl.conste
     form the large terms that cancel in the power form (I - N)(I + N^2)(I + N^4)(I + N^8) this replaced:
     on near-identical keys (N's entries near 1) N^8 reaches C(14, 7) = 3432, where float32 products of
     the powers lose 6e-5 relative and plain TF32 ones 0.65 at most. Doubling in float32 ("ieee") is at
-    float32's rounding (2.7e-8 relative on identical keys in runs of 8 on an H200, no Newton step); in
-    TF32 it adds TF32's rounding (unit roundoff 2^-11) to T's bf16 rounding (2^-8): 8.9e-4 relative,
-    2.6e-3 at most against 8.2e-4 and 2.0e-3 for the 3xTF32 powers (flash_kda_h200_session20.json)."""
+    float32's rounding (2.7e-8 relative on identical keys in runs of 8 on an H200, no Newton step), and
+    three bf16 passes ("bf16x3") leave T at its bf16 rounding (``inverse_precisions``), where they gave
+    the powers 8.1e-3 at most (flash_kda_h200_session14.json, session20.json)."""
     b_N = tl.permute(tl.reshape(tl.join(tl.join(b_N0, b_N1), tl.join(b_N2, b_N3)), (BC, BC, 4)), (2, 0, 1))
     o_c = tl.arange(0, BC)
     o_i, o_j = o_c[:, None], o_c[None, :]
@@ -241,13 +241,13 @@ def load_block(L, t0, n_t, i_hv, I: tl.constexpr, J: tl.constexpr, HV: tl.conste
     return load_rows(L, t0, n_t, I * BC + o_c, HV * BT, i_hv * BT + J * BC, o_c, BC, False)
 
 
-@triton.autotune(configs=warp_configs(4, 2, 8), key=["grid_log2", "HV", "PREC"])
+@triton.autotune(configs=warp_configs(4, 2, 8), key=["grid_log2", "HV", "DIAG_PREC", "BLOCK_PREC"])
 @triton.jit
 def kda_inverse_fwd_kernel(
     L, Tinv,  # L fp32 [T, HV, BT] (from kda_scores_fwd_kernel); Tinv [T, HV, BT] out, in the intermediates' dtype
     cu_seqlens, chunk_indices, grid_log2,  # grid_log2: the autotuner's key only (``grid_log2``)
     HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    PREC: tl.constexpr,  # tl.dot input precision (``inverse_precision``)
+    DIAG_PREC: tl.constexpr, BLOCK_PREC: tl.constexpr,  # tl.dot input precisions (``inverse_precisions``)
 ):
     """Per chunk and value head: the UT-transform inverse T = (I + L)^-1 by 16x16 blocks (the four
     diagonal inverses as one batch, ``unit_lower_inverse``; then T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ),
@@ -262,14 +262,14 @@ def kda_inverse_fwd_kernel(
     b_L11 = load_block(L, t0, n_t, i_hv, 1, 1, HV, BT, BC)
     b_L22 = load_block(L, t0, n_t, i_hv, 2, 2, HV, BT, BC)
     b_L33 = load_block(L, t0, n_t, i_hv, 3, 3, HV, BT, BC)
-    b_T00, b_T11, b_T22, b_T33 = unit_lower_inverse(b_L00, b_L11, b_L22, b_L33, BC, PREC)
+    b_T00, b_T11, b_T22, b_T33 = unit_lower_inverse(b_L00, b_L11, b_L22, b_L33, BC, DIAG_PREC)
     b_L10 = load_block(L, t0, n_t, i_hv, 1, 0, HV, BT, BC)
     b_L21 = load_block(L, t0, n_t, i_hv, 2, 1, HV, BT, BC)
     b_L20 = load_block(L, t0, n_t, i_hv, 2, 0, HV, BT, BC)
     b_L32 = load_block(L, t0, n_t, i_hv, 3, 2, HV, BT, BC)
     b_L31 = load_block(L, t0, n_t, i_hv, 3, 1, HV, BT, BC)
     b_L30 = load_block(L, t0, n_t, i_hv, 3, 0, HV, BT, BC)
-    P: tl.constexpr = PREC
+    P: tl.constexpr = BLOCK_PREC
     b_T10 = -dot_at(dot_at(b_T11, b_L10, P), b_T00, P)
     b_T21 = -dot_at(dot_at(b_T22, b_L21, P), b_T11, P)
     b_T20 = -dot_at(b_T22, dot_at(b_L20, b_T00, P) + dot_at(b_L21, b_T10, P), P)
@@ -406,14 +406,17 @@ kda_scores_fwd_tuned = triton.autotune(configs=warp_configs(4, 2, 8), key=["grid
     kda_scores_fwd_kernel)
 
 
-def inverse_precision(exact: bool) -> str:
-    """tl.dot input precision of the UT inverse's products: full float32 on CUDA cores ("ieee") for float32
-    intermediates; TF32 on tensor cores for bf16 ones, whose T is rounded to bf16 (2^-8) after: every
-    product's terms are entries of inverses, of size about 1, so TF32's rounding (2^-11) stays below it
-    (``unit_lower_inverse``). On an H200 (bf16, K = 128) the doubling inverse in TF32 took the inverse
-    kernel from 146 to 109 us at B4 T8192 H16 and from 560 to 424 us at B8 T4096 H64, against the 3xTF32
-    powers it replaced (flash_kda_h200_session20.json)."""
-    return "ieee" if exact else "tf32"
+def inverse_precisions(exact: bool) -> tuple[str, str]:
+    """tl.dot input precisions of the UT inverse's diagonal blocks and of the blocks under them: full
+    float32 on CUDA cores ("ieee") for float32 intermediates. For bf16 ones, three bf16 passes on tensor
+    cores ("bf16x3", about 16 significant bits) for the diagonal blocks' doubling (``unit_lower_inverse``),
+    which leaves T's error at that of "ieee" products, bf16's rounding of T: on an H200, keys identical in
+    runs of 8 or 16 (weak decay, beta near 1), 8.2e-4 relative and 2.0e-3 at most for both; plain TF32
+    there was faster (inverse 109 against 134 us at B4 T8192 H16) but lost 2.2e-3 relative on a block of
+    near-identical keys with beta = 1 (flash_kda_h200_session20.json). TF32 for the blocks
+    T_IJ = -T_II (sum L T), as before the doubling: there it left T's error as it was on those inputs
+    (flash_kda_h200_session14.json)."""
+    return ("ieee", "ieee") if exact else ("bf16x3", "tf32")
 
 
 def block_sizes(K: int, V: int) -> tuple[int, int]:
@@ -466,8 +469,9 @@ def _launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indic
         HV=HV, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, REPLAY=replay, **launch,
     )
     if not replay:
+        diag, block = inverse_precisions(W.dtype == torch.float32)
         kda_inverse_fwd_kernel[(NT, HV)](L, Tinv, cu_seqlens, chunk_indices, grid_log2(NT * HV), HV=HV, BT=BT,
-                                         BC=BC, PREC=inverse_precision(W.dtype == torch.float32))
+                                         BC=BC, DIAG_PREC=diag, BLOCK_PREC=block)
     kda_wu_fwd_kernel[(NT, HV)](Tinv, v, beta, W, U, cu_seqlens, chunk_indices, grid_log2(NT * HV), HV=HV, K=K, V=V,
                                 BT=BT, BV=BV, PREC=prec)
     return W, U, KG, QG

@@ -40,7 +40,7 @@ def grid_log2(programs: int) -> int:
 def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
     """tl.dot input precision of the kernels' main products: float32 operands (float32 intermediates) use
     3 bf16 passes on the GPU (about fp32 accuracy); bf16 operands ignore it. (The UT inverse has its own:
-    ``chunk_fwd.inverse_precision``.)"""
+    ``chunk_fwd.inverse_precisions``.)"""
     return "bf16x3" if dtype == torch.float32 and device.type == "cuda" else "tf32"
 
 
