@@ -313,8 +313,9 @@ assert MIN_LOWER_BOUND == -10.0
 # `inverse_fwd` starts from the 2×2 diagonal blocks (their inverses are `I − N` there) and doubles
 # three times (4×4, 8×8, 16×16), two products per level, on the four diagonal blocks at once as one
 # `[4, 16, 16]` batch (`unit_lower_inverse`); the six blocks under them follow from the same formula
-# at block level, `T_IJ = −T_II Σ L_IM T_MJ`. Every intermediate is an entry of the inverse of a
-# diagonal block of `I + N`, so the products never hold numbers much larger than the answer.
+# at block level, `T_IJ = −T_II Σ L_IM T_MJ`. The intermediates are the inverses of smaller diagonal
+# blocks and the products `B⁻¹C`, never powers of `N`, so they hold no numbers much larger than the
+# answer.
 #
 # Until session 20 the kernel used the power form. `N` is nilpotent (`Nᵏ` moves the nonzeros `k`
 # diagonals down, so `N¹⁶ = 0`, exactly, in floating point too), the factors commute, and the product

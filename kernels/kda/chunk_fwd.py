@@ -115,8 +115,9 @@ def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr, PREC: tl.conste
     recursive doubling: the 2x2 diagonal blocks' inverses are I - N there, then three ``doubling_step``s
     (4x4, 8x8, 16x16), six batched products at input precision ``PREC``.
 
-    Every intermediate is an entry of an inverse of a diagonal block of I + N, so the products never
-    form the large terms that cancel in the power form (I - N)(I + N^2)(I + N^4)(I + N^8) this replaced:
+    The intermediates are inverses of smaller diagonal blocks and the products B^-1 C, never powers of N,
+    so they do not form the large terms that cancel in the power form (I - N)(I + N^2)(I + N^4)(I + N^8)
+    this replaced:
     on near-identical keys (N's entries near 1) N^8 reaches C(14, 7) = 3432, where float32 products of
     the powers lose 6e-5 relative and plain TF32 ones 0.65 at most. Doubling in float32 ("ieee") is at
     float32's rounding (2.7e-8 relative on identical keys in runs of 8 on an H200, no Newton step), and
