@@ -117,12 +117,11 @@ def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr, PREC: tl.conste
 
     The intermediates are inverses of smaller diagonal blocks and the products B^-1 C, never powers of N,
     so they do not form the large terms that cancel in the power form (I - N)(I + N^2)(I + N^4)(I + N^8)
-    this replaced:
-    on near-identical keys (N's entries near 1) N^8 reaches C(14, 7) = 3432, where float32 products of
-    the powers lose 6e-5 relative and plain TF32 ones 0.65 at most. Doubling in float32 ("ieee") is at
-    float32's rounding (2.7e-8 relative on identical keys in runs of 8 on an H200, no Newton step), and
-    three bf16 passes ("bf16x3") leave T at its bf16 rounding (``inverse_precisions``), where they gave
-    the powers 8.1e-3 at most (flash_kda_h200_session14.json, session20.json)."""
+    this replaced: on near-identical keys (N's entries near 1) N^8 reaches C(14, 7) = 3432, where float32
+    products of the powers lose 6e-5 relative and plain TF32 ones 0.65 at most. Doubling in float32
+    ("ieee") is at float32's rounding (2.7e-8 relative on identical keys in runs of 8 on an H200, with no
+    Newton step), and in three bf16 passes ("bf16x3", which gave the powers 8.1e-3 at most) it leaves T
+    at its bf16 rounding (``inverse_precisions``; flash_kda_h200_session14.json, session20.json)."""
     b_N = tl.permute(tl.reshape(tl.join(tl.join(b_N0, b_N1), tl.join(b_N2, b_N3)), (BC, BC, 4)), (2, 0, 1))
     o_c = tl.arange(0, BC)
     o_i, o_j = o_c[:, None], o_c[None, :]
@@ -252,10 +251,10 @@ def kda_inverse_fwd_kernel(
 ):
     """Per chunk and value head: the UT-transform inverse T = (I + L)^-1 by 16x16 blocks (the four
     diagonal inverses as one batch, ``unit_lower_inverse``; then T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ),
-    stored in the intermediates' dtype (what ``kda_wu_fwd_kernel`` and the backward use). A kernel of its own, so that the W/U products (82 registers at 4 warps, offline sm_90)
-    do not run at this chain of dependent small products' register count: on an H200 the split took the
-    float32 intra forward from 1.822 to 1.700 ms at B4 T8192 H16 and left bf16's as it was (1.015 ->
-    1.011 ms)."""
+    stored in the intermediates' dtype (what ``kda_wu_fwd_kernel`` and the backward use). A kernel of its
+    own, so that the W/U products (82 registers at 4 warps, offline sm_90) do not run at this chain of
+    dependent small products' register count: on an H200 the split took the float32 intra forward from
+    1.822 to 1.700 ms at B4 T8192 H16 and left bf16's as it was (1.015 -> 1.011 ms)."""
     tl.static_assert(BT == 4 * BC)
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
