@@ -48,6 +48,8 @@ KERNELS = {
                          dict(HV=16, BT=64, BC=16, **inverse_precs(True))),
     "wu_fwd": (cf.kda_wu_fwd_kernel, dict(Tinv=BF, v=BF, beta=BF, W=BF, U=BF),
                dict(HV=16, K=128, V=128, BT=64, BV=64, PREC="tf32")),
+    "inverse_wu_fwd": (cf.kda_inverse_wu_fwd_kernel, dict(L=F32, v=BF, beta=BF, W=BF, U=BF),
+                       dict(HV=16, K=128, V=128, BT=64, BC=16, BV=64, PREC="tf32", **inverse_precs(False))),
     "state_fwd": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=False, OUTPUT=True)),
     "state_fwd_BV16": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, BV=16, PREFETCH=True, STORE_STATES=False,
                                                             OUTPUT=True)),

@@ -413,19 +413,9 @@ def test_bench_takes_fla_times_from_several_files(tmp_path):
         fla_times([tmp_path / "bad.json"])
 
 
-def test_autotuning_leaves_in_place_buffers_intact(monkeypatch):
-    """On a GPU, Triton's autotuner runs each config of an autotuned kernel before picking one; the
-    W/U, dW/dv and intra-backward kernels update buffers in place, so without ``restore_value``
-    the tuning runs would add their terms several times. Here every autotuned kernel gets three
-    configs and a stand-in benchmark that runs each twice (the interpreter has no timer) and picks
-    the last: the results must still match the reference."""
-    import triton
-
-    from k3lab.kernels.kda import chunk_bwd, chunk_fwd
-
-    tuned = [fn for mod in (chunk_fwd, chunk_bwd) for fn in vars(mod).values()
-             if isinstance(fn, triton.runtime.Autotuner)]
-    assert len(tuned) == 6
+def tune_with_three_configs(monkeypatch, tuned) -> list:
+    """Give each autotuned kernel in ``tuned`` three configs and a stand-in benchmark that runs each twice
+    (the interpreter has no timer) and picks the last; returns the list that gets one entry per timing."""
     runs = []
 
     def bench_twice(kernel_call, quantiles):
@@ -438,11 +428,50 @@ def test_autotuning_leaves_in_place_buffers_intact(monkeypatch):
         monkeypatch.setattr(fn, "configs", [triton.Config({}, num_warps=w) for w in (1, 2, 4)])
         monkeypatch.setattr(fn, "cache", {})
         monkeypatch.setitem(fn.__dict__, "do_bench", bench_twice)
+    return runs
+
+
+def test_autotuning_leaves_in_place_buffers_intact(monkeypatch):
+    """On a GPU, Triton's autotuner runs each config of an autotuned kernel before picking one; the
+    W/U, dW/dv and intra-backward kernels update buffers in place, so without ``restore_value``
+    the tuning runs would add their terms several times. Here every autotuned kernel is tuned over three
+    configs (``tune_with_three_configs``): the results must still match the reference."""
+    from k3lab.kernels.kda import chunk_bwd, chunk_fwd
+
+    tuned = [fn for mod in (chunk_fwd, chunk_bwd) for fn in vars(mod).values()
+             if isinstance(fn, triton.runtime.Autotuner)]
+    assert len(tuned) == 7
+    runs = tune_with_three_configs(monkeypatch, tuned)
     check(make_inputs(1, 70, 1, 2, 16, 16, seed=11))
     # scores, inverse, W/U, dq/dk, dW/dv, intra bwd: 3 configs each (the scores kernel is tuned for the
     # float32 intermediates the interpreter runs; a fixed launch serves bf16 at K <= 128). On a GPU,
-    # float32 intermediates launch dW/dv untuned (``chunk_bwd.kda_dwv_bwd``).
+    # float32 intermediates launch dW/dv untuned (``chunk_bwd.kda_dwv_bwd``). The fused inverse + W/U
+    # kernel serves 16-bit intermediates only: the next test tunes it.
     assert len(runs) == 3 * (5 if DEVICE == "cuda" else 6)
+
+
+@pytest.mark.timeout(300)
+def test_inverse_fused_into_wu_gives_the_split_kernels_results(monkeypatch):
+    """``kda_inverse_wu_fwd_kernel`` (a forward with no backward, 16-bit intermediates on a GPU: T assembled
+    in registers, never stored) against ``kda_inverse_fwd_kernel`` + ``kda_wu_fwd_kernel`` on the same L:
+    W and U bit for bit, on packed sequences of 20 and 70 tokens (tail chunks) with GVA, the fused kernel
+    tuned over three configs (it rewrites W in place, like the W/U kernel)."""
+    from k3lab.kernels.kda import chunk_fwd as cf
+    from k3lab.kernels.kda.utils import chunk_index
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    inputs = make_inputs(1, 90, 1, 2, 16, 16, N=2, seed=31)
+    q, k, v, z, beta = (x[0].to(DEVICE, dtype) for x in inputs[:5])
+    A_log, dt_bias = (x.float().to(DEVICE) for x in inputs[5:7])
+    cu, chunk_indices, _ = chunk_index([20, 70], DEVICE)
+    G, Tinv, Aqk, *split = cf.kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, 0.25, -5.0, cu, chunk_indices, dtype)
+    runs = tune_with_three_configs(monkeypatch, [cf.kda_inverse_wu_fwd_kernel])
+    L = torch.empty(90, 2, 64, device=DEVICE)
+    fused = cf._launch_intra(q, k, v, beta, G, L, None, torch.empty_like(Aqk), 0.25, cu, chunk_indices, dtype,
+                             replay=False)
+    assert len(runs) == 3
+    for name, a, b in zip(("W", "U", "KG", "QG"), split, fused):
+        assert a.abs().max() > 1e-2 and torch.equal(a, b), name
 
 
 @triton.jit

@@ -8,6 +8,8 @@
 3. ``kda_inverse_fwd_kernel`` (chunks x value heads): the UT-transform inverse T = (I + L)^-1 by 16x16
    blocks.
 4. ``kda_wu_fwd_kernel`` (chunks x value heads): W = T Diag(beta)(Gamma K), U = T Diag(beta) V.
+   Without a backward (and with 16-bit intermediates) 3 and 4 run as one kernel,
+   ``kda_inverse_wu_fwd_kernel``, and T never goes to memory.
 5. ``kda_state_fwd_kernel`` (one program per sequence, value head and V tile; the only sequential
    loop): S_n for every chunk, pseudo-values V~ = U - W S, the output O = (Gamma Q) S + Tril((Gamma Q)
    (K/Gamma)^T) V~ while S and V~ are in registers, then S <- Diag(gamma_C) S + (Gamma_{i->C} K)^T V~.
@@ -241,23 +243,13 @@ def load_block(L, t0, n_t, i_hv, I: tl.constexpr, J: tl.constexpr, HV: tl.conste
     return load_rows(L, t0, n_t, I * BC + o_c, HV * BT, i_hv * BT + J * BC, o_c, BC, False)
 
 
-@triton.autotune(configs=warp_configs(4, 2, 8), key=["grid_log2", "HV", "DIAG_PREC", "BLOCK_PREC"])
 @triton.jit
-def kda_inverse_fwd_kernel(
-    L, Tinv,  # L fp32 [T, HV, BT] (from kda_scores_fwd_kernel); Tinv [T, HV, BT] out, in the intermediates' dtype
-    cu_seqlens, chunk_indices, grid_log2,  # grid_log2: the autotuner's key only (``grid_log2``)
-    HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    DIAG_PREC: tl.constexpr, BLOCK_PREC: tl.constexpr,  # tl.dot input precisions (``inverse_precisions``)
-):
-    """Per chunk and value head: the UT-transform inverse T = (I + L)^-1 by 16x16 blocks (the four
-    diagonal inverses as one batch, ``unit_lower_inverse``; then T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ),
-    stored in the intermediates' dtype (what ``kda_wu_fwd_kernel`` and the backward use). A kernel of its
-    own, so that the W/U products (82 registers at 4 warps, offline sm_90) do not run at this chain of
-    dependent small products' register count: on an H200 the split took the float32 intra forward from
-    1.822 to 1.700 ms at B4 T8192 H16 and left bf16's as it was (1.015 -> 1.011 ms)."""
+def ut_inverse_blocks(L, t0, n_t, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                      DIAG_PREC: tl.constexpr, BLOCK_PREC: tl.constexpr):
+    """The UT-transform inverse T = (I + L)^-1 of one chunk by 16x16 blocks, in float32: the four diagonal
+    inverses as one batch (``unit_lower_inverse``), then T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ. Returns
+    (T00, T10, T11, T20, T21, T22, T30, T31, T32, T33)."""
     tl.static_assert(BT == 4 * BC)
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     b_L00 = load_block(L, t0, n_t, i_hv, 0, 0, HV, BT, BC)
     b_L11 = load_block(L, t0, n_t, i_hv, 1, 1, HV, BT, BC)
     b_L22 = load_block(L, t0, n_t, i_hv, 2, 2, HV, BT, BC)
@@ -276,26 +268,60 @@ def kda_inverse_fwd_kernel(
     b_T32 = -dot_at(dot_at(b_T33, b_L32, P), b_T22, P)
     b_T31 = -dot_at(b_T33, dot_at(b_L31, b_T11, P) + dot_at(b_L32, b_T21, P), P)
     b_T30 = -dot_at(b_T33, dot_at(b_L30, b_T00, P) + dot_at(b_L31, b_T10, P) + dot_at(b_L32, b_T20, P), P)
+    return b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33
+
+
+@triton.jit
+def side_by_side(a, b, M: tl.constexpr, N: tl.constexpr):
+    """[a | b] of two [M, N] blocks, as one [M, 2N] block in registers."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (M, 2 * N))
+
+
+@triton.jit
+def stacked(a, b, M: tl.constexpr, N: tl.constexpr):
+    """[a ; b] of two [M, N] blocks, as one [2M, N] block in registers."""
+    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * M, N))
+
+
+@triton.jit
+def block_row(b_0, b_1, b_2, b_3, BC: tl.constexpr):
+    """Four [BC, BC] blocks side by side: [BC, 4 BC]."""
+    return side_by_side(side_by_side(b_0, b_1, BC, BC), side_by_side(b_2, b_3, BC, BC), BC, 2 * BC)
+
+
+@triton.autotune(configs=warp_configs(4, 2, 8), key=["grid_log2", "HV", "DIAG_PREC", "BLOCK_PREC"])
+@triton.jit
+def kda_inverse_fwd_kernel(
+    L, Tinv,  # L fp32 [T, HV, BT] (from kda_scores_fwd_kernel); Tinv [T, HV, BT] out, in the intermediates' dtype
+    cu_seqlens, chunk_indices, grid_log2,  # grid_log2: the autotuner's key only (``grid_log2``)
+    HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    DIAG_PREC: tl.constexpr, BLOCK_PREC: tl.constexpr,  # tl.dot input precisions (``inverse_precisions``)
+):
+    """Per chunk and value head: the UT-transform inverse (``ut_inverse_blocks``), stored in the
+    intermediates' dtype (what ``kda_wu_fwd_kernel`` and the backward use). A kernel of its own when T is
+    kept, so that the W/U products (82 registers at 4 warps, offline sm_90) do not run at this chain of
+    dependent small products' register count: on an H200 the split took the float32 intra forward from
+    1.822 to 1.700 ms at B4 T8192 H16 and left bf16's as it was (1.015 -> 1.011 ms); with the doubling,
+    bf16's fused kernel storing T took 1220 us at B8 T4096 H64 against 512 + 698 split
+    (flash_kda_h200_session21.json). Without a backward, ``kda_inverse_wu_fwd_kernel`` runs instead."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33 = ut_inverse_blocks(
+        L, t0, n_t, i_hv, HV, BT, BC, DIAG_PREC, BLOCK_PREC)
     store_tinv_row(Tinv, b_T00, b_T00, b_T00, b_T00, t0, n_t, i_hv, 0, HV, BT, BC)
     store_tinv_row(Tinv, b_T10, b_T11, b_T11, b_T11, t0, n_t, i_hv, 1, HV, BT, BC)
     store_tinv_row(Tinv, b_T20, b_T21, b_T22, b_T22, t0, n_t, i_hv, 2, HV, BT, BC)
     store_tinv_row(Tinv, b_T30, b_T31, b_T32, b_T33, t0, n_t, i_hv, 3, HV, BT, BC)
 
 
-@triton.autotune(configs=warp_configs(4, 2, 8), key=["grid_log2", "HV", "K", "V"], restore_value=["W"])
 @triton.jit
-def kda_wu_fwd_kernel(
-    Tinv, v, beta, W, U,  # Tinv [T, HV, BT]; W [T, HV, K]: W's right operand in, W out; v, U [T, HV, V]
-    cu_seqlens, chunk_indices, grid_log2,  # grid_log2: the autotuner's key only (``grid_log2``)
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-):
-    """Per chunk and value head: W = T Diag(beta)(Gamma K) and U = T Diag(beta) V, with the whole T as one
-    [BT, BT] operand, in column tiles of BV (smaller accumulators)."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+def apply_ut(b_T, v, beta, W, U, t0, n_t, i_hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """W = T Diag(beta)(Gamma K) (W holds its right operand and is rewritten in place) and
+    U = T Diag(beta) V for one chunk, with the whole T as one [BT, BT] operand in W's dtype, in column
+    tiles of BV (smaller accumulators)."""
     o_t = tl.arange(0, BT)
     dt = W.dtype.element_ty
-    b_T = load_rows(Tinv, t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT, False).to(dt)
     for i_k in range(tl.cdiv(K, BV)):
         o_w = i_k * BV + tl.arange(0, BV)
         b_W = tl.dot(b_T, load_rows(W, t0, n_t, o_t, HV * K, i_hv * K, o_w, K, False).to(dt), input_precision=PREC)
@@ -308,6 +334,47 @@ def kda_wu_fwd_kernel(
         b_v = load_rows(v, t0, n_t, o_t, HV * V, i_hv * V, o_v, V, False)
         b_U = tl.dot(b_T, (b_v * b_b[:, None]).to(dt), input_precision=PREC)
         store_rows(U, b_U, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
+
+
+@triton.autotune(configs=warp_configs(4, 2, 8), key=["grid_log2", "HV", "K", "V"], restore_value=["W"])
+@triton.jit
+def kda_wu_fwd_kernel(
+    Tinv, v, beta, W, U,  # Tinv [T, HV, BT]; W [T, HV, K]: W's right operand in, W out; v, U [T, HV, V]
+    cu_seqlens, chunk_indices, grid_log2,  # grid_log2: the autotuner's key only (``grid_log2``)
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per chunk and value head: W and U (``apply_ut``) from the stored T."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    o_t = tl.arange(0, BT)
+    b_T = load_rows(Tinv, t0, n_t, o_t, HV * BT, i_hv * BT, o_t, BT, False).to(W.dtype.element_ty)
+    apply_ut(b_T, v, beta, W, U, t0, n_t, i_hv, HV, K, V, BT, BV, PREC)
+
+
+@triton.autotune(configs=warp_configs(4, 2, 8), key=["grid_log2", "HV", "K", "V", "DIAG_PREC", "BLOCK_PREC"],
+                 restore_value=["W"])
+@triton.jit
+def kda_inverse_wu_fwd_kernel(
+    L, v, beta, W, U,  # as kda_inverse_fwd_kernel's L and kda_wu_fwd_kernel's v, beta, W, U
+    cu_seqlens, chunk_indices, grid_log2,  # grid_log2: the autotuner's key only (``grid_log2``)
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+    DIAG_PREC: tl.constexpr, BLOCK_PREC: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per chunk and value head, for a forward with no backward: the UT inverse (``ut_inverse_blocks``)
+    assembled in registers as one [BT, BT] operand, rounded to W's dtype as the stored T would be, and
+    W and U from it (``apply_ut``); T never goes to memory. The same results as the two kernels, bit for
+    bit; on an H200 (bf16) 1143 us at B8 T4096 H64 against 512 + 698 for them, the forward 1.6% less
+    there (4.803 -> 4.727 ms) and 1.7% at B4 T8192 H16 (1.217 -> 1.196; flash_kda_h200_session21.json).
+    float32 intermediates keep the split, whose reason above was measured on them."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33 = ut_inverse_blocks(
+        L, t0, n_t, i_hv, HV, BT, BC, DIAG_PREC, BLOCK_PREC)
+    b_0 = tl.zeros([BC, BC], tl.float32)
+    b_T = stacked(stacked(block_row(b_T00, b_0, b_0, b_0, BC), block_row(b_T10, b_T11, b_0, b_0, BC), BC, BT),
+                  stacked(block_row(b_T20, b_T21, b_T22, b_0, BC), block_row(b_T30, b_T31, b_T32, b_T33, BC), BC, BT),
+                  2 * BC, BT)
+    apply_ut(b_T.to(W.dtype.element_ty), v, beta, W, U, t0, n_t, i_hv, HV, K, V, BT, BV, PREC)
 
 
 @triton.jit
@@ -424,11 +491,13 @@ def block_sizes(K: int, V: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(K)), min(64, max(16, triton.next_power_of_2(V)))
 
 
-def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, chunk_indices, dtype):
-    """Launch the intra stage (``kda_gate_fwd_kernel``, ``kda_scores_fwd_kernel``, ``kda_inverse_fwd_kernel``,
-    ``kda_wu_fwd_kernel``);
-    inputs flattened to [T, heads, D]; ``dtype`` is the intermediates' (``flash_kda.intermediate_dtype``).
-    Returns (G, Tinv, Aqk, W, U, KG, QG)."""
+def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, chunk_indices, dtype,
+                  keep_t=True):
+    """Launch the intra stage (``kda_gate_fwd_kernel``, ``kda_scores_fwd_kernel``, then
+    ``kda_inverse_fwd_kernel`` and ``kda_wu_fwd_kernel``, or ``kda_inverse_wu_fwd_kernel`` in their place
+    when T is not kept and the intermediates are 16-bit); inputs flattened to [T, heads, D]; ``dtype`` is
+    the intermediates' (``flash_kda.intermediate_dtype``). ``keep_t``: also return T (a backward needs it).
+    Returns (G, Tinv or None, Aqk, W, U, KG, QG)."""
     T, HV, K = z.shape
     NT = chunk_indices.shape[0]
     G = torch.empty(T, HV, K, device=z.device, dtype=torch.float32)
@@ -440,7 +509,8 @@ def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqle
         BT=BT, BKG=BKG, EXACT_SUM=dtype == torch.float32, num_warps=4,
     )
     L = torch.empty(T, HV, BT, device=z.device, dtype=torch.float32)
-    Tinv = torch.empty(T, HV, BT, device=z.device, dtype=dtype)
+    fused = not keep_t and dtype != torch.float32
+    Tinv = None if fused else torch.empty(T, HV, BT, device=z.device, dtype=dtype)
     Aqk = torch.empty(T, HV, BT, device=z.device, dtype=dtype)
     return (G, Tinv, Aqk, *_launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indices, dtype,
                                          replay=False))
@@ -455,6 +525,8 @@ def kda_intra_replay(q, k, v, beta, G, Tinv, scale, cu_seqlens, chunk_indices, d
 
 
 def _launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indices, dtype, replay):
+    """The scores, then T and W/U: from ``Tinv`` when replaying, else computed and stored in ``Tinv``, or
+    (``Tinv`` None) fused into one kernel that does not store it."""
     T, H, K = k.shape
     HV, V = v.shape[1:]
     NT = chunk_indices.shape[0]
@@ -468,12 +540,17 @@ def _launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indic
         q, k, beta, G, L, Aqk, W, KG, QG, cu_seqlens, chunk_indices, scale, grid_log2(NT * HV * BT // BC), H=H,
         HV=HV, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, REPLAY=replay, **launch,
     )
+    grid, log2 = (NT, HV), grid_log2(NT * HV)
+    diag, block = inverse_precisions(W.dtype == torch.float32)
+    if Tinv is None:
+        kda_inverse_wu_fwd_kernel[grid](L, v, beta, W, U, cu_seqlens, chunk_indices, log2, HV=HV, K=K, V=V, BT=BT,
+                                        BC=BC, BV=BV, DIAG_PREC=diag, BLOCK_PREC=block, PREC=prec)
+        return W, U, KG, QG
     if not replay:
-        diag, block = inverse_precisions(W.dtype == torch.float32)
-        kda_inverse_fwd_kernel[(NT, HV)](L, Tinv, cu_seqlens, chunk_indices, grid_log2(NT * HV), HV=HV, BT=BT,
-                                         BC=BC, DIAG_PREC=diag, BLOCK_PREC=block)
-    kda_wu_fwd_kernel[(NT, HV)](Tinv, v, beta, W, U, cu_seqlens, chunk_indices, grid_log2(NT * HV), HV=HV, K=K, V=V,
-                                BT=BT, BV=BV, PREC=prec)
+        kda_inverse_fwd_kernel[grid](L, Tinv, cu_seqlens, chunk_indices, log2, HV=HV, BT=BT, BC=BC, DIAG_PREC=diag,
+                                     BLOCK_PREC=block)
+    kda_wu_fwd_kernel[grid](Tinv, v, beta, W, U, cu_seqlens, chunk_indices, log2, HV=HV, K=K, V=V, BT=BT, BV=BV,
+                            PREC=prec)
     return W, U, KG, QG
 
 

@@ -90,7 +90,7 @@ class FlashKDAFunction(torch.autograd.Function):
         flat = [x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, z, beta)]
         inter = intermediate_dtype(q)
         G, Tinv, Aqk, W, U, KG, QG = kda_intra_fwd(*flat, A_log, dt_bias, scale, lower_bound, cu_seqlens,
-                                                   chunk_indices, inter)
+                                                   chunk_indices, inter, keep_t=for_backward)
         # o in the output's shape, the kernel writing a flat view of it: a view made inside a Function and
         # returned could not be modified in place by the caller.
         o = torch.empty(B, T, HV, V, device=U.device, dtype=U.dtype)
