@@ -339,6 +339,9 @@ def test_bfloat16_forward_and_backward():
     o_ref, _ = reference(*ref)
     assert o.dtype == torch.bfloat16
     assert_close("o", o_ref, o.cpu(), 1e-2)
+    # Without autograd a GPU's bf16 forward runs the fused inverse + W/U kernel (T not stored): the same bits.
+    with torch.no_grad():
+        assert torch.equal(flash_kda(*ours)[0], o)
     do = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     (o.double().cpu() * do).sum().backward()
     (o_ref * do).sum().backward()
@@ -465,6 +468,9 @@ def test_inverse_fused_into_wu_gives_the_split_kernels_results(monkeypatch):
     A_log, dt_bias = (x.float().to(DEVICE) for x in inputs[5:7])
     cu, chunk_indices, _ = chunk_index([20, 70], DEVICE)
     G, Tinv, Aqk, *split = cf.kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, 0.25, -5.0, cu, chunk_indices, dtype)
+    # kda_intra_fwd picks the fused kernel for 16-bit intermediates when T is not kept.
+    kept = cf.kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, 0.25, -5.0, cu, chunk_indices, dtype, keep_t=False)[1]
+    assert (kept is None) == (dtype == torch.bfloat16)
     runs = tune_with_three_configs(monkeypatch, [cf.kda_inverse_wu_fwd_kernel])
     L = torch.empty(90, 2, 64, device=DEVICE)
     fused = cf._launch_intra(q, k, v, beta, G, L, None, torch.empty_like(Aqk), 0.25, cu, chunk_indices, dtype,

@@ -227,6 +227,9 @@ def stage_times(B, T, H, K, V, device, rep=100) -> dict:
         tag = "bf16" if dt == torch.bfloat16 else "fp32"
         G, Tinv, Aqk, W, U, KG, QG = bench(f"fwd intra ({tag})", lambda: cf.kda_intra_fwd(
             *flat, A_log, dt_bias, scale, LOWER_BOUND, cu, chunk_indices, dt))
+        if dt == torch.bfloat16:
+            bench("fwd intra, no backward: inverse and W/U fused (bf16)", lambda: cf.kda_intra_fwd(
+                *flat, A_log, dt_bias, scale, LOWER_BOUND, cu, chunk_indices, dt, keep_t=False))
         o = torch.empty_like(U)
         bench(f"fwd state + output ({tag})", lambda: cf.kda_state_fwd(
             W, U, KG, G, None, False, cu, chunk_offsets, NT, store_states=False, output=(QG, Aqk, o)))

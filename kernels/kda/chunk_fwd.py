@@ -1,4 +1,4 @@
-"""FlashKDA forward: five Triton kernels and their launchers.
+"""FlashKDA forward: six Triton kernels and their launchers.
 
 1. ``kda_gate_fwd_kernel`` (K tiles x chunks x value heads): the fused gate
    g = lb * sigmoid(exp(A_log) (z + dt_bias)) and its in-chunk cumsum G.
@@ -543,6 +543,7 @@ def _launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indic
     grid, log2 = (NT, HV), grid_log2(NT * HV)
     diag, block = inverse_precisions(W.dtype == torch.float32)
     if Tinv is None:
+        assert not replay, "a replay needs the forward's saved Tinv"
         kda_inverse_wu_fwd_kernel[grid](L, v, beta, W, U, cu_seqlens, chunk_indices, log2, HV=HV, K=K, V=V, BT=BT,
                                         BC=BC, BV=BV, DIAG_PREC=diag, BLOCK_PREC=block, PREC=prec)
         return W, U, KG, QG
