@@ -339,9 +339,13 @@ def test_bfloat16_forward_and_backward():
     o_ref, _ = reference(*ref)
     assert o.dtype == torch.bfloat16
     assert_close("o", o_ref, o.cpu(), 1e-2)
-    # Without autograd a GPU's bf16 forward runs the fused inverse + W/U kernel (T not stored): the same bits.
+    # Without autograd a GPU's bf16 forward runs the packed gate and the fused inverse + W/U kernel: G
+    # rebuilt to within 6.1e-4, so the same output to bf16's rounding; on CPU (float32 intermediates)
+    # the autograd forward's path, bit for bit.
     with torch.no_grad():
-        assert torch.equal(flash_kda(*ours)[0], o)
+        o_inference = flash_kda(*ours)[0]
+    assert_close("o without autograd", o_ref, o_inference.cpu(), 1e-2)
+    assert DEVICE == "cuda" or torch.equal(o_inference, o)
     do = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     (o.double().cpu() * do).sum().backward()
     (o_ref * do).sum().backward()
@@ -478,6 +482,56 @@ def test_inverse_fused_into_wu_gives_the_split_kernels_results(monkeypatch):
     assert len(runs) == 3
     for name, a, b in zip(("W", "U", "KG", "QG"), split, fused):
         assert a.abs().max() > 1e-2 and torch.equal(a, b), name
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("lower_bound", [-5.0, -10.0])
+def test_packed_gate_against_the_float32_gate(lower_bound):
+    """The packed gate (int16 codes within 16-row sub-tiles, the sub-tiles' ends E; what a forward with no
+    backward runs with 16-bit intermediates) against the float32 G, on packed sequences of 20, 70 and 130
+    tokens (tail chunks) with GVA, run here with float32 intermediates so the interpreter takes it: G
+    rebuilt from the codes to within half their step, E equal to G at the sub-tiles' last rows, the
+    scores kernel's W, KG, QG, Aqk, U and the state kernel's output and final state from it within the
+    codes' rounding (a factor exp(+-step / 2) per decay term)."""
+    from k3lab.kernels.kda import chunk_fwd as cf
+    from k3lab.kernels.kda.utils import chunk_index
+
+    lengths = [20, 70, 130]
+    inputs = make_inputs(1, sum(lengths), 1, 2, 16, 16, N=3, seed=41)
+    q, k, v, z, beta = (x[0].to(DEVICE, torch.float32) for x in inputs[:5])
+    A_log, dt_bias = (x.float().to(DEVICE) for x in inputs[5:7])
+    z = 3 * z  # gates from near 0 to near the bound
+    cu, chunk_indices, chunk_offsets = chunk_index(lengths, DEVICE)
+    NT, (T, HV, K) = chunk_indices.shape[0], z.shape
+    G, _, _ = cf.kda_gate_fwd(z, A_log, dt_bias, lower_bound, cu, chunk_indices, exact_sum=False, packed=False)
+    X, E, step = cf.kda_gate_fwd(z, A_log, dt_bias, lower_bound, cu, chunk_indices, exact_sum=False, packed=True)
+    assert X.dtype == torch.int16 and E.shape == (NT, HV, 4, K)
+    # Rebuild G token by token: r = the previous sub-tile's end in the token's chunk (0 for the first).
+    pos = torch.cat([torch.arange(n) for n in lengths]).to(DEVICE)
+    length = torch.repeat_interleave(torch.tensor(lengths), torch.tensor(lengths)).to(DEVICE)
+    c = chunk_offsets[:-1].long().repeat_interleave(torch.tensor(lengths, device=DEVICE)) + pos // 64
+    sub = pos % 64 // 16
+    r = torch.cat([torch.zeros_like(E[:, :, :1]), E[:, :, :3]], 2)[c, :, sub]
+    rebuilt = r + step * (X.float() - 32767)
+    assert (rebuilt - G).abs().max() <= 0.5 * step + 1e-5 * G.abs().max()
+    ends = (pos % 16 == 15) | (pos == length - 1)
+    assert torch.allclose(E[c[ends], :, sub[ends]], G[ends], rtol=1e-5, atol=1e-5)
+    Aqk = [torch.empty(T, HV, 64, device=DEVICE) for _ in range(2)]
+    L = torch.empty(T, HV, 64, device=DEVICE)
+    Tinv = torch.empty(T, HV, 64, device=DEVICE)
+    ref = cf._launch_intra(q, k, v, beta, G, L, Tinv, Aqk[0], 0.25, cu, chunk_indices, torch.float32, replay=False)
+    packed = cf._launch_intra(q, k, v, beta, X, L, Tinv, Aqk[1], 0.25, cu, chunk_indices, torch.float32,
+                              replay=False, E=E, x_scale=step)
+    bound = 2 * step
+    for name, a, b in zip(("W", "U", "KG", "QG", "Aqk"), (*ref, Aqk[0]), (*packed, Aqk[1])):
+        assert_close(name, a, b, bound)
+    outs = []
+    for (W, U, KG, QG), gate, A in ((ref, G, Aqk[0]), (packed, E, Aqk[1])):
+        o = torch.empty(T, HV, 16, device=DEVICE)
+        outs += [o, cf.kda_state_fwd(W, U, KG, gate, None, True, cu, chunk_offsets, NT, store_states=False,
+                                     output=(QG, A, o))[2]]
+    assert_close("o", outs[0], outs[2], bound)
+    assert_close("final state", outs[1], outs[3], bound)
 
 
 @triton.jit

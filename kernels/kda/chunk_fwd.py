@@ -1,7 +1,8 @@
 """FlashKDA forward: six Triton kernels and their launchers.
 
 1. ``kda_gate_fwd_kernel`` (K tiles x chunks x value heads): the fused gate
-   g = lb * sigmoid(exp(A_log) (z + dt_bias)) and its in-chunk cumsum G.
+   g = lb * sigmoid(exp(A_log) (z + dt_bias)) and its in-chunk cumsum G (without a backward, with
+   16-bit intermediates: G as int16 codes within 16-row sub-tiles, and the sub-tiles' ends).
 2. ``kda_scores_fwd_kernel`` (16-row sub-tiles x chunks x value heads, all in parallel): q/k L2 norm, beta
    sigmoid, KG, QG and W's right operand for the sub-tile's rows, and its row of 16x16 sub-tiles of
    (Gamma K)(K / Gamma)^T and (Gamma Q)(K / Gamma)^T on tensor cores (L = Diag(beta) StrictTril(Ks), Aqk).
@@ -27,16 +28,32 @@ from k3lab.kernels.kda.utils import (
 
 
 @triton.jit
-def last_row(G, t0, n_t, i_hv, I, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
-             BK: tl.constexpr):
-    """G at the last row of sub-tile I (clamped to the chunk's last token) as a [BK] vector."""
+def last_row(G, E, t0, n_t, i_c, i_hv, I, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+             BK: tl.constexpr, PACKED: tl.constexpr):
+    """G at the last row of sub-tile I (clamped to the chunk's last token) as a [BK] vector: from G, or
+    when PACKED from E, where the gate kernel stored it."""
+    o_k = tl.arange(0, BK)
+    if PACKED:
+        return tl.load(E + ((i_c.to(tl.int64) * HV + i_hv) * (BT // BC) + I) * K + o_k, mask=o_k < K, other=0.0)
     o_r = I * BC + BC - 1 + tl.zeros([1], tl.int32)
-    return tl.sum(load_rows(G, t0, n_t, o_r, HV * K, i_hv * K, tl.arange(0, BK), K, True), 0)
+    return tl.sum(load_rows(G, t0, n_t, o_r, HV * K, i_hv * K, o_k, K, True), 0)
 
 
 @triton.jit
-def row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_r, b_e, b_Gl, I,
-              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+def gate_rows(G, t0, n_t, o_i, i_hv, b_r, x_scale, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+              PACKED: tl.constexpr):
+    """G at rows o_i of one sub-tile (clamped), [BC, BK] float32: loaded, or when PACKED rebuilt from the
+    gate kernel's int16 code x, G = r + x_scale (x - 32767) (r = G before the sub-tile)."""
+    b_G = load_rows(G, t0, n_t, o_i, HV * K, i_hv * K, tl.arange(0, BK), K, True)
+    if PACKED:
+        b_G = b_r[None, :] + (b_G - 32767.0) * x_scale
+    return b_G
+
+
+@triton.jit
+def row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, x_scale, b_r, b_e, b_Gl, I,
+              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+              PACKED: tl.constexpr):
     """Sub-tile I, with r = G before its first row (0 for I = 0) and e = G at its last row: stores
     KG = k exp(G_last - G), QG = scale q exp(G) and W's right operand Diag(beta) k exp(G) (in W), and
     returns the operands of the decayed scores (k P, scale q P, k Q, sigmoid(beta)); k and q are
@@ -51,9 +68,9 @@ def row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_r, b_e, b_G
     o_k = tl.arange(0, BK)
     b_k = l2norm_rows(load_rows(k, t0, n_t, o_i, H * K, i_h * K, o_k, K, False))
     b_q = l2norm_rows(load_rows(q, t0, n_t, o_i, H * K, i_h * K, o_k, K, False)) * scale
-    b_G = load_rows(G, t0, n_t, o_i, HV * K, i_hv * K, o_k, K, True)
-    b_b = tl.where(o_i < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_i, HV, i_hv)), 0.0)
     b_m = 0.5 * (b_r + b_e)
+    b_G = gate_rows(G, t0, n_t, o_i, i_hv, b_r, x_scale, HV, K, BK, PACKED)
+    b_b = tl.where(o_i < n_t, tl.sigmoid(load_vec(beta, t0, n_t, o_i, HV, i_hv)), 0.0)
     b_P = exp_ftz(b_G - b_m[None, :])
     b_kp = b_k * b_P
     b_qp = b_q * b_P
@@ -69,14 +86,16 @@ def row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_r, b_e, b_G
 
 
 @triton.jit
-def key_columns(k, G, t0, n_t, i_h, i_hv, J, b_m, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                BC: tl.constexpr, BK: tl.constexpr):
+def key_columns(k, G, E, t0, n_t, i_c, i_h, i_hv, J, b_m, x_scale, H: tl.constexpr, HV: tl.constexpr,
+                K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr):
     """The decayed keys of sub-tile J < I as the scores' columns at sub-tile I's middle m:
     k_j exp(m - G_j), L2-normalised, every factor <= 1 (G falls, so G_j >= G before sub-tile I >= m)."""
     o_j = J * BC + tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
-    b_kj = l2norm_rows(load_rows(k, t0, n_t, o_j, H * K, i_h * K, o_k, K, False))
-    return b_kj * exp_ftz(b_m[None, :] - load_rows(G, t0, n_t, o_j, HV * K, i_hv * K, o_k, K, True))
+    b_rj = tl.zeros([BK], tl.float32)
+    if PACKED and J > 0:
+        b_rj += last_row(G, E, t0, n_t, i_c, i_hv, J - 1, HV, K, BT, BC, BK, True)
+    b_kj = l2norm_rows(load_rows(k, t0, n_t, o_j, H * K, i_h * K, tl.arange(0, BK), K, False))
+    return b_kj * exp_ftz(b_m[None, :] - gate_rows(G, t0, n_t, o_j, i_hv, b_rj, x_scale, HV, K, BK, PACKED))
 
 
 @triton.jit
@@ -166,13 +185,20 @@ def store_tinv_row(Tinv, b_T0, b_T1, b_T2, b_T3, t0, n_t, i_hv, I: tl.constexpr,
 
 @triton.jit
 def kda_gate_fwd_kernel(
-    z, A_log, dt_bias, G,  # z [T, HV, K]; G fp32 [T, HV, K]
-    cu_seqlens, chunk_indices, lower_bound,
-    HV: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, BT: tl.constexpr, BKG: tl.constexpr,
-    EXACT_SUM: tl.constexpr,
+    z, A_log, dt_bias, G, E,  # z [T, HV, K]; G fp32 [T, HV, K], or int16 when PACKED; E fp32 [NT, HV, BT // BC, K]
+    cu_seqlens, chunk_indices, lower_bound, x_scale,
+    HV: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BKG: tl.constexpr, EXACT_SUM: tl.constexpr, PACKED: tl.constexpr,
 ):
     """Per K tile, chunk and value head: G = cumsum in the chunk of g = lb * sigmoid(a (z + bias)), a =
     exp(A_log) (K3 report, Eq. 5). Padded rows get g = 0 (no decay).
+
+    ``PACKED`` (a forward with no backward, 16-bit intermediates): G is not stored but, row by row, the
+    int16 code x = (G - r) / x_scale + 32767 with r = G before the row's 16-row sub-tile, half G's bytes;
+    E gets G at each sub-tile's last row, from which the scores kernel rebuilds G = r + x_scale (x - 32767)
+    to within x_scale / 2 and the state kernel takes the chunk's decay. The walk keeps the running sum in
+    registers, one row at a time: the sub-tile ends formed from a [64, BK] tile by masked sums across its
+    rows took this kernel from 444 to 932 us or more on an H200 (flash_kda_h200_session22.json).
 
     With ``EXACT_SUM`` (float32 intermediates) the sum runs in float64 and is rounded once: after strong
     decay G is hundreds, where float32 resolves only ~3e-5, and a float32 running sum rounds every small
@@ -181,28 +207,53 @@ def kda_gate_fwd_kernel(
     at B8 T4096 H64 (forward +4%, flash_kda_h200_session19.json), so they keep the float32 sum."""
     i_k, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
-    o_t = tl.arange(0, BT)
     o_k = i_k * BKG + tl.arange(0, BKG)
     b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    b_z = load_rows(z, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False)
+    b_bias = tl.zeros([BKG], tl.float32)
     if HAS_BIAS:
-        b_z += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-    b_g = tl.where((o_t < n_t)[:, None] & (o_k < K)[None, :], lower_bound / (1.0 + exp_ftz(-b_a * b_z)), 0.0)
-    if EXACT_SUM:
-        b_G = tl.cumsum(b_g.to(tl.float64), axis=0)
+        b_bias += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+    if PACKED:
+        # Row by row, G a running sum in registers (no exchange between threads): each row goes out as the
+        # int16 code of G - r, r = G before its sub-tile, and every 16th row's G (a sub-tile's end) to E.
+        b_G = tl.zeros([BKG], tl.float32)
+        b_r = tl.zeros([BKG], tl.float32)
+        for t in tl.static_range(BT):
+            p_t = (t0 + t) * (HV * K) + i_hv * K + o_k
+            m_t = (o_k < K) & (t < n_t)
+            b_z = tl.load(z + p_t, mask=m_t, other=0.0).to(tl.float32) + b_bias
+            b_G += tl.where(m_t, gate_value(b_z, b_a, lower_bound), 0.0)
+            b_x = tl.clamp(tl.floor((b_G - b_r) * (1.0 / x_scale) + 0.5) + 32767.0, -32767.0, 32767.0)
+            tl.store(G + p_t, b_x.to(tl.int16), mask=m_t)
+            if t % BC == BC - 1:
+                tl.store(E + ((i_c.to(tl.int64) * HV + i_hv) * (BT // BC) + t // BC) * K + o_k, b_G, mask=o_k < K)
+                b_r = b_G
     else:
-        b_G = tl.cumsum(b_g, axis=0)
-    store_rows(G, b_G, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+        o_t = tl.arange(0, BT)
+        b_z = load_rows(z, t0, n_t, o_t, HV * K, i_hv * K, o_k, K, False) + b_bias[None, :]
+        b_g = tl.where((o_t < n_t)[:, None] & (o_k < K)[None, :], gate_value(b_z, b_a, lower_bound), 0.0)
+        if EXACT_SUM:
+            b_G = tl.cumsum(b_g.to(tl.float64), axis=0)
+        else:
+            b_G = tl.cumsum(b_g, axis=0)
+        store_rows(G, b_G, t0, n_t, o_t, HV * K, i_hv * K, o_k, K)
+
+
+@triton.jit
+def gate_value(b_z, b_a, lower_bound):
+    """The lower-bounded gate g = lb * sigmoid(a z) of the biased pre-activation z."""
+    return lower_bound / (1.0 + exp_ftz(-b_a * b_z))
 
 
 @triton.jit
 def kda_scores_fwd_kernel(
-    q, k, beta, G, L, Aqk, W, KG, QG,  # q, k [T, H, K]; G fp32 [T, HV, K]; outputs: L fp32 [T, HV, BT] (the
-                                       # rows of Diag(beta) StrictTril(Ks)), Aqk [T, HV, BT], W's right operand
-                                       # Diag(beta) k exp(G), KG = k exp(G_last - G), QG = scale q exp(G) [T, HV, K]
-    cu_seqlens, chunk_indices, scale, grid_log2,  # grid_log2: the autotuned launch's key only (``grid_log2``)
+    q, k, beta, G, E, L, Aqk, W, KG, QG,  # q, k [T, H, K]; G fp32 [T, HV, K] (or the gate kernel's PACKED G and
+                                          # E); outputs: L fp32 [T, HV, BT] (the rows of Diag(beta)
+                                          # StrictTril(Ks)), Aqk [T, HV, BT], W's right operand Diag(beta) k exp(G),
+                                          # KG = k exp(G_last - G), QG = scale q exp(G) [T, HV, K]
+    cu_seqlens, chunk_indices, scale, x_scale, grid_log2,  # grid_log2: the autotuned launch's key only
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, REPLAY: tl.constexpr,  # only W's operand, KG and QG (the backward's replay)
+    PACKED: tl.constexpr,
 ):
     """Per 16-row sub-tile I, chunk and value head: ``row_block``'s prep of sub-tile I, and, unless
     replaying, its row of sub-tiles (I, J), J <= I, of the two decayed score matrices, all at sub-tile I's
@@ -217,16 +268,16 @@ def kda_scores_fwd_kernel(
     # r = G before the sub-tile's first row (0 for the first), e = G at its last row, G_last.
     b_r = tl.zeros([BK], tl.float32)
     if i_i > 0:
-        b_r += last_row(G, t0, n_t, i_hv, i_i - 1, HV, K, BC, BK)
-    b_e = last_row(G, t0, n_t, i_hv, i_i, HV, K, BC, BK)
-    b_Gl = last_row(G, t0, n_t, i_hv, BT // BC - 1, HV, K, BC, BK)
-    b_kp, b_qp, b_kq, b_b = row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, b_r, b_e, b_Gl, i_i, H, HV,
-                                      K, BC, BK)
+        b_r += last_row(G, E, t0, n_t, i_c, i_hv, i_i - 1, HV, K, BT, BC, BK, PACKED)
+    b_e = last_row(G, E, t0, n_t, i_c, i_hv, i_i, HV, K, BT, BC, BK, PACKED)
+    b_Gl = last_row(G, E, t0, n_t, i_c, i_hv, BT // BC - 1, HV, K, BT, BC, BK, PACKED)
+    b_kp, b_qp, b_kq, b_b = row_block(q, k, G, beta, KG, QG, W, t0, n_t, i_h, i_hv, scale, x_scale, b_r, b_e, b_Gl,
+                                      i_i, H, HV, K, BC, BK, PACKED)
     if not REPLAY:
         b_m = 0.5 * (b_r + b_e)
         b_kp, b_qp = b_kp.to(dt), b_qp.to(dt)
         for i_j in range(0, i_i):
-            b_c = key_columns(k, G, t0, n_t, i_h, i_hv, i_j, b_m, H, HV, K, BC, BK)
+            b_c = key_columns(k, G, E, t0, n_t, i_c, i_h, i_hv, i_j, b_m, x_scale, H, HV, K, BT, BC, BK, PACKED)
             score_block(b_kp, b_qp, b_c, b_b, L, Aqk, t0, n_t, i_hv, i_i, i_j, HV, BT, BC, PREC, False)
         score_block(b_kp, b_qp, b_kq, b_b, L, Aqk, t0, n_t, i_hv, i_i, i_i, HV, BT, BC, PREC, True)
         # Aqk's blocks right of the diagonal are zero (causal).
@@ -378,14 +429,29 @@ def kda_inverse_wu_fwd_kernel(
 
 
 @triton.jit
+def chunk_decay(G, t0, n_t, c, i_hv, o_k1, o_k2, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr, GATE_ENDS: tl.constexpr):
+    """``chunk_decay_halves`` of chunk c (tokens t0 .. t0 + n_t; none: decay 1), from G, or with
+    ``GATE_ENDS`` from the gate kernel's sub-tile ends E [NT, HV, BT // BC, K] passed as G."""
+    if GATE_ENDS:
+        p_e = G + ((c * HV + i_hv) * (BT // BC) + BT // BC - 1) * K
+        b_g1 = tl.load(p_e + o_k1, mask=(o_k1 < K) & (n_t > 0), other=0.0)
+        b_g2 = tl.load(p_e + o_k2, mask=(o_k2 < K) & (n_t > 0), other=0.0)
+        return tl.exp(b_g1), tl.exp(b_g2)
+    return chunk_decay_halves(G, t0, n_t, i_hv, o_k1, o_k2, HV, K)
+
+
+@triton.jit
 def kda_state_fwd_kernel(
-    W, U, KG, G, h, Vn, h0, ht,  # W, KG [T, HV, K]; U [T, HV, VU]; Vn [T, HV, V]; G fp32 [T, HV, K];
+    W, U, KG, G, h, Vn, h0, ht,  # W, KG [T, HV, K]; U [T, HV, VU]; Vn [T, HV, V]; G fp32 [T, HV, K] (with
+                                 # GATE_ENDS the sub-tile ends E [NT, HV, BT // BC, K]);
                                  # h [NT, HV, K, V] state before each chunk; h0, ht fp32 [N, HV, K, V]
     QG, Aqk, o,  # QG [T, HV, K], Aqk [T, HV, BT], o [T, HV, V] (OUTPUT)
     cu_seqlens, chunk_offsets,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VU: tl.constexpr, BT: tl.constexpr,
     BKH: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
     STORE_STATES: tl.constexpr, OUTPUT: tl.constexpr, PREFETCH: tl.constexpr, PREC: tl.constexpr,
+    BC: tl.constexpr, GATE_ENDS: tl.constexpr,
 ):
     # The state is held as two halves of BKH rows of K (S1 over K rows [0, BKH), S2 over [BKH, 2 BKH)):
     # two independent products per step, half the registers each (measured on an H200 at B4 T8192 H16:
@@ -416,14 +482,14 @@ def kda_state_fwd_kernel(
     if PREFETCH:
         n_t = tl.minimum(eos - bos, BT).to(tl.int32)
         b_u = load_rows(U, bos, n_t, o_t, HV * VU, i_hv * VU, o_u, VU, False).to(dt)
-        b_d1, b_d2 = chunk_decay_halves(G, bos, n_t, i_hv, o_k1, o_k2, HV, K)
+        b_d1, b_d2 = chunk_decay(G, bos, n_t, c0, i_hv, o_k1, o_k2, HV, K, BT, BC, GATE_ENDS)
     for i_j in range(NT):
         t0 = bos + i_j * BT
         n_t = tl.minimum(eos - t0, BT).to(tl.int32)
         if PREFETCH:
             n_n = tl.minimum(eos - t0 - BT, BT).to(tl.int32)
             b_un = load_rows(U, t0 + BT, n_n, o_t, HV * VU, i_hv * VU, o_u, VU, False).to(dt)
-            b_dn1, b_dn2 = chunk_decay_halves(G, t0 + BT, n_n, i_hv, o_k1, o_k2, HV, K)
+            b_dn1, b_dn2 = chunk_decay(G, t0 + BT, n_n, c0 + i_j + 1, i_hv, o_k1, o_k2, HV, K, BT, BC, GATE_ENDS)
         if STORE_STATES:
             p_h = h + (c0 + i_j) * HV * K * V
             tl.store(p_h + o_s1, b_S1.to(h.dtype.element_ty), mask=m_1)
@@ -448,7 +514,7 @@ def kda_state_fwd_kernel(
                           input_precision=PREC)
             store_rows(o, b_o, t0, n_t, o_t, HV * V, i_hv * V, o_v, V)
         if not PREFETCH:
-            b_d1, b_d2 = chunk_decay_halves(G, t0, n_t, i_hv, o_k1, o_k2, HV, K)
+            b_d1, b_d2 = chunk_decay(G, t0, n_t, c0 + i_j, i_hv, o_k1, o_k2, HV, K, BT, BC, GATE_ENDS)
         b_kg1 = load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k1, K, False).to(dt)
         b_kg2 = load_rows(KG, t0, n_t, o_t, HV * K, i_hv * K, o_k2, K, False).to(dt)
         b_S1 = b_S1 * b_d1[:, None] + tl.dot(tl.trans(b_kg1), b_v, input_precision=PREC)
@@ -469,7 +535,7 @@ def kda_state_fwd_kernel(
 # Elsewhere the cap would spill more (offline sm_90: 1272 B at K = 256, 456 B with float32
 # intermediates), so for K > 128 and float32 intermediates the warps are timed, as before.
 SCORES_LAUNCH = dict(num_warps=2, num_stages=2, maxnreg=168)
-kda_scores_fwd_tuned = triton.autotune(configs=warp_configs(4, 2, 8), key=["grid_log2", "H", "HV", "K", "REPLAY"])(
+kda_scores_fwd_tuned = triton.autotune(configs=warp_configs(4, 2, 8), key=["grid_log2", "H", "HV", "K", "REPLAY", "PACKED"])(
     kda_scores_fwd_kernel)
 
 
@@ -493,27 +559,55 @@ def block_sizes(K: int, V: int) -> tuple[int, int]:
 
 def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, chunk_indices, dtype,
                   keep_t=True):
-    """Launch the intra stage (``kda_gate_fwd_kernel``, ``kda_scores_fwd_kernel``, then
-    ``kda_inverse_fwd_kernel`` and ``kda_wu_fwd_kernel``, or ``kda_inverse_wu_fwd_kernel`` in their place
-    when T is not kept and the intermediates are 16-bit); inputs flattened to [T, heads, D]; ``dtype`` is
-    the intermediates' (``flash_kda.intermediate_dtype``). ``keep_t``: also return T (a backward needs it).
-    Returns (G, Tinv or None, Aqk, W, U, KG, QG)."""
+    """Launch the intra stage (``kda_gate_fwd``, ``kda_scores_fwd_kernel``, then ``kda_inverse_fwd_kernel``
+    and ``kda_wu_fwd_kernel``); inputs flattened to [T, heads, D]; ``dtype`` is the intermediates'
+    (``flash_kda.intermediate_dtype``). ``keep_t``: also return T (a backward needs it). When T is not
+    kept and the intermediates are 16-bit (an inference forward), the gate is packed and
+    ``kda_inverse_wu_fwd_kernel`` runs in place of the last two.
+
+    Returns (G, Tinv or None, Aqk, W, U, KG, QG); G is float32 [T, HV, K], or for the packed gate its
+    sub-tile ends E [NT, HV, BT // BC, K] (what ``kda_state_fwd`` then reads)."""
+    T, HV, K = z.shape
+    inference = not keep_t and dtype != torch.float32
+    G, E, x_scale = kda_gate_fwd(z, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
+                                 exact_sum=dtype == torch.float32, packed=inference)
+    L = torch.empty(T, HV, BT, device=z.device, dtype=torch.float32)
+    Tinv = None if inference else torch.empty(T, HV, BT, device=z.device, dtype=dtype)
+    Aqk = torch.empty(T, HV, BT, device=z.device, dtype=dtype)
+    W, U, KG, QG = _launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indices, dtype,
+                                 replay=False, E=E, x_scale=x_scale)
+    return (G if E is None else E), Tinv, Aqk, W, U, KG, QG
+
+
+def kda_gate_fwd(z, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, exact_sum, packed):
+    """Launch ``kda_gate_fwd_kernel``: the gate's in-chunk cumsum G of z [T, HV, K]. Returns (G, E, step):
+    G float32 [T, HV, K] and E None, or when ``packed`` the int16 codes [T, HV, K] of G relative to each
+    16-row sub-tile's start, its ends E float32 [NT, HV, BT // BC, K] and the codes' step
+    (``packed_gate_scale``). The packed gate halves G's bytes for the scores kernel, which rebuilds G
+    from it (on an H200 at B8 T4096 H64, bf16: gate 444 -> 411 us, scores 1966 -> 1758 us, forward
+    4.73 -> 4.51 ms; flash_kda_h200_session22.json)."""
     T, HV, K = z.shape
     NT = chunk_indices.shape[0]
-    G = torch.empty(T, HV, K, device=z.device, dtype=torch.float32)
-    # K tiles of 64 at 4 warps: on an H200 at K = 128 the fastest of 16-128 x 1-8 warps (B4 T8192 H16:
-    # 114.5 us, against 131.7 for tiles of 32; flash_kda_h200_session13.json).
-    BKG = min(64, block_sizes(K, K)[0])
+    G = torch.empty(T, HV, K, device=z.device, dtype=torch.int16 if packed else torch.float32)
+    E = torch.empty(NT, HV, BT // BC, K, device=z.device, dtype=torch.float32) if packed else None
+    x_scale = packed_gate_scale(lower_bound)
+    # G: K tiles of 64 at 4 warps, on an H200 at K = 128 the fastest of 16-128 x 1-8 warps (B4 T8192 H16:
+    # 114.5 us, against 131.7 for tiles of 32; flash_kda_h200_session13.json). The packed gate's
+    # row-by-row walk: tiles of 128 at 2 warps, the fastest of 32-256 x 1-4 (flash_kda_h200_session22.json).
+    BKG, warps = (min(128, block_sizes(K, K)[0]), 2) if packed else (min(64, block_sizes(K, K)[0]), 4)
     kda_gate_fwd_kernel[(triton.cdiv(K, BKG), NT, HV)](
-        z, A_log, dt_bias, G, cu_seqlens, chunk_indices, lower_bound, HV=HV, K=K, HAS_BIAS=dt_bias is not None,
-        BT=BT, BKG=BKG, EXACT_SUM=dtype == torch.float32, num_warps=4,
+        z, A_log, dt_bias, G, E, cu_seqlens, chunk_indices, lower_bound, x_scale, HV=HV, K=K,
+        HAS_BIAS=dt_bias is not None, BT=BT, BC=BC, BKG=BKG, EXACT_SUM=exact_sum, PACKED=packed, num_warps=warps,
     )
-    L = torch.empty(T, HV, BT, device=z.device, dtype=torch.float32)
-    fused = not keep_t and dtype != torch.float32
-    Tinv = None if fused else torch.empty(T, HV, BT, device=z.device, dtype=dtype)
-    Aqk = torch.empty(T, HV, BT, device=z.device, dtype=dtype)
-    return (G, Tinv, Aqk, *_launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indices, dtype,
-                                         replay=False))
+    return G, E, x_scale
+
+
+def packed_gate_scale(lower_bound: float) -> float:
+    """The step of the packed gate's int16 code x = (G - r) / step + 32767 (r: G before the row's 16-row
+    sub-tile, so G - r is in [16 lower_bound, 0]): the code's 65535 values cover that with 0.01% to
+    spare, so G is rebuilt to within step / 2 (6.1e-4 at -5), a factor exp(+-6.1e-4) in every decay term,
+    beside bf16's rounding of the products they enter (up to 3.9e-3)."""
+    return 16.0 * abs(lower_bound) * 1.0001 / 65534
 
 
 def kda_intra_replay(q, k, v, beta, G, Tinv, scale, cu_seqlens, chunk_indices, dtype):
@@ -524,7 +618,8 @@ def kda_intra_replay(q, k, v, beta, G, Tinv, scale, cu_seqlens, chunk_indices, d
     return _launch_intra(q, k, v, beta, G, G, Tinv, G, scale, cu_seqlens, chunk_indices, dtype, replay=True)
 
 
-def _launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indices, dtype, replay):
+def _launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indices, dtype, replay, E=None,
+                  x_scale=1.0):
     """The scores, then T and W/U: from ``Tinv`` when replaying, else computed and stored in ``Tinv``, or
     (``Tinv`` None) fused into one kernel that does not store it."""
     T, H, K = k.shape
@@ -537,8 +632,9 @@ def _launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indic
     capped = BK <= 128 and W.element_size() == 2
     scores, launch = (kda_scores_fwd_kernel, SCORES_LAUNCH) if capped else (kda_scores_fwd_tuned, {})
     scores[(BT // BC, NT, HV)](
-        q, k, beta, G, L, Aqk, W, KG, QG, cu_seqlens, chunk_indices, scale, grid_log2(NT * HV * BT // BC), H=H,
-        HV=HV, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, REPLAY=replay, **launch,
+        q, k, beta, G, E, L, Aqk, W, KG, QG, cu_seqlens, chunk_indices, scale, x_scale,
+        grid_log2(NT * HV * BT // BC), H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, PREC=prec, REPLAY=replay,
+        PACKED=E is not None, **launch,
     )
     grid, log2 = (NT, HV), grid_log2(NT * HV)
     diag, block = inverse_precisions(W.dtype == torch.float32)
@@ -558,7 +654,8 @@ def _launch_intra(q, k, v, beta, G, L, Tinv, Aqk, scale, cu_seqlens, chunk_indic
 def kda_state_fwd(W, U, KG, G, h0, output_final_state, cu_seqlens, chunk_offsets, NT, h=None, Vn=None,
                   lead=0, store_states=True, output=None):
     """Launch ``kda_state_fwd_kernel``. Returns (h [NT, HV, K, V'], Vn [T, HV, V'], final state or None),
-    V' = lead + U's width; h and Vn are None when not ``store_states``.
+    V' = lead + U's width; h and Vn are None when not ``store_states``. ``G``: float32 [T, HV, K], or the
+    packed gate's sub-tile ends [NT, HV, BT // BC, K] (``kda_intra_fwd``'s first result either way).
 
     ``output`` = (QG, Aqk, o): also write the output O = (Gamma Q) S + Aqk V~ of every chunk into ``o``
     [T, HV, V] while its state is in registers; with ``store_states`` too (a training forward) h and V~
@@ -585,7 +682,7 @@ def kda_state_fwd(W, U, KG, G, h0, output_final_state, cu_seqlens, chunk_offsets
         W, U, KG, G, h if store_states else W, Vn if store_states else W, h0, ht, QG, Aqk, o, cu_seqlens,
         chunk_offsets, HV=HV, K=K, V=V, VU=VU, BT=BT, BKH=state_half(K), BV=BV, USE_H0=h0 is not None,
         STORE_HT=output_final_state, STORE_STATES=store_states, OUTPUT=output is not None,
-        PREFETCH=state_prefetch(BV, store_states), PREC=dot_precision(W.dtype, W.device),
-        num_warps=4, num_stages=3 if W.element_size() == 2 else 2,
+        PREFETCH=state_prefetch(BV, store_states), PREC=dot_precision(W.dtype, W.device), BC=BC,
+        GATE_ENDS=G.dim() == 4, num_warps=4, num_stages=3 if W.element_size() == 2 else 2,
     )
     return (h, Vn, ht) if store_states else (None, None, ht)
