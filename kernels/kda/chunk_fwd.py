@@ -535,8 +535,8 @@ def kda_state_fwd_kernel(
 # Elsewhere the cap would spill more (offline sm_90: 1272 B at K = 256, 456 B with float32
 # intermediates), so for K > 128 and float32 intermediates the warps are timed, as before.
 SCORES_LAUNCH = dict(num_warps=2, num_stages=2, maxnreg=168)
-kda_scores_fwd_tuned = triton.autotune(configs=warp_configs(4, 2, 8), key=["grid_log2", "H", "HV", "K", "REPLAY", "PACKED"])(
-    kda_scores_fwd_kernel)
+kda_scores_fwd_tuned = triton.autotune(configs=warp_configs(4, 2, 8),
+                                       key=["grid_log2", "H", "HV", "K", "REPLAY", "PACKED"])(kda_scores_fwd_kernel)
 
 
 def inverse_precisions(exact: bool) -> tuple[str, str]:
