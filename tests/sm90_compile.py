@@ -21,12 +21,14 @@ from k3lab.kernels.kda import chunk_bwd as cb
 from k3lab.kernels.kda import chunk_fwd as cf
 
 BF, F32, I32 = "*bf16", "*fp32", "*i32"
-SCALARS = dict(cu_seqlens=I32, chunk_indices=I32, chunk_offsets=I32, scale="fp32", lower_bound="fp32", grid_log2="i32")
+SCALARS = dict(cu_seqlens=I32, chunk_indices=I32, chunk_offsets=I32, scale="fp32", lower_bound="fp32", grid_log2="i32",
+               x_scale="fp32")
 SHAPE = dict(HV=16, K=128, V=128, BT=64)
 SCORES = dict(q=BF, k=BF, beta=BF, G=F32, L=F32, Aqk=BF, W=BF, KG=BF, QG=BF)
-SCORES_C = dict(H=16, HV=16, K=128, BT=64, BC=16, BK=128, PREC="tf32")
+SCORES_C = dict(H=16, HV=16, K=128, BT=64, BC=16, BK=128, PREC="tf32", E=None, PACKED=False)
 STATE = dict(W=BF, U=BF, KG=BF, G=F32, h=BF, Vn=BF, h0=F32, ht=F32, QG=BF, Aqk=BF, o=BF)
-STATE_C = dict(SHAPE, VU=128, BKH=64, BV=64, USE_H0=True, STORE_HT=True, PREFETCH=False, PREC="tf32")
+STATE_C = dict(SHAPE, VU=128, BKH=64, BV=64, USE_H0=True, STORE_HT=True, PREFETCH=False, PREC="tf32", BC=16,
+               GATE_ENDS=False)
 def inverse_precs(exact: bool) -> dict:
     """The UT inverse's precision constexprs as its launcher passes them."""
     return dict(zip(("DIAG_PREC", "BLOCK_PREC"), cf.inverse_precisions(exact)))
@@ -34,11 +36,17 @@ def inverse_precs(exact: bool) -> dict:
 
 KERNELS = {
     "gate_fwd": (cf.kda_gate_fwd_kernel, dict(z=BF, A_log=F32, dt_bias=F32, G=F32),
-                 dict(HV=16, K=128, HAS_BIAS=True, BT=64, BKG=64, EXACT_SUM=False)),
+                 dict(HV=16, K=128, HAS_BIAS=True, BT=64, BC=16, BKG=64, EXACT_SUM=False, E=None, PACKED=False)),
     "gate_fwd_fp32": (cf.kda_gate_fwd_kernel, dict(z=F32, A_log=F32, dt_bias=F32, G=F32),
-                      dict(HV=16, K=128, HAS_BIAS=True, BT=64, BKG=64, EXACT_SUM=True)),
+                      dict(HV=16, K=128, HAS_BIAS=True, BT=64, BC=16, BKG=64, EXACT_SUM=True, E=None, PACKED=False)),
+    "gate_fwd_packed": (cf.kda_gate_fwd_kernel, dict(z=BF, A_log=F32, dt_bias=F32, G="*i16", E=F32),
+                        dict(HV=16, K=128, HAS_BIAS=True, BT=64, BC=16, BKG=128, EXACT_SUM=False, PACKED=True),
+                        dict(num_warps=2)),
     "scores_fwd": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, REPLAY=False), cf.SCORES_LAUNCH),
     "scores_replay": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, REPLAY=True), cf.SCORES_LAUNCH),
+    "scores_fwd_packed": (cf.kda_scores_fwd_kernel, dict(SCORES, G="*i16", E=F32),
+                          {**{k: v for k, v in SCORES_C.items() if k != "E"}, "REPLAY": False, "PACKED": True},
+                          cf.SCORES_LAUNCH),
     "scores_fwd_K256": (cf.kda_scores_fwd_kernel, SCORES, dict(SCORES_C, K=256, BK=256, REPLAY=False)),
     "scores_fwd_fp32": (cf.kda_scores_fwd_kernel, dict.fromkeys(SCORES, F32), dict(SCORES_C, PREC="bf16x3",
                                                                                    REPLAY=False)),
@@ -53,6 +61,8 @@ KERNELS = {
     "state_fwd": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=False, OUTPUT=True)),
     "state_fwd_BV16": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, BV=16, PREFETCH=True, STORE_STATES=False,
                                                             OUTPUT=True)),
+    "state_fwd_gate_ends": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=False, OUTPUT=True,
+                                                                 GATE_ENDS=True)),
     "state_train": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=True, OUTPUT=True)),
     "state_replay": (cf.kda_state_fwd_kernel, STATE, dict(STATE_C, STORE_STATES=True, OUTPUT=False)),
     "state_bwd": (cb.kda_state_bwd_kernel, dict(QG=BF, KG=BF, W=BF, G=F32, Aqk=BF, do=BF, dh=BF, dVn=BF, dht=F32,

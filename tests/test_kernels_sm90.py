@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-N_KERNELS = 22  # sm90_compile.KERNELS: gate fwd (bf16, and float32 with the float64 sum); scores (forward,
-#                replay; K = 256 and float32 at 4 warps); UT inverse (bf16, and float32 in full fp32),
+N_KERNELS = 25  # sm90_compile.KERNELS: gate fwd (bf16, float32 with the float64 sum, packed); scores (forward,
+#                replay, packed; K = 256 and float32 at 4 warps); UT inverse (bf16, and float32 in full fp32),
 #                W/U, the inverse and W/U fused (bf16); state fwd (inference at V tiles of 64 and, with
-#                prefetch, 16; training; replay); state bwd, dq/dk, dW/dv, intra bwd, gate bwd, q/k norm
+#                prefetch, 16; from the packed gate's ends; training; replay); state bwd, dq/dk, dW/dv, intra bwd, gate bwd, q/k norm
 #                bwd; the training state fwd and the state bwd at K = 256, one pipeline stage
 H200_SHARED_MEMORY = 232448  # bytes a program may use (227 KiB)
 
