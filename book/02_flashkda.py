@@ -18,8 +18,8 @@
 # different lengths, `cu_seqlens`), GVA (more value heads than query/key heads) and states; and
 # measures it honestly against fla-core 0.6.0 on an H200. The targets (the project's issue 3): a
 # forward at least 1.5x fla's and a forward+backward at least 1.2x, at every one of 27 shapes
-# (B ∈ {1, 4, 8}, T ∈ {4K, 8K, 32K}, H ∈ {16, 32, 64}, K = V = 128, bf16). Section 5 shows where
-# they are met and where not yet.
+# (B ∈ {1, 4, 8}, T ∈ {4K, 8K, 32K}, H ∈ {16, 32, 64}, K = V = 128, bf16). Section 5 shows them met
+# at every shape where fla runs.
 #
 # 1. Why the chunkwise form maps onto tensor cores (arithmetic intensity).
 # 2. Why K3's lower-bounded gate keeps `1/Γ` inside bf16's range on 16-token sub-tiles (a plot and an
@@ -534,9 +534,10 @@ for label, kwargs in (
 # gate/norm/sigmoid fused, `safe_gate=True`) with `triton.testing.do_bench` (the forward under
 # `no_grad`, so it stores nothing for a backward), and writes `data/results/flash_kda_h200.json`. The
 # committed file covers all 27 of the issue's shapes (B ∈ {1, 4, 8}, T ∈ {4K, 8K, 32K},
-# H ∈ {16, 32, 64}): 23 timed in session 22 on the kernels at 8a6a5ac (the packed gate of section 3b
-# and, with no backward, the fused inverse + W/U), and four (B1 T32768 H16/H32/H64, B8 T32768 H32,
-# marked `*`) from session 21's sweep of the kernels before both, because the GPU budget ran out.
+# H ∈ {16, 32, 64}), all on the kernels of 8a6a5ac (the packed gate of section 3b and, with no
+# backward, the fused inverse + W/U): 21 timed in session 22, and six (marked `+`) in session 23 at
+# HEAD c9cdd3d, whose kernels are the same: the four that session 22's GPU budget did not reach
+# (B1 T32768 H16/H32/H64, B8 T32768 H32), and B1 T4096 H16/H32 again, with fla live beside them.
 # fla autotunes for minutes per new shape, so the sweep timed ours only and took fla's times from the live runs of the same benchmark on
 # the same GPU model (`--fla-from`), per shape the newest; the last column says which run. fla ran
 # out of GPU memory at B8 T32768 H64; ours ran there.
@@ -567,40 +568,51 @@ def speed_table(rows):
               f"{fmt(c['ours_peak_mib'], '8.0f')} {fmt(c['fla_peak_mib'], '8.0f')} | {run}")
 
 
-old_kernels = sorted((c["B"], c["T"], c["H"]) for c in cases if not c["kernels"].startswith("8a6a5ac"))
-assert old_kernels == [(1, 32768, 16), (1, 32768, 32), (1, 32768, 64), (8, 32768, 32)]
+session23 = sorted((c["B"], c["T"], c["H"]) for c in cases if c["kernels"].startswith("c9cdd3d"))
+assert session23 == [(1, 4096, 16), (1, 4096, 32), (1, 32768, 16), (1, 32768, 32), (1, 32768, 64), (8, 32768, 32)]
+assert all(c["kernels"].startswith(("8a6a5ac", "c9cdd3d")) for c in cases)
 speed_table([(c, (c.get("fla_times_from") or "-")[:16].replace("T", " ")
-              + (" *" if (c["B"], c["T"], c["H"]) in old_kernels else "")) for c in cases])
+              + (" +" if (c["B"], c["T"], c["H"]) in session23 else "")) for c in cases])
 timed = [c for c in cases if c["fla_fwd_ms"] is not None]
 ratios = [(c["speedup_fwd"], c["speedup_fwd_bwd"]) for c in timed]
 fast_fwd = sorted((c["B"], c["T"], c["H"]) for c in timed if c["speedup_fwd"] >= 1.5)
 print(f"\nforward+backward {min(b for _, b in ratios):.2f}-{max(b for _, b in ratios):.2f}x at all {len(timed)} shapes "
       f"with an fla time; forward {min(f for f, _ in ratios):.2f}-{max(f for f, _ in ratios):.2f}x, >= 1.5x at {fast_fwd}")
 assert len(timed) == 26 and all(c["ours_peak_mib"] < c["fla_peak_mib"] for c in timed)
-slow_fwd = sorted((c["B"], c["T"], c["H"]) for c in timed if c["speedup_fwd"] < 1.5)
-assert slow_fwd == [(1, 4096, 32), *old_kernels[:3]]
+assert all(f >= 1.5 and b >= 1.2 for f, b in ratios)
 # The smallest shapes cost more on the host (Python launching the Triton kernels and, for the
-# backward, the autograd graph) than on the GPU, so their times measure the host and swing between
-# calls and machines. In this sweep B1 T4096 H32's forward took 0.605 ms, B1 T4096 H64's, with twice
-# its GPU work, 0.589 and B1 T4096 H16's 0.233 (0.697 in the previous sweep). In session 21 the same
+# backward, the autograd graph) than on the GPU, or about as much, so their times measure the host
+# and swing between calls and machines. Session 22's sweep timed B1 T4096 H32's forward at 0.605 ms,
+# more than B1 T4096 H64's 0.589 for half its GPU work. In session 23 one call timed it at 0.345 ms,
+# the same as one CUDA graph replay of the forward (0.343 ms: the kernels alone, no launches from
+# Python), and the next at 0.468 ms, with fla at 1.636 ms in the same call (3.49x; the table keeps
+# fla's faster 0.775 from an earlier call, and ours' slower 0.468: 1.66x). In session 21 the same
 # benchmark timed B1 T4096 H16 at 0.348 ms forward, 2.392 ms forward+backward, with fla live beside
 # it (1.099 and 4.937 ms: 3.16x and 2.06x), and a profile of the host there (`host_time_small_shapes`
 # in flash_kda_h200_session21.json) found 0.36 ms of host time per forward at H16 and 0.58 ms at
 # B1 T4096 H32, against 0.21 and 0.35 ms of GPU kernels. Earlier calls (`small_shapes_host_bound` in
 # flash_kda_h200_session14.json, `small_shapes_host_time` in flash_kda_h200_session16.json) found
 # the same. Below, four timings from session 11's calls (older kernels,
-# `flash_kda_h200_session11_small.json`) and session 21's same-call run:
+# `flash_kda_h200_session11_small.json`) and the same-call runs of sessions 21 and 23
+# (`flash_kda_h200_session23.json`):
 host_bound = [(1, 4096, 16), (1, 4096, 32), (1, 4096, 64), (1, 8192, 16), (4, 4096, 16)]
 assert all(b >= 1.2 for (f, b), c in zip(ratios, timed) if (c["B"], c["T"], c["H"]) not in host_bound)
 again = json.loads(Path(results_path).with_name("flash_kda_h200_session11_small.json").read_text())
 s21 = json.loads(Path(results_path).with_name("flash_kda_h200_session21.json").read_text())
+s23 = json.loads(Path(results_path).with_name("flash_kda_h200_session23.json").read_text())
+same_call = s21["same_call_with_fla_small"]["cases"] + s23["same_call_with_fla_small"]["cases"]
 speed_table([(c, "session 11") for c in again["cases"]]
-            + [(c, "same call, session 21") for c in s21["same_call_with_fla_small"]["cases"]])
-assert all(c["speedup_fwd_bwd"] >= 1.2 for c in again["cases"] + s21["same_call_with_fla_small"]["cases"])
+            + [(c, f"same call, session {21 if c in s21['same_call_with_fla_small']['cases'] else 23}") for c in same_call])
+assert all(c["speedup_fwd_bwd"] >= 1.2 for c in again["cases"] + same_call)
+assert all(c["speedup_fwd"] >= 3 for c in same_call)
+profile = s23["host_profile_1x4096x32"]
+print("session 23, B1 T4096 H32 forward, us:", {n: {k: profile[n][k] for k in ("do_bench_us", "cuda_graph_replay_us")}
+                                                 for n in ("call_1", "call_2")})
+assert all(abs(profile[n]["do_bench_us"] / profile[n]["cuda_graph_replay_us"] - 1) < 0.02 for n in ("call_1", "call_2"))
 previous = {(c["B"], c["T"], c["H"]): c for c in
             json.loads(Path(results_path).with_name("flash_kda_h200_session21_sweep.json").read_text())["cases"]}
-gpu_bound = [c for c in cases if (c["B"], c["T"], c["H"]) not in host_bound + old_kernels]
-for mode, lo, hi in (("ours_fwd_ms", -0.08, -0.05), ("ours_fwd_bwd_ms", -0.01, 0.01)):
+gpu_bound = [c for c in cases if (c["B"], c["T"], c["H"]) not in host_bound]
+for mode, lo, hi in (("ours_fwd_ms", -0.08, -0.04), ("ours_fwd_bwd_ms", -0.01, 0.01)):
     change = [c[mode] / previous[c["B"], c["T"], c["H"]][mode] - 1 for c in gpu_bound]
     print(f"{mode} against the previous sweep, {len(change)} re-timed shapes the GPU bounds: "
           f"{min(change):+.1%} to {max(change):+.1%}")
@@ -633,12 +645,11 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 # (float64 reference, fixed-length and varlen) passed in the sweep's call, with outputs 3.93e-3
 # (bound 5e-3; 3.92e-3 without autograd), final state 2.93e-3 and every gradient ≤ 3.71e-3 (bound
 # 1e-2). Forward+backward clears the issue's 1.2x floor at every shape (1.28x at the lowest, B8 T4096
-# H64); peak memory is 23% below fla's at every shape. The forward is ≥ 1.5x at 22 of the 26 shapes
-# with an fla time, 1.51–1.55x for H64 and 1.61–1.65x for H16 and H32 at B ≥ 4. Below it: B1 T4096 H32
-# (1.28x, host-bound: 0.605 ms for less GPU work than B1 T4096 H64's 0.589), and the three B1 T32768
-# rows, which are session 21's times (1.45–1.46x): the packed gate took the re-timed shapes the GPU
-# bounds 5.7–6.5% lower, which at those rows would be about 1.54–1.56x, but they were not timed. So
-# issue 3 stays open until they are, and until B1 T4096 H32's host time is below fla's by 1.5x.
+# H64 and B1 T32768 H32); peak memory is 23% below fla's at every shape. The forward clears the 1.5x
+# floor at all 26 shapes with an fla time: 1.51–1.55x for H64 and for B1 T8192/T32768, 1.61–1.65x for
+# H16 and H32 at B ≥ 4, and 1.66–2.44x at the host-bound shapes. Against session 21's sweep, the
+# shapes the GPU bounds (all but the five host-bound ones) now take 4.3–6.5% less time forward: the
+# packed gate and the fused inverse + W/U. FlashKDA's 1.8x remains a goal for the shapes the GPU bounds.
 #
 # The rows re-timed here against session 21's sweep (`flash_kda_h200_session21_sweep.json`) are the
 # packed gate together with the fused inverse + W/U, which that sweep predates: a forward with no
