@@ -28,3 +28,30 @@ def test_bad_numbers_stop_at_parsing(module, argv, match, capsys):
 
 def test_shape_bth():
     assert shape_bth("4x8192x16") == (4, 8192, 16)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--check-only", "--skip-check"], "not allowed with argument"),
+    (["--fla-from", "x.json"], "--fla-from needs --no-fla"),
+    (["--cases"], "--cases: expected at least one argument"),
+    (["--K", "257"], "--K: flash_kda supports K <= 256, got 257"),
+])
+def test_flash_kda_bench_refuses_contradictions(argv, match, capsys):
+    """These ran: --check-only --skip-check timed every case and rewrote the committed JSON; --fla-from
+    without --no-fla was ignored; an empty --cases timed nothing; K = 257 failed after the check."""
+    from k3lab.bench.flash_kda import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_flash_kda_bench_head_dim_limit_is_the_kernels():
+    import k3lab
+
+    k3lab.setup(verbose=False)
+    from k3lab.bench.flash_kda import MAX_K as bench_max_k
+    from k3lab.kernels.kda.flash_kda import MAX_K
+
+    assert bench_max_k == MAX_K

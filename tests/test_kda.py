@@ -406,6 +406,8 @@ def _bad_more(name):
         extra["scale"] = -0.5 if name == "scale_negative" else 0.0
     elif name == "final_state_not_bool":
         extra["output_final_state"] = x["initial_state"]
+    elif name == "final_state_numpy_bool":
+        extra["output_final_state"] = np.bool_(True)
     elif name == "all_meta":
         x = {k: t.to("meta") for k, t in x.items()}
     elif name == "int_state":
@@ -420,7 +422,9 @@ BAD_MORE = {"int_q": "q", "int_all": "q", "bool_beta": "beta", "B0": "B", "H0": 
             "state_list": "initial_state", "state_other_device": "initial_state", "scale_nan": "scale",
             "scale_inf": "scale", "all_meta": "meta device", "int_state": "initial_state must be a floating-point",
             "scale_negative": "scale must be a finite positive", "scale_zero": "scale must be a finite positive",
-            "final_state_not_bool": "output_final_state must be a bool, got Tensor"}
+            "final_state_not_bool": "output_final_state must be a bool, got Tensor",
+            # said "must be a bool, got bool"
+            "final_state_numpy_bool": "output_final_state must be a bool, got numpy.bool"}
 
 
 @pytest.mark.parametrize("fn", [naive_recurrent_kda, chunk_kda], ids=["naive", "chunk"])

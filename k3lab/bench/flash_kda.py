@@ -32,6 +32,17 @@ LOWER_BOUND = -5.0
 BASELINE_CASES = ["1x8192x16", "4x8192x16", "1x32768x32", "8x4096x32"]
 DEFAULT_OUT = "data/results/flash_kda_h200.json"
 OUT_TOL, GRAD_TOL = 5e-3, 1e-2
+# flash_kda's MAX_K, here so that parsing the command line loads no kernels (tests/test_bench_cli.py
+# checks that the two agree).
+MAX_K = 256
+
+
+def head_dim(text: str) -> int:
+    """argparse type: a head dim in [1, MAX_K]."""
+    K = positive_int(text)
+    if K > MAX_K:
+        raise argparse.ArgumentTypeError(f"flash_kda supports K <= {MAX_K}, got {K}")
+    return K
 
 
 def reference(q, k, v, z, beta, A_log, dt_bias, initial_state=None, cu_seqlens=None, lower_bound=LOWER_BOUND):
@@ -307,13 +318,15 @@ def versions() -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m k3lab.bench.flash_kda", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", nargs="*", type=shape_bth, default=None,
+    p.add_argument("--cases", nargs="+", type=shape_bth, default=None,
                    help=f"shapes BxTxH (K = V = --K, HV = H); default {' '.join(BASELINE_CASES)}")
-    p.add_argument("--K", type=positive_int, default=128, help="key and value head dim")
+    p.add_argument("--K", type=head_dim, default=128, help="key and value head dim of the timed cases, <= 256 "
+                   "(the correctness check runs at K = V = 128)")
     p.add_argument("--out", default=None, help=f"where the JSON goes ('' = nowhere); default {DEFAULT_OUT} for "
                    "the default cases, nowhere with --cases (a one-shape try must not replace the committed sweep)")
-    p.add_argument("--check-only", action="store_true", help="run the correctness check and stop")
-    p.add_argument("--skip-check", action="store_true", help="skip the correctness check")
+    check = p.add_mutually_exclusive_group()
+    check.add_argument("--check-only", action="store_true", help="run the correctness check and stop")
+    check.add_argument("--skip-check", action="store_true", help="skip the correctness check")
     p.add_argument("--no-fla", action="store_true", help="time ours only")
     p.add_argument("--rep", type=positive_int, default=100, help="do_bench rep (ms of timed runs)")
     p.add_argument("--stages", action="store_true", help="print each kernel's time, registers and spills "
@@ -322,6 +335,8 @@ def main(argv=None) -> dict:
                    "from earlier result JSONs of this benchmark, the first file that has a shape winning (fla "
                    "autotunes for minutes per shape)")
     args = p.parse_args(argv)
+    if args.fla_from and not args.no_fla:
+        p.error("--fla-from needs --no-fla (without it fla is timed live)")
     if args.out is None:
         args.out = DEFAULT_OUT if args.cases is None else ""
     args.cases = args.cases if args.cases is not None else [shape_bth(c) for c in BASELINE_CASES]

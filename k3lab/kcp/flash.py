@@ -309,7 +309,7 @@ def kcp_flash_kda(
     check_initial_state(initial_state, (ctx.N, HV, K, V), q.device)
     if fold not in FOLDS:
         raise ValueError(f"fold must be one of {FOLDS}, got {fold!r}")
-    check_gate_args(q, k, v, A_log, dt_bias, lower_bound)
+    check_gate_args(q, k, v, A_log, dt_bias, lower_bound, scale)
     if check_values:
         check_finite(q=q, k=k, v=v, g=z, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
     scale = K**-0.5 if scale is None else float(scale)

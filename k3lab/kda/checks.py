@@ -127,7 +127,10 @@ def check_kda_inputs(
         if not ok:
             raise ValueError(f"scale must be a finite positive float, got {scale!r}")
     if not isinstance(output_final_state, bool):
-        raise ValueError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
+        kind = type(output_final_state)
+        # numpy.bool_ is named "bool" too
+        name = kind.__name__ if kind.__name__ != "bool" else f"{kind.__module__}.{kind.__name__}"
+        raise ValueError(f"output_final_state must be a bool, got {name}")
     N = B
     if cu_seqlens is not None:
         if B != 1:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +105,8 @@ def _kda_op(device: torch.device, gate: str, chunk_size: int):
     def op(q, *args, **kwargs):
         lower_bound = kwargs.get("lower_bound", -5.0)
         # Not a number: flash_kda's checks name the argument.
-        too_low = isinstance(lower_bound, (int, float)) and lower_bound < MIN_LOWER_BOUND
+        too_low = (isinstance(lower_bound, numbers.Real) and not isinstance(lower_bound, bool)
+                   and lower_bound < MIN_LOWER_BOUND)
         fits = q.dtype != torch.float64 and q.shape[-1] <= MAX_K and not too_low
         return (flash_kda if fits else reference)(q, *args, **kwargs)
 

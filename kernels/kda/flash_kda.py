@@ -19,13 +19,15 @@ MIN_LOWER_BOUND = -10.0
 MAX_K = 256
 
 
-def check_gate_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, A_log, dt_bias, lower_bound: float) -> None:
+def check_gate_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, A_log, dt_bias, lower_bound: float,
+                    scale=None) -> None:
     """The checks ``flash_kda`` adds to ``check_kda_inputs`` (run after it, on the same q, k, v).
 
     Raises:
         ValueError: A_log not a floating-point [HV] tensor, dt_bias not a floating-point [HV * K] or
             [HV, K] one, either on another device than q, lower_bound not a number (int or float, not a
-            tensor or bool) in [-10, 0), K > 256, q, k, v not one of float16/bfloat16/float32.
+            tensor or bool) in [-10, 0), K > 256, q, k, v not one of float16/bfloat16/float32, a scale
+            tensor that requires grad (the kernels take scale as a number: its gradient would be lost).
         RuntimeError: CPU tensors without TRITON_INTERPRET=1.
     """
     K = q.shape[3]
@@ -41,6 +43,9 @@ def check_gate_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, A_log, dt
         raise ValueError(f"flash_kda supports K <= {MAX_K}, got K={K}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or len({q.dtype, k.dtype, v.dtype}) > 1:
         raise ValueError(f"q, k, v must share one of float16/bfloat16/float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if isinstance(scale, torch.Tensor) and scale.requires_grad:
+        raise ValueError("scale must be a number: flash_kda does not differentiate it, got a tensor that requires "
+                         "grad (use k3lab.kda.chunk_kda for a learned scale)")
     if q.device.type == "cpu" and not interpreting():
         raise RuntimeError("flash_kda on CPU needs TRITON_INTERPRET=1 set before kernels are imported: "
                            "call k3lab.setup() first")
@@ -201,7 +206,7 @@ def flash_kda(
         ValueError: the errors of ``k3lab.kda.checks.check_kda_inputs`` (shapes, GVA, cu_seqlens, a
             scale not finite and positive, a non-bool output_final_state, NaN/inf when ``check_values``),
             and A_log/dt_bias of bad shapes, integer dtypes or on another device, K > 256, mixed dtypes,
-            lower_bound not a number in [-10, 0).
+            lower_bound not a number in [-10, 0), a scale tensor that requires grad.
         RuntimeError: on a CPU tensor without TRITON_INTERPRET=1 (call ``k3lab.setup()`` first);
             when a gradient taken with ``create_graph=True`` is differentiated again (no second derivatives).
 
@@ -217,7 +222,7 @@ def flash_kda(
     """
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values=False, scale=scale,
                      output_final_state=output_final_state)
-    check_gate_args(q, k, v, A_log, dt_bias, lower_bound)
+    check_gate_args(q, k, v, A_log, dt_bias, lower_bound, scale)
     if check_values:
         check_finite(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
     B, T, H, K = q.shape
