@@ -522,7 +522,10 @@ else:
 # the inter-block gradients in bf16, and the merge fused into the sublayer's own RMSNorm. (Phase 1's
 # forward in two passes, all six queries' logits first and then the weighted sums re-reading the
 # blocks by d tiles, was 1.2-1.9x slower: 703 against 495 µs at n = 8, S = 6;
-# `attnres_h200_session17.json`.) The merge
+# `attnres_h200_session17.json`. Reading each block once by d tiles with the logits taken from a table
+# filled when each block is stored took 0.242 against 0.455 ms there, but the table costs 0.102 ms per
+# stored block: about 0.9 ms a step net, 0.45%, inside the spread between runs, so it was not built;
+# `attnres_h200_session23.json`.) The merge
 # kernel runs at 3.3-3.8 TB/s, 5-8x faster than eager PyTorch and `torch.compile`. Activation memory
 # stays at the standard residual's plus the block buffer and its gradient sum, about two d-vectors per
 # token per block (peak +1.2 GiB on a 41 GiB step). In float32 the two-phase path's gradients are
