@@ -1,5 +1,7 @@
 """k3lab.attnres: every path (two-phase training, inference, the closed-form backward) against the
 formula, config errors, zero-init, N = L, activation memory, and the LM integration (CPU)."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -79,8 +81,53 @@ def test_sublayer_output_shape_is_checked(path, bad):
                "none": lambda h: None}
     sublayers = list(subs[:2]) + [outputs[bad]] + list(subs[3:])
     res = module((16, 4, 2), q, path)
-    with pytest.raises(ValueError, match=r"sublayer 2 must return a tensor of its input's shape \[2, 5, 16\]"):
+    with pytest.raises(ValueError, match=r"sublayer 2 must return a tensor of its input's shape \[2, 5, 16\]"), \
+            torch.set_grad_enabled(path != "inference"):
         res(h0.clone().requires_grad_(path == "memory"), sublayers)
+
+
+@pytest.mark.parametrize("entry", [naive_block_attnres, block_attnres_train, block_attnres_inference])
+def test_functional_entry_points_check_sublayer_outputs(entry):
+    """A fresh user's case: block_attnres_train, given a sublayer returning [B, 1, d], resized a slot of
+    its block buffer (a deprecation warning) and read rows never written: garbage that changed from
+    call to call. The functional entry points check outputs as the module does."""
+    subs, h0, q = make(2, seed=44)
+    with pytest.raises(ValueError, match=r"sublayer 1 must return a tensor of its input's shape \[2, 5, 16\]"):
+        entry(h0, [subs[0], lambda h: h[:, :1] * 2], q, 1)
+
+
+def test_memory_path_under_inference_mode():
+    """path="memory" raised "Inference tensors do not track version counter" under
+    torch.inference_mode (its saved-tensor bookkeeping read h._version); it now runs as under no_grad."""
+    subs, h0, q = make(5, seed=45)
+    res = module((16, 5, 2), q, "memory")
+    with torch.no_grad():
+        ref = naive_block_attnres(h0, subs, q, 2)
+    with torch.inference_mode():
+        out = res(h0, subs)
+    assert_close("memory path under inference_mode", ref, out, 1e-12)
+
+
+def test_explicit_inference_path_refuses_to_drop_gradients():
+    """path="inference" with autograd recording returned an output that did not require grad: a
+    model trained that way learned nothing, without a word."""
+    subs, h0, q = make(4, seed=46)
+    res = module((16, 4, 2), q, "inference")
+    with pytest.raises(RuntimeError, match="path='inference' records no gradients"):
+        res(h0, subs)
+    with torch.no_grad():
+        assert_close("inference under no_grad", naive_block_attnres(h0, subs, q, 2), res(h0, subs), 1e-12)
+
+
+def test_call_errors_name_the_argument():
+    """depth_weights blamed queries for a wrong sublayer count; an h0 that is not a tensor raised
+    AttributeError."""
+    subs, h0, q = make(5, seed=47)
+    res = module((16, 5, 2), q, "naive")
+    with pytest.raises(ValueError, match="expected 5 sublayers, got 2"):
+        res.depth_weights(h0, subs[:2])
+    with pytest.raises(ValueError, match=r"h0 must be a \[B, T, d=16\] tensor, got list"):
+        res(h0.tolist(), subs)
 
 
 @pytest.mark.parametrize("path", ["naive", "memory", "inference"])
@@ -536,3 +583,32 @@ def test_torch_compile_keeps_every_gradient(compile_backend):
     for i, (a, b) in enumerate(zip(grads(torch.compile(loss, backend=compile_backend)), ref)):
         assert a is not None, i
         assert_close(f"grad {i}", b, a, 1e-6)
+
+
+def test_torch_backend_with_a_peaked_depth_softmax():
+    """A fresh user's case: with pseudo-queries of scale 10 (a peaked softmax over depth) the memory
+    path's "torch" backend, which formed phase 1's weights as exp(s - lse) (summing to 1 only up to
+    lse's rounding) and delta_0 from h, lost 30x in float64 against the formula; and a read of one
+    source, whose query gradient is exactly 0, got noise (4e-6 in float32)."""
+    d, L, N = 16, 6, 2
+    torch.manual_seed(0)
+    subs64 = nn.ModuleList(nn.Linear(d, d) for _ in range(L)).double()
+    g = torch.Generator().manual_seed(1)
+    q = 10 * torch.randn(L + 1, d, generator=g, dtype=torch.float64)
+    x0, dy = (torch.randn(2, 4, d, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def grads(path, dtype):
+        subs = copy.deepcopy(subs64).to(dtype)
+        res = BlockAttnRes(d, L, N, path=path, backend=None if path == "naive" else "torch").to(dtype)
+        with torch.no_grad():
+            res.queries.copy_(q)
+        x = x0.to(dtype, copy=True).requires_grad_()
+        (res(x, subs) * dy.to(dtype)).sum().backward()
+        return x.grad, res.queries.grad
+
+    ref = grads("naive", torch.float64)
+    # Before: dx 9.0e-14, dq 2.9e-12; after: 7.5e-15, 4.7e-13 (the formula's own float64 rounding).
+    for name, got, want, tol in zip(("dx", "dq"), grads("memory", torch.float64), ref, (3e-14, 1.5e-12)):
+        print(f"float64 {name}: {assert_close(name, want, got, tol):.1e}")
+    dq32 = grads("memory", torch.float32)[1]
+    assert torch.count_nonzero(dq32[0]) == 0

@@ -55,3 +55,13 @@ def test_flash_kda_bench_head_dim_limit_is_the_kernels():
     from k3lab.kernels.kda.flash_kda import MAX_K
 
     assert bench_max_k == MAX_K
+
+
+def test_attnres_bench_lm_steps_is_checked_at_parsing(capsys):
+    """--lm-steps -5 ran the whole benchmark, then failed in its last section, losing the results."""
+    from k3lab.bench.attnres import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--lm-steps", "-5"])
+    assert exc.value.code == 2
+    assert "--lm-steps: expected an int >= 0, got -5" in capsys.readouterr().err

@@ -61,6 +61,8 @@ class BlockAttnRes(nn.Module):
             recompute_input not a bool, a non-float buffer_dtype; in forward, h0 not a floating-point [B, T, d]
             with d = d_model, len(sublayers) != L, or a sublayer returning anything but a tensor of
             h0's shape.
+        RuntimeError: path="inference" called while autograd records and h0 or the queries require grad
+            (that path records no gradients: a model trained through it would learn nothing).
 
     Example:
         >>> from torch import nn
@@ -94,15 +96,21 @@ class BlockAttnRes(nn.Module):
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, n_sublayers={self.n_sublayers}, n_blocks={self.n_blocks}, path={self.path}"
 
-    def forward(self, h0: torch.Tensor, sublayers) -> torch.Tensor:
-        if h0.ndim != 3 or h0.shape[-1] != self.d_model:
-            raise ValueError(f"h0 must be [B, T, d={self.d_model}], got shape {list(h0.shape)}")
+    def _check_call(self, h0: torch.Tensor, sublayers) -> None:
+        if not isinstance(h0, torch.Tensor) or h0.ndim != 3 or h0.shape[-1] != self.d_model:
+            got = list(h0.shape) if isinstance(h0, torch.Tensor) else type(h0).__name__
+            raise ValueError(f"h0 must be a [B, T, d={self.d_model}] tensor, got {got}")
         if len(sublayers) != self.n_sublayers:
             raise ValueError(f"expected {self.n_sublayers} sublayers, got {len(sublayers)}")
-        sublayers = [_shape_checked(f, layer, h0.shape) for layer, f in enumerate(sublayers)]
+
+    def forward(self, h0: torch.Tensor, sublayers) -> torch.Tensor:
+        self._check_call(h0, sublayers)
         path = self.path
         if path == "auto":
             path = "memory" if torch.is_grad_enabled() else "inference"
+        elif path == "inference" and torch.is_grad_enabled() and (h0.requires_grad or self.queries.requires_grad):
+            raise RuntimeError("path='inference' records no gradients: run it under torch.no_grad() or "
+                               "torch.inference_mode(), or train with path='auto' or 'memory'")
         if path == "naive":
             return naive_block_attnres(h0, sublayers, self.queries, self.n_blocks, self.eps)
         if path == "inference":
@@ -120,6 +128,7 @@ class BlockAttnRes(nn.Module):
             [b_0, ..., b_{n-1}] in the first n columns and its partial sum's weight in the last column
             (NaN where a read has no such source); row L is the final aggregation over b_0..b_N.
         """
+        self._check_call(h0, sublayers)
         _, weights = naive_block_attnres(h0, sublayers, self.queries, self.n_blocks, self.eps, return_weights=True)
         out = torch.full((self.n_sublayers + 1, self.n_blocks + 2), float("nan"))
         layer = 0
@@ -149,16 +158,3 @@ class AttnRes(BlockAttnRes):
         super().__init__(d_model, n_sublayers, n_sublayers, eps=eps, path=path, backend=backend,
                          recompute_input=recompute_input, buffer_dtype=buffer_dtype)
 
-
-def _shape_checked(sublayer, layer: int, shape: torch.Size):
-    """``sublayer`` that raises ValueError unless it returns a tensor of its input's shape (the paths
-    would otherwise broadcast a [B, 1, d] output or fail deep inside the mixing)."""
-
-    def run(h: torch.Tensor) -> torch.Tensor:
-        v = sublayer(h)
-        if not isinstance(v, torch.Tensor) or v.shape != shape:
-            got = list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-            raise ValueError(f"sublayer {layer} must return a tensor of its input's shape {list(shape)}, got {got}")
-        return v
-
-    return run

@@ -46,11 +46,12 @@ def block_attnres_inference(h0: torch.Tensor, sublayers, queries: torch.Tensor, 
 
     Raises:
         ValueError: N < 1 or N > L, h0 or queries not a floating-point tensor, queries not [L + 1, d],
-            h0 not [B, T, d], eps not a finite number >= 0.
+            h0 not [B, T, d], eps not a finite number >= 0, a sublayer returning
+            anything but a tensor of h0's shape.
     """
     L = len(sublayers)
     sizes = block_sizes(L, n_blocks)
-    _check_inputs(h0, queries, L, eps)
+    sublayers = _check_inputs(h0, sublayers, queries, eps)
     dt = torch.float64 if h0.dtype == torch.float64 else torch.float32
     Q = queries.to(dt)
     blocks = [h0.to(dt)]

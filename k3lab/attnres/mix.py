@@ -80,7 +80,9 @@ def phase1_fwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_d
     V = buf[:n].to(dt)
     _, s = _scores(V, W.to(dt), eps)
     lse = torch.logsumexp(s, 1)
-    out = torch.einsum("sn...,n...d->s...d", torch.exp(s - lse[:, None]), V)
+    # The weights normalised by their own sum, as the Triton kernel's online softmax, not exp(s - lse),
+    # whose sum is 1 only up to lse's rounding (|lse| eps, growing with the logits).
+    out = torch.einsum("sn...,n...d->s...d", torch.softmax(s, 1), V)
     h_dtype = h_dtype or buf.dtype
     o = out[1:].to(o_dtype or h_dtype) if W.shape[0] > 1 else None
     # h a tensor of its own, as the Triton kernel's: a view of out, returned by the training path's
@@ -120,7 +122,8 @@ def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tens
         dh (Tensor): [..., d] gradient of h (query 0).
         dO (Tensor | None): [S - 1, ..., d] gradients of o (None when S = 1).
         delta (Tensor | None): [S, ...] dO_k^T o_k - dlse_k as ``merge_bwd_torch`` leaves it; row 0 is
-            ignored (dh^T h is formed here; None when S = 1).
+            ignored (dh^T h is formed here, as sum_i a_{0,i} dh^T b_i; None when S = 1). ``h`` is only
+            checked here (the Triton kernel reads it).
         dacc (Tensor): [>= n, ..., d] the blocks' gradients: ``dacc[:n]`` is written, or added to
             when ``accumulate``.
 
@@ -134,12 +137,15 @@ def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tens
     dt = lse.dtype
     V, Wd = buf[:n].to(dt), W.to(dt)
     r, s = _scores(V, Wd, eps)
-    a = torch.exp(s - lse[:, None])
+    a = torch.softmax(s, 1)  # as in the forward
     G = dh.to(dt)[None] if dO is None else torch.cat([dh.to(dt)[None], dO.to(dt)])
-    offset = (G[0] * h.to(dt)).sum(-1)[None]
+    P = torch.einsum("s...d,n...d->sn...", G, V)
+    # delta_0 = dh . h_0 = sum_i a_{0,i} dh . b_i, formed from the same products as ds so that they
+    # cancel exactly where they should (a read of one source has ds = 0, and dw_0 = 0).
+    offset = (a[:1] * P[:1]).sum(1)
     if delta is not None:
         offset = torch.cat([offset, delta[1:].to(dt)])
-    ds = a * (torch.einsum("s...d,n...d->sn...", G, V) - offset[:, None])
+    ds = a * (P - offset[:, None])
     dV = (torch.einsum("sn...,s...d->n...d", a, G) + r[..., None] * torch.einsum("sn...,sd->n...d", ds, Wd)
           - (r.pow(2) / V.shape[-1] * (ds * s).sum(0))[..., None] * V)
     if accumulate:

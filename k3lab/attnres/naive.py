@@ -102,11 +102,12 @@ def naive_block_attnres(
 
     Raises:
         ValueError: N < 1 or N > L, h0 or queries not a floating-point tensor, queries not [L + 1, d],
-            h0 not [B, T, d], eps not a finite number >= 0.
+            h0 not [B, T, d], eps not a finite number >= 0, a sublayer returning
+            anything but a tensor of h0's shape.
     """
     L = len(sublayers)
     sizes = block_sizes(L, n_blocks)
-    _check_inputs(h0, queries, L, eps)
+    sublayers = _check_inputs(h0, sublayers, queries, eps)
     blocks, weights, layer = [h0], [], 0
     for size in sizes:
         partial = None
@@ -136,10 +137,11 @@ def naive_attnres(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float
 
     Raises:
         ValueError: h0 or queries not a floating-point tensor, queries not [L + 1, d], h0 not [B, T, d],
-            eps not a finite number >= 0.
+            eps not a finite number >= 0, a sublayer returning
+            anything but a tensor of h0's shape.
     """
     L = len(sublayers)
-    _check_inputs(h0, queries, L, eps)
+    sublayers = _check_inputs(h0, sublayers, queries, eps)
     sources = [h0]
     for layer in range(L):
         h, _ = depth_attention(sources, queries[layer], eps)
@@ -154,8 +156,12 @@ def check_eps(eps: float) -> None:
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
 
 
-def _check_inputs(h0: torch.Tensor, queries: torch.Tensor, L: int, eps: float) -> None:
+def _check_inputs(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float) -> list:
+    """The checks every path runs; returns the sublayers, each wrapped to raise ValueError unless it
+    returns a tensor of h0's shape (the paths would otherwise broadcast a [B, 1, d] output, or, in the
+    memory path's block buffer, resize a slot and read rows never written)."""
     check_eps(eps)
+    L = len(sublayers)
     for name, x in dict(h0=h0, queries=queries).items():
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -165,3 +171,15 @@ def _check_inputs(h0: torch.Tensor, queries: torch.Tensor, L: int, eps: float) -
         raise ValueError(f"h0 must be [B, T, d], got shape {list(h0.shape)}")
     if tuple(queries.shape) != (L + 1, h0.shape[-1]):
         raise ValueError(f"queries must be [L + 1, d] = [{L + 1}, {h0.shape[-1]}], got {list(queries.shape)}")
+    return [_shape_checked(f, layer, h0.shape) for layer, f in enumerate(sublayers)]
+
+
+def _shape_checked(sublayer, layer: int, shape: torch.Size):
+    def run(h: torch.Tensor) -> torch.Tensor:
+        v = sublayer(h)
+        if not isinstance(v, torch.Tensor) or v.shape != shape:
+            got = list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ValueError(f"sublayer {layer} must return a tensor of its input's shape {list(shape)}, got {got}")
+        return v
+
+    return run

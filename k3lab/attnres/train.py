@@ -200,12 +200,15 @@ class _RecomputeInput:
     uses the h as it was saved, so the gradients stay right. An h that its sublayer changed in place
     before a save is saved as it is then, not rebuilt (the recipe gives the h the sublayer received)."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
         self.h, self.recipe, self.key, self.version = None, None, None, None
         self.cache_key, self.cache = None, None
 
     def watch(self, h: torch.Tensor, recipe, key: int) -> None:
-        self.h, self.recipe, self.key, self.version = h, recipe, key, h._version
+        # Disabled, nothing is saved (and an inference-mode h has no version counter to read).
+        if self.enabled:
+            self.h, self.recipe, self.key, self.version = h, recipe, key, h._version
 
     def unwatch(self) -> None:
         self.h, self.recipe, self.key, self.version = None, None, None, None
@@ -257,22 +260,24 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
 
     Raises:
         ValueError: N < 1 or N > L, h0 or queries not a floating-point tensor, queries not [L + 1, d],
-            h0 not [B, T, d], eps not a finite number >= 0, unknown backend.
+            h0 not [B, T, d], eps not a finite number >= 0, unknown backend, a sublayer returning
+            anything but a tensor of h0's shape.
     """
     L = len(sublayers)
     sizes = block_sizes(L, n_blocks)
-    _check_inputs(h0, queries, L, eps)
+    sublayers = _check_inputs(h0, sublayers, queries, eps)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     dev = h0.device.type
     o_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h0.dtype
     store = DepthBuffer(h0, n_blocks + 1, buffer_dtype)
     taps = [_StoreFirst.apply(h0, store)]
-    hooks = _RecomputeInput()
     Q, layer = queries, 0
     # torch.compile does not carry saved-tensor hooks through: h0's gradient came back None. Compiled,
-    # the inputs are kept (recompute_input=False), which gives the eager gradients.
-    recompute_input = recompute_input and not torch.compiler.is_compiling()
+    # the inputs are kept (recompute_input=False), which gives the eager gradients. Without autograd
+    # nothing is saved.
+    recompute_input = recompute_input and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    hooks = _RecomputeInput(recompute_input)
     with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack) if recompute_input \
             else contextlib.nullcontext():
         for size in sizes:

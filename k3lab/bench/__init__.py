@@ -6,12 +6,21 @@ import argparse
 
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1 (a bad value stops the command before any work, naming the option)."""
+    return _int_at_least(text, 1, "a positive int")
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an int >= 0 (0 typically meaning "skip")."""
+    return _int_at_least(text, 0, "an int >= 0")
+
+
+def _int_at_least(text: str, low: int, what: str) -> int:
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {n}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if n < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {n}")
     return n
 
 
