@@ -344,7 +344,8 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=positive_int, default=4, help="training-step batch size")
     p.add_argument("--seq", type=positive_int, default=2048, help="training-step sequence length")
     p.add_argument("--lm-steps", type=nonnegative_int, default=0,
-                   help="also run chapter 04's LM experiment (d=512, 8 layers, real corpus) for this many steps (0: not run)")
+                   help="also run chapter 04's LM experiment (d=512, 8 layers, real corpus) for this many steps "
+                   "(0: not run)")
     args = p.parse_args(argv)
     if args.bytes_model:
         for kw in (dict(), dict(buf=2), dict(N=4)):
