@@ -646,8 +646,8 @@ assert sorted((c["B"], c["T"], c["H"]) for c, _ in per_call if c["speedup_fwd"] 
 # (bound 5e-3; 3.92e-3 without autograd), final state 2.93e-3 and every gradient ≤ 3.71e-3 (bound
 # 1e-2). Forward+backward clears the issue's 1.2x floor at every shape (1.28x at the lowest, B8 T4096
 # H64 and B1 T32768 H32); peak memory is 23% below fla's at every shape. The forward clears the 1.5x
-# floor at all 26 shapes with an fla time: 1.51–1.55x for H64 and for B1 T8192/T32768, 1.61–1.65x for
-# H16 and H32 at B ≥ 4, and 1.66–2.44x at the host-bound shapes. Against session 21's sweep, the
+# floor at all 26 shapes with an fla time: 1.51–1.55x for H64, B1 T8192 H32 and B1 T32768, 1.61–1.65x
+# for H16 and H32 at B ≥ 4, and 1.64–2.44x at the five host-bound shapes. Against session 21's sweep, the
 # shapes the GPU bounds (all but the five host-bound ones) now take 4.3–6.5% less time forward: the
 # packed gate and the fused inverse + W/U. FlashKDA's 1.8x remains a goal for the shapes the GPU bounds.
 #
