@@ -28,13 +28,20 @@ from k3lab.kernels.kda.utils import (
 
 
 @triton.jit
+def gate_end(E, c, i_hv, I, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """The packed gate's sub-tile ends E [NT, HV, BT // BC, K]: where chunk c, value head i_hv, sub-tile I
+    starts."""
+    return E + ((c * HV + i_hv) * (BT // BC) + I) * K
+
+
+@triton.jit
 def last_row(G, E, t0, n_t, i_c, i_hv, I, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
              BK: tl.constexpr, PACKED: tl.constexpr):
     """G at the last row of sub-tile I (clamped to the chunk's last token) as a [BK] vector: from G, or
     when PACKED from E, where the gate kernel stored it."""
     o_k = tl.arange(0, BK)
     if PACKED:
-        return tl.load(E + ((i_c.to(tl.int64) * HV + i_hv) * (BT // BC) + I) * K + o_k, mask=o_k < K, other=0.0)
+        return tl.load(gate_end(E, i_c.to(tl.int64), i_hv, I, HV, K, BT, BC) + o_k, mask=o_k < K, other=0.0)
     o_r = I * BC + BC - 1 + tl.zeros([1], tl.int32)
     return tl.sum(load_rows(G, t0, n_t, o_r, HV * K, i_hv * K, o_k, K, True), 0)
 
@@ -225,7 +232,7 @@ def kda_gate_fwd_kernel(
             b_x = tl.clamp(tl.floor((b_G - b_r) * (1.0 / x_scale) + 0.5) + 32767.0, -32767.0, 32767.0)
             tl.store(G + p_t, b_x.to(tl.int16), mask=m_t)
             if t % BC == BC - 1:
-                tl.store(E + ((i_c.to(tl.int64) * HV + i_hv) * (BT // BC) + t // BC) * K + o_k, b_G, mask=o_k < K)
+                tl.store(gate_end(E, i_c.to(tl.int64), i_hv, t // BC, HV, K, BT, BC) + o_k, b_G, mask=o_k < K)
                 b_r = b_G
     else:
         o_t = tl.arange(0, BT)
@@ -434,7 +441,7 @@ def chunk_decay(G, t0, n_t, c, i_hv, o_k1, o_k2, HV: tl.constexpr, K: tl.constex
     """``chunk_decay_halves`` of chunk c (tokens t0 .. t0 + n_t; none: decay 1), from G, or with
     ``GATE_ENDS`` from the gate kernel's sub-tile ends E [NT, HV, BT // BC, K] passed as G."""
     if GATE_ENDS:
-        p_e = G + ((c * HV + i_hv) * (BT // BC) + BT // BC - 1) * K
+        p_e = gate_end(G, c, i_hv, BT // BC - 1, HV, K, BT, BC)
         b_g1 = tl.load(p_e + o_k1, mask=(o_k1 < K) & (n_t > 0), other=0.0)
         b_g2 = tl.load(p_e + o_k2, mask=(o_k2 < K) & (n_t > 0), other=0.0)
         return tl.exp(b_g1), tl.exp(b_g2)
