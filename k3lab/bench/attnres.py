@@ -241,56 +241,107 @@ def bench_kernels(device, phase1_cases, merge_cases, compile_: bool) -> list[dic
     return rows
 
 
+PRECISIONS = {  # name -> how the training step runs (both residuals alike)
+    "autocast": "float32 parameters under bf16 autocast: the residual stream, the partial sums and the block "
+                "buffer stay float32",
+    "fsdp_bf16": "FSDP2 fully_shard on one rank with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32) "
+                 "(torchtitan's default): float32 master weights and AdamW, bf16 stream, partial sums and blocks",
+}
+
+
+def _prepare(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """Apply ``precision`` (a PRECISIONS key) to a freshly built LM; needs a process group for FSDP2."""
+    if precision == "fsdp_bf16":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for sub in model.sublayers:
+            fully_shard(sub, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+    return model
+
+
 def bench_step(device, d, n_layers, batch, seq, variants, steps: int) -> list[dict]:
-    """Median training-step time and peak memory of LM(attention mixers) per residual variant."""
+    """Training-step time and peak memory of LM(attention mixers) per residual variant.
+
+    Each variant (name, N or None, BlockAttnRes kwargs, precision) is timed in alternation with a
+    standard-residual model of the same precision, step by step, so that drift of the machine falls
+    on both alike; ``overhead`` is the ratio of the two medians minus one."""
     import k3lab.lm as lm
     from k3lab.attnres import BlockAttnRes
 
     cfg = lm.LMConfig(vocab_size=32000, d_model=d, n_layers=n_layers, n_heads=max(1, d // 128),
                       head_dim=min(128, d), mixer="attention", max_seq_len=seq)
     L = 2 * n_layers
-    rows = []
-    for name, n_blocks, kwargs in variants:
+    cuda = device.type == "cuda"
+    g = torch.Generator(device=device).manual_seed(1)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), device=device, generator=g)
+    y = torch.randint(0, cfg.vocab_size, (batch, seq), device=device, generator=g)
+
+    def build(n_blocks, kwargs, precision):
         torch.manual_seed(0)
         with torch.device(device):
             residual = None if n_blocks is None else BlockAttnRes(d, L, min(n_blocks, L), **kwargs)
-            model = lm.LM(cfg, residual=residual)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-        g = torch.Generator(device=device).manual_seed(1)
-        x = torch.randint(0, cfg.vocab_size, (batch, seq), device=device, generator=g)
-        y = torch.randint(0, cfg.vocab_size, (batch, seq), device=device, generator=g)
+            model = _prepare(lm.LM(cfg, residual=residual), precision)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
 
         def step():
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda and precision == "autocast"):
                 loss = model(x, y)[1]
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             return loss
 
-        times, peak, act = [], None, None
-        for i in range(steps + 3):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                if i == 2:
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-            t0 = time.perf_counter()
-            loss = step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if i >= 3:
-                times.append(time.perf_counter() - t0)
-            if i == 2 and device.type == "cuda":
-                peak = torch.cuda.max_memory_allocated()
-                act = peak - base
-        row = dict(variant=name, n_blocks=n_blocks, step_ms=1e3 * statistics.median(times),
-                   step_ms_min=1e3 * min(times), loss=loss.item(), peak_GiB=peak / 2**30 if peak else None,
-                   step_extra_GiB=act / 2**30 if act else None, tokens=batch * seq)
+        return step
+
+    def timed(step):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, loss
+
+    def warm_and_measure(step):
+        # Two warm-up steps (autotuning, allocator), then one step whose peak over the memory already
+        # held (parameters, optimizer state, the other model) is the step's activation memory.
+        for _ in range(2):
+            timed(step)
+        if not cuda:
+            return None, None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        timed(step)
+        peak = torch.cuda.max_memory_allocated()
+        return peak / 2**30, (peak - base) / 2**30
+
+    rows, standards = [], {}
+    for name, n_blocks, kwargs, precision in variants:
+        if n_blocks is None:
+            standards[precision] = build(None, {}, precision)
+            continue
+        base_step = standards[precision]
+        step = build(n_blocks, kwargs, precision)
+        _, base_act = warm_and_measure(base_step)
+        peak, act = warm_and_measure(step)
+        t_base, t_var = [], []
+        for _ in range(steps):
+            t_base.append(timed(base_step)[0])
+            t, loss = timed(step)
+            t_var.append(t)
+        row = dict(variant=name, precision=precision, n_blocks=n_blocks, step_ms=1e3 * statistics.median(t_var),
+                   step_ms_min=1e3 * min(t_var), standard_ms=1e3 * statistics.median(t_base),
+                   standard_ms_min=1e3 * min(t_base), loss=loss.item(), peak_GiB=peak, step_extra_GiB=act,
+                   standard_step_extra_GiB=base_act, tokens=batch * seq)
+        row["overhead"] = row["step_ms"] / row["standard_ms"] - 1
         rows.append(row)
-        print(f"  {name}: {row['step_ms']:.1f} ms/step, peak {row['peak_GiB']} GiB", flush=True)
-        del model, opt
-        if device.type == "cuda":
+        print(f"  {name} [{precision}]: {row['step_ms']:.1f} ms/step vs standard {row['standard_ms']:.1f} "
+              f"({100 * row['overhead']:+.2f}%), peak {peak} GiB", flush=True)
+        del step
+        if cuda:
             torch.cuda.empty_cache()
     return rows
 
@@ -321,14 +372,18 @@ def lm_experiment(device, d, n_layers, batch, seq, steps, block_counts, lr=3e-3)
                             mixer="attention"), runs=runs, depth_weights=weights)
 
 
-STEP_VARIANTS = [  # (name, N or None for the standard residual, BlockAttnRes kwargs); all Block AttnRes
-    # rows run the training path (two-phase, Triton)
-    ("standard", None, {}),
-    ("block_N8", 8, {}),
-    ("block_N8_bf16buf", 8, dict(buffer_dtype=torch.bfloat16)),
-    ("block_N4", 4, {}),
-    ("full", "L", {}),
-    ("block_N8_keep_h", 8, dict(recompute_input=False)),
+STEP_VARIANTS = [  # (name, N or None for the standard residual, BlockAttnRes kwargs, precision); every
+    # Block AttnRes row runs the training path (two-phase, Triton) and is timed against the standard
+    # residual of its precision, listed before it
+    ("standard", None, {}, "autocast"),
+    ("block_N8", 8, {}, "autocast"),
+    ("block_N8_bf16buf", 8, dict(buffer_dtype=torch.bfloat16), "autocast"),
+    ("block_N4", 4, {}, "autocast"),
+    ("full", "L", {}, "autocast"),
+    ("block_N8_keep_h", 8, dict(recompute_input=False), "autocast"),
+    ("standard", None, {}, "fsdp_bf16"),
+    ("block_N8", 8, {}, "fsdp_bf16"),
+    ("block_N4", 4, {}, "fsdp_bf16"),
 ]
 
 
@@ -376,20 +431,33 @@ def main(argv=None) -> dict:
         print("3. training step", flush=True)
         d, n_layers, batch, seq = (64, 3, 2, 32) if args.smoke else (2048, 24, args.batch, args.seq)
         L = 2 * n_layers
-        variants = [(name, L if N == "L" else N, kw) for name, N, kw in STEP_VARIANTS]
-        rows = bench_step(device, d, n_layers, batch, seq, variants, 2 if args.smoke else args.steps)
-        std = rows[0]["step_ms"]
-        for r, (_, N, kw) in zip(rows, variants):
-            r["overhead"] = r["step_ms"] / std - 1
-            if N is not None and "recompute_input" not in kw:
-                m = bytes_model(L, min(N, L), buf=2 if kw.get("buffer_dtype") == torch.bfloat16 else 4)
+        variants = [(name, L if N == "L" else N, kw, prec) for name, N, kw, prec in STEP_VARIANTS]
+        # FSDP2 needs a process group, here of this one process (an in-memory store: no network).
+        own_group = not torch.distributed.is_initialized()
+        if own_group:
+            torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                                 store=torch.distributed.HashStore(), rank=0, world_size=1)
+        try:
+            rows = bench_step(device, d, n_layers, batch, seq, variants, 2 if args.smoke else args.steps)
+        finally:
+            if own_group:
+                torch.distributed.destroy_process_group()
+        for r in rows:
+            kw = next(kw for name, _, kw, prec in variants if (name, prec) == (r["variant"], r["precision"]))
+            if "recompute_input" not in kw:
+                stream = 4 if r["precision"] == "autocast" else 2
+                buf = 2 if kw.get("buffer_dtype") == torch.bfloat16 else stream
+                m = bytes_model(L, min(r["n_blocks"], L), buf=buf, h=stream)
                 extra = sum(m["two_phase"].values()) - sum(m["standard"].values())
                 r["model_extra_ms_at_4TBps"] = extra * batch * seq * d * L / 4e12 * 1e3
-        amp, backend = (", bf16 autocast", "Triton") if device.type == "cuda" else ("", "PyTorch")
+        backend = "Triton" if device.type == "cuda" else "PyTorch"
         result["step"] = dict(model=f"k3lab.lm.LM attention mixers, {n_layers} layers ({L} sublayers), d={d}, "
-                                    f"B={batch}, T={seq}{amp}, AdamW; Block AttnRes rows: two-phase training path "
-                                    f"({backend} backend)", rows=rows)
-        result["step_overhead_block"] = next(r["overhead"] for r in rows if r["variant"] == "block_N8")
+                                    f"B={batch}, T={seq}, AdamW; Block AttnRes rows: two-phase training path "
+                                    f"({backend} backend), each timed step by step in alternation with the "
+                                    f"standard residual of its precision", precisions=PRECISIONS, rows=rows)
+        overhead = {r["precision"]: r["overhead"] for r in rows if r["variant"] == "block_N8"}
+        result["step_overhead_block"] = overhead["autocast"]
+        result["step_overhead_block_by_precision"] = overhead
 
     if args.lm_steps:
         print("4. LM experiment (real corpus)", flush=True)
@@ -399,7 +467,8 @@ def main(argv=None) -> dict:
     if not args.smoke:
         # Sections not run this time stay as the earlier run left them, with that run's date.
         earlier = json.loads(out.read_text()) if out.exists() else {}
-        for keys in (("kernel_cases",), ("step", "step_overhead_block"), ("lm_experiment",)):
+        for keys in (("kernel_cases",), ("step", "step_overhead_block", "step_overhead_block_by_precision"),
+                     ("lm_experiment",)):
             if keys[0] not in result and keys[0] in earlier:
                 result.update({k: earlier[k] for k in keys if k in earlier})
                 result.setdefault("kept_from_earlier_run", {})[keys[0]] = earlier.get(
@@ -427,11 +496,13 @@ def table(result: dict) -> str:
         if "step" in kept:
             lines.append(f"training steps from the run of {kept['step']}")
         lines.append(result["step"]["model"])
-        lines.append(f"{'residual':<18}{'step ms':>9}{'overhead':>10}{'peak GiB':>10}{'model ms':>10}")
+        lines.append(f"{'residual':<18}{'precision':<11}{'step ms':>9}{'standard':>10}{'overhead':>10}"
+                     f"{'peak GiB':>10}{'model ms':>10}")
         for r in result["step"]["rows"]:
             peak = f"{r['peak_GiB']:.2f}" if r["peak_GiB"] else "-"
             model = f"{r['model_extra_ms_at_4TBps']:.1f}" if r.get("model_extra_ms_at_4TBps") else "-"
-            lines.append(f"{r['variant']:<18}{r['step_ms']:>9.1f}{100 * r['overhead']:>9.1f}%{peak:>10}{model:>10}")
+            lines.append(f"{r['variant']:<18}{r['precision']:<11}{r['step_ms']:>9.1f}{r['standard_ms']:>10.1f}"
+                         f"{100 * r['overhead']:>9.2f}%{peak:>10}{model:>10}")
     if "lm_experiment" in result:
         c = result["lm_experiment"]["config"]
         lines.append(f"LM experiment: d={c['d_model']}, {c['sublayers']} sublayers, {c['steps']} steps x "
