@@ -404,7 +404,9 @@ def test_a_changed_saved_tensor_is_refused_on_every_path(path):
 def test_activation_memory_matches_standard_residual():
     """Saved activations: two-phase path <= standard * 1.05 + (N + 1) d per token (the block buffer,
     including its copy of the embedding); in fact standard + ~2 d-vectors per token whatever N is
-    (the inter-block parts o_k are recomputed, not kept). The naive path is far above the bound."""
+    (the inter-block parts o_k are recomputed, not kept), plus the logits table ((L + 1)(N + 1) floats
+    per token: 2 d-vectors' worth here at N = 8 with d = 64, 0.2 at d = 2048). The naive path is far
+    above the bound."""
     torch.manual_seed(0)
     d, L, B, T = 64, 8, 2, 64
     subs = nn.ModuleList([MLP(d, 4 * d) for _ in range(L)])
@@ -417,7 +419,8 @@ def test_activation_memory_matches_standard_residual():
         _, naive = retained_bytes(lambda: BlockAttnRes(d, L, N, path="naive")(x, subs).square().mean())
         print(f"N={N}: two-phase {(ours - std) / unit:+.2f} d-vectors/token over standard "
               f"(bound {(bound - std) / unit:+.2f}), naive {(naive - std) / unit:+.2f}")
-        assert ours <= bound and ours <= std + 2.5 * unit, (N, ours, std)
+        table = (L + 1) * (N + 1) * B * T * 4
+        assert ours <= bound and ours <= std + 2.5 * unit + table, (N, ours, std)
         assert naive > bound, (N, naive, std)
 
 

@@ -11,8 +11,9 @@ DEVICE = k3lab.setup(verbose=False)  # sets TRITON_INTERPRET=1 before the kernel
 import torch.nn as nn  # noqa: E402
 
 from k3lab.attnres import BlockAttnRes, naive_block_attnres  # noqa: E402
-from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch  # noqa: E402
-from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd  # noqa: E402
+from k3lab.attnres.mix import (block_scores, merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch,  # noqa: E402
+                               phase1_fwd_torch, store_block_torch)
+from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd, store_block  # noqa: E402
 from k3lab.testing import assert_close  # noqa: E402
 
 from attnres_helpers import DoublesItsInput, uniform_block_average  # noqa: E402
@@ -77,6 +78,54 @@ def test_merge_kernels_match_torch(form):
         assert_close(name, a.float(), b.float(), 1e-2 if name == "dv" else TOL)
     assert_close("dO", slots[1][0], slots[0][0], TOL)
     assert_close("delta", slots[1][1], slots[0][1], TOL)
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["a_plus_b", "a_only", "scores_only"])
+def test_store_block_matches_torch(form, dst_dtype):
+    """The slot a + b (float32 sum, rounded to the buffer's dtype) and its logits for Q queries, written
+    into a strided table column; D not a multiple of the kernel's channel step, Q not a power of 2."""
+    g = torch.Generator().manual_seed(21)
+    B, T, D, Q = 2, 9, 40, 5
+    a = randn(B, T, D, g=g, scale=2, dtype=dst_dtype if form == "scores_only" else torch.float32)
+    b = randn(B, T, D, g=g, dtype=torch.bfloat16) if form == "a_plus_b" else None
+    W = randn(Q, D, g=g)
+    out = []
+    for f in (store_block, store_block_torch):
+        dst = a if form == "scores_only" else torch.full((B, T, D), float("nan"), dtype=dst_dtype, device=DEVICE)
+        table = torch.full((Q, 3, B, T), float("nan"), device=DEVICE)
+        f(dst, a, b, W, 1e-6, table[:, 1])
+        out.append((dst, table))
+    (dst_t, table_t), (dst_r, table_r) = out
+    # The interpreter rounds float32 -> bf16 by truncation (one ulp off torch's round-to-nearest).
+    interp_bf16 = DEVICE.type == "cpu" and dst_dtype == torch.bfloat16 and form != "scores_only"
+    assert_close("slot", dst_r.float(), dst_t.float(), 1e-2 if interp_bf16 else 0.0)
+    if interp_bf16:
+        dst_r, table_r = dst_t, table_r.clone()
+        store_block_torch(dst_t, dst_t, None, W, 1e-6, table_r[:, 1])  # the logits of the kernel's slot
+    assert_close("scores", table_r[:, 1], table_t[:, 1], TOL)
+    assert_close("scores vs block_scores", block_scores(dst_r[None], 1, W, 1e-6)[:, 0], table_t[:, 1], TOL)
+    assert table_t[:, [0, 2]].isnan().all()  # the other columns untouched
+
+
+def test_phase1_fwd_takes_the_tables_logits():
+    """Logits passed as a slice of a [queries, slots, B, T] table (as the training path does) give what
+    logits formed from the blocks give; logits that differ from the blocks' are used as given."""
+    g = torch.Generator().manual_seed(22)
+    S, n, B, T, D = 3, 3, 2, 5, 24
+    buf, W = randn(4, B, T, D, g=g, scale=2), randn(S, D, g=g)
+    table = torch.full((S + 2, 4, B, T), float("nan"), device=DEVICE)
+    for i in range(n):
+        store_block(buf[i], buf[i], None, torch.cat([randn(2, D, g=g), W]), 1e-6, table[:, i])
+    scores = table[2:, :n]
+    for f in (phase1_fwd, phase1_fwd_torch):
+        assert_close(f"{f.__name__} h", f(buf, n, W, 1e-6)[0], f(buf, n, W, 1e-6, scores=scores)[0], TOL)
+    other = randn(S, n, B, T, g=g)
+    ours, ref = phase1_fwd(buf, n, W, 1e-6, scores=other), phase1_fwd_torch(buf, n, W, 1e-6, scores=other)
+    for name, a, b in zip(("h", "o", "lse"), ref, ours):
+        assert_close(name, a, b, TOL)
+    with pytest.raises(ValueError, match="scores must be"):
+        phase1_fwd(buf, n, W, 1e-6, scores=other[:, :2])
 
 
 def test_phase1_bf16_storage():

@@ -5,7 +5,11 @@ for k > 0, the partial sum p_k of its own block, with its pseudo-query w_k. Per 
 
     r_i = (mean(b_i^2) + eps)^-1/2,   s_{k,i} = r_i w_k^T b_i
 
-Phase 1 (once per block, all S queries, one pass over the blocks): the inter-block part
+The logits s_{l,i} of every query l against block i are formed once, when block i is stored
+(``store_block``: b_i and its logits in one pass), and kept in a table [L + 1, N + 1, ...].
+
+Phase 1 (once per block, all S queries, one pass over the blocks, logits from the table): the
+inter-block part
 
     lse_k = logsumexp_i s_{k,i},   a_{k,i} = exp(s_{k,i} - lse_k),   o_k = sum_i a_{k,i} b_i
 
@@ -24,7 +28,7 @@ D = rowsum(dO * O), with the lse gradient folded in) and phase 1's backward read
              db_i = sum_k [a_{k,i} dO_k + r_i ds_{k,i} (w_k - (s_{k,i} r_i / d) b_i)],
              dw_k += sum_tokens sum_i ds_{k,i} r_i b_i
 
-Two backends compute these four functions with the same arguments: "torch" (below; any float dtype,
+Two backends compute these five functions with the same arguments: "torch" (below; any float dtype,
 float64 for tests) and "triton" (``k3lab.kernels.attnres``). ``k3lab.attnres.train`` builds the
 training path from them.
 """
@@ -60,8 +64,36 @@ def _scores(V: torch.Tensor, W: torch.Tensor, eps: float):
 
 
 @_no_autocast
+def store_block_torch(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: torch.Tensor, eps: float,
+                      scores: torch.Tensor) -> None:
+    """Store a block representation and form its logits for every query that will read it.
+
+    Args:
+        dst (Tensor): [..., d] the buffer slot, written with a + b (or a) rounded to its dtype; may be
+            ``a`` itself (then only the logits are formed).
+        a (Tensor): [..., d]; b (Tensor | None): [..., d] added to a (in float32, or float64).
+        W (Tensor): [Q, d] the queries.
+        eps (float): RMSNorm eps.
+        scores (Tensor): [Q, ...] float32 (float64 for a float64 slot) output: s_q = r w_q^T dst with
+            r = (mean(dst^2) + eps)^-1/2, formed from the stored (rounded) values.
+    """
+    if dst is not a:
+        dt = _compute_dtype(dst)
+        dst.copy_(a.to(dt) if b is None else a.to(dt) + b.to(dt))
+    _, s = _scores(dst[None].to(scores.dtype), W.to(scores.dtype), eps)
+    scores.copy_(s[:, 0])
+
+
+def block_scores(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float) -> torch.Tensor:
+    """Logits s [S, n, ...] of queries W [S, d] against blocks ``buf[:n]`` (what ``store_block_torch``
+    forms when each block is stored), float32 (float64 for a float64 buffer)."""
+    with torch.autocast(buf.device.type, enabled=False):
+        return _scores(buf[:n].to(_compute_dtype(buf)), W.to(_compute_dtype(buf)), eps)[1]
+
+
+@_no_autocast
 def phase1_fwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: torch.dtype | None = None,
-                     o_dtype: torch.dtype | None = None):
+                     o_dtype: torch.dtype | None = None, scores: torch.Tensor | None = None):
     """Phase 1 forward: the inter-block reads of a block's S sublayers.
 
     Args:
@@ -71,6 +103,8 @@ def phase1_fwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_d
         eps (float): RMSNorm eps.
         h_dtype (torch.dtype | None): dtype of h (query 0's read), default buf's.
         o_dtype (torch.dtype | None): dtype of o (queries 1..S-1), default h_dtype.
+        scores (Tensor | None): [S, n, ...] the logits as ``store_block_torch`` formed them (any
+            strides); None forms them here (``block_scores``).
 
     Returns:
         (h, o, lse): h [..., d] = o_0; o [S - 1, ..., d] or None (S = 1); lse [S, ...] float32
@@ -78,7 +112,7 @@ def phase1_fwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_d
     """
     dt = _compute_dtype(buf)
     V = buf[:n].to(dt)
-    _, s = _scores(V, W.to(dt), eps)
+    s = block_scores(buf, n, W, eps) if scores is None else scores.to(dt)
     lse = torch.logsumexp(s, 1)
     # The weights normalised by their own sum, as the Triton kernel's online softmax, not exp(s - lse),
     # whose sum is 1 only up to lse's rounding (|lse| eps, growing with the logits).
@@ -218,11 +252,11 @@ def merge_bwd_torch(dh: torch.Tensor, dp_in: torch.Tensor | None, p: torch.Tenso
 
 
 def kernels(backend: str):
-    """(phase1_fwd, phase1_bwd, merge_fwd, merge_bwd) of ``backend`` ("torch" or "triton")."""
+    """(store_block, phase1_fwd, phase1_bwd, merge_fwd, merge_bwd) of ``backend`` ("torch" or "triton")."""
     if backend == "torch":
-        return phase1_fwd_torch, phase1_bwd_torch, merge_fwd_torch, merge_bwd_torch
+        return store_block_torch, phase1_fwd_torch, phase1_bwd_torch, merge_fwd_torch, merge_bwd_torch
     if backend == "triton":
-        from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd
+        from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd, store_block
 
-        return phase1_fwd, phase1_bwd, merge_fwd, merge_bwd
+        return store_block, phase1_fwd, phase1_bwd, merge_fwd, merge_bwd
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

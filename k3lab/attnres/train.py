@@ -1,22 +1,24 @@
 """Block AttnRes training path: two-phase reads, recompute in backward (AttnRes paper, Sec. 4).
 
-Per block n (S sublayers, completed blocks b_0..b_{n-1} in one buffer [N + 1, B, T, d]):
+Per block n (S sublayers, completed blocks b_0..b_{n-1} in one buffer [N + 1, B, T, d]; each block's
+logits for all L + 1 queries formed when it was stored, in a table [L + 1, N + 1, B, T]):
 
 1. ``_Phase1``, once at the block's start: one pass over the n blocks computes every sublayer's
-   inter-block part o_k and its log-sum-exp (``k3lab.attnres.mix``); o_0 is the first sublayer's
-   input h_0. In backward, one batched pass adds all S reads' gradients into the blocks' gradient
+   inter-block part o_k and its log-sum-exp (``k3lab.attnres.mix``) from the table's logits; o_0 is
+   the first sublayer's input h_0. In backward, one batched pass adds all S reads' gradients into the blocks' gradient
    accumulator and gives the S queries' gradients.
 2. ``_AddMerge``, per later sublayer k: p_k = p_{k-1} + v_{k-1} (the partial sum) and
    h_k = merge(o_k, lse_k, p_k) in one pass; it saves p_k only (where the standard residual keeps
    its stream h_k). Its backward adds the merge's gradient to p_k's incoming one and leaves
    dO_k = dL/do_k in the block's slot for phase 1's backward.
-3. ``_StoreSum``: the block's last sum p + v goes straight into its buffer slot.
+3. ``_StoreSum``: the block's last sum p + v goes straight into its buffer slot, and its logits into
+   the table, in one pass.
 
 Nothing [B, T, d]-sized per sublayer is kept beyond p_k: the o_k are dropped at the block's end and
 recomputed by one phase-1 pass when backward reaches the block, and the sublayers' saved inputs h_k
 are swapped by saved-tensor hooks for recipes that rebuild them from o_k, lse_k and p_k. Saved
 activations are thus the standard residual's plus the buffer (N + 1 vectors per token) and the
-lse (4 bytes per token per sublayer).
+lse and the logits table (4 bytes per token per sublayer each, and per block for the logits).
 
 The blocks' gradients never pass through autograd per read: phase 1's backward adds them into one
 accumulator (``DepthBuffer``), the final aggregation (the first read that backward meets) writing
@@ -42,17 +44,30 @@ from k3lab.autograd import differentiable_once
 
 
 class DepthBuffer:
-    """The block representations of one forward pass [N + 1, B, T, d] and their gradient sum.
+    """The block representations of one forward pass [N + 1, B, T, d], their logits for every query
+    [L + 1, N + 1, B, T] and their gradient sum.
 
     Args:
         like (Tensor): [B, T, d] (shape, device, gradient dtype).
         slots (int): N + 1.
+        queries (Tensor): [L + 1, d] all pseudo-queries (detached).
+        eps (float): RMSNorm eps of the keys.
+        store_block: the backend's ``store_block``.
         dtype (torch.dtype | None): storage dtype of the buffer, default ``like``'s.
     """
 
-    def __init__(self, like: torch.Tensor, slots: int, dtype: torch.dtype | None = None):
+    def __init__(self, like: torch.Tensor, slots: int, queries: torch.Tensor, eps: float, store_block,
+                 dtype: torch.dtype | None = None):
         self.buf = torch.empty((slots, *like.shape), dtype=dtype or like.dtype, device=like.device)
+        score_dtype = torch.float64 if self.buf.dtype == torch.float64 else torch.float32
+        self.scores = torch.empty((queries.shape[0], slots, *like.shape[:-1]), dtype=score_dtype, device=like.device)
+        self.queries, self.eps, self.store_block = queries, eps, store_block
         self.grad_dtype, self.n, self.acc = like.dtype, 0, None
+
+    def put(self, a: torch.Tensor, b: torch.Tensor | None = None) -> None:
+        """The next slot = a + b (or a), and its logits for every query."""
+        self.store_block(self.buf[self.n], a, b, self.queries, self.eps, self.scores[:, self.n])
+        self.n += 1
 
     def accumulator(self, overwrite: bool) -> torch.Tensor:
         """[N + 1, B, T, d] in the gradient dtype; zeros when first made by a read that adds."""
@@ -67,8 +82,7 @@ class _StoreFirst(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h0, store):
-        store.buf[0].copy_(h0.detach())
-        store.n = 1
+        store.put(h0.detach())
         ctx.store = store
         return h0.new_empty(0)
 
@@ -86,13 +100,11 @@ class _StoreSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, prev, v, store):
-        slot = store.buf[store.n]
-        if prev is None:
-            slot.copy_(v.detach())
-        else:
-            torch.add(prev.detach(), v.detach(), out=slot)
         ctx.store, ctx.i, ctx.has_prev, ctx.v_dtype = store, store.n, prev is not None, v.dtype
-        store.n += 1
+        if prev is None:
+            store.put(v.detach())
+        else:
+            store.put(prev.detach(), v.detach())
         return v.new_empty(0)
 
     @staticmethod
@@ -104,14 +116,16 @@ class _StoreSum(torch.autograd.Function):
 
 
 class _Block:
-    """One block's reads: phase 1 over ``store.buf[:n]`` for queries W [S, d], the merges' inputs,
-    and the slots where the merges' backward leaves dO_k and delta_k for phase 1's backward."""
+    """One block's reads: phase 1 over ``store.buf[:n]`` for queries ``store.queries[first:first + S]``,
+    the merges' inputs, and the slots where the merges' backward leaves dO_k and delta_k for phase 1's
+    backward."""
 
-    def __init__(self, store: DepthBuffer, n: int, W: torch.Tensor, eps: float, backend: str,
-                 o_dtype: torch.dtype, last: bool):
-        self.store, self.n, self.W, self.eps, self.o_dtype, self.last = store, n, W, eps, o_dtype, last
-        self.phase1_fwd, self.phase1_bwd, self.merge_fwd, self.merge_bwd = kernels(backend)
-        self.S = W.shape[0]
+    def __init__(self, store: DepthBuffer, n: int, first: int, S: int, backend: str, o_dtype: torch.dtype,
+                 last: bool):
+        self.store, self.n, self.o_dtype, self.last = store, n, o_dtype, last
+        self.W, self.scores, self.eps = store.queries[first:first + S], store.scores[first:first + S, :n], store.eps
+        _, self.phase1_fwd, self.phase1_bwd, self.merge_fwd, self.merge_bwd = kernels(backend)
+        self.S = S
         self.h = self.o = self.lse = self.dO = self.delta = None
 
     def inter(self):
@@ -119,7 +133,7 @@ class _Block:
         if self.h is None:
             with torch.no_grad():
                 self.h, self.o, lse = self.phase1_fwd(self.store.buf, self.n, self.W, self.eps,
-                                                     self.store.grad_dtype, self.o_dtype)
+                                                     self.store.grad_dtype, self.o_dtype, scores=self.scores)
             if self.lse is None:
                 self.lse = lse
         return self.h, self.o
@@ -270,7 +284,7 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     dev = h0.device.type
     o_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h0.dtype
-    store = DepthBuffer(h0, n_blocks + 1, buffer_dtype)
+    store = DepthBuffer(h0, n_blocks + 1, queries.detach(), eps, kernels(backend)[0], buffer_dtype)
     taps = [_StoreFirst.apply(h0, store)]
     Q, layer = queries, 0
     # torch.compile does not carry saved-tensor hooks through: h0's gradient came back None. Compiled,
@@ -281,7 +295,7 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
     with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack) if recompute_input \
             else contextlib.nullcontext():
         for size in sizes:
-            blk = _Block(store, len(taps), Q[layer: layer + size].detach(), eps, backend, o_dtype, last=False)
+            blk = _Block(store, len(taps), layer, size, backend, o_dtype, last=False)
             h, *merge_taps = _Phase1.apply(Q[layer: layer + size], blk, *taps)
             hooks.watch(h, functools.partial(blk.rebuild, 0), layer)
             v, p = sublayers[layer](h), None
@@ -294,7 +308,7 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
             blk.end_forward()
             taps.append(_StoreSum.apply(p, v, store))
             layer += size
-        final = _Block(store, len(taps), Q[L:].detach(), eps, backend, o_dtype, last=True)
+        final = _Block(store, len(taps), L, 1, backend, o_dtype, last=True)
         out = _Phase1.apply(Q[L:], final, *taps)[0]
         final.end_forward()
     return out

@@ -42,6 +42,7 @@ PHASE1_CASES = [  # (tokens M, width d, blocks read n, queries S, buffer dtype)
     (8192, 2048, 9, 1, torch.float32),  # the final aggregation
     (8192, 7168, 9, 1, torch.float32),  # K3's width, final aggregation over 9 sources
 ]
+STORE_CASES = [(8192, 2048, 49)]  # (tokens, width, queries): a block of the 48-sublayer model and its logits
 MERGE_CASES = [(8192, 2048)]
 
 
@@ -123,8 +124,8 @@ def check_correctness(device, M=1000, d_check=320, T=300) -> dict:
     import torch.nn as nn
 
     from k3lab.attnres import BlockAttnRes
-    from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch
-    from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd
+    from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch, store_block_torch
+    from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd, store_block
     from k3lab.testing import assert_close, rel_rms_error
 
     errors = {}
@@ -146,6 +147,12 @@ def check_correctness(device, M=1000, d_check=320, T=300) -> dict:
         errors[f"phase1_dW_{name}"] = assert_close("dW", dW[1], dW[0], 1e-4)
         prev = torch.randn(M, d_check, generator=g).to(device)
         o, v = (torch.randn(M, d_check, generator=g).to(device, dtype) for _ in range(2))
+        slots = [torch.empty(M, d_check, device=device, dtype=dtype) for _ in range(2)]
+        tables = [torch.empty(S, M, device=device) for _ in range(2)]
+        for f, slot, table in zip((store_block, store_block_torch), slots, tables):
+            f(slot, prev, v, W, 1e-6, table)
+        errors[f"store_slot_{name}"] = assert_close("store slot", slots[1].float(), slots[0].float(), tol)
+        errors[f"store_scores_{name}"] = assert_close("store scores", tables[1], tables[0], tol)
         w = W[1]
         (p, h), (p_r, h_r) = (f(None, o, lse[1], w, 1e-6, prev=prev, v=v) for f in (merge_fwd, merge_fwd_torch))
         errors[f"merge_h_{name}"] = assert_close("merge h", h_r, h, 1e-4)
@@ -185,14 +192,15 @@ def check_correctness(device, M=1000, d_check=320, T=300) -> dict:
     return errors
 
 
-def bench_kernels(device, phase1_cases, merge_cases, compile_: bool) -> list[dict]:
+def bench_kernels(device, phase1_cases, store_cases, merge_cases, compile_: bool) -> list[dict]:
     from triton.testing import do_bench
 
-    from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch
-    from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd
+    from k3lab.attnres.mix import (block_scores, merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch,
+                                   store_block_torch)
+    from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd, store_block
 
     comp = {f.__name__: torch.compile(f, dynamic=False) if compile_ else None
-            for f in (phase1_fwd_torch, phase1_bwd_torch, merge_fwd_torch, merge_bwd_torch)}
+            for f in (store_block_torch, phase1_fwd_torch, phase1_bwd_torch, merge_fwd_torch, merge_bwd_torch)}
     rows = []
 
     def time_case(shape, name, ours, torch_fn, comp_fn, nbytes):
@@ -209,7 +217,8 @@ def bench_kernels(device, phase1_cases, merge_cases, compile_: bool) -> list[dic
         buf = torch.randn(n, M, d, device=device, generator=g).to(dtype)
         W = torch.randn(S, d, device=device, generator=g) * 0.1
         o_dt = torch.bfloat16
-        h, _, lse = phase1_fwd(buf, n, W, 1e-6, torch.float32, o_dt)
+        scores = block_scores(buf, n, W, 1e-6)  # as the blocks' stores left them in the table
+        h, _, lse = phase1_fwd(buf, n, W, 1e-6, torch.float32, o_dt, scores)
         dh = torch.randn(M, d, device=device, generator=g)
         dO = torch.randn(S - 1, M, d, device=device, generator=g) if S > 1 else None
         delta = torch.randn(S, M, device=device, generator=g) if S > 1 else None
@@ -218,12 +227,20 @@ def bench_kernels(device, phase1_cases, merge_cases, compile_: bool) -> list[dic
         bytes_fwd = row * (n * eb + 4 + 2 * (S - 1))  # read the blocks once; write h (fp32) and o_1.. (bf16)
         bytes_bwd = row * (n * eb + 4 * (S + 1) + 8 * n)  # the blocks, h, dh and each dO once, dacc read + write
         shape = f"phase1_M{M}_d{d}_n{n}_S{S}" + ("_bf16" if dtype == torch.bfloat16 else "")
-        fwd_args = (buf, n, W, 1e-6, torch.float32, o_dt)
+        fwd_args = (buf, n, W, 1e-6, torch.float32, o_dt, scores)
         bwd_args = (buf, n, W, lse, h, dh, dO, delta, 1e-6, acc)
         time_case(shape, "fwd", lambda: phase1_fwd(*fwd_args), lambda: phase1_fwd_torch(*fwd_args),
                   lambda: comp["phase1_fwd_torch"](*fwd_args), bytes_fwd)
         time_case(shape, "bwd", lambda: phase1_bwd(*bwd_args), lambda: phase1_bwd_torch(*bwd_args),
                   lambda: comp["phase1_bwd_torch"](*bwd_args), bytes_bwd)
+    for M, d, Q in store_cases:
+        g = torch.Generator(device=device).manual_seed(M + d + Q)
+        prev, W = torch.randn(M, d, device=device, generator=g), torch.randn(Q, d, device=device, generator=g) * 0.1
+        v, dst = torch.randn(M, d, device=device, generator=g).bfloat16(), torch.empty(M, d, device=device)
+        table = torch.empty(Q, 9, M, device=device)
+        args = (dst, prev, v, W, 1e-6, table[:, 1])
+        time_case(f"store_M{M}_d{d}_Q{Q}", "fwd", lambda: store_block(*args), lambda: store_block_torch(*args),
+                  lambda: comp["store_block_torch"](*args), M * d * (4 + 2 + 4))
     for M, d in merge_cases:
         g = torch.Generator(device=device).manual_seed(M + d)
         prev, dh, dp_in = (torch.randn(M, d, device=device, generator=g) for _ in range(3))
@@ -423,7 +440,8 @@ def main(argv=None) -> dict:
 
     if not args.skip_kernels and device.type == "cuda":
         print("2. kernels", flush=True)
-        result["kernel_cases"] = bench_kernels(device, PHASE1_CASES, MERGE_CASES, compile_=not args.no_compile)
+        result["kernel_cases"] = bench_kernels(device, PHASE1_CASES, STORE_CASES, MERGE_CASES,
+                                                compile_=not args.no_compile)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
 

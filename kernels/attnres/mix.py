@@ -1,16 +1,19 @@
 """Triton kernels for Block AttnRes training, two-phase (the math is in ``k3lab.attnres.mix``, whose
 PyTorch functions take the same arguments and return the same values).
 
+- ``store_block``: a block representation written to its buffer slot and, in the same pass, its
+  logits for every query (a [tokens, d] x [d, Q] product in float32).
 - ``phase1_fwd`` / ``phase1_bwd``: the inter-block depth softmax of all S sublayers of a block
-  at once. Forward reads each block representation once per token tile (online softmax over depth,
-  G queries per program); backward reads them once more, with each dO_l and the per-token offsets
+  at once. Forward takes the logits from the table and reads each block once, by d tiles (all S
+  queries per program); backward reads the blocks once more, whole rows (G queries per program), with each dO_l and the per-token offsets
   delta_l = dO_l . o_l - dlse_l that the merges' backward leaves (FlashAttention's "D"; for query 0
   it is dh . h, formed here from h), and adds the blocks' gradients into the accumulator.
 - ``merge_fwd`` / ``merge_bwd``: one sublayer's merge of the inter-block part with its partial sum
   (per-token scalars times two vectors); the forward optionally forms the partial sum p = prev + v
   first, the backward adds the partial sum's incoming gradient.
 
-All kernels are memory-bound and read whole rows of d (the RMSNorm keys need them). On a CPU-only
+All kernels are memory-bound. The backward and merge kernels read whole rows of d (the RMSNorm keys
+and the logits need them); the store kernel walks d in chunks and phase 1's forward in tiles. On a CPU-only
 machine ``k3lab.setup()`` must run before this module is imported (TRITON_INTERPRET=1); the
 interpreter cannot do bf16 arithmetic, so every block is upcast to float32 right after its load,
 and autotuning is off (one config).
@@ -57,64 +60,110 @@ def _prune(configs, nargs, **_):
     return kept or [min(configs, key=lambda c: c.kwargs["G"] * c.kwargs["BM"])]
 
 
-# (G, BM, num_warps). Offline sm_90 compiles (tests/sm90_compile.py's ``compile_sm90``, d = 2048) keep the
-# forward's tiles in registers (101-252); the backward's (8, 1, 8), (4, 2, 8) and (2, 2, 8) use 255 and
-# the first two spill (280 and 152 bytes of stack). On an H200 at M = 8192, d = 2048, n = 8, S = 6
-# (float32 blocks, 3 pipeline stages, each option launched directly) the forward is fastest at
-# (2, 1, 4): 0.454 ms, against 0.503 for (2, 2, 4) and 0.669 for (8, 1, 8); the backward, now one pass
-# over the blocks, at (8, 1, 8): 1.064 ms, all six queries in one group despite the spill, against
-# 1.163 for (4, 2, 8) and 1.392 for (2, 2, 8) (data/results/attnres_h200_session15.json). A forward
-# (1, 1, 16) took 429 ms in session 12 (attnres_h200_session12.json): not offered.
-_FWD_OPTIONS = [(8, 1, 8), (8, 1, 16), (4, 1, 8), (4, 2, 8), (2, 1, 4), (2, 1, 8), (2, 2, 4), (2, 4, 8), (1, 2, 8),
-                (1, 4, 4)]
+# (G, BM, num_warps) of the backward. Offline sm_90 compiles (tests/sm90_compile.py's ``compile_sm90``,
+# d = 2048): (8, 1, 8), (4, 2, 8) and (2, 2, 8) use 255 registers and the first two spill (280 and 152
+# bytes of stack). On an H200 at M = 8192, d = 2048, n = 8, S = 6 (float32 blocks, 3 pipeline stages,
+# each option launched directly) the backward, one pass over the blocks, is fastest at (8, 1, 8):
+# 1.064 ms, all six queries in one group despite the spill, against 1.163 for (4, 2, 8) and 1.392 for
+# (2, 2, 8) (data/results/attnres_h200_session15.json).
 _BWD_OPTIONS = [(8, 1, 8), (4, 1, 8), (4, 2, 8), (4, 1, 16), (2, 1, 8), (2, 2, 8), (1, 1, 8), (1, 1, 16), (1, 1, 32)]
 
 
-@triton.autotune(configs=_configs(_FWD_OPTIONS), key=["D", "S"], prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def attnres_store_kernel(
+    a,  # [M, D] the block (or its first term)
+    b,  # [M, D] its second term (read when HAS_B)
+    dst,  # [M, D] the buffer slot (written when WRITE)
+    W,  # [Q, D] queries
+    scores,  # [Q, M] float32 output (rows stride_q apart): s_q = r w_q . dst
+    M, D, Q, stride_q,
+    eps,
+    HAS_B: tl.constexpr,
+    WRITE: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,  # channels per step
+    BQ: tl.constexpr,  # >= Q, >= 16 (tl.dot)
+):
+    i_m = tl.program_id(0)
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_q = tl.arange(0, BQ)
+    m_m, m_q = o_m < M, o_q < Q
+    b_ss = tl.zeros([BM], tl.float32)
+    b_s = tl.zeros([BM, BQ], tl.float32)
+    for k0 in range(0, D, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < D
+        m_mk = m_m[:, None] & m_k[None, :]
+        o_mk = o_m[:, None].to(tl.int64) * D + o_k[None, :]
+        b_x = tl.load(a + o_mk, mask=m_mk, other=0.0).to(tl.float32)
+        if HAS_B:
+            b_x += tl.load(b + o_mk, mask=m_mk, other=0.0).to(tl.float32)
+        if WRITE:
+            # The logits of the value as stored (rounded to the buffer's dtype), as the backward sees it.
+            b_x = b_x.to(dst.dtype.element_ty)
+            tl.store(dst + o_mk, b_x, mask=m_mk)
+            b_x = b_x.to(tl.float32)
+        b_ss += tl.sum(b_x * b_x, axis=1)
+        b_w = tl.load(W + o_q[None, :] * D + o_k[:, None], mask=m_k[:, None] & m_q[None, :], other=0.0)
+        b_s += tl.dot(b_x, b_w.to(tl.float32), input_precision="ieee")
+    b_r = 1.0 / tl.sqrt(b_ss / D + eps)
+    tl.store(scores + o_q[None, :] * stride_q + o_m[:, None], b_s * b_r[:, None], mask=m_m[:, None] & m_q[None, :])
+
+
+def _fwd_configs():
+    """(BM tokens, BD channels) per program; one (small, to cover several d tiles) when interpreting."""
+    if INTERPRET:
+        return [triton.Config({"BM": 2, "BD": 16}, num_warps=4)]
+    # Session 23 (attnres_h200_session23.json, n = 8, S = 6): (1, 512, 4) 0.242 ms, (1, 1024, 4) 0.244,
+    # (2, 256, 4) 0.250, (2, 512, 4) 0.251, (4, 256, 4) 0.259; 8 warps 0.28-0.45.
+    return [triton.Config({"BM": bm, "BD": bd}, num_warps=4) for bm, bd in ((1, 512), (1, 1024), (2, 256), (2, 512),
+                                                                            (4, 256))]
+
+
+@triton.autotune(configs=_fwd_configs(), key=["D", "S"])
 @triton.jit
 def attnres_phase1_fwd_kernel(
     buf,  # [S_max, M, D] block representations; slots 0..n_src-1 are read
-    W,  # [S, D] the block's pseudo-queries
+    scores,  # [S, n_src, M] float32 logits (strides stride_sq, stride_si, 1)
     h,  # [M, D] output: query 0's read (the block's first sublayer input), h's dtype
     o,  # [S - 1, M, D] output: queries 1..S-1's inter-block parts, o's dtype
     lse,  # [S, M] float32 output: log-sum-exp of each query's inter-block logits
-    M, D, n_src, S, stride_s,  # tokens, width, blocks read, queries, elements between slots
-    eps,
-    BD: tl.constexpr,
-    G: tl.constexpr,  # queries per program
+    M, D, n_src, S, stride_s, stride_sq, stride_si,  # tokens, width, blocks read, queries, strides
+    BS: tl.constexpr,  # >= S
     BM: tl.constexpr,  # tokens per program
+    BD: tl.constexpr,  # channels per program
 ):
-    i_g, i_m = tl.program_id(0), tl.program_id(1)
-    o_l = i_g * G + tl.arange(0, G)
+    i_m, i_d = tl.program_id(0), tl.program_id(1)
+    o_l = tl.arange(0, BS)
     o_m = i_m * BM + tl.arange(0, BM)
-    o_d = tl.arange(0, BD)
+    o_d = i_d * BD + tl.arange(0, BD)
     m_l, m_m, m_d = o_l < S, o_m < M, o_d < D
+    m_lm = m_l[:, None] & m_m[None, :]
     m_md = m_m[:, None] & m_d[None, :]
     o_md = o_m[:, None].to(tl.int64) * D + o_d[None, :]
-    b_W = tl.load(W + o_l[:, None] * D + o_d[None, :], mask=m_l[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-
-    b_max = tl.full([G, BM], float("-inf"), tl.float32)
-    b_sum = tl.zeros([G, BM], tl.float32)
-    b_acc = tl.zeros([G, BM, BD], tl.float32)
-    # num_stages: the next blocks' rows are fetched (into shared memory) while this one is used.
-    p_src = buf
-    for _ in tl.range(0, n_src, num_stages=3):
-        b_v = tl.load(p_src + o_md, mask=m_md, other=0.0).to(tl.float32)
-        b_r, b_s = _scores(b_v, b_W, D, eps)
+    p_s = scores + o_l[:, None] * stride_sq + o_m[None, :]
+    # The softmax over depth from the logits alone (per-token scalars), then one pass over the blocks.
+    b_max = tl.full([BS, BM], float("-inf"), tl.float32)
+    b_sum = tl.zeros([BS, BM], tl.float32)
+    for i in range(0, n_src):
+        b_s = tl.load(p_s + i * stride_si, mask=m_lm, other=0.0)
         b_new = tl.maximum(b_max, b_s)
-        b_scale, b_p = tl.exp(b_max - b_new), tl.exp(b_s - b_new)
-        b_sum = b_sum * b_scale + b_p
-        b_acc = b_acc * b_scale[:, :, None] + b_p[:, :, None] * b_v[None, :, :]
+        b_sum = b_sum * tl.exp(b_max - b_new) + tl.exp(b_s - b_new)
         b_max = b_new
+    b_acc = tl.zeros([BS, BM, BD], tl.float32)
+    p_src = buf
+    for i in tl.range(0, n_src, num_stages=3):
+        b_a = tl.exp(tl.load(p_s + i * stride_si, mask=m_lm, other=0.0) - b_max) / b_sum
+        b_v = tl.load(p_src + o_md, mask=m_md, other=0.0).to(tl.float32)
+        b_acc += b_a[:, :, None] * b_v[None, :, :]
         p_src += stride_s
-    b_o = b_acc / b_sum[:, :, None]
-    if i_g == 0:
-        b_h = tl.sum(tl.where((o_l == 0)[:, None, None], b_o, 0.0), axis=0)
-        tl.store(h + o_md, b_h.to(h.dtype.element_ty), mask=m_md)
+    b_h = tl.sum(tl.where((o_l == 0)[:, None, None], b_acc, 0.0), axis=0)
+    tl.store(h + o_md, b_h.to(h.dtype.element_ty), mask=m_md)
     m_o = (m_l & (o_l > 0))[:, None, None] & m_md[None, :, :]
     p_o = o + (o_l[:, None, None] - 1).to(tl.int64) * M * D + o_md[None, :, :]
-    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o)
-    tl.store(lse + o_l[:, None] * M + o_m[None, :], b_max + tl.log(b_sum), mask=m_l[:, None] & m_m[None, :])
+    tl.store(p_o, b_acc.to(o.dtype.element_ty), mask=m_o)
+    if i_d == 0:
+        tl.store(lse + o_l[:, None] * M + o_m[None, :], b_max + tl.log(b_sum), mask=m_lm)
 
 
 @triton.autotune(configs=_configs(_BWD_OPTIONS), key=["D", "S"], prune_configs_by={"early_config_prune": _prune},
@@ -294,23 +343,67 @@ def _check_phase1(buf: torch.Tensor, n: int, W: torch.Tensor) -> None:
         raise ValueError(f"W must be [S >= 1, d={buf.shape[-1]}], got {list(W.shape)}")
 
 
-def phase1_fwd(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: torch.dtype | None = None,
-               o_dtype: torch.dtype | None = None):
-    """Triton phase-1 forward; arguments and returns as ``k3lab.attnres.mix.phase1_fwd_torch``
-    (buf [S_max, ..., d] contiguous; returns h [..., d], o [S - 1, ..., d] or None, lse [S, ...] float32).
+def store_block(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: torch.Tensor, eps: float,
+                scores: torch.Tensor) -> None:
+    """Triton store; as ``k3lab.attnres.mix.store_block_torch``: ``dst`` = a + b (or a) and
+    ``scores`` [Q, ...] = r w_q^T dst in one pass (``dst`` may be ``a``: logits only).
 
     Raises:
-        ValueError: non-contiguous buf, n out of range, W not [S, d].
+        ValueError: a, b or dst not [..., d] alike, non-contiguous dst, W not [Q, d], scores not [Q, ...]
+            float32 with contiguous rows.
+    """
+    D = a.shape[-1]
+    M = a.numel() // D
+    if any(t is not None and t.shape != a.shape for t in (b, dst)):
+        raise ValueError(f"a, b and dst must have one shape, got {[list(t.shape) for t in (a, b, dst) if t is not None]}")
+    if not dst.is_contiguous():
+        raise ValueError("dst must be contiguous")
+    if W.ndim != 2 or W.shape[1] != D or W.shape[0] < 1:
+        raise ValueError(f"W must be [Q >= 1, d={D}], got {list(W.shape)}")
+    Q = W.shape[0]
+    if (scores.shape != (Q, *a.shape[:-1]) or scores.dtype != torch.float32
+            or not scores[0].is_contiguous()):
+        raise ValueError(f"scores must be float32 [{Q}, {list(a.shape[:-1])}] with contiguous rows, got "
+                         f"{scores.dtype} {list(scores.shape)}")
+    write = dst is not a
+    block_q = max(16, triton.next_power_of_2(Q))
+    block_m = 16 if INTERPRET else 32
+    attnres_store_kernel[(triton.cdiv(M, block_m),)](
+        a.contiguous(), b.contiguous() if b is not None else a, dst, W.contiguous(), scores, M, D, Q,
+        scores.stride(0), eps, HAS_B=b is not None, WRITE=write, BM=block_m, BK=16 if INTERPRET else 64, BQ=block_q,
+        num_warps=4,
+    )
+
+
+def phase1_fwd(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: torch.dtype | None = None,
+               o_dtype: torch.dtype | None = None, scores: torch.Tensor | None = None):
+    """Triton phase-1 forward; arguments and returns as ``k3lab.attnres.mix.phase1_fwd_torch``
+    (buf [S_max, ..., d] contiguous; scores [S, n, ...] float32 from ``store_block``, any strides with
+    contiguous tokens, or None: formed here by one more pass over the blocks; returns h [..., d],
+    o [S - 1, ..., d] or None, lse [S, ...] float32).
+
+    Raises:
+        ValueError: non-contiguous buf, n out of range, W not [S, d], scores not float32 [S, n, ...].
     """
     _check_phase1(buf, n, W)
     S, D = W.shape[0], buf.shape[-1]
     M = buf[0].numel() // D
+    if scores is None:
+        scores = torch.empty((n, S, *buf.shape[1:-1]), dtype=torch.float32, device=buf.device).transpose(0, 1)
+        for i in range(n):
+            store_block(buf[i], buf[i], None, W, eps, scores[:, i])
+    if scores.shape != (S, n, *buf.shape[1:-1]):
+        raise ValueError(f"scores must be {[S, n, *buf.shape[1:-1]]}, got {list(scores.shape)}")
+    scores = scores.reshape(S, n, M)  # a view for the table's slices (tokens contiguous)
+    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
+        raise ValueError(f"scores must be float32 [{S}, {n}, tokens] with contiguous tokens, got {scores.dtype} "
+                         f"{list(scores.shape)} strides {scores.stride()}")
     h = torch.empty(buf.shape[1:], dtype=h_dtype or buf.dtype, device=buf.device)
     o = torch.empty((S - 1, *buf.shape[1:]), dtype=o_dtype or h.dtype, device=buf.device) if S > 1 else None
     lse = torch.empty((S, *buf.shape[1:-1]), dtype=torch.float32, device=buf.device)
-    grid = lambda meta: (triton.cdiv(S, meta["G"]), triton.cdiv(M, meta["BM"]))  # noqa: E731
-    attnres_phase1_fwd_kernel[grid](buf, W.contiguous(), h, o if o is not None else h, lse, M, D, n, S, M * D, eps,
-                                    BD=triton.next_power_of_2(D))
+    grid = lambda meta: (triton.cdiv(M, meta["BM"]), triton.cdiv(D, meta["BD"]))  # noqa: E731
+    attnres_phase1_fwd_kernel[grid](buf, scores, h, o if o is not None else h, lse, M, D, n, S, M * D,
+                                    scores.stride(0), scores.stride(1), BS=triton.next_power_of_2(S))
     return h, o, lse
 
 
