@@ -242,7 +242,8 @@ def merge_bwd_torch(dh: torch.Tensor, dp_in: torch.Tensor | None, p: torch.Tenso
     beta = torch.sigmoid(s - lse)
     ds = beta * (1 - beta) * (g * (P - o.to(dt))).sum(-1)
     dO.copy_((1 - beta)[..., None] * g)
-    delta.copy_(((1 - beta)[..., None] * g * o.to(dt)).sum(-1) + ds)
+    # delta from dO as stored (rounded to its dtype), as phase 1's backward reads it.
+    delta.copy_((dO.to(dt) * o.to(dt)).sum(-1) + ds)
     dp = beta[..., None] * g + (r * ds)[..., None] * (wd - (s * r / P.shape[-1])[..., None] * P)
     if dp_in is not None:
         dp = dp + dp_in.to(dt)

@@ -152,7 +152,9 @@ class _Block:
 
     def merge_backward(self, k, dh, dp_in, p, w, v_dtype):
         if self.dO is None:
-            self.dO = torch.empty((self.S - 1, *p.shape), dtype=self.store.grad_dtype, device=p.device)
+            # The gradients of the o_k in the o_k's own dtype (bf16 under autocast): phase 1's backward
+            # reads them once, in float32 arithmetic.
+            self.dO = torch.empty((self.S - 1, *p.shape), dtype=self.o_dtype, device=p.device)
             self.delta = torch.empty_like(self.lse)
         return self.merge_bwd(dh, dp_in, p, self.inter()[1][k - 1], self.lse[k], w, self.eps, self.dO[k - 1],
                               self.delta[k], v_dtype, need_dp=k > 1)
@@ -267,9 +269,9 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
 
     Returns:
         Tensor: [B, T, d] in h0's dtype; equal to ``naive_block_attnres`` in value and gradients
-        (up to float rounding; under autocast the o_k are stored in the autocast dtype, and phase 1's
-        backward takes its offsets delta_k from the o_k and h_0 as stored, so with bf16 o_k or a bf16
-        h0 the gradients carry that rounding).
+        (up to float rounding; under autocast the o_k and their gradients are stored in the autocast
+        dtype, and phase 1's backward takes its offsets delta_k from the o_k and h_0 as stored, so with
+        bf16 o_k or a bf16 h0 the gradients carry that rounding).
         Differentiable once: a second differentiation raises RuntimeError (use the naive path).
 
     Raises:

@@ -311,8 +311,10 @@ def attnres_merge_bwd_kernel(
         b_ea, b_eb = tl.exp(b_lse - b_mx), tl.exp(b_s - b_mx)
         b_alpha, b_beta = b_ea / (b_ea + b_eb), b_eb / (b_ea + b_eb)
         b_ds = b_alpha * b_beta * tl.sum(b_g * (b_p - b_o), axis=1)
-        tl.store(dO + o_md, (b_alpha[:, None] * b_g).to(dO.dtype.element_ty), mask=m_md)
-        tl.store(delta + o_m, b_alpha * tl.sum(b_g * b_o, axis=1) + b_ds, mask=m_m)
+        # delta from dO as stored (rounded to its dtype), as phase 1's backward reads it.
+        b_dO = (b_alpha[:, None] * b_g).to(dO.dtype.element_ty)
+        tl.store(dO + o_md, b_dO, mask=m_md)
+        tl.store(delta + o_m, tl.sum(b_dO.to(tl.float32) * b_o, axis=1) + b_ds, mask=m_m)
         b_dp = b_beta[:, None] * b_g + (b_r * b_ds)[:, None] * (b_w[None, :] - (b_s * b_r / D)[:, None] * b_p)
         if HAS_DP:
             b_dp += tl.load(dp_in + o_md, mask=m_md, other=0.0).to(tl.float32)
