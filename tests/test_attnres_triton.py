@@ -126,6 +126,14 @@ def test_phase1_fwd_takes_the_tables_logits():
         assert_close(name, a, b, TOL)
     with pytest.raises(ValueError, match="scores must be"):
         phase1_fwd(buf, n, W, 1e-6, scores=other[:, :2])
+    # The backward with the logits given: the same closed form (with the given logits) on both backends.
+    h, _, lse = ref
+    dh, dO, delta = randn(B, T, D, g=g), randn(S - 1, B, T, D, g=g), randn(S, B, T, g=g)
+    accs = [torch.zeros(n, B, T, D, device=DEVICE) for _ in range(2)]
+    dW = [f(buf, n, W, lse, h, dh, dO, delta, 1e-6, acc, scores=other)
+          for f, acc in zip((phase1_bwd, phase1_bwd_torch), accs)]
+    assert_close("dacc with logits", accs[1], accs[0], TOL)
+    assert_close("dW with logits", dW[1], dW[0], TOL)
 
 
 def test_phase1_bf16_storage():

@@ -148,7 +148,7 @@ def check_phase1_grads(buf: torch.Tensor, W: torch.Tensor, lse: torch.Tensor, h:
 @_no_autocast
 def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h: torch.Tensor,
                      dh: torch.Tensor, dO: torch.Tensor | None, delta: torch.Tensor | None, eps: float,
-                     dacc: torch.Tensor, accumulate: bool = True) -> torch.Tensor:
+                     dacc: torch.Tensor, accumulate: bool = True, scores: torch.Tensor | None = None) -> torch.Tensor:
     """Phase 1 backward (closed form in the module docstring).
 
     Args:
@@ -160,6 +160,7 @@ def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tens
             checked here (the Triton kernel reads it).
         dacc (Tensor): [>= n, ..., d] the blocks' gradients: ``dacc[:n]`` is written, or added to
             when ``accumulate``.
+        scores (Tensor | None): [S, n, ...] the forward's logits; None forms them from the blocks.
 
     Returns:
         Tensor: dW [S, d] in W's dtype.
@@ -171,6 +172,8 @@ def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tens
     dt = lse.dtype
     V, Wd = buf[:n].to(dt), W.to(dt)
     r, s = _scores(V, Wd, eps)
+    if scores is not None:
+        s = scores.to(dt)
     a = torch.softmax(s, 1)  # as in the forward
     G = dh.to(dt)[None] if dO is None else torch.cat([dh.to(dt)[None], dO.to(dt)])
     P = torch.einsum("s...d,n...d->sn...", G, V)

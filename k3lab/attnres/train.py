@@ -164,7 +164,7 @@ class _Block:
         have changed in place)."""
         acc = self.store.accumulator(overwrite=self.last)
         dW = self.phase1_bwd(self.store.buf, self.n, self.W, self.lse, self.inter()[0], dh, self.dO, self.delta,
-                             self.eps, acc, accumulate=not self.last)
+                             self.eps, acc, accumulate=not self.last, scores=self.scores)
         self.h = self.o = self.dO = self.delta = None
         return dW
 

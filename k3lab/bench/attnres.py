@@ -220,15 +220,17 @@ def bench_kernels(device, phase1_cases, store_cases, merge_cases, compile_: bool
         scores = block_scores(buf, n, W, 1e-6)  # as the blocks' stores left them in the table
         h, _, lse = phase1_fwd(buf, n, W, 1e-6, torch.float32, o_dt, scores)
         dh = torch.randn(M, d, device=device, generator=g)
-        dO = torch.randn(S - 1, M, d, device=device, generator=g) if S > 1 else None
+        dO = torch.randn(S - 1, M, d, device=device, generator=g).to(o_dt) if S > 1 else None
         delta = torch.randn(S, M, device=device, generator=g) if S > 1 else None
         acc = torch.zeros(n, M, d, device=device)
         eb, row = buf.element_size(), M * d
         bytes_fwd = row * (n * eb + 4 + 2 * (S - 1))  # read the blocks once; write h (fp32) and o_1.. (bf16)
-        bytes_bwd = row * (n * eb + 4 * (S + 1) + 8 * n)  # the blocks, h, dh and each dO once, dacc read + write
+        # At least: the blocks, dh and each dO (bf16, as the merges leave them) once, dacc read and written
+        # (the two passes read the blocks and the gradients twice).
+        bytes_bwd = row * (n * eb + 4 + 2 * (S - 1) + 8 * n)
         shape = f"phase1_M{M}_d{d}_n{n}_S{S}" + ("_bf16" if dtype == torch.bfloat16 else "")
         fwd_args = (buf, n, W, 1e-6, torch.float32, o_dt, scores)
-        bwd_args = (buf, n, W, lse, h, dh, dO, delta, 1e-6, acc)
+        bwd_args = (buf, n, W, lse, h, dh, dO, delta, 1e-6, acc, True, scores)
         time_case(shape, "fwd", lambda: phase1_fwd(*fwd_args), lambda: phase1_fwd_torch(*fwd_args),
                   lambda: comp["phase1_fwd_torch"](*fwd_args), bytes_fwd)
         time_case(shape, "bwd", lambda: phase1_bwd(*bwd_args), lambda: phase1_bwd_torch(*bwd_args),

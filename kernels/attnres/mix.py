@@ -28,45 +28,11 @@ from k3lab.attnres.mix import check_phase1_grads
 from k3lab.kernels import interpreting
 
 INTERPRET = interpreting()
-# Elements of one [G, BM, BD] register tile (the G queries' accumulators); more spills on an H200.
-_TILE_BUDGET = 16384
-
-
 @triton.jit
 def _score(b_v, b_w, D, eps):
     # r = rsqrt(mean(v^2) + eps), s = r * w^T v, for each row of b_v [BM, BD]; b_w [BD].
     b_r = 1.0 / tl.sqrt(tl.sum(b_v * b_v, axis=1) / D + eps)
     return b_r, tl.sum(b_v * b_w[None, :], axis=1) * b_r
-
-
-@triton.jit
-def _scores(b_v, b_W, D, eps):
-    # As _score for G queries b_W [G, BD] at once: r [BM], s [G, BM].
-    b_r = 1.0 / tl.sqrt(tl.sum(b_v * b_v, axis=1) / D + eps)
-    return b_r, tl.sum(b_W[:, None, :] * b_v[None, :, :], axis=2) * b_r[None, :]
-
-
-def _configs(n_options):
-    """Autotune configs (G queries, BM tokens per program); one when interpreting."""
-    if INTERPRET:
-        return [triton.Config({"G": 2, "BM": 2}, num_warps=4)]
-    return [triton.Config({"G": g, "BM": bm}, num_warps=w) for g, bm, w in n_options]
-
-
-def _prune(configs, nargs, **_):
-    # Keep the register tile within budget and G no larger than the block's sublayer count needs.
-    bd, s_pad = triton.next_power_of_2(nargs["D"]), triton.next_power_of_2(nargs["S"])
-    kept = [c for c in configs if c.kwargs["G"] * c.kwargs["BM"] * bd <= _TILE_BUDGET and c.kwargs["G"] <= s_pad]
-    return kept or [min(configs, key=lambda c: c.kwargs["G"] * c.kwargs["BM"])]
-
-
-# (G, BM, num_warps) of the backward. Offline sm_90 compiles (tests/sm90_compile.py's ``compile_sm90``,
-# d = 2048): (8, 1, 8), (4, 2, 8) and (2, 2, 8) use 255 registers and the first two spill (280 and 152
-# bytes of stack). On an H200 at M = 8192, d = 2048, n = 8, S = 6 (float32 blocks, 3 pipeline stages,
-# each option launched directly) the backward, one pass over the blocks, is fastest at (8, 1, 8):
-# 1.064 ms, all six queries in one group despite the spill, against 1.163 for (4, 2, 8) and 1.392 for
-# (2, 2, 8) (data/results/attnres_h200_session15.json).
-_BWD_OPTIONS = [(8, 1, 8), (4, 1, 8), (4, 2, 8), (4, 1, 16), (2, 1, 8), (2, 2, 8), (1, 1, 8), (1, 1, 16), (1, 1, 32)]
 
 
 @triton.jit
@@ -166,71 +132,120 @@ def attnres_phase1_fwd_kernel(
         tl.store(lse + o_l[:, None] * M + o_m[None, :], b_max + tl.log(b_sum), mask=m_lm)
 
 
-@triton.autotune(configs=_configs(_BWD_OPTIONS), key=["D", "S"], prune_configs_by={"early_config_prune": _prune},
-                 restore_value=["dacc"])
 @triton.jit
-def attnres_phase1_bwd_kernel(
+def _read_grads(dh, dO, o_l, m_l, o_md, m_md, M, D, HAS_REST: tl.constexpr):
+    # [BS, BM, BD] float32: row 0 from dh, rows 1..S-1 from dO (zeros past S).
+    b_g = tl.load(dh + o_md[None, :, :] + 0 * o_l[:, None, None],
+                  mask=(o_l == 0)[:, None, None] & m_md[None, :, :], other=0.0).to(tl.float32)
+    if HAS_REST:
+        p_dO = dO + (o_l[:, None, None] - 1).to(tl.int64) * M * D + o_md[None, :, :]
+        b_g += tl.load(p_dO, mask=(m_l & (o_l > 0))[:, None, None] & m_md[None, :, :], other=0.0).to(tl.float32)
+    return b_g
+
+
+@triton.jit
+def attnres_phase1_bwd_dots_kernel(
     buf,  # [S_max, M, D] block representations
-    W,  # [S, D]
+    scores,  # [S, n_src, M] float32 logits (strides stride_sq, stride_si, 1)
     lse,  # [S, M] float32 from the forward
-    h,  # [M, D] query 0's read (the forward's h)
     dh,  # [M, D] gradient of query 0's read
     dO,  # [S - 1, M, D] gradients of queries 1..S-1's inter-block parts (when HAS_REST)
     delta,  # [S, M] float32 dO_l . o_l - dlse_l of queries 1..S-1 (row 0 unused; when HAS_REST)
-    dacc,  # [>= n_src, M, D] the blocks' gradients: written, or added to when ACCUMULATE
-    dW,  # [n_programs, S, D] float32 output: per-program partial sums of dW
-    M, D, n_src, S, stride_s,
+    P,  # [n_src, S, M] float32 scratch: dO_l . b_i
+    ds,  # [n_src, S, M] float32 output: ds_{l,i} = a (dO_l . b_i - delta_l)
+    rc,  # [n_src, 2, M] float32 output: r_i and c_i = r_i^2 / D sum_l ds_{l,i} s_{l,i}
+    M, D, n_src, S, stride_s, stride_sq, stride_si,
     eps,
     HAS_REST: tl.constexpr,
-    ACCUMULATE: tl.constexpr,  # 0 or 1
-    BD: tl.constexpr,
-    G: tl.constexpr,
+    BS: tl.constexpr,  # >= S
     BM: tl.constexpr,
+    BD: tl.constexpr,  # channels per step
 ):
-    # Persistent: program i_p handles token tiles i_p, i_p + n_p, ... for each group of G queries
-    # in turn (groups after the first add into dacc rows this program wrote), keeping dW in registers.
-    i_p, n_p = tl.program_id(0), tl.num_programs(0)
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    for i_g in range(0, tl.cdiv(S, G)):
-        o_l = i_g * G + tl.arange(0, G)
-        m_l = o_l < S
-        b_W = tl.load(W + o_l[:, None] * D + o_d[None, :], mask=m_l[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        b_dW = tl.zeros([G, BD], tl.float32)
-        do_acc = (i_g + ACCUMULATE) > 0
-        for i_t in range(i_p, tl.cdiv(M, BM), n_p):
-            o_m = i_t * BM + tl.arange(0, BM)
-            m_m = o_m < M
-            m_md = m_m[:, None] & m_d[None, :]
+    # Pass 1 of the backward: every per-token scalar the blocks' gradients need (whole rows of d).
+    i_m = tl.program_id(0)
+    o_l = tl.arange(0, BS)
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_l, m_m = o_l < S, o_m < M
+    m_lm = m_l[:, None] & m_m[None, :]
+    o_lm = o_l[:, None] * M + o_m[None, :]
+    p_s = scores + o_l[:, None] * stride_sq + o_m[None, :]
+    for i in range(0, n_src):
+        b_P = tl.zeros([BS, BM], tl.float32)
+        b_ss = tl.zeros([BM], tl.float32)
+        for d0 in range(0, D, BD):
+            o_d = d0 + tl.arange(0, BD)
+            m_md = m_m[:, None] & (o_d < D)[None, :]
             o_md = o_m[:, None].to(tl.int64) * D + o_d[None, :]
-            m_lm = m_l[:, None] & m_m[None, :]
-            o_lm = o_l[:, None] * M + o_m[None, :]
-            b_dO = tl.load(dh + o_md[None, :, :] + 0 * o_l[:, None, None],
-                           mask=(o_l == 0)[:, None, None] & m_md[None, :, :], other=0.0).to(tl.float32)
-            b_h = tl.load(h + o_md, mask=m_md & (i_g == 0), other=0.0).to(tl.float32)
-            b_delta = tl.sum(b_dO * b_h[None, :, :], axis=2)
-            if HAS_REST:
-                p_dO = dO + (o_l[:, None, None] - 1).to(tl.int64) * M * D + o_md[None, :, :]
-                m_dO = (m_l & (o_l > 0))[:, None, None] & m_md[None, :, :]
-                b_dO += tl.load(p_dO, mask=m_dO, other=0.0).to(tl.float32)
-                b_delta += tl.load(delta + o_lm, mask=m_lm & (o_l > 0)[:, None], other=0.0)
-            b_lse = tl.load(lse + o_lm, mask=m_lm, other=0.0)
-            # ds_{l,i} = a (dO_l . b_i - delta_l); db_i = sum_l [a dO_l + r ds (w_l - s r / D b_i)].
-            p_src, p_dsrc = buf, dacc
-            for _ in tl.range(0, n_src, num_stages=3):
-                b_v = tl.load(p_src + o_md, mask=m_md, other=0.0).to(tl.float32)
-                b_r, b_s = _scores(b_v, b_W, D, eps)
-                b_a = tl.where(m_lm, tl.exp(b_s - b_lse), 0.0)
-                b_ds = b_a * (tl.sum(b_dO * b_v[None, :, :], axis=2) - b_delta)
-                b_dv = (tl.sum(b_a[:, :, None] * b_dO, axis=0)
-                        + b_r[:, None] * tl.sum(b_ds[:, :, None] * b_W[:, None, :], axis=0)
-                        - (b_r * b_r / D * tl.sum(b_ds * b_s, axis=0))[:, None] * b_v)
-                b_dv += tl.load(p_dsrc + o_md, mask=m_md & do_acc, other=0.0).to(tl.float32)
-                tl.store(p_dsrc + o_md, b_dv.to(dacc.dtype.element_ty), mask=m_md)
-                b_dW += tl.sum((b_ds * b_r[None, :])[:, :, None] * b_v[None, :, :], axis=1)
-                p_src += stride_s
-                p_dsrc += M * D
-        tl.store(dW + (i_p * S + o_l[:, None]) * D + o_d[None, :], b_dW, mask=m_l[:, None] & m_d[None, :])
+            b_v = tl.load(buf + i * stride_s + o_md, mask=m_md, other=0.0).to(tl.float32)
+            b_g = _read_grads(dh, dO, o_l, m_l, o_md, m_md, M, D, HAS_REST)
+            b_P += tl.sum(b_g * b_v[None, :, :], axis=2)
+            b_ss += tl.sum(b_v * b_v, axis=1)
+        tl.store(P + i * S * M + o_lm, b_P, mask=m_lm)
+        tl.store(rc + i * 2 * M + o_m, 1.0 / tl.sqrt(b_ss / D + eps), mask=m_m)
+    # delta_0 = dh . h_0 = sum_i a_{0,i} dh . b_i, from the same products (a read of one source has ds = 0).
+    b_lse = tl.load(lse + o_lm, mask=m_lm, other=0.0)
+    b_delta = tl.zeros([BS, BM], tl.float32)
+    for i in range(0, n_src):
+        b_a = tl.exp(tl.load(p_s + i * stride_si, mask=m_lm, other=0.0) - b_lse)
+        b_delta += tl.where((o_l == 0)[:, None], b_a * tl.load(P + i * S * M + o_lm, mask=m_lm, other=0.0), 0.0)
+    if HAS_REST:
+        b_delta += tl.load(delta + o_lm, mask=m_lm & (o_l > 0)[:, None], other=0.0)
+    for i in range(0, n_src):
+        b_s = tl.load(p_s + i * stride_si, mask=m_lm, other=0.0)
+        b_ds = tl.where(m_lm, tl.exp(b_s - b_lse), 0.0) * (tl.load(P + i * S * M + o_lm, mask=m_lm, other=0.0) - b_delta)
+        tl.store(ds + i * S * M + o_lm, b_ds, mask=m_lm)
+        b_r = tl.load(rc + i * 2 * M + o_m, mask=m_m, other=0.0)
+        tl.store(rc + i * 2 * M + M + o_m, b_r * b_r / D * tl.sum(b_ds * b_s, axis=0), mask=m_m)
+
+
+@triton.jit
+def attnres_phase1_bwd_kernel(
+    buf, scores, lse,  # as in the dots kernel
+    W,  # [S, D]
+    dh, dO,  # as in the dots kernel
+    ds, rc,  # the dots kernel's outputs
+    dacc,  # [>= n_src, M, D] the blocks' gradients: written, or added to when ACCUMULATE
+    dW,  # [n_programs, S, D] float32 output: per-program partial sums of dW
+    M, D, n_src, S, stride_s, stride_sq, stride_si,
+    HAS_REST: tl.constexpr,
+    ACCUMULATE: tl.constexpr,  # 0 or 1
+    BS: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
+):
+    # Pass 2: db_i = sum_l [a dO_l + r ds (w_l - s r / D b_i)] by d tiles, each block read once more.
+    # Persistent over token tiles (program i_p of a channel tile takes tiles i_p, i_p + n_p, ...) so
+    # that dW's partial sums stay in registers.
+    i_p, n_p, i_d = tl.program_id(0), tl.num_programs(0), tl.program_id(1)
+    o_l = tl.arange(0, BS)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_l, m_d = o_l < S, o_d < D
+    b_W = tl.load(W + o_l[:, None] * D + o_d[None, :], mask=m_l[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+    b_dW = tl.zeros([BS, BD], tl.float32)
+    for i_t in range(i_p, tl.cdiv(M, BM), n_p):
+        o_m = i_t * BM + tl.arange(0, BM)
+        m_m = o_m < M
+        m_lm = m_l[:, None] & m_m[None, :]
+        o_lm = o_l[:, None] * M + o_m[None, :]
+        m_md = m_m[:, None] & m_d[None, :]
+        o_md = o_m[:, None].to(tl.int64) * D + o_d[None, :]
+        b_g = _read_grads(dh, dO, o_l, m_l, o_md, m_md, M, D, HAS_REST)
+        b_lse = tl.load(lse + o_lm, mask=m_lm, other=0.0)
+        p_s = scores + o_l[:, None] * stride_sq + o_m[None, :]
+        for i in tl.range(0, n_src, num_stages=2):
+            b_v = tl.load(buf + i * stride_s + o_md, mask=m_md, other=0.0).to(tl.float32)
+            b_a = tl.where(m_lm, tl.exp(tl.load(p_s + i * stride_si, mask=m_lm, other=0.0) - b_lse), 0.0)
+            b_ds = tl.load(ds + i * S * M + o_lm, mask=m_lm, other=0.0)
+            b_r = tl.load(rc + i * 2 * M + o_m, mask=m_m, other=0.0)
+            b_c = tl.load(rc + i * 2 * M + M + o_m, mask=m_m, other=0.0)
+            b_dv = (tl.sum(b_a[:, :, None] * b_g, axis=0)
+                    + b_r[:, None] * tl.sum(b_ds[:, :, None] * b_W[:, None, :], axis=0) - b_c[:, None] * b_v)
+            p_acc = dacc + i * M * D + o_md
+            if ACCUMULATE:
+                b_dv += tl.load(p_acc, mask=m_md, other=0.0).to(tl.float32)
+            tl.store(p_acc, b_dv.to(dacc.dtype.element_ty), mask=m_md)
+            b_dW += tl.sum((b_ds * b_r[None, :])[:, :, None] * b_v[None, :, :], axis=1)
+    tl.store(dW + (i_p * S + o_l[:, None]) * D + o_d[None, :], b_dW, mask=m_l[:, None] & m_d[None, :])
 
 
 @triton.jit
@@ -377,6 +392,22 @@ def store_block(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: t
     )
 
 
+def _logits(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, scores: torch.Tensor | None) -> torch.Tensor:
+    """The logits as [S, n, M] (a view of the table's slice), formed here when None."""
+    S, D = W.shape[0], buf.shape[-1]
+    if scores is None:
+        scores = torch.empty((n, S, *buf.shape[1:-1]), dtype=torch.float32, device=buf.device).transpose(0, 1)
+        for i in range(n):
+            store_block(buf[i], buf[i], None, W, eps, scores[:, i])
+    if scores.shape != (S, n, *buf.shape[1:-1]):
+        raise ValueError(f"scores must be {[S, n, *buf.shape[1:-1]]}, got {list(scores.shape)}")
+    scores = scores.reshape(S, n, buf[0].numel() // D)  # a view for the table's slices (tokens contiguous)
+    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
+        raise ValueError(f"scores must be float32 [{S}, {n}, tokens] with contiguous tokens, got {scores.dtype} "
+                         f"{list(scores.shape)} strides {scores.stride()}")
+    return scores
+
+
 def phase1_fwd(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: torch.dtype | None = None,
                o_dtype: torch.dtype | None = None, scores: torch.Tensor | None = None):
     """Triton phase-1 forward; arguments and returns as ``k3lab.attnres.mix.phase1_fwd_torch``
@@ -390,16 +421,7 @@ def phase1_fwd(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: 
     _check_phase1(buf, n, W)
     S, D = W.shape[0], buf.shape[-1]
     M = buf[0].numel() // D
-    if scores is None:
-        scores = torch.empty((n, S, *buf.shape[1:-1]), dtype=torch.float32, device=buf.device).transpose(0, 1)
-        for i in range(n):
-            store_block(buf[i], buf[i], None, W, eps, scores[:, i])
-    if scores.shape != (S, n, *buf.shape[1:-1]):
-        raise ValueError(f"scores must be {[S, n, *buf.shape[1:-1]]}, got {list(scores.shape)}")
-    scores = scores.reshape(S, n, M)  # a view for the table's slices (tokens contiguous)
-    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
-        raise ValueError(f"scores must be float32 [{S}, {n}, tokens] with contiguous tokens, got {scores.dtype} "
-                         f"{list(scores.shape)} strides {scores.stride()}")
+    scores = _logits(buf, n, W, eps, scores)
     h = torch.empty(buf.shape[1:], dtype=h_dtype or buf.dtype, device=buf.device)
     o = torch.empty((S - 1, *buf.shape[1:]), dtype=o_dtype or h.dtype, device=buf.device) if S > 1 else None
     lse = torch.empty((S, *buf.shape[1:-1]), dtype=torch.float32, device=buf.device)
@@ -409,14 +431,21 @@ def phase1_fwd(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: 
     return h, o, lse
 
 
+# Launch options of the backward's two passes (tokens, channels per step or tile, warps).
+_BWD_DOTS = (2, 16, 4) if INTERPRET else (1, 512, 4)
+_BWD_TILES = (2, 16, 4) if INTERPRET else (1, 512, 4)
+
+
 def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
                dO: torch.Tensor | None, delta: torch.Tensor | None, eps: float, dacc: torch.Tensor,
-               accumulate: bool = True) -> torch.Tensor:
+               accumulate: bool = True, scores: torch.Tensor | None = None) -> torch.Tensor:
     """Triton phase-1 backward; as ``k3lab.attnres.mix.phase1_bwd_torch`` (the blocks' gradients go
-    into ``dacc[:n]``, written or added; returns dW [S, d] in W's dtype).
+    into ``dacc[:n]``, written or added; returns dW [S, d] in W's dtype). Two passes: per-token
+    scalars over whole rows, then the blocks' gradients by d tiles.
 
     Raises:
-        ValueError: non-contiguous buf or dacc, n out of range, shape mismatch (``check_phase1_grads``).
+        ValueError: non-contiguous buf or dacc, n out of range, shape mismatch (``check_phase1_grads``),
+            scores not float32 [S, n, ...].
     """
     _check_phase1(buf, n, W)
     S, D = W.shape[0], buf.shape[-1]
@@ -424,15 +453,24 @@ def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h:
     if not dacc.is_contiguous() or dacc.shape[1:] != buf.shape[1:] or dacc.shape[0] < n:
         raise ValueError(f"dacc must be contiguous [>= {n}, {list(buf.shape[1:])}], got {list(dacc.shape)}")
     check_phase1_grads(buf, W, lse, h, dh, dO, delta)
-    # Persistent grid, sized for one token per program at most; every program writes its dW rows.
-    n_prog = _n_programs(buf.device, M)
+    scores = _logits(buf, n, W, eps, scores)
+    dh, lse = dh.contiguous(), lse.contiguous()
+    dO, delta = (dO.contiguous(), delta.contiguous()) if dO is not None else (dh, lse)
+    P, ds = (torch.empty((n, S, M), dtype=torch.float32, device=buf.device) for _ in range(2))
+    rc = torch.empty((n, 2, M), dtype=torch.float32, device=buf.device)
+    strides = (M * D, scores.stride(0), scores.stride(1))
+    block_s = triton.next_power_of_2(S)
+    bm, bd, warps = _BWD_DOTS
+    attnres_phase1_bwd_dots_kernel[(triton.cdiv(M, bm),)](
+        buf, scores, lse, dh, dO, delta, P, ds, rc, M, D, n, S, *strides, eps,
+        HAS_REST=S > 1, BS=block_s, BM=bm, BD=bd, num_warps=warps)
+    bm, bd, warps = _BWD_TILES
+    n_d = triton.cdiv(D, bd)
+    n_prog = max(1, min(triton.cdiv(M, bm), _n_programs(buf.device, M) // n_d))
     dW = torch.empty((n_prog, S, D), dtype=torch.float32, device=buf.device)
-    attnres_phase1_bwd_kernel[(n_prog,)](
-        buf, W.contiguous(), lse.contiguous(), h.contiguous(), dh.contiguous(),
-        dO.contiguous() if dO is not None else dh, delta.contiguous() if delta is not None else lse, dacc, dW,
-        M, D, n, S, M * D, eps,
-        HAS_REST=S > 1, ACCUMULATE=int(accumulate), BD=triton.next_power_of_2(D),
-    )
+    attnres_phase1_bwd_kernel[(n_prog, n_d)](
+        buf, scores, lse, W.contiguous(), dh, dO, ds, rc, dacc, dW, M, D, n, S, *strides,
+        HAS_REST=S > 1, ACCUMULATE=int(accumulate), BS=block_s, BM=bm, BD=bd, num_warps=warps)
     return dW.sum(0).to(W.dtype)
 
 
