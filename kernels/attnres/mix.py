@@ -212,6 +212,7 @@ def attnres_phase1_bwd_kernel(
     BS: tl.constexpr,
     BM: tl.constexpr,
     BD: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     # Pass 2: db_i = sum_l [a dO_l + r ds (w_l - s r / D b_i)] by d tiles, each block read once more.
     # Persistent over token tiles (program i_p of a channel tile takes tiles i_p, i_p + n_p, ...) so
@@ -232,7 +233,7 @@ def attnres_phase1_bwd_kernel(
         b_g = _read_grads(dh, dO, o_l, m_l, o_md, m_md, M, D, HAS_REST)
         b_lse = tl.load(lse + o_lm, mask=m_lm, other=0.0)
         p_s = scores + o_l[:, None] * stride_sq + o_m[None, :]
-        for i in tl.range(0, n_src, num_stages=2):
+        for i in tl.range(0, n_src, num_stages=STAGES):
             b_v = tl.load(buf + i * stride_s + o_md, mask=m_md, other=0.0).to(tl.float32)
             b_a = tl.where(m_lm, tl.exp(tl.load(p_s + i * stride_si, mask=m_lm, other=0.0) - b_lse), 0.0)
             b_ds = tl.load(ds + i * S * M + o_lm, mask=m_lm, other=0.0)
@@ -360,6 +361,11 @@ def _check_phase1(buf: torch.Tensor, n: int, W: torch.Tensor) -> None:
         raise ValueError(f"W must be [S >= 1, d={buf.shape[-1]}], got {list(W.shape)}")
 
 
+# (tokens, channels per step, warps) of the store: sm_90 compiles (Q <= 64) use 168 registers at
+# (64, 32, 8), 212 at (32, 32, 4), 255 and a spill at (32, 64, 4).
+_STORE = (16, 16, 4) if INTERPRET else (64, 32, 8)
+
+
 def store_block(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: torch.Tensor, eps: float,
                 scores: torch.Tensor) -> None:
     """Triton store; as ``k3lab.attnres.mix.store_block_torch``: ``dst`` = a + b (or a) and
@@ -382,13 +388,11 @@ def store_block(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: t
             or not scores[0].is_contiguous()):
         raise ValueError(f"scores must be float32 [{Q}, {list(a.shape[:-1])}] with contiguous rows, got "
                          f"{scores.dtype} {list(scores.shape)}")
-    write = dst is not a
-    block_q = max(16, triton.next_power_of_2(Q))
-    block_m = 16 if INTERPRET else 32
+    block_m, block_k, warps = _STORE
     attnres_store_kernel[(triton.cdiv(M, block_m),)](
         a.contiguous(), b.contiguous() if b is not None else a, dst, W.contiguous(), scores, M, D, Q,
-        scores.stride(0), eps, HAS_B=b is not None, WRITE=write, BM=block_m, BK=16 if INTERPRET else 64, BQ=block_q,
-        num_warps=4,
+        scores.stride(0), eps, HAS_B=b is not None, WRITE=dst is not a, BM=block_m, BK=block_k,
+        BQ=max(16, triton.next_power_of_2(Q)), num_warps=warps,
     )
 
 
@@ -431,9 +435,10 @@ def phase1_fwd(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: 
     return h, o, lse
 
 
-# Launch options of the backward's two passes (tokens, channels per step or tile, warps).
+# Launch options of the backward's two passes: (tokens, channels per step, warps) and (tokens, channels
+# per tile, warps, pipeline stages over the blocks).
 _BWD_DOTS = (2, 16, 4) if INTERPRET else (1, 512, 4)
-_BWD_TILES = (2, 16, 4) if INTERPRET else (1, 512, 4)
+_BWD_TILES = (2, 16, 4, 1) if INTERPRET else (1, 256, 4, 1)
 
 
 def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
@@ -464,13 +469,13 @@ def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h:
     attnres_phase1_bwd_dots_kernel[(triton.cdiv(M, bm),)](
         buf, scores, lse, dh, dO, delta, P, ds, rc, M, D, n, S, *strides, eps,
         HAS_REST=S > 1, BS=block_s, BM=bm, BD=bd, num_warps=warps)
-    bm, bd, warps = _BWD_TILES
+    bm, bd, warps, stages = _BWD_TILES
     n_d = triton.cdiv(D, bd)
     n_prog = max(1, min(triton.cdiv(M, bm), _n_programs(buf.device, M) // n_d))
     dW = torch.empty((n_prog, S, D), dtype=torch.float32, device=buf.device)
     attnres_phase1_bwd_kernel[(n_prog, n_d)](
         buf, scores, lse, W.contiguous(), dh, dO, ds, rc, dacc, dW, M, D, n, S, *strides,
-        HAS_REST=S > 1, ACCUMULATE=int(accumulate), BS=block_s, BM=bm, BD=bd, num_warps=warps)
+        HAS_REST=S > 1, ACCUMULATE=int(accumulate), BS=block_s, BM=bm, BD=bd, STAGES=stages, num_warps=warps)
     return dW.sum(0).to(W.dtype)
 
 
