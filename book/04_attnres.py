@@ -216,9 +216,12 @@ assert err_uniform < 1e-14 and err_full < 1e-14
 # 1. **Blocks once.** Completed block representations are written once into one buffer
 #    $[N+1, B, T, d]$ that every later read shares.
 # 2. **One pass over the blocks per block, not per sublayer.** The pseudo-queries are parameters, so
-#    at the start of block $n$ one pass over $b_0..b_{n-1}$ computes, for all $S$ sublayers $k$ of
-#    the block, the inter-block part $o_k = \sum_i a_{k,i} b_i$ and its log-sum-exp
-#    $\mathrm{lse}_k$ (phase 1, `k3lab.attnres.mix.phase1_fwd_torch`). Sublayer $k$ then only merges
+#    the logits $s_{l,i} = r_i w_l^\top b_i$ of every query against a block can be formed the moment the
+#    block is stored, in the same pass that writes it (`store_block_torch`: a $[\text{tokens}, d] \times
+#    [d, L+1]$ product into a small table). At the start of block $n$ one pass over $b_0..b_{n-1}$
+#    then computes, for all $S$ sublayers $k$ of the block, the inter-block part
+#    $o_k = \sum_i a_{k,i} b_i$ and its log-sum-exp $\mathrm{lse}_k$, the weights coming from the
+#    table (phase 1, `k3lab.attnres.mix.phase1_fwd_torch`). Sublayer $k$ then only merges
 #    it with its partial sum $p_k$, whose logit is $s = r_p w_k^\top p_k$ (phase 2, the online-softmax
 #    rule of section 4): $h_k = (1-\beta) o_k + \beta p_k$, $\beta = \sigma(s - \mathrm{lse}_k)$,
 #    two vectors read and one written. The $o_k$ are dropped at the block's end and recomputed by
@@ -240,7 +243,8 @@ assert err_uniform < 1e-14 and err_full < 1e-14
 #    tensor such a policy — keep, recompute, offload — outside model code; this is the "recompute" policy.)
 #
 # Per sublayer the training path thus keeps the partial sum where the standard residual keeps $h_k$,
-# plus the shared buffer and the 4-byte lse. The closed forms (phase 1 for a block of $S = 3$
+# plus the shared buffer, the 4-byte lse and the logits table ($(L+1)(N+1)$ floats per token: 1.7 KB
+# for $L = 48$, $N = 8$, a fifth of one $d = 2048$ float32 vector). The closed forms (phase 1 for a block of $S = 3$
 # sublayers over 4 blocks, the two merges, both backwards) against autograd through the formula, in float64:
 
 # %% tags=["nbval-ignore-output"]
@@ -259,7 +263,7 @@ dP, dW = torch.zeros_like(P), torch.zeros_like(W)
 for k in (1, 2):
     dP[k], _, dW[k] = merge_bwd_torch(G[k], None, P[k], o[k - 1], lse[k], W[k], 1e-6, dO[k - 1], delta[k])
 dbuf = torch.zeros(4, 3, 9, 24, dtype=torch.float64)
-dW += phase1_bwd_torch(buf, 4, W, lse, h0, G[0], dO, delta, 1e-6, dbuf)
+dW += phase1_bwd_torch(buf, 4, W, lse, G[0], dO, delta, 1e-6, dbuf)
 errs = [rel_rms_error(reads[k].detach(), hs[k]) for k in range(3)]
 errs += [rel_rms_error(leaves[i].grad, dbuf[i]) for i in range(4)]
 errs += [rel_rms_error(leaves[4].grad, dW), rel_rms_error(leaves[5].grad[1:], dP[1:])]
@@ -356,14 +360,20 @@ with torch.no_grad():
 # ## 5. The Triton kernels
 #
 # Each pass is memory-bound: per token it touches a few $d$-vectors and does $O(d)$ flops per vector.
-# `k3lab.kernels.attnres` has one kernel per closed form. Phase 1 forward: a program owns a few token
-# rows and a group of the block's queries, walks the $n$ blocks once with an **online softmax over
-# depth** (running max, running sum, one $[rows, d]$ accumulator per query), and writes $h_0$, the
-# $o_k$ and the lse. Phase 1 backward walks the blocks once: the softmax's per-token offset
-# $\delta_k = \partial o_k^\top o_k - \partial\,\mathrm{lse}_k$ (FlashAttention's $D$) comes from the merge's
-# backward, which has $o_k$ and $\partial o_k$ at hand ($\delta_0 = \partial h_0^\top h_0$ is formed here);
-# it reads each $\partial o_k$ once and adds into the accumulator; its programs are persistent over token tiles so that $\partial w$ is
-# summed in registers. The merge kernels read and write whole rows (the logit needs all of $d$).
+# `k3lab.kernels.attnres` has one kernel per closed form. The store writes a block and its logits in one
+# pass (the row's sum of squares and a small float32 product with the queries, chunk by chunk of $d$).
+# Phase 1 forward: with the logits at hand, the softmax over depth is per-token scalars, so a program
+# owns a few token rows and one tile of $d$ for **all** $S$ queries, reads each of the $n$ blocks once and
+# writes its tile of $h_0$, the $o_k$ and the lse. (Without the table the logits need whole rows before
+# any weighted sum can start: the kernel this replaced held whole rows of a group of queries in
+# registers and re-read the blocks once per group.) Phase 1 backward runs in two passes. The first
+# forms every per-token scalar over whole rows: $\partial o_k^\top b_i$, $r_i$, then
+# $\partial s_{k,i}$, with the softmax's offset $\delta_k = \partial o_k^\top o_k - \partial\,\mathrm{lse}_k$
+# (FlashAttention's $D$) from the merge's backward, which has $o_k$ and $\partial o_k$ at hand
+# ($\delta_0 = \sum_i a_{0,i}\, \partial h_0^\top b_i$ from the same products). The second adds the blocks'
+# gradients into the accumulator tile by tile of $d$, its programs persistent over token tiles so that
+# $\partial w$ is summed in registers. The merge kernels read and write whole rows (the logit needs
+# all of $d$).
 # On the CPU they run under Triton's interpreter; here they are checked against the PyTorch closed forms:
 
 # %% tags=["nbval-ignore-output"]
@@ -375,8 +385,8 @@ for S_q, n_blk, M_tok, D in ((3, 4, 21, 40), (1, 3, 9, 24)):
     out_t, out_r = phase1_fwd(kb, n_blk, kW, 1e-6), phase1_fwd_torch(kb, n_blk, kW, 1e-6)
     errs = [rel_rms_error(a, b) for a, b in zip(out_r, out_t) if a is not None]
     acc_t, acc_r = torch.zeros(n_blk, M_tok, D), torch.zeros(n_blk, M_tok, D)
-    errs.append(rel_rms_error(phase1_bwd_torch(kb, n_blk, kW, out_r[2], out_r[0], kg, kdO, kdelta, 1e-6, acc_r),
-                              phase1_bwd(kb, n_blk, kW, out_t[2], out_t[0], kg, kdO, kdelta, 1e-6, acc_t)))
+    errs.append(rel_rms_error(phase1_bwd_torch(kb, n_blk, kW, out_r[2], kg, kdO, kdelta, 1e-6, acc_r),
+                              phase1_bwd(kb, n_blk, kW, out_t[2], kg, kdO, kdelta, 1e-6, acc_t)))
     errs.append(rel_rms_error(acc_r, acc_t))
     print(f"phase 1, {S_q} queries over {n_blk} blocks, {M_tok} tokens, d = {D}: "
           f"Triton vs PyTorch max rel error (h, o, lse, dW, block grads) {max(errs):.0e}")

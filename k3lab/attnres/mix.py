@@ -124,20 +124,20 @@ def phase1_fwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_d
     return out[0].to(h_dtype, copy=True), o, lse
 
 
-def check_phase1_grads(buf: torch.Tensor, W: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
+def check_phase1_grads(buf: torch.Tensor, W: torch.Tensor, lse: torch.Tensor, dh: torch.Tensor,
                        dO: torch.Tensor | None, delta: torch.Tensor | None) -> None:
     """The phase-1 backward's inputs beside the forward's (both backends).
 
     Raises:
-        ValueError: lse not [S, ...] (the Triton kernel read past a smaller one); h or dh not [..., d]
-            like a block of ``buf``; dO ([S - 1, ..., d]) and delta ([S, ...]) not given exactly when
+        ValueError: lse not [S, ...] (the Triton kernel read past a smaller one); dh not [..., d] like a
+            block of ``buf``; dO ([S - 1, ..., d]) and delta ([S, ...]) not given exactly when
             S > 1, or of other shapes.
     """
     S, row = W.shape[0], buf.shape[1:]
     if lse.shape != (S, *row[:-1]):
         raise ValueError(f"lse must be {[S, *row[:-1]]}, got {list(lse.shape)}")
-    if h.shape != row or dh.shape != row:
-        raise ValueError(f"h and dh must be {list(row)}, got {list(h.shape)} and {list(dh.shape)}")
+    if dh.shape != row:
+        raise ValueError(f"dh must be {list(row)}, got {list(dh.shape)}")
     if (dO is None) != (S == 1) or (delta is None) != (S == 1):
         raise ValueError(f"dO and delta are needed exactly when S > 1 (S = {S})")
     if dO is not None and (dO.shape != (S - 1, *row) or delta.shape != (S, *row[:-1])):
@@ -146,18 +146,16 @@ def check_phase1_grads(buf: torch.Tensor, W: torch.Tensor, lse: torch.Tensor, h:
 
 
 @_no_autocast
-def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h: torch.Tensor,
-                     dh: torch.Tensor, dO: torch.Tensor | None, delta: torch.Tensor | None, eps: float,
-                     dacc: torch.Tensor, accumulate: bool = True, scores: torch.Tensor | None = None) -> torch.Tensor:
+def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, dh: torch.Tensor,
+                     dO: torch.Tensor | None, delta: torch.Tensor | None, eps: float, dacc: torch.Tensor, accumulate: bool = True, scores: torch.Tensor | None = None) -> torch.Tensor:
     """Phase 1 backward (closed form in the module docstring).
 
     Args:
-        buf, n, W, eps: as in ``phase1_fwd_torch``; lse (Tensor): [S, ...] and h (Tensor): [..., d] from it.
+        buf, n, W, eps: as in ``phase1_fwd_torch``; lse (Tensor): [S, ...] from it.
         dh (Tensor): [..., d] gradient of h (query 0).
         dO (Tensor | None): [S - 1, ..., d] gradients of o (None when S = 1).
         delta (Tensor | None): [S, ...] dO_k^T o_k - dlse_k as ``merge_bwd_torch`` leaves it; row 0 is
-            ignored (dh^T h is formed here, as sum_i a_{0,i} dh^T b_i; None when S = 1). ``h`` is only
-            checked here (the Triton kernel reads it).
+            ignored (dh^T h is formed here, as sum_i a_{0,i} dh^T b_i; None when S = 1).
         dacc (Tensor): [>= n, ..., d] the blocks' gradients: ``dacc[:n]`` is written, or added to
             when ``accumulate``.
         scores (Tensor | None): [S, n, ...] the forward's logits; None forms them from the blocks.
@@ -168,7 +166,7 @@ def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tens
     Raises:
         ValueError: as ``check_phase1_grads``.
     """
-    check_phase1_grads(buf, W, lse, h, dh, dO, delta)
+    check_phase1_grads(buf, W, lse, dh, dO, delta)
     dt = lse.dtype
     V, Wd = buf[:n].to(dt), W.to(dt)
     r, s = _scores(V, Wd, eps)

@@ -441,7 +441,7 @@ _BWD_DOTS = (2, 16, 4) if INTERPRET else (1, 512, 4)
 _BWD_TILES = (2, 16, 4, 1) if INTERPRET else (1, 256, 4, 1)
 
 
-def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
+def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, dh: torch.Tensor,
                dO: torch.Tensor | None, delta: torch.Tensor | None, eps: float, dacc: torch.Tensor,
                accumulate: bool = True, scores: torch.Tensor | None = None) -> torch.Tensor:
     """Triton phase-1 backward; as ``k3lab.attnres.mix.phase1_bwd_torch`` (the blocks' gradients go
@@ -457,7 +457,7 @@ def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h:
     M = buf[0].numel() // D
     if not dacc.is_contiguous() or dacc.shape[1:] != buf.shape[1:] or dacc.shape[0] < n:
         raise ValueError(f"dacc must be contiguous [>= {n}, {list(buf.shape[1:])}], got {list(dacc.shape)}")
-    check_phase1_grads(buf, W, lse, h, dh, dO, delta)
+    check_phase1_grads(buf, W, lse, dh, dO, delta)
     scores = _logits(buf, n, W, eps, scores)
     dh, lse = dh.contiguous(), lse.contiguous()
     dO, delta = (dO.contiguous(), delta.contiguous()) if dO is not None else (dh, lse)
