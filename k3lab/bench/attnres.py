@@ -78,27 +78,29 @@ def bytes_model(L: int = 48, N: int = 8, buf: int = 4, h: int = 4, o: int = 2, v
             if k:
                 # two-phase: p_k = p_{k-1} + v_{k-1} and the merge in one pass (read prev, v, o;
                 # write p, h); backward: rebuild h (read o, p; write h); merge backward (read dh, dp_in,
-                # p, o; write dp (not for k = 1), dO_k, dv)
+                # p, o; write dp (not for k = 1), dO_k (in o's dtype), dv)
                 new["fwd"] += (h if k > 1 else 0) + v + o + 2 * h
-                new["bwd"] += (o + 2 * h) + (3 * h + o + (h if k > 1 else 0) + h + v)
+                new["bwd"] += (o + 2 * h) + (3 * h + o + (h if k > 1 else 0) + o + v)
         # the block's representation: per-read copies p into the buffer and clones the slot's
-        # gradient; two-phase writes p + v straight into the slot and casts the slot's gradient for v
+        # gradient; two-phase writes p + v straight into the slot (with its logits, formed from it in
+        # registers) and casts the slot's gradient for v
         old["fwd"] += h + buf
         old["bwd"] += 2 * h
         new["fwd"] += (h if S > 1 else 0) + v + buf
         new["bwd"] += h + v
         # phase 1: read the n blocks, write h_0 and o_1..o_{S-1}; once more in backward; its
-        # backward reads the blocks once, h_0 and every dO_k once, reads and writes the gradient sum
+        # backward reads the blocks, dh and every dO_k twice (two passes), reads and writes the
+        # gradient sum
         phase1 = n * buf + h + (S - 1) * o
         new["fwd"] += phase1
-        new["bwd"] += phase1 + n * buf + (S + 1) * h + 2 * n * h
-    # final aggregation over N + 1 blocks; two-phase keeps its lse (no recompute) and is the first
-    # backward writer of the gradient sum (no read of it)
+        new["bwd"] += phase1 + 2 * (n * buf + h + (S - 1) * o) + 2 * n * h
+    # final aggregation over N + 1 blocks; two-phase keeps its lse (no recompute), reads the blocks
+    # and dh twice and is the first backward writer of the gradient sum (no read of it)
     final_fwd = (N + 1) * buf + h
     old["fwd"] += final_fwd
     old["bwd"] += final_fwd + h + 2 * (N + 1) * buf + 2 * (N + 1) * h
     new["fwd"] += final_fwd
-    new["bwd"] += 2 * h + (N + 1) * buf + (N + 1) * h
+    new["bwd"] += 2 * (h + (N + 1) * buf) + (N + 1) * h
     per_sublayer = lambda t: {k: round(x / L, 2) for k, x in t.items()}  # noqa: E731
     return dict(L=L, N=N, standard=std, per_read=per_sublayer(old), two_phase=per_sublayer(new))
 
