@@ -35,6 +35,18 @@ def _score(b_v, b_w, D, eps):
     return b_r, tl.sum(b_v * b_w[None, :], axis=1) * b_r
 
 
+def _configs(names: str, options, interpreted):
+    """Autotune configs from tuples (values of ``names``..., num_warps); the one ``interpreted`` (small,
+    to cover several tiles) when interpreting."""
+    keys = names.split()
+    return [triton.Config(dict(zip(keys, opt[:-1])), num_warps=opt[-1])
+            for opt in ([interpreted] if INTERPRET else options)]
+
+
+# (tokens, channels per step, warps); sm_90 compiles (Q <= 64) use 168 registers at (64, 32, 8), 212 at
+# (32, 32, 4), 255 and a spill at (32, 64, 4).
+@triton.autotune(configs=_configs("BM BK", [(64, 32, 8), (32, 32, 4), (32, 64, 8), (128, 32, 8)], (16, 16, 4)),
+                 key=["D", "Q"])
 @triton.jit
 def attnres_store_kernel(
     a,  # [M, D] the block (or its first term)
@@ -76,17 +88,10 @@ def attnres_store_kernel(
     tl.store(scores + o_q[None, :] * stride_q + o_m[:, None], b_s * b_r[:, None], mask=m_m[:, None] & m_q[None, :])
 
 
-def _fwd_configs():
-    """(BM tokens, BD channels) per program; one (small, to cover several d tiles) when interpreting."""
-    if INTERPRET:
-        return [triton.Config({"BM": 2, "BD": 16}, num_warps=4)]
-    # Session 23 (attnres_h200_session23.json, n = 8, S = 6): (1, 512, 4) 0.242 ms, (1, 1024, 4) 0.244,
-    # (2, 256, 4) 0.250, (2, 512, 4) 0.251, (4, 256, 4) 0.259; 8 warps 0.28-0.45.
-    return [triton.Config({"BM": bm, "BD": bd}, num_warps=4) for bm, bd in ((1, 512), (1, 1024), (2, 256), (2, 512),
-                                                                            (4, 256))]
-
-
-@triton.autotune(configs=_fwd_configs(), key=["D", "S"])
+# Session 23 (attnres_h200_session23.json, n = 8, S = 6, the prototype of this kernel): (1, 512, 4) 0.242 ms,
+# (1, 1024, 4) 0.244, (2, 256, 4) 0.250, (2, 512, 4) 0.251, (4, 256, 4) 0.259; 8 warps 0.28-0.45.
+@triton.autotune(configs=_configs("BM BD", [(1, 512, 4), (1, 1024, 4), (2, 256, 4), (2, 512, 4), (4, 256, 4)],
+                                  (2, 16, 4)), key=["D", "S"])
 @triton.jit
 def attnres_phase1_fwd_kernel(
     buf,  # [S_max, M, D] block representations; slots 0..n_src-1 are read
@@ -143,6 +148,8 @@ def _read_grads(dh, dO, o_l, m_l, o_md, m_md, M, D, HAS_REST: tl.constexpr):
     return b_g
 
 
+@triton.autotune(configs=_configs("BM BD", [(1, 512, 4), (2, 256, 4), (1, 1024, 4), (2, 512, 8), (4, 256, 4)],
+                                  (2, 16, 4)), key=["D", "S"])
 @triton.jit
 def attnres_phase1_bwd_dots_kernel(
     buf,  # [S_max, M, D] block representations
@@ -198,6 +205,11 @@ def attnres_phase1_bwd_dots_kernel(
         tl.store(rc + i * 2 * M + M + o_m, b_r * b_r / D * tl.sum(b_ds * b_s, axis=0), mask=m_m)
 
 
+# (tokens, channels per tile, pipeline stages over the blocks, warps). sm_90 compiles (S = 6, float32
+# blocks, bf16 dO): 139 registers at (1, 256, 1, 4), 126 at (1, 512, 1, 8), 217 at (1, 512, 1, 4).
+@triton.autotune(configs=_configs("BM BD STAGES", [(1, 256, 1, 4), (1, 512, 1, 4), (1, 512, 2, 4), (1, 512, 1, 8),
+                                                   (1, 256, 2, 4), (2, 256, 1, 4), (1, 1024, 1, 8), (1, 128, 1, 4)],
+                                  (2, 16, 1, 4)), key=["D", "S"], restore_value=["dacc"])
 @triton.jit
 def attnres_phase1_bwd_kernel(
     buf, scores, lse,  # as in the dots kernel
@@ -361,11 +373,6 @@ def _check_phase1(buf: torch.Tensor, n: int, W: torch.Tensor) -> None:
         raise ValueError(f"W must be [S >= 1, d={buf.shape[-1]}], got {list(W.shape)}")
 
 
-# (tokens, channels per step, warps) of the store: sm_90 compiles (Q <= 64) use 168 registers at
-# (64, 32, 8), 212 at (32, 32, 4), 255 and a spill at (32, 64, 4).
-_STORE = (16, 16, 4) if INTERPRET else (64, 32, 8)
-
-
 def store_block(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: torch.Tensor, eps: float,
                 scores: torch.Tensor) -> None:
     """Triton store; as ``k3lab.attnres.mix.store_block_torch``: ``dst`` = a + b (or a) and
@@ -388,11 +395,9 @@ def store_block(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: t
             or not scores[0].is_contiguous()):
         raise ValueError(f"scores must be float32 [{Q}, {list(a.shape[:-1])}] with contiguous rows, got "
                          f"{scores.dtype} {list(scores.shape)}")
-    block_m, block_k, warps = _STORE
-    attnres_store_kernel[(triton.cdiv(M, block_m),)](
+    attnres_store_kernel[lambda meta: (triton.cdiv(M, meta["BM"]),)](
         a.contiguous(), b.contiguous() if b is not None else a, dst, W.contiguous(), scores, M, D, Q,
-        scores.stride(0), eps, HAS_B=b is not None, WRITE=dst is not a, BM=block_m, BK=block_k,
-        BQ=max(16, triton.next_power_of_2(Q)), num_warps=warps,
+        scores.stride(0), eps, HAS_B=b is not None, WRITE=dst is not a, BQ=max(16, triton.next_power_of_2(Q)),
     )
 
 
@@ -435,12 +440,6 @@ def phase1_fwd(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: 
     return h, o, lse
 
 
-# Launch options of the backward's two passes: (tokens, channels per step, warps) and (tokens, channels
-# per tile, warps, pipeline stages over the blocks).
-_BWD_DOTS = (2, 16, 4) if INTERPRET else (1, 512, 4)
-_BWD_TILES = (2, 16, 4, 1) if INTERPRET else (1, 256, 4, 1)
-
-
 def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, dh: torch.Tensor,
                dO: torch.Tensor | None, delta: torch.Tensor | None, eps: float, dacc: torch.Tensor,
                accumulate: bool = True, scores: torch.Tensor | None = None) -> torch.Tensor:
@@ -465,17 +464,19 @@ def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, dh
     rc = torch.empty((n, 2, M), dtype=torch.float32, device=buf.device)
     strides = (M * D, scores.stride(0), scores.stride(1))
     block_s = triton.next_power_of_2(S)
-    bm, bd, warps = _BWD_DOTS
-    attnres_phase1_bwd_dots_kernel[(triton.cdiv(M, bm),)](
-        buf, scores, lse, dh, dO, delta, P, ds, rc, M, D, n, S, *strides, eps,
-        HAS_REST=S > 1, BS=block_s, BM=bm, BD=bd, num_warps=warps)
-    bm, bd, warps, stages = _BWD_TILES
-    n_d = triton.cdiv(D, bd)
-    n_prog = max(1, min(triton.cdiv(M, bm), _n_programs(buf.device, M) // n_d))
-    dW = torch.empty((n_prog, S, D), dtype=torch.float32, device=buf.device)
-    attnres_phase1_bwd_kernel[(n_prog, n_d)](
-        buf, scores, lse, W.contiguous(), dh, dO, ds, rc, dacc, dW, M, D, n, S, *strides,
-        HAS_REST=S > 1, ACCUMULATE=int(accumulate), BS=block_s, BM=bm, BD=bd, STAGES=stages, num_warps=warps)
+    attnres_phase1_bwd_dots_kernel[lambda meta: (triton.cdiv(M, meta["BM"]),)](
+        buf, scores, lse, dh, dO, delta, P, ds, rc, M, D, n, S, *strides, eps, HAS_REST=S > 1, BS=block_s)
+    # Persistent programs, about 4 per SM in all; the rows of dW of programs a config does not launch
+    # stay zero.
+    max_prog = _n_programs(buf.device, M)
+    dW = torch.zeros((max_prog, S, D), dtype=torch.float32, device=buf.device)
+
+    def grid(meta):
+        n_d = triton.cdiv(D, meta["BD"])
+        return max(1, min(triton.cdiv(M, meta["BM"]), max_prog // n_d)), n_d
+
+    attnres_phase1_bwd_kernel[grid](buf, scores, lse, W.contiguous(), dh, dO, ds, rc, dacc, dW, M, D, n, S, *strides,
+                                    HAS_REST=S > 1, ACCUMULATE=int(accumulate), BS=block_s)
     return dW.sum(0).to(W.dtype)
 
 
