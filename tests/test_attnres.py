@@ -521,6 +521,12 @@ def test_phase1_backward_checks_its_gradients():
             phase1_bwd_torch(buf, 3, W, lse, *args, 1e-6, acc)
 
 
+def test_train_entry_point_checks_buffer_dtype():
+    subs = [nn.Linear(8, 8) for _ in range(2)]
+    with pytest.raises(ValueError, match="buffer_dtype"):
+        block_attnres_train(torch.randn(1, 3, 8), subs, torch.randn(3, 8), 1, buffer_dtype=torch.int32)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(eps=-1.0), "eps"), (dict(eps=float("nan")), "eps"), (dict(buffer_dtype=torch.int32), "buffer_dtype"),
     (dict(buffer_dtype="bfloat16"), "buffer_dtype"), (dict(eps=True), "eps"),

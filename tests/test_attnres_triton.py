@@ -242,6 +242,41 @@ def test_lse_and_w_shapes_are_checked():
         phase1_bwd(buf, 2, W, lse[:, :, 0].contiguous(), dh, dO, delta, 1e-6, torch.zeros(2, 2, 5, 32, device=DEVICE))
 
 
+def test_argument_errors_and_layouts():
+    """Found by a new user's review: each of these ran silently (a float64 table refused by the Triton
+    store, a transposed p read as contiguous, a float64 lse read as garbage, b ignored, the PyTorch
+    closed forms broadcasting or slicing bad shapes)."""
+    g = torch.Generator().manual_seed(30)
+    L, N, d = 4, 2, 12
+    subs = sublayers(L, d, 3).double()
+    h0, q = randn(1, 5, d, g=g, dtype=torch.float64), randn(L + 1, d, g=g, dtype=torch.float64)
+    out = BlockAttnRes(d, L, N, path="memory", backend="triton").to(DEVICE, torch.float64)
+    with torch.no_grad():
+        out.queries.copy_(q)
+    assert_close("float64 on the Triton backend", naive_block_attnres(h0, subs, q, N), out(h0, subs), 1e-5)
+    p, o, w = randn(20, 6, g=g).t(), randn(6, 20, g=g), randn(20, g=g)
+    lse = randn(6, g=g)
+    assert_close("transposed p", merge_fwd_torch(p, o, lse, w, 1e-6)[1], merge_fwd(p, o, lse, w, 1e-6)[1], TOL)
+    with pytest.raises(ValueError, match="lse must be float32"):
+        merge_fwd(p, o, lse.double(), w, 1e-6)
+    buf, W = randn(3, 4, d, g=g), randn(2, d, g=g)
+    block = buf[0]
+    for f in (store_block, store_block_torch):
+        with pytest.raises(ValueError, match="b must be None"):
+            f(block, block, buf[1], W, 1e-6, torch.empty(2, 4, device=DEVICE))
+    for f in (phase1_fwd, phase1_fwd_torch):
+        for n in (0, 4, -1):
+            with pytest.raises(ValueError, match="n must be"):
+                f(buf, n, W, 1e-6)
+        with pytest.raises(ValueError, match="scores must be"):
+            f(buf, 2, W, 1e-6, scores=randn(2, 1, 4, g=g))
+    for f in (merge_fwd, merge_fwd_torch):
+        with pytest.raises(ValueError, match="lse must be"):
+            f(o, o, randn(6, 1, g=g), w, 1e-6)
+        with pytest.raises(ValueError, match="prev must be"):
+            f(None, o, lse, w, 1e-6, prev=randn(1, 20, g=g), v=o)
+
+
 def test_module_triton_zero_init_is_uniform_average():
     L, N, d = 5, 2, 8
     subs = sublayers(L, d, 2)

@@ -7,9 +7,10 @@ applies its own pre-norm and returns its output). Three paths compute the same f
   keeps them for backward: O(L N d) saved per token).
 - "memory" (training default): ``block_attnres_train``, two-phase: once per block, one pass over
   the completed blocks gives every sublayer's inter-block part; each sublayer merges it with its
-  partial sum; backward recomputes the inter-block parts and the sublayers' inputs and runs one
-  batched pass per block over the blocks. Saved activations match the standard residual's up to
-  the block buffer (N + 1 vectors per token) and 4 bytes per token per sublayer.
+  partial sum; backward recomputes the inter-block parts and the sublayers' inputs and runs two
+  batched passes per block over the blocks. Saved activations match the standard residual's up to
+  the block buffer (N + 1 vectors per token), 4 bytes per token per sublayer (the lse) and the
+  logits table (4 (L + 1)(N + 1) bytes per token).
 - "inference" (default under ``torch.no_grad``): ``block_attnres_inference`` (two-phase, online softmax).
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.nn as nn
 from k3lab.attnres.inference import block_attnres_inference
 from k3lab.attnres.mix import BACKENDS
 from k3lab.attnres.naive import block_sizes, check_eps, naive_block_attnres
-from k3lab.attnres.train import block_attnres_train
+from k3lab.attnres.train import block_attnres_train, check_buffer_dtype
 
 PATHS = ("auto", "naive", "memory", "inference")
 
@@ -86,8 +87,7 @@ class BlockAttnRes(nn.Module):
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
         check_eps(eps)
-        if buffer_dtype is not None and not (isinstance(buffer_dtype, torch.dtype) and buffer_dtype.is_floating_point):
-            raise ValueError(f"buffer_dtype must be a floating-point dtype or None, got {buffer_dtype}")
+        check_buffer_dtype(buffer_dtype)
         self.d_model, self.n_sublayers, self.n_blocks, self.eps = d_model, n_sublayers, n_blocks, eps
         self.path, self.backend, self.recompute_input = path, backend, recompute_input
         self.buffer_dtype = buffer_dtype

@@ -19,7 +19,7 @@ Phase 2 (per sublayer k > 0): merge with the partial sum's logit s = r_p w_k^T p
 
 which is softmax over [b_0..b_{n-1}, p] exactly. Backward, with g = dL/dh_k (derived in book/04); the
 merge has o_k and dO_k at hand, so it leaves phase 1 the per-token offset delta_k (FlashAttention's
-D = rowsum(dO * O), with the lse gradient folded in) and phase 1's backward reads the blocks once:
+D = rowsum(dO * O), with the lse gradient folded in) and phase 1's backward needs no o_k:
 
     merge:   dO_k = (1 - beta) g,   ds = beta (1 - beta) g^T (p - o_k),   dlse_k = -ds,
              dp = beta g + r_p ds (w_k - (s r_p / d) p),   dw_k += sum_tokens ds r_p p,
@@ -57,6 +57,58 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def check_phase1(buf: torch.Tensor, n: int, W: torch.Tensor, scores: torch.Tensor | None = None) -> None:
+    """Phase 1's inputs (both backends).
+
+    Raises:
+        ValueError: n not an int in [1, buf.shape[0]]; W not [S >= 1, d]; scores (when given) not
+            [S, n, ...] like a block's rows.
+    """
+    if not (isinstance(n, int) and 1 <= n <= buf.shape[0]):
+        raise ValueError(f"n must be an int in [1, buf.shape[0]={buf.shape[0]}], got {n!r}")
+    if W.ndim != 2 or W.shape[1] != buf.shape[-1] or W.shape[0] < 1:
+        raise ValueError(f"W must be [S >= 1, d={buf.shape[-1]}], got {list(W.shape)}")
+    if scores is not None and scores.shape != (W.shape[0], n, *buf.shape[1:-1]):
+        raise ValueError(f"scores must be {[W.shape[0], n, *buf.shape[1:-1]]}, got {list(scores.shape)}")
+
+
+def check_store(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: torch.Tensor,
+                scores: torch.Tensor) -> None:
+    """``store_block``'s inputs (both backends).
+
+    Raises:
+        ValueError: a, b, dst not of one shape [..., d]; b given with dst = a (nothing would be added);
+            W not [Q >= 1, d]; scores not [Q, ...] float32 (float64 for a float64 dst on the PyTorch
+            backend is allowed there).
+    """
+    if any(t is not None and t.shape != a.shape for t in (b, dst)):
+        raise ValueError(f"a, b and dst must have one shape [..., d], got "
+                         f"{[list(t.shape) for t in (a, b, dst) if t is not None]}")
+    if dst is a and b is not None:
+        raise ValueError("b must be None when dst is a (the logits of a stored block only)")
+    if W.ndim != 2 or W.shape[1] != a.shape[-1] or W.shape[0] < 1:
+        raise ValueError(f"W must be [Q >= 1, d={a.shape[-1]}], got {list(W.shape)}")
+    if scores.shape != (W.shape[0], *a.shape[:-1]) or not scores.dtype.is_floating_point:
+        raise ValueError(f"scores must be float32 {[W.shape[0], *a.shape[:-1]]}, got {scores.dtype} "
+                         f"{list(scores.shape)}")
+
+
+def check_merge(o: torch.Tensor, lse: torch.Tensor, w: torch.Tensor, **rows) -> None:
+    """A merge's inputs (both backends): lse [...] and w [d] for o [..., d]; each of ``rows`` (name ->
+    tensor or None) shaped like o.
+
+    Raises:
+        ValueError: naming the first argument of another shape.
+    """
+    # The kernels index lse by token and w by channel: smaller ones were read past their ends.
+    if lse.shape != o.shape[:-1] or w.shape != o.shape[-1:]:
+        raise ValueError(f"lse must be {list(o.shape[:-1])} and w {list(o.shape[-1:])} for o of shape "
+                         f"{list(o.shape)}, got {list(lse.shape)} and {list(w.shape)}")
+    for name, t in rows.items():
+        if t is not None and t.shape != o.shape:
+            raise ValueError(f"{name} must be {list(o.shape)} like o, got {list(t.shape)}")
+
+
 def _scores(V: torch.Tensor, W: torch.Tensor, eps: float):
     """V [n, ..., d], W [S, d] (compute dtype) -> r [n, ...], s [S, n, ...]."""
     r = torch.rsqrt(V.pow(2).mean(-1) + eps)
@@ -77,6 +129,7 @@ def store_block_torch(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None
         scores (Tensor): [Q, ...] float32 (float64 for a float64 slot) output: s_q = r w_q^T dst with
             r = (mean(dst^2) + eps)^-1/2, formed from the stored (rounded) values.
     """
+    check_store(dst, a, b, W, scores)
     if dst is not a:
         dt = _compute_dtype(dst)
         dst.copy_(a.to(dt) if b is None else a.to(dt) + b.to(dt))
@@ -110,6 +163,7 @@ def phase1_fwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_d
         (h, o, lse): h [..., d] = o_0; o [S - 1, ..., d] or None (S = 1); lse [S, ...] float32
         (float64 for float64 inputs).
     """
+    check_phase1(buf, n, W, scores)
     dt = _compute_dtype(buf)
     V = buf[:n].to(dt)
     s = block_scores(buf, n, W, eps) if scores is None else scores.to(dt)
@@ -166,6 +220,7 @@ def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tens
     Raises:
         ValueError: as ``check_phase1_grads``.
     """
+    check_phase1(buf, n, W, scores)
     check_phase1_grads(buf, W, lse, dh, dO, delta)
     dt = lse.dtype
     V, Wd = buf[:n].to(dt), W.to(dt)
@@ -207,6 +262,7 @@ def merge_fwd_torch(p: torch.Tensor | None, o: torch.Tensor, lse: torch.Tensor, 
     """
     if (p is None) == (v is None):
         raise ValueError("give exactly one of p (read) and v (p = prev + v formed here)")
+    check_merge(o, lse, w, p=p, prev=prev, v=v)
     if v is not None:
         p = (v if prev is None else prev + v).to(dtype or (v if prev is None else prev).dtype)
     dt = lse.dtype
@@ -236,6 +292,9 @@ def merge_bwd_torch(dh: torch.Tensor, dp_in: torch.Tensor | None, p: torch.Tenso
         when not ``need_dp`` and ``v_dtype`` differs from p's); dv the same in ``v_dtype``; dw [d] in
         w's dtype.
     """
+    check_merge(o, lse, w, p=p, dh=dh, dp_in=dp_in, dO=dO)
+    if delta.shape != p.shape[:-1]:
+        raise ValueError(f"delta must be {list(p.shape[:-1])}, got {list(delta.shape)}")
     dt = lse.dtype
     P, g, wd = p.to(dt), dh.to(dt), w.to(dt)
     r = torch.rsqrt(P.pow(2).mean(-1) + eps)

@@ -43,6 +43,12 @@ from k3lab.attnres.naive import _check_inputs, block_sizes
 from k3lab.autograd import differentiable_once
 
 
+def check_buffer_dtype(buffer_dtype) -> None:
+    """Raises ValueError unless ``buffer_dtype`` is a floating-point torch.dtype or None."""
+    if buffer_dtype is not None and not (isinstance(buffer_dtype, torch.dtype) and buffer_dtype.is_floating_point):
+        raise ValueError(f"buffer_dtype must be a floating-point dtype or None, got {buffer_dtype}")
+
+
 class DepthBuffer:
     """The block representations of one forward pass [N + 1, B, T, d], their logits for every query
     [L + 1, N + 1, B, T] and their gradient sum.
@@ -52,16 +58,17 @@ class DepthBuffer:
         slots (int): N + 1.
         queries (Tensor): [L + 1, d] all pseudo-queries (detached).
         eps (float): RMSNorm eps of the keys.
-        store_block: the backend's ``store_block``.
+        backend (str): "torch" or "triton" (its ``store_block`` fills the table; float64 logits for a
+            float64 buffer on "torch", float32 otherwise).
         dtype (torch.dtype | None): storage dtype of the buffer, default ``like``'s.
     """
 
-    def __init__(self, like: torch.Tensor, slots: int, queries: torch.Tensor, eps: float, store_block,
+    def __init__(self, like: torch.Tensor, slots: int, queries: torch.Tensor, eps: float, backend: str,
                  dtype: torch.dtype | None = None):
         self.buf = torch.empty((slots, *like.shape), dtype=dtype or like.dtype, device=like.device)
-        score_dtype = torch.float64 if self.buf.dtype == torch.float64 else torch.float32
+        score_dtype = torch.float64 if self.buf.dtype == torch.float64 and backend == "torch" else torch.float32
         self.scores = torch.empty((queries.shape[0], slots, *like.shape[:-1]), dtype=score_dtype, device=like.device)
-        self.queries, self.eps, self.store_block = queries, eps, store_block
+        self.queries, self.eps, self.store_block = queries, eps, kernels(backend)[0]
         self.grad_dtype, self.n, self.acc = like.dtype, 0, None
 
     def put(self, a: torch.Tensor, b: torch.Tensor | None = None) -> None:
@@ -276,8 +283,8 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
 
     Raises:
         ValueError: N < 1 or N > L, h0 or queries not a floating-point tensor, queries not [L + 1, d],
-            h0 not [B, T, d], eps not a finite number >= 0, unknown backend, a sublayer returning
-            anything but a tensor of h0's shape.
+            h0 not [B, T, d], eps not a finite number >= 0, unknown backend, buffer_dtype not a
+            floating-point dtype or None, a sublayer returning anything but a tensor of h0's shape.
     """
     L = len(sublayers)
     sizes = block_sizes(L, n_blocks)
@@ -286,7 +293,8 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     dev = h0.device.type
     o_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h0.dtype
-    store = DepthBuffer(h0, n_blocks + 1, queries.detach(), eps, kernels(backend)[0], buffer_dtype)
+    check_buffer_dtype(buffer_dtype)
+    store = DepthBuffer(h0, n_blocks + 1, queries.detach(), eps, backend, buffer_dtype)
     taps = [_StoreFirst.apply(h0, store)]
     Q, layer = queries, 0
     # torch.compile does not carry saved-tensor hooks through: h0's gradient came back None. Compiled,

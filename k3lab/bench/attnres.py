@@ -444,8 +444,9 @@ def main(argv=None) -> dict:
 
     if not args.skip_kernels and device.type == "cuda":
         print("2. kernels", flush=True)
-        result["kernel_cases"] = bench_kernels(device, PHASE1_CASES, STORE_CASES, MERGE_CASES,
-                                                compile_=not args.no_compile)
+        cases = ([(64, 32, 3, 3, torch.float32)], [(64, 32, 5)], [(64, 32)]) if args.smoke else (
+            PHASE1_CASES, STORE_CASES, MERGE_CASES)
+        result["kernel_cases"] = bench_kernels(device, *cases, compile_=not args.no_compile)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
 

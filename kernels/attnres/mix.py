@@ -5,16 +5,17 @@ PyTorch functions take the same arguments and return the same values).
   logits for every query (a [tokens, d] x [d, Q] product in float32).
 - ``phase1_fwd`` / ``phase1_bwd``: the inter-block depth softmax of all S sublayers of a block
   at once. Forward takes the logits from the table and reads each block once, by d tiles (all S
-  queries per program); backward reads the blocks once more, whole rows (G queries per program), with each dO_l and the per-token offsets
-  delta_l = dO_l . o_l - dlse_l that the merges' backward leaves (FlashAttention's "D"; for query 0
-  it is dh . h, formed here from h), and adds the blocks' gradients into the accumulator.
+  queries per program). Backward, two passes over the blocks: the per-token scalars over whole rows
+  (dO_l . b_i, r_i; ds_{l,i} with the offsets delta_l = dO_l . o_l - dlse_l that the merges' backward
+  leaves, FlashAttention's "D", and delta_0 = sum_i a_{0,i} dh . b_i formed here), then the blocks'
+  gradients by d tiles, added into the accumulator.
 - ``merge_fwd`` / ``merge_bwd``: one sublayer's merge of the inter-block part with its partial sum
   (per-token scalars times two vectors); the forward optionally forms the partial sum p = prev + v
   first, the backward adds the partial sum's incoming gradient.
 
-All kernels are memory-bound. The backward and merge kernels read whole rows of d (the RMSNorm keys
-and the logits need them); the store kernel walks d in chunks and phase 1's forward in tiles. On a CPU-only
-machine ``k3lab.setup()`` must run before this module is imported (TRITON_INTERPRET=1); the
+All kernels are memory-bound. The merge kernels and the backward's first pass read whole rows of d
+(the RMSNorm keys and the dot products need them); the store walks d in chunks, phase 1's forward and
+the backward's second pass work in d tiles. On a CPU-only machine ``k3lab.setup()`` must run before this module is imported (TRITON_INTERPRET=1); the
 interpreter cannot do bf16 arithmetic, so every block is upcast to float32 right after its load,
 and autotuning is off (one config).
 """
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.attnres.mix import check_phase1_grads
+from k3lab.attnres.mix import check_merge, check_phase1, check_phase1_grads, check_store
 from k3lab.kernels import interpreting
 
 INTERPRET = interpreting()
@@ -310,7 +311,7 @@ def attnres_merge_bwd_kernel(
     w,  # [D]
     dp,  # [M, D] output: total gradient of p, p's dtype (when WRITE_DP)
     dv,  # [M, D] output: the same in v's dtype (when WRITE_DV)
-    dO,  # [M, D] output: gradient of o (float32 slot of the block)
+    dO,  # [M, D] output: gradient of o (the block's slot, in o's dtype)
     delta,  # [M] float32 output: dO . o - dlse (phase 1's backward offset)
     dw,  # [n_programs, D] float32 output: per-program partial sums of dw
     M, D, eps,
@@ -364,13 +365,10 @@ def _n_programs(device: torch.device, n_tiles: int) -> int:
     return min(n_tiles, 4 if INTERPRET else 4 * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def _check_phase1(buf: torch.Tensor, n: int, W: torch.Tensor) -> None:
+def _check_phase1(buf: torch.Tensor, n: int, W: torch.Tensor, scores: torch.Tensor | None) -> None:
     if not buf.is_contiguous():
         raise ValueError("buf must be contiguous")
-    if not 1 <= n <= buf.shape[0]:
-        raise ValueError(f"n must be in [1, buf.shape[0]={buf.shape[0]}], got {n}")
-    if W.ndim != 2 or W.shape[1] != buf.shape[-1] or W.shape[0] < 1:
-        raise ValueError(f"W must be [S >= 1, d={buf.shape[-1]}], got {list(W.shape)}")
+    check_phase1(buf, n, W, scores)
 
 
 def store_block(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: torch.Tensor, eps: float,
@@ -382,19 +380,14 @@ def store_block(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: t
         ValueError: a, b or dst not [..., d] alike, non-contiguous dst, W not [Q, d], scores not [Q, ...]
             float32 with contiguous rows.
     """
-    D = a.shape[-1]
+    check_store(dst, a, b, W, scores)
+    D, Q = a.shape[-1], W.shape[0]
     M = a.numel() // D
-    if any(t is not None and t.shape != a.shape for t in (b, dst)):
-        raise ValueError(f"a, b and dst must have one shape, got {[list(t.shape) for t in (a, b, dst) if t is not None]}")
     if not dst.is_contiguous():
         raise ValueError("dst must be contiguous")
-    if W.ndim != 2 or W.shape[1] != D or W.shape[0] < 1:
-        raise ValueError(f"W must be [Q >= 1, d={D}], got {list(W.shape)}")
-    Q = W.shape[0]
-    if (scores.shape != (Q, *a.shape[:-1]) or scores.dtype != torch.float32
-            or not scores[0].is_contiguous()):
-        raise ValueError(f"scores must be float32 [{Q}, {list(a.shape[:-1])}] with contiguous rows, got "
-                         f"{scores.dtype} {list(scores.shape)}")
+    if scores.dtype != torch.float32 or not scores[0].is_contiguous():
+        raise ValueError(f"scores must be float32 with each query's row contiguous, got {scores.dtype} with "
+                         f"strides {scores.stride()}")
     attnres_store_kernel[lambda meta: (triton.cdiv(M, meta["BM"]),)](
         a.contiguous(), b.contiguous() if b is not None else a, dst, W.contiguous(), scores, M, D, Q,
         scores.stride(0), eps, HAS_B=b is not None, WRITE=dst is not a, BQ=max(16, triton.next_power_of_2(Q)),
@@ -408,26 +401,26 @@ def _logits(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, scores: torc
         scores = torch.empty((n, S, *buf.shape[1:-1]), dtype=torch.float32, device=buf.device).transpose(0, 1)
         for i in range(n):
             store_block(buf[i], buf[i], None, W, eps, scores[:, i])
-    if scores.shape != (S, n, *buf.shape[1:-1]):
-        raise ValueError(f"scores must be {[S, n, *buf.shape[1:-1]]}, got {list(scores.shape)}")
-    scores = scores.reshape(S, n, buf[0].numel() // D)  # a view for the table's slices (tokens contiguous)
-    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
-        raise ValueError(f"scores must be float32 [{S}, {n}, tokens] with contiguous tokens, got {scores.dtype} "
-                         f"{list(scores.shape)} strides {scores.stride()}")
+    # A view for the table's slices; a layout whose tokens cannot be one contiguous run is copied.
+    scores = scores.reshape(S, n, buf[0].numel() // D)
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    if scores.dtype != torch.float32:
+        raise ValueError(f"scores must be float32, got {scores.dtype}")
     return scores
 
 
 def phase1_fwd(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: torch.dtype | None = None,
                o_dtype: torch.dtype | None = None, scores: torch.Tensor | None = None):
     """Triton phase-1 forward; arguments and returns as ``k3lab.attnres.mix.phase1_fwd_torch``
-    (buf [S_max, ..., d] contiguous; scores [S, n, ...] float32 from ``store_block``, any strides with
-    contiguous tokens, or None: formed here by one more pass over the blocks; returns h [..., d],
+    (buf [S_max, ..., d] contiguous; scores [S, n, ...] float32 from ``store_block``, any strides (a
+    layout whose tokens are not one contiguous run is copied), or None: formed here by one more pass over the blocks; returns h [..., d],
     o [S - 1, ..., d] or None, lse [S, ...] float32).
 
     Raises:
         ValueError: non-contiguous buf, n out of range, W not [S, d], scores not float32 [S, n, ...].
     """
-    _check_phase1(buf, n, W)
+    _check_phase1(buf, n, W, scores)
     S, D = W.shape[0], buf.shape[-1]
     M = buf[0].numel() // D
     scores = _logits(buf, n, W, eps, scores)
@@ -451,12 +444,15 @@ def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, dh
         ValueError: non-contiguous buf or dacc, n out of range, shape mismatch (``check_phase1_grads``),
             scores not float32 [S, n, ...].
     """
-    _check_phase1(buf, n, W)
+    _check_phase1(buf, n, W, scores)
     S, D = W.shape[0], buf.shape[-1]
     M = buf[0].numel() // D
-    if not dacc.is_contiguous() or dacc.shape[1:] != buf.shape[1:] or dacc.shape[0] < n:
-        raise ValueError(f"dacc must be contiguous [>= {n}, {list(buf.shape[1:])}], got {list(dacc.shape)}")
+    if dacc.shape[1:] != buf.shape[1:] or dacc.shape[0] < n:
+        raise ValueError(f"dacc must be [>= {n}, {', '.join(map(str, buf.shape[1:]))}], got {list(dacc.shape)}")
+    if not dacc.is_contiguous():
+        raise ValueError("dacc must be contiguous (it is written in place)")
     check_phase1_grads(buf, W, lse, dh, dO, delta)
+    _check_lse(lse)
     scores = _logits(buf, n, W, eps, scores)
     dh, lse = dh.contiguous(), lse.contiguous()
     dO, delta = (dO.contiguous(), delta.contiguous()) if dO is not None else (dh, lse)
@@ -480,11 +476,11 @@ def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, dh
     return dW.sum(0).to(W.dtype)
 
 
-def _check_merge(o: torch.Tensor, lse: torch.Tensor, w: torch.Tensor) -> None:
-    # The kernels index lse by token and w by channel: smaller ones were read past their ends.
-    if lse.shape != o.shape[:-1] or w.shape != o.shape[-1:]:
-        raise ValueError(f"lse must be {list(o.shape[:-1])} and w {list(o.shape[-1:])} for o of shape "
-                         f"{list(o.shape)}, got {list(lse.shape)} and {list(w.shape)}")
+def _check_lse(lse: torch.Tensor) -> None:
+    # The kernels read lse as float32 (a float64 one, as the PyTorch phase 1 gives for float64 blocks,
+    # was read as garbage).
+    if lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 for the Triton kernels, got {lse.dtype}")
 
 
 def merge_fwd(p: torch.Tensor | None, o: torch.Tensor, lse: torch.Tensor, w: torch.Tensor, eps: float,
@@ -493,23 +489,22 @@ def merge_fwd(p: torch.Tensor | None, o: torch.Tensor, lse: torch.Tensor, w: tor
     (or v) is formed in ``dtype`` first; returns (p, h).
 
     Raises:
-        ValueError: shape mismatch (p, prev, v like o; lse o.shape[:-1]; w [d]), or not exactly one of p
-            and v given.
+        ValueError: shape mismatch (p, prev, v like o; lse o.shape[:-1]; w [d]), lse not float32, or not
+            exactly one of p and v given.
     """
     if (p is None) == (v is None):
         raise ValueError("give exactly one of p (read) and v (p = prev + v formed here)")
-    _check_merge(o, lse, w)
+    check_merge(o, lse, w, p=p, prev=prev, v=v)
+    _check_lse(lse)
     D = o.shape[-1]
     M = o.numel() // D
     if v is not None:
         p = torch.empty(v.shape, dtype=dtype or (prev.dtype if prev is not None else v.dtype), device=v.device)
-    for name, t in (("p", p), ("prev", prev), ("v", v)):
-        if t is not None and t.shape != o.shape:
-            raise ValueError(f"{name} must be {list(o.shape)} like o, got {list(t.shape)}")
+    p_slot = p if v is not None else p.contiguous()  # written when formed here, else read
     h = torch.empty(o.shape, dtype=p.dtype, device=o.device)
     block_m, block_d, num_warps = _rows(D, 4096)
     attnres_merge_fwd_kernel[(triton.cdiv(M, block_m),)](
-        prev.contiguous() if prev is not None else p, v.contiguous() if v is not None else p, p, o.contiguous(),
+        prev.contiguous() if prev is not None else p, v.contiguous() if v is not None else p, p_slot, o.contiguous(),
         lse.contiguous(), w.contiguous(), h, M, D, eps,
         ADD=v is not None, HAS_PREV=prev is not None, BM=block_m, BD=block_d, num_warps=num_warps,
     )
@@ -523,12 +518,13 @@ def merge_bwd(dh: torch.Tensor, dp_in: torch.Tensor | None, p: torch.Tensor, o: 
     returns (dp, dv, dw) (dp None when not ``need_dp`` and dv is written in another dtype).
 
     Raises:
-        ValueError: shape mismatch (dh, dp_in, o, dO like p; delta and lse p.shape[:-1]; w [d]) or
-            non-contiguous output slots.
+        ValueError: shape mismatch (dh, dp_in, p, dO like o; delta and lse o.shape[:-1]; w [d]), lse not
+            float32, or non-contiguous output slots.
     """
-    if any(t is not None and t.shape != p.shape for t in (dh, dp_in, o, dO)) or delta.shape != p.shape[:-1]:
-        raise ValueError(f"dh, dp_in, o and dO must be {list(p.shape)} like p, delta {list(p.shape[:-1])}")
-    _check_merge(o, lse, w)
+    check_merge(o, lse, w, p=p, dh=dh, dp_in=dp_in, dO=dO)
+    if delta.shape != p.shape[:-1]:
+        raise ValueError(f"delta must be {list(p.shape[:-1])}, got {list(delta.shape)}")
+    _check_lse(lse)
     if not (dO.is_contiguous() and delta.is_contiguous() and p.is_contiguous()):
         raise ValueError("p, dO and delta must be contiguous")
     D = p.shape[-1]
