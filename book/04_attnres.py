@@ -511,8 +511,13 @@ else:
     print("no stored H200 result (run `python -m k3lab.bench.attnres --lm-steps 300` on a GPU)")
 
 # %% [markdown]
-# **Reading the numbers.** The training-step overhead of Block AttnRes ($N = 8$) in this 24-layer
-# $d = 2048$ dense model is **7.5%** with the two-phase path of section 3 (210.6 vs 195.8 ms). Two
+# **Reading the numbers.** The stored step and kernel times were measured on the kernels of commit
+# a22b911: a phase-1 forward that held whole rows of a group of queries and re-read the blocks per
+# group, a one-pass backward, float32 $\partial o_k$. The kernels described in section 5 (the logits
+# table filled by the store, the d-tiled forward, the two-pass backward, $\partial o_k$ in $o_k$'s dtype)
+# came after; they are checked against the PyTorch closed forms here and compiled for sm_90, but have
+# not been timed on an H200 yet. On the older kernels, the training-step overhead of Block AttnRes
+# ($N = 8$) in this 24-layer $d = 2048$ dense model is **7.5%** (210.6 vs 195.8 ms). Two
 # earlier runs gave 7.0% (before the saved-tensor hooks checked versions) and 8.2% (another H200, and
 # code that did slightly less work): three versions of the code on two machines, so the three mix code
 # changes with the spread between machines and runs (the variant that runs no hooks moved by 2 ms
@@ -533,9 +538,9 @@ else:
 # forward in two passes, all six queries' logits first and then the weighted sums re-reading the
 # blocks by d tiles, was 1.2-1.9x slower: 703 against 495 µs at n = 8, S = 6;
 # `attnres_h200_session17.json`. Reading each block once by d tiles with the logits taken from a table
-# filled when each block is stored took 0.242 against 0.455 ms there, but the table costs 0.102 ms per
-# stored block: about 0.9 ms a step net, 0.45%, inside the spread between runs, so it was not built;
-# `attnres_h200_session23.json`.) The merge
+# filled when each block is stored took 0.242 against 0.455 ms there, with the table then formed by a
+# separate pass, 0.102 ms per stored block, `attnres_h200_session23.json`; the current store forms it
+# in the pass that writes the block.) The merge
 # kernel runs at 3.3-3.8 TB/s, 5-8x faster than eager PyTorch and `torch.compile`. Activation memory
 # stays at the standard residual's plus the block buffer and its gradient sum, about two d-vectors per
 # token per block (peak +1.2 GiB on a 41 GiB step). In float32 the two-phase path's gradients are
