@@ -398,13 +398,13 @@ STEP_VARIANTS = [  # (name, N or None for the standard residual, BlockAttnRes kw
     # residual of its precision, listed before it
     ("standard", None, {}, "autocast"),
     ("block_N8", 8, {}, "autocast"),
-    ("block_N8_bf16buf", 8, dict(buffer_dtype=torch.bfloat16), "autocast"),
-    ("block_N4", 4, {}, "autocast"),
-    ("full", "L", {}, "autocast"),
-    ("block_N8_keep_h", 8, dict(recompute_input=False), "autocast"),
     ("standard", None, {}, "fsdp_bf16"),
     ("block_N8", 8, {}, "fsdp_bf16"),
     ("block_N4", 4, {}, "fsdp_bf16"),
+    ("block_N4", 4, {}, "autocast"),
+    ("block_N8_bf16buf", 8, dict(buffer_dtype=torch.bfloat16), "autocast"),
+    ("block_N8_keep_h", 8, dict(recompute_input=False), "autocast"),
+    ("full", "L", {}, "autocast"),
 ]
 
 
