@@ -263,7 +263,7 @@ dP, dW = torch.zeros_like(P), torch.zeros_like(W)
 for k in (1, 2):
     dP[k], _, dW[k] = merge_bwd_torch(G[k], None, P[k], o[k - 1], lse[k], W[k], 1e-6, dO[k - 1], delta[k])
 dbuf = torch.zeros(4, 3, 9, 24, dtype=torch.float64)
-dW += phase1_bwd_torch(buf, 4, W, lse, G[0], dO, delta, 1e-6, dbuf)
+dW += phase1_bwd_torch(buf, 4, W, lse, h0, G[0], dO, delta, 1e-6, dbuf)
 errs = [rel_rms_error(reads[k].detach(), hs[k]) for k in range(3)]
 errs += [rel_rms_error(leaves[i].grad, dbuf[i]) for i in range(4)]
 errs += [rel_rms_error(leaves[4].grad, dW), rel_rms_error(leaves[5].grad[1:], dP[1:])]
@@ -385,8 +385,8 @@ for S_q, n_blk, M_tok, D in ((3, 4, 21, 40), (1, 3, 9, 24)):
     out_t, out_r = phase1_fwd(kb, n_blk, kW, 1e-6), phase1_fwd_torch(kb, n_blk, kW, 1e-6)
     errs = [rel_rms_error(a, b) for a, b in zip(out_r, out_t) if a is not None]
     acc_t, acc_r = torch.zeros(n_blk, M_tok, D), torch.zeros(n_blk, M_tok, D)
-    errs.append(rel_rms_error(phase1_bwd_torch(kb, n_blk, kW, out_r[2], kg, kdO, kdelta, 1e-6, acc_r),
-                              phase1_bwd(kb, n_blk, kW, out_t[2], kg, kdO, kdelta, 1e-6, acc_t)))
+    errs.append(rel_rms_error(phase1_bwd_torch(kb, n_blk, kW, out_r[2], out_r[0], kg, kdO, kdelta, 1e-6, acc_r),
+                              phase1_bwd(kb, n_blk, kW, out_t[2], out_t[0], kg, kdO, kdelta, 1e-6, acc_t)))
     errs.append(rel_rms_error(acc_r, acc_t))
     print(f"phase 1, {S_q} queries over {n_blk} blocks, {M_tok} tokens, d = {D}: "
           f"Triton vs PyTorch max rel error (h, o, lse, dW, block grads) {max(errs):.0e}")

@@ -329,7 +329,7 @@ def test_closed_forms_match_autograd(S, n):
         dP[k], _, dW[k] = merge_bwd_torch(dH[k], None, P[k], o[k - 1], lse[k], W[k], 1e-6, dO[k - 1], delta[k])
     dacc = torch.randn(5, 3, 7, 12, **kw)
     dacc0 = dacc.clone()
-    dW += phase1_bwd_torch(buf, n, W, lse, dH[0], dO, delta, 1e-6, dacc, accumulate=True)
+    dW += phase1_bwd_torch(buf, n, W, lse, h0, dH[0], dO, delta, 1e-6, dacc, accumulate=True)
     for i in range(n):
         assert_close(f"db{i}", ref[i], dacc[i] - dacc0[i], 1e-10)
     assert torch.equal(dacc[n:], dacc0[n:])
@@ -515,8 +515,8 @@ def test_phase1_backward_checks_its_gradients():
     h, o, lse = phase1_fwd_torch(buf, 3, W, 1e-6)
     dh, dO, delta = torch.randn_like(h), torch.randn_like(o), torch.randn_like(lse)
     acc = torch.zeros_like(buf)
-    for args, match in (((dh, dO, None), "exactly when S > 1"), ((dh[:1], dO, delta), "dh must be"),
-                        ((dh, dO[:1], delta), "dO must be"), ((dh, dO, delta[1:]), "delta")):
+    for args, match in (((h, dh, dO, None), "exactly when S > 1"), ((h[:1], dh, dO, delta), "h and dh"),
+                        ((h, dh, dO[:1], delta), "dO must be"), ((h, dh, dO, delta[1:]), "delta")):
         with pytest.raises(ValueError, match=match):
             phase1_bwd_torch(buf, 3, W, lse, *args, 1e-6, acc)
 

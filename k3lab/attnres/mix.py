@@ -19,7 +19,7 @@ Phase 2 (per sublayer k > 0): merge with the partial sum's logit s = r_p w_k^T p
 
 which is softmax over [b_0..b_{n-1}, p] exactly. Backward, with g = dL/dh_k (derived in book/04); the
 merge has o_k and dO_k at hand, so it leaves phase 1 the per-token offset delta_k (FlashAttention's
-D = rowsum(dO * O), with the lse gradient folded in) and phase 1's backward needs no o_k:
+D = rowsum(dO * O), with the lse gradient folded in) and phase 1's backward reads the blocks once:
 
     merge:   dO_k = (1 - beta) g,   ds = beta (1 - beta) g^T (p - o_k),   dlse_k = -ds,
              dp = beta g + r_p ds (w_k - (s r_p / d) p),   dw_k += sum_tokens ds r_p p,
@@ -178,20 +178,20 @@ def phase1_fwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_d
     return out[0].to(h_dtype, copy=True), o, lse
 
 
-def check_phase1_grads(buf: torch.Tensor, W: torch.Tensor, lse: torch.Tensor, dh: torch.Tensor,
+def check_phase1_grads(buf: torch.Tensor, W: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
                        dO: torch.Tensor | None, delta: torch.Tensor | None) -> None:
     """The phase-1 backward's inputs beside the forward's (both backends).
 
     Raises:
-        ValueError: lse not [S, ...] (the Triton kernel read past a smaller one); dh not [..., d] like a
-            block of ``buf``; dO ([S - 1, ..., d]) and delta ([S, ...]) not given exactly when
+        ValueError: lse not [S, ...] (the Triton kernel read past a smaller one); h or dh not [..., d]
+            like a block of ``buf``; dO ([S - 1, ..., d]) and delta ([S, ...]) not given exactly when
             S > 1, or of other shapes.
     """
     S, row = W.shape[0], buf.shape[1:]
     if lse.shape != (S, *row[:-1]):
         raise ValueError(f"lse must be {[S, *row[:-1]]}, got {list(lse.shape)}")
-    if dh.shape != row:
-        raise ValueError(f"dh must be {list(row)}, got {list(dh.shape)}")
+    if h.shape != row or dh.shape != row:
+        raise ValueError(f"h and dh must be {list(row)}, got {list(h.shape)} and {list(dh.shape)}")
     if (dO is None) != (S == 1) or (delta is None) != (S == 1):
         raise ValueError(f"dO and delta are needed exactly when S > 1 (S = {S})")
     if dO is not None and (dO.shape != (S - 1, *row) or delta.shape != (S, *row[:-1])):
@@ -200,19 +200,20 @@ def check_phase1_grads(buf: torch.Tensor, W: torch.Tensor, lse: torch.Tensor, dh
 
 
 @_no_autocast
-def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, dh: torch.Tensor,
-                     dO: torch.Tensor | None, delta: torch.Tensor | None, eps: float, dacc: torch.Tensor, accumulate: bool = True, scores: torch.Tensor | None = None) -> torch.Tensor:
+def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h: torch.Tensor,
+                     dh: torch.Tensor, dO: torch.Tensor | None, delta: torch.Tensor | None, eps: float,
+                     dacc: torch.Tensor, accumulate: bool = True) -> torch.Tensor:
     """Phase 1 backward (closed form in the module docstring).
 
     Args:
-        buf, n, W, eps: as in ``phase1_fwd_torch``; lse (Tensor): [S, ...] from it.
+        buf, n, W, eps: as in ``phase1_fwd_torch``; lse (Tensor): [S, ...] and h (Tensor): [..., d] from it.
         dh (Tensor): [..., d] gradient of h (query 0).
         dO (Tensor | None): [S - 1, ..., d] gradients of o (None when S = 1).
         delta (Tensor | None): [S, ...] dO_k^T o_k - dlse_k as ``merge_bwd_torch`` leaves it; row 0 is
-            ignored (dh^T h is formed here, as sum_i a_{0,i} dh^T b_i; None when S = 1).
+            ignored (dh^T h is formed here, as sum_i a_{0,i} dh^T b_i; None when S = 1). ``h`` is only
+            checked here (the Triton kernel reads it).
         dacc (Tensor): [>= n, ..., d] the blocks' gradients: ``dacc[:n]`` is written, or added to
             when ``accumulate``.
-        scores (Tensor | None): [S, n, ...] the forward's logits; None forms them from the blocks.
 
     Returns:
         Tensor: dW [S, d] in W's dtype.
@@ -220,13 +221,11 @@ def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tens
     Raises:
         ValueError: as ``check_phase1_grads``.
     """
-    check_phase1(buf, n, W, scores)
-    check_phase1_grads(buf, W, lse, dh, dO, delta)
+    check_phase1(buf, n, W)
+    check_phase1_grads(buf, W, lse, h, dh, dO, delta)
     dt = lse.dtype
     V, Wd = buf[:n].to(dt), W.to(dt)
     r, s = _scores(V, Wd, eps)
-    if scores is not None:
-        s = scores.to(dt)
     a = torch.softmax(s, 1)  # as in the forward
     G = dh.to(dt)[None] if dO is None else torch.cat([dh.to(dt)[None], dO.to(dt)])
     P = torch.einsum("s...d,n...d->sn...", G, V)

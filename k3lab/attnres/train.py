@@ -170,8 +170,8 @@ class _Block:
         """Phase 1's backward, with h_0 as recomputed (never the forward's output, which the caller may
         have changed in place)."""
         acc = self.store.accumulator(overwrite=self.last)
-        dW = self.phase1_bwd(self.store.buf, self.n, self.W, self.lse, dh, self.dO, self.delta, self.eps, acc,
-                             accumulate=not self.last, scores=self.scores)
+        dW = self.phase1_bwd(self.store.buf, self.n, self.W, self.lse, self.inter()[0], dh, self.dO, self.delta,
+                             self.eps, acc, accumulate=not self.last)
         self.h = self.o = self.dO = self.delta = None
         return dW
 

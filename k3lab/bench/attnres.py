@@ -144,7 +144,7 @@ def check_correctness(device, M=1000, d_check=320, T=300) -> dict:
         dh, dO = torch.randn(M, d_check, generator=g).to(device), torch.randn(S - 1, M, d_check, generator=g).to(device)
         delta = torch.randn(S, M, generator=g).to(device)
         acc = [torch.randn(6, M, d_check, generator=torch.Generator().manual_seed(1)).to(device) for _ in range(2)]
-        dW = [f(buf, n, W, lse, dh, dO, delta, 1e-6, a) for f, a in zip((phase1_bwd, phase1_bwd_torch), acc)]
+        dW = [f(buf, n, W, lse, ours[0], dh, dO, delta, 1e-6, a) for f, a in zip((phase1_bwd, phase1_bwd_torch), acc)]
         errors[f"phase1_dblocks_{name}"] = assert_close("dblocks", acc[1][:n], acc[0][:n], 1e-4)
         errors[f"phase1_dW_{name}"] = assert_close("dW", dW[1], dW[0], 1e-4)
         prev = torch.randn(M, d_check, generator=g).to(device)
@@ -232,7 +232,7 @@ def bench_kernels(device, phase1_cases, store_cases, merge_cases, compile_: bool
         bytes_bwd = row * (n * eb + 4 + 2 * (S - 1) + 8 * n)
         shape = f"phase1_M{M}_d{d}_n{n}_S{S}" + ("_bf16" if dtype == torch.bfloat16 else "")
         fwd_args = (buf, n, W, 1e-6, torch.float32, o_dt, scores)
-        bwd_args = (buf, n, W, lse, dh, dO, delta, 1e-6, acc, True, scores)
+        bwd_args = (buf, n, W, lse, h, dh, dO, delta, 1e-6, acc)
         time_case(shape, "fwd", lambda: phase1_fwd(*fwd_args), lambda: phase1_fwd_torch(*fwd_args),
                   lambda: comp["phase1_fwd_torch"](*fwd_args), bytes_fwd)
         time_case(shape, "bwd", lambda: phase1_bwd(*bwd_args), lambda: phase1_bwd_torch(*bwd_args),
@@ -417,6 +417,8 @@ def main(argv=None) -> dict:
     p.add_argument("--skip-step", action="store_true", help="skip the training-step benchmark (kept from --out)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile timings")
     p.add_argument("--steps", type=positive_int, default=10, help="timed training steps per variant")
+    p.add_argument("--variants", nargs="+", choices=sorted({v[0] for v in STEP_VARIANTS if v[1] is not None}),
+                   help="Block AttnRes step variants to time, in every precision that lists them (default: all)")
     p.add_argument("--batch", type=positive_int, default=4, help="training-step batch size")
     p.add_argument("--seq", type=positive_int, default=2048, help="training-step sequence length")
     p.add_argument("--lm-steps", type=nonnegative_int, default=0,
@@ -454,7 +456,8 @@ def main(argv=None) -> dict:
         print("3. training step", flush=True)
         d, n_layers, batch, seq = (64, 3, 2, 32) if args.smoke else (2048, 24, args.batch, args.seq)
         L = 2 * n_layers
-        variants = [(name, L if N == "L" else N, kw, prec) for name, N, kw, prec in STEP_VARIANTS]
+        variants = [(name, L if N == "L" else N, kw, prec) for name, N, kw, prec in STEP_VARIANTS
+                    if N is None or not args.variants or name in args.variants]
         # FSDP2 needs a process group, here of this one process (an in-memory store: no network).
         own_group = not torch.distributed.is_initialized()
         if own_group:

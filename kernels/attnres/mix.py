@@ -5,17 +5,17 @@ PyTorch functions take the same arguments and return the same values).
   logits for every query (a [tokens, d] x [d, Q] product in float32).
 - ``phase1_fwd`` / ``phase1_bwd``: the inter-block depth softmax of all S sublayers of a block
   at once. Forward takes the logits from the table and reads each block once, by d tiles (all S
-  queries per program). Backward, two passes over the blocks: the per-token scalars over whole rows
-  (dO_l . b_i, r_i; ds_{l,i} with the offsets delta_l = dO_l . o_l - dlse_l that the merges' backward
-  leaves, FlashAttention's "D", and delta_0 = sum_i a_{0,i} dh . b_i formed here), then the blocks'
-  gradients by d tiles, added into the accumulator.
+  queries per program). Backward reads the blocks once more, whole rows (G queries per program),
+  with each dO_l and the per-token offsets delta_l = dO_l . o_l - dlse_l that the merges' backward
+  leaves (FlashAttention's "D"; for query 0 it is dh . h, formed here from h), and adds the blocks'
+  gradients into the accumulator.
 - ``merge_fwd`` / ``merge_bwd``: one sublayer's merge of the inter-block part with its partial sum
   (per-token scalars times two vectors); the forward optionally forms the partial sum p = prev + v
   first, the backward adds the partial sum's incoming gradient.
 
-All kernels are memory-bound. The merge kernels and the backward's first pass read whole rows of d
-(the RMSNorm keys and the dot products need them); the store walks d in chunks, phase 1's forward and
-the backward's second pass work in d tiles. On a CPU-only machine ``k3lab.setup()`` must run before this module is imported (TRITON_INTERPRET=1); the
+All kernels are memory-bound. The merge kernels and phase 1's backward read whole rows of d (the
+RMSNorm keys and the logits need them); the store walks d in chunks and phase 1's forward works in d
+tiles. On a CPU-only machine ``k3lab.setup()`` must run before this module is imported (TRITON_INTERPRET=1); the
 interpreter cannot do bf16 arithmetic, so every block is upcast to float32 right after its load,
 and autotuning is off (one config).
 """
@@ -36,6 +36,40 @@ def _score(b_v, b_w, D, eps):
     return b_r, tl.sum(b_v * b_w[None, :], axis=1) * b_r
 
 
+@triton.jit
+def _scores(b_v, b_W, D, eps):
+    # As _score for G queries b_W [G, BD] at once: r [BM], s [G, BM].
+    b_r = 1.0 / tl.sqrt(tl.sum(b_v * b_v, axis=1) / D + eps)
+    return b_r, tl.sum(b_W[:, None, :] * b_v[None, :, :], axis=2) * b_r[None, :]
+
+
+def _group_configs(n_options):
+    """Autotune configs of the backward (G queries, BM tokens per program); one when interpreting."""
+    if INTERPRET:
+        return [triton.Config({"G": 2, "BM": 2}, num_warps=4)]
+    return [triton.Config({"G": g, "BM": bm}, num_warps=w) for g, bm, w in n_options]
+
+
+def _prune(configs, nargs, **_):
+    # Keep the register tile within budget and G no larger than the block's sublayer count needs.
+    bd, s_pad = triton.next_power_of_2(nargs["D"]), triton.next_power_of_2(nargs["S"])
+    kept = [c for c in configs if c.kwargs["G"] * c.kwargs["BM"] * bd <= _TILE_BUDGET and c.kwargs["G"] <= s_pad]
+    return kept or [min(configs, key=lambda c: c.kwargs["G"] * c.kwargs["BM"])]
+
+
+# Elements of one [G, BM, BD] register tile (the G queries' accumulators); more spills on an H200.
+_TILE_BUDGET = 16384
+# (G, BM, num_warps) of the backward. Offline sm_90 compiles (tests/sm90_compile.py's ``compile_sm90``,
+# d = 2048): (8, 1, 8), (4, 2, 8) and (2, 2, 8) use 255 registers and the first two spill (280 and 152
+# bytes of stack). On an H200 at M = 8192, d = 2048, n = 8, S = 6 (float32 blocks, 3 pipeline stages,
+# each option launched directly) the backward is fastest at (8, 1, 8): 1.064 ms, all six queries in
+# one group despite the spill, against 1.163 for (4, 2, 8) and 1.392 for (2, 2, 8)
+# (data/results/attnres_h200_session15.json). A two-pass backward (per-token scalars over whole rows,
+# then the blocks' gradients by d tiles) took 3.70 ms against this kernel's 1.24
+# (attnres_h200_session24.json): not kept.
+_BWD_OPTIONS = [(8, 1, 8), (4, 1, 8), (4, 2, 8), (4, 1, 16), (2, 1, 8), (2, 2, 8), (1, 1, 8), (1, 1, 16), (1, 1, 32)]
+
+
 def _configs(names: str, options, interpreted):
     """Autotune configs from tuples (values of ``names``..., num_warps); the one ``interpreted`` (small,
     to cover several tiles) when interpreting."""
@@ -44,10 +78,10 @@ def _configs(names: str, options, interpreted):
             for opt in ([interpreted] if INTERPRET else options)]
 
 
-# (tokens, channels per step, warps); sm_90 compiles (Q <= 64) use 168 registers at (64, 32, 8), 212 at
-# (32, 32, 4), 255 and a spill at (32, 64, 4).
-@triton.autotune(configs=_configs("BM BK", [(64, 32, 8), (32, 32, 4), (32, 64, 8), (128, 32, 8)], (16, 16, 4)),
-                 key=["D", "Q"])
+# (tokens, channels per step, warps); sm_90 compiles (Q <= 64, tf32x3) use 148 registers at (32, 16, 4),
+# 190 at (64, 16, 4), 194 at (64, 32, 8), 240 at (32, 32, 4), 255 and a spill at (32, 64, 4).
+@triton.autotune(configs=_configs("BM BK", [(64, 32, 8), (32, 32, 4), (64, 16, 4), (32, 16, 4), (128, 32, 8)],
+                                  (16, 16, 4)), key=["D", "Q"])
 @triton.jit
 def attnres_store_kernel(
     a,  # [M, D] the block (or its first term)
@@ -84,7 +118,9 @@ def attnres_store_kernel(
             b_x = b_x.to(tl.float32)
         b_ss += tl.sum(b_x * b_x, axis=1)
         b_w = tl.load(W + o_q[None, :] * D + o_k[:, None], mask=m_k[:, None] & m_q[None, :], other=0.0)
-        b_s += tl.dot(b_x, b_w.to(tl.float32), input_precision="ieee")
+        # tf32x3: float32 accuracy from three tensor-core products ("ieee", FMA loops, took 0.32 ms for
+        # 8192 x 2048 x 49 on an H200, against 0.067 for the add alone; attnres_h200_session24.json).
+        b_s += tl.dot(b_x, b_w.to(tl.float32), input_precision="tf32x3")
     b_r = 1.0 / tl.sqrt(b_ss / D + eps)
     tl.store(scores + o_q[None, :] * stride_q + o_m[:, None], b_s * b_r[:, None], mask=m_m[:, None] & m_q[None, :])
 
@@ -138,128 +174,71 @@ def attnres_phase1_fwd_kernel(
         tl.store(lse + o_l[:, None] * M + o_m[None, :], b_max + tl.log(b_sum), mask=m_lm)
 
 
+@triton.autotune(configs=_group_configs(_BWD_OPTIONS), key=["D", "S"], prune_configs_by={"early_config_prune": _prune},
+                 restore_value=["dacc"])
 @triton.jit
-def _read_grads(dh, dO, o_l, m_l, o_md, m_md, M, D, HAS_REST: tl.constexpr):
-    # [BS, BM, BD] float32: row 0 from dh, rows 1..S-1 from dO (zeros past S).
-    b_g = tl.load(dh + o_md[None, :, :] + 0 * o_l[:, None, None],
-                  mask=(o_l == 0)[:, None, None] & m_md[None, :, :], other=0.0).to(tl.float32)
-    if HAS_REST:
-        p_dO = dO + (o_l[:, None, None] - 1).to(tl.int64) * M * D + o_md[None, :, :]
-        b_g += tl.load(p_dO, mask=(m_l & (o_l > 0))[:, None, None] & m_md[None, :, :], other=0.0).to(tl.float32)
-    return b_g
-
-
-@triton.autotune(configs=_configs("BM BD", [(1, 512, 4), (2, 256, 4), (1, 1024, 4), (2, 512, 8), (4, 256, 4)],
-                                  (2, 16, 4)), key=["D", "S"])
-@triton.jit
-def attnres_phase1_bwd_dots_kernel(
+def attnres_phase1_bwd_kernel(
     buf,  # [S_max, M, D] block representations
-    scores,  # [S, n_src, M] float32 logits (strides stride_sq, stride_si, 1)
+    W,  # [S, D]
     lse,  # [S, M] float32 from the forward
+    h,  # [M, D] query 0's read (the forward's h)
     dh,  # [M, D] gradient of query 0's read
     dO,  # [S - 1, M, D] gradients of queries 1..S-1's inter-block parts (when HAS_REST)
     delta,  # [S, M] float32 dO_l . o_l - dlse_l of queries 1..S-1 (row 0 unused; when HAS_REST)
-    P,  # [n_src, S, M] float32 scratch: dO_l . b_i
-    ds,  # [n_src, S, M] float32 output: ds_{l,i} = a (dO_l . b_i - delta_l)
-    rc,  # [n_src, 2, M] float32 output: r_i and c_i = r_i^2 / D sum_l ds_{l,i} s_{l,i}
-    M, D, n_src, S, stride_s, stride_sq, stride_si,
-    eps,
-    HAS_REST: tl.constexpr,
-    BS: tl.constexpr,  # >= S
-    BM: tl.constexpr,
-    BD: tl.constexpr,  # channels per step
-):
-    # Pass 1 of the backward: every per-token scalar the blocks' gradients need (whole rows of d).
-    i_m = tl.program_id(0)
-    o_l = tl.arange(0, BS)
-    o_m = i_m * BM + tl.arange(0, BM)
-    m_l, m_m = o_l < S, o_m < M
-    m_lm = m_l[:, None] & m_m[None, :]
-    o_lm = o_l[:, None] * M + o_m[None, :]
-    p_s = scores + o_l[:, None] * stride_sq + o_m[None, :]
-    for i in range(0, n_src):
-        b_P = tl.zeros([BS, BM], tl.float32)
-        b_ss = tl.zeros([BM], tl.float32)
-        for d0 in range(0, D, BD):
-            o_d = d0 + tl.arange(0, BD)
-            m_md = m_m[:, None] & (o_d < D)[None, :]
-            o_md = o_m[:, None].to(tl.int64) * D + o_d[None, :]
-            b_v = tl.load(buf + i * stride_s + o_md, mask=m_md, other=0.0).to(tl.float32)
-            b_g = _read_grads(dh, dO, o_l, m_l, o_md, m_md, M, D, HAS_REST)
-            b_P += tl.sum(b_g * b_v[None, :, :], axis=2)
-            b_ss += tl.sum(b_v * b_v, axis=1)
-        tl.store(P + i * S * M + o_lm, b_P, mask=m_lm)
-        tl.store(rc + i * 2 * M + o_m, 1.0 / tl.sqrt(b_ss / D + eps), mask=m_m)
-    # delta_0 = dh . h_0 = sum_i a_{0,i} dh . b_i, from the same products (a read of one source has ds = 0).
-    b_lse = tl.load(lse + o_lm, mask=m_lm, other=0.0)
-    b_delta = tl.zeros([BS, BM], tl.float32)
-    for i in range(0, n_src):
-        b_a = tl.exp(tl.load(p_s + i * stride_si, mask=m_lm, other=0.0) - b_lse)
-        b_delta += tl.where((o_l == 0)[:, None], b_a * tl.load(P + i * S * M + o_lm, mask=m_lm, other=0.0), 0.0)
-    if HAS_REST:
-        b_delta += tl.load(delta + o_lm, mask=m_lm & (o_l > 0)[:, None], other=0.0)
-    for i in range(0, n_src):
-        b_s = tl.load(p_s + i * stride_si, mask=m_lm, other=0.0)
-        b_ds = tl.where(m_lm, tl.exp(b_s - b_lse), 0.0) * (tl.load(P + i * S * M + o_lm, mask=m_lm, other=0.0) - b_delta)
-        tl.store(ds + i * S * M + o_lm, b_ds, mask=m_lm)
-        b_r = tl.load(rc + i * 2 * M + o_m, mask=m_m, other=0.0)
-        tl.store(rc + i * 2 * M + M + o_m, b_r * b_r / D * tl.sum(b_ds * b_s, axis=0), mask=m_m)
-
-
-# (tokens, channels per tile, pipeline stages over the blocks, warps). sm_90 compiles (S = 6, float32
-# blocks, bf16 dO): 139 registers at (1, 256, 1, 4), 126 at (1, 512, 1, 8), 217 at (1, 512, 1, 4).
-@triton.autotune(configs=_configs("BM BD STAGES", [(1, 256, 1, 4), (1, 512, 1, 4), (1, 512, 2, 4), (1, 512, 1, 8),
-                                                   (1, 256, 2, 4), (2, 256, 1, 4), (1, 1024, 1, 8), (1, 128, 1, 4)],
-                                  (2, 16, 1, 4)), key=["D", "S"], restore_value=["dacc"])
-@triton.jit
-def attnres_phase1_bwd_kernel(
-    buf, scores, lse,  # as in the dots kernel
-    W,  # [S, D]
-    dh, dO,  # as in the dots kernel
-    ds, rc,  # the dots kernel's outputs
     dacc,  # [>= n_src, M, D] the blocks' gradients: written, or added to when ACCUMULATE
     dW,  # [n_programs, S, D] float32 output: per-program partial sums of dW
-    M, D, n_src, S, stride_s, stride_sq, stride_si,
+    M, D, n_src, S, stride_s,
+    eps,
     HAS_REST: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # 0 or 1
-    BS: tl.constexpr,
-    BM: tl.constexpr,
     BD: tl.constexpr,
-    STAGES: tl.constexpr,
+    G: tl.constexpr,
+    BM: tl.constexpr,
 ):
-    # Pass 2: db_i = sum_l [a dO_l + r ds (w_l - s r / D b_i)] by d tiles, each block read once more.
-    # Persistent over token tiles (program i_p of a channel tile takes tiles i_p, i_p + n_p, ...) so
-    # that dW's partial sums stay in registers.
-    i_p, n_p, i_d = tl.program_id(0), tl.num_programs(0), tl.program_id(1)
-    o_l = tl.arange(0, BS)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_l, m_d = o_l < S, o_d < D
-    b_W = tl.load(W + o_l[:, None] * D + o_d[None, :], mask=m_l[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-    b_dW = tl.zeros([BS, BD], tl.float32)
-    for i_t in range(i_p, tl.cdiv(M, BM), n_p):
-        o_m = i_t * BM + tl.arange(0, BM)
-        m_m = o_m < M
-        m_lm = m_l[:, None] & m_m[None, :]
-        o_lm = o_l[:, None] * M + o_m[None, :]
-        m_md = m_m[:, None] & m_d[None, :]
-        o_md = o_m[:, None].to(tl.int64) * D + o_d[None, :]
-        b_g = _read_grads(dh, dO, o_l, m_l, o_md, m_md, M, D, HAS_REST)
-        b_lse = tl.load(lse + o_lm, mask=m_lm, other=0.0)
-        p_s = scores + o_l[:, None] * stride_sq + o_m[None, :]
-        for i in tl.range(0, n_src, num_stages=STAGES):
-            b_v = tl.load(buf + i * stride_s + o_md, mask=m_md, other=0.0).to(tl.float32)
-            b_a = tl.where(m_lm, tl.exp(tl.load(p_s + i * stride_si, mask=m_lm, other=0.0) - b_lse), 0.0)
-            b_ds = tl.load(ds + i * S * M + o_lm, mask=m_lm, other=0.0)
-            b_r = tl.load(rc + i * 2 * M + o_m, mask=m_m, other=0.0)
-            b_c = tl.load(rc + i * 2 * M + M + o_m, mask=m_m, other=0.0)
-            b_dv = (tl.sum(b_a[:, :, None] * b_g, axis=0)
-                    + b_r[:, None] * tl.sum(b_ds[:, :, None] * b_W[:, None, :], axis=0) - b_c[:, None] * b_v)
-            p_acc = dacc + i * M * D + o_md
-            if ACCUMULATE:
-                b_dv += tl.load(p_acc, mask=m_md, other=0.0).to(tl.float32)
-            tl.store(p_acc, b_dv.to(dacc.dtype.element_ty), mask=m_md)
-            b_dW += tl.sum((b_ds * b_r[None, :])[:, :, None] * b_v[None, :, :], axis=1)
-    tl.store(dW + (i_p * S + o_l[:, None]) * D + o_d[None, :], b_dW, mask=m_l[:, None] & m_d[None, :])
+    # Persistent: program i_p handles token tiles i_p, i_p + n_p, ... for each group of G queries
+    # in turn (groups after the first add into dacc rows this program wrote), keeping dW in registers.
+    i_p, n_p = tl.program_id(0), tl.num_programs(0)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    for i_g in range(0, tl.cdiv(S, G)):
+        o_l = i_g * G + tl.arange(0, G)
+        m_l = o_l < S
+        b_W = tl.load(W + o_l[:, None] * D + o_d[None, :], mask=m_l[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+        b_dW = tl.zeros([G, BD], tl.float32)
+        do_acc = (i_g + ACCUMULATE) > 0
+        for i_t in range(i_p, tl.cdiv(M, BM), n_p):
+            o_m = i_t * BM + tl.arange(0, BM)
+            m_m = o_m < M
+            m_md = m_m[:, None] & m_d[None, :]
+            o_md = o_m[:, None].to(tl.int64) * D + o_d[None, :]
+            m_lm = m_l[:, None] & m_m[None, :]
+            o_lm = o_l[:, None] * M + o_m[None, :]
+            b_dO = tl.load(dh + o_md[None, :, :] + 0 * o_l[:, None, None],
+                           mask=(o_l == 0)[:, None, None] & m_md[None, :, :], other=0.0).to(tl.float32)
+            b_h = tl.load(h + o_md, mask=m_md & (i_g == 0), other=0.0).to(tl.float32)
+            b_delta = tl.sum(b_dO * b_h[None, :, :], axis=2)
+            if HAS_REST:
+                p_dO = dO + (o_l[:, None, None] - 1).to(tl.int64) * M * D + o_md[None, :, :]
+                m_dO = (m_l & (o_l > 0))[:, None, None] & m_md[None, :, :]
+                b_dO += tl.load(p_dO, mask=m_dO, other=0.0).to(tl.float32)
+                b_delta += tl.load(delta + o_lm, mask=m_lm & (o_l > 0)[:, None], other=0.0)
+            b_lse = tl.load(lse + o_lm, mask=m_lm, other=0.0)
+            # ds_{l,i} = a (dO_l . b_i - delta_l); db_i = sum_l [a dO_l + r ds (w_l - s r / D b_i)].
+            p_src, p_dsrc = buf, dacc
+            for _ in tl.range(0, n_src, num_stages=3):
+                b_v = tl.load(p_src + o_md, mask=m_md, other=0.0).to(tl.float32)
+                b_r, b_s = _scores(b_v, b_W, D, eps)
+                b_a = tl.where(m_lm, tl.exp(b_s - b_lse), 0.0)
+                b_ds = b_a * (tl.sum(b_dO * b_v[None, :, :], axis=2) - b_delta)
+                b_dv = (tl.sum(b_a[:, :, None] * b_dO, axis=0)
+                        + b_r[:, None] * tl.sum(b_ds[:, :, None] * b_W[:, None, :], axis=0)
+                        - (b_r * b_r / D * tl.sum(b_ds * b_s, axis=0))[:, None] * b_v)
+                b_dv += tl.load(p_dsrc + o_md, mask=m_md & do_acc, other=0.0).to(tl.float32)
+                tl.store(p_dsrc + o_md, b_dv.to(dacc.dtype.element_ty), mask=m_md)
+                b_dW += tl.sum((b_ds * b_r[None, :])[:, :, None] * b_v[None, :, :], axis=1)
+                p_src += stride_s
+                p_dsrc += M * D
+        tl.store(dW + (i_p * S + o_l[:, None]) * D + o_d[None, :], b_dW, mask=m_l[:, None] & m_d[None, :])
 
 
 @triton.jit
@@ -433,46 +412,34 @@ def phase1_fwd(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: 
     return h, o, lse
 
 
-def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, dh: torch.Tensor,
+def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
                dO: torch.Tensor | None, delta: torch.Tensor | None, eps: float, dacc: torch.Tensor,
-               accumulate: bool = True, scores: torch.Tensor | None = None) -> torch.Tensor:
+               accumulate: bool = True) -> torch.Tensor:
     """Triton phase-1 backward; as ``k3lab.attnres.mix.phase1_bwd_torch`` (the blocks' gradients go
-    into ``dacc[:n]``, written or added; returns dW [S, d] in W's dtype). Two passes: per-token
-    scalars over whole rows, then the blocks' gradients by d tiles.
+    into ``dacc[:n]``, written or added; returns dW [S, d] in W's dtype).
 
     Raises:
         ValueError: non-contiguous buf or dacc, n out of range, shape mismatch (``check_phase1_grads``),
-            scores not float32 [S, n, ...].
+            lse not float32.
     """
-    _check_phase1(buf, n, W, scores)
+    _check_phase1(buf, n, W, None)
     S, D = W.shape[0], buf.shape[-1]
     M = buf[0].numel() // D
     if dacc.shape[1:] != buf.shape[1:] or dacc.shape[0] < n:
         raise ValueError(f"dacc must be [>= {n}, {', '.join(map(str, buf.shape[1:]))}], got {list(dacc.shape)}")
     if not dacc.is_contiguous():
         raise ValueError("dacc must be contiguous (it is written in place)")
-    check_phase1_grads(buf, W, lse, dh, dO, delta)
+    check_phase1_grads(buf, W, lse, h, dh, dO, delta)
     _check_lse(lse)
-    scores = _logits(buf, n, W, eps, scores)
-    dh, lse = dh.contiguous(), lse.contiguous()
-    dO, delta = (dO.contiguous(), delta.contiguous()) if dO is not None else (dh, lse)
-    P, ds = (torch.empty((n, S, M), dtype=torch.float32, device=buf.device) for _ in range(2))
-    rc = torch.empty((n, 2, M), dtype=torch.float32, device=buf.device)
-    strides = (M * D, scores.stride(0), scores.stride(1))
-    block_s = triton.next_power_of_2(S)
-    attnres_phase1_bwd_dots_kernel[lambda meta: (triton.cdiv(M, meta["BM"]),)](
-        buf, scores, lse, dh, dO, delta, P, ds, rc, M, D, n, S, *strides, eps, HAS_REST=S > 1, BS=block_s)
-    # Persistent programs, about 4 per SM in all; the rows of dW of programs a config does not launch
-    # stay zero.
-    max_prog = _n_programs(buf.device, M)
-    dW = torch.zeros((max_prog, S, D), dtype=torch.float32, device=buf.device)
-
-    def grid(meta):
-        n_d = triton.cdiv(D, meta["BD"])
-        return max(1, min(triton.cdiv(M, meta["BM"]), max_prog // n_d)), n_d
-
-    attnres_phase1_bwd_kernel[grid](buf, scores, lse, W.contiguous(), dh, dO, ds, rc, dacc, dW, M, D, n, S, *strides,
-                                    HAS_REST=S > 1, ACCUMULATE=int(accumulate), BS=block_s)
+    # Persistent grid, sized for one token per program at most; every program writes its dW rows.
+    n_prog = _n_programs(buf.device, M)
+    dW = torch.empty((n_prog, S, D), dtype=torch.float32, device=buf.device)
+    attnres_phase1_bwd_kernel[(n_prog,)](
+        buf, W.contiguous(), lse.contiguous(), h.contiguous(), dh.contiguous(),
+        dO.contiguous() if dO is not None else dh, delta.contiguous() if delta is not None else lse, dacc, dW,
+        M, D, n, S, M * D, eps,
+        HAS_REST=S > 1, ACCUMULATE=int(accumulate), BD=triton.next_power_of_2(D),
+    )
     return dW.sum(0).to(W.dtype)
 
 
