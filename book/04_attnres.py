@@ -511,13 +511,17 @@ else:
     print("no stored H200 result (run `python -m k3lab.bench.attnres --lm-steps 300` on a GPU)")
 
 # %% [markdown]
-# **Reading the numbers.** The stored step and kernel times were measured on the kernels of commit
-# a22b911: a phase-1 forward that held whole rows of a group of queries and re-read the blocks per
-# group, a one-pass backward, float32 $\partial o_k$. The kernels described in section 5 (the logits
-# table filled by the store, the d-tiled forward, the two-pass backward, $\partial o_k$ in $o_k$'s dtype)
-# came after; they are checked against the PyTorch closed forms here and compiled for sm_90, but have
-# not been timed on an H200 yet. On the older kernels, the training-step overhead of Block AttnRes
-# ($N = 8$) in this 24-layer $d = 2048$ dense model is **7.5%** (210.6 vs 195.8 ms). Two
+# **Reading the numbers.** The training-step overhead of Block AttnRes ($N = 8$) in this 24-layer
+# $d = 2048$ dense model is **6.9%** (205.7 vs 192.4 ms, float32 stream under bf16 autocast), each
+# Block step timed in alternation with a standard-residual step in the same process. With FSDP2's bf16
+# mixed precision (bf16 stream and blocks, torchtitan's default) the medians gave 24.4%, the minima
+# 10.5% (208.5 vs 188.7 ms): that variant's steps varied widely, not yet explained. The step table's
+# kernel rows are older (the kernels of a22b911). Since then phase 1's forward takes its logits from
+# the table the stores fill: 0.244 against 0.457 ms at $n = 8$, $S = 6$ (1.9x), while a store with its
+# logits for 49 queries costs 0.110 ms against 0.067 for the add it replaces
+# (`attnres_h200_session24.json`). A two-pass backward (per-token scalars over whole rows, then the
+# blocks' gradients by d tiles) took 3.70 against 1.24 ms and was not kept. On the older kernels the
+# overhead was 7.5% (210.6 vs 195.8 ms, the two residuals timed one after the other). Two
 # earlier runs gave 7.0% (before the saved-tensor hooks checked versions) and 8.2% (another H200, and
 # code that did slightly less work): three versions of the code on two machines, so the three mix code
 # changes with the spread between machines and runs (the variant that runs no hooks moved by 2 ms
@@ -526,7 +530,7 @@ else:
 # d-vectors per token per read: `attnres_h200.json` as of commit 8752841), still far from the issue's
 # 2% goal and the paper's < 4% (measured there with pipeline parallelism and K3-sized layers, where a
 # 7168-wide layer does 3.5x more arithmetic per byte of mixing). The bytes model,
-# `python -m k3lab.bench.attnres --bytes-model`, predicts ~8.4 ms (4.3%) at 4 TB/s. A profile of the
+# `python -m k3lab.bench.attnres --bytes-model`, predicts ~7.9 ms (4.1%) at 4 TB/s. A profile of the
 # step (`attnres_h200_session15.json`) puts 20.6 ms a step in the AttnRes kernels, while the step's
 # device time grows by only 14.8 ms: Block AttnRes does not run some of the standard residual's own
 # work, 3.1 ms of it itemised in that profile (float adds 6.89 → 4.85 ms, bf16 copies 7.06 → 6.02);
@@ -540,7 +544,7 @@ else:
 # `attnres_h200_session17.json`. Reading each block once by d tiles with the logits taken from a table
 # filled when each block is stored took 0.242 against 0.455 ms there, with the table then formed by a
 # separate pass, 0.102 ms per stored block, `attnres_h200_session23.json`; the current store forms it
-# in the pass that writes the block.) The merge
+# in the pass that writes the block, 0.043 ms more than the add alone.) The merge
 # kernel runs at 3.3-3.8 TB/s, 5-8x faster than eager PyTorch and `torch.compile`. Activation memory
 # stays at the standard residual's plus the block buffer and its gradient sum, about two d-vectors per
 # token per block (peak +1.2 GiB on a 41 GiB step). In float32 the two-phase path's gradients are

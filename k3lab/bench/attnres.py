@@ -89,18 +89,18 @@ def bytes_model(L: int = 48, N: int = 8, buf: int = 4, h: int = 4, o: int = 2, v
         new["fwd"] += (h if S > 1 else 0) + v + buf
         new["bwd"] += h + v
         # phase 1: read the n blocks, write h_0 and o_1..o_{S-1}; once more in backward; its
-        # backward reads the blocks, dh and every dO_k twice (two passes), reads and writes the
+        # backward reads the blocks, h_0, dh and every dO_k (in o's dtype) once, reads and writes the
         # gradient sum
         phase1 = n * buf + h + (S - 1) * o
         new["fwd"] += phase1
-        new["bwd"] += phase1 + 2 * (n * buf + h + (S - 1) * o) + 2 * n * h
-    # final aggregation over N + 1 blocks; two-phase keeps its lse (no recompute), reads the blocks
-    # and dh twice and is the first backward writer of the gradient sum (no read of it)
+        new["bwd"] += phase1 + n * buf + 2 * h + (S - 1) * o + 2 * n * h
+    # final aggregation over N + 1 blocks: its backward recomputes h (one more pass over the blocks),
+    # reads the blocks, h and dh once and is the first writer of the gradient sum (no read of it)
     final_fwd = (N + 1) * buf + h
     old["fwd"] += final_fwd
     old["bwd"] += final_fwd + h + 2 * (N + 1) * buf + 2 * (N + 1) * h
     new["fwd"] += final_fwd
-    new["bwd"] += 2 * (h + (N + 1) * buf) + (N + 1) * h
+    new["bwd"] += final_fwd + 2 * h + (N + 1) * buf + (N + 1) * h
     per_sublayer = lambda t: {k: round(x / L, 2) for k, x in t.items()}  # noqa: E731
     return dict(L=L, N=N, standard=std, per_read=per_sublayer(old), two_phase=per_sublayer(new))
 
