@@ -15,9 +15,9 @@ PyTorch functions take the same arguments and return the same values).
 
 All kernels are memory-bound. The merge kernels and phase 1's backward read whole rows of d (the
 RMSNorm keys and the logits need them); the store walks d in chunks and phase 1's forward works in d
-tiles. On a CPU-only machine ``k3lab.setup()`` must run before this module is imported (TRITON_INTERPRET=1); the
-interpreter cannot do bf16 arithmetic, so every block is upcast to float32 right after its load,
-and autotuning is off (one config).
+tiles. On a CPU-only machine ``k3lab.setup()`` must run before this module is imported
+(TRITON_INTERPRET=1); the interpreter cannot do bf16 arithmetic, so every block is upcast to float32
+right after its load, and autotuning is off (one config).
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ from k3lab.attnres.mix import check_merge, check_phase1, check_phase1_grads, che
 from k3lab.kernels import interpreting
 
 INTERPRET = interpreting()
+
+
 @triton.jit
 def _score(b_v, b_w, D, eps):
     # r = rsqrt(mean(v^2) + eps), s = r * w^T v, for each row of b_v [BM, BD]; b_w [BD].
@@ -393,8 +395,8 @@ def phase1_fwd(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: 
                o_dtype: torch.dtype | None = None, scores: torch.Tensor | None = None):
     """Triton phase-1 forward; arguments and returns as ``k3lab.attnres.mix.phase1_fwd_torch``
     (buf [S_max, ..., d] contiguous; scores [S, n, ...] float32 from ``store_block``, any strides (a
-    layout whose tokens are not one contiguous run is copied), or None: formed here by one more pass over the blocks; returns h [..., d],
-    o [S - 1, ..., d] or None, lse [S, ...] float32).
+    layout whose tokens are not one contiguous run is copied), or None: formed here by one more pass
+    over the blocks; returns h [..., d], o [S - 1, ..., d] or None, lse [S, ...] float32).
 
     Raises:
         ValueError: non-contiguous buf, n out of range, W not [S, d], scores not float32 [S, n, ...].
