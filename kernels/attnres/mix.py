@@ -45,13 +45,6 @@ def _scores(b_v, b_W, D, eps):
     return b_r, tl.sum(b_W[:, None, :] * b_v[None, :, :], axis=2) * b_r[None, :]
 
 
-def _group_configs(n_options):
-    """Autotune configs of the backward (G queries, BM tokens per program); one when interpreting."""
-    if INTERPRET:
-        return [triton.Config({"G": 2, "BM": 2}, num_warps=4)]
-    return [triton.Config({"G": g, "BM": bm}, num_warps=w) for g, bm, w in n_options]
-
-
 def _prune(configs, nargs, **_):
     # Keep the register tile within budget and G no larger than the block's sublayer count needs.
     bd, s_pad = triton.next_power_of_2(nargs["D"]), triton.next_power_of_2(nargs["S"])
@@ -176,8 +169,8 @@ def attnres_phase1_fwd_kernel(
         tl.store(lse + o_l[:, None] * M + o_m[None, :], b_max + tl.log(b_sum), mask=m_lm)
 
 
-@triton.autotune(configs=_group_configs(_BWD_OPTIONS), key=["D", "S"], prune_configs_by={"early_config_prune": _prune},
-                 restore_value=["dacc"])
+@triton.autotune(configs=_configs("G BM", _BWD_OPTIONS, (2, 2, 4)), key=["D", "S"],
+                 prune_configs_by={"early_config_prune": _prune}, restore_value=["dacc"])
 @triton.jit
 def attnres_phase1_bwd_kernel(
     buf,  # [S_max, M, D] block representations
