@@ -5,7 +5,8 @@ logits for all L + 1 queries formed when it was stored, in a table [L + 1, N + 1
 
 1. ``_Phase1``, once at the block's start: one pass over the n blocks computes every sublayer's
    inter-block part o_k and its log-sum-exp (``k3lab.attnres.mix``) from the table's logits; o_0 is
-   the first sublayer's input h_0. In backward, one batched pass adds all S reads' gradients into the blocks' gradient
+   the first sublayer's input h_0. In backward, one batched pass adds all S reads' gradients into the
+   blocks' gradient
    accumulator and gives the S queries' gradients.
 2. ``_AddMerge``, per later sublayer k: p_k = p_{k-1} + v_{k-1} (the partial sum) and
    h_k = merge(o_k, lse_k, p_k) in one pass; it saves p_k only (where the standard residual keeps
@@ -18,7 +19,7 @@ Nothing [B, T, d]-sized per sublayer is kept beyond p_k: the o_k are dropped at 
 recomputed by one phase-1 pass when backward reaches the block, and the sublayers' saved inputs h_k
 are swapped by saved-tensor hooks for recipes that rebuild them from o_k, lse_k and p_k. Saved
 activations are thus the standard residual's plus the buffer (N + 1 vectors per token) and the
-lse and the logits table (4 bytes per token per sublayer each, and per block for the logits).
+lse (4 bytes per token per sublayer) and the logits table (4 (L + 1)(N + 1) bytes per token).
 
 The blocks' gradients never pass through autograd per read: phase 1's backward adds them into one
 accumulator (``DepthBuffer``), the final aggregation (the first read that backward meets) writing
