@@ -6,8 +6,7 @@ logits for all L + 1 queries formed when it was stored, in a table [L + 1, N + 1
 1. ``_Phase1``, once at the block's start: one pass over the n blocks computes every sublayer's
    inter-block part o_k and its log-sum-exp (``k3lab.attnres.mix``) from the table's logits; o_0 is
    the first sublayer's input h_0. In backward, one batched pass adds all S reads' gradients into the
-   blocks' gradient
-   accumulator and gives the S queries' gradients.
+   blocks' gradient accumulator and gives the S queries' gradients.
 2. ``_AddMerge``, per later sublayer k: p_k = p_{k-1} + v_{k-1} (the partial sum) and
    h_k = merge(o_k, lse_k, p_k) in one pass; it saves p_k only (where the standard residual keeps
    its stream h_k). Its backward adds the merge's gradient to p_k's incoming one and leaves
