@@ -73,13 +73,13 @@ def check_phase1(buf: torch.Tensor, n: int, W: torch.Tensor, scores: torch.Tenso
 
 
 def check_store(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: torch.Tensor,
-                scores: torch.Tensor) -> None:
+                scores: torch.Tensor, rstd: torch.Tensor | None = None) -> None:
     """``store_block``'s inputs (both backends).
 
     Raises:
         ValueError: a, b, dst not of one shape [..., d]; b given with dst = a (nothing would be added);
             W not [Q >= 1, d]; scores not [Q, ...] float32 (float64 for a float64 dst on the PyTorch
-            backend is allowed there).
+            backend is allowed there); rstd (when given) not [...] in scores' dtype.
     """
     if any(t is not None and t.shape != a.shape for t in (b, dst)):
         raise ValueError(f"a, b and dst must have one shape [..., d], got "
@@ -91,6 +91,9 @@ def check_store(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: t
     if scores.shape != (W.shape[0], *a.shape[:-1]) or not scores.dtype.is_floating_point:
         raise ValueError(f"scores must be float32 {[W.shape[0], *a.shape[:-1]]}, got {scores.dtype} "
                          f"{list(scores.shape)}")
+    if rstd is not None and (rstd.shape != a.shape[:-1] or rstd.dtype != scores.dtype):
+        raise ValueError(f"rstd must be {list(a.shape[:-1])} in scores' dtype {scores.dtype}, got {rstd.dtype} "
+                         f"{list(rstd.shape)}")
 
 
 def check_merge(o: torch.Tensor, lse: torch.Tensor, w: torch.Tensor, **rows) -> None:
@@ -117,7 +120,7 @@ def _scores(V: torch.Tensor, W: torch.Tensor, eps: float):
 
 @_no_autocast
 def store_block_torch(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: torch.Tensor, eps: float,
-                      scores: torch.Tensor) -> None:
+                      scores: torch.Tensor, rstd: torch.Tensor | None = None) -> None:
     """Store a block representation and form its logits for every query that will read it.
 
     Args:
@@ -128,13 +131,19 @@ def store_block_torch(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None
         eps (float): RMSNorm eps.
         scores (Tensor): [Q, ...] float32 (float64 for a float64 slot) output: s_q = r w_q^T dst with
             r = (mean(dst^2) + eps)^-1/2, formed from the stored (rounded) values.
+        rstd (Tensor | None): [...] output in scores' dtype: r (phase 1's backward reads it).
+
+    Raises:
+        ValueError: as ``check_store``.
     """
-    check_store(dst, a, b, W, scores)
+    check_store(dst, a, b, W, scores, rstd)
     if dst is not a:
         dt = _compute_dtype(dst)
         dst.copy_(a.to(dt) if b is None else a.to(dt) + b.to(dt))
-    _, s = _scores(dst[None].to(scores.dtype), W.to(scores.dtype), eps)
+    r, s = _scores(dst[None].to(scores.dtype), W.to(scores.dtype), eps)
     scores.copy_(s[:, 0])
+    if rstd is not None:
+        rstd.copy_(r[0])
 
 
 def block_scores(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float) -> torch.Tensor:
@@ -199,10 +208,24 @@ def check_phase1_grads(buf: torch.Tensor, W: torch.Tensor, lse: torch.Tensor, h:
                          f"{list(delta.shape)}")
 
 
+def check_phase1_tables(buf: torch.Tensor, n: int, scores: torch.Tensor | None, rstd: torch.Tensor | None) -> None:
+    """The phase-1 backward's logits and r (both backends): the check of ``check_phase1`` for scores;
+    rstd [n, ...] like the scores' rows.
+
+    Raises:
+        ValueError: rstd of another shape, or the two in different dtypes.
+    """
+    if rstd is not None and rstd.shape != (n, *buf.shape[1:-1]):
+        raise ValueError(f"rstd must be {[n, *buf.shape[1:-1]]}, got {list(rstd.shape)}")
+    if scores is not None and rstd is not None and scores.dtype != rstd.dtype:
+        raise ValueError(f"scores and rstd must have one dtype, got {scores.dtype} and {rstd.dtype}")
+
+
 @_no_autocast
 def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h: torch.Tensor,
                      dh: torch.Tensor, dO: torch.Tensor | None, delta: torch.Tensor | None, eps: float,
-                     dacc: torch.Tensor, accumulate: bool = True) -> torch.Tensor:
+                     dacc: torch.Tensor, accumulate: bool = True, scores: torch.Tensor | None = None,
+                     rstd: torch.Tensor | None = None) -> torch.Tensor:
     """Phase 1 backward (closed form in the module docstring).
 
     Args:
@@ -214,18 +237,21 @@ def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tens
             checked here (the Triton kernel reads it).
         dacc (Tensor): [>= n, ..., d] the blocks' gradients: ``dacc[:n]`` is written, or added to
             when ``accumulate``.
+        scores (Tensor | None), rstd (Tensor | None): [S, n, ...] and [n, ...], the logits and the
+            blocks' r as ``store_block_torch`` formed them; formed here when either is None.
 
     Returns:
         Tensor: dW [S, d] in W's dtype.
 
     Raises:
-        ValueError: as ``check_phase1_grads``.
+        ValueError: as ``check_phase1_grads`` and ``check_phase1_tables``.
     """
-    check_phase1(buf, n, W)
+    check_phase1(buf, n, W, scores)
     check_phase1_grads(buf, W, lse, h, dh, dO, delta)
+    check_phase1_tables(buf, n, scores, rstd)
     dt = lse.dtype
     V, Wd = buf[:n].to(dt), W.to(dt)
-    r, s = _scores(V, Wd, eps)
+    r, s = _scores(V, Wd, eps) if scores is None or rstd is None else (rstd.to(dt), scores.to(dt))
     a = torch.softmax(s, 1)  # as in the forward
     G = dh.to(dt)[None] if dO is None else torch.cat([dh.to(dt)[None], dO.to(dt)])
     P = torch.einsum("s...d,n...d->sn...", G, V)

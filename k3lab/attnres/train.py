@@ -1,24 +1,26 @@
 """Block AttnRes training path: two-phase reads, recompute in backward (AttnRes paper, Sec. 4).
 
 Per block n (S sublayers, completed blocks b_0..b_{n-1} in one buffer [N + 1, B, T, d]; each block's
-logits for all L + 1 queries formed when it was stored, in a table [L + 1, N + 1, B, T]):
+logits for all L + 1 queries and its r formed when it was stored, in tables [L + 1, N + 1, B, T] and
+[N + 1, B, T]):
 
 1. ``_Phase1``, once at the block's start: one pass over the n blocks computes every sublayer's
    inter-block part o_k and its log-sum-exp (``k3lab.attnres.mix``) from the table's logits; o_0 is
    the first sublayer's input h_0. In backward, one batched pass adds all S reads' gradients into the
-   blocks' gradient accumulator and gives the S queries' gradients.
+   blocks' gradient accumulator and gives the S queries' gradients, with the logits and r from the
+   tables.
 2. ``_AddMerge``, per later sublayer k: p_k = p_{k-1} + v_{k-1} (the partial sum) and
    h_k = merge(o_k, lse_k, p_k) in one pass; it saves p_k only (where the standard residual keeps
    its stream h_k). Its backward adds the merge's gradient to p_k's incoming one and leaves
    dO_k = dL/do_k in the block's slot for phase 1's backward.
 3. ``_StoreSum``: the block's last sum p + v goes straight into its buffer slot, and its logits into
-   the table, in one pass.
+   the tables, in one pass.
 
 Nothing [B, T, d]-sized per sublayer is kept beyond p_k: the o_k are dropped at the block's end and
 recomputed by one phase-1 pass when backward reaches the block, and the sublayers' saved inputs h_k
 are swapped by saved-tensor hooks for recipes that rebuild them from o_k, lse_k and p_k. Saved
 activations are thus the standard residual's plus the buffer (N + 1 vectors per token) and the
-lse (4 bytes per token per sublayer) and the logits table (4 (L + 1)(N + 1) bytes per token).
+lse (4 bytes per token per sublayer) and the tables (4 (L + 2)(N + 1) bytes per token).
 
 The blocks' gradients never pass through autograd per read: phase 1's backward adds them into one
 accumulator (``DepthBuffer``), the final aggregation (the first read that backward meets) writing
@@ -51,14 +53,14 @@ def check_buffer_dtype(buffer_dtype) -> None:
 
 class DepthBuffer:
     """The block representations of one forward pass [N + 1, B, T, d], their logits for every query
-    [L + 1, N + 1, B, T] and their gradient sum.
+    [L + 1, N + 1, B, T], their r = (mean(b^2) + eps)^-1/2 [N + 1, B, T] and their gradient sum.
 
     Args:
         like (Tensor): [B, T, d] (shape, device, gradient dtype).
         slots (int): N + 1.
         queries (Tensor): [L + 1, d] all pseudo-queries (detached).
         eps (float): RMSNorm eps of the keys.
-        backend (str): "torch" or "triton" (its ``store_block`` fills the table; float64 logits for a
+        backend (str): "torch" or "triton" (its ``store_block`` fills the tables; float64 ones for a
             float64 buffer on "torch", float32 otherwise).
         dtype (torch.dtype | None): storage dtype of the buffer, default ``like``'s.
     """
@@ -68,12 +70,13 @@ class DepthBuffer:
         self.buf = torch.empty((slots, *like.shape), dtype=dtype or like.dtype, device=like.device)
         score_dtype = torch.float64 if self.buf.dtype == torch.float64 and backend == "torch" else torch.float32
         self.scores = torch.empty((queries.shape[0], slots, *like.shape[:-1]), dtype=score_dtype, device=like.device)
+        self.rstd = torch.empty((slots, *like.shape[:-1]), dtype=score_dtype, device=like.device)
         self.queries, self.eps, self.store_block = queries, eps, kernels(backend)[0]
         self.grad_dtype, self.n, self.acc = like.dtype, 0, None
 
     def put(self, a: torch.Tensor, b: torch.Tensor | None = None) -> None:
-        """The next slot = a + b (or a), and its logits for every query."""
-        self.store_block(self.buf[self.n], a, b, self.queries, self.eps, self.scores[:, self.n])
+        """The next slot = a + b (or a), its logits for every query and its r."""
+        self.store_block(self.buf[self.n], a, b, self.queries, self.eps, self.scores[:, self.n], self.rstd[self.n])
         self.n += 1
 
     def accumulator(self, overwrite: bool) -> torch.Tensor:
@@ -131,6 +134,7 @@ class _Block:
                  last: bool):
         self.store, self.n, self.o_dtype, self.last = store, n, o_dtype, last
         self.W, self.scores, self.eps = store.queries[first:first + S], store.scores[first:first + S, :n], store.eps
+        self.rstd = store.rstd[:n]
         _, self.phase1_fwd, self.phase1_bwd, self.merge_fwd, self.merge_bwd = kernels(backend)
         self.S = S
         self.h = self.o = self.lse = self.dO = self.delta = None
@@ -171,7 +175,7 @@ class _Block:
         have changed in place)."""
         acc = self.store.accumulator(overwrite=self.last)
         dW = self.phase1_bwd(self.store.buf, self.n, self.W, self.lse, self.inter()[0], dh, self.dO, self.delta,
-                             self.eps, acc, accumulate=not self.last)
+                             self.eps, acc, accumulate=not self.last, scores=self.scores, rstd=self.rstd)
         self.h = self.o = self.dO = self.delta = None
         return dW
 

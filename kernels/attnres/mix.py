@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.attnres.mix import check_merge, check_phase1, check_phase1_grads, check_store
+from k3lab.attnres.mix import check_merge, check_phase1, check_phase1_grads, check_phase1_tables, check_store
 from k3lab.kernels import interpreting
 
 INTERPRET = interpreting()
@@ -36,13 +36,6 @@ def _score(b_v, b_w, D, eps):
     # r = rsqrt(mean(v^2) + eps), s = r * w^T v, for each row of b_v [BM, BD]; b_w [BD].
     b_r = 1.0 / tl.sqrt(tl.sum(b_v * b_v, axis=1) / D + eps)
     return b_r, tl.sum(b_v * b_w[None, :], axis=1) * b_r
-
-
-@triton.jit
-def _scores(b_v, b_W, D, eps):
-    # As _score for G queries b_W [G, BD] at once: r [BM], s [G, BM].
-    b_r = 1.0 / tl.sqrt(tl.sum(b_v * b_v, axis=1) / D + eps)
-    return b_r, tl.sum(b_W[:, None, :] * b_v[None, :, :], axis=2) * b_r[None, :]
 
 
 def _prune(configs, nargs, **_):
@@ -84,10 +77,12 @@ def attnres_store_kernel(
     dst,  # [M, D] the buffer slot (written when WRITE)
     W,  # [Q, D] queries
     scores,  # [Q, M] float32 output (rows stride_q apart): s_q = r w_q . dst
+    rstd,  # [M] float32 output: r (written when HAS_R)
     M, D, Q, stride_q,
     eps,
     HAS_B: tl.constexpr,
     WRITE: tl.constexpr,
+    HAS_R: tl.constexpr,
     BM: tl.constexpr,
     BK: tl.constexpr,  # channels per step
     BQ: tl.constexpr,  # >= Q, >= 16 (tl.dot)
@@ -118,6 +113,8 @@ def attnres_store_kernel(
         b_s += tl.dot(b_x, b_w.to(tl.float32), input_precision="tf32x3")
     b_r = 1.0 / tl.sqrt(b_ss / D + eps)
     tl.store(scores + o_q[None, :] * stride_q + o_m[:, None], b_s * b_r[:, None], mask=m_m[:, None] & m_q[None, :])
+    if HAS_R:
+        tl.store(rstd + o_m, b_r, mask=m_m)
 
 
 # Session 23 (attnres_h200_session23.json, n = 8, S = 6, the prototype of this kernel): (1, 512, 4) 0.242 ms,
@@ -182,8 +179,9 @@ def attnres_phase1_bwd_kernel(
     delta,  # [S, M] float32 dO_l . o_l - dlse_l of queries 1..S-1 (row 0 unused; when HAS_REST)
     dacc,  # [>= n_src, M, D] the blocks' gradients: written, or added to when ACCUMULATE
     dW,  # [n_programs, S, D] float32 output: per-program partial sums of dW
-    M, D, n_src, S, stride_s,
-    eps,
+    scores,  # [S, n_src, M] float32 logits (strides stride_sq, stride_si, 1), as the forward used them
+    rstd,  # [n_src, M] float32 the blocks' r
+    M, D, n_src, S, stride_s, stride_sq, stride_si,
     HAS_REST: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # 0 or 1
     BD: tl.constexpr,
@@ -218,11 +216,14 @@ def attnres_phase1_bwd_kernel(
                 b_dO += tl.load(p_dO, mask=m_dO, other=0.0).to(tl.float32)
                 b_delta += tl.load(delta + o_lm, mask=m_lm & (o_l > 0)[:, None], other=0.0)
             b_lse = tl.load(lse + o_lm, mask=m_lm, other=0.0)
-            # ds_{l,i} = a (dO_l . b_i - delta_l); db_i = sum_l [a dO_l + r ds (w_l - s r / D b_i)].
+            # ds_{l,i} = a (dO_l . b_i - delta_l); db_i = sum_l [a dO_l + r ds (w_l - s r / D b_i)]. The
+            # logits and r come from the tables: dO_l . b_i is the only sum over d per block.
             p_src, p_dsrc = buf, dacc
-            for _ in tl.range(0, n_src, num_stages=3):
+            p_s = scores + o_l[:, None] * stride_sq + o_m[None, :]
+            for i in tl.range(0, n_src, num_stages=3):
                 b_v = tl.load(p_src + o_md, mask=m_md, other=0.0).to(tl.float32)
-                b_r, b_s = _scores(b_v, b_W, D, eps)
+                b_s = tl.load(p_s + i * stride_si, mask=m_lm, other=0.0)
+                b_r = tl.load(rstd + i * M + o_m, mask=m_m, other=0.0)
                 b_a = tl.where(m_lm, tl.exp(b_s - b_lse), 0.0)
                 b_ds = b_a * (tl.sum(b_dO * b_v[None, :, :], axis=2) - b_delta)
                 b_dv = (tl.sum(b_a[:, :, None] * b_dO, axis=0)
@@ -346,15 +347,16 @@ def _check_phase1(buf: torch.Tensor, n: int, W: torch.Tensor, scores: torch.Tens
 
 
 def store_block(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: torch.Tensor, eps: float,
-                scores: torch.Tensor) -> None:
-    """Triton store; as ``k3lab.attnres.mix.store_block_torch``: ``dst`` = a + b (or a) and
-    ``scores`` [Q, ...] = r w_q^T dst in one pass (``dst`` may be ``a``: logits only).
+                scores: torch.Tensor, rstd: torch.Tensor | None = None) -> None:
+    """Triton store; as ``k3lab.attnres.mix.store_block_torch``: ``dst`` = a + b (or a),
+    ``scores`` [Q, ...] = r w_q^T dst and ``rstd`` [...] = r (when given) in one pass (``dst`` may be
+    ``a``: logits only).
 
     Raises:
         ValueError: a, b or dst not [..., d] alike, non-contiguous dst, W not [Q, d], scores not [Q, ...]
-            float32 with contiguous rows.
+            float32 with contiguous rows, rstd not [...] float32 contiguous.
     """
-    check_store(dst, a, b, W, scores)
+    check_store(dst, a, b, W, scores, rstd)
     D, Q = a.shape[-1], W.shape[0]
     M = a.numel() // D
     if not dst.is_contiguous():
@@ -362,26 +364,33 @@ def store_block(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: t
     if scores.dtype != torch.float32 or not scores[0].is_contiguous():
         raise ValueError(f"scores must be float32 with each query's row contiguous, got {scores.dtype} with "
                          f"strides {scores.stride()}")
+    if rstd is not None and not rstd.is_contiguous():
+        raise ValueError("rstd must be contiguous")
     attnres_store_kernel[lambda meta: (triton.cdiv(M, meta["BM"]),)](
-        a.contiguous(), b.contiguous() if b is not None else a, dst, W.contiguous(), scores, M, D, Q,
-        scores.stride(0), eps, HAS_B=b is not None, WRITE=dst is not a, BQ=max(16, triton.next_power_of_2(Q)),
+        a.contiguous(), b.contiguous() if b is not None else a, dst, W.contiguous(), scores,
+        rstd if rstd is not None else scores, M, D, Q, scores.stride(0), eps, HAS_B=b is not None,
+        WRITE=dst is not a, HAS_R=rstd is not None, BQ=max(16, triton.next_power_of_2(Q)),
     )
 
 
-def _logits(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, scores: torch.Tensor | None) -> torch.Tensor:
-    """The logits as [S, n, M] (a view of the table's slice), formed here when None."""
+def _tables(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, scores: torch.Tensor | None,
+            rstd: torch.Tensor | None = None, need_rstd: bool = False):
+    """The logits as [S, n, M] (a view of the table's slice) and the blocks' r as [n, M] (when
+    ``need_rstd``), both formed here by one more pass over the blocks when either is missing."""
     S, D = W.shape[0], buf.shape[-1]
-    if scores is None:
+    if scores is None or (need_rstd and rstd is None):
         scores = torch.empty((n, S, *buf.shape[1:-1]), dtype=torch.float32, device=buf.device).transpose(0, 1)
+        rstd = torch.empty((n, *buf.shape[1:-1]), dtype=torch.float32, device=buf.device)
         for i in range(n):
-            store_block(buf[i], buf[i], None, W, eps, scores[:, i])
+            store_block(buf[i], buf[i], None, W, eps, scores[:, i], rstd[i])
     # A view for the table's slices; a layout whose tokens cannot be one contiguous run is copied.
-    scores = scores.reshape(S, n, buf[0].numel() // D)
+    M = buf[0].numel() // D
+    scores = scores.reshape(S, n, M)
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
-    if scores.dtype != torch.float32:
-        raise ValueError(f"scores must be float32, got {scores.dtype}")
-    return scores
+    if scores.dtype != torch.float32 or (need_rstd and rstd.dtype != torch.float32):
+        raise ValueError(f"scores and rstd must be float32, got {scores.dtype} and {getattr(rstd, 'dtype', None)}")
+    return scores, rstd.reshape(n, M).contiguous() if need_rstd else None
 
 
 def phase1_fwd(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: torch.dtype | None = None,
@@ -397,7 +406,7 @@ def phase1_fwd(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: 
     _check_phase1(buf, n, W, scores)
     S, D = W.shape[0], buf.shape[-1]
     M = buf[0].numel() // D
-    scores = _logits(buf, n, W, eps, scores)
+    scores, _ = _tables(buf, n, W, eps, scores)
     h = torch.empty(buf.shape[1:], dtype=h_dtype or buf.dtype, device=buf.device)
     o = torch.empty((S - 1, *buf.shape[1:]), dtype=o_dtype or h.dtype, device=buf.device) if S > 1 else None
     lse = torch.empty((S, *buf.shape[1:-1]), dtype=torch.float32, device=buf.device)
@@ -409,15 +418,19 @@ def phase1_fwd(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, h_dtype: 
 
 def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
                dO: torch.Tensor | None, delta: torch.Tensor | None, eps: float, dacc: torch.Tensor,
-               accumulate: bool = True) -> torch.Tensor:
+               accumulate: bool = True, scores: torch.Tensor | None = None,
+               rstd: torch.Tensor | None = None) -> torch.Tensor:
     """Triton phase-1 backward; as ``k3lab.attnres.mix.phase1_bwd_torch`` (the blocks' gradients go
-    into ``dacc[:n]``, written or added; returns dW [S, d] in W's dtype).
+    into ``dacc[:n]``, written or added; the logits and r from the tables ``scores`` [S, n, ...] and
+    ``rstd`` [n, ...] (float32), formed here by one more pass over the blocks when either is None;
+    returns dW [S, d] in W's dtype).
 
     Raises:
-        ValueError: non-contiguous buf or dacc, n out of range, shape mismatch (``check_phase1_grads``),
-            lse not float32.
+        ValueError: non-contiguous buf or dacc, n out of range, shape mismatch (``check_phase1_grads``,
+            ``check_phase1_tables``), lse, scores or rstd not float32.
     """
-    _check_phase1(buf, n, W, None)
+    _check_phase1(buf, n, W, scores)
+    check_phase1_tables(buf, n, scores, rstd)
     S, D = W.shape[0], buf.shape[-1]
     M = buf[0].numel() // D
     if dacc.shape[1:] != buf.shape[1:] or dacc.shape[0] < n:
@@ -426,13 +439,14 @@ def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h:
         raise ValueError("dacc must be contiguous (it is written in place)")
     check_phase1_grads(buf, W, lse, h, dh, dO, delta)
     _check_lse(lse)
+    scores, rstd = _tables(buf, n, W, eps, scores, rstd, need_rstd=True)
     # Persistent grid, sized for one token per program at most; every program writes its dW rows.
     n_prog = _n_programs(buf.device, M)
     dW = torch.empty((n_prog, S, D), dtype=torch.float32, device=buf.device)
     attnres_phase1_bwd_kernel[(n_prog,)](
         buf, W.contiguous(), lse.contiguous(), h.contiguous(), dh.contiguous(),
         dO.contiguous() if dO is not None else dh, delta.contiguous() if delta is not None else lse, dacc, dW,
-        M, D, n, S, M * D, eps,
+        scores, rstd, M, D, n, S, M * D, scores.stride(0), scores.stride(1),
         HAS_REST=S > 1, ACCUMULATE=int(accumulate), BD=triton.next_power_of_2(D),
     )
     return dW.sum(0).to(W.dtype)
