@@ -94,18 +94,53 @@ def test_store_block_matches_torch(form, dst_dtype):
     for f in (store_block, store_block_torch):
         dst = a if form == "scores_only" else torch.full((B, T, D), float("nan"), dtype=dst_dtype, device=DEVICE)
         table = torch.full((Q, 3, B, T), float("nan"), device=DEVICE)
-        f(dst, a, b, W, 1e-6, table[:, 1])
-        out.append((dst, table))
-    (dst_t, table_t), (dst_r, table_r) = out
+        rstd = torch.full((3, B, T), float("nan"), device=DEVICE)
+        f(dst, a, b, W, 1e-6, table[:, 1], rstd[1])
+        out.append((dst, table, rstd))
+    (dst_t, table_t, rstd_t), (dst_r, table_r, rstd_r) = out
     # The interpreter rounds float32 -> bf16 by truncation (one ulp off torch's round-to-nearest).
     interp_bf16 = DEVICE.type == "cpu" and dst_dtype == torch.bfloat16 and form != "scores_only"
     assert_close("slot", dst_r.float(), dst_t.float(), 1e-2 if interp_bf16 else 0.0)
     if interp_bf16:
-        dst_r, table_r = dst_t, table_r.clone()
-        store_block_torch(dst_t, dst_t, None, W, 1e-6, table_r[:, 1])  # the logits of the kernel's slot
+        dst_r, table_r, rstd_r = dst_t, table_r.clone(), rstd_r.clone()
+        store_block_torch(dst_t, dst_t, None, W, 1e-6, table_r[:, 1], rstd_r[1])  # the logits of the kernel's slot
     assert_close("scores", table_r[:, 1], table_t[:, 1], TOL)
+    assert_close("rstd", dst_r.float().pow(2).mean(-1).add(1e-6).rsqrt(), rstd_t[1], TOL)
+    assert_close("rstd vs torch", rstd_r[1], rstd_t[1], TOL)
+    assert rstd_t[[0, 2]].isnan().all()
     assert_close("scores vs block_scores", block_scores(dst_r[None], 1, W, 1e-6)[:, 0], table_t[:, 1], TOL)
     assert table_t[:, [0, 2]].isnan().all()  # the other columns untouched
+
+
+def test_phase1_bwd_takes_the_tables():
+    """Logits and r passed as slices of the training path's tables give what the blocks give (both
+    backends); tables that differ from the blocks' are used as given, alike; bad tables raise."""
+    g = torch.Generator().manual_seed(23)
+    S, n, B, T, D = 3, 3, 2, 5, 24
+    buf, W = randn(4, B, T, D, g=g, scale=2), randn(S, D, g=g)
+    table, rstd = torch.full((S + 2, 4, B, T), float("nan"), device=DEVICE), torch.full((4, B, T), float("nan"), device=DEVICE)
+    for i in range(n):
+        store_block(buf[i], buf[i], None, torch.cat([randn(2, D, g=g), W]), 1e-6, table[:, i], rstd[i])
+    dh, dO, delta = randn(B, T, D, g=g), randn(S - 1, B, T, D, g=g), randn(S, B, T, g=g)
+
+    def run(f, **tables):
+        # lse and h from the forward with the same logits, as in training
+        h, _, lse = phase1_fwd_torch(buf, n, W, 1e-6, scores=tables.get("scores"))
+        acc = torch.zeros(4, B, T, D, device=DEVICE)
+        return acc[:n], f(buf, n, W, lse, h, dh, dO, delta, 1e-6, acc, False, **tables)
+
+    given = dict(scores=table[2:, :n], rstd=rstd[:n])
+    other = dict(scores=randn(S, n, B, T, g=g), rstd=randn(n, B, T, g=g).abs() + 0.5)
+    for f in (phase1_bwd, phase1_bwd_torch):
+        for name, a, b in zip(("dacc", "dW"), run(f), run(f, **given)):
+            assert_close(f"{f.__name__} {name}", a, b, TOL)
+    for name, a, b in zip(("dacc", "dW"), run(phase1_bwd_torch, **other), run(phase1_bwd, **other)):
+        assert_close(f"other tables {name}", a, b, TOL)
+    for f in (phase1_bwd, phase1_bwd_torch):
+        with pytest.raises(ValueError, match="rstd must be"):
+            run(f, scores=given["scores"], rstd=rstd[:n - 1])
+        with pytest.raises(ValueError, match="one dtype"):
+            run(f, scores=given["scores"], rstd=rstd[:n].double())
 
 
 def test_phase1_fwd_takes_the_tables_logits():

@@ -150,11 +150,12 @@ def check_correctness(device, M=1000, d_check=320, T=300) -> dict:
         prev = torch.randn(M, d_check, generator=g).to(device)
         o, v = (torch.randn(M, d_check, generator=g).to(device, dtype) for _ in range(2))
         slots = [torch.empty(M, d_check, device=device, dtype=dtype) for _ in range(2)]
-        tables = [torch.empty(S, M, device=device) for _ in range(2)]
-        for f, slot, table in zip((store_block, store_block_torch), slots, tables):
-            f(slot, prev, v, W, 1e-6, table)
+        tables = [(torch.empty(S, M, device=device), torch.empty(M, device=device)) for _ in range(2)]
+        for f, slot, (table, rstd) in zip((store_block, store_block_torch), slots, tables):
+            f(slot, prev, v, W, 1e-6, table, rstd)
         errors[f"store_slot_{name}"] = assert_close("store slot", slots[1].float(), slots[0].float(), tol)
-        errors[f"store_scores_{name}"] = assert_close("store scores", tables[1], tables[0], tol)
+        errors[f"store_scores_{name}"] = assert_close("store scores", tables[1][0], tables[0][0], tol)
+        errors[f"store_rstd_{name}"] = assert_close("store rstd", tables[1][1], tables[0][1], tol)
         w = W[1]
         (p, h), (p_r, h_r) = (f(None, o, lse[1], w, 1e-6, prev=prev, v=v) for f in (merge_fwd, merge_fwd_torch))
         errors[f"merge_h_{name}"] = assert_close("merge h", h_r, h, 1e-4)
@@ -197,8 +198,7 @@ def check_correctness(device, M=1000, d_check=320, T=300) -> dict:
 def bench_kernels(device, phase1_cases, store_cases, merge_cases, compile_: bool) -> list[dict]:
     from triton.testing import do_bench
 
-    from k3lab.attnres.mix import (block_scores, merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch,
-                                   store_block_torch)
+    from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch, store_block_torch
     from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd, store_block
 
     comp = {f.__name__: torch.compile(f, dynamic=False) if compile_ else None
@@ -219,7 +219,10 @@ def bench_kernels(device, phase1_cases, store_cases, merge_cases, compile_: bool
         buf = torch.randn(n, M, d, device=device, generator=g).to(dtype)
         W = torch.randn(S, d, device=device, generator=g) * 0.1
         o_dt = torch.bfloat16
-        scores = block_scores(buf, n, W, 1e-6)  # as the blocks' stores left them in the table
+        # The tables as the blocks' stores left them.
+        scores, rstd = torch.empty(S, n, M, device=device), torch.empty(n, M, device=device)
+        for i in range(n):
+            store_block(buf[i], buf[i], None, W, 1e-6, scores[:, i], rstd[i])
         h, _, lse = phase1_fwd(buf, n, W, 1e-6, torch.float32, o_dt, scores)
         dh = torch.randn(M, d, device=device, generator=g)
         dO = torch.randn(S - 1, M, d, device=device, generator=g).to(o_dt) if S > 1 else None
@@ -227,12 +230,11 @@ def bench_kernels(device, phase1_cases, store_cases, merge_cases, compile_: bool
         acc = torch.zeros(n, M, d, device=device)
         eb, row = buf.element_size(), M * d
         bytes_fwd = row * (n * eb + 4 + 2 * (S - 1))  # read the blocks once; write h (fp32) and o_1.. (bf16)
-        # At least: the blocks, dh and each dO (bf16, as the merges leave them) once, dacc read and written
-        # (the two passes read the blocks and the gradients twice).
+        # At least: the blocks, dh and each dO (bf16, as the merges leave them) once, dacc read and written.
         bytes_bwd = row * (n * eb + 4 + 2 * (S - 1) + 8 * n)
         shape = f"phase1_M{M}_d{d}_n{n}_S{S}" + ("_bf16" if dtype == torch.bfloat16 else "")
         fwd_args = (buf, n, W, 1e-6, torch.float32, o_dt, scores)
-        bwd_args = (buf, n, W, lse, h, dh, dO, delta, 1e-6, acc)
+        bwd_args = (buf, n, W, lse, h, dh, dO, delta, 1e-6, acc, True, scores, rstd)
         time_case(shape, "fwd", lambda: phase1_fwd(*fwd_args), lambda: phase1_fwd_torch(*fwd_args),
                   lambda: comp["phase1_fwd_torch"](*fwd_args), bytes_fwd)
         time_case(shape, "bwd", lambda: phase1_bwd(*bwd_args), lambda: phase1_bwd_torch(*bwd_args),
@@ -241,8 +243,8 @@ def bench_kernels(device, phase1_cases, store_cases, merge_cases, compile_: bool
         g = torch.Generator(device=device).manual_seed(M + d + Q)
         prev, W = torch.randn(M, d, device=device, generator=g), torch.randn(Q, d, device=device, generator=g) * 0.1
         v, dst = torch.randn(M, d, device=device, generator=g).bfloat16(), torch.empty(M, d, device=device)
-        table = torch.empty(Q, 9, M, device=device)
-        args = (dst, prev, v, W, 1e-6, table[:, 1])
+        table, rstd = torch.empty(Q, 9, M, device=device), torch.empty(9, M, device=device)
+        args = (dst, prev, v, W, 1e-6, table[:, 1], rstd[1])
         time_case(f"store_M{M}_d{d}_Q{Q}", "fwd", lambda: store_block(*args), lambda: store_block_torch(*args),
                   lambda: comp["store_block_torch"](*args), M * d * (4 + 2 + 4))
     for M, d in merge_cases:
