@@ -5,8 +5,9 @@ for k > 0, the partial sum p_k of its own block, with its pseudo-query w_k. Per 
 
     r_i = (mean(b_i^2) + eps)^-1/2,   s_{k,i} = r_i w_k^T b_i
 
-The logits s_{l,i} of every query l against block i are formed once, when block i is stored
-(``store_block``: b_i and its logits in one pass), and kept in a table [L + 1, N + 1, ...].
+The logits s_{l,i} of every query l against block i, and r_i, are formed once, when block i is
+stored (``store_block``: b_i, its logits and r_i in one pass), and kept in tables [L + 1, N + 1, ...]
+and [N + 1, ...].
 
 Phase 1 (once per block, all S queries, one pass over the blocks, logits from the table): the
 inter-block part

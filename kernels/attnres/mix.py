@@ -2,11 +2,11 @@
 PyTorch functions take the same arguments and return the same values).
 
 - ``store_block``: a block representation written to its buffer slot and, in the same pass, its
-  logits for every query (a [tokens, d] x [d, Q] product in float32).
+  logits for every query (a [tokens, d] x [d, Q] product in float32) and its r (the RMSNorm scale).
 - ``phase1_fwd`` / ``phase1_bwd``: the inter-block depth softmax of all S sublayers of a block
   at once. Forward takes the logits from the table and reads each block once, by d tiles (all S
   queries per program). Backward reads the blocks once more, whole rows (G queries per program),
-  with each dO_l and the per-token offsets delta_l = dO_l . o_l - dlse_l that the merges' backward
+  with the logits and r from the tables, each dO_l and the per-token offsets delta_l = dO_l . o_l - dlse_l that the merges' backward
   leaves (FlashAttention's "D"; for query 0 it is dh . h, formed here from h), and adds the blocks'
   gradients into the accumulator.
 - ``merge_fwd`` / ``merge_bwd``: one sublayer's merge of the inter-block part with its partial sum
@@ -14,7 +14,7 @@ PyTorch functions take the same arguments and return the same values).
   first, the backward adds the partial sum's incoming gradient.
 
 All kernels are memory-bound. The merge kernels and phase 1's backward read whole rows of d (the
-RMSNorm keys and the logits need them); the store walks d in chunks and phase 1's forward works in d
+merges' RMSNorm keys and logits, and the backward's dO_l . b_i, need them); the store walks d in chunks and phase 1's forward works in d
 tiles. On a CPU-only machine ``k3lab.setup()`` must run before this module is imported
 (TRITON_INTERPRET=1); the interpreter cannot do bf16 arithmetic, so every block is upcast to float32
 right after its load, and autotuning is off (one config).
@@ -48,14 +48,14 @@ def _prune(configs, nargs, **_):
 # Elements of one [G, BM, BD] register tile (the G queries' accumulators); more spills on an H200.
 _TILE_BUDGET = 16384
 # (G, BM, num_warps) of the backward. Offline sm_90 compiles (tests/sm90_compile.py's ``compile_sm90``,
-# d = 2048): (8, 1, 8), (4, 2, 8) and (2, 2, 8) use 255 registers and the first two spill (280 and 152
-# bytes of stack). On an H200 at M = 8192, d = 2048, n = 8, S = 6 (float32 blocks, 3 pipeline stages,
-# each option launched directly) the backward is fastest at (8, 1, 8): 1.064 ms, all six queries in
-# one group despite the spill, against 1.163 for (4, 2, 8) and 1.392 for (2, 2, 8)
-# (data/results/attnres_h200_session15.json). A two-pass backward (per-token scalars over whole rows,
-# then the blocks' gradients by d tiles) took 3.70 ms against this kernel's 1.24
-# (attnres_h200_session24.json): not kept.
-_BWD_OPTIONS = [(8, 1, 8), (4, 1, 8), (4, 2, 8), (4, 1, 16), (2, 1, 8), (2, 2, 8), (1, 1, 8), (1, 1, 16), (1, 1, 32)]
+# d = 2048): (8, 1, 8), (4, 2, 8) and (2, 2, 8) use 255 registers and the first two spill (296 and 384
+# bytes of stack); 16 warps cap registers at 128 and spill more. On an H200 at M = 8192, d = 2048, n = 8,
+# S = 6 (float32 blocks, bf16 dO, each option forced through the autotuner) the backward with the
+# logits and r from the tables is fastest at (4, 2, 8): 1.062 ms, against 1.164 for (8, 1, 8), 1.342
+# for (2, 2, 8) and 4.4-6.0 for the 16-warp ones; it formed the logits and r itself before, 1.248 ms
+# at its best (8, 1, 8) (attnres_h200_session25.json). A two-pass backward (per-token scalars over
+# whole rows, then the blocks' gradients by d tiles) took 3.70 ms (attnres_h200_session24.json).
+_BWD_OPTIONS = [(8, 1, 8), (4, 1, 8), (4, 2, 8), (2, 1, 8), (2, 2, 8), (1, 1, 8), (1, 1, 16), (1, 1, 32)]
 
 
 def _configs(names: str, options, interpreted):
