@@ -511,6 +511,27 @@ else:
     print("no stored H200 result (run `python -m k3lab.bench.attnres --lm-steps 300` on a GPU)")
 
 # %% [markdown]
+# Where the extra time goes: a profile of one step of each (the kernels' device time grouped by name,
+# `attnres_h200_session25.json`; groups that moved by less than 0.5 ms, the machine's noise, left out).
+# Positive bars are work Block AttnRes adds, negative ones the standard residual's own work that it does
+# not run (the stream's float32 adds, their gradient sums, casts of the stream's gradient to bf16).
+
+# %% tags=["nbval-ignore-output"]
+profile_path = result_path.with_name("attnres_h200_session25.json")
+if profile_path.exists():
+    runs = json.loads(profile_path.read_text())["step_profile"]["variants"]
+    std, blk = runs["standard_autocast"], runs["block_N8_autocast"]
+    groups = {g: blk["groups_ms"].get(g, 0.0) - std["groups_ms"].get(g, 0.0)
+              for g in set(std["groups_ms"]) | set(blk["groups_ms"])}
+    groups = dict(sorted(((g, v) for g, v in groups.items() if abs(v) > 0.5), key=lambda kv: kv[1]))
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh(list(groups), list(groups.values()), color=["tab:red" if v > 0 else "tab:green" for v in groups.values()])
+    ax.set(xlabel="ms per step, Block N=8 minus standard", title="Block AttnRes's extra device time (H200, autocast)")
+    plt.show()
+    print(f"device busy {std['busy_ms_per_step']:.1f} -> {blk['busy_ms_per_step']:.1f} ms, idle gaps "
+          f"{std['gap_ms_per_step']:.1f} -> {blk['gap_ms_per_step']:.1f} ms per step")
+
+# %% [markdown]
 # **Reading the numbers.** The training-step overhead of Block AttnRes ($N = 8$) in this 24-layer
 # $d = 2048$ dense model is **6.9%** (205.7 vs 192.4 ms, float32 stream under bf16 autocast), each
 # Block step timed in alternation with a standard-residual step in the same process. With FSDP2's bf16
