@@ -118,7 +118,8 @@ def test_phase1_bwd_takes_the_tables():
     g = torch.Generator().manual_seed(23)
     S, n, B, T, D = 3, 3, 2, 5, 24
     buf, W = randn(4, B, T, D, g=g, scale=2), randn(S, D, g=g)
-    table, rstd = torch.full((S + 2, 4, B, T), float("nan"), device=DEVICE), torch.full((4, B, T), float("nan"), device=DEVICE)
+    table = torch.full((S + 2, 4, B, T), float("nan"), device=DEVICE)
+    rstd = torch.full((4, B, T), float("nan"), device=DEVICE)
     for i in range(n):
         store_block(buf[i], buf[i], None, torch.cat([randn(2, D, g=g), W]), 1e-6, table[:, i], rstd[i])
     dh, dO, delta = randn(B, T, D, g=g), randn(S - 1, B, T, D, g=g), randn(S, B, T, g=g)
@@ -266,7 +267,8 @@ def test_lse_and_w_shapes_are_checked():
             merge_bwd(p, None, p, o[0], bad_lse, bad_w, 1e-6, torch.empty_like(p), torch.empty(2, 5, device=DEVICE))
     dh, dO, delta = randn(2, 5, 32, g=g), randn(2, 2, 5, 32, g=g), randn(3, 2, 5, g=g)
     with pytest.raises(ValueError, match="lse must be"):
-        phase1_bwd(buf, 2, W, lse[:, :, 0].contiguous(), h, dh, dO, delta, 1e-6, torch.zeros(2, 2, 5, 32, device=DEVICE))
+        phase1_bwd(buf, 2, W, lse[:, :, 0].contiguous(), h, dh, dO, delta, 1e-6,
+                   torch.zeros(2, 2, 5, 32, device=DEVICE))
 
 
 def test_argument_errors_and_layouts():

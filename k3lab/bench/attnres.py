@@ -126,7 +126,8 @@ def check_correctness(device, M=1000, d_check=320, T=300) -> dict:
     import torch.nn as nn
 
     from k3lab.attnres import BlockAttnRes
-    from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch, store_block_torch
+    from k3lab.attnres.mix import (merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch,
+                                   store_block_torch)
     from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd, store_block
     from k3lab.testing import assert_close, rel_rms_error
 
@@ -187,7 +188,8 @@ def check_correctness(device, M=1000, d_check=320, T=300) -> dict:
             y.square().mean().backward()
             grads[(path, dt)] = [y.detach(), x.grad, res.queries.grad, subs[0][1].weight.grad.clone()]
         subs.float()
-        truth, formula, ours = grads[("naive", torch.float64)], grads[("naive", torch.float32)], grads[("memory", torch.float32)]
+        truth, formula = grads[("naive", torch.float64)], grads[("naive", torch.float32)]
+        ours = grads[("memory", torch.float32)]
         for k, t, a, b in zip(("out", "dh0", "dqueries", "dW0"), truth, formula, ours):
             bound = max(4 * rel_rms_error(t, a), 1e-5)
             errors[f"module_N{N}_{k}"] = assert_close(f"module N={N} {k} (vs float64)", t, b, bound)
@@ -198,7 +200,8 @@ def check_correctness(device, M=1000, d_check=320, T=300) -> dict:
 def bench_kernels(device, phase1_cases, store_cases, merge_cases, compile_: bool) -> list[dict]:
     from triton.testing import do_bench
 
-    from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch, store_block_torch
+    from k3lab.attnres.mix import (merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch,
+                                   store_block_torch)
     from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd, store_block
 
     comp = {f.__name__: torch.compile(f, dynamic=False) if compile_ else None

@@ -6,18 +6,18 @@ PyTorch functions take the same arguments and return the same values).
 - ``phase1_fwd`` / ``phase1_bwd``: the inter-block depth softmax of all S sublayers of a block
   at once. Forward takes the logits from the table and reads each block once, by d tiles (all S
   queries per program). Backward reads the blocks once more, whole rows (G queries per program),
-  with the logits and r from the tables, each dO_l and the per-token offsets delta_l = dO_l . o_l - dlse_l that the merges' backward
-  leaves (FlashAttention's "D"; for query 0 it is dh . h, formed here from h), and adds the blocks'
-  gradients into the accumulator.
+  with the logits and r from the tables, each dO_l and the per-token offsets delta_l = dO_l . o_l -
+  dlse_l that the merges' backward leaves (FlashAttention's "D"; for query 0 it is dh . h, formed here
+  from h), and adds the blocks' gradients into the accumulator.
 - ``merge_fwd`` / ``merge_bwd``: one sublayer's merge of the inter-block part with its partial sum
   (per-token scalars times two vectors); the forward optionally forms the partial sum p = prev + v
   first, the backward adds the partial sum's incoming gradient.
 
 All kernels are memory-bound. The merge kernels and phase 1's backward read whole rows of d (the
-merges' RMSNorm keys and logits, and the backward's dO_l . b_i, need them); the store walks d in chunks and phase 1's forward works in d
-tiles. On a CPU-only machine ``k3lab.setup()`` must run before this module is imported
-(TRITON_INTERPRET=1); the interpreter cannot do bf16 arithmetic, so every block is upcast to float32
-right after its load, and autotuning is off (one config).
+merges' RMSNorm keys and logits, and the backward's dO_l . b_i, need them); the store walks d in
+chunks and phase 1's forward works in d tiles. On a CPU-only machine ``k3lab.setup()`` must run
+before this module is imported (TRITON_INTERPRET=1); the interpreter cannot do bf16 arithmetic, so
+every block is upcast to float32 right after its load, and autotuning is off (one config).
 """
 from __future__ import annotations
 
