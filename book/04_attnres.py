@@ -532,46 +532,39 @@ if profile_path.exists():
           f"{std['gap_ms_per_step']:.1f} -> {blk['gap_ms_per_step']:.1f} ms per step")
 
 # %% [markdown]
-# **Reading the numbers.** The training-step overhead of Block AttnRes ($N = 8$) in this 24-layer
-# $d = 2048$ dense model is **6.9%** (205.7 vs 192.4 ms, float32 stream under bf16 autocast), each
-# Block step timed in alternation with a standard-residual step in the same process. With FSDP2's bf16
-# mixed precision (bf16 stream and blocks, torchtitan's default) the medians gave 24.4%, the minima
-# 10.5% (208.5 vs 188.7 ms): that variant's steps varied widely, not yet explained. The step table's
-# kernel rows are older (the kernels of a22b911). Since then phase 1's forward takes its logits from
-# the table the stores fill: 0.244 against 0.457 ms at $n = 8$, $S = 6$ (1.9x), while a store with its
-# logits for 49 queries costs 0.110 ms against 0.067 for the add it replaces
-# (`attnres_h200_session24.json`). A two-pass backward (per-token scalars over whole rows, then the
-# blocks' gradients by d tiles) took 3.70 against 1.24 ms and was not kept. On the older kernels the
-# overhead was 7.5% (210.6 vs 195.8 ms, the two residuals timed one after the other). Two
-# earlier runs gave 7.0% (before the saved-tensor hooks checked versions) and 8.2% (another H200, and
-# code that did slightly less work): three versions of the code on two machines, so the three mix code
-# changes with the spread between machines and runs (the variant that runs no hooks moved by 2 ms
-# between the last two). Before phase 1's
-# backward read the blocks once it was 8.8%, and 14.1% with the earlier per-read path, which moved $\approx 4(n+1)$
-# d-vectors per token per read: `attnres_h200.json` as of commit 8752841), still far from the issue's
-# 2% goal and the paper's < 4% (measured there with pipeline parallelism and K3-sized layers, where a
-# 7168-wide layer does 3.5x more arithmetic per byte of mixing). The bytes model,
-# `python -m k3lab.bench.attnres --bytes-model`, predicts ~7.9 ms (4.1%) at 4 TB/s. A profile of the
-# step (`attnres_h200_session15.json`) puts 20.6 ms a step in the AttnRes kernels, while the step's
-# device time grows by only 14.8 ms: Block AttnRes does not run some of the standard residual's own
-# work, 3.1 ms of it itemised in that profile (float adds 6.89 → 4.85 ms, bf16 copies 7.06 → 6.02);
-# the other 2.7 ms are not broken down. Phase 1 takes 12.5 ms of the 20.6; its forward reached only
-# ~1.5 TB/s at the launch option then chosen, when a program serves several of a block's S = 6 queries
-# (3.9-4.1 TB/s with S = 1; the option (2, 1, 4) now offered to the autotuner took 0.454 ms against
-# 0.503 in a direct sweep). What would close the rest: phase 1 at full bandwidth, the block buffer and
-# the inter-block gradients in bf16, and the merge fused into the sublayer's own RMSNorm. (Phase 1's
-# forward in two passes, all six queries' logits first and then the weighted sums re-reading the
-# blocks by d tiles, was 1.2-1.9x slower: 703 against 495 µs at n = 8, S = 6;
-# `attnres_h200_session17.json`. Reading each block once by d tiles with the logits taken from a table
-# filled when each block is stored took 0.242 against 0.455 ms there, with the table then formed by a
-# separate pass, 0.102 ms per stored block, `attnres_h200_session23.json`; the current store forms it
-# in the pass that writes the block, 0.043 ms more than the add alone.) The merge
-# kernel runs at 3.3-3.8 TB/s, 5-8x faster than eager PyTorch and `torch.compile`. Activation memory
-# stays at the standard residual's plus the block buffer and its gradient sum, about two d-vectors per
-# token per block (peak +1.2 GiB on a 41 GiB step). In float32 the two-phase path's gradients are
-# within 1.5x of the formula's own float32 gradients' error against float64 autograd (3e-4 to 6e-4
-# here: the softmax over
-# depth cancels). The learned curves and depth weights of the GPU-sized experiment:
+# **Reading the numbers.** Block AttnRes ($N = 8$) costs **6.7%** of the training step in this
+# 24-layer $d = 2048$ model (210.3 against 197.2 ms, float32 stream under bf16 autocast, each Block
+# step timed in alternation with a standard-residual step; two other runs of the same kernels gave
+# 7.2% and 7.4%, the machine's spread). The issue's goal is 2%; the paper reports < 4%, with K3-sized
+# layers ($d = 7168$ does 3.5x more arithmetic per byte of mixing) and pipeline parallelism.
+#
+# Why not 2%: the mixing is memory-bound, and the bytes it must move set a floor. The bytes model
+# (`python -m k3lab.bench.attnres --bytes-model`) counts 67 bytes per token-channel per sublayer for
+# the two-phase path against the standard residual's 28; the extra 39 take 7.9 ms at 4 TB/s, 4.1% of
+# the step, before any kernel inefficiency. Phase 1 is half of them: every block is read in the
+# forward, again by the backward's recompute, once more by the backward itself, and every later block
+# reads and writes its gradient sum. The profile above (taken one kernel version earlier) agrees:
+# 18.8 ms a step in the AttnRes kernels, less 6.3 ms of the standard residual's own work, plus 1.5 ms
+# more idle gaps. The kernels run near bandwidth (merges 3.4-3.8 TB/s, phase 1's forward 3.2) except
+# phase 1's backward (1.7 TB/s at $n = 8$: it needs $dO_l \cdot b_i$, a sum over the whole row, before
+# it can write block $i$'s gradient). Taking its logits and $r$ from tables the stores fill cut it from
+# 1.25 to 1.06 ms; a token-tiled version in two passes over $d$ was 4.2x slower
+# (`attnres_h200_session25.json`). What remains needs fewer bytes: a bf16 stream halves them, and
+# fusing each merge into its sublayer's RMSNorm drops the rebuild of every sublayer input (~2 ms),
+# but the same fusion (add + RMSNorm) speeds up the standard residual too.
+#
+# With FSDP2's bf16 mixed precision (torchtitan's default) the row reads 25%, but on one GPU that step
+# is CPU-bound: the CPU takes 204 ms to issue the standard step, as long as the GPU takes to run it,
+# and 252 ms for the Block step, whose custom ops cost 170-360 µs of CPU each (Triton launch, autograd
+# node, the saved-input rebuild inside RMSNorm's backward), about 150 of them a step. That row
+# measures launch overhead, not the mixing.
+#
+# The Triton kernels are 2-8x faster than the same closed form in eager PyTorch and 1.7-7x faster than
+# under `torch.compile` (table above). Activation memory stays at the standard residual's plus the
+# block buffer and its gradient sum: 22.31 against 22.23 GiB for the step. In float32 the two-phase
+# path's gradients are within 1.25x of the formula's own float32 gradients' error against float64
+# autograd (3e-4 to 5e-4: the softmax over depth cancels). The learned curves and depth weights of
+# the GPU-sized experiment:
 
 # %%
 if bench is not None and "lm_experiment" in bench:

@@ -537,6 +537,8 @@ def table(result: dict) -> str:
             lines.append(f"{r['variant']:<18}{r.get('precision', 'autocast'):<11}{r['step_ms']:>9.1f}{std:>10}"
                          f"{100 * r['overhead']:>9.2f}%{peak:>10}{model:>10}")
     if "lm_experiment" in result:
+        if "lm_experiment" in kept:
+            lines.append(f"LM experiment from the run of {kept['lm_experiment']}")
         c = result["lm_experiment"]["config"]
         lines.append(f"LM experiment: d={c['d_model']}, {c['sublayers']} sublayers, {c['steps']} steps x "
                      f"{c['batch']}x{c['seq']} tokens")
