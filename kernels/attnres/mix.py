@@ -54,7 +54,9 @@ _TILE_BUDGET = 16384
 # logits and r from the tables is fastest at (4, 2, 8): 1.062 ms, against 1.164 for (8, 1, 8), 1.342
 # for (2, 2, 8) and 4.4-6.0 for the 16-warp ones; it formed the logits and r itself before, 1.248 ms
 # at its best (8, 1, 8) (attnres_h200_session25.json). A two-pass backward (per-token scalars over
-# whole rows, then the blocks' gradients by d tiles) took 3.70 ms (attnres_h200_session24.json).
+# whole rows, then the blocks' gradients by d tiles) took 3.70 ms (attnres_h200_session24.json), and
+# one tiled by tokens, two passes over d per tile (all dO_l . b_i, then the gradients), 4.51 ms
+# (attnres_h200_session25.json, branch exp/tiled-bwd).
 _BWD_OPTIONS = [(8, 1, 8), (4, 1, 8), (4, 2, 8), (2, 1, 8), (2, 2, 8), (1, 1, 8), (1, 1, 16), (1, 1, 32)]
 
 
