@@ -243,8 +243,9 @@ assert err_uniform < 1e-14 and err_full < 1e-14
 #    tensor such a policy — keep, recompute, offload — outside model code; this is the "recompute" policy.)
 #
 # Per sublayer the training path thus keeps the partial sum where the standard residual keeps $h_k$,
-# plus the shared buffer, the 4-byte lse and the logits table ($(L+1)(N+1)$ floats per token: 1.7 KB
-# for $L = 48$, $N = 8$, a fifth of one $d = 2048$ float32 vector). The closed forms (phase 1 for a block of $S = 3$
+# plus the shared buffer, the 4-byte lse, the logits table ($(L+1)(N+1)$ floats per token: 1.7 KB
+# for $L = 48$, $N = 8$, a fifth of one $d = 2048$ float32 vector) and each block's $r_i$ ($N + 1$
+# floats). The closed forms (phase 1 for a block of $S = 3$
 # sublayers over 4 blocks, the two merges, both backwards) against autograd through the formula, in float64:
 
 # %% tags=["nbval-ignore-output"]
@@ -366,14 +367,15 @@ with torch.no_grad():
 # owns a few token rows and one tile of $d$ for **all** $S$ queries, reads each of the $n$ blocks once and
 # writes its tile of $h_0$, the $o_k$ and the lse. (Without the table the logits need whole rows before
 # any weighted sum can start: the kernel this replaced held whole rows of a group of queries in
-# registers and re-read the blocks once per group.) Phase 1 backward runs in two passes. The first
-# forms every per-token scalar over whole rows: $\partial o_k^\top b_i$, $r_i$, then
-# $\partial s_{k,i}$, with the softmax's offset $\delta_k = \partial o_k^\top o_k - \partial\,\mathrm{lse}_k$
-# (FlashAttention's $D$) from the merge's backward, which has $o_k$ and $\partial o_k$ at hand
-# ($\delta_0 = \sum_i a_{0,i}\, \partial h_0^\top b_i$ from the same products). The second adds the blocks'
-# gradients into the accumulator tile by tile of $d$, its programs persistent over token tiles so that
-# $\partial w$ is summed in registers. The merge kernels read and write whole rows (the logit needs
-# all of $d$).
+# registers and re-read the blocks once per group.) Phase 1 backward reads each block once more, a
+# whole row at a time, with the $S$ gradients $\partial o_k$ of the block's queries held in registers:
+# the logits and $r_i$ come from the tables the stores filled, so the only sum over $d$ per block is
+# $\partial o_k^\top b_i$; then $\partial s_{k,i} = a_{k,i}(\partial o_k^\top b_i - \delta_k)$, with the
+# softmax's offset $\delta_k = \partial o_k^\top o_k - \partial\,\mathrm{lse}_k$ (FlashAttention's $D$)
+# left by the merge's backward, which has $o_k$ and $\partial o_k$ at hand ($\delta_0 = \partial h_0^\top h_0$),
+# and block $i$'s gradient is added into the accumulator. Its programs are persistent over token rows so
+# that $\partial w$ is summed in registers. The merge kernels read and write whole rows (the logit
+# needs all of $d$).
 # On the CPU they run under Triton's interpreter; here they are checked against the PyTorch closed forms:
 
 # %% tags=["nbval-ignore-output"]

@@ -142,6 +142,15 @@ def test_phase1_bwd_takes_the_tables():
             run(f, scores=given["scores"], rstd=rstd[:n - 1])
         with pytest.raises(ValueError, match="one dtype"):
             run(f, scores=given["scores"], rstd=rstd[:n].double())
+        with pytest.raises(ValueError, match="one dtype"):
+            run(f, scores=given["scores"].bfloat16(), rstd=rstd[:n].bfloat16())
+        # One table alone was dropped silently (both formed from the blocks): the forward used it.
+        for one in ("scores", "rstd"):
+            with pytest.raises(ValueError, match="given together"):
+                run(f, **{one: other[one]})
+    for store in (store_block, store_block_torch):
+        with pytest.raises(ValueError, match="scores must be float32"):
+            store(buf[0], buf[0], None, W, 1e-6, table[:S, 0].bfloat16(), rstd[0].bfloat16())
 
 
 def test_phase1_fwd_takes_the_tables_logits():

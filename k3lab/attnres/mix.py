@@ -40,6 +40,7 @@ import functools
 import torch
 
 BACKENDS = ("torch", "triton")
+TABLE_DTYPES = (torch.float32, torch.float64)  # of the logits and r tables (the Triton kernels: float32)
 
 
 def _no_autocast(fn):
@@ -79,8 +80,8 @@ def check_store(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: t
 
     Raises:
         ValueError: a, b, dst not of one shape [..., d]; b given with dst = a (nothing would be added);
-            W not [Q >= 1, d]; scores not [Q, ...] float32 (float64 for a float64 dst on the PyTorch
-            backend is allowed there); rstd (when given) not [...] in scores' dtype.
+            W not [Q >= 1, d]; scores not [Q, ...] float32 or float64 (the Triton store takes float32
+            only); rstd (when given) not [...] in scores' dtype.
     """
     if any(t is not None and t.shape != a.shape for t in (b, dst)):
         raise ValueError(f"a, b and dst must have one shape [..., d], got "
@@ -89,8 +90,8 @@ def check_store(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: t
         raise ValueError("b must be None when dst is a (the logits of a stored block only)")
     if W.ndim != 2 or W.shape[1] != a.shape[-1] or W.shape[0] < 1:
         raise ValueError(f"W must be [Q >= 1, d={a.shape[-1]}], got {list(W.shape)}")
-    if scores.shape != (W.shape[0], *a.shape[:-1]) or not scores.dtype.is_floating_point:
-        raise ValueError(f"scores must be float32 {[W.shape[0], *a.shape[:-1]]}, got {scores.dtype} "
+    if scores.shape != (W.shape[0], *a.shape[:-1]) or scores.dtype not in TABLE_DTYPES:
+        raise ValueError(f"scores must be float32 (or float64) {[W.shape[0], *a.shape[:-1]]}, got {scores.dtype} "
                          f"{list(scores.shape)}")
     if rstd is not None and (rstd.shape != a.shape[:-1] or rstd.dtype != scores.dtype):
         raise ValueError(f"rstd must be {list(a.shape[:-1])} in scores' dtype {scores.dtype}, got {rstd.dtype} "
@@ -210,16 +211,22 @@ def check_phase1_grads(buf: torch.Tensor, W: torch.Tensor, lse: torch.Tensor, h:
 
 
 def check_phase1_tables(buf: torch.Tensor, n: int, scores: torch.Tensor | None, rstd: torch.Tensor | None) -> None:
-    """The phase-1 backward's logits and r (both backends): the check of ``check_phase1`` for scores;
-    rstd [n, ...] like the scores' rows.
+    """The phase-1 backward's logits and r (both backends; ``check_phase1`` checks the scores' shape):
+    both or neither, rstd [n, ...] like the scores' rows, one dtype, float32 or float64.
 
     Raises:
-        ValueError: rstd of another shape, or the two in different dtypes.
+        ValueError: one of the two given without the other, rstd of another shape, the two in different
+            dtypes or in neither float32 nor float64.
     """
-    if rstd is not None and rstd.shape != (n, *buf.shape[1:-1]):
+    if (scores is None) != (rstd is None):
+        raise ValueError("scores and rstd must be given together (or neither: both are formed from the blocks)")
+    if rstd is None:
+        return
+    if rstd.shape != (n, *buf.shape[1:-1]):
         raise ValueError(f"rstd must be {[n, *buf.shape[1:-1]]}, got {list(rstd.shape)}")
-    if scores is not None and rstd is not None and scores.dtype != rstd.dtype:
-        raise ValueError(f"scores and rstd must have one dtype, got {scores.dtype} and {rstd.dtype}")
+    if scores.dtype != rstd.dtype or scores.dtype not in TABLE_DTYPES:
+        raise ValueError(f"scores and rstd must have one dtype, float32 or float64, got {scores.dtype} and "
+                         f"{rstd.dtype}")
 
 
 @_no_autocast
@@ -239,7 +246,7 @@ def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tens
         dacc (Tensor): [>= n, ..., d] the blocks' gradients: ``dacc[:n]`` is written, or added to
             when ``accumulate``.
         scores (Tensor | None), rstd (Tensor | None): [S, n, ...] and [n, ...], the logits and the
-            blocks' r as ``store_block_torch`` formed them; formed here when either is None.
+            blocks' r as ``store_block_torch`` formed them, given together; formed here when None.
 
     Returns:
         Tensor: dW [S, d] in W's dtype.
@@ -252,7 +259,7 @@ def phase1_bwd_torch(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tens
     check_phase1_tables(buf, n, scores, rstd)
     dt = lse.dtype
     V, Wd = buf[:n].to(dt), W.to(dt)
-    r, s = _scores(V, Wd, eps) if scores is None or rstd is None else (rstd.to(dt), scores.to(dt))
+    r, s = _scores(V, Wd, eps) if scores is None else (rstd.to(dt), scores.to(dt))
     a = torch.softmax(s, 1)  # as in the forward
     G = dh.to(dt)[None] if dO is None else torch.cat([dh.to(dt)[None], dO.to(dt)])
     P = torch.einsum("s...d,n...d->sn...", G, V)

@@ -424,12 +424,12 @@ def phase1_bwd(buf: torch.Tensor, n: int, W: torch.Tensor, lse: torch.Tensor, h:
                rstd: torch.Tensor | None = None) -> torch.Tensor:
     """Triton phase-1 backward; as ``k3lab.attnres.mix.phase1_bwd_torch`` (the blocks' gradients go
     into ``dacc[:n]``, written or added; the logits and r from the tables ``scores`` [S, n, ...] and
-    ``rstd`` [n, ...] (float32), formed here by one more pass over the blocks when either is None;
-    returns dW [S, d] in W's dtype).
+    ``rstd`` [n, ...] (float32, given together), formed here by one more pass over the blocks when
+    None; returns dW [S, d] in W's dtype).
 
     Raises:
-        ValueError: non-contiguous buf or dacc, n out of range, shape mismatch (``check_phase1_grads``,
-            ``check_phase1_tables``), lse, scores or rstd not float32.
+        ValueError: non-contiguous buf or dacc, n out of range, shape mismatch (``check_phase1_grads``),
+            the tables as ``check_phase1_tables`` says, lse, scores or rstd not float32.
     """
     _check_phase1(buf, n, W, scores)
     check_phase1_tables(buf, n, scores, rstd)
