@@ -378,9 +378,10 @@ def store_block(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: t
 def _tables(buf: torch.Tensor, n: int, W: torch.Tensor, eps: float, scores: torch.Tensor | None,
             rstd: torch.Tensor | None = None, need_rstd: bool = False):
     """The logits as [S, n, M] (a view of the table's slice) and the blocks' r as [n, M] (when
-    ``need_rstd``), both formed here by one more pass over the blocks when either is missing."""
+    ``need_rstd``; the caller gives both or neither), both formed here by one more pass over the blocks
+    when scores is None."""
     S, D = W.shape[0], buf.shape[-1]
-    if scores is None or (need_rstd and rstd is None):
+    if scores is None:
         scores = torch.empty((n, S, *buf.shape[1:-1]), dtype=torch.float32, device=buf.device).transpose(0, 1)
         rstd = torch.empty((n, *buf.shape[1:-1]), dtype=torch.float32, device=buf.device)
         for i in range(n):
