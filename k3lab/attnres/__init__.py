@@ -9,6 +9,8 @@ replaces the residual stream.
 - ``block``: the residual modules ``BlockAttnRes`` and ``AttnRes``.
 - ``inference``: the two-phase inference path (``block_attnres_inference``).
 - ``memory``: ``retained_bytes``, the activation memory a forward leaves for backward.
+- ``traffic``: the bytes the mixing moves per training step (``bytes_model``) and the floor under
+  any fused implementation (``bytes_floor``).
 """
 from k3lab.attnres.block import AttnRes, BlockAttnRes
 from k3lab.attnres.inference import block_attnres_inference

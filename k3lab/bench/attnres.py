@@ -15,8 +15,9 @@ bandwidth ours reaches (bytes it must move / time); (3) training steps (forward,
 of ``k3lab.lm.LM`` with softmax-attention mixers, 24 layers, d = 2048 (48 sublayers), bf16 autocast,
 with the standard residual and Block AttnRes's training path (two-phase; N = 4, 8, full AttnRes, a
 bf16 block buffer, kept sublayer inputs): median step time and peak memory, next to the bytes model
-(``bytes_model``: per-sublayer memory traffic of the two-phase path, the per-read path it replaced,
-and the standard residual). Sections not run are kept from the JSON already at ``--out``. Writes the
+(``k3lab.attnres.traffic``: per-sublayer memory traffic of the two-phase path, the per-read path it
+replaced, the standard residual, and the floor under any fused implementation) and the copy bandwidth
+measured on the same GPU. Sections not run are kept from the JSON already at ``--out``. Writes the
 JSON and prints the table last.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 import k3lab
-from k3lab.attnres import block_sizes
+from k3lab.attnres.traffic import bytes_model, bytes_table, step_ms
 from k3lab.bench import nonnegative_int, positive_int
 from k3lab.files import write_json
 
@@ -44,80 +45,6 @@ PHASE1_CASES = [  # (tokens M, width d, blocks read n, queries S, buffer dtype)
 ]
 STORE_CASES = [(8192, 2048, 49)]  # (tokens, width, queries): a block of the 48-sublayer model and its logits
 MERGE_CASES = [(8192, 2048)]
-
-
-def bytes_model(L: int = 48, N: int = 8, buf: int = 4, h: int = 4, o: int = 2, v: int = 2) -> dict:
-    """Memory traffic of the residual machinery per sublayer, in bytes per token per channel (one
-    [M, d] pass of a b-byte tensor counts b), averaged over the L sublayers, for the standard
-    residual, the per-read AttnRes path (every sublayer reads all its sources; replaced) and the
-    two-phase path. Per-token scalars (lse, logits) are left out, and so is the sublayers' own
-    traffic, which every residual pays.
-
-    Args:
-        L (int), N (int): sublayers and blocks.
-        buf, h, o, v (int): bytes per element of the block buffer, of the stream / partial sums /
-            their gradients (h0's dtype), of the stored inter-block parts o_k, of the sublayer outputs.
-
-    Returns:
-        dict: "standard", "per_read", "two_phase" -> {"fwd": B, "bwd": B}; and "L", "N".
-    """
-    # Standard: h' = h + v; backward: the stream's gradient plus the sublayer's input gradient
-    # (read, read, write) and v's gradient cast to v's dtype.
-    std = dict(fwd=2 * h + v, bwd=3 * h + (h + v))
-    old, new = dict(fwd=0, bwd=0), dict(fwd=0, bwd=0)
-    for j, S in enumerate(block_sizes(L, N)):
-        n = j + 1  # blocks read by this block's sublayers
-        for k in range(S):
-            p = h if k else 0  # the partial sum is a source from the block's second sublayer on
-            # per-read: read n blocks (+ partial), write h; then p = p + v_k (p = v_0 for k = 0)
-            read = n * buf + p + h
-            old["fwd"] += read + (p + v + h)
-            # backward: rebuild h; the kernel reads dh and the sources twice, reads and writes the
-            # blocks' gradient sum, writes dp; autograd adds dp to the chain's; v_k's gradient cast
-            old["bwd"] += read + (h + 2 * (n * buf + p) + 2 * n * h + p) + (3 * h if k else 0) + (h + v)
-            if k:
-                # two-phase: p_k = p_{k-1} + v_{k-1} and the merge in one pass (read prev, v, o;
-                # write p, h); backward: rebuild h (read o, p; write h); merge backward (read dh, dp_in,
-                # p, o; write dp (not for k = 1), dO_k (in o's dtype), dv)
-                new["fwd"] += (h if k > 1 else 0) + v + o + 2 * h
-                new["bwd"] += (o + 2 * h) + (3 * h + o + (h if k > 1 else 0) + o + v)
-        # the block's representation: per-read copies p into the buffer and clones the slot's
-        # gradient; two-phase writes p + v straight into the slot (with its logits, formed from it in
-        # registers) and casts the slot's gradient for v
-        old["fwd"] += h + buf
-        old["bwd"] += 2 * h
-        new["fwd"] += (h if S > 1 else 0) + v + buf
-        new["bwd"] += h + v
-        # phase 1: read the n blocks, write h_0 and o_1..o_{S-1}; once more in backward; its
-        # backward reads the blocks, h_0, dh and every dO_k (in o's dtype) once, reads and writes the
-        # gradient sum
-        phase1 = n * buf + h + (S - 1) * o
-        new["fwd"] += phase1
-        new["bwd"] += phase1 + n * buf + 2 * h + (S - 1) * o + 2 * n * h
-    # final aggregation over N + 1 blocks: its backward recomputes h (one more pass over the blocks),
-    # reads the blocks, h and dh once and is the first writer of the gradient sum (no read of it)
-    final_fwd = (N + 1) * buf + h
-    old["fwd"] += final_fwd
-    old["bwd"] += final_fwd + h + 2 * (N + 1) * buf + 2 * (N + 1) * h
-    new["fwd"] += final_fwd
-    new["bwd"] += final_fwd + 2 * h + (N + 1) * buf + (N + 1) * h
-    per_sublayer = lambda t: {k: round(x / L, 2) for k, x in t.items()}  # noqa: E731
-    return dict(L=L, N=N, standard=std, per_read=per_sublayer(old), two_phase=per_sublayer(new))
-
-
-def bytes_table(model: dict, tokens: int = 8192, d: int = 2048, tbps: float = 4.0) -> str:
-    """The bytes model as text, with the extra milliseconds per step it predicts at ``tbps`` TB/s."""
-    lines = [f"bytes model, per sublayer (B per token-channel; L={model['L']}, N={model['N']}), and what the "
-             f"extra over the standard residual costs at {tbps:.0f} TB/s for {tokens} x {d} over "
-             f"{model['L']} sublayers:",
-             f"{'path':<12}{'fwd':>7}{'bwd':>7}{'total':>7}{'extra':>7}{'extra ms':>10}"]
-    base = sum(model["standard"].values())
-    for name in ("standard", "per_read", "two_phase"):
-        f, b = model[name]["fwd"], model[name]["bwd"]
-        extra = f + b - base
-        ms = extra * tokens * d * model["L"] / (tbps * 1e12) * 1e3
-        lines.append(f"{name:<12}{f:>7.1f}{b:>7.1f}{f + b:>7.1f}{extra:>7.1f}{ms:>10.2f}")
-    return "\n".join(lines)
 
 
 def check_correctness(device, M=1000, d_check=320, T=300) -> dict:
@@ -195,6 +122,17 @@ def check_correctness(device, M=1000, d_check=320, T=300) -> dict:
             errors[f"module_N{N}_{k}"] = assert_close(f"module N={N} {k} (vs float64)", t, b, bound)
             errors[f"module_N{N}_{k}_formula_fp32"] = rel_rms_error(t, a)
     return errors
+
+
+def copy_bandwidth(device, M: int = 8192, d: int = 2048) -> dict:
+    """What plain streaming reaches on this GPU, in TB/s (bytes read + written / median time): a copy
+    and an add of [M, d] float32 tensors, the yardstick for the bytes model's milliseconds."""
+    from triton.testing import do_bench
+
+    a, b, c = (torch.randn(M, d, device=device) for _ in range(3))
+    tbps = lambda ms, passes: passes * a.numel() * 4 / (ms * 1e-3) / 1e12  # noqa: E731
+    return dict(shape=[M, d], copy_TBps=tbps(do_bench(lambda: c.copy_(a), return_mode="median"), 2),
+                add_TBps=tbps(do_bench(lambda: torch.add(a, b, out=c), return_mode="median"), 3))
 
 
 def bench_kernels(device, phase1_cases, store_cases, merge_cases, compile_: bool) -> list[dict]:
@@ -454,6 +392,7 @@ def main(argv=None) -> dict:
         cases = ([(64, 32, 3, 3, torch.float32)], [(64, 32, 5)], [(64, 32)]) if args.smoke else (
             PHASE1_CASES, STORE_CASES, MERGE_CASES)
         result["kernel_cases"] = bench_kernels(device, *cases, compile_=not args.no_compile)
+        result["bandwidth"] = copy_bandwidth(device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -480,7 +419,7 @@ def main(argv=None) -> dict:
                 buf = 2 if kw.get("buffer_dtype") == torch.bfloat16 else stream
                 m = bytes_model(L, min(r["n_blocks"], L), buf=buf, h=stream)
                 extra = sum(m["two_phase"].values()) - sum(m["standard"].values())
-                r["model_extra_ms_at_4TBps"] = extra * batch * seq * d * L / 4e12 * 1e3
+                r["model_extra_ms_at_4TBps"] = step_ms(extra, L, batch * seq, d)
         backend = "Triton" if device.type == "cuda" else "PyTorch"
         result["step"] = dict(model=f"k3lab.lm.LM attention mixers, {n_layers} layers ({L} sublayers), d={d}, "
                                     f"B={batch}, T={seq}, AdamW; Block AttnRes rows: two-phase training path "
@@ -498,7 +437,7 @@ def main(argv=None) -> dict:
     if not args.smoke:
         # Sections not run this time stay as the earlier run left them, with that run's date.
         earlier = json.loads(out.read_text()) if out.exists() else {}
-        for keys in (("kernel_cases",), ("step", "step_overhead_block", "step_overhead_block_by_precision"),
+        for keys in (("kernel_cases", "bandwidth"), ("step", "step_overhead_block", "step_overhead_block_by_precision"),
                      ("lm_experiment",)):
             if keys[0] not in result and keys[0] in earlier:
                 result.update({k: earlier[k] for k in keys if k in earlier})
@@ -521,8 +460,17 @@ def table(result: dict) -> str:
             comp = f"{r['compile_ms']:.3f}" if r["compile_ms"] else "-"
             lines.append(f"{r['shape']:<30}{r['pass']:<6}{r['ours_ms']:>9.3f}{r['torch_ms']:>10.3f}{comp:>12}"
                          f"{r['ours_GBps']:>11.0f}")
+    if "bandwidth" in result:
+        bw = result["bandwidth"]
+        lines.append(f"streaming {bw['shape'][0]} x {bw['shape'][1]} float32: copy {bw['copy_TBps']:.2f} TB/s, "
+                     f"add {bw['add_TBps']:.2f} TB/s")
     if "bytes_model" in result:
-        lines.append(bytes_table(result["bytes_model"]))
+        model = result["bytes_model"]
+        lines.append(bytes_table(model))
+        if "bandwidth" in result and "floor" in model:
+            tbps = result["bandwidth"]["copy_TBps"]
+            ms = step_ms(sum(model["floor"].values()), model["L"], tbps=tbps)
+            lines.append(f"floor at the copy bandwidth ({tbps:.2f} TB/s): {ms:.2f} ms a step")
     if "step" in result:
         if "step" in kept:
             lines.append(f"training steps from the run of {kept['step']}")
