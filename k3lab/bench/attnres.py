@@ -12,9 +12,10 @@ Order: (1) correctness first (it stops on failure): the kernels against the PyTo
 the formula; (2) per kernel case, forward and backward median times (``triton.testing.do_bench``)
 of ours, the PyTorch closed form (eager) and the same function under ``torch.compile``, with the
 bandwidth ours reaches (bytes it must move / time); (3) training steps (forward, backward, AdamW)
-of ``k3lab.lm.LM`` with softmax-attention mixers, 24 layers, d = 2048 (48 sublayers), bf16 autocast,
-with the standard residual and Block AttnRes's training path (two-phase; N = 4, 8, full AttnRes, a
-bf16 block buffer, kept sublayer inputs): median step time and peak memory, next to the bytes model
+of ``k3lab.lm.LM`` with softmax-attention mixers, 24 layers, d = 2048 (48 sublayers), with the
+standard residual and Block AttnRes's training path (two-phase; N = 4, 8, full AttnRes, a bf16 block
+buffer, kept sublayer inputs), in each precision of ``PRECISIONS`` (bf16 autocast eager and with
+compiled sublayers, FSDP2 bf16): median step time and peak memory, next to the bytes model
 (``k3lab.attnres.traffic``: per-sublayer memory traffic of the two-phase path, the per-read path it
 replaced, the standard residual, and the floor under any fused implementation) and the copy bandwidth
 measured on the same GPU. Sections not run are kept from the JSON already at ``--out``. Writes the
