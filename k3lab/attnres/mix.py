@@ -81,7 +81,8 @@ def check_store(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: t
     Raises:
         ValueError: a, b, dst not of one shape [..., d]; b given with dst = a (nothing would be added);
             W not [Q >= 1, d]; scores not [Q, ...] float32 or float64 (the Triton store takes float32
-            only); rstd (when given) not [...] in scores' dtype.
+            only); rstd (when given) not [...] in scores' dtype; scores or rstd sharing memory with
+            each other or with dst, a or b.
     """
     if any(t is not None and t.shape != a.shape for t in (b, dst)):
         raise ValueError(f"a, b and dst must have one shape [..., d], got "
@@ -96,6 +97,25 @@ def check_store(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: t
     if rstd is not None and (rstd.shape != a.shape[:-1] or rstd.dtype != scores.dtype):
         raise ValueError(f"rstd must be {list(a.shape[:-1])} in scores' dtype {scores.dtype}, got {rstd.dtype} "
                          f"{list(rstd.shape)}")
+    # The tables are written while the blocks are read: r written into the logits (or a block) was garbage.
+    outs, ins = (("scores", scores), ("rstd", rstd)), (("dst", dst), ("a", a), ("b", b))
+    pairs = [("rstd", rstd, "scores", scores)] + [(n, out, m, t) for n, out in outs for m, t in ins]
+    for name, out, other, t in pairs:
+        if out is not None and t is not None and _overlap(out, t):
+            raise ValueError(f"{name} must not share memory with {other}")
+
+
+def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether the byte ranges that x and y span in memory intersect (conservative for interleaved views)."""
+    if x.device != y.device or 0 in (x.numel(), y.numel()):
+        return False
+
+    def span(t):
+        start = t.data_ptr()
+        return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+    (x0, x1), (y0, y1) = span(x), span(y)
+    return x0 < y1 and y0 < x1
 
 
 def check_merge(o: torch.Tensor, lse: torch.Tensor, w: torch.Tensor, **rows) -> None:
