@@ -16,6 +16,15 @@ def test_floor_by_hand_two_sublayers_one_block():
     assert bytes_floor(2, 1, buf=4, h=4, o=4, v=4) == dict(fwd=0.0, bwd=10.0)
 
 
+def test_floor_by_hand_one_sublayer():
+    """L = N = 1 (S = 1). Forward: the block b_1 = v_0 is written where the standard reads x_0 and v_0 and
+    writes x_1 (-4); the final aggregation reads b_0 and b_1 where the standard reads x_1 (+4): 0.
+    Backward: the standard's final RMSNorm reads x_1, writes dx_1, its sublayer reads x_0 and dx_1 and
+    writes dx_0 (20); Block's final aggregation reads b_0, b_1 and writes their gradient sums (16), phase 1
+    with the sublayer reads b_0 and reads and writes db_0 (12): 28 - 20 = 8."""
+    assert bytes_floor(1, 1, buf=4, h=4, o=4, v=4) == dict(fwd=0.0, bwd=8.0)
+
+
 @pytest.mark.parametrize("L, N", [(48, 8), (48, 4), (48, 48), (12, 5), (7, 3)])
 def test_floor_scales_with_the_bytes(L, N):
     """Every term is a byte count: doubling every dtype's size doubles the floor."""

@@ -109,9 +109,10 @@ def bytes_floor(L: int = 48, N: int = 8, buf: int = 4, h: int = 4, o: int = 2, v
         # phase 1's backward reads the blocks and each dO_k; or every merge's backward reads the blocks
         bwd += min(2 * n * buf + 4 * (S - 1) * o, S * n * buf + 2 * (S - 1) * o)
         bwd += 2 * n * h  # the n blocks' gradient sums, read and written
-        # The block is stored where the standard writes its stream; the first block's phase 1 reads
-        # the embedding where the standard reads its stream.
-        fwd += buf - h - (h if j == 0 else 0)
+        # The block is stored where the standard writes its stream (from the sublayer's output alone
+        # when S = 1: no partial sum read where the standard reads its stream); the first block's phase 1
+        # reads the embedding where the standard reads its stream.
+        fwd += buf - h - (h if S == 1 else 0) - (h if j == 0 else 0)
         # The first sublayer's RMSNorm runs inside phase 1: the standard's stream read, gradient read
         # and gradient write there are saved.
         bwd -= 3 * h
