@@ -47,3 +47,11 @@ def test_bytes_table_shows_the_floor():
     assert "floor" in text.splitlines()[-1]
     old = {k: v for k, v in bytes_model().items() if k != "floor"}  # a model stored before the floor
     assert "floor" not in bytes_table(old)
+
+
+@pytest.mark.parametrize("kw, match", [(dict(N=9, L=8), "n_blocks must be"), (dict(buf=0), "buf must be"),
+                                       (dict(o=2.0), "o must be"), (dict(h=True), "h must be")])
+def test_bad_sizes_raise(kw, match):
+    for f in (bytes_floor, bytes_model):
+        with pytest.raises(ValueError, match=match):
+            f(**kw)

@@ -11,6 +11,12 @@ from __future__ import annotations
 from k3lab.attnres.naive import block_sizes
 
 
+def _check_sizes(**sizes) -> None:
+    for name, b in sizes.items():
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"{name} must be an element size in bytes (an int >= 1), got {b!r}")
+
+
 def bytes_model(L: int = 48, N: int = 8, buf: int = 4, h: int = 4, o: int = 2, v: int = 2) -> dict:
     """Memory traffic of the residual machinery per sublayer, in bytes per token per channel (one
     [M, d] pass of a b-byte tensor counts b), averaged over the L sublayers, for the standard
@@ -26,7 +32,11 @@ def bytes_model(L: int = 48, N: int = 8, buf: int = 4, h: int = 4, o: int = 2, v
     Returns:
         dict: "standard", "per_read", "two_phase" -> {"fwd": B, "bwd": B}; "floor" -> the extra
         bytes ``bytes_floor`` gives for the same dtypes; and "L", "N".
+
+    Raises:
+        ValueError: N not in [1, L], or an element size not an int >= 1.
     """
+    _check_sizes(buf=buf, h=h, o=o, v=v)
     # Standard: h' = h + v; backward: the stream's gradient plus the sublayer's input gradient
     # (read, read, write) and v's gradient cast to v's dtype.
     std = dict(fwd=2 * h + v, bwd=3 * h + (h + v))
@@ -99,7 +109,11 @@ def bytes_floor(L: int = 48, N: int = 8, buf: int = 4, h: int = 4, o: int = 2, v
 
     Returns:
         dict: "fwd", "bwd" -> extra bytes per token per channel per sublayer.
+
+    Raises:
+        ValueError: N not in [1, L], or an element size not an int >= 1.
     """
+    _check_sizes(buf=buf, h=h, o=o, v=v)
     fwd = bwd = 0
     for j, S in enumerate(block_sizes(L, N)):
         n = j + 1  # blocks this block's sublayers read
