@@ -541,21 +541,23 @@ if profile_path.exists():
 # 194.5 and 197.2. That standard step is slow, though: about 90 ms of it is elementwise work and copies
 # outside the GEMMs and attention. With each sublayer under `torch.compile` (the `autocast_compiled`
 # row: the residual machinery stays eager, PyTorch's adds for the standard, our kernels for Block) the
-# standard step takes 147.1 ms, Block's extra stays at 17 ms, and the overhead is **11.6%**: the honest
-# figure for a tuned model. A bf16 block buffer gave 7.3% and 10.2% in two runs, no gain above the
+# standard step takes 147.1 ms, Block's extra grows from 14.4 to 17.0 ms, and the overhead is
+# **11.6%**: the honest figure for a tuned model. A bf16 block buffer gave 7.3% and 10.2% in two runs, no gain above the
 # machine's spread. The issue's goal is 2%; the paper reports < 4%, with K3-sized layers ($d = 7168$
 # does 3.5x more arithmetic per byte of mixing) and pipeline parallelism.
 #
-# Why not 2%: the mixing is memory-bound, and the bytes it must move set a floor. `k3lab.attnres.traffic`
-# counts them. Its model of the two-phase path as built gives 67 bytes per token-channel per sublayer
-# against the standard residual's 28; the extra 39 take 7.9 ms at 4 TB/s. Its floor (`bytes_floor`) asks
-# what *any* implementation of the same algorithm must move, granting it everything: the merge fused
-# with the partial sum's add and the sublayer's RMSNorm (and the standard residual's add fused with its
-# RMSNorm, to stay fair), every tensor moved once per kernel, free per-token scalars, the cheaper data
-# flow per block. What is left cannot go: each block is read in the forward, in the backward's rebuild
-# and in the backward; each inter-block part $o_k$ and its gradient is written and read; and every
-# block's gradient sum is read and written by every later block. Under the issue's memory bound
-# (nothing kept per sublayer beyond the standard's), the floor, by storage precision:
+# How low can it go? The mixing is memory-bound, so the bytes it must move set a floor.
+# `k3lab.attnres.traffic` counts them. Its model of the two-phase path as built gives 67 bytes per
+# token-channel per sublayer against the standard residual's 28; the extra 39 take 7.9 ms at 4 TB/s.
+# Its floor (`bytes_floor`) grants an implementation every fusion we (and a reviewer) could find: the
+# merge fused with the partial sum's add and the sublayer's RMSNorm (and the standard residual's add
+# with its RMSNorm, to stay fair), each block stored by the kernel that runs the next phase 1, the
+# inter-block parts $o_k$ rebuilt in backward by the kernel that reads the blocks anyway, every tensor
+# moved once per kernel, free per-token scalars, the cheaper data flow per block. What is left: each
+# block is read in the forward and twice in the backward; each $o_k$ and its gradient is written and
+# read; and every block's gradient sum is read and written by every earlier block's backward. Under the
+# issue's memory bound (nothing kept per sublayer beyond the standard's), the floor by storage
+# precision, as a share of the eager and of the compiled standard step:
 
 # %%
 from k3lab.attnres.traffic import bytes_floor, step_ms
@@ -572,16 +574,16 @@ for label, kw in [("fp32 / fp32 / fp32", dict(buf=4, o=4, h=4, v=4)), ("fp32 / b
     print(f"{label:<26}{extra:>7.1f}{ms:>13.2f}" + "".join(f"{100 * ms / standard[p]:>16.2f}%" for p in steps))
 
 # %% [markdown]
-# Against the tuned (compiled) step, no implementation gets below 3.1% with float32 blocks or 2.3%
-# with bf16 blocks, at 4 TB/s, about the best rate measured on this H200 (our fastest kernels reach
-# 3.8-4.3 TB/s, PyTorch's copy 3.6): **2% is below the floor** for this model on this GPU. Only
-# against the slow eager step, with bf16 blocks, does the floor (1.7%) leave room, 0.5 ms a step for
-# everything beyond perfect streaming, launch gaps included. The kernels as built are far from that: the profile above shows 1.5 ms more idle gaps
-# alone, and phase 1's backward runs at 1.7 TB/s. That backward is latency-bound, not bytes-bound:
-# moving its $dW$ sums out of registers let all six queries go in one pass (half the block and gradient
-# sum traffic), and it got no faster (1.11 against 1.07 ms at $n = 8$; `attnres_h200_session26.json`).
-# A two-pass and a token-tiled version were 3.5x and 4.2x slower (`attnres_h200_session24.json`,
-# `_session25.json`).
+# At 4 TB/s, about the best rate measured on this H200 (our fastest kernels reach 3.8-4.3 TB/s,
+# PyTorch's copy 3.6), the floor is 2.5% of the compiled step with float32 blocks and 1.9% with bf16
+# blocks. So 2% over a tuned step is not ruled out by the bytes, but it needs bf16 blocks and an
+# implementation within 0.12 ms a step of perfect streaming, launch gaps included; over the eager step
+# the floor (1.4-1.9%) leaves 0.2-1.1 ms. The kernels as built are far from either: the profile above
+# shows 1.5 ms more idle gaps alone, and phase 1's backward runs at 1.7 TB/s. That backward is
+# latency-bound, not bytes-bound: moving its $dW$ sums out of registers let all six queries go in one
+# pass (half the block and gradient-sum traffic), and it got no faster (1.11 against 1.07 ms at $n = 8$;
+# `attnres_h200_session26.json`). A two-pass and a token-tiled version were 3.0x and 4.2x slower than
+# the kernel of their day (`attnres_h200_session24.json`, `_session25.json`).
 #
 # With FSDP2's bf16 mixed precision (torchtitan's default) the row reads 18-31%, but on one GPU that
 # step is CPU-bound: the CPU takes 204 ms to issue the standard step, as long as the GPU takes to run

@@ -304,13 +304,18 @@ def test_argument_errors_and_layouts():
             f(block, block, buf[1], W, 1e-6, torch.empty(2, 4, device=DEVICE))
         # Aliased outputs: r written over a logits row, or the tables over the block being read.
         table = torch.empty(3, 4, device=DEVICE)
-        with pytest.raises(ValueError, match="rstd must not share memory with scores"):
+        with pytest.raises(ValueError, match="rstd must not overlap scores"):
             f(block, block, None, W, 1e-6, table[:2], table[0])
-        with pytest.raises(ValueError, match="scores must not share memory with dst"):
+        with pytest.raises(ValueError, match="scores must not overlap dst"):
             f(block, block, None, W, 1e-6, block[:2, :4], torch.empty(4, device=DEVICE))
+        with pytest.raises(ValueError, match="scores must not overlap W"):
+            f(torch.empty_like(block), block, None, W, 1e-6, W[:, :4])
+        with pytest.raises(ValueError, match="dst must not overlap a"):  # a shifted by one token
+            f(buf.view(-1, d)[1:5], buf.view(-1, d)[:4], None, W, 1e-6, torch.empty(2, 4, device=DEVICE))
         dst = torch.empty_like(block)
         f(dst, block, buf[1], W, 1e-6, table[:2], table[2])  # disjoint rows of one table are fine
         assert_close("store with one table", block + buf[1], dst, 0.0)
+        f(buf[0], buf[0], None, W, 1e-6, table[:2])  # the same view twice: logits of a stored block
     for f in (phase1_fwd, phase1_fwd_torch):
         for n in (0, 4, -1):
             with pytest.raises(ValueError, match="n must be"):

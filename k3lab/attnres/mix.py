@@ -81,8 +81,8 @@ def check_store(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: t
     Raises:
         ValueError: a, b, dst not of one shape [..., d]; b given with dst = a (nothing would be added);
             W not [Q >= 1, d]; scores not [Q, ...] float32 or float64 (the Triton store takes float32
-            only); rstd (when given) not [...] in scores' dtype; scores or rstd sharing memory with
-            each other or with dst, a or b.
+            only); rstd (when given) not [...] in scores' dtype; scores or rstd overlapping each other
+            or dst, a, b or W in memory, or dst overlapping a or b (other than as the same view).
     """
     if any(t is not None and t.shape != a.shape for t in (b, dst)):
         raise ValueError(f"a, b and dst must have one shape [..., d], got "
@@ -97,17 +97,23 @@ def check_store(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, W: t
     if rstd is not None and (rstd.shape != a.shape[:-1] or rstd.dtype != scores.dtype):
         raise ValueError(f"rstd must be {list(a.shape[:-1])} in scores' dtype {scores.dtype}, got {rstd.dtype} "
                          f"{list(rstd.shape)}")
-    # The tables are written while the blocks are read: r written into the logits (or a block) was garbage.
-    outs, ins = (("scores", scores), ("rstd", rstd)), (("dst", dst), ("a", a), ("b", b))
+    # Outputs are written while the inputs are read: r written into the logits, logits into W or a block,
+    # or a block into a shifted view of its summands gave garbage on the Triton store. dst may be a (or b)
+    # itself: each element is then read and written by the same program.
+    outs, ins = (("scores", scores), ("rstd", rstd)), (("dst", dst), ("a", a), ("b", b), ("W", W))
     pairs = [("rstd", rstd, "scores", scores)] + [(n, out, m, t) for n, out in outs for m, t in ins]
+    pairs += [("dst", dst, "a", a), ("dst", dst, "b", b)]
     for name, out, other, t in pairs:
         if out is not None and t is not None and _overlap(out, t):
-            raise ValueError(f"{name} must not share memory with {other}")
+            raise ValueError(f"{name} must not overlap {other} in memory (their byte ranges intersect)")
 
 
 def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether the byte ranges that x and y span in memory intersect (conservative for interleaved views)."""
+    """Whether the byte ranges that x and y span in memory intersect, unless they are the same view
+    (conservative for interleaved views)."""
     if x.device != y.device or 0 in (x.numel(), y.numel()):
+        return False
+    if (x.data_ptr(), x.shape, x.stride(), x.dtype) == (y.data_ptr(), y.shape, y.stride(), y.dtype):
         return False
 
     def span(t):

@@ -8,12 +8,14 @@ over the L sublayers; multiply by tokens x d x L for bytes per training step.
 """
 from __future__ import annotations
 
+import numbers
+
 from k3lab.attnres.naive import block_sizes
 
 
 def _check_sizes(**sizes) -> None:
     for name, b in sizes.items():
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1:
             raise ValueError(f"{name} must be an element size in bytes (an int >= 1), got {b!r}")
 
 
@@ -83,24 +85,30 @@ def bytes_model(L: int = 48, N: int = 8, buf: int = 4, h: int = 4, o: int = 2, v
 
 
 def bytes_floor(L: int = 48, N: int = 8, buf: int = 4, h: int = 4, o: int = 2, v: int = 2) -> dict:
-    """The fewest extra bytes any implementation of checkpointed two-phase Block AttnRes moves over
-    the standard residual, both fused as far as their data flow allows (AttnRes paper, Sec. 4: phase 1
-    over the completed blocks, per-sublayer online-softmax merge; activations recomputed in
-    backward). Per sublayer, bytes per token per channel, averaged over the L sublayers.
+    """The fewest extra bytes that the data flows below move for checkpointed two-phase Block AttnRes
+    over the standard residual, both fused as far as those data flows allow (AttnRes paper, Sec. 4:
+    phase 1 over the completed blocks, per-sublayer online-softmax merge; activations recomputed in
+    backward). Per sublayer, bytes per token per channel, averaged over the L sublayers. A floor for
+    the fusions listed, not a proof over every conceivable kernel: a data flow not listed could go lower.
 
     Assumptions, all in the implementation's favour:
-    - the standard residual fuses its add with the next RMSNorm, and Block AttnRes fuses the partial
-      sum's add, the merge and the RMSNorm (both then write the sublayer's normalised input, which
-      cancels; logits and softmax stay in registers); a block's first sublayer reads only blocks,
-      so its RMSNorm runs inside phase 1 (forward and backward);
+    - the standard residual fuses its add with the next RMSNorm (the last add with the final one), and
+      Block AttnRes fuses the partial sum's add, the merge and the RMSNorm (both then write the
+      sublayer's normalised input, which cancels; logits and softmax stay in registers); a block's
+      first sublayer reads only blocks, so its RMSNorm runs inside phase 1 (forward and backward);
+    - each block is stored by the kernel that runs the next block's phase 1 (the last by the final
+      aggregation's), so a new block is never read back in forward;
     - per-token scalars (logits, lse, r) cost nothing, and every kernel moves each tensor once;
     - nothing is kept per sublayer beyond what the standard residual keeps (the issue's memory bound),
-      so the inter-block parts o_k are rebuilt in backward;
+      so the inter-block parts o_k are rebuilt in backward, by the kernel that already reads the
+      blocks there (the next block's phase-1 backward, or the final aggregation's);
     - per block, the cheaper of the two data flows: phase 1 writes o_1..o_{S-1} for the merges to
-      read, or every merge reads the n blocks itself.
-    What remains: the blocks (read in forward, in the rebuild and in backward), the o_k and their
-    gradients dO_k (written, read), and the blocks' gradient sums (read and written by every later
-    block: block i's gradient sums over all later sublayers, which reach it one block at a time).
+      read, or every merge reads the n blocks itself;
+    - the final aggregation's backward writes only the last block's gradient and its input gradient;
+      the last block's phase-1 backward reads that and writes the other blocks' gradient sums first.
+    What remains: the blocks (read in forward and twice in backward), the o_k and their gradients dO_k
+    (written, read), and the blocks' gradient sums (read and written by every earlier block: block i's
+    gradient sums over all later sublayers, which reach it one block at a time).
 
     Args:
         L (int), N (int): sublayers and blocks.
@@ -108,7 +116,8 @@ def bytes_floor(L: int = 48, N: int = 8, buf: int = 4, h: int = 4, o: int = 2, v
             gradient sums, of the stored inter-block parts o_k, and of the sublayer outputs.
 
     Returns:
-        dict: "fwd", "bwd" -> extra bytes per token per channel per sublayer.
+        dict: "fwd", "bwd" -> extra bytes per token per channel per sublayer (negative where blocks
+        stored narrower than the stream move fewer bytes than the stream does).
 
     Raises:
         ValueError: N not in [1, L], or an element size not an int >= 1.
@@ -117,12 +126,16 @@ def bytes_floor(L: int = 48, N: int = 8, buf: int = 4, h: int = 4, o: int = 2, v
     fwd = bwd = 0
     for j, S in enumerate(block_sizes(L, N)):
         n = j + 1  # blocks this block's sublayers read
-        fwd += min(n * buf + 2 * (S - 1) * o,  # phase 1 reads the blocks, writes o_k; the merges read them
-                   S * n * buf)  # every sublayer reads the blocks
-        # rebuild o_k (read the blocks, write o_k), each merge's backward reads o_k and writes dO_k, and
-        # phase 1's backward reads the blocks and each dO_k; or every merge's backward reads the blocks
-        bwd += min(2 * n * buf + 4 * (S - 1) * o, S * n * buf + 2 * (S - 1) * o)
-        bwd += 2 * n * h  # the n blocks' gradient sums, read and written
+        new = buf if j else 0  # the block just stored, in registers: not read back
+        fwd += min(n * buf - new + 2 * (S - 1) * o,  # phase 1 reads the blocks, writes o_k; the merges read them
+                   S * n * buf - new)  # every sublayer reads the blocks
+        # write o_k (rebuilt where the blocks are read anyway), each merge's backward reads o_k and writes
+        # dO_k, and phase 1's backward reads the blocks and each dO_k; or every merge's backward reads the
+        # blocks
+        bwd += min(n * buf + 4 * (S - 1) * o, S * n * buf + 2 * (S - 1) * o)
+        # the n blocks' gradient sums, read and written; the last block's phase 1 reads the final
+        # aggregation's input gradient instead and writes them first
+        bwd += h + n * h if j == N - 1 else 2 * n * h
         # The block is stored where the standard writes its stream (from the sublayer's output alone
         # when S = 1: no partial sum read where the standard reads its stream); the first block's phase 1
         # reads the embedding where the standard reads its stream.
@@ -135,14 +148,22 @@ def bytes_floor(L: int = 48, N: int = 8, buf: int = 4, h: int = 4, o: int = 2, v
             # write, one stream read fewer (the stream write it replaces); read as v from then on.
             fwd += -2 * h + (v - h)
             bwd += v - h
-    fwd += (N + 1) * buf - h  # final aggregation: read N + 1 blocks where the standard reads its stream
-    bwd += (N + 1) * (buf + h) - 2 * h  # read them again, first write of their gradient sums
+    fwd += N * buf  # final aggregation: read the N earlier blocks (the last is in registers)
+    # read all N + 1 again; write the last block's gradient and the input gradient, where the standard
+    # reads its stream and writes its gradient
+    bwd += (N + 1) * buf
     return dict(fwd=round(fwd / L, 2), bwd=round(bwd / L, 2))
 
 
 def step_ms(per_sublayer: float, L: int, tokens: int = 8192, d: int = 2048, tbps: float = 4.0) -> float:
     """Milliseconds a training step spends moving ``per_sublayer`` bytes per token per channel in each
-    of L sublayers, for ``tokens`` x ``d`` at ``tbps`` TB/s."""
+    of L sublayers, for ``tokens`` x ``d`` at ``tbps`` TB/s.
+
+    Raises:
+        ValueError: tbps not > 0.
+    """
+    if not tbps > 0:
+        raise ValueError(f"tbps must be a bandwidth > 0 in TB/s, got {tbps!r}")
     return per_sublayer * tokens * d * L / (tbps * 1e12) * 1e3
 
 
@@ -150,7 +171,7 @@ def bytes_table(model: dict, tokens: int = 8192, d: int = 2048, tbps: float = 4.
     """The bytes model as text, with the extra milliseconds per step it predicts at ``tbps`` TB/s, and
     the floor (``bytes_floor``) when the model has one."""
     lines = [f"bytes model, per sublayer (B per token-channel; L={model['L']}, N={model['N']}), and what the "
-             f"extra over the standard residual costs at {tbps:.0f} TB/s for {tokens} x {d} over "
+             f"extra over the standard residual costs at {tbps:.3g} TB/s for {tokens} x {d} over "
              f"{model['L']} sublayers:",
              f"{'path':<12}{'fwd':>7}{'bwd':>7}{'total':>7}{'extra':>7}{'extra ms':>10}"]
     base = sum(model["standard"].values())

@@ -379,7 +379,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.bytes_model:
         for kw in (dict(), dict(buf=2), dict(N=4)):
-            print(bytes_table(bytes_model(**kw)) + (f"  [{kw}]" if kw else "") + "\n")
+            print((f"[{kw}] " if kw else "") + bytes_table(bytes_model(**kw)) + "\n")
         return {}
 
     device = k3lab.setup(verbose=True)
