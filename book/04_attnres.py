@@ -538,13 +538,14 @@ if profile_path.exists():
 # 24-layer $d = 2048$ model in the latest run (209.6 against 195.2 ms, float32 stream under bf16
 # autocast, each Block step timed in alternation with a standard-residual step); four earlier runs of
 # the same kernels gave 6.7-7.9%: the Block step stays at 209-210 ms, the standard one moves between
-# 194.5 and 197.2. That standard step is slow, though: about 90 ms of it is elementwise work and copies
-# outside the GEMMs and attention. With each sublayer under `torch.compile` (the `autocast_compiled`
-# row: the residual machinery stays eager, PyTorch's adds for the standard, our kernels for Block) the
-# standard step takes 147.1 ms, Block's extra grows from 14.4 to 17.0 ms, and the overhead is
-# **11.6%**: the honest figure for a tuned model. A bf16 block buffer gave 7.3% and 10.2% in two runs, no gain above the
-# machine's spread. The issue's goal is 2%; the paper reports < 4%, with K3-sized layers ($d = 7168$
-# does 3.5x more arithmetic per byte of mixing) and pipeline parallelism.
+# 194.5 and 197.2. That standard step is slow, though: about 90 ms of it is elementwise work, norms
+# and copies outside the GEMMs, attention and the optimizer (`attnres_h200_session25.json`'s profile). With each sublayer
+# under `torch.compile` (the `autocast_compiled` row: the residual machinery stays eager, PyTorch's
+# adds for the standard, our kernels for Block) the standard step takes 147.1 ms, Block's extra grows
+# from 14.4 to 17.0 ms, and the overhead is **11.6%**: the honest figure for a tuned model. A bf16
+# block buffer gave 7.3% and 10.2% in two runs, no gain above the machine's spread. The issue's goal
+# is 2%; the paper reports < 4%, with K3-sized layers ($d = 7168$ does 3.5x more arithmetic per byte
+# of mixing) and pipeline parallelism.
 #
 # How low can it go? The mixing is memory-bound, so the bytes it must move set a floor.
 # `k3lab.attnres.traffic` counts them. Its model of the two-phase path as built gives 67 bytes per
@@ -555,7 +556,7 @@ if profile_path.exists():
 # inter-block parts $o_k$ rebuilt in backward by the kernel that reads the blocks anyway, every tensor
 # moved once per kernel, free per-token scalars, the cheaper data flow per block. What is left: each
 # block is read in the forward and twice in the backward; each $o_k$ and its gradient is written and
-# read; and every block's gradient sum is read and written by every earlier block's backward. Under the
+# read; and every block's gradient sum is read and written by every later block's backward. Under the
 # issue's memory bound (nothing kept per sublayer beyond the standard's), the floor by storage
 # precision, as a share of the eager and of the compiled standard step:
 

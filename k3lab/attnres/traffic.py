@@ -107,8 +107,8 @@ def bytes_floor(L: int = 48, N: int = 8, buf: int = 4, h: int = 4, o: int = 2, v
     - the final aggregation's backward writes only the last block's gradient and its input gradient;
       the last block's phase-1 backward reads that and writes the other blocks' gradient sums first.
     What remains: the blocks (read in forward and twice in backward), the o_k and their gradients dO_k
-    (written, read), and the blocks' gradient sums (read and written by every earlier block: block i's
-    gradient sums over all later sublayers, which reach it one block at a time).
+    (written, read), and the blocks' gradient sums (read and written by every later block's backward:
+    block i's gradient sums over all later sublayers, which reach it one block at a time).
 
     Args:
         L (int), N (int): sublayers and blocks.
