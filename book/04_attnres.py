@@ -539,13 +539,13 @@ if profile_path.exists():
 # autocast, each Block step timed in alternation with a standard-residual step); four earlier runs of
 # the same kernels gave 6.7-7.9%: the Block step stays at 209-210 ms, the standard one moves between
 # 194.5 and 197.2. That standard step is slow, though: about 90 ms of it is elementwise work, norms
-# and copies outside the GEMMs, attention and the optimizer (`attnres_h200_session25.json`'s profile). With each sublayer
-# under `torch.compile` (the `autocast_compiled` row: the residual machinery stays eager, PyTorch's
-# adds for the standard, our kernels for Block) the standard step takes 147.1 ms, Block's extra grows
-# from 14.4 to 17.0 ms, and the overhead is **11.6%**: the honest figure for a tuned model. A bf16
-# block buffer gave 7.3% and 10.2% in two runs, no gain above the machine's spread. The issue's goal
-# is 2%; the paper reports < 4%, with K3-sized layers ($d = 7168$ does 3.5x more arithmetic per byte
-# of mixing) and pipeline parallelism.
+# and copies outside the GEMMs, attention and the optimizer (`attnres_h200_session25.json`'s
+# profile). With each sublayer under `torch.compile` (the `autocast_compiled` row: the residual
+# machinery stays eager, PyTorch's adds for the standard, our kernels for Block) the standard step
+# takes 147.1 ms, Block's extra grows from 14.4 to 17.0 ms, and the overhead is **11.6%**: the honest
+# figure for a tuned model. A bf16 block buffer gave 7.3% and 10.2% in two runs, no gain above the
+# machine's spread. The issue's goal is 2%; the paper reports < 4%, with K3-sized layers ($d = 7168$
+# does 3.5x more arithmetic per byte of mixing) and pipeline parallelism.
 #
 # How low can it go? The mixing is memory-bound, so the bytes it must move set a floor.
 # `k3lab.attnres.traffic` counts them. Its model of the two-phase path as built gives 67 bytes per
