@@ -508,7 +508,8 @@ if bench is not None:
     from k3lab.bench.attnres import table
 
     print(table(bench))
-    print(f"\nBlock AttnRes (N = 8) training-step overhead: {100 * bench['step_overhead_block']:.1f}%")
+    print(f"\nBlock AttnRes (N = 8) training-step overhead: {100 * bench['step_overhead_block']:.1f}% "
+          f"({bench.get('step_overhead_block_precision', 'autocast')})")
 else:
     print("no stored H200 result (run `python -m k3lab.bench.attnres --lm-steps 300` on a GPU)")
 
