@@ -585,7 +585,10 @@ for label, kw in [("fp32 / fp32 / fp32", dict(buf=4, o=4, h=4, v=4)), ("fp32 / b
 # latency-bound, not bytes-bound: moving its $dW$ sums out of registers let all six queries go in one
 # pass (half the block and gradient-sum traffic), and it got no faster (1.11 against 1.07 ms at $n = 8$;
 # `attnres_h200_session26.json`). A two-pass and a token-tiled version were 3.0x and 4.2x slower than
-# the kernel of their day (`attnres_h200_session24.json`, `_session25.json`).
+# the kernel of their day (`attnres_h200_session24.json`, `_session25.json`); so were one flat loop over
+# (token tile, block) pairs, pipelined across tiles (1.3x), and a split into two kernels (1.8x): every
+# $dO_l \cdot b_i$ by $d$ chunks streams at 2.7 TB/s (0.29 ms), but the gradients by $d$ slices were bound by
+# shared-memory layout conversions (`attnres_h200_session27.json`).
 #
 # With FSDP2's bf16 mixed precision (torchtitan's default) the row reads 18-31%, but on one GPU that
 # step is CPU-bound: the CPU takes 204 ms to issue the standard step, as long as the GPU takes to run

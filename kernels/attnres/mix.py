@@ -56,7 +56,10 @@ _TILE_BUDGET = 16384
 # at its best (8, 1, 8) (attnres_h200_session25.json). A two-pass backward (per-token scalars over
 # whole rows, then the blocks' gradients by d tiles) took 3.70 ms (attnres_h200_session24.json), and
 # one tiled by tokens, two passes over d per tile (all dO_l . b_i, then the gradients), 4.51 ms
-# (attnres_h200_session25.json, branch exp/tiled-bwd).
+# (attnres_h200_session25.json, branch exp/tiled-bwd). Two more lost (attnres_h200_session27.json, branch
+# exp/bwd-s27): one flat loop over (tile, block) pairs, pipelined across tiles, 1.43 ms; and two kernels, every
+# dO_l . b_i by d chunks (0.29 ms, 2.7 TB/s) then the gradients by d slices, 1.95 ms in all (that second pass
+# was bound by shared-memory layout conversions).
 _BWD_OPTIONS = [(8, 1, 8), (4, 1, 8), (4, 2, 8), (2, 1, 8), (2, 2, 8), (1, 1, 8), (1, 1, 16), (1, 1, 32)]
 
 
