@@ -65,3 +65,40 @@ def test_attnres_bench_lm_steps_is_checked_at_parsing(capsys):
         main(["--lm-steps", "-5"])
     assert exc.value.code == 2
     assert "--lm-steps: expected an int >= 0, got -5" in capsys.readouterr().err
+
+
+def test_attnres_table_prices_bytes_at_the_runs_shape():
+    """The table priced the bytes model at 8192 tokens x d 2048 whatever --batch/--seq the run had."""
+    from k3lab.attnres.traffic import bytes_model, step_ms
+    from k3lab.bench.attnres import table
+
+    model = bytes_model()
+    floor = sum(model["floor"].values())
+    base = dict(hardware="test", date="today", bytes_model=model, bandwidth=dict(shape=[1, 1], copy_TBps=4.0,
+                                                                                  add_TBps=4.0))
+    for shape in (dict(tokens=2048, d=2048), dict(tokens=8192, d=7168)):
+        text = table(dict(base, bytes_priced_at=shape))
+        assert f"for {shape['tokens']} x {shape['d']} over" in text
+        assert f"copy bandwidth (4.00 TB/s): {step_ms(floor, 48, tbps=4.0, **shape):.2f} ms" in text
+    assert "for 8192 x 2048 over" in table(base)  # JSONs written before the shape was recorded
+
+
+def test_attnres_width_smoke_times_both_residuals(tmp_path):
+    from k3lab.bench.attnres_width import main
+
+    out = tmp_path / "width.json"
+    result = main(["--smoke", "--out", str(out)])
+    (row,) = result["rows"]
+    assert row["d"] == 64 and row["variant"] == "block_N4"
+    assert row["step_ms"] > 0 and row["standard_ms"] > 0
+    assert abs(row["overhead"] - (row["step_ms"] / row["standard_ms"] - 1)) < 1e-12
+    assert not out.exists()  # a smoke run writes no results
+
+
+def test_attnres_width_rejects_a_bad_width(capsys):
+    from k3lab.bench.attnres_width import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--widths", "2048", "0"])
+    assert exc.value.code == 2
+    assert "--widths: expected a positive int, got 0" in capsys.readouterr().err

@@ -388,10 +388,11 @@ def main(argv=None) -> dict:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     out = Path(args.out)
+    d, n_layers, batch, seq = (64, 3, 2, 32) if args.smoke else (2048, 24, args.batch, args.seq)
     result = dict(hardware=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  torch=torch.__version__, bytes_model=bytes_model())
-    print(bytes_table(result["bytes_model"]), flush=True)
+                  torch=torch.__version__, bytes_model=bytes_model(), bytes_priced_at=dict(tokens=batch * seq, d=d))
+    print(bytes_table(result["bytes_model"], **result["bytes_priced_at"]), flush=True)
     print("1. correctness", flush=True)
     result["correctness"] = check_correctness(device, *((40, 24, 8) if args.smoke else ()))
     print("   ok:", {k: f"{v:.1e}" for k, v in result["correctness"].items()}, flush=True)
@@ -407,7 +408,6 @@ def main(argv=None) -> dict:
 
     if not args.skip_step:
         print("3. training step", flush=True)
-        d, n_layers, batch, seq = (64, 3, 2, 32) if args.smoke else (2048, 24, args.batch, args.seq)
         L = 2 * n_layers
         variants = [(name, L if N == "L" else N, kw, prec) for name, N, kw, prec in STEP_VARIANTS
                     if N is None or not args.variants or name in args.variants]
@@ -478,10 +478,11 @@ def table(result: dict) -> str:
                      f"add {bw['add_TBps']:.2f} TB/s")
     if "bytes_model" in result:
         model = result["bytes_model"]
-        lines.append(bytes_table(model))
+        shape = result.get("bytes_priced_at", {})  # runs before it existed priced the defaults
+        lines.append(bytes_table(model, **shape))
         if "bandwidth" in result and "floor" in model:
             tbps = result["bandwidth"]["copy_TBps"]
-            ms = step_ms(sum(model["floor"].values()), model["L"], tbps=tbps)
+            ms = step_ms(sum(model["floor"].values()), model["L"], tbps=tbps, **shape)
             lines.append(f"floor at the copy bandwidth ({tbps:.2f} TB/s): {ms:.2f} ms a step")
     if "step" in result:
         if "step" in kept:
