@@ -547,9 +547,10 @@ if profile_path.exists():
 # `autocast_compiled` row: the residual machinery stays eager, PyTorch's adds for the standard, our
 # kernels for Block) the standard step takes 147.5 ms, Block's extra is 13.5 ms, and the overhead is
 # **9.1%** (11.6% in the previous run of 10 steps: at this step length runs differ by about 2 points):
-# the honest figure for a tuned model. A bf16 block buffer gave 7.3% and 10.2% in two eager runs, no
-# gain above that spread. The goal is 2%; the paper reports < 4%, with K3-sized layers
-# ($d = 7168$ does 3.5x more arithmetic per byte of mixing) and pipeline parallelism.
+# the honest figure for a tuned model. A bf16 block buffer gave 7.3% and 10.2% in two eager runs (the
+# second is kept in `attnres_h200_session28.json`), no gain above that spread. The goal is 2%;
+# the paper reports < 4%, with K3-sized layers ($d = 7168$ does 3.5x more arithmetic per byte of
+# mixing) and pipeline parallelism.
 #
 # How low can it go? The mixing is memory-bound, so the bytes it must move set a floor.
 # `k3lab.attnres.traffic` counts them. Its model of the two-phase path as built gives 67 bytes per
