@@ -35,7 +35,7 @@
 # 7. reads the 2 × H200 benchmark and where its remaining time goes.
 #
 # All code is in `k3lab.kcp` (`affine.py`, `context.py`, `kcp.py`, `flash.py`, `conv.py`, `naive.py`,
-# `workers.py`); this notebook imports it.
+# `workers.py`; ranks start with `k3lab.dist.launch`); this notebook imports it.
 
 # %% tags=["parameters"]
 profile: str = "cpu"
@@ -69,11 +69,12 @@ import torch
 import torch.nn.functional as F
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
+from k3lab.dist import launch
 from k3lab.kcp import make_context
 from k3lab.kcp.affine import apply_map, compose, fold_scan, fold_sequential, segment_map
 from k3lab.kcp.workers import (
     FLASH_REPLICATED, FLASH_SHARDED, Case, FlashCase, check_worker, errors_vs_reference, flash_check_worker,
-    launch, reference,
+    reference,
 )
 from k3lab.kda import chunk_kda, naive_recurrent_kda
 from k3lab.testing import rel_rms_error
@@ -380,8 +381,8 @@ assert all(ts > 0 and tc > 0 for _, ts, tc in timing)
 #
 # ## 5. Ranks on this CPU: KCP equals one process
 #
-# `k3lab.kcp.workers` spawns R processes (gloo); each runs KDA's token mixer without projections —
-# short conv (with the W−1 halo from the previous rank) → SiLU → L2 norm for q, k; short conv → SiLU
+# `k3lab.dist.launch` spawns R processes (gloo) running `k3lab.kcp.workers`; each runs KDA's token mixer
+# without projections — short conv (with the W−1 halo from the previous rank) → SiLU → L2 norm for q, k; short conv → SiLU
 # for v; then `kcp_kda` (local KDA in PyTorch, quick on CPU) — on its slice, with initial states and
 # final states, and calls backward on `<o, w_o> + <final state, w_s>`. The parent process runs the same mixer on the whole sequence with
 # `chunk_kda`. Every rank's output slice and its gradient slices of every input (x_q, x_k, x_v, g, β)

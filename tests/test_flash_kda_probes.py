@@ -248,8 +248,9 @@ def test_kcp_documents_crossing_the_rank_boundary(monkeypatch):
     """kcp_flash_kda on 2 gloo ranks (20 tokens each) against one-process flash_kda: documents [0, 1),
     [1, 19) ending just before the boundary, [19, 21) with one token on each rank, [21, 40); H = 2,
     HV = 4, K = 40, V = 8."""
+    from k3lab.dist import launch
     from k3lab.kcp.workers import (
-        FLASH_REPLICATED, FLASH_SHARDED, FlashCase, errors_vs_reference, flash_check_worker, launch,
+        FLASH_REPLICATED, FLASH_SHARDED, FlashCase, errors_vs_reference, flash_check_worker,
     )
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")

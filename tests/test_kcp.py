@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from k3lab.kcp import kcp_kda, kcp_short_conv, make_context, naive_kcp_kda, short_conv_reference
 from k3lab.kcp.affine import compose, fold_scan, fold_sequential, scan_maps, segment_map
-from k3lab.kcp.workers import Case, check_worker, errors_vs_reference, launch, reference
+from k3lab.dist import launch
+from k3lab.kcp.workers import Case, check_worker, errors_vs_reference, reference
 from k3lab.kda import chunk_kda
 from k3lab.testing import assert_close
 

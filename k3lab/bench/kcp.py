@@ -34,11 +34,12 @@ import torch
 import torch.distributed as dist
 
 from k3lab.bench import positive_int
+from k3lab.dist import launch
 from k3lab.files import write_json
 from k3lab.kcp import kcp_short_conv, make_context
 from k3lab.kcp.affine import fold_scan, fold_sequential
 from k3lab.kcp.workers import (
-    FLASH_LEAVES, FLASH_REPLICATED, FLASH_SHARDED, FlashCase, flash_rank_run, flash_reference, launch,
+    FLASH_LEAVES, FLASH_REPLICATED, FLASH_SHARDED, FlashCase, flash_rank_run, flash_reference,
 )
 from k3lab.testing import rel_rms_error
 

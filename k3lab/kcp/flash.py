@@ -40,9 +40,10 @@ from dataclasses import dataclass
 import torch
 
 from k3lab.autograd import differentiable_once
+from k3lab.dist import all_gather_stacked
 from k3lab.kcp.affine import fold_scan, fold_sequential, identity_map
 from k3lab.kcp.context import KCPContext, check_context
-from k3lab.kcp.kcp import FOLDS, _all_gather
+from k3lab.kcp.kcp import FOLDS
 from k3lab.kda.checks import _shape, check_initial_state, check_kda_inputs
 from k3lab.kernels.kda.chunk_bwd import kda_dqk_bwd, kda_dwv_bwd, kda_intra_bwd, kda_state_bwd
 from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_intra_replay, kda_state_fwd
@@ -167,7 +168,7 @@ class KCPFlashFunction(torch.autograd.Function):
             else:
                 m = torch.zeros(HV, K, K + V, device=dev)
             # 3. the all-gather and the fold.
-            maps, work = _all_gather(m, R, ctx.group, async_op=True)
+            maps, work = all_gather_stacked(m, R, ctx.group, async_op=True)
             ctx.comm.add("fwd/all_gather/maps", maps.numel() * maps.element_size())
             if lay.cont_in:
                 work.wait()
@@ -216,7 +217,7 @@ class KCPFlashFunction(torch.autograd.Function):
             else:
                 part = torch.zeros(HV, K, V, device=dev)
             # 3. the all-gather of the b_r, in flight while the forward states are recomputed.
-            parts, work = _all_gather(part, R, ctx.group, async_op=True)
+            parts, work = all_gather_stacked(part, R, ctx.group, async_op=True)
             ctx.comm.add("bwd/all_gather/dstate", parts.numel() * parts.element_size())
         h, Vn, _ = kda_state_fwd(W, U, KG, G, _entering(h0, S_in, ctx, 0, n, (HV, K, V), dev), False, lay.cu,
                                  lay.chunk_offsets, NT)

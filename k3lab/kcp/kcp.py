@@ -14,8 +14,8 @@ later ranks sent to M_j, S~_j; then the backward of j's own map computation.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from k3lab.dist import all_gather_stacked, reduce_scatter_sum
 from k3lab.kcp.affine import fold_scan, fold_sequential, segment_map
 from k3lab.kcp.context import KCPContext, _is_int, check_context
 from k3lab.kda import chunk_kda
@@ -23,26 +23,6 @@ from k3lab.kda.checks import check_chunk_size, check_initial_state, check_kda_in
 from k3lab.kda.naive import compute_dtype, expand_heads
 
 FOLDS = ("sequential", "scan")
-
-
-def _all_gather(x: torch.Tensor, world_size: int, group, async_op: bool = False):
-    """[*] -> [R, *] (flat buffers: gloo wants them so). With ``async_op``: (the [R, *] buffer, the
-    collective's handle), the result valid only after ``handle.wait()``, so work that does not read it
-    can be issued first."""
-    # torch >= 2.13 names it all_gather_single; 2.11 (the GPU image) has only all_gather_into_tensor.
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    out = x.new_empty(world_size * x.numel())
-    work = fn(out, x.contiguous().view(-1), group=group, async_op=async_op)
-    out = out.view(world_size, *x.shape)
-    return (out, work) if async_op else out
-
-
-def _reduce_scatter_sum(grad: torch.Tensor, group) -> torch.Tensor:
-    """[R, *] -> [*]: rank j gets the sum over ranks of grad[j]."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    out = grad.new_empty(grad[0].numel())
-    fn(out, grad.contiguous().view(-1), op=dist.ReduceOp.SUM, group=group)
-    return out.view(grad.shape[1:])
 
 
 class GatherFromGroup(torch.autograd.Function):
@@ -57,14 +37,14 @@ class GatherFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x: torch.Tensor, ctx: KCPContext, name: str) -> torch.Tensor:
         fctx.kcp, fctx.name = ctx, name
-        out = _all_gather(x, ctx.world_size, ctx.group)
+        out = all_gather_stacked(x, ctx.world_size, ctx.group)
         ctx.comm.add(f"fwd/all_gather/{name}", out.numel() * out.element_size())
         return out
 
     @staticmethod
     def backward(fctx, grad: torch.Tensor):
         ctx = fctx.kcp
-        out = _reduce_scatter_sum(grad, ctx.group)
+        out = reduce_scatter_sum(grad, ctx.group)
         ctx.comm.add(f"bwd/reduce_scatter/{fctx.name}", grad.numel() * grad.element_size())
         return out, None, None
 
@@ -77,7 +57,7 @@ def gather_from_group(x: torch.Tensor, ctx: KCPContext, name: str) -> torch.Tens
 
 
 def _reduce_scatter(grad: torch.Tensor, ctx: KCPContext, name: str) -> torch.Tensor:
-    out = _reduce_scatter_sum(grad, ctx.group)
+    out = reduce_scatter_sum(grad, ctx.group)
     ctx.comm.add(f"bwd/reduce_scatter/{name}", grad.numel() * grad.element_size())
     return out
 
@@ -144,7 +124,7 @@ class KCPFunction(torch.autograd.Function):
         if ctx.world_size > 1:
             # 1-2: this rank's map, then the one all-gather.
             m = _last_piece_map(q, k, v, g, beta, ctx, chunk_size, slab_tokens)
-            maps = _all_gather(m, ctx.world_size, ctx.group)
+            maps = all_gather_stacked(m, ctx.world_size, ctx.group)
             ctx.comm.add("fwd/all_gather/maps", maps.numel() * maps.element_size())
         else:
             maps = torch.zeros(1, HV, K, K + V, dtype=dt, device=q.device)

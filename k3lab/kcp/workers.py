@@ -1,8 +1,5 @@
-"""Process launching and the per-rank functions of KCP's tests and notebook.
-
-``launch(fn, R, *args)`` starts R processes (torch.multiprocessing, "spawn"), each joins a gloo
-group with a timeout and returns ``fn(rank, world_size, group, *args)``; the results come back as
-a list. Workers live here because mp.spawn cannot pickle functions defined in a notebook cell.
+"""The per-rank functions of KCP's tests and notebook, run by ``k3lab.dist.launch``. They live here
+because mp.spawn cannot pickle functions defined in a notebook cell.
 
 The checked model is KDA's token mixer without its projections: q, k = L2Norm(SiLU(ShortConv(x))),
 v = SiLU(ShortConv(x)), then KDA; loss = <o, w_o> + <final_state, w_s> with fixed random weights.
@@ -12,16 +9,9 @@ Triton kernels only when run (set TRITON_INTERPRET=1 first on a CPU-only machine
 """
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from k3lab.kcp.context import make_context
@@ -32,48 +22,6 @@ from k3lab.kda import chunk_kda
 
 LEAVES = ("xq", "xk", "xv", "g", "beta", "wq", "wk", "wv", "h0")
 SHARDED = ("xq", "xk", "xv", "g", "beta")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, fn, world_size, port, outdir, backend, pg_timeout_s, args):
-    torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
-    try:
-        result = fn(rank, world_size, dist.group.WORLD, *args)
-        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def launch(fn, world_size: int, *args, timeout_s: float = 180.0, backend: str = "gloo",
-           pg_timeout_s: float = 60.0) -> list:
-    """Run ``fn(rank, world_size, group, *args)`` on ``world_size`` fresh processes; their results.
-
-    Each process joins a ``backend`` group (gloo on CPU, nccl with one GPU per rank) whose
-    collectives fail after ``pg_timeout_s``; the whole run is killed after ``timeout_s``.
-
-    Raises:
-        TimeoutError: not all ranks finished within ``timeout_s`` (they are killed).
-        torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback is in the message).
-    """
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as outdir:
-        procs = mp.start_processes(_entry, args=(fn, world_size, port, outdir, backend, pg_timeout_s, args),
-                                   nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        while not procs.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in procs.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise TimeoutError(f"KCP ranks did not finish within {timeout_s} s")
-        return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world_size)]
 
 
 @dataclass(frozen=True)

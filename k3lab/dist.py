@@ -1,0 +1,185 @@
+"""Distributed plumbing shared by KCP, MoonEP and the trainer: starting ranks, the device mesh and the few
+collectives k3lab wraps.
+
+- ``launch(fn, R, *args)``: R fresh processes, each in a gloo (CPU) or NCCL (one GPU per rank) group with
+  a timeout; returns ``[fn(rank, R, group, *args) for each rank]``. The function must live in an
+  importable module (a package ``workers.py``): spawn cannot pickle a notebook cell's function.
+- ``make_mesh(pp=, dp=, cp=, ep=)``: one ``DeviceMesh`` whose named axes give every group
+  (``mesh["ep"].get_group()``), so groups are passed explicitly, never kept in globals.
+- ``all_gather_stacked`` / ``reduce_scatter_sum``: the all-gather of one fixed-size piece per rank and its
+  transpose, on flat buffers (gloo wants them so).
+
+Dimension letters: R ranks in a group, E experts, S tokens per rank, K top-k, d width.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Mesh axes, outermost first: pipeline stages are farthest apart, expert-parallel ranks nearest (the
+# all-to-all of every MoE layer stays inside a node when ep fits in one).
+AXES = ("pp", "dp", "cp", "ep")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world_size, port, outdir, backend, pg_timeout_s, env, args):
+    torch.set_num_threads(1)
+    os.environ.update(env)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
+    try:
+        result = fn(rank, world_size, dist.group.WORLD, *args)
+        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable, world_size: int, *args, timeout_s: float = 180.0, backend: str = "gloo",
+           pg_timeout_s: float = 60.0, env: dict[str, str] | None = None) -> list:
+    """Run ``fn(rank, world_size, group, *args)`` on ``world_size`` fresh processes; their results in rank order.
+
+    Each process sets one intra-op thread, applies ``env`` to its environment, takes GPU ``rank`` when
+    ``backend`` is "nccl", and joins a ``backend`` group over TCP on localhost whose collectives fail after
+    ``pg_timeout_s``; ``group`` is that world group. Results travel back through ``torch.save`` files,
+    so they must be picklable (tensors, dicts, lists, dataclasses).
+
+    Args:
+        fn (Callable): a module-level function (spawn pickles it by name).
+        world_size (int): R >= 1.
+        timeout_s (float): the whole run is killed after this many seconds.
+        backend (str): "gloo" (CPU) or "nccl".
+        env (dict[str, str] | None): environment variables set in every rank before the group starts.
+
+    Raises:
+        TimeoutError: not all ranks finished within ``timeout_s`` (they are killed).
+        torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback is in the message).
+    """
+    if not (isinstance(world_size, int) and world_size >= 1):
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as outdir:
+        procs = mp.start_processes(
+            _entry, args=(fn, world_size, port, outdir, backend, pg_timeout_s, dict(env or {}), args),
+            nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        while not procs.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in procs.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"{world_size} ranks running {getattr(fn, '__name__', fn)} did not finish "
+                                   f"within {timeout_s} s")
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def make_mesh(*, pp: int = 1, dp: int = 1, cp: int = 1, ep: int = 1, device_type: str = "cpu"):
+    """The world as a ``DeviceMesh`` with named axes ("pp", "dp", "cp", "ep"), outermost first.
+
+    Every axis is present, size 1 included, so code can always ask ``mesh["ep"].get_group()``. Rank
+    ``r`` sits at ``(pp, dp, cp, ep)`` coordinates in row-major order: ep ranks are consecutive.
+
+    Args:
+        pp, dp, cp, ep (int): axis sizes >= 1 whose product is the world size.
+        device_type (str): "cpu" (gloo) or "cuda".
+
+    Returns:
+        torch.distributed.device_mesh.DeviceMesh: shape (pp, dp, cp, ep), ``mesh_dim_names == AXES``.
+
+    Raises:
+        ValueError: a size is not an int >= 1, or the product differs from the initialised world size.
+        RuntimeError: the default process group is not initialised.
+    """
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+    sizes = dict(pp=pp, dp=dp, cp=cp, ep=ep)
+    bad = {k: v for k, v in sizes.items() if not (isinstance(v, int) and v >= 1)}
+    if bad:
+        raise ValueError(f"mesh axis sizes must be ints >= 1, got {bad}")
+    if not dist.is_initialized():
+        raise RuntimeError("make_mesh needs an initialised default process group (see k3lab.dist.launch)")
+    world = dist.get_world_size()
+    shape = tuple(sizes[a] for a in AXES)
+    if pp * dp * cp * ep != world:
+        raise ValueError(f"mesh {dict(zip(AXES, shape))} has {pp * dp * cp * ep} ranks, the world has {world}")
+    return init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+
+
+def all_gather_stacked(x: torch.Tensor, world_size: int, group, async_op: bool = False):
+    """[*] -> [R, *]: every rank's ``x`` (same shape and dtype on all ranks), stacked in rank order.
+
+    With ``async_op``: (the [R, *] buffer, the collective's handle), the result valid only after
+    ``handle.wait()``, so work that does not read it can be issued first.
+    """
+    # torch >= 2.13 names it all_gather_single; 2.11 (the GPU image) has only all_gather_into_tensor.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    out = x.new_empty(world_size * x.numel())
+    work = fn(out, x.contiguous().view(-1), group=group, async_op=async_op)
+    out = out.view(world_size, *x.shape)
+    return (out, work) if async_op else out
+
+
+def reduce_scatter_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """[R, *] -> [*]: rank j gets the sum over ranks of ``x[j]`` (the transpose of ``all_gather_stacked``)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    out = x.new_empty(x[0].numel())
+    fn(out, x.contiguous().view(-1), op=dist.ReduceOp.SUM, group=group)
+    return out.view(x.shape[1:])
+
+
+def all_to_all_equal(x: torch.Tensor, group) -> torch.Tensor:
+    """[R, *] -> [R, *]: block j of ``x`` goes to rank j; block i of the result came from rank i.
+
+    Equal split sizes, so no sizes are exchanged and nothing is read on the host. Its own transpose:
+    the backward of an all-to-all is the same all-to-all of the gradients.
+    """
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out.view(-1), x.contiguous().view(-1), group=group)
+    return out
+
+
+def all_to_all_rows(x: torch.Tensor, in_splits: list[int], out_splits: list[int], group) -> torch.Tensor:
+    """[sum(in_splits), *] -> [sum(out_splits), *]: rows in_splits[j] go to rank j, out_splits[i] come from i.
+
+    Uneven splits are host integers: the caller has already synchronised to know them.
+    """
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def mesh_worker(rank: int, world_size: int, group, sizes: dict[str, int]) -> dict:
+    """What ``make_mesh(**sizes)`` and the wrapped collectives give on this rank (for tests and the book).
+
+    Returns {"coords": this rank's coordinate per axis, "groups": the world ranks of this rank's group per
+    axis, "gathered": ``all_gather_stacked`` of [rank, rank] over the ep group, "scattered":
+    ``reduce_scatter_sum`` over the world of a [R, 2] tensor with entry (j, :) = rank * R + j,
+    "a2a_equal": ``all_to_all_equal`` over the world of x[j] = 100 rank + j, "a2a_rows": ``all_to_all_rows``
+    over the world where rank i sends j + 1 rows of value 100 i + j to rank j}.
+    """
+    mesh = make_mesh(**sizes)
+    coords = dict(zip(AXES, mesh.get_coordinate()))
+    groups = {a: dist.get_process_group_ranks(mesh[a].get_group()) for a in AXES}
+    ep_group = mesh["ep"].get_group()
+    gathered = all_gather_stacked(torch.tensor([rank, rank]), sizes.get("ep", 1), ep_group)
+    R = world_size
+    scattered = reduce_scatter_sum(torch.arange(R * 2).view(R, 2) // 2 + rank * R, group)
+    a2a_equal = all_to_all_equal(100 * rank + torch.arange(R), group)
+    rows = torch.cat([torch.full((j + 1, 3), 100.0 * rank + j) for j in range(R)])
+    a2a_rows = all_to_all_rows(rows, [j + 1 for j in range(R)], [rank + 1] * R, group)
+    return dict(coords=coords, groups=groups, gathered=gathered, scattered=scattered, a2a_equal=a2a_equal,
+                a2a_rows=a2a_rows)
