@@ -234,17 +234,55 @@ def _jupyter_env() -> None:
         os.environ["JUPYTER_PATH"] = os.pathsep.join(p for p in (share, paths) if p)
 
 
+class CellTimeLimitError(RuntimeError):
+    """A cell used up its per-cell time limit, though nbclient returned no timeout error."""
+
+
+# nbclient waits for a cell's reply with one blocking read bounded by the cell limit; when that read
+# misses a reply (jupyter/nbclient#312: seen here after an ipywidgets cell whose kernel had answered in
+# 0.5 s), it picks the reply up only as the limit runs out and reports success. A cell whose time
+# reaches this fraction of the limit is therefore treated as timed out.
+LATE_FRACTION = 0.99
+
+
+def overlong_cell(nb, timeout: float | None) -> str:
+    """Describe the first code cell whose papermill duration reached ``LATE_FRACTION`` of ``timeout``
+    (``""`` when none did, or when there is no limit)."""
+    if timeout is None:
+        return ""
+    for cell in nb.cells:
+        seconds = cell.get("metadata", {}).get("papermill", {}).get("duration")
+        if cell.cell_type == "code" and seconds is not None and seconds >= LATE_FRACTION * timeout:
+            return (f"cell In [{cell.get('execution_count')}] took {seconds:.1f} s of its {timeout:g} s "
+                    f"limit (reply seen only at the limit)")
+    return ""
+
+
 def execute(ipynb: Path, out: Path, parameters: dict, timeout: float | None, progress: bool = True):
-    """Execute ``ipynb`` with papermill into ``out`` (kernel python3, cwd = the notebook's folder)."""
+    """Execute ``ipynb`` with papermill into ``out`` (kernel python3, cwd = the notebook's folder).
+
+    ``timeout`` is the per-cell limit in seconds, rounded up to whole seconds (nbclient takes an int).
+
+    Raises:
+        papermill.PapermillExecutionError: a cell raised.
+        nbclient.exceptions.CellTimeoutError: a cell ran past ``timeout``.
+        CellTimeLimitError: a cell's reply came back only once the limit had passed (see
+            :func:`overlong_cell`).
+    """
     import papermill
 
     _jupyter_env()
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = {"desc": ipynb.stem, "leave": False, "position": 1} if progress else False
-    return papermill.execute_notebook(
+    limit = None if timeout is None else math.ceil(timeout)
+    nb = papermill.execute_notebook(
         str(ipynb), str(out), parameters=parameters, kernel_name=KERNEL, language="python",
-        cwd=str(ipynb.parent), progress_bar=bar, execution_timeout=timeout,
+        cwd=str(ipynb.parent), progress_bar=bar, execution_timeout=limit,
     )
+    late = overlong_cell(nb, limit)
+    if late:
+        raise CellTimeLimitError(late)
+    return nb
 
 
 def render_html(executed: Path, out: Path) -> None:
@@ -264,20 +302,24 @@ def _error_detail(exc: BaseException) -> str:
     return f"{name}{cell}: {value[0] if value else ''}"[:120]
 
 
-# Per-cell limit (s) on the CPU profile, where no cell takes much over a minute: nbclient can wait
-# forever for a reply that never comes (seen twice here on an ipywidgets cell, jupyter/nbclient#312),
-# and a limit turns that into a failed chapter. The GPU profile has no default limit (long runs).
+# Per-cell limits (s). nbclient can wait for a reply until the limit runs out (jupyter/nbclient#312,
+# seen here after an ipywidgets cell), so every run has one: it turns a stall into a failed chapter.
+# On CPU no cell takes much over a minute; on the GPU profile a cell may compile and autotune Triton
+# kernels for several minutes (fla's took ~7 on an H200) before a long benchmark.
 CPU_CELL_TIMEOUT = 600.0
+GPU_CELL_TIMEOUT = 1800.0
+CELL_TIMEOUT = {"cpu": CPU_CELL_TIMEOUT, "gpu": GPU_CELL_TIMEOUT}
 
 
 def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None, build_dir=BUILD_DIR,
         book_dir=BOOK_DIR) -> list[Result]:
     """Sync, execute and render chapters; returns one :class:`Result` per notebook. ``timeout``: per-cell
-    seconds (None: ``CPU_CELL_TIMEOUT`` on the CPU profile, no limit on the GPU profile).
+    seconds (None: the profile's ``CPU_CELL_TIMEOUT`` or ``GPU_CELL_TIMEOUT``). A chapter fails when a
+    cell raises, runs past the limit, or takes the whole limit before its reply is seen.
 
     Raises:
         ValueError: bad ``profile``, ``only`` matches no chapter, a bad parameter file, a timeout that is
-            not a positive number (0 or less turned papermill's cell timeout off).
+            not a positive number (0 or less would turn papermill's cell timeout off).
     """
     from tqdm.auto import tqdm
 
@@ -285,8 +327,8 @@ def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None
         raise ValueError(f"profile must be 'cpu' or 'gpu', got {profile!r}")
     if params_file is None:
         params_file = PARAMS.get(profile)
-    if timeout is None and profile == "cpu":
-        timeout = CPU_CELL_TIMEOUT
+    if timeout is None:
+        timeout = CELL_TIMEOUT[profile]
     if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout}")
     if params_file is not None:
@@ -349,9 +391,12 @@ def store(keys: list[str], timeout=CPU_CELL_TIMEOUT, book_dir: Path = BOOK_DIR) 
     Raises:
         ValueError: no key given or a key matches no chapter.
         papermill.PapermillExecutionError: a cell failed (the ``.ipynb`` is left as it was).
+        CellTimeLimitError, nbclient.exceptions.CellTimeoutError: a cell used up ``timeout``.
     """
     import nbformat
 
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
     if not keys:
         raise ValueError("store needs at least one chapter, e.g. `python -m k3lab.book store 00`")
     for py in chapters(keys, book_dir):
@@ -377,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a parameter (int/float/true/false/none/string)")
     p.add_argument("--params-file", type=Path, default=None, help="parameter YAML instead of the profile's")
     p.add_argument("--timeout", type=float, default=None,
-                   help=f"per-cell timeout in seconds (default: {CPU_CELL_TIMEOUT:.0f} on the cpu profile, none on gpu)")
+                   help=f"per-cell timeout in seconds (default: {CPU_CELL_TIMEOUT:.0f} on the cpu profile, "
+                        f"{GPU_CELL_TIMEOUT:.0f} on gpu)")
     p.add_argument("--build-dir", type=Path, default=BUILD_DIR, help="where notebooks/ and html/ go")
     p = sub.add_parser("store", help="execute on CPU defaults and store outputs in book/NN_*.ipynb")
     p.add_argument("chapters", nargs="+", metavar="NN", help="chapter prefixes or names")

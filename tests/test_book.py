@@ -120,17 +120,53 @@ def test_run_executes_renders_and_reports_failures(tiny_book, tmp_path, monkeypa
     assert book.main(["run", "--only", "01", "--build-dir", str(out)]) == 0
 
 
-def test_stuck_cell_fails_its_chapter_instead_of_hanging(tiny_book, tmp_path, monkeypatch, capsys):
-    """A cell that never finishes (like a lost kernel reply) ends as a FAILED row once the CPU
-    profile's per-cell limit passes; the other chapters still run."""
-    (tiny_book / "02_bad.py").write_text(BAD_NB.replace('raise ZeroDivisionError("chapter 02 is broken")',
-                                                        "import time\ntime.sleep(60)"))
+SLEEPY_NB = BAD_NB.replace('raise ZeroDivisionError("chapter 02 is broken")', "import time\ntime.sleep(60)")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_stuck_cell_fails_its_chapter_instead_of_hanging(tiny_book, tmp_path, monkeypatch, capsys, profile):
+    """A cell that never finishes (like a lost kernel reply) ends as a FAILED row once the per-cell
+    limit passes, on either profile; the other chapters still run."""
+    (tiny_book / "02_bad.py").write_text(SLEEPY_NB)
     monkeypatch.setattr(book, "BOOK_DIR", tiny_book)
-    monkeypatch.setattr(book, "CPU_CELL_TIMEOUT", 3.0)
-    code = book.main(["run", "--build-dir", str(tmp_path / "build")])
+    code = book.main(["run", "--profile", profile, "--timeout", "1.5", "--build-dir", str(tmp_path / "build")])
     table = capsys.readouterr().out
     assert code == 1
-    assert "01_ok" in table and "02_bad" in table and "FAILED" in table and "Timeout" in table, table
+    rows = {line.split()[0]: line for line in table.splitlines()[2:-1]}
+    assert rows["01_ok"].split()[1] == "ok", table
+    assert rows["02_bad"].split()[1] == "FAILED" and "CellTimeoutError" in rows["02_bad"], table
+    assert float(rows["02_bad"].split()[2]) < 30, "the limit (1.5 s, rounded up to 2) must end the cell"
+
+
+@pytest.mark.parametrize("profile, limit", [("cpu", book.CPU_CELL_TIMEOUT), ("gpu", book.GPU_CELL_TIMEOUT)])
+def test_every_profile_runs_with_a_cell_limit(tiny_book, tmp_path, monkeypatch, profile, limit):
+    seen = []
+    monkeypatch.setattr(book, "execute", lambda ipynb, out, params, timeout: seen.append(timeout))
+    monkeypatch.setattr(book, "render_html", lambda *args: None)
+    results = book.run(only=["01"], profile=profile, build_dir=tmp_path / "build", book_dir=tiny_book)
+    assert [r.status for r in results] == ["ok"] and seen == [limit] and 0 < limit < float("inf")
+
+
+def test_a_reply_seen_only_at_the_limit_counts_as_a_timeout(tiny_book, tmp_path, monkeypatch):
+    """nbclient can miss a reply and pick it up only as the cell limit runs out, then report success
+    (jupyter/nbclient#312): a cell that used up its limit fails the chapter all the same."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1", execution_count=1),
+                                         nbformat.v4.new_code_cell("explore()", execution_count=2)])
+    nb.cells[0].metadata["papermill"] = {"duration": 0.4}
+    nb.cells[1].metadata["papermill"] = {"duration": 600.2}
+    assert book.overlong_cell(nb, 600) == "cell In [2] took 600.2 s of its 600 s limit (reply seen only at the limit)"
+    assert book.overlong_cell(nb, 1800) == "" and book.overlong_cell(nb, None) == ""
+
+    import papermill
+
+    def late_reply(ipynb, out, **kwargs):
+        nbformat.write(nb, out)
+        return nb
+
+    monkeypatch.setattr(papermill, "execute_notebook", late_reply)
+    (result,) = book.run(only=["01"], timeout=600, build_dir=tmp_path / "build", book_dir=tiny_book)
+    assert result.status == "FAILED" and result.detail.startswith("CellTimeLimitError: cell In [2] took 600.2 s")
 
 
 @pytest.mark.timeout(180)
@@ -149,6 +185,8 @@ def test_store_keeps_outputs_without_parameters_or_run_metadata(tiny_book):
     assert book.check_sync(tiny_book)[0].startswith("02_bad.ipynb is missing")
     with pytest.raises(Exception, match="chapter 02 is broken"):
         book.store(["02"], book_dir=tiny_book)
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        book.store(["01"], timeout=0, book_dir=tiny_book)
 
 
 def test_sync_keeps_outputs_of_unchanged_cells(tiny_book):
@@ -162,3 +200,10 @@ def test_sync_keeps_outputs_of_unchanged_cells(tiny_book):
     nb = nbformat.read(py.with_suffix(".ipynb"), as_version=4)
     assert nb.cells[1].source.endswith("steps: int = 4") and nb.cells[1].metadata["tags"] == ["parameters"]
     assert nb.cells[2].outputs[0]["text"] == "kept\n"
+
+
+def test_readme_papermill_example_sets_a_cell_limit():
+    """Plain papermill has no per-cell limit of its own: the README's example must pass one."""
+    readme = (book.ROOT / "README.md").read_text()
+    lines = [line for line in readme.splitlines() if line.lstrip().startswith("cd book && papermill")]
+    assert lines and all("--execution-timeout" in line for line in lines), lines
