@@ -164,7 +164,7 @@ from k3lab import data
 
 tok = data.load_tokenizer()
 train, val = data.load_split("train"), data.load_split("val")
-manifest = json.loads((data.DATA_DIR / "manifest.json").read_text())
+manifest = json.loads((data.resolve_data_dir() / "manifest.json").read_text())
 print(f"vocabulary: {data.vocab_size()} tokens ({data.EOT!r} = {tok.token_to_id(data.EOT)})")
 for name, tokens in (("train", train), ("val", val)):
     info = manifest["splits"][name]

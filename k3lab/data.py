@@ -7,6 +7,12 @@ Commands (run from the repository root)::
     python -m k3lab.data select --source /path/to/lib/python3.11       # re-make data/corpus.tar.xz
     python -m k3lab.data info                       # what is built, tokens per split
 
+Where the data are: a ``data_dir`` (or ``shard_dir``) argument, else ``$K3LAB_DATA_DIR``, else the
+checkout's ``data/`` (k3lab run from its checkout or installed editable). A wheel installed with
+``pip install .`` has no ``data/`` beside it: it ships the committed tokenizer, so
+:func:`load_tokenizer` and :func:`vocab_size` work anywhere, and the corpus and shard functions raise an
+error that names ``$K3LAB_DATA_DIR`` and the build command.
+
 ``build`` is deterministic: it reads the committed corpus (sorted members), puts every 20th file into
 ``val``, encodes each file with the committed ``data/tokenizer.json`` followed by ``<|endoftext|>``,
 writes uint16 shards (tmp file + rename) and a manifest with a sha256 per shard, and checks that
@@ -34,7 +40,11 @@ import torch
 from k3lab.files import atomic_write_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA_DIR = Path(os.environ.get("K3LAB_DATA_DIR", ROOT / "data"))
+DATA_ENV = "K3LAB_DATA_DIR"
+# Exists when k3lab runs from its checkout; a wheel's site-packages has no data/ folder.
+CHECKOUT_DATA_DIR = ROOT / "data"
+# setup.py ships data/tokenizer.json here in the wheel (the checkout has no such folder).
+PACKAGED_DATA_DIR = Path(__file__).resolve().parent / "_data"
 SPLITS = ("train", "val")
 EOT = "<|endoftext|>"
 DEFAULT_VOCAB_SIZE = 4096
@@ -45,6 +55,29 @@ CORPUS_PREFIX = "Lib"
 SKIP_DIRS = ("test", "tests", "idle_test", "site-packages", "__pycache__", "encodings", "pydoc_data",
              "idlelib", "turtledemo", "lib2to3", "distutils")
 BUILD_COMMAND = "python -m k3lab.data build"
+
+
+def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
+    """The data folder: ``data_dir`` when given, else ``$K3LAB_DATA_DIR``, else the checkout's ``data/``.
+
+    Raises:
+        TypeError: ``data_dir`` is not a path.
+        FileNotFoundError: nothing given and k3lab runs without its checkout (installed from a wheel);
+            the message names ``$K3LAB_DATA_DIR`` and the command that builds the shards.
+    """
+    if data_dir is not None:
+        if not isinstance(data_dir, (str, os.PathLike)):
+            raise TypeError(f"data_dir must be a path, got {type(data_dir).__name__} {data_dir!r}")
+        return Path(data_dir)
+    env = os.environ.get(DATA_ENV)
+    if env:
+        return Path(env)
+    if (CHECKOUT_DATA_DIR / "manifest.json").is_file():
+        return CHECKOUT_DATA_DIR
+    raise FileNotFoundError(
+        f"no k3lab data folder: this k3lab ({ROOT}) is installed without its checkout. Set ${DATA_ENV} "
+        f"to a k3lab checkout's data/ folder (or pass data_dir=/shard_dir=) after building the shards "
+        f"there with `{BUILD_COMMAND}` (or `make data`) from the checkout's root")
 
 
 def _sha256(data: bytes) -> str:
@@ -108,13 +141,16 @@ def write_corpus_archive(source: Path, out: Path, max_bytes: int = MAX_CORPUS_BY
             "archive_bytes": len(buf.getvalue())}
 
 
-def read_corpus(data_dir: Path = DATA_DIR) -> list[tuple[str, str]]:
+def read_corpus(data_dir: Path | None = None) -> list[tuple[str, str]]:
     """The committed corpus as ``(path, text)`` pairs in sorted path order.
 
+    Args:
+        data_dir (Path | None): default :func:`resolve_data_dir`.
+
     Raises:
-        FileNotFoundError: ``data_dir/corpus.tar.xz`` is missing.
+        FileNotFoundError: ``data_dir/corpus.tar.xz`` is missing, or no data folder is known.
     """
-    archive = Path(data_dir) / "corpus.tar.xz"
+    archive = resolve_data_dir(data_dir) / "corpus.tar.xz"
     if not archive.is_file():
         raise FileNotFoundError(f"{archive} is missing (it is committed to git: restore it)")
     files = []
@@ -172,8 +208,20 @@ def train_tokenizer(texts: list[str], vocab_size: int = DEFAULT_VOCAB_SIZE):
     return tok
 
 
-def load_tokenizer(data_dir: Path = DATA_DIR):
+def _tokenizer_path(data_dir: Path | None) -> Path:
+    try:
+        return resolve_data_dir(data_dir) / "tokenizer.json"
+    except FileNotFoundError:
+        if (PACKAGED_DATA_DIR / "tokenizer.json").is_file():
+            return PACKAGED_DATA_DIR / "tokenizer.json"
+        raise
+
+
+def load_tokenizer(data_dir: Path | None = None):
     """The committed byte-level BPE tokenizer (``data/tokenizer.json``).
+
+    Args:
+        data_dir (Path | None): default :func:`resolve_data_dir`, else the copy shipped in the wheel.
 
     Returns:
         tokenizers.Tokenizer: ``encode(text).ids`` and ``decode(ids)`` round-trip any UTF-8 text.
@@ -183,14 +231,14 @@ def load_tokenizer(data_dir: Path = DATA_DIR):
     """
     from tokenizers import Tokenizer
 
-    path = Path(data_dir) / "tokenizer.json"
+    path = _tokenizer_path(data_dir)
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: restore it from git or run "
                                 f"`{BUILD_COMMAND} --retrain-tokenizer --update-manifest`")
     return Tokenizer.from_file(str(path))
 
 
-def vocab_size(data_dir: Path = DATA_DIR) -> int:
+def vocab_size(data_dir: Path | None = None) -> int:
     """Vocabulary size of the committed tokenizer (4096 by default), EOT included."""
     return load_tokenizer(data_dir).get_vocab_size()
 
@@ -214,7 +262,7 @@ def encode_documents(tok, texts: list[str]) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 def build(
-    data_dir: Path = DATA_DIR,
+    data_dir: Path | None = None,
     out_dir: Path | None = None,
     retrain_tokenizer: bool = False,
     vocab: int = DEFAULT_VOCAB_SIZE,
@@ -224,7 +272,8 @@ def build(
     """Build ``out_dir/{train,val}.bin`` and ``out_dir/manifest.json`` from the committed corpus.
 
     Args:
-        data_dir (Path): holds ``corpus.tar.xz``, ``tokenizer.json`` and ``manifest.json``.
+        data_dir (Path | None): holds ``corpus.tar.xz``, ``tokenizer.json`` and ``manifest.json``;
+            default :func:`resolve_data_dir`.
         out_dir (Path | None): where shards go; default ``data_dir/shards``.
         retrain_tokenizer (bool): retrain the BPE on the train split and overwrite ``tokenizer.json``.
         vocab (int): vocabulary size when retraining.
@@ -235,12 +284,12 @@ def build(
         dict: the manifest (corpus and tokenizer sha256, per split: file, tokens, bytes, files, sha256).
 
     Raises:
-        FileNotFoundError: the corpus, the tokenizer (without ``retrain_tokenizer``) or the committed
-            manifest (without ``update_manifest``) is missing.
+        FileNotFoundError: no data folder is known, or the corpus, the tokenizer (without
+            ``retrain_tokenizer``) or the committed manifest (without ``update_manifest``) is missing.
         RuntimeError: the built shards differ from the committed manifest; nothing is written then
             (a retrained tokenizer included).
     """
-    data_dir = Path(data_dir)
+    data_dir = resolve_data_dir(data_dir)
     out_dir = Path(out_dir) if out_dir is not None else data_dir / "shards"
     files = read_corpus(data_dir)
     splits = split_files(files)
@@ -327,23 +376,26 @@ def load_split(split: str, shard_dir: Path | None = None) -> np.memmap:
 
     Args:
         split (str): "train" or "val".
-        shard_dir (Path | None): default ``data/shards``.
+        shard_dir (Path | None): default ``shards/`` of :func:`resolve_data_dir`.
 
     Returns:
         np.memmap: uint16 [n_tokens], read-only; documents separated by ``<|endoftext|>`` (id 0).
 
     Raises:
         ValueError: ``split`` is not "train" or "val".
-        FileNotFoundError: the shards are missing, empty or incomplete, or their manifest unreadable;
-            the message names the build command.
+        FileNotFoundError: no data folder is known, or the shards are missing, empty or incomplete, or
+            their manifest unreadable; the message names the build command.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    shard_dir = Path(shard_dir) if shard_dir is not None else DATA_DIR / "shards"
+    if shard_dir is not None and not isinstance(shard_dir, (str, os.PathLike)):
+        raise TypeError(f"shard_dir must be a path, got {type(shard_dir).__name__} {shard_dir!r}")
+    shard_dir = Path(shard_dir) if shard_dir is not None else resolve_data_dir() / "shards"
     manifest_path, path = shard_dir / "manifest.json", shard_dir / f"{split}.bin"
     if not manifest_path.is_file() or not path.is_file():
         raise FileNotFoundError(f"token shards missing in {shard_dir} ({path.name} or manifest.json): "
-                                f"run `{BUILD_COMMAND}` from the repository root (or `make data`)")
+                                f"run `{BUILD_COMMAND}` from the repository root (or `make data`); "
+                                f"${DATA_ENV} or shard_dir= points at shards elsewhere")
     try:
         tokens = json.loads(manifest_path.read_text())["splits"][split]["tokens"]
     except (json.JSONDecodeError, KeyError, TypeError):
@@ -413,31 +465,36 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m k3lab.data", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("build", help="build data/shards/{train,val}.bin and check them against data/manifest.json")
-    p.add_argument("--data-dir", type=Path, default=DATA_DIR, help="folder with corpus.tar.xz, tokenizer.json, manifest.json")
-    p.add_argument("--out-dir", type=Path, default=None, help="where the shards go (default DATA_DIR/shards)")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help=f"folder with corpus.tar.xz, tokenizer.json, manifest.json (default ${DATA_ENV}, else the "
+                        f"checkout's data/)")
+    p.add_argument("--out-dir", type=Path, default=None, help="where the shards go (default shards/ in the data folder)")
     p.add_argument("--retrain-tokenizer", action="store_true", help="retrain the BPE and overwrite tokenizer.json")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="vocabulary size when retraining")
     p.add_argument("--update-manifest", action="store_true", help="write data/manifest.json instead of checking it")
     p = sub.add_parser("select", help="re-make data/corpus.tar.xz from a CPython Lib/ folder")
     p.add_argument("--source", type=Path, required=True, help="e.g. /root/.pyenv/versions/3.11.7/lib/python3.11")
-    p.add_argument("--data-dir", type=Path, default=DATA_DIR, help="where corpus.tar.xz goes")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help=f"where corpus.tar.xz goes (default ${DATA_ENV}, else the checkout's data/)")
     p.add_argument("--max-bytes", type=int, default=MAX_CORPUS_BYTES, help="cap on the selected text")
     p = sub.add_parser("info", help="print the built shards' token counts")
-    p.add_argument("--data-dir", type=Path, default=DATA_DIR, help="folder with shards/")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help=f"folder with shards/ (default ${DATA_ENV}, else the checkout's data/)")
     args = parser.parse_args(argv)
 
     try:
+        data_dir = resolve_data_dir(args.data_dir)
         if args.cmd == "build":
-            build(args.data_dir, args.out_dir, args.retrain_tokenizer, args.vocab_size, args.update_manifest)
+            build(data_dir, args.out_dir, args.retrain_tokenizer, args.vocab_size, args.update_manifest)
         elif args.cmd == "select":
-            info = write_corpus_archive(args.source, args.data_dir / "corpus.tar.xz", args.max_bytes)
-            print(f"{info['files']} files, {info['bytes']:,d} bytes -> {args.data_dir / 'corpus.tar.xz'} "
+            info = write_corpus_archive(args.source, data_dir / "corpus.tar.xz", args.max_bytes)
+            print(f"{info['files']} files, {info['bytes']:,d} bytes -> {data_dir / 'corpus.tar.xz'} "
                   f"({info['archive_bytes']:,d} bytes)")
         else:
             for split in SPLITS:
-                tokens = load_split(split, args.data_dir / "shards")
+                tokens = load_split(split, data_dir / "shards")
                 print(f"{split}: {len(tokens):,d} tokens")
-            print(f"vocab size: {vocab_size(args.data_dir)}")
+            print(f"vocab size: {vocab_size(data_dir)}")
     except (OSError, RuntimeError, ValueError) as e:  # OSError: missing files, an --out-dir that cannot be made
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -37,7 +37,7 @@ def test_select_corpus_skips_tests_non_utf8_and_caps(tmp_path):
 def test_full_build_is_deterministic_and_matches_committed_manifest(tmp_path):
     m1 = data.build(out_dir=tmp_path / "a", verbose=False)
     m2 = data.build(out_dir=tmp_path / "b", verbose=False)
-    assert m1 == m2 == json.loads((data.DATA_DIR / "manifest.json").read_text())
+    assert m1 == m2 == json.loads((data.resolve_data_dir() / "manifest.json").read_text())
     for split in data.SPLITS:
         a = (tmp_path / "a" / f"{split}.bin").read_bytes()
         assert a == (tmp_path / "b" / f"{split}.bin").read_bytes()
@@ -109,6 +109,36 @@ def test_broken_manifest_or_empty_shard_name_the_build_command(tmp_path):
 def test_missing_shards_name_the_build_command(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"python -m k3lab\.data build"):
         data.load_split("train", shard_dir=tmp_path)
+
+
+def test_data_folder_comes_from_argument_then_environment_then_checkout(tmp_path, monkeypatch):
+    monkeypatch.delenv(data.DATA_ENV, raising=False)
+    assert data.resolve_data_dir() == data.CHECKOUT_DATA_DIR
+    monkeypatch.setenv(data.DATA_ENV, str(tmp_path / "env"))
+    assert data.resolve_data_dir() == tmp_path / "env", "read at each call, not at import"
+    assert data.resolve_data_dir(tmp_path / "arg") == tmp_path / "arg"
+    with pytest.raises(FileNotFoundError, match="token shards missing in .*env.*K3LAB_DATA_DIR"):
+        data.load_split("train")
+    with pytest.raises(TypeError, match="data_dir must be a path, got int 3"):
+        data.resolve_data_dir(3)
+    with pytest.raises(TypeError, match="shard_dir must be a path"):
+        data.load_split("train", shard_dir=3)
+
+
+def test_without_a_checkout_the_tokenizer_ships_and_the_rest_names_the_variable(tmp_path, monkeypatch):
+    """What a wheel install sees: no data/ beside the package, the tokenizer in k3lab/_data/."""
+    monkeypatch.delenv(data.DATA_ENV, raising=False)
+    monkeypatch.setattr(data, "CHECKOUT_DATA_DIR", tmp_path / "site-packages" / "data")
+    monkeypatch.setattr(data, "PACKAGED_DATA_DIR", tmp_path / "no-packaged-copy")
+    for call in (data.resolve_data_dir, lambda: data.load_split("val"), data.read_corpus, data.vocab_size):
+        with pytest.raises(FileNotFoundError, match=r"Set \$K3LAB_DATA_DIR .*`python -m k3lab\.data build`"):
+            call()
+    packaged = tmp_path / "_data"
+    packaged.mkdir()
+    shutil.copy2(data.ROOT / "data" / "tokenizer.json", packaged / "tokenizer.json")
+    monkeypatch.setattr(data, "PACKAGED_DATA_DIR", packaged)
+    assert data.vocab_size() == 4096
+    assert data.main(["info"]) == 1
 
 
 def test_get_batch_shapes_shift_and_seeding():
