@@ -1,0 +1,53 @@
+"""SiTU-GLU, K3's bounded gated activation (K3 report, Eq. 12).
+
+    gate = b1 * tanh(a / b1) * sigmoid(a)        a = W_gate x
+    up   = b2 * tanh(u / b2)                     u = W_up x
+    out  = gate * up                             |gate| < b1, |up| < b2, so |out| < b1 * b2
+
+K3 uses b1 = 4, b2 = 25: every activation stays below 100 in magnitude whatever the weights do,
+which is what keeps bf16 expert outputs (and their gradients) from blowing up late in training.
+As b1, b2 -> infinity, b1 tanh(a / b1) -> a and b2 tanh(u / b2) -> u: SiTU-GLU tends to SwiGLU,
+SiLU(a) * u. Near zero the two agree to second order, so a small-input test cannot tell them
+apart; one with |a| > b1 or |u| > b2 does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BETA1 = 4.0
+BETA2 = 25.0
+ACTIVATIONS = ("situ", "swiglu")
+
+
+def situ_glu(a: torch.Tensor, u: torch.Tensor, beta1: float = BETA1, beta2: float = BETA2) -> torch.Tensor:
+    """SiTU-GLU: ``[b1 tanh(a/b1) sigmoid(a)] * [b2 tanh(u/b2)]``, elementwise.
+
+    Args:
+        a (Tensor): [..., h] gate pre-activations, any float dtype.
+        u (Tensor): [..., h] up pre-activations, same shape and dtype as ``a``.
+        beta1 (float): b1 > 0, the gate's bound (K3: 4).
+        beta2 (float): b2 > 0, the up branch's bound (K3: 25).
+
+    Returns:
+        Tensor [..., h], ``a``'s dtype; every entry is strictly below ``beta1 * beta2`` in magnitude.
+
+    Raises:
+        ValueError: ``a`` and ``u`` differ in shape, or a beta is not a positive finite number.
+    """
+    if a.shape != u.shape:
+        raise ValueError(f"situ_glu: a and u must have the same shape, got {list(a.shape)} and {list(u.shape)}")
+    for name, b in (("beta1", beta1), ("beta2", beta2)):
+        if not (isinstance(b, (int, float)) and 0 < b < float("inf")):
+            raise ValueError(f"situ_glu: {name} must be a positive finite number, got {b!r}")
+    return (beta1 * torch.tanh(a / beta1) * torch.sigmoid(a)) * (beta2 * torch.tanh(u / beta2))
+
+
+def glu(a: torch.Tensor, u: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gated unit by name: ``"situ"`` (K3, ``situ_glu`` with b1 = 4, b2 = 25) or ``"swiglu"``
+    (``SiLU(a) * u``, the baseline). Raises ValueError for any other name."""
+    if activation == "situ":
+        return situ_glu(a, u)
+    if activation == "swiglu":
+        return F.silu(a) * u
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")

@@ -1,0 +1,187 @@
+"""Experts as stacked weights, run with one grouped GEMM per projection.
+
+E experts, each a gated FFN of width d -> h -> d, are stored as three stacked tensors
+``w_gate``, ``w_up`` [E, d, h] and ``w_down`` [E, h, d]. The token-expert pairs of a batch are
+sorted by expert so that expert e's rows are contiguous, ``x[offsets[e-1]:offsets[e]]``, and each
+projection is one ``torch.nn.functional.grouped_mm`` over all experts: no Python loop over experts,
+no host synchronisation (the offsets stay on the device), one kernel per projection on the GPU.
+
+    y[rows of e] = (glu(x W_gate[e], x W_up[e])) W_down[e]
+
+``naive_expert_ffn`` is the same computation as a loop over experts, in any dtype (float64 for
+the reference: ``grouped_mm`` takes float32, bfloat16 and float16 only).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from k3lab.moe.activation import ACTIVATIONS, glu
+
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def group_by_expert(topk_idx: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the token-expert pairs of ``topk_idx`` by expert (stable, so token order is kept inside an expert).
+
+    Args:
+        topk_idx (Tensor): [N, K] int64 expert ids in [0, E).
+        E (int): number of experts.
+
+    Returns:
+        order (Tensor): [N*K] int64, pair ``order[r]`` (a flat index into ``topk_idx``) goes to row r;
+            its token is ``order[r] // K``.
+        offsets (Tensor): [E] int32 cumulative ends of each expert's rows (``grouped_mm``'s ``offs``).
+        counts (Tensor): [E] int64 pairs per expert.
+    """
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    # scatter_add_ instead of bincount: bincount reads the max back to the host on CUDA.
+    counts = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return order, counts.cumsum(0).to(torch.int32), counts
+
+
+def _check_weights(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                   offsets: torch.Tensor) -> None:
+    if x.ndim != 2:
+        raise ValueError(f"x must be [N, d], got shape {list(x.shape)}")
+    if w_gate.ndim != 3 or w_gate.shape != w_up.shape or w_gate.shape[1] != x.shape[1]:
+        raise ValueError(f"w_gate and w_up must both be [E, d={x.shape[1]}, h], got {list(w_gate.shape)} "
+                         f"and {list(w_up.shape)}")
+    E, _, h = w_gate.shape
+    if w_down.shape != (E, h, x.shape[1]):
+        raise ValueError(f"w_down must be [E={E}, h={h}, d={x.shape[1]}], got {list(w_down.shape)}")
+    if offsets.shape != (E,) or offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offsets must be [E={E}] int32/int64 cumulative ends, got {list(offsets.shape)} "
+                         f"{offsets.dtype}")
+
+
+def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+               w_down: torch.Tensor, activation: str = "situ") -> torch.Tensor:
+    """Every expert's gated FFN on its rows of ``x``, by grouped GEMMs.
+
+    Args:
+        x (Tensor): [N, d] float32/bfloat16/float16, rows grouped by expert in expert order. Rows from
+            ``offsets[-1]`` on are padding: they must be finite (any value); their outputs are 0 and
+            they receive no gradient.
+        offsets (Tensor): [E] int32 (or int64) cumulative ends, non-decreasing, ``offsets[-1] <= N``.
+        w_gate, w_up (Tensor): [E, d, h], ``x``'s dtype.
+        w_down (Tensor): [E, h, d], ``x``'s dtype.
+        activation (str): ``"situ"`` (K3's SiTU-GLU) or ``"swiglu"``.
+
+    Returns:
+        Tensor [N, d]: row r of expert e is ``glu(x_r W_gate[e], x_r W_up[e]) W_down[e]``.
+
+    Raises:
+        ValueError: shapes or dtypes disagree, ``x``'s dtype is not one ``grouped_mm`` takes (use
+            ``naive_expert_ffn`` for float64), or d or h is not a multiple of 16 bytes' worth of elements.
+
+    The offsets' values are not checked (that would read them back to the host); ``group_by_expert``
+    makes valid ones.
+    """
+    _check_weights(x, w_gate, w_up, w_down, offsets)
+    if x.dtype not in GROUPED_DTYPES or not (x.dtype == w_gate.dtype == w_up.dtype == w_down.dtype):
+        raise ValueError(f"expert_ffn: x and the weights must share one dtype of {GROUPED_DTYPES}, got x "
+                         f"{x.dtype}, weights {w_gate.dtype}/{w_up.dtype}/{w_down.dtype}")
+    align = 16 // x.element_size()
+    if x.shape[1] % align or w_gate.shape[2] % align:
+        raise ValueError(f"expert_ffn: d={x.shape[1]} and h={w_gate.shape[2]} must be multiples of {align} for "
+                         f"{x.dtype} (grouped_mm needs 16-byte row strides)")
+    N = x.shape[0]
+    end = offsets[-1:].long()
+    # grouped_mm leaves rows past the last offset uninitialised (and their gradients too): the last
+    # expert's group is stretched over the padding and the padding rows are zeroed after the GEMMs.
+    offs = torch.cat([offsets[:-1], offsets.new_full((1,), N)]).to(torch.int32)
+    a = F.grouped_mm(x, w_gate, offs=offs)
+    u = F.grouped_mm(x, w_up, offs=offs)
+    y = F.grouped_mm(glu(a, u, activation), w_down, offs=offs)
+    real = torch.arange(N, device=x.device) < end
+    return torch.where(real[:, None], y, y.new_zeros(()))
+
+
+def naive_expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                     w_down: torch.Tensor, activation: str = "situ") -> torch.Tensor:
+    """``expert_ffn`` as a plain loop over experts with ``@``: the reference, in any float dtype."""
+    _check_weights(x, w_gate, w_up, w_down, offsets)
+    y = torch.zeros_like(x)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        rows = x[start:end]
+        y[start:end] = glu(rows @ w_gate[e], rows @ w_up[e], activation) @ w_down[e]
+        start = end
+    return y
+
+
+class GroupedExperts(nn.Module):
+    """E gated FFN experts (d -> h -> d) as stacked weights.
+
+    Args:
+        E (int): number of experts.
+        d (int): input and output width (K3's routed experts: the latent width, 3584).
+        h (int): expert hidden width (K3: 3072).
+        activation (str): ``"situ"`` or ``"swiglu"``.
+        init_std (float): std of ``w_gate`` and ``w_up``; ``out_std`` that of ``w_down`` (default
+            ``init_std``).
+
+    Parameters: ``w_gate``, ``w_up`` [E, d, h]; ``w_down`` [E, h, d].
+    ``forward(x [N, d], offsets [E] int32) -> [N, d]`` is ``expert_ffn``.
+    """
+
+    def __init__(self, E: int, d: int, h: int, activation: str = "situ", init_std: float = 0.02,
+                 out_std: float | None = None):
+        super().__init__()
+        for name, n in (("E", E), ("d", d), ("h", h)):
+            if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+                raise ValueError(f"GroupedExperts: {name} must be a positive int, got {n!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"GroupedExperts: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.E, self.d, self.h, self.activation = E, d, h, activation
+        self.w_gate = nn.Parameter(torch.empty(E, d, h))
+        self.w_up = nn.Parameter(torch.empty(E, d, h))
+        self.w_down = nn.Parameter(torch.empty(E, h, d))
+        self.reset_parameters(init_std, out_std)
+
+    def reset_parameters(self, init_std: float = 0.02, out_std: float | None = None) -> None:
+        nn.init.normal_(self.w_gate, std=init_std)
+        nn.init.normal_(self.w_up, std=init_std)
+        nn.init.normal_(self.w_down, std=init_std if out_std is None else out_std)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float64:
+            return naive_expert_ffn(x, offsets, self.w_gate, self.w_up, self.w_down, self.activation)
+        return expert_ffn(x, offsets, self.w_gate, self.w_up, self.w_down, self.activation)
+
+    def extra_repr(self) -> str:
+        return f"E={self.E}, d={self.d}, h={self.h}, activation={self.activation}"
+
+
+class GatedFFN(nn.Module):
+    """A dense gated FFN, ``W_down glu(W_gate x, W_up x)``: [..., d] -> [..., d].
+
+    K3's shared experts (2 of hidden 3072 each, run as one FFN of hidden 2 x 3072: summing two
+    experts equals one FFN with their hidden units side by side) and its first, dense layer.
+    """
+
+    def __init__(self, d: int, hidden: int, activation: str = "situ", init_std: float = 0.02,
+                 out_std: float | None = None):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"GatedFFN: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.activation = activation
+        self.gate_up = nn.Linear(d, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+        nn.init.normal_(self.gate_up.weight, std=init_std)
+        nn.init.normal_(self.down.weight, std=init_std if out_std is None else out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, u = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(glu(a, u, self.activation))
+
+
+def depth_scaled_std(init_std: float, n_layers: int) -> float:
+    """``init_std / sqrt(2 n_layers)``: the std of a projection that writes into the residual stream
+    (GPT-2's scaling, as ``k3lab.lm`` uses), so the stream's variance does not grow with depth."""
+    return init_std / math.sqrt(2 * n_layers)

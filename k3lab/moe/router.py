@@ -1,0 +1,117 @@
+"""K3's router: sigmoid scores, top-k on the biased scores, weights from the unbiased ones.
+
+    s = sigmoid(W_r x)                              [N, E] float32, on the full-width token
+    experts_i = top-K of (s_i + b)                  b [E]: the balancing bias, float32, no gradient
+    p_ij = s_ij / sum_{j' in experts_i} s_ij'       renormalised selected scores (times a routed scale)
+
+The bias only chooses; it never enters the weights. Weights are gathered from ``s`` at the chosen
+experts, never recovered as ``(s + b) - b``: with logits near -18 (s ~ 1e-8) and a bias of 12, the
+float32 sum rounds s away and the weight comes out 0. Without the renormalisation, the weights of
+a token whose selected scores are all tiny are tiny too, and its gradients huge after any
+normalisation downstream.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class Routing:
+    """One batch's routing decision.
+
+    Attributes:
+        scores (Tensor): [N, E] float32, s = sigmoid(logits) (differentiable).
+        topk_idx (Tensor): [N, K] int64 chosen experts, in descending order of ``s + b``.
+        topk_weight (Tensor): [N, K] float32 weights p (differentiable through ``scores``).
+        cutoff (Tensor | None): [N] float32, Quantile Balancing's alpha_i: midway between each token's
+            K-th and (K+1)-th largest biased scores (no gradient); None when K = E.
+    """
+
+    scores: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weight: torch.Tensor
+    cutoff: torch.Tensor | None
+
+
+def check_topk(E: int, K: int, who: str = "router") -> None:
+    """ValueError unless E >= 1 and 1 <= K <= E (ints)."""
+    for name, n in (("E", E), ("K", K)):
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+            raise ValueError(f"{who}: {name} must be a positive int, got {n!r}")
+    if K > E:
+        raise ValueError(f"{who}: top-k K={K} exceeds the number of experts E={E}")
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, K: int, renormalize: bool = True,
+          routed_scaling: float = 1.0) -> Routing:
+    """Route N tokens over E experts from router logits (K3 report, Eq. 13).
+
+    Args:
+        logits (Tensor): [N, E] router logits W_r x, any float dtype (scored in float32).
+        bias (Tensor): [E] balancing bias b, used for the choice only (detached).
+        K (int): top-k, 1 <= K <= E.
+        renormalize (bool): divide the selected scores by their sum (K3: True).
+        routed_scaling (float): a constant factor on the weights (K3: 1.0).
+
+    Returns:
+        Routing: see its attributes.
+
+    Raises:
+        ValueError: bad shapes, K out of range, or a NaN/inf logit (reported before it can spread).
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"route: logits must be [N, E], got shape {list(logits.shape)}")
+    N, E = logits.shape
+    check_topk(E, K, "route")
+    if bias.shape != (E,):
+        raise ValueError(f"route: bias must be [E={E}], got shape {list(bias.shape)}")
+    if not torch.isfinite(logits).all():
+        raise ValueError("route: the router logits hold NaN or inf (check the input x and the router weight)")
+    scores = torch.sigmoid(logits.float())
+    biased = scores.detach() + bias.detach().float()
+    # One top-(K+1) gives the K choices and Quantile Balancing's cutoff alpha_i together.
+    vals, idx = torch.topk(biased, min(K + 1, E), dim=-1)
+    topk_idx = idx[:, :K]
+    # Any alpha_i between the K-th and (K+1)-th biased score is a valid dual price; the midpoint (not
+    # the (K+1)-th itself) lets the repeated update settle on exact balance instead of stalling ~2% off.
+    cutoff = 0.5 * (vals[:, K - 1] + vals[:, K]) if K < E else None
+    weight = scores.gather(1, topk_idx)
+    if renormalize:
+        weight = weight / weight.sum(-1, keepdim=True)
+    return Routing(scores, topk_idx, weight * routed_scaling, cutoff)
+
+
+class Router(nn.Module):
+    """``route`` with its weight W_r [E, d] and bias b [E].
+
+    Args:
+        d (int): token width (the full width: K3's router reads x, not the latent).
+        E (int): experts.  K (int): top-k.
+        renormalize (bool), routed_scaling (float): as in ``route``.
+        init_std (float): std of W_r.
+
+    The bias is a float32 buffer (saved in the state dict, no gradient) and stays float32 when the
+    module is cast (``model.to(torch.bfloat16)``): bf16 has 8 bits of mantissa, too few for the
+    small steps a balancer takes.
+    """
+
+    def __init__(self, d: int, E: int, K: int, renormalize: bool = True, routed_scaling: float = 1.0,
+                 init_std: float = 0.02):
+        super().__init__()
+        check_topk(E, K, "Router")
+        self.E, self.K, self.renormalize, self.routed_scaling = E, K, renormalize, routed_scaling
+        self.weight = nn.Parameter(torch.randn(E, d) * init_std)
+        self.register_buffer("bias", torch.zeros(E, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        bias = self.bias
+        super()._apply(fn, recurse)
+        self.bias = bias.to(device=self.weight.device)
+        return self
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x [N, d] -> Routing (see ``route``)."""
+        return route(x @ self.weight.t(), self.bias, self.K, self.renormalize, self.routed_scaling)

@@ -1,0 +1,326 @@
+"""k3lab.moe: SiTU-GLU, the router, grouped experts, the MoE layer, Quantile Balancing and its baselines."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from k3lab.dist import launch
+from k3lab.moe import (MoE, MoEConfig, balance_loss, expert_ffn, group_by_expert, maxvio, naive_expert_ffn,
+                       quantile_bias, route, situ_glu, update_biases)
+from k3lab.moe.balance import aux_loss, histogram_bias, histogram_counts, histogram_quantile, histogram_range
+from k3lab.moe.workers import histogram_worker
+from k3lab.testing import assert_close
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _config(**kw):
+    base = dict(d_model=16, n_experts=8, top_k=2, expert_hidden=16, latent_dim=8, n_shared=1, init_std=0.3)
+    return MoEConfig(**{**base, **kw})
+
+
+def _skewed_logits(m, E, gen, skew=2.0):
+    return torch.randn(m, E, generator=gen) * skew + torch.linspace(-2, 2, E)
+
+
+# ---------------------------------------------------------------- SiTU-GLU
+
+def test_situ_glu_formula_bound_and_not_silu():
+    g = _gen()
+    a = torch.randn(4096, dtype=torch.float64, generator=g) * 40
+    u = torch.randn(4096, dtype=torch.float64, generator=g) * 80
+    out = situ_glu(a, u)
+    ref = 4 * torch.tanh(a / 4) * torch.sigmoid(a) * 25 * torch.tanh(u / 25)
+    assert_close("situ_glu", ref, out, 1e-15)
+    assert out.abs().max() < 100
+    # SwiGLU on the same inputs is unbounded; a SiLU substitute fails this by orders of magnitude.
+    swiglu = F.silu(a) * u
+    assert (swiglu - out).abs().max() > 1000
+    # At |u| >> 25 the up branch saturates at 25 (SiLU-GLU would pass u through).
+    big = situ_glu(torch.tensor([10.0], dtype=torch.float64), torch.tensor([1000.0], dtype=torch.float64))
+    assert abs(big.item() - 4 * math.tanh(2.5) / (1 + math.exp(-10)) * 25 * math.tanh(40)) < 1e-12
+
+
+def test_situ_glu_gradcheck_and_swiglu_limit():
+    g = _gen(1)
+    a = (torch.randn(12, dtype=torch.float64, generator=g) * 30).requires_grad_()
+    u = (torch.randn(12, dtype=torch.float64, generator=g) * 60).requires_grad_()
+    assert torch.autograd.gradcheck(situ_glu, (a, u))
+    x = torch.randn(100, dtype=torch.float64, generator=g)
+    y = torch.randn(100, dtype=torch.float64, generator=g)
+    far = situ_glu(x, y, beta1=1e4, beta2=1e4)
+    assert_close("situ_glu -> swiglu as betas grow", F.silu(x) * y, far, 1e-6)
+    with pytest.raises(ValueError, match="beta1"):
+        situ_glu(x, y, beta1=0.0)
+    with pytest.raises(ValueError, match="same shape"):
+        situ_glu(x, y[:3])
+
+
+# ---------------------------------------------------------------- router
+
+def test_weights_are_the_unbiased_scores_even_at_tiny_scores_and_large_bias():
+    """flashinfer#3875: logits ~ -18, bias ~ 12: (s + b) - b in float32 rounds s to 0."""
+    E, K = 8, 2
+    logits = torch.full((3, E), -18.0) + torch.arange(E) * 0.1
+    bias = torch.zeros(E)
+    bias[[1, 4]] = 12.0
+    r = route(logits, bias, K)
+    assert (r.topk_idx.sort(-1).values == torch.tensor([1, 4])).all()
+    s64 = torch.sigmoid(logits.double()).gather(1, r.topk_idx)
+    assert_close("renormalised unbiased weights", s64 / s64.sum(-1, keepdim=True), r.topk_weight.double(), 1e-6)
+    assert (r.topk_weight > 0.4).all()
+    # With the selection fixed, changing the bias changes no weight.
+    r2 = route(logits, bias * 3, K)
+    assert torch.equal(r.topk_idx, r2.topk_idx) and torch.equal(r.topk_weight, r2.topk_weight)
+
+
+def test_router_gradient_is_autograd_of_the_renormalised_scores_and_never_reaches_the_bias():
+    g = _gen(2)
+    E, K = 6, 3
+    logits = torch.randn(5, E, dtype=torch.float64, generator=g).requires_grad_()
+    bias = torch.randn(E, generator=g).requires_grad_()
+    w = torch.randn(5, K, dtype=torch.float64, generator=g)
+    r = route(logits, bias, K, routed_scaling=2.5)
+    (r.topk_weight.double() * w).sum().backward()
+    assert bias.grad is None
+    ref_logits = logits.detach().clone().requires_grad_()
+    sel = torch.sigmoid(ref_logits).gather(1, r.topk_idx)
+    (2.5 * sel / sel.sum(-1, keepdim=True) * w).sum().backward()
+    assert_close("router grad", ref_logits.grad, logits.grad, 1e-6)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(top_k=9), "exceeds"), (dict(top_k=0), "top_k"), (dict(latent_dim=0), "latent_dim"),
+    (dict(n_experts=0), "n_experts"), (dict(activation="silu"), "activation"), (dict(balance="aux2"), "balance"),
+])
+def test_bad_configs_name_the_argument(bad, match):
+    with pytest.raises(ValueError, match=match):
+        MoE(_config(**bad))
+
+
+def test_nan_router_logits_and_bad_shapes_raise():
+    m = MoE(_config())
+    x = torch.randn(2, 3, 16)
+    x[0, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        m(x)
+    with pytest.raises(ValueError, match="d=16"):
+        m(torch.randn(2, 3, 15))
+    with pytest.raises(ValueError, match="mask"):
+        m(torch.randn(2, 3, 16), mask=torch.ones(3, 2, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------- grouped experts
+
+def test_grouped_gemm_equals_the_loop_forward_and_backward_with_empty_experts_and_padding():
+    g = _gen(3)
+    E, d, h, N, pad = 5, 8, 12, 40, 3
+    idx = torch.randint(0, E, (N, 1), generator=g)
+    idx[idx == 2] = 3  # expert 2 gets nothing
+    _, offsets, counts = group_by_expert(idx, E)
+    assert counts[2] == 0 and offsets[-1] == N
+    x = torch.randn(N + pad, d, generator=g)
+    ws = [torch.randn(E, d, h, generator=g) / 3, torch.randn(E, d, h, generator=g) / 3,
+          torch.randn(E, h, d, generator=g) / 3]
+    dy = torch.randn(N + pad, d, generator=g)
+    leaves32 = [t.clone().requires_grad_() for t in [x] + ws]
+    y = expert_ffn(leaves32[0], offsets, *leaves32[1:])
+    (y * dy).sum().backward()
+    leaves64 = [t.double().requires_grad_() for t in [x] + ws]
+    y64 = naive_expert_ffn(leaves64[0], offsets, *leaves64[1:])
+    (y64 * dy.double()).sum().backward()
+    assert torch.equal(y[N:], torch.zeros(pad, d)) and torch.equal(leaves32[0].grad[N:], torch.zeros(pad, d))
+    assert_close("grouped y", y64, y, 1e-6)
+    for name, a, b in zip(("x", "w_gate", "w_up", "w_down"), leaves64, leaves32):
+        assert_close(f"grouped d{name}", a.grad, b.grad, 1e-5)
+    with pytest.raises(ValueError, match="dtype"):
+        expert_ffn(x.double(), offsets, *[w.double() for w in ws])
+
+
+@pytest.mark.parametrize("latent", [8, None], ids=["latent", "full"])
+def test_moe_layer_equals_the_float64_loop_reference(latent):
+    torch.manual_seed(4)
+    m = MoE(_config(latent_dim=latent, balance="none"))
+    ref = MoE(_config(latent_dim=latent, balance="none")).double()
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(3, 7, 16, generator=_gen(4))
+    dy = torch.randn(3, 7, 16, generator=_gen(5))
+    x32, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+    y32, y64 = m(x32), ref.reference(x64)
+    assert torch.equal(m.last_routing.topk_idx, ref.last_routing.topk_idx)
+    (y32 * dy).sum().backward()
+    (y64 * dy.double()).sum().backward()
+    print(f"MoE latent={latent}: y rel err {assert_close('y', y64, y32, 1e-5):.2e}")
+    assert_close("dx", x64.grad, x32.grad, 1e-5)
+    p64 = dict(ref.named_parameters())
+    for name, p in m.named_parameters():
+        assert_close(f"d{name}", p64[name].grad, p.grad, 1e-5)
+    assert m.router.bias.grad is None and not m.router.bias.requires_grad
+
+
+def test_flops_per_token_counts_active_experts_at_their_width():
+    c = MoEConfig(d_model=7168, n_experts=64, top_k=8, expert_hidden=3072, latent_dim=3584, n_shared=2)
+    full = MoEConfig(d_model=7168, n_experts=64, top_k=8, expert_hidden=3072, latent_dim=None, n_shared=2)
+    routed_latent = 6 * 3584 * 3072 * 8
+    assert c.flops_per_token() == 2 * 7168 * 64 + 6 * 7168 * 3072 * 2 + 4 * 7168 * 3584 + routed_latent
+    assert 1.45 < full.flops_per_token() / c.flops_per_token() < 1.5
+    k3 = MoEConfig.k3()
+    assert (k3.n_experts, k3.top_k, k3.latent_dim, k3.n_shared) == (896, 16, 3584, 2)
+
+
+# ---------------------------------------------------------------- Quantile Balancing
+
+WORKED_SCORES = [[0.70, 0.55, 0.30], [0.95, 0.25, 0.90], [0.95, 0.10, 0.40],
+                 [0.70, 0.55, 0.60], [0.90, 0.55, 0.30], [0.90, 0.05, 0.25]]
+
+
+def test_qb_worked_example():
+    """Chapter 05's worked example: 6 tokens, 3 experts, top-1, so q = 2 tokens each; every token
+    prefers expert 0 until one Quantile Balancing update."""
+    s = torch.tensor(WORKED_SCORES, dtype=torch.float64)
+    logits = torch.logit(s).float()
+    r = route(logits, torch.zeros(3), K=1)
+    assert r.topk_idx[:, 0].tolist() == [0] * 6
+    # alpha_i: midway between each token's best and second-best score.
+    torch.testing.assert_close(r.cutoff, torch.tensor([0.625, 0.925, 0.675, 0.65, 0.725, 0.575]))
+    # r_ij = alpha_i - s_ij; b_hat_j = midway between the 2nd and 3rd smallest: -0.225, 0.1375, 0.1625.
+    b = quantile_bias(r.scores, r.cutoff, K=1)
+    torch.testing.assert_close(b, torch.tensor([-0.25, 0.1125, 0.1375]), atol=1e-6, rtol=0)
+    r2 = route(logits, b, K=1)
+    assert r2.topk_idx[:, 0].tolist() == [1, 2, 0, 2, 1, 0]
+    assert torch.bincount(r2.topk_idx[:, 0], minlength=3).tolist() == [2, 2, 2]
+
+
+@pytest.mark.parametrize("m, E, K", [(256, 8, 1), (512, 16, 2), (512, 16, 4)])
+def test_qb_reaches_exact_balance_on_a_fixed_batch(m, E, K):
+    logits = _skewed_logits(m, E, _gen(m + K))
+    b = torch.zeros(E)
+    history = []
+    for _ in range(400):
+        r = route(logits, b, K)
+        load = torch.bincount(r.topk_idx.flatten(), minlength=E)
+        history.append(maxvio(load))
+        if history[-1] == 0:
+            break
+        b = quantile_bias(r.scores, r.cutoff, K)
+    print(f"m={m} E={E} K={K}: maxvio {history[0]:.2f} -> {history[-1]:.3f} in {len(history) - 1} updates")
+    assert history[-1] == 0 and load.tolist() == [m * K // E] * E
+    assert history[1] < 0.5 * history[0]
+
+
+def test_recentring_the_bias_changes_no_choice():
+    logits = _skewed_logits(300, 12, _gen(6))
+    b = torch.randn(12, generator=_gen(7)) * 0.1
+    a, c = route(logits, b, 3), route(logits, b - b.mean() + 0.25, 3)
+    assert torch.equal(a.topk_idx.sort(-1).values, c.topk_idx.sort(-1).values)
+
+
+def test_histogram_estimate_is_within_one_bin_of_the_exact_interval():
+    m, E, K, bins = 2000, 16, 2, 1000
+    logits = _skewed_logits(m, E, _gen(8))
+    bias = torch.randn(E, generator=_gen(9)) * 0.05
+    r = route(logits, bias, K)
+    lo, hi = histogram_range(bias)
+    hist = histogram_counts(r.scores, r.cutoff, lo, hi, bins)
+    assert hist.sum(1).tolist() == [m] * E and hist.dtype == torch.int64
+    b_hat = histogram_quantile(hist, lo, hi, K)
+    rr = (r.cutoff[:, None] - r.scores).sort(0).values
+    q = m * K // E
+    # Every bias in [q-th, (q+1)-th smallest r] gives expert j exactly q tokens.
+    b_lo, b_hi, w = rr[q - 1], rr[q], (hi - lo) / bins
+    assert ((b_hat >= b_lo - w) & (b_hat <= b_hi + w)).all()
+    exact, est = quantile_bias(r.scores, r.cutoff, K), histogram_bias(hist, lo, hi, K)
+    print(f"histogram vs exact bias: max diff {(exact - est).abs().max():.2e}, bin width {w:.2e}")
+    assert (exact - est).abs().max() < (b_hi - b_lo).max() + 2 * w
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_distributed_histogram_equals_the_pooled_one(world_size):
+    results = launch(histogram_worker, world_size, world_size, timeout_s=120)
+    pooled = histogram_worker(0, 1, None, world_size)
+    for load, bias in results:
+        assert torch.equal(load, pooled[0])
+        assert torch.equal(bias, pooled[1])
+
+
+# ---------------------------------------------------------------- counting rules
+
+def test_eval_forwards_count_nothing_and_train_eval_choose_the_same_experts():
+    m = MoE(_config())
+    x = torch.randn(4, 6, 16, generator=_gen(10))
+    m.eval()
+    with torch.no_grad():
+        m(x)
+    eval_idx = m.last_routing.topk_idx.clone()
+    assert m.balance.counts.sum() == 0 and m.balance.hist.sum() == 0
+    m.train()
+    m(x)
+    assert torch.equal(m.last_routing.topk_idx, eval_idx)
+    assert m.balance.counts.sum() == 4 * 6 * 2
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recompute_counts_each_token_once(reentrant):
+    m = MoE(_config())
+    x = torch.randn(3, 5, 16, generator=_gen(11), requires_grad=True)
+    checkpoint(m, x, use_reentrant=reentrant).sum().backward()
+    assert m.balance.counts.sum() == 3 * 5 * 2
+    assert m.balance.hist.sum() == 3 * 5 * 8
+    assert x.grad is not None
+
+
+def test_padding_is_not_counted_and_bias_stays_float32_in_bf16():
+    m = MoE(_config()).to(torch.bfloat16)
+    assert m.router.bias.dtype == torch.float32 and m.experts.w_gate.dtype == torch.bfloat16
+    x = torch.randn(2, 8, 16, generator=_gen(12)).bfloat16()
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1, 5:] = False
+    m(x, mask=mask)
+    assert m.balance.counts.dtype == torch.int64 and m.balance.counts.sum() == 13 * 2
+    assert m.balance.hist.sum() == 13 * 8
+    load = update_biases(m)[0]
+    assert load.sum() == 26 and m.router.bias.dtype == torch.float32 and m.router.bias.abs().sum() > 0
+
+
+def test_every_layer_is_updated_disabled_ones_skipped_none_is_a_noop():
+    layers = torch.nn.ModuleList([MoE(_config(balance=b)) for b in ("qb", "none", "sign", "qb")])
+    x = torch.randn(2, 9, 16, generator=_gen(13))
+    for layer in layers:
+        layer(x)
+    loads = update_biases(layers)
+    assert len(loads) == 4 and all(load.sum() == 36 for load in loads)
+    assert layers[0].router.bias.abs().sum() > 0 and layers[3].router.bias.abs().sum() > 0
+    assert layers[1].router.bias.abs().sum() == 0
+    assert all(layer.balance.counts.sum() == 0 for layer in layers)
+    assert update_biases(torch.nn.Linear(3, 3)) == []
+
+
+def test_sign_update_compares_like_with_like():
+    """torchtitan#1506: comparing an expected frequency with raw counts moved every expert one way."""
+    m = MoE(_config(balance="sign", sign_lr=0.01, n_experts=4, top_k=1))
+    m.balance.counts.copy_(torch.tensor([5, 5, 1, 9]))
+    update_biases(m)
+    torch.testing.assert_close(m.router.bias, torch.tensor([0.0, 0.0, 0.01, -0.01]))
+
+
+def test_aux_loss_gradient_reaches_the_router_as_autograd_of_the_total_loss():
+    m = MoE(_config(balance="aux", aux_coef=0.1, latent_dim=None)).double()
+    x = torch.randn(2, 10, 16, dtype=torch.float64, generator=_gen(14))
+    y = m(x)
+    total = y.pow(2).mean() + balance_loss(m)
+    total.backward()
+    got = m.router.weight.grad.clone()
+    m.zero_grad()
+    y = m(x)
+    r = m.last_routing
+    manual = y.pow(2).mean() + 0.1 * aux_loss(r.scores, r.topk_idx)
+    manual.backward()
+    assert_close("router grad with aux", m.router.weight.grad, got, 1e-12)
+    uniform = aux_loss(torch.full((8, 4), 0.5), torch.tensor([[0], [1], [2], [3]] * 2))
+    assert abs(uniform.item() - 1.0) < 1e-6
