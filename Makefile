@@ -23,6 +23,7 @@ help:
 	@echo "make book   execute the book (CPU defaults): build/notebooks, build/html, a table"
 	@echo "make test   check .py/.ipynb sync, pytest tests/ and nbval over book/ in one process"
 	@echo "make venv | sysdeps | data   the prerequisites both commands build when missing"
+	@echo "  sysdeps, as root: apt-get installs QEMU for chapter 07; K3LAB_SKIP_SYSDEPS=1 skips it"
 
 $(TORCH_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,7 +37,8 @@ $(VENV_STAMP): pyproject.toml setup.py $(TORCH_STAMP)
 
 venv: $(VENV_STAMP)
 
-# System packages for the AgentEnv chapter (QEMU); a no-op until k3lab/agentenv/sysdeps.py exists.
+# System packages for the AgentEnv chapter (QEMU): as root with apt-get, installs the missing ones
+# system-wide; K3LAB_SKIP_SYSDEPS=1 skips it. A no-op until k3lab/agentenv/sysdeps.py exists.
 sysdeps: $(VENV_STAMP)
 	@if [ -f k3lab/agentenv/sysdeps.py ]; then $(PY) -m k3lab.agentenv.sysdeps; fi
 

@@ -2,7 +2,8 @@
 
 One guest is cold-booted per module (the pool's base snapshot, ~5 s under TCG); every test gets
 its own copy-on-write restore of it (~0.3 s). Needs the system packages installed by
-``python -m k3lab.agentenv.sysdeps`` (``make test`` runs it first).
+``python -m k3lab.agentenv.sysdeps`` (``make test`` runs it first); skipped when
+``K3LAB_SKIP_SYSDEPS=1`` left them uninstalled.
 """
 from __future__ import annotations
 
@@ -17,9 +18,14 @@ import pytest
 from k3lab.agentenv import (Sandbox, SandboxCrashed, SandboxError, SandboxPool, SandboxStateError,
                             build_image, detect_host, leftovers)
 from k3lab.agentenv.agent import AgentChannel, AgentClosed
+from k3lab.agentenv import sysdeps
 from k3lab.agentenv.qemu import QemuVM
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(sysdeps.skip_requested() and bool(sysdeps.missing_packages()),
+                       reason="K3LAB_SKIP_SYSDEPS=1 and the QEMU tools are missing"),
+]
 
 
 @pytest.fixture(scope="module")

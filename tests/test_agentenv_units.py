@@ -72,13 +72,27 @@ def test_image_cached_checksummed_and_tamper_detected(tmp_path):
 
 
 def test_sysdeps_reports_missing_with_the_command(monkeypatch, capsys):
-    assert sysdeps.missing_packages() == []  # make test ran sysdeps first
+    if not sysdeps.skip_requested():
+        assert sysdeps.missing_packages() == []  # make test ran sysdeps first
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.setattr(sysdeps.shutil, "which", lambda *a, **k: None)
     assert "qemu-system-x86" in sysdeps.missing_packages()
     assert sysdeps.main(["--check"]) == 1
     err = capsys.readouterr().err
     assert "apt-get install -y --no-install-recommends" in err and "qemu-utils" in err
+
+
+def test_sysdeps_skip_variable_installs_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(sysdeps, "missing_packages", lambda: ["qemu-system-x86"])
+    monkeypatch.setattr(sysdeps.subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a}"))
+    monkeypatch.setenv("K3LAB_SKIP_SYSDEPS", "1")
+    assert sysdeps.main([]) == 0
+    out = capsys.readouterr().out
+    assert "skipped (K3LAB_SKIP_SYSDEPS=1)" in out and "qemu-system-x86" in out and "chapter 07" in out
+    assert sysdeps.main(["--check"]) == 1, "--check still reports what is missing"
+    monkeypatch.setenv("K3LAB_SKIP_SYSDEPS", "yes")
+    assert sysdeps.main([]) == 2
+    assert "$K3LAB_SKIP_SYSDEPS must be 0 or 1" in capsys.readouterr().err
 
 
 def _reply(rid: int, out: bytes, err: bytes = b"", rc: int = 0, got: str = "-") -> list[bytes]:
