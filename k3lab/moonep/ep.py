@@ -1,0 +1,86 @@
+"""``moonep_experts``: one expert-parallel MoE step, MoonEP or the all-to-all baseline, chosen by one flag."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from k3lab.moonep.alltoall import alltoall_step
+from k3lab.moonep.dispatch import moonep_step
+
+MODES = ("moonep", "alltoall")
+
+
+def _run_ffn(x, offsets, w_gate, w_up, w_down, activation="situ"):
+    from k3lab.moe.experts import expert_ffn, naive_expert_ffn  # noqa: PLC0415
+
+    # grouped_mm takes float32/bf16/fp16 only; float64 (references) goes through the loop.
+    fn = naive_expert_ffn if x.dtype == torch.float64 else expert_ffn
+    return fn(x, offsets, w_gate, w_up, w_down, activation=activation)
+
+
+def moonep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts, group,
+                   mode: str = "moonep", pad_mask: torch.Tensor | None = None,
+                   check_ids: bool = True) -> torch.Tensor:
+    """The routed experts' output for this rank's tokens under expert parallelism over ``group``.
+
+        out[t] = sum_k topk_weight[t, k] * FFN_{topk_idx[t, k]}(x[t])
+
+    with E = R * L experts, rank r holding experts r*L ... r*L + L-1 in ``experts``. ``mode="moonep"``:
+    every rank processes exactly S*K pairs on static shapes, hot experts replicated from their home rank
+    (K3 report, App. E; ``k3lab.moonep.dispatch``); ``mode="alltoall"``: each expert on its home rank,
+    dynamic shapes and a host sync (``k3lab.moonep.alltoall``). Both are differentiable in ``x``,
+    ``topk_weight`` and the expert weights; the expert weights' gradients are those of the sum of all
+    ranks' losses, replicas' gradients summed onto the home rank.
+
+    Args:
+        x (Tensor): [S, d] float32/bfloat16/float16 (float64 via the loop reference), this rank's tokens.
+        topk_idx (Tensor): [S, K] int64 expert ids in [0, E); S and K must be the same on every rank.
+        topk_weight (Tensor): [S, K], x's dtype.
+        experts: ``k3lab.moe.experts.GroupedExperts(L, d, h)`` (or any object with ``w_gate``, ``w_up``
+            [L, d, h], ``w_down`` [L, h, d] and optionally ``activation``), this rank's home experts.
+        group: the EP process group (R ranks; ``make_mesh(...)["ep"].get_group()``).
+        mode (str): "moonep" or "alltoall".
+        pad_mask (Tensor | None): [S] bool, True for padding tokens: their ids may be anything (they are
+            sent to this rank's own experts, keeping every count static), their weights count as 0 and
+            their output is 0.
+        check_ids (bool): check the ids on the host (one sync); pass False on a hot path where the
+            router cannot produce bad ids.
+
+    Returns:
+        Tensor [S, d], x's dtype.
+
+    Raises:
+        ValueError: a shape or dtype disagrees, ``mode`` is unknown, E is not R * L, or (``check_ids``) an
+            id outside [0, E) on a token that is not padding.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    w_gate, w_up, w_down = experts.w_gate, experts.w_up, experts.w_down
+    L = w_gate.shape[0]
+    E = R * L
+    if x.ndim != 2 or x.shape[1] != w_gate.shape[1]:
+        raise ValueError(f"x must be [S, d={w_gate.shape[1]}], got {list(x.shape)}")
+    S = x.shape[0]
+    if topk_idx.ndim != 2 or topk_idx.shape[0] != S or topk_idx.dtype != torch.int64:
+        raise ValueError(f"topk_idx must be [S={S}, K] int64, got {list(topk_idx.shape)} {topk_idx.dtype}")
+    if topk_weight.shape != topk_idx.shape or topk_weight.dtype != x.dtype:
+        raise ValueError(f"topk_weight must be [S={S}, K={topk_idx.shape[1]}] {x.dtype}, got "
+                         f"{list(topk_weight.shape)} {topk_weight.dtype}")
+    if pad_mask is not None:
+        if pad_mask.shape != (S,) or pad_mask.dtype != torch.bool:
+            raise ValueError(f"pad_mask must be [S={S}] bool, got {list(pad_mask.shape)} {pad_mask.dtype}")
+        # Padding pairs go to this rank's own experts, spread over them: any valid slot works, since
+        # MoonEP balances whatever it is given, and the baseline then sends them nowhere.
+        own = rank * L + torch.arange(topk_idx.shape[1], device=topk_idx.device) % L
+        topk_idx = torch.where(pad_mask[:, None], own, topk_idx)
+        topk_weight = torch.where(pad_mask[:, None], topk_weight.new_zeros(()), topk_weight)
+    if check_ids:
+        bad = (topk_idx < 0) | (topk_idx >= E)
+        if bool(bad.any()):
+            raise ValueError(f"topk_idx must lie in [0, E={E}) (E = R={R} ranks x L={L} local experts); got "
+                             f"{topk_idx[bad][:8].tolist()} at tokens {bad.any(1).nonzero()[:8, 0].tolist()}")
+    step = moonep_step if mode == "moonep" else alltoall_step
+    out, _ = step(x, topk_idx, topk_weight, w_gate, w_up, w_down, group, _run_ffn,
+                  activation=getattr(experts, "activation", "situ"))
+    return out

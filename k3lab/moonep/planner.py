@@ -1,0 +1,232 @@
+"""The MoonEP planner: from the router's token counts, a plan in which every EP rank processes exactly S*K
+token-expert pairs and hosts at most E/R redundant experts (K3 report, App. E, Theorems 1-2).
+
+E experts over R ranks, L = E/R homed on each: expert e lives on rank e // L. Each rank routes S tokens
+to K experts, so the R ranks together hold R*S*K pairs and the balanced load is C = S*K per rank.
+
+The constructive fill (App. E): while some rank is under-loaded, take the most over-loaded rank d (the
+donor) and the least-loaded rank u (the receiver), and move exactly C - load(u) of d's pairs to u, the
+donor's experts with the most pairs left first (so few distinct experts move). A receiver is filled
+exactly, once, and never donates; so at most R-1 fills, and every rank's remote pairs come from one
+home rank: at most L = E/R redundant experts on any rank, and never two replicas of one expert on one
+rank. The bound is nearly tight: with rank 0's experts idle and the others even, some rank needs
+ceil(E(R-1)/R^2) of them.
+
+Every step is a fixed number of tensor ops on the counts' device (R-1 fill steps, each a no-op once the
+load is even): no ``.item()``, no ``.tolist()``, no data-dependent shapes, so it can run inside a CUDA
+graph. ``naive.plan_reference`` is the same fill in plain Python, the reference this is tested against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every expert's pairs are processed. L = E/R, C = S*K.
+
+    Attributes:
+        keep (Tensor): [E] int64, pairs of expert e processed on its home rank e // L.
+        give (Tensor): [R, L] int64, pairs of expert ``donor[v]*L + j`` processed on rank v
+            (zero when ``donor[v] == v``).
+        donor (Tensor): [R] int64, the home rank whose experts fill rank v's redundant slots (v itself
+            when v receives nothing).
+        assign (Tensor): [E, R] int64, pairs of expert e processed on rank v; rows sum to the expert's
+            global load, columns to C.
+        slot_experts (Tensor): [R, 2L] int64, the expert of each slot of rank v's buffer: its L local
+            experts ``v*L + j``, then its L redundant slots ``donor[v]*L + j``.
+        slot_counts (Tensor): [R, 2L] int64, rows of each slot (``cat(keep.view(R, L), give)``).
+        offsets (Tensor): [R, 2L] int32, cumulative ends of the slots (cu_seqlens without the leading 0,
+            ``torch.nn.functional.grouped_mm``'s ``offs``); ``offsets[:, -1] == C``.
+        S, K (int): tokens per rank, top-k; C = S*K rows in every rank's buffer.
+    """
+
+    keep: torch.Tensor
+    give: torch.Tensor
+    donor: torch.Tensor
+    assign: torch.Tensor
+    slot_experts: torch.Tensor
+    slot_counts: torch.Tensor
+    offsets: torch.Tensor
+    S: int
+    K: int
+
+    @property
+    def R(self) -> int:
+        return self.give.shape[0]
+
+    @property
+    def E(self) -> int:
+        return self.keep.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.S * self.K
+
+    def redundant(self) -> torch.Tensor:
+        """[R] int64: redundant experts each rank actually hosts (redundant slots with pairs)."""
+        return (self.give > 0).sum(1)
+
+
+def check_counts(counts: torch.Tensor, S: int, K: int) -> tuple[int, int, int]:
+    """Shape and dtype checks shared by the planners (values are not read: that would sync).
+
+    Returns:
+        (R, E, L).
+
+    Raises:
+        ValueError: ``counts`` is not a [R, E] integer tensor with E a multiple of R, or S, K are not
+            positive ints.
+    """
+    if not isinstance(counts, torch.Tensor) or counts.ndim != 2 or counts.dtype not in (torch.int32, torch.int64):
+        got = f"{tuple(counts.shape)} {counts.dtype}" if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise ValueError(f"counts must be a [R, E] int64 tensor, got {got}")
+    for name, v in (("S", S), ("K", K)):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    R, E = counts.shape
+    if R == 0 or E % R:
+        raise ValueError(f"E = {E} experts must be a positive multiple of R = {R} ranks (E/R homed on each)")
+    return R, E, E // R
+
+
+def finish_plan(keep: torch.Tensor, give: torch.Tensor, donor: torch.Tensor, S: int, K: int) -> Plan:
+    """The derived fields of a ``Plan`` from its (keep, give, donor); shared with the reference."""
+    R, L = give.shape
+    dev = give.device
+    ranks = torch.arange(R, device=dev)
+    local = ranks[:, None] * L + torch.arange(L, device=dev)
+    slot_experts = torch.cat([local, donor[:, None] * L + torch.arange(L, device=dev)], 1)
+    slot_counts = torch.cat([keep.view(R, L), give], 1)
+    # assign[e, v]: the home column from keep, the redundant columns from give; a rank with no donor adds
+    # zeros onto its own experts' home column.
+    assign = torch.zeros(R * L, R, dtype=torch.int64, device=dev)
+    assign.index_put_((slot_experts.reshape(-1), ranks.repeat_interleave(2 * L)), slot_counts.reshape(-1),
+                      accumulate=True)
+    offsets = slot_counts.cumsum(1).to(torch.int32)
+    return Plan(keep=keep, give=give, donor=donor, assign=assign, slot_experts=slot_experts,
+                slot_counts=slot_counts, offsets=offsets, S=S, K=K)
+
+
+def plan(counts: torch.Tensor, S: int, K: int) -> Plan:
+    """The MoonEP plan for one micro-batch (K3 report, App. E, constructive proof of Theorem 1).
+
+    Args:
+        counts (Tensor): [R, E] int64 (or int32), ``counts[r, e]`` = pairs on rank r routed to expert e;
+            every row must sum to S*K (not checked: that would read the counts back to the host).
+        S (int): tokens per rank.
+        K (int): experts per token.
+
+    Returns:
+        Plan: every rank processes exactly S*K pairs, at most E/R of them redundant experts, all from one
+        home rank; tensors on ``counts``' device.
+
+    Raises:
+        ValueError: ``counts`` is not [R, E] integer with E a multiple of R, or S, K not positive ints.
+
+    Example:
+        >>> p = plan(torch.tensor([[4, 0, 0, 0], [4, 0, 0, 0]]), S=2, K=2)   # R=2, E=4: all to expert 0
+        >>> p.offsets.tolist()        # rank 0 keeps 4 of expert 0, rank 1 takes the other 4
+        [[4, 4, 4, 4], [0, 0, 4, 4]]
+    """
+    R, E, L = check_counts(counts, S, K)
+    C = S * K
+    dev = counts.device
+    counts = counts.long()
+    # 1. global load per expert and per home rank.
+    keep = counts.sum(0)
+    load = keep.view(R, L).sum(1)
+    give = torch.zeros(R, L, dtype=torch.int64, device=dev)
+    donor = torch.arange(R, device=dev)
+    ranks = torch.arange(R, device=dev)
+    # 2. at most R-1 fills: each fill brings one receiver to exactly C for good, and the last one leaves
+    #    the donor at C too. A step with no under-loaded rank left moves nothing (need = 0).
+    for _ in range(R - 1):
+        # 3. the least-loaded receiver u and the most over-loaded donor d (first index on ties).
+        u = load.argmin()
+        d = load.argmax()
+        need = (C - load[u]).clamp(min=0)
+        # 4. the donor's experts, most pairs left first (stable: lower expert index on ties). A donor was
+        #    never a receiver (receivers sit at C), so its load is its own experts' pairs left: enough.
+        left = keep.view(R, L).index_select(0, d.view(1))[0]
+        vals, order = left.sort(descending=True, stable=True)
+        # 5. take greedily up to `need` in that order: expert i gets min(vals_i, need - sum before i).
+        take_sorted = (need - (vals.cumsum(0) - vals)).clamp(min=0).minimum(vals)
+        take = torch.zeros_like(left).scatter(0, order, take_sorted)
+        # 6. move them: the donor keeps fewer, the receiver's redundant slots hold them.
+        keep.view(R, L).index_add_(0, d.view(1), -take.view(1, L))
+        give.index_add_(0, u.view(1), take.view(1, L))
+        donor = torch.where((ranks == u) & (need > 0), d, donor)
+        load = load + need * ((ranks == u).long() - (ranks == d).long())
+    # 7. slots, offsets and the expert -> rank table.
+    return finish_plan(keep, give, donor, S, K)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One rank's view of a plan: where its own pairs go and where its buffer's rows come from. C = S*K.
+
+    Attributes:
+        dest_rank (Tensor): [S*K] int64, the rank that processes pair p (p = token * K + k).
+        dest_row (Tensor): [S*K] int64, pair p's row in that rank's [C, d] buffer.
+        src_rank (Tensor): [C] int64, the rank whose pair fills row i of this rank's buffer.
+        offsets (Tensor): [2L] int32, this rank's slot ends (``plan.offsets[rank]``).
+        slot_experts (Tensor): [2L] int64, this rank's slot experts (``plan.slot_experts[rank]``).
+    """
+
+    dest_rank: torch.Tensor
+    dest_row: torch.Tensor
+    src_rank: torch.Tensor
+    offsets: torch.Tensor
+    slot_experts: torch.Tensor
+
+
+def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int) -> Layout:
+    """Destinations of rank ``rank``'s pairs and the sources of its buffer rows, from the plan.
+
+    Expert e's pairs are numbered globally, rank by rank in source order and in pair order inside a rank
+    (g = pairs of e on earlier ranks + position among this rank's pairs of e), and cut into consecutive
+    pieces, one per processing rank in rank order (``plan.assign[e]``). Every rank computes the same
+    numbering from the same counts, so no indices are exchanged.
+
+    Args:
+        p (Plan): from ``plan(counts, S, K)``.
+        counts (Tensor): [R, E] int64, the counts the plan was made from.
+        topk_idx (Tensor): [S, K] int64 expert ids of this rank's tokens, all in [0, E).
+        rank (int): this rank.
+
+    Returns:
+        Layout, on ``counts``' device; no host synchronisation.
+    """
+    R, E, L, C = p.R, p.E, p.E // p.R, p.capacity
+    dev = counts.device
+    counts = counts.long()
+    e = topk_idx.reshape(-1)
+    # 1. position of each pair among this rank's pairs of the same expert (stable sort keeps pair order).
+    order = torch.argsort(e, stable=True)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(e.numel(), device=dev)
+    mine = counts[rank]
+    local_idx = pos - (mine.cumsum(0) - mine)[e]
+    # 2. its global number within expert e.
+    before = counts.cumsum(0) - counts
+    g = before[rank][e] + local_idx
+    # 3. the processing rank: the piece of assign[e] that holds g.
+    cum = p.assign.cumsum(1)
+    dest_rank = (cum[e] <= g[:, None]).sum(1)
+    within = g - (cum - p.assign)[e, dest_rank]
+    # 4. its slot there: the home slot on e's home rank, else the redundant slot of the same index.
+    slot = torch.where(dest_rank == e // L, e % L, L + e % L)
+    starts = (p.slot_counts.cumsum(1) - p.slot_counts)
+    dest_row = starts[dest_rank, slot] + within
+    # 5. this rank's buffer: row i's slot, expert and global number, then the source rank holding it.
+    rows = torch.arange(C, device=dev)
+    my_off = p.offsets[rank].long()
+    row_slot = torch.searchsorted(my_off, rows, right=True).clamp(max=2 * L - 1)
+    row_expert = p.slot_experts[rank][row_slot]
+    row_g = (cum - p.assign)[row_expert, rank] + rows - starts[rank][row_slot]
+    src_rank = (counts.cumsum(0).T[row_expert] <= row_g[:, None]).sum(1).clamp(max=R - 1)
+    return Layout(dest_rank=dest_rank, dest_row=dest_row, src_rank=src_rank, offsets=p.offsets[rank],
+                  slot_experts=p.slot_experts[rank])

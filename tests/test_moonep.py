@@ -1,0 +1,268 @@
+"""MoonEP: planner properties (hypothesis) against the App. E reference over random and adversarial loads,
+the layout by a simulated all-to-all, no host sync while planning, input errors, EP = 1 bitwise against
+the dense MoE, and 2- and 4-rank gloo runs (MoonEP and the all-to-all baseline) against one process."""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from k3lab.dist import launch
+from k3lab.moonep import layout, moonep_experts, plan, plan_reference
+from k3lab.moonep.workers import ROUTINGS, Case, check_worker, gather_ranks, make_inputs, make_routing, reference
+from k3lab.testing import assert_close
+
+LOADS = ("multinomial", "one_expert", "one_rank_idle", "zipf", "identical", "one_rank_hot")
+
+
+def make_counts(kind: str, R: int, L: int, S: int, K: int, seed: int) -> torch.Tensor:
+    """[R, E] int64 counts whose rows sum to S*K (pairs need not be distinct experts per token)."""
+    E, C = R * L, S * K
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "one_expert":
+        w = torch.zeros(E).index_fill_(0, torch.tensor([seed % E]), 1.0)
+    elif kind == "one_rank_idle":
+        w = torch.ones(E)
+        w[:L] = 0 if R > 1 else 1
+    elif kind == "zipf":
+        w = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.5
+    elif kind == "identical":
+        w = torch.zeros(E).index_fill_(0, torch.randperm(E, generator=gen)[:min(K, E)], 1.0)
+    elif kind == "one_rank_hot":
+        w = torch.full((E,), 1e-3)
+        w[(seed % R) * L:(seed % R + 1) * L] = 1.0
+    else:
+        w = torch.rand(E, generator=gen, dtype=torch.float64) ** 3 + 1e-3
+    rows = [torch.multinomial(w.float().expand(1, E), C, replacement=True, generator=gen)[0] for _ in range(R)]
+    return torch.stack([torch.zeros(E, dtype=torch.int64).scatter_add_(0, r, torch.ones_like(r)) for r in rows])
+
+
+def check_plan(p, counts, S, K):
+    """The properties every plan must have; returns the max redundant experts per rank."""
+    R, E = counts.shape
+    L, C = E // R, S * K
+    assert (p.keep >= 0).all() and (p.give >= 0).all()
+    # Exact balance: every rank processes S*K pairs; offsets are cu_seqlens within capacity.
+    assert torch.equal(p.slot_counts.sum(1), torch.full((R,), C))
+    assert torch.equal(p.offsets[:, -1], torch.full((R,), C, dtype=torch.int32))
+    assert (p.offsets.diff(dim=1) >= 0).all() and (p.offsets >= 0).all()
+    # Every pair processed once, nowhere else.
+    assert torch.equal(p.assign.sum(1), counts.sum(0)) and torch.equal(p.assign.sum(0), torch.full((R,), C))
+    home = torch.arange(E) // L
+    for v in range(R):
+        remote = [e for e in range(E) if p.assign[e, v] > 0 and home[e] != v]
+        # Remote pairs from one home rank (the donor), so at most E/R redundant experts.
+        assert len({int(home[e]) for e in remote}) <= 1 and len(remote) <= L
+        if remote:
+            assert int(p.donor[v]) == int(home[remote[0]])
+        # A replica of one expert never twice on one rank (and never on its own home).
+        used = p.slot_experts[v][p.slot_counts[v] > 0].tolist()
+        assert len(used) == len(set(used))
+    assert int((p.donor != torch.arange(R)).sum()) <= R - 1
+    return int(p.redundant().max())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(R=st.sampled_from([1, 2, 3, 4, 5, 8, 16]), L=st.integers(1, 6), S=st.integers(1, 24), K=st.integers(1, 4),
+       kind=st.sampled_from(LOADS), seed=st.integers(0, 2**16))
+def test_planner_properties_and_reference(R, L, S, K, kind, seed):
+    """Exact S*K balance, the E/R bound, one donor per rank, no double replica; equal to App. E's reference."""
+    counts = make_counts(kind, R, L, S, K, seed)
+    p = plan(counts, S, K)
+    ref = plan_reference(counts, S, K)
+    for name in ("keep", "give", "donor", "assign", "slot_experts", "offsets"):
+        assert torch.equal(getattr(p, name), getattr(ref, name)), name
+    check_plan(p, counts, S, K)
+
+
+@settings(max_examples=40, deadline=None)
+@given(R=st.integers(2, 8), L=st.integers(1, 6), t=st.integers(1, 4), K=st.integers(1, 3))
+def test_tightness_case(R, L, t, K):
+    """Rank 0's experts idle, the other (R-1)L experts n = K R t pairs each: rank 0 needs C/n =
+    ceil(E(R-1)/R^2) experts at least, and the plan uses no more than E/R on any rank."""
+    E, n = R * L, K * R * t
+    S = (R - 1) * L * t
+    C = S * K
+    seq = torch.arange(L, E).repeat_interleave(n)
+    counts = torch.stack([torch.bincount(seq[r * C:(r + 1) * C], minlength=E) for r in range(R)])
+    p = plan(counts, S, K)
+    most = check_plan(p, counts, S, K)
+    assert math.ceil(E * (R - 1) / R**2) <= int(p.redundant()[0]) <= most <= E // R
+
+
+@settings(max_examples=60, deadline=None)
+@given(R=st.sampled_from([1, 2, 3, 4]), L=st.integers(1, 3), S=st.integers(1, 12), K=st.integers(1, 3),
+       kind=st.sampled_from(ROUTINGS + ("random",)), seed=st.integers(0, 2**16))
+def test_layout_by_simulated_all_to_all(R, L, S, K, kind, seed):
+    """Every pair lands on a distinct row of its destination's buffer, inside a slot of its own expert,
+    and that row names the pair's rank as its source: the layout each rank computes alone agrees."""
+    E = R * L
+    K = min(K, E)
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "random" or (kind == "idle_rank" and E - L < K):
+        idx = torch.randint(0, E, (R, S, K), generator=gen)
+    else:
+        idx = make_routing(kind, R, S, K, E, gen)
+    counts = torch.stack([torch.bincount(idx[r].reshape(-1), minlength=E) for r in range(R)])
+    p = plan(counts, S, K)
+    lays = [layout(p, counts, idx[r], r) for r in range(R)]
+    C = S * K
+    owner = torch.full((R, C), -1)
+    for r, lay in enumerate(lays):
+        assert owner[lay.dest_rank, lay.dest_row].eq(-1).all()
+        owner[lay.dest_rank, lay.dest_row] = r * C + torch.arange(C)
+        assert (lay.dest_row < C).all() and (lay.dest_row >= 0).all()
+    assert (owner >= 0).all(), "a buffer row received no pair"
+    for v, lay in enumerate(lays):
+        slot = torch.searchsorted(lay.offsets.long(), torch.arange(C), right=True)
+        src, pair = owner[v] // C, owner[v] % C
+        assert torch.equal(lay.src_rank, src)
+        assert torch.equal(lay.slot_experts[slot], idx.view(R, C)[src, pair])
+
+
+def test_planner_and_layout_never_sync(monkeypatch):
+    """No .item()/.tolist()/.cpu()/bool()/int() on a tensor while planning and laying out (CPU check of the
+    static-shape claim; on a GPU the same path runs under torch.cuda.set_sync_debug_mode("error"))."""
+    R, L, S, K = 4, 3, 16, 2
+    gen = torch.Generator().manual_seed(0)
+    idx = make_routing("zipf", R, S, K, R * L, gen)
+    counts = torch.stack([torch.bincount(idx[r].reshape(-1), minlength=R * L) for r in range(R)])
+
+    def sync(*args, **kwargs):
+        raise AssertionError("host synchronisation on the planner path")
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, sync)
+    p = plan(counts, S, K)
+    lays = [layout(p, counts, idx[r], r) for r in range(R)]
+    monkeypatch.undo()
+    assert int(p.offsets[:, -1].min()) == S * K and len(lays) == R
+
+
+def test_plan_worked_example():
+    """R = 2, E = 4, S = K = 2, every pair to expert 0: rank 0 keeps 4 of expert 0, rank 1 takes the
+    other 4 into its first redundant slot (expert 0's replica)."""
+    p = plan(torch.tensor([[4, 0, 0, 0], [4, 0, 0, 0]]), 2, 2)
+    assert p.offsets.tolist() == [[4, 4, 4, 4], [0, 0, 4, 4]]
+    assert p.slot_experts.tolist() == [[0, 1, 0, 1], [2, 3, 0, 1]]
+    assert p.donor.tolist() == [0, 0] and p.redundant().tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("counts,S,K,match", [
+    (torch.zeros(2, 3, dtype=torch.int64), 1, 1, "multiple of R"),
+    (torch.zeros(4, dtype=torch.int64), 1, 1, r"\[R, E\]"),
+    (torch.zeros(2, 4), 1, 1, r"\[R, E\] int64"),
+    (torch.zeros(2, 4, dtype=torch.int64), 0, 1, "S must be"),
+], ids=["E%R", "1-D", "float", "S=0"])
+def test_plan_rejects_bad_counts(counts, S, K, match):
+    with pytest.raises(ValueError, match=match):
+        plan(counts, S, K)
+
+
+def test_plan_reference_rejects_unbalanced_rows():
+    with pytest.raises(ValueError, match="summing to S\\*K = 4"):
+        plan_reference(torch.tensor([[4, 0], [3, 0]]), 2, 2)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A 1-rank gloo group in this process (EP = 1), torn down after the module's tests."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0,
+                                world_size=1, timeout=datetime.timedelta(seconds=60))
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+
+
+def _ep1(case: Case, R: int, group, mode: str) -> dict:
+    """EP = 1 on the global batch that ``R`` ranks split: out and every gradient."""
+    full = make_inputs(case, R)
+    x = full["x"].clone().requires_grad_()
+    tw = full["topk_weight"].clone().requires_grad_()
+    experts = torch.nn.Module()
+    for n in ("w_gate", "w_up", "w_down"):
+        setattr(experts, n, torch.nn.Parameter(full[n].clone()))
+    out = moonep_experts(x, full["topk_idx"], tw, experts, group, mode=mode,
+                         pad_mask=full["pad"] if case.padded else None)
+    (out * full["w_o"]).sum().backward()
+    return dict(out=out.detach(), grad_x=x.grad, grad_topk_weight=tw.grad,
+                grads={n: getattr(experts, n).grad for n in ("w_gate", "w_up", "w_down")})
+
+
+@pytest.mark.parametrize("mode", ["moonep", "alltoall"])
+def test_ep1_is_the_dense_moe_bitwise(one_rank_group, mode):
+    """EP = 1: output and every gradient equal ``dense_moe`` bit for bit (skewed routing, padding)."""
+    case = Case(S=20, routing="zipf", padded=True, seed=3)
+    got, ref = _ep1(case, 1, one_rank_group, mode), reference(case, 1)
+    for key in ("out", "grad_x", "grad_topk_weight"):
+        assert torch.equal(got[key], ref[key]), key
+    for n in ref["grads"]:
+        assert torch.equal(got["grads"][n], ref["grads"][n]), n
+
+
+def test_entry_rejects_bad_inputs(one_rank_group):
+    """Ids outside [0, E) (unless padding), unknown modes and mismatched shapes are ValueErrors."""
+    g = torch.Generator().manual_seed(0)
+    experts = torch.nn.Module()
+    experts.w_gate, experts.w_up = torch.randn(4, 8, 4, generator=g), torch.randn(4, 8, 4, generator=g)
+    experts.w_down = torch.randn(4, 4, 8, generator=g)
+    x, w = torch.randn(5, 8, generator=g), torch.rand(5, 2, generator=g)
+    ok = torch.randint(0, 4, (5, 2), generator=g)
+    for bad_id in (-1, 4):
+        idx = ok.clone()
+        idx[3, 1] = bad_id
+        with pytest.raises(ValueError, match=rf"\[0, E=4\).*\[{bad_id}\] at tokens \[3\]"):
+            moonep_experts(x, idx, w, experts, one_rank_group)
+        pad = torch.zeros(5, dtype=torch.bool)
+        pad[3] = True
+        out = moonep_experts(x, idx, w, experts, one_rank_group, pad_mask=pad)
+        assert torch.equal(out[3], torch.zeros(8))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        moonep_experts(x, ok, w, experts, one_rank_group, mode="deepep")
+    with pytest.raises(ValueError, match=r"topk_idx must be \[S=5, K\] int64"):
+        moonep_experts(x, ok.int(), w, experts, one_rank_group)
+    with pytest.raises(ValueError, match=r"topk_weight must be \[S=5, K=2\]"):
+        moonep_experts(x, ok, w[:, :1], experts, one_rank_group)
+    with pytest.raises(ValueError, match=r"x must be \[S, d=8\]"):
+        moonep_experts(x[:, :7], ok, w, experts, one_rank_group)
+
+
+CASES = [Case(routing=r, mode=m, padded=(r == "uniform"), seed=i)
+         for i, r in enumerate(ROUTINGS) for m in ("moonep", "alltoall")]
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_ranks_equal_one_process(one_rank_group, R):
+    """R gloo ranks, every routing, both modes: outputs and gradients (x, weights, every expert) equal the
+    dense MoE on one process and EP = 1 (float32, 1e-5); MoonEP ranks each process exactly S*K pairs with
+    at most E/R redundant experts, the baseline's loads sum to R*S*K."""
+    results = launch(check_worker, R, CASES, timeout_s=150)
+    for i, case in enumerate(CASES):
+        per_rank = [res[i] for res in results]
+        got, ref, ep1 = gather_ranks(per_rank), reference(case, R), _ep1(case, R, one_rank_group, case.mode)
+        tag = f"R={R} {case.routing} {case.mode}"
+        for key in ("out", "grad_x", "grad_topk_weight"):
+            assert_close(f"{tag} {key}", ref[key], got[key], 1e-5)
+        for n in ref["grads"]:
+            assert_close(f"{tag} grad {n}", ref["grads"][n], got["grads"][n], 1e-5)
+            assert_close(f"{tag} grad {n} vs EP=1", ep1["grads"][n], got["grads"][n], 1e-5)
+        rows = [res["rows"] for res in per_rank]
+        if case.mode == "moonep":
+            assert rows == [case.S * case.K] * R, (tag, rows)
+            assert max(per_rank[0]["redundant"]) <= case.E // R
+        else:
+            assert sum(rows) == R * case.S * case.K, (tag, rows)
+    # The skew is real: the baseline's busiest rank carries well over S*K under "one_expert".
+    one = CASES.index(Case(routing="one_expert", mode="alltoall", seed=ROUTINGS.index("one_expert")))
+    assert max(res[one]["rows"] for res in results) == R * Case().S * Case().K
