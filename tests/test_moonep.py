@@ -232,8 +232,10 @@ def test_entry_rejects_bad_inputs(one_rank_group):
         moonep_experts(x, ok, w, experts, one_rank_group, mode="deepep")
     with pytest.raises(ValueError, match=r"topk_idx must be \[S=5, K\] int64"):
         moonep_experts(x, ok.int(), w, experts, one_rank_group)
-    with pytest.raises(ValueError, match=r"topk_weight must be \[S=5, K=2\]"):
+    with pytest.raises(ValueError, match=r"topk_weight must be \[S=5, K=2\] float"):
         moonep_experts(x, ok, w[:, :1], experts, one_rank_group)
+    with pytest.raises(ValueError, match=r"topk_weight must be \[S=5, K=2\] float, got \[5, 2\] torch.int64"):
+        moonep_experts(x, ok, ok, experts, one_rank_group)
     with pytest.raises(ValueError, match=r"x must be \[S, d=8\]"):
         moonep_experts(x[:, :7], ok, w, experts, one_rank_group)
 
@@ -246,8 +248,11 @@ CASES = [Case(routing=r, mode=m, padded=(r == "uniform"), seed=i)
 def test_ranks_equal_one_process(one_rank_group, R):
     """R gloo ranks, every routing, both modes: outputs and gradients (x, weights, every expert) equal the
     dense MoE on one process and EP = 1 (float32, 1e-5); MoonEP ranks each process exactly S*K pairs with
-    at most E/R redundant experts, the baseline's loads sum to R*S*K."""
-    results = launch(check_worker, R, CASES, timeout_s=150)
+    at most E/R redundant experts, the baseline's loads sum to R*S*K. With R = 4 also on a dp=2 x ep=2
+    mesh: MoonEP over the ep subgroups (group ranks, not world ranks) equals one process per group."""
+    ep_cases = [Case(routing="zipf", seed=7), Case(routing="one_expert", mode="alltoall", seed=8)] if R == 4 else []
+    out = launch(check_worker, R, CASES, ep_cases, 2, timeout_s=150)
+    results = [o["world"] for o in out]
     for i, case in enumerate(CASES):
         per_rank = [res[i] for res in results]
         got, ref, ep1 = gather_ranks(per_rank), reference(case, R), _ep1(case, R, one_rank_group, case.mode)
@@ -266,3 +271,32 @@ def test_ranks_equal_one_process(one_rank_group, R):
     # The skew is real: the baseline's busiest rank carries well over S*K under "one_expert".
     one = CASES.index(Case(routing="one_expert", mode="alltoall", seed=ROUTINGS.index("one_expert")))
     assert max(res[one]["rows"] for res in results) == R * Case().S * Case().K
+    # dp=2 x ep=2 mesh: each ep group (world ranks {0, 1} and {2, 3}) runs its own batch over its group.
+    for i, case in enumerate(ep_cases):
+        for dp in range(2):
+            per_rank = [o["ep"][i] for o in out[2 * dp:2 * dp + 2]]
+            assert all(res["dp"] == dp for res in per_rank)
+            got, ref = gather_ranks(per_rank), reference(Case(**per_rank[0]["case"]), 2)
+            for key in ("out", "grad_x", "grad_topk_weight"):
+                assert_close(f"mesh dp={dp} {case.mode} {key}", ref[key], got[key], 1e-5)
+            for n in ref["grads"]:
+                assert_close(f"mesh dp={dp} {case.mode} grad {n}", ref["grads"][n], got["grads"][n], 1e-5)
+
+
+@pytest.mark.parametrize("activation", ["situ", "swiglu"])
+def test_entry_runs_k3lab_moe_grouped_experts(one_rank_group, activation):
+    """The contract with k3lab.moe: its GroupedExperts (and activation) plug in as ``experts``; EP = 1
+    equals GroupedExperts run on the pairs grouped by k3lab.moe's own group_by_expert."""
+    from k3lab.moe.experts import GroupedExperts, group_by_expert
+
+    torch.manual_seed(0)
+    S, K, E, d, h = 24, 2, 6, 16, 8
+    experts = GroupedExperts(E, d, h, activation=activation, init_std=0.3)
+    x = torch.randn(S, d)
+    idx = make_routing("zipf", 1, S, K, E, torch.Generator().manual_seed(1))[0]
+    w = torch.rand(S, K)
+    order, offsets, _ = group_by_expert(idx, E)
+    y = torch.zeros(S * K, d).index_copy(0, order, experts(x[order // K], offsets))
+    want = (y.view(S, K, d) * w[..., None]).sum(1)
+    assert torch.equal(moonep_experts(x, idx, w, experts, one_rank_group), want)
+    assert torch.equal(moonep_experts(x, idx, w, experts, one_rank_group, mode="alltoall"), want)

@@ -35,7 +35,7 @@ def moonep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.T
     Args:
         x (Tensor): [S, d] float32/bfloat16/float16 (float64 via the loop reference), this rank's tokens.
         topk_idx (Tensor): [S, K] int64 expert ids in [0, E); S and K must be the same on every rank.
-        topk_weight (Tensor): [S, K], x's dtype.
+        topk_weight (Tensor): [S, K] float (cast to x's dtype; the router gives float32).
         experts: ``k3lab.moe.experts.GroupedExperts(L, d, h)`` (or any object with ``w_gate``, ``w_up``
             [L, d, h], ``w_down`` [L, h, d] and optionally ``activation``), this rank's home experts.
         group: the EP process group (R ranks; ``make_mesh(...)["ep"].get_group()``).
@@ -64,9 +64,11 @@ def moonep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.T
     S = x.shape[0]
     if topk_idx.ndim != 2 or topk_idx.shape[0] != S or topk_idx.dtype != torch.int64:
         raise ValueError(f"topk_idx must be [S={S}, K] int64, got {list(topk_idx.shape)} {topk_idx.dtype}")
-    if topk_weight.shape != topk_idx.shape or topk_weight.dtype != x.dtype:
-        raise ValueError(f"topk_weight must be [S={S}, K={topk_idx.shape[1]}] {x.dtype}, got "
+    if topk_weight.shape != topk_idx.shape or not topk_weight.is_floating_point():
+        raise ValueError(f"topk_weight must be [S={S}, K={topk_idx.shape[1]}] float, got "
                          f"{list(topk_weight.shape)} {topk_weight.dtype}")
+    # The router's weights are float32 (k3lab.moe.Routing); the weighted sum runs in x's dtype.
+    topk_weight = topk_weight.to(x.dtype)
     if pad_mask is not None:
         if pad_mask.shape != (S,) or pad_mask.dtype != torch.bool:
             raise ValueError(f"pad_mask must be [S={S}] bool, got {list(pad_mask.shape)} {pad_mask.dtype}")

@@ -147,7 +147,8 @@ def plan(counts: torch.Tensor, S: int, K: int) -> Plan:
         # 3. the least-loaded receiver u and the most over-loaded donor d (first index on ties).
         u = load.argmin()
         d = load.argmax()
-        need = (C - load[u]).clamp(min=0)
+        # index_select, not load[u]: indexing by a 0-d tensor may read it back to the host.
+        need = (C - load.index_select(0, u.view(1))).clamp(min=0)
         # 4. the donor's experts, most pairs left first (stable: lower expert index on ties). A donor was
         #    never a receiver (receivers sit at C), so its load is its own experts' pairs left: enough.
         left = keep.view(R, L).index_select(0, d.view(1))[0]

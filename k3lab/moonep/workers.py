@@ -8,7 +8,7 @@ gradients and loads; ``reference(case, R)`` runs ``dense_moe`` on the whole batc
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -137,13 +137,28 @@ def rank_run(rank: int, R: int, group, case: Case) -> dict:
     return res
 
 
-def check_worker(rank: int, R: int, group, cases: list[Case]) -> list[dict]:
-    """Every case in one process group (spawning is the slow part); each result carries its case."""
-    out = []
+def check_worker(rank: int, R: int, group, cases: list[Case], ep_cases: list[Case] = (), ep: int = 1) -> dict:
+    """Every case in one process group (spawning is the slow part).
+
+    Returns {"world": [``rank_run`` over the whole world per case], "ep": [``rank_run`` per ``ep_cases``
+    case over this rank's ep group of ``make_mesh(dp=R // ep, ep=ep)``, its seed shifted by 1000 * its dp
+    index so each ep group checks its own batch]}; each result carries its case (and ``dp`` for "ep").
+    """
+    from k3lab.dist import make_mesh  # noqa: PLC0415
+
+    out = {"world": [], "ep": []}
     for case in cases:
         res = rank_run(rank, R, group, case)
         res["case"] = asdict(case)
-        out.append(res)
+        out["world"].append(res)
+    if ep_cases:
+        mesh = make_mesh(dp=R // ep, ep=ep)
+        dp = mesh.get_local_rank("dp")
+        for case in ep_cases:
+            case = replace(case, seed=case.seed + 1000 * dp)
+            res = rank_run(mesh.get_local_rank("ep"), ep, mesh["ep"].get_group(), case)
+            res.update(case=asdict(case), dp=dp)
+            out["ep"].append(res)
     return out
 
 
