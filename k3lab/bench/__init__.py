@@ -34,3 +34,36 @@ def shape_bth(text: str) -> tuple[int, int, int]:
         return tuple(positive_int(p) for p in parts)
     except argparse.ArgumentTypeError:
         raise bad from None
+
+
+def run_info(device) -> dict:
+    """What every benchmark JSON starts with: device, commit, date (UTC) and versions.
+
+    The commit comes from ``$K3LAB_COMMIT`` when set (a GPU node may get the working tree without
+    its ``.git``), else from ``git rev-parse HEAD``, else None.
+    """
+    import datetime
+    import os
+    import platform
+    import subprocess
+
+    import torch
+
+    commit = os.environ.get("K3LAB_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                                    cwd=os.path.dirname(__file__)).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = None
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = None
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device": name, "commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "versions": versions}
