@@ -214,32 +214,40 @@ class LM(nn.Module):
         config (LMConfig): shapes and options.
         residual (nn.Module | None): any module with ``forward(h0 [B, T, d], sublayers) -> [B, T, d]``;
             default ``PreNormResidual()``.
+        ffn (Callable[[int], nn.Module] | None): builds layer i's FFN, any module [B, T, d] -> [B, T, d]
+            (chapter 05 passes ``lambda i: k3lab.moe.MoE(...)``); default a SwiGLU of ``config.ffn_hidden``.
+            Modules it builds keep their own initialisation.
 
     ``forward(idx [B, T] int64, targets [B, T] int64 | None) -> (logits [B, T, vocab] float32,
     loss scalar | None)``; the loss is the mean next-token cross-entropy (nats). Raises ValueError
     for ids outside [0, vocab_size) (targets may also be -100, cross_entropy's ignore index).
     """
 
-    def __init__(self, config: LMConfig, residual: nn.Module | None = None):
+    def __init__(self, config: LMConfig, residual: nn.Module | None = None, ffn=None):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        layers = []
-        for kind in config.layer_mixers():
+        layers, custom = [], []
+        for i, kind in enumerate(config.layer_mixers()):
             mixer = CausalSelfAttention(config) if kind == "attention" else KDAMixer(config)
+            f = SwiGLU(config.d_model, config.ffn_hidden) if ffn is None else ffn(i)
+            if ffn is not None:
+                custom.append(f)
             layers += [RMSNormSublayer(config.d_model, mixer, config.norm_eps),
-                       RMSNormSublayer(config.d_model, SwiGLU(config.d_model, config.ffn_hidden), config.norm_eps)]
+                       RMSNormSublayer(config.d_model, f, config.norm_eps)]
         self.sublayers = nn.ModuleList(layers)
         self.residual = PreNormResidual() if residual is None else residual
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        keep = {id(m) for f in custom for m in f.modules()}
+        self.apply(lambda m: None if id(m) in keep else self._init_weights(m))
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         # Scale each sublayer's output projection by 1/sqrt(2 n_layers) (GPT-2) so the stream's
         # variance does not grow with depth at init.
+        kept = {id(p) for f in custom for p in f.parameters()}
         for name, p in self.named_parameters():
-            if name.endswith(("out.weight", "down.weight", "o_proj.weight")):
+            if id(p) not in kept and name.endswith(("out.weight", "down.weight", "o_proj.weight")):
                 nn.init.normal_(p, std=config.init_std / math.sqrt(2 * config.n_layers))
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -326,6 +334,8 @@ def train(
     max_seconds: float | None = None,
     data: tuple | None = None,
     progress: bool = True,
+    extra_loss=None,
+    after_step=None,
 ) -> dict[str, list]:
     """Train ``model`` (an ``LM`` or anything with ``forward(x, y) -> (logits, loss)``) on next-token
     prediction with AdamW, linear warmup + cosine decay, gradient clipping, bf16 autocast on CUDA.
@@ -346,6 +356,10 @@ def train(
         data (tuple | None): (train_tokens, val_tokens) 1-D integer arrays; default
             ``k3lab.data.load_split("train")`` and ``("val")``.
         progress (bool): show a tqdm bar.
+        extra_loss (Callable[[nn.Module], Tensor | float] | None): added to the loss before backward
+            (e.g. ``k3lab.moe.balance_loss``); the logged loss stays the language-model loss.
+        after_step (Callable[[int, nn.Module], None] | None): called after each optimizer step with the
+            step index (e.g. the MoE bias update and its load log).
 
     Returns:
         dict of equal-length lists, one entry per log: step, loss (mean train loss since the last
@@ -408,9 +422,11 @@ def train(
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             _, loss = model(x, y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss if extra_loss is None else loss + extra_loss(model)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
+        if after_step is not None:
+            after_step(step, model)
         running += loss.item()
         n_running += 1
         train_time += time.perf_counter() - t0

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from k3lab.moe.activation import ACTIVATIONS, glu
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The public name arrived after torch 2.11; the private op it wraps is in every supported version.
+grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 
 def group_by_expert(topk_idx: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,9 +97,9 @@ def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_u
     # grouped_mm leaves rows past the last offset uninitialised (and their gradients too): the last
     # expert's group is stretched over the padding and the padding rows are zeroed after the GEMMs.
     offs = torch.cat([offsets[:-1], offsets.new_full((1,), N)]).to(torch.int32)
-    a = F.grouped_mm(x, w_gate, offs=offs)
-    u = F.grouped_mm(x, w_up, offs=offs)
-    y = F.grouped_mm(glu(a, u, activation), w_down, offs=offs)
+    a = grouped_mm(x, w_gate, offs=offs)
+    u = grouped_mm(x, w_up, offs=offs)
+    y = grouped_mm(glu(a, u, activation), w_down, offs=offs)
     real = torch.arange(N, device=x.device) < end
     return torch.where(real[:, None], y, y.new_zeros(()))
 
