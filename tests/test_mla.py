@@ -1,0 +1,156 @@
+"""GatedMLA: the materialised layer against the float64 reference, packed documents, the absorbed
+form and the latent cache (T >= 2, where a wrong softmax scale shows), validation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3lab.mla import GatedMLA, MLACache, absorbed_attention, attention_mask, naive_gated_mla
+from k3lab.testing import assert_close
+
+TOL = 1e-12
+
+
+def make_layer(q_lora=24, seed=0, d=40, H=3, R=16, Dn=8, Dr=4, Dv=6):
+    torch.manual_seed(seed)
+    layer = GatedMLA(d, H, R, q_lora, qk_nope_head_dim=Dn, qk_rope_head_dim=Dr, v_head_dim=Dv).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            # Random norm gains too, and weights large enough that the softmax is far from uniform.
+            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if p.ndim == 1 else torch.randn_like(p) * 0.4)
+    return layer
+
+
+def x_of(B, T, d=40, seed=1):
+    return torch.randn(B, T, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("q_lora", [24, None], ids=["q_lora", "q_full"])
+def test_materialised_matches_reference(q_lora):
+    layer = make_layer(q_lora)
+    x = x_of(2, 13).requires_grad_()
+    y, cache = layer(x)
+    assert cache is None and y.shape == x.shape and y.dtype == torch.float64
+    ref = naive_gated_mla(layer, x)
+    assert_close("y", ref, y, TOL)
+    g = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, g)
+    (dx_ref,) = torch.autograd.grad(ref, x, g)
+    assert_close("dx", dx_ref, dx, 1e-11)
+
+
+def test_scale_is_one_over_sqrt_qk_head_width():
+    with torch.device("meta"):
+        full = GatedMLA(7168, 96, 512, 1536, 128, 64, 128)
+    assert full.scale == 192 ** -0.5
+    assert full.q_b_proj.weight.shape == (96 * 192, 1536) and full.kv_a_proj.weight.shape == (512 + 64, 7168)
+    assert full.kv_b_proj.weight.shape == (96 * 256, 512) and full.g_proj.weight.shape == (96 * 128, 7168)
+
+
+def test_packed_documents_equal_documents_one_by_one():
+    layer = make_layer(seed=2)
+    lengths = [5, 1, 9, 3]
+    x = x_of(1, sum(lengths), seed=3)
+    cu = torch.tensor([0, 5, 6, 15, 18])
+    y, _ = layer(x, cu_seqlens=cu)
+    alone = torch.cat([layer(part)[0] for part in x.split(lengths, dim=1)], dim=1)
+    assert_close("packed vs one by one", alone, y, TOL)
+    assert_close("packed vs reference", naive_gated_mla(layer, x, cu), y, TOL)
+    # Absorbed form with the same block-diagonal mask.
+    ya, _ = layer(x, cu_seqlens=cu, absorbed=True)
+    assert_close("packed absorbed", y, ya, TOL)
+
+
+@pytest.mark.parametrize("T", [2, 7, 16])
+def test_absorbed_equals_materialised(T):
+    layer = make_layer(seed=4)
+    x = x_of(2, T, seed=5)
+    y, _ = layer(x, absorbed=False)
+    ya, _ = layer(x, absorbed=True)
+    assert_close("absorbed", y, ya, TOL)
+
+
+def test_cached_decoding_equals_full_forward():
+    """Prefill 4 tokens (materialised), then pieces of 1, 3, 1, 2 decoded from the latent cache
+    (absorbed): every piece sees all earlier tokens at T >= 2 too."""
+    layer = make_layer(seed=6)
+    x = x_of(2, 11, seed=7)
+    y, full_cache = layer(x, use_cache=True)
+    ys, cache, start = [], None, 0
+    for n in (4, 1, 3, 1, 2):
+        yt, cache = layer(x[:, start : start + n], cache=cache, use_cache=True)
+        ys.append(yt)
+        start += n
+    assert_close("decoded", y, torch.cat(ys, dim=1), TOL)
+    assert cache.length == 11
+    assert_close("latent cache", full_cache.latent, cache.latent, TOL)
+    assert_close("k_shared cache", full_cache.k_shared, cache.k_shared, TOL)
+    # The materialised form from the same cache agrees too.
+    y_mat, _ = layer(x[:, 9:], cache=MLACache(cache.latent[:, :9], cache.k_shared[:, :9]), absorbed=False)
+    assert_close("cached materialised", y[:, 9:], y_mat, TOL)
+
+
+def _absorbed_o(layer, x, scale):
+    q_nope, q_shared = layer.queries(x)
+    latent, k_shared = layer.latents(x)
+    T = x.shape[1]
+    return absorbed_attention(q_nope, q_shared, latent, k_shared, *layer.up_weights(), scale,
+                              attention_mask(T, T))
+
+
+def test_a_wrong_scale_is_caught_at_T_ge_2_only():
+    """The absorbed dot product is R + Dr wide; SDPA's default scale there, 1/sqrt(R + Dr), is the
+    published bug. At T = 1 (one key) it is invisible; at T >= 2 the test above would fail."""
+    layer = make_layer(seed=8)
+    wrong = (layer.R + layer.Dr) ** -0.5
+    for T, should_match in ((1, True), (6, False)):
+        x = x_of(2, T, seed=9)
+        right = _absorbed_o(layer, x, layer.scale)
+        bad = _absorbed_o(layer, x, wrong)
+        # The materialised attention output, before the gate.
+        y = layer(x)[0]
+        gate = torch.sigmoid(layer.g_proj(x))
+        y_bad = layer.o_proj(gate * bad.flatten(-2))
+        assert_close("right scale", y, layer.o_proj(gate * right.flatten(-2)), TOL)
+        if should_match:
+            assert_close("wrong scale at T=1", y, y_bad, TOL)
+        else:
+            with pytest.raises(AssertionError):
+                assert_close("wrong scale at T>=2", y, y_bad, 1e-3)
+
+
+def test_output_gate_is_channelwise_before_o_proj():
+    """y = W_o[sigmoid(W_g x) * o]: with W_g = 0 every channel is halved before W_o, and the gate is
+    full rank ([H Dv, d])."""
+    layer = make_layer(seed=10)
+    x = x_of(1, 5, seed=11)
+    assert layer.g_proj.weight.shape == (layer.H * layer.Dv, layer.d_model)
+    o = _absorbed_o(layer, x, layer.scale).flatten(-2)
+    with torch.no_grad():
+        layer.g_proj.weight.zero_()
+        y, _ = layer(x)
+    assert_close("half-open gate", layer.o_proj(0.5 * o), y, TOL)
+
+
+def test_validation():
+    layer = make_layer()
+    x = x_of(2, 4)
+    with pytest.raises(ValueError, match="x must be"):
+        layer(x[..., :5])
+    with pytest.raises(ValueError, match="T >= 1"):
+        layer(x[:, :0])
+    with pytest.raises(ValueError, match="B=1"):
+        layer(x, cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        layer(x[:1], cu_seqlens=torch.tensor([0, 2, 2, 4]))
+    with pytest.raises(ValueError, match="cache must"):
+        layer(x, cache=(1, 2))
+    with pytest.raises(ValueError, match="cache must hold"):
+        layer(x, cache=MLACache(torch.zeros(1, 3, 16, dtype=torch.float64), torch.zeros(1, 3, 4, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="cache"):
+        _, c = layer(x[:1], use_cache=True)
+        layer(x[:1], cache=c, cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        GatedMLA(40, 2, 0)
+    with pytest.raises(ValueError, match="norm_eps"):
+        GatedMLA(40, 2, 8, norm_eps=float("nan"))
