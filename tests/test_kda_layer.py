@@ -229,3 +229,20 @@ def test_bf16_input_under_autocast():
         y, _ = layer(x.bfloat16())
     assert torch.isfinite(y).all()
     assert_close("bf16 autocast vs float32", ref, y.float(), 5e-2)
+
+
+def test_low_rank_output_gate():
+    """gate_rank=r: Kimi Linear's gate W_g2 W_g1 x + b; with b = 0 it is the full-rank layer whose W_g is
+    the product."""
+    torch.manual_seed(0)
+    full = KDALayer(24, 2, 8, num_v_heads=4, v_head_dim=6, chunk_size=16).double()
+    low = KDALayer(24, 2, 8, num_v_heads=4, v_head_dim=6, chunk_size=16, gate_rank=5).double()
+    low.load_state_dict({k: v for k, v in full.state_dict().items() if not k.startswith("g_proj")}, strict=False)
+    assert low.g_proj[0].weight.shape == (5, 24) and low.g_proj[1].weight.shape == (24, 5)
+    with torch.no_grad():
+        low.g_proj[1].bias.zero_()
+        full.g_proj.weight.copy_(low.g_proj[1].weight @ low.g_proj[0].weight)
+    x = x_of(2, 9)
+    assert_close("low-rank gate", full(x)[0], low(x)[0], TOL)
+    with pytest.raises(ValueError, match="gate_rank"):
+        KDALayer(24, 2, 8, gate_rank=0)

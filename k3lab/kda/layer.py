@@ -181,13 +181,17 @@ class KDALayer(nn.Module):
         norm_eps (float): eps of the per-head output RMSNorm.
         chunk_size (int): C for ``chunk_kda`` (the reference path; ``flash_kda`` on CUDA always uses
             64).
+        gate_rank (int | None): None: a full-rank output gate W_g [HV V, d]; r: the low-rank gate of
+            Kimi Linear (fla's ``KimiDeltaAttention``), W_g = W_g2 W_g1 with W_g1 [r, d] and W_g2
+            [HV V, r] plus a bias (``k3lab.model``'s K3 config uses r = 128, the convention under which the
+            full-size build counts K3's 2.78T / 104.2B parameters).
 
     Shapes: ``forward(x [B, T, d]) -> (y [B, T, d], KDACache | None)``.
 
     Raises:
-        ValueError: non-positive sizes, HV not a multiple of H, unknown gate, conv_size < 1,
-            lower_bound not a finite negative number, chunk_size not accepted by ``chunk_kda``, norm_eps
-            negative or not finite.
+        ValueError: non-positive sizes, gate_rank not a positive int or None, HV not a multiple of H,
+            unknown gate, conv_size < 1, lower_bound not a finite negative number, chunk_size not accepted
+            by ``chunk_kda``, norm_eps negative or not finite.
 
     Example:
         >>> layer = KDALayer(d_model=64, num_heads=2, head_dim=32)
@@ -199,7 +203,7 @@ class KDALayer(nn.Module):
     def __init__(
         self, d_model: int, num_heads: int, head_dim: int, num_v_heads: int | None = None,
         v_head_dim: int | None = None, conv_size: int = 4, gate: str = "lower_bounded",
-        lower_bound: float = -5.0, norm_eps: float = 1e-5, chunk_size: int = 64,
+        lower_bound: float = -5.0, norm_eps: float = 1e-5, chunk_size: int = 64, gate_rank: int | None = None,
     ):
         super().__init__()
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
@@ -209,6 +213,9 @@ class KDALayer(nn.Module):
         for name, n in sizes.items():
             if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
+        if gate_rank is not None and not (isinstance(gate_rank, int) and not isinstance(gate_rank, bool)
+                                          and gate_rank > 0):
+            raise ValueError(f"gate_rank must be a positive int or None (full rank), got {gate_rank!r}")
         if num_v_heads % num_heads:
             raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads} (GVA)")
         if gate not in GATES:
@@ -234,8 +241,9 @@ class KDALayer(nn.Module):
         self.f_proj = nn.Linear(d_model, num_v_heads * head_dim, bias=False)
         self.A_log = nn.Parameter(torch.empty(num_v_heads))
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads * head_dim))
-        # Full-rank sigmoid output gate and per-head RMSNorm.
-        self.g_proj = nn.Linear(d_model, v_dim, bias=False)
+        # Sigmoid output gate (full rank, or Kimi Linear's low rank) and per-head RMSNorm.
+        self.g_proj = (nn.Linear(d_model, v_dim, bias=False) if gate_rank is None else
+                       nn.Sequential(nn.Linear(d_model, gate_rank, bias=False), nn.Linear(gate_rank, v_dim, bias=True)))
         self.o_norm = nn.RMSNorm(v_head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(v_dim, d_model, bias=False)
         self.reset_gate_parameters()
