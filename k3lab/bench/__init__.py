@@ -67,3 +67,11 @@ def run_info(device) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"device": name, "commit": commit,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "versions": versions}
+
+
+def result_path(bench: str, device_name: str) -> str:
+    """``data/results/<bench>_<card>.json``: one file per benchmark and device (card h100, h200, or
+    the device name's last word in lower case)."""
+    low = device_name.lower()
+    card = next((c for c in ("h200", "h100", "b200", "a100") if c in low), low.split()[-1] if low else "cpu")
+    return f"data/results/{bench}_{card}.json"

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from k3lab.bench import positive_int, run_info
+from k3lab.bench import positive_int, result_path, run_info
 from k3lab.files import write_json
 from k3lab.moe import MoE, MoEConfig, expert_ffn
 from k3lab.testing import rel_rms_error
@@ -244,7 +244,8 @@ def main(argv=None) -> dict:
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=sorted(CASES), help="which shapes")
     p.add_argument("--no-torchtitan", action="store_true", help="skip torchtitan's layer")
     p.add_argument("--rep", type=positive_int, default=20, help="timed repetitions per measurement (median)")
-    p.add_argument("--out", default="data/results/moe_h200.json", help="JSON path ('' = write nothing)")
+    p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default "
+                   "data/results/moe_<h100|h200>.json after the device")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -257,14 +258,19 @@ def main(argv=None) -> dict:
     result["ceiling_tflops"] = ceiling_tflops(device, 256 if args.small else 8192)
     result["checks"], result["cases"] = {}, []
     for name, (c, tokens) in cases.items():
-        result["checks"][name] = check(c, device, min(tokens, 4096), with_tt)
+        # The check runs the case's widths with fewer experts: a float32 twin of 64 K3-wide experts
+        # and its gradients would not fit beside the bf16 layer on an 80 GB card.
+        result["checks"][name] = check(replace(c, n_experts=min(c.n_experts, 16)), device, min(tokens, 2048), with_tt)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         print(f"{name}: checks {result['checks'][name]}", flush=True)
         result["cases"].append(time_case(name, c, tokens, device, with_tt, 2 if args.small else args.rep))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if args.out and not args.small:
-        write_json(args.out, result, indent=1)
-        print(f"wrote {args.out}")
+    out = result_path("moe", result["device"]) if args.out is None else args.out
+    if out and not args.small:
+        write_json(out, result, indent=1)
+        print(f"wrote {out}")
     print("\n" + table(result))
     return result
 
