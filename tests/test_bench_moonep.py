@@ -1,0 +1,66 @@
+"""k3lab.bench.moonep: the CPU smoke run (every section, the JSON's shape), the simulation's inputs and
+priced traffic, and the command line's refusals."""
+import json
+import re
+
+import pytest
+import torch
+
+from k3lab.bench import moonep as bench
+from k3lab.moe import maxvio
+
+
+def test_small_cpu_run_writes_the_issue_shape(tmp_path):
+    out = tmp_path / "moonep.json"
+    result = bench.main(["--device", "cpu", "--small", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["device"] == "cpu" and "commit" in data and "date" in data and data["small"] is True
+    assert data["sync_check"]["passed"] is True
+    assert len(data["planner"]) == 4
+    for row in data["planner"]:
+        assert {"E", "R", "S", "K", "us", "graph_us"} <= row.keys()
+        assert row["us"] > 0 and row["graph_us"] is None and row["max_redundant"] <= row["bound"]
+    assert [r["maxvio"] for r in data["skew"]] == [0.0, 0.5, 1.0, 2.0]  # 4.0 needs E >= 5K
+    C = data["shapes"]["skew"]["S"] * data["shapes"]["skew"]["K"]
+    for row in data["skew"]:
+        assert row["simulated"] is True and "143 GB/s" in row["comm_source"]
+        assert row["moonep_ms"] > 0 and row["alltoall_ms"] > 0
+        assert row["moonep"]["rows_per_rank"] == [C] * 4
+        assert sum(row["alltoall"]["rows_per_rank"]) == 4 * C
+        assert max(row["moonep"]["redundant_per_rank"]) <= 2
+    assert result["floors"]["moonep_step_growth"]["simulated"] is True
+
+
+def test_small_run_without_out_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    bench.main(["--device", "cpu", "--small", "--skip-skew", "--planner-E", "8"])
+    assert not any(tmp_path.iterdir())
+    assert "planner latency" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target", [0.0, 0.5, 2.0, 4.0])
+def test_skew_counts_hit_the_asked_maxvio(target):
+    counts = bench.skew_counts(64, 8, 8192, 8, target)
+    assert torch.equal(counts.sum(1), torch.full((8,), 8192 * 8))
+    assert abs(float(bench.skew_profile(64, target).max()) * 64 - 1 - target) < 1e-9
+    assert abs(maxvio(counts.sum(0)) - target) < 0.1
+
+
+def test_priced_traffic_is_the_layouts():
+    bench.check_traffic(torch.device("cpu"), E=16, R=4, S=40, K=4, seed=3)
+    counts = torch.tensor([[3, 1], [0, 4]])  # R = 2, E = 2: rank 0 sends 1 pair to rank 1's expert
+    assert bench.pair_traffic(counts, bench.home_assign(counts)).tolist() == [[3, 1], [0, 4]]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--maxvio", "-1"], "--maxvio: expected a float >= 0, got -1.0"),
+    (["--maxvio", "9"], r"--maxvio 9.0: \(1 \+ maxvio\) \* K / E = 1.25 > 1"),
+    (["--planner-E", "100"], "planner shape E=100, R=8, K=8: E must be a multiple of R"),
+    (["--comm-gbps", "0"], "--comm-gbps: expected a float > 0"),
+    (["--reps", "0"], "--reps: expected a positive int, got 0"),
+])
+def test_bad_flags_stop_at_parsing(argv, match, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--device", "cpu", *argv])
+    assert exc.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
