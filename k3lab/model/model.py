@@ -1,0 +1,264 @@
+"""`K3Model`: the K3 architecture built from k3lab's parts (K3 report, Sec. 2 and Table 1).
+
+    h0     = Embed(tokens)                                                [B, T, d]
+    mixer  = KDALayer (3 of every 4 layers) | GatedMLA (every 4th and the last)
+    ffn    = GatedFFN(SiTU-GLU) in the first layer | Stable LatentMoE in the others
+    h      = BlockAttnRes(h0, [norm -> mixer_0, norm -> ffn_0, norm -> mixer_1, ...])
+    logits = Head(RMSNorm(h))                                             [B, T, vocab]
+
+Each sublayer is pre-normed and returns its output without adding it; Block AttnRes (``k3lab.attnres``)
+combines the outputs. The token mixers take per-call context (packed-document offsets, decoding
+caches) that the residual interface ``f(h)`` does not pass: ``K3Model`` hands it to them through one
+shared ``_MixerContext`` set for the duration of a forward.
+
+Block AttnRes here cuts the 2L sublayers into N = ceil(L / attn_res_block_size) blocks as evenly as
+``k3lab.attnres.block_sizes`` does (K3: 8 blocks of 24 or 23 sublayers, 9 sources with the embedding);
+K3 fills 7 blocks of 12 layers and leaves the last one partial (6 layers). Same N, same parameters,
+slightly different block boundaries.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from k3lab.attnres import BlockAttnRes
+from k3lab.kda import KDACache, KDALayer
+from k3lab.kda.checks import check_cu_seqlens
+from k3lab.lm import RMSNormSublayer, _check_ids
+from k3lab.mla import GatedMLA, MLACache
+from k3lab.moe import GatedFFN, MoE, MoEConfig
+from k3lab.moe.experts import depth_scaled_std
+from k3lab.model.config import K3Config
+
+
+class _MixerContext:
+    """What every token mixer of one forward reads: cu_seqlens, the input caches, whether to return
+    new ones, and where to put them (one slot per layer)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self, cu_seqlens=None, caches=None, use_cache=False, n_layers=0):
+        self.cu_seqlens, self.caches, self.use_cache = cu_seqlens, caches, use_cache
+        self.new_caches = [None] * n_layers if use_cache else None
+
+
+class MixerSublayer(nn.Module):
+    """Layer ``index``'s token mixer as a sublayer: y = mixer(RMSNorm(h)) with the context's
+    cu_seqlens and cache; [B, T, d] -> [B, T, d]."""
+
+    def __init__(self, d_model: int, mixer: nn.Module, eps: float, index: int, context: _MixerContext):
+        super().__init__()
+        self.norm = nn.RMSNorm(d_model, eps=eps)
+        self.fn = mixer
+        self.index = index
+        # Shared by every mixer of the model (a plain object, not a submodule).
+        self.context = context
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        c = self.context
+        cache = None if c.caches is None else c.caches[self.index]
+        y, new = self.fn(self.norm(h), cache=cache, cu_seqlens=c.cu_seqlens, use_cache=c.use_cache)
+        if c.use_cache:
+            c.new_caches[self.index] = new
+        return y
+
+
+def build_mixer(config: K3Config, kind: str) -> nn.Module:
+    """One token mixer of ``config``: ``KDALayer`` for kind "kda", ``GatedMLA`` for "mla".
+
+    Raises:
+        ValueError: an unknown kind.
+    """
+    c = config
+    if kind == "kda":
+        return KDALayer(c.hidden_size, c.num_attention_heads, c.head_dim, conv_size=c.kda_conv_size,
+                        gate="lower_bounded", lower_bound=c.kda_gate_lower_bound, norm_eps=c.rms_norm_eps,
+                        chunk_size=c.kda_chunk_size, gate_rank=c.kda_gate_rank)
+    if kind == "mla":
+        return GatedMLA(c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.q_lora_rank, c.qk_nope_head_dim,
+                        c.qk_rope_head_dim, c.v_head_dim, norm_eps=c.rms_norm_eps)
+    raise ValueError(f"kind must be 'kda' or 'mla', got {kind!r}")
+
+
+def moe_config(config: K3Config) -> MoEConfig:
+    """The ``k3lab.moe.MoEConfig`` of ``config``'s MoE layers (SiTU-GLU, LatentMoE at ``moe_latent_size``)."""
+    c = config
+    return MoEConfig(d_model=c.hidden_size, n_experts=c.n_routed_experts, top_k=c.num_experts_per_tok,
+                     expert_hidden=c.moe_intermediate_size, latent_dim=c.moe_latent_size,
+                     n_shared=c.n_shared_experts, activation="situ", renormalize=c.moe_renormalize,
+                     routed_scaling=c.routed_scaling_factor, balance=c.moe_balance,
+                     n_layers=c.num_hidden_layers, init_std=c.init_std, norm_eps=c.rms_norm_eps)
+
+
+class K3Model(nn.Module):
+    """The K3 language model (K3 report, Sec. 2, Table 1): KDA / Gated MLA hybrid, dense first FFN then
+    Stable LatentMoE, Block AttnRes residual, untied head.
+
+    Args:
+        config (K3Config): e.g. ``K3Config.preset("k3-tiny")``.
+        attn_res_path (str): ``BlockAttnRes``'s path ("auto": the memory-efficient training path under
+            autograd, the two-phase inference path otherwise).
+
+    Attributes:
+        embed (nn.Embedding), sublayers (nn.ModuleList of 2L: mixer, ffn, mixer, ...), residual
+        (BlockAttnRes), norm (nn.RMSNorm), head (nn.Linear [vocab, d]).
+
+    ``forward(idx, targets=None, cu_seqlens=None) -> (logits, loss)`` as ``k3lab.lm.LM``;
+    ``generate`` decodes with the KDA states and MLA latent caches.
+
+    Example:
+        >>> model = K3Model(K3Config.preset("k3-tiny"))
+        >>> idx = torch.randint(0, 256, (2, 16))
+        >>> logits, loss = model(idx, targets=idx)
+        >>> logits.shape
+        torch.Size([2, 16, 256])
+    """
+
+    def __init__(self, config: K3Config, attn_res_path: str = "auto"):
+        super().__init__()
+        if not isinstance(config, K3Config):
+            raise ValueError(f"config must be a K3Config, got {type(config).__name__}")
+        self.config = c = config
+        d, L = c.hidden_size, c.num_hidden_layers
+        self.context = _MixerContext()
+        self.embed = nn.Embedding(c.vocab_size, d)
+        out_std = depth_scaled_std(c.init_std, L)
+        layers = []
+        for i, (kind, ffn_kind) in enumerate(zip(c.layer_types(), c.ffn_types())):
+            mixer = build_mixer(c, kind)
+            if ffn_kind == "dense":
+                ffn = GatedFFN(d, c.intermediate_size, "situ", c.init_std, out_std)
+            else:
+                ffn = MoE(moe_config(c))
+            layers += [MixerSublayer(d, mixer, c.rms_norm_eps, i, self.context),
+                       RMSNormSublayer(d, ffn, c.rms_norm_eps)]
+        self.sublayers = nn.ModuleList(layers)
+        self.residual = BlockAttnRes(d, 2 * L, c.n_attn_res_blocks, eps=c.rms_norm_eps, path=attn_res_path)
+        self.norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
+        self.head = nn.Linear(d, c.vocab_size, bias=False)
+        self._init_weights()
+        if c.tie_word_embeddings:
+            self.head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        c = self.config
+        # The FFNs (GatedFFN, MoE) initialise themselves, output projections depth-scaled.
+        own = {id(m) for s in self.sublayers[1::2] for m in s.fn.modules()}
+        for m in self.modules():
+            if id(m) in own:
+                continue
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=c.init_std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        # Each mixer's projection into the residual stream, GPT-2's 1/sqrt(2L) scaling.
+        for s in self.sublayers[0::2]:
+            nn.init.normal_(s.fn.o_proj.weight, std=depth_scaled_std(c.init_std, c.num_hidden_layers))
+
+    def mixers(self) -> list[nn.Module]:
+        """The L token mixers (KDALayer or GatedMLA), in layer order."""
+        return [s.fn for s in self.sublayers[0::2]]
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, caches: list | None = None,
+                use_cache: bool = False):
+        """Next-token logits (and loss).
+
+        Args:
+            idx (Tensor): [B, T] integer token ids in [0, vocab_size).
+            targets (Tensor | None): [B, T] integer ids (or -100, ignored); the loss is their mean
+                cross-entropy in nats.
+            cu_seqlens (Tensor | None): int [N+1] offsets of N documents packed into B = 1: every mixer
+                keeps them apart (KDA restarts its state and convolution, MLA masks across documents).
+            caches (list | None): per layer KDACache / MLACache from an earlier call with use_cache=True.
+            use_cache (bool): also return the updated caches.
+
+        Returns:
+            (logits [B, T, vocab] float32 (float64 for a float64 model), loss scalar | None), and the
+            list of L caches as a third element when ``use_cache``.
+
+        Raises:
+            ValueError: idx not [B, T] with B, T >= 1, ids out of range, targets of another shape,
+                cu_seqlens with B > 1, with caches, or invalid; caches not a list of L caches.
+        """
+        c = self.config
+        if not isinstance(idx, torch.Tensor) or idx.ndim != 2 or 0 in idx.shape:
+            got = list(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"idx must be [B, T] token ids with B, T >= 1, got {got}")
+        _check_ids("idx", idx, c.vocab_size)
+        if targets is not None:
+            if not isinstance(targets, torch.Tensor) or targets.shape != idx.shape:
+                raise ValueError(f"targets must have idx's shape {list(idx.shape)}, got "
+                                 f"{list(targets.shape) if isinstance(targets, torch.Tensor) else targets!r}")
+            _check_ids("targets", targets, c.vocab_size, ignore_index=-100)
+        if cu_seqlens is not None:
+            if idx.shape[0] != 1:
+                raise ValueError(f"with cu_seqlens the documents must be packed into B=1, got B={idx.shape[0]}")
+            if caches is not None:
+                raise ValueError("cu_seqlens with caches is not supported (decode documents as a batch)")
+            check_cu_seqlens(cu_seqlens, idx.shape[1])
+        if caches is not None and not (isinstance(caches, list) and len(caches) == c.num_hidden_layers
+                                       and all(isinstance(x, (KDACache, MLACache)) for x in caches)):
+            raise ValueError(f"caches must be a list of {c.num_hidden_layers} KDACache/MLACache from a call with "
+                             f"use_cache=True, got {type(caches).__name__}")
+        self.context.reset(cu_seqlens, caches, use_cache, c.num_hidden_layers)
+        try:
+            h = self.residual(self.embed(idx.long()), self.sublayers)
+            new_caches = self.context.new_caches
+        finally:
+            self.context.reset()
+        logits = self.head(self.norm(h))
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten().long())
+        return (logits, loss, new_caches) if use_cache else (logits, loss)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample ``max_new_tokens`` continuations: one prefill of ``idx``, then one token per step from
+        the caches (KDA state and short-conv tails, MLA latents; the absorbed MLA form).
+
+        Args:
+            idx (Tensor): [B, T] prompt ids.
+            max_new_tokens (int): >= 0.
+            temperature (float): 0 for greedy (argmax), else logits / temperature are sampled.
+            top_k (int | None): sample only among the top_k logits.
+            generator (torch.Generator | None): for reproducible sampling.
+
+        Returns:
+            Tensor [B, T + max_new_tokens] int64.
+
+        Raises:
+            ValueError: bad max_new_tokens, temperature < 0 or not finite, top_k < 1; idx as in ``forward``.
+        """
+        if not (isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 0):
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
+            raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        out = idx.long()
+        if max_new_tokens == 0:
+            return out
+        logits, _, caches = self(out, use_cache=True)
+        for step in range(max_new_tokens):
+            last = logits[:, -1]
+            if temperature == 0:
+                nxt = last.argmax(-1, keepdim=True)
+            else:
+                last = last / temperature
+                if top_k is not None:
+                    kth = torch.topk(last, min(top_k, last.shape[-1]), dim=-1).values[:, -1:]
+                    last = last.masked_fill(last < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(last.float(), -1), 1, generator=generator)
+            out = torch.cat([out, nxt], dim=1)
+            if step + 1 < max_new_tokens:
+                logits, _, caches = self(nxt, caches=caches, use_cache=True)
+        return out

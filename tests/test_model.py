@@ -1,0 +1,166 @@
+"""K3Config and K3Model: the full-size meta build counts K3's parameters, hand counts of the
+accounting, k3-tiny forward/backward on CPU, packed documents == documents one by one, cached
+decoding == the full forward (float64), validation."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from k3lab.kda import KDALayer
+from k3lab.mla import GatedMLA
+from k3lab.model import K3Config, K3Model, count_params, flops_per_token, format_table, mfu
+from k3lab.testing import assert_close
+
+
+@pytest.fixture(scope="module")
+def full_table():
+    return count_params("k3-full")
+
+
+def test_k3_full_config_matches_table_1():
+    c = K3Config.preset("k3-full")
+    assert c.full_attn_layers == list(range(4, 93, 4)) + [93]
+    assert c.layer_types().count("kda") == 69 and c.layer_types().count("mla") == 24
+    assert c.ffn_types()[:2] == ["dense", "moe"] and c.ffn_types().count("dense") == 1
+    assert c.n_attn_res_blocks == 8
+    assert (c.hidden_size, c.num_attention_heads, c.head_dim, c.vocab_size) == (7168, 96, 128, 163840)
+    assert (c.n_routed_experts, c.num_experts_per_tok, c.n_shared_experts) == (896, 16, 2)
+    assert (c.moe_intermediate_size, c.moe_latent_size, c.intermediate_size) == (3072, 3584, 33792)
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == \
+        (1536, 512, 128, 64, 128)
+    assert (c.activation_situ_beta, c.activation_situ_linear_beta, c.kda_gate_lower_bound) == (4.0, 25.0, -5.0)
+    assert c.moe_renormalize is True and c.routed_scaling_factor == 1.0 and c.attn_res_block_size == 12
+
+
+def test_meta_count_matches_k3(full_table):
+    print("\n" + format_table(full_table))
+    total, active = full_table["total"]
+    assert abs(total / 2.78e12 - 1) < 0.01, total
+    assert abs(active / 104.2e9 - 1) < 0.02, active
+
+
+def test_meta_count_by_hand(full_table):
+    """Every component against its formula (nn.Linear weights [out, in])."""
+    d, H, V, E, K, h, l, Rq, R = 7168, 96, 128, 896, 16, 3072, 3584, 1536, 512
+    kda = (3 * d * H * 128 + d * H * 128 + (d * 128 + 128 * H * V + H * V) + H * V * d + H * d
+           + 3 * H * 128 * 4 + H + H * 128 + V)
+    mla = d * Rq + Rq + Rq * H * 192 + d * (R + 64) + R + R * H * 256 + d * H * V + H * V * d
+    t = full_table
+    assert t["kda"] == (69 * kda, 69 * kda)
+    assert t["mla"] == (24 * mla, 24 * mla)
+    assert t["dense ffn"][0] == 3 * d * 33792
+    assert t["moe routed experts"] == (92 * E * 3 * l * h, 92 * K * 3 * l * h)
+    assert t["moe shared experts"][0] == 92 * 2 * 3 * d * h
+    assert t["moe latent projections"][0] == 92 * (2 * d * l + l)
+    assert t["moe router"][0] == 92 * E * d
+    assert t["embedding"] == (163840 * d, 0) and t["head"] == (163840 * d, 163840 * d)
+    assert t["attnres queries"][0] == (2 * 93 + 1) * d
+
+
+def test_flops_per_token_by_hand(full_table):
+    c = K3Config.preset("k3-tiny")
+    active = count_params(c)["total"][1]
+    # 2 MLA layers, 2 heads, q/k 16 + 8, v 16.
+    assert flops_per_token(c, 100) == 6 * active + 2 * 6 * 2 * (16 + 8 + 16) * 100
+    assert flops_per_token(c, 100, causal=True) == 6 * active + 2 * 6 * 2 * 40 * 100 / 2
+    f = flops_per_token("k3-full", 8192)
+    assert f == 6 * full_table["total"][1] + 24 * 6 * 96 * 320 * 8192
+    # ~0.68 PFLOP per token: 6 x 104.2B plus ~9% for attention at 8K.
+    assert 0.66e12 < f < 0.70e12
+    assert mfu(1000.0, f, "h100", n_gpus=8) == pytest.approx(1000 * f / (8 * 989.4e12))
+    with pytest.raises(ValueError, match="peak_flops"):
+        mfu(1.0, 1.0, "a100")
+    with pytest.raises(ValueError, match="seq_len"):
+        flops_per_token(c, 0)
+
+
+def tiny(dtype=torch.float32, seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = K3Model(K3Config.preset("k3-tiny", **overrides)).to(dtype)
+    with torch.no_grad():
+        # Non-trivial AttnRes queries: zero ones would make every depth read a uniform average.
+        model.residual.queries.normal_(0, 0.5)
+    return model
+
+
+def test_tiny_forward_backward():
+    model = tiny()
+    types = [type(m) for m in model.mixers()]
+    assert types == [KDALayer, KDALayer, KDALayer, GatedMLA, GatedMLA]
+    idx = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
+    logits, loss = model(idx, targets=idx)
+    assert logits.shape == (2, 20, 256) and logits.dtype == torch.float32
+    assert abs(loss.item() - math.log(256)) < 0.5
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert not missing, missing
+
+
+def test_packed_documents_equal_documents_one_by_one():
+    model = tiny(torch.float64, seed=2).eval()
+    lengths = [7, 1, 12, 4]
+    idx = torch.randint(0, 256, (1, sum(lengths)), generator=torch.Generator().manual_seed(3))
+    cu = torch.tensor([0, 7, 8, 20, 24])
+    with torch.no_grad():
+        packed, _ = model(idx, cu_seqlens=cu)
+        alone = torch.cat([model(part)[0] for part in idx.split(lengths, dim=1)], dim=1)
+    # The router scores in float32 (k3lab.moe), the rest is float64.
+    assert_close("packed", alone, packed, 1e-6)
+
+
+def test_cached_decoding_equals_full_forward():
+    model = tiny(torch.float64, seed=4).eval()
+    idx = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full, _ = model(idx)
+        logits, _, caches = model(idx[:, :5], use_cache=True)
+        pieces = [logits]
+        for start, n in ((5, 1), (6, 3), (9, 1), (10, 3)):
+            logits, _, caches = model(idx[:, start : start + n], caches=caches, use_cache=True)
+            pieces.append(logits)
+    # The router scores in float32 (k3lab.moe), the rest is float64.
+    assert_close("decoded", full, torch.cat(pieces, dim=1), 1e-7)
+
+
+def test_generate_greedy_equals_recomputed_argmax():
+    model = tiny(torch.float64, seed=6).eval()
+    prompt = torch.randint(0, 256, (2, 4), generator=torch.Generator().manual_seed(7))
+    out = model.generate(prompt, 5, temperature=0)
+    ref = prompt
+    with torch.no_grad():
+        for _ in range(5):
+            ref = torch.cat([ref, model(ref)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, ref)
+    sampled = model.generate(prompt, 3, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert sampled.shape == (2, 7) and torch.equal(sampled[:, :4], prompt)
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="unknown preset"):
+        K3Config.preset("k3-huge")
+    with pytest.raises(ValueError, match="activation_situ_beta"):
+        K3Config(activation_situ_beta=3.0)
+    with pytest.raises(ValueError, match="full_attn_layers"):
+        K3Config(full_attn_layers=[0, 4])
+    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+        K3Config(num_nextn_predict_layers=1)
+    with pytest.raises(ValueError, match="hidden_size"):
+        K3Config(hidden_size=0)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        K3Config.preset("k3-tiny", num_experts_per_tok=9)
+    model = tiny()
+    idx = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="idx"):
+        model(idx[0])
+    with pytest.raises(ValueError, match="idx"):
+        model(idx + 256)
+    with pytest.raises(ValueError, match="targets"):
+        model(idx, targets=idx[:, :3])
+    with pytest.raises(ValueError, match="B=1"):
+        model(idx, cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="caches"):
+        model(idx, caches=[None] * 5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(idx, -1)
