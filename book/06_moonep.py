@@ -25,7 +25,7 @@
 # 3. runs the planner (App. E's constructive fill: the plain-Python reference and the tensor version
 #    with no host sync) and draws the plan as a rank × expert grid, with an explorer;
 # 4. runs dispatch, experts and combine on 2 CPU ranks (gloo) and checks them against one process;
-# 5. reads the simulated step time under routing skew from the H200 benchmark.
+# 5. reads the planner latency and the simulated step time under routing skew from the GPU benchmark.
 #
 # All code is in `k3lab.moonep` (`planner.py`, `naive.py`, `dispatch.py`, `alltoall.py`, `ep.py`,
 # `workers.py`) and `k3lab.bench.moonep`; this notebook imports it.
@@ -327,29 +327,30 @@ for (R, tag), r in rows.items():
 # reads (NVSHMEM, `torch.ops.symm_mem`) move only the pairs and the donor's experts; see
 # `docs/moonep.md`.
 #
-# ## 5. On an H200: planner latency and a simulated EP step
+# ## 5. On one GPU: planner latency and a simulated EP step
 #
 # `python -m k3lab.bench.moonep` checks the planner on the GPU against `plan_reference` at every
 # shape, checks that `plan` + `layout` run under `torch.cuda.set_sync_debug_mode("error")`, and times
 # them eagerly and as a CUDA-graph replay for E in {64, 256, 896}, R in {8, 64}, S = 8192, K in
 # {8, 16}. The EP step is a **simulation** on one GPU: R = 8 ranks' counts at expert skew maxvio in
-# {0, 0.5, 1, 2, 4} (E = 64, K = 8, S = 8192); each simulated rank's expert GEMMs (forward + backward,
-# bf16) are timed at that rank's load, and communication is priced from a measured all-to-all
-# bandwidth, not run (the figure and its source are in the JSON). Step time = communication + the
-# slowest rank's GEMMs.
+# {0, 0.5, 1, 2, 4} (E = 64, K = 8, S = 8192, experts at a latent width of 1024 with hidden 1024);
+# each simulated rank's expert GEMMs (forward + backward, bf16) are timed at that rank's load, and
+# communication is priced from a measured all-to-all bandwidth, not run (the figure and its source are
+# in the JSON). Step time = communication + the slowest rank's GEMMs.
 
 # %% tags=["nbval-ignore-output"]
-result_path = Path("..") / "data" / "results" / "moonep_h200.json"
-if not result_path.exists():
-    result_path = Path("data") / "results" / "moonep_h200.json"
-bench = json.loads(result_path.read_text()) if result_path.exists() else None
+results_dir = Path("..") / "data" / "results"
+if not results_dir.exists():
+    results_dir = Path("data") / "results"
+found = [path for path in (results_dir / "moonep_h200.json", results_dir / "moonep_h100.json") if path.exists()]
+bench = json.loads(found[0].read_text()) if found else None
 if bench is None:
-    print("no stored H200 result yet (data/results/moonep_h200.json): run `python -m k3lab.bench.moonep` on a "
-          "GPU; the plot below is skipped")
+    print("no stored GPU result yet (data/results/moonep_h200.json or moonep_h100.json): run "
+          "`python -m k3lab.bench.moonep` on a GPU; the plot below is skipped")
 else:
     from k3lab.bench.moonep import table
 
-    print(table(bench))
+    print(f"{found[0].name}:\n{table(bench)}")
 
 # %% tags=["nbval-ignore-output"]
 if bench is not None and bench["skew"]:

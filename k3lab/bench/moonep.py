@@ -1,6 +1,6 @@
 """MoonEP on one GPU: the planner's latency, and a simulated EP step under routing skew.
 
-    python -m k3lab.bench.moonep                          # -> data/results/moonep_h200.json (~1 min on an H200)
+    python -m k3lab.bench.moonep                          # -> data/results/moonep_<card>.json (h200, h100)
     python -m k3lab.bench.moonep --device cpu --small     # tiny sizes, no CUDA graph: checks the script
     python -m k3lab.bench.moonep --skip-planner --maxvio 0 4 --out /tmp/skew.json
 
@@ -11,7 +11,9 @@ synchronisation in ``plan`` + ``layout`` (on a GPU under ``torch.cuda.set_sync_d
 the CPU with ``.item()``/``.tolist()``/``bool()``... patched to raise); (3) planner latency, plan + layout
 for rank 0, timed eagerly and as a CUDA-graph replay of the same two calls; (4) the simulated EP step.
 
-The EP step is a simulation on one GPU, labelled so in the JSON and the table: R ranks' router counts
+The EP step is a simulation on one GPU, labelled so in the JSON and the table. By default E = 64 experts
+over R = 8 ranks, top-8, S = 8192 tokens a rank, experts of width d = 1024 and hidden h = 1024
+(``k3lab.bench.moe``'s small LatentMoE: experts and dispatch at the latent width). R ranks' router counts
 are drawn at a given expert skew (maxvio = max_e load_e / mean_e load_e - 1, the hot experts scattered
 over the ranks by a fixed permutation); each simulated rank's expert grouped GEMMs
 (``k3lab.moe.experts.expert_ffn``, forward + backward, bf16) are timed on the GPU at that rank's load:
@@ -34,9 +36,8 @@ from unittest import mock
 
 import torch
 
-from k3lab.bench import positive_int, run_info
+from k3lab.bench import positive_int, result_path, run_info
 
-DEFAULT_OUT = "data/results/moonep_h200.json"
 COMM_SOURCE = ("NCCL all_to_all_single between two H200s over NVLink: ~143 GB/s out per rank at 16 MiB "
                "messages, ~40 us for small messages (the project's 2-GPU measurement of 2026-11-30); "
                "priced, not run")
@@ -395,7 +396,8 @@ def skew_row(maxvio: float, E: int, R: int, S: int, K: int, d: int, h: int, devi
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m k3lab.bench.moonep", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None,
-                   help=f"JSON output path (default {DEFAULT_OUT}; with --small, no JSON unless given)")
+                   help="JSON output path ('' = write nothing); default data/results/moonep_<card>.json, "
+                        "none with --small")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cuda (the measurement) or cpu (with --small, a check of the script)")
     p.add_argument("--small", action="store_true",
@@ -409,7 +411,8 @@ def main(argv=None) -> dict:
     p.add_argument("--sim-E", type=positive_int, default=64, help="simulation: experts")
     p.add_argument("--sim-R", type=positive_int, default=8, help="simulation: EP ranks")
     p.add_argument("--sim-K", type=positive_int, default=8, help="simulation: top-k")
-    p.add_argument("--d", type=positive_int, default=2048, help="simulation: the experts' input width")
+    p.add_argument("--d", type=positive_int, default=1024,
+                   help="simulation: the experts' input width, also the dispatched rows' (LatentMoE: the latent)")
     p.add_argument("--h", type=positive_int, default=1024, help="simulation: the experts' hidden width")
     p.add_argument("--comm-gbps", type=positive_float, default=143.0,
                    help="simulation: all-to-all bandwidth per rank, GB/s (default: 2 x H200, 16 MiB messages)")
@@ -457,7 +460,8 @@ def main(argv=None) -> dict:
         E, R, K = max(shapes, key=lambda s: (s[1], s[0], s[2]))
         counts, idx = routing_counts(E, R, args.S, K, device, args.seed)
         result["sync_check"] = dict(E=E, R=R, S=args.S, K=K, **sync_check(counts, idx, args.S, K))
-    # (3) planner latency.
+    # (3) planner latency; no capture when the path syncs (capture would fail, possibly mid-graph).
+    graph = graph and result.get("sync_check", {}).get("passed", False)
     result["planner"] = [] if args.skip_planner else [
         planner_row(E, R, args.S, K, device, args.reps, graph, args.seed) for E, R, K in shapes]
     # (4) the simulated EP step.
@@ -469,7 +473,7 @@ def main(argv=None) -> dict:
                                 all_to_alls_per_step=4, overlap=False)
     result["floors"] = floors(result)
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
-    out = args.out or (None if args.small else DEFAULT_OUT)
+    out = args.out if args.out is not None else (None if args.small else result_path("moonep", result["device"]))
     if out:
         from k3lab.files import write_json  # noqa: PLC0415
 
