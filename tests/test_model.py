@@ -126,15 +126,15 @@ def test_cached_decoding_equals_full_forward():
 
 def test_generate_greedy_equals_recomputed_argmax():
     model = tiny(torch.float64, seed=6).eval()
-    prompt = torch.randint(0, 256, (2, 4), generator=torch.Generator().manual_seed(7))
-    out = model.generate(prompt, 5, temperature=0)
+    prompt = torch.randint(0, 256, (2, 3), generator=torch.Generator().manual_seed(7))
+    out = model.generate(prompt, 3, temperature=0)
     ref = prompt
     with torch.no_grad():
-        for _ in range(5):
+        for _ in range(3):
             ref = torch.cat([ref, model(ref)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, ref)
-    sampled = model.generate(prompt, 3, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(0))
-    assert sampled.shape == (2, 7) and torch.equal(sampled[:, :4], prompt)
+    sampled = model.generate(prompt, 2, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert sampled.shape == (2, 5) and torch.equal(sampled[:, :3], prompt)
 
 
 def test_validation():

@@ -1,0 +1,305 @@
+"""Per-Head Muon (K3 report, Sec. 2.5) with AdamW for the rest, as one ``torch.optim.Optimizer``.
+
+Muon (Moonlight, "Muon is Scalable for LLM Training"; ``torch.optim.Muon``) on the hidden matrices:
+
+    B = mu B + (1 - mu) G                    (momentum, torch's lerp form; Nesterov: U = G + mu (B - G))
+    O = NS5(U)                               (quintic Newton-Schulz, (3.4445, -4.7750, 2.0315), 5 steps)
+    W = (1 - lr wd) W - lr 0.2 sqrt(max(A, B)) O
+
+Per-Head Muon splits the Q/K/V projections' update along heads (row blocks of the [out, in] weight:
+K rows per KDA head, Dn + Dr per MLA query head, Dn and Dv per MLA key / value head) and runs
+Newton-Schulz on each block: the result equals a loop over heads, each block a separate
+``torch.optim.Muon`` parameter. A stacked expert tensor [E, a, b] is orthogonalised per expert.
+
+Learning-rate scaling: Moonlight's ``match_rms_adamw`` (torch's ``adjust_lr_fn="match_rms_adamw"``),
+lr * 0.2 * sqrt(max(A, B)) with (A, B) the shape of the block orthogonalised. An orthogonalised
+A x B block has RMS 1/sqrt(max(A, B)), so every block's update has RMS 0.2 lr, about AdamW's, and the
+Muon and AdamW groups share one learning rate and weight decay (K3: 0.1). Scaling by the whole
+matrix instead would make an MLA query head's update (192 x 1536 block of an 18432 x 1536 matrix)
+3.5x larger than intended.
+
+AdamW (``torch.optim.adam``'s functional form, decoupled decay) takes what is not a hidden matrix:
+embeddings, the LM head, norms, biases, the MoE router, KDA's beta projection and gate vectors,
+the short-convolution taps, the AttnRes pseudo-queries.
+
+Gradient clipping (``max_grad_norm``) scales the raw gradients before the step, never the
+orthogonalised update (whose norm is fixed by construction). Parameters that are DTensors (FSDP /
+TP shards) are orthogonalised as their full logical matrix, then the local shard of the update applied.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.optim.adam import adam as _adam
+# torch.optim.Muon's own Newton-Schulz: the per-head path runs exactly torch's orthogonalisation.
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+ALGORITHMS = ("muon", "adamw")
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def adjusted_lr(lr: float, shape) -> float:
+    """Moonlight's RMS-matching learning rate for one orthogonalised block of ``shape`` (A, B):
+    lr * 0.2 * sqrt(max(A, B)) (``torch.optim.Muon``'s ``adjust_lr_fn="match_rms_adamw"``)."""
+    return lr * 0.2 * math.sqrt(max(shape[0], shape[1]))
+
+
+def head_blocks(model: nn.Module) -> dict[nn.Parameter, list[int]]:
+    """Row blocks of every Q/K/V projection of ``model``'s KDA and Gated MLA layers.
+
+    Returns:
+        dict parameter -> list of row counts summing to its rows (one per head; MLA's ``kv_b_proj``:
+        Dn key rows then Dv value rows per head).
+    """
+    from k3lab.kda import KDALayer
+    from k3lab.mla import GatedMLA
+
+    out = {}
+    for m in model.modules():
+        if isinstance(m, KDALayer):
+            out[m.q_proj.weight] = [m.K] * m.H
+            out[m.k_proj.weight] = [m.K] * m.H
+            out[m.v_proj.weight] = [m.V] * m.HV
+        elif isinstance(m, GatedMLA):
+            params = dict(m.named_parameters())
+            for name, blocks in m.head_blocks().items():
+                out[params[name]] = blocks
+    return out
+
+
+def _adamw_modules(model: nn.Module) -> set[int]:
+    """ids of the 2-D/3-D parameters that are not hidden matrices (they go to AdamW)."""
+    from k3lab.attnres import BlockAttnRes
+    from k3lab.kda import KDALayer
+    from k3lab.moe import Router
+
+    ids = set()
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding):
+            ids.add(id(m.weight))
+        elif isinstance(m, Router):
+            ids.update(id(p) for p in m.parameters())
+        elif isinstance(m, KDALayer):
+            # beta: one write-strength logit per head, a gate rather than a hidden map.
+            ids.add(id(m.b_proj.weight))
+        elif isinstance(m, BlockAttnRes):
+            ids.add(id(m.queries))
+    head = getattr(model, "head", None)
+    if isinstance(head, nn.Linear):
+        ids.add(id(head.weight))
+    return ids
+
+
+def split_params(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter, list[int] | None]], list[tuple[str, nn.Parameter]]]:
+    """Sort ``model``'s trainable parameters: Muon takes nn.Linear weights and stacked expert weights
+    (except the embedding, LM head, router and KDA beta projection); AdamW takes the rest.
+
+    Returns:
+        (muon [(name, param, row_blocks or None)], adamw [(name, param)]); tied parameters once.
+    """
+    from k3lab.moe import GroupedExperts
+
+    blocks = head_blocks(model)
+    adamw_ids = _adamw_modules(model)
+    matrices = set()
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            matrices.add(id(m.weight))
+        elif isinstance(m, GroupedExperts):
+            matrices.update(id(p) for p in (m.w_gate, m.w_up, m.w_down))
+    muon, adamw = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in matrices and id(p) not in adamw_ids:
+            muon.append((name, p, blocks.get(p)))
+        else:
+            adamw.append((name, p))
+    return muon, adamw
+
+
+class PerHeadMuon(torch.optim.Optimizer):
+    """Per-Head Muon and AdamW in one optimizer (K3 report, Sec. 2.5): one ``.state``, one
+    ``state_dict()`` / ``load_state_dict()``, so ``torch.distributed.checkpoint`` saves and restores it
+    (its ``get_optimizer_state_dict`` creates a fresh optimizer's lazy state with one lr = 0 step).
+
+    Args:
+        params: parameter groups (dicts); each has ``"algorithm"``: "muon" or "adamw". A Muon group may
+            have ``"row_blocks"``: a list of row counts (one per head) for its single parameter; Muon
+            parameters are 2-D [out, in] or 3-D stacks [E, a, b] (one matrix per expert). Use
+            ``per_head_muon(model)`` to build them from a model.
+        lr (float): learning rate of both algorithms (Muon's scaled per block, see the module docstring).
+        weight_decay (float): decoupled weight decay (K3: 0.1).
+        momentum (float): Muon's mu (0.95); nesterov (bool): Nesterov momentum (True).
+        ns_steps (int): Newton-Schulz steps (5); ns_coefficients: the quintic's (a, b, c).
+        eps (float): Newton-Schulz's norm floor (1e-7).
+        betas (tuple[float, float]): AdamW's (0.9, 0.95); adamw_eps (float): AdamW's eps (1e-8).
+        max_grad_norm (float | None): clip the global norm of the raw gradients to this before stepping.
+
+    Raises:
+        ValueError: lr, weight_decay, momentum, betas, eps or max_grad_norm out of range; a group without a
+            known ``"algorithm"``; a Muon parameter that is not 2-D or 3-D; row blocks that do not sum to
+            its rows (or set on a 3-D parameter / a group of several parameters).
+
+    The per-parameter state is Muon's ``momentum_buffer`` (float32 for low-precision parameters) and
+    AdamW's ``step``, ``exp_avg``, ``exp_avg_sq`` (torch's names).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_steps: int = 5, ns_coefficients=NS_COEFFICIENTS, eps: float = 1e-7,
+                 betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
+                 max_grad_norm: float | None = None):
+        for name, v, ok in (("lr", lr, lr >= 0), ("weight_decay", weight_decay, weight_decay >= 0),
+                            ("momentum", momentum, 0 <= momentum < 1), ("eps", eps, eps > 0),
+                            ("adamw_eps", adamw_eps, adamw_eps > 0)):
+            if not (ok and math.isfinite(v)):
+                raise ValueError(f"{name} is out of range or not finite: {v!r}")
+        if not (len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        if not (isinstance(ns_steps, int) and 1 <= ns_steps < 100):
+            raise ValueError(f"ns_steps must be an int in [1, 100), got {ns_steps!r}")
+        if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+            raise ValueError(f"max_grad_norm must be None or a positive finite number, got {max_grad_norm!r}")
+        self.max_grad_norm = max_grad_norm
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        ns_coefficients=tuple(ns_coefficients), eps=eps, betas=tuple(betas), adamw_eps=adamw_eps,
+                        row_blocks=None)
+        super().__init__(params, defaults)
+        for i, group in enumerate(self.param_groups):
+            if group.get("algorithm") not in ALGORITHMS:
+                raise ValueError(f"param group {i} needs 'algorithm' in {ALGORITHMS}, got {group.get('algorithm')!r}")
+            if group["algorithm"] == "muon":
+                for p in group["params"]:
+                    if p.ndim not in (2, 3):
+                        raise ValueError(f"param group {i}: Muon takes 2-D or 3-D (stacked) parameters, got "
+                                         f"shape {list(p.shape)}")
+                blocks = group["row_blocks"]
+                if blocks is not None:
+                    if len(group["params"]) != 1 or group["params"][0].ndim != 2:
+                        raise ValueError(f"param group {i}: row_blocks needs exactly one 2-D parameter")
+                    rows = group["params"][0].shape[0]
+                    if not (all(isinstance(b, int) and b > 0 for b in blocks) and sum(blocks) == rows):
+                        raise ValueError(f"param group {i}: row_blocks must be positive ints summing to the "
+                                         f"parameter's {rows} rows, got {blocks!r}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step: clip the raw gradients (``max_grad_norm``), then Muon / AdamW per group.
+        Parameters without a gradient are skipped (no state is created for them)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.max_grad_norm is not None:
+            grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        for group in self.param_groups:
+            if group["algorithm"] == "muon":
+                self._muon(group)
+            else:
+                self._adamw(group)
+        return loss
+
+    def _muon(self, group) -> None:
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                wide = torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=wide)
+            buf = state["momentum_buffer"]
+            # A restored buffer may differ in dtype from the gradient (float32 momentum, bf16 grads).
+            grad = p.grad.to(buf.dtype)
+            buf.lerp_(grad, 1 - mu)
+            update = grad.lerp(buf, mu) if group["nesterov"] else buf
+            self._apply(p, update, group, lr, wd)
+
+    @staticmethod
+    def _apply(p, update, group, lr, wd) -> None:
+        """p <- (1 - lr wd) p - adjusted_lr(block) NS(block), block by block over the full logical matrix."""
+        try:
+            from torch.distributed.tensor import DTensor, Replicate
+        except ImportError:
+            DTensor = None
+        sharded = DTensor is not None and isinstance(p, DTensor)
+        full = update.full_tensor() if sharded else update
+        if p.ndim == 3:
+            blocks = list(full.unbind(0))
+        elif group["row_blocks"] is not None:
+            blocks = list(full.split(group["row_blocks"], dim=0))
+        else:
+            blocks = [full]
+        ns = [_zeropower_via_newtonschulz(b, group["ns_coefficients"], group["ns_steps"], group["eps"]) for b in blocks]
+        if not sharded:
+            # Block views of p, updated in place exactly as torch.optim.Muon updates a whole parameter.
+            views = list(p.unbind(0)) if p.ndim == 3 else list(p.split([b.shape[0] for b in blocks], dim=0))
+            for v, o in zip(views, ns):
+                v.mul_(1 - lr * wd)
+                v.add_(o, alpha=-adjusted_lr(lr, o.shape))
+            return
+        scaled = [o.to(full.dtype) * adjusted_lr(lr, o.shape) for o in ns]
+        step_full = torch.stack(scaled) if p.ndim == 3 else torch.cat(scaled, dim=0)
+        # Replicate -> the parameter's placements is a local slice (no communication).
+        local = DTensor.from_local(step_full, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
+                                   run_check=False).redistribute(p.device_mesh, p.placements).to_local()
+        p_local = p.to_local()
+        p_local.mul_(1 - lr * wd)
+        p_local.sub_(local.to(p_local.dtype))
+
+    def _adamw(self, group) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            params.append(p)
+            grads.append(p.grad.to(state["exp_avg"].dtype))
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        _adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, decoupled_weight_decay=True,
+              amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+              eps=group["adamw_eps"], maximize=False)
+
+
+def per_head_muon(model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.1, **kwargs) -> PerHeadMuon:
+    """``PerHeadMuon`` over ``model``: one Muon group per Q/K/V projection (with its head row blocks),
+    one Muon group for the other hidden matrices, AdamW groups for the rest (weight decay on 2-D
+    tables such as the embedding and head, none on vectors).
+
+    Args:
+        model (nn.Module): e.g. a ``k3lab.model.K3Model`` or ``k3lab.lm.LM``.
+        lr (float), weight_decay (float), **kwargs: ``PerHeadMuon``'s.
+
+    Returns:
+        PerHeadMuon; its groups carry ``"names"`` (the parameter names, for logs and tests).
+
+    Raises:
+        ValueError: what ``PerHeadMuon`` raises; a model without trainable parameters.
+    """
+    muon, adamw = split_params(model)
+    if not muon and not adamw:
+        raise ValueError("per_head_muon: the model has no trainable parameters")
+    groups = [dict(params=[p], names=[n], algorithm="muon", row_blocks=blocks) for n, p, blocks in muon if blocks]
+    rest = [(n, p) for n, p, blocks in muon if not blocks]
+    if rest:
+        groups.append(dict(params=[p for _, p in rest], names=[n for n, _ in rest], algorithm="muon"))
+    decay = [(n, p) for n, p in adamw if p.ndim >= 2]
+    no_decay = [(n, p) for n, p in adamw if p.ndim < 2]
+    for members, wd in ((decay, weight_decay), (no_decay, 0.0)):
+        if members:
+            groups.append(dict(params=[p for _, p in members], names=[n for n, _ in members], algorithm="adamw",
+                               weight_decay=wd))
+    return PerHeadMuon(groups, lr=lr, weight_decay=weight_decay, **kwargs)

@@ -1,0 +1,222 @@
+"""Per-Head Muon: per-head equals a loop over heads of torch.optim.Muon (KDA and MLA projections),
+one block equals torch.optim.Muon, AdamW groups equal torch.optim.AdamW, raw-gradient clipping,
+parameter split, and a torch.distributed.checkpoint round trip equal to the uninterrupted run."""
+from __future__ import annotations
+
+import copy
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+from k3lab.kda import KDALayer
+from k3lab.mla import GatedMLA
+from k3lab.model import K3Config, K3Model
+from k3lab.moe import GroupedExperts
+from k3lab.optim import PerHeadMuon, head_blocks, per_head_muon, split_params
+
+
+def _grads(shape, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for _ in range(steps)]
+
+
+def _reference_loop(weight, blocks, grads, lr, wd):
+    """Each row block as its own torch.optim.Muon parameter (match_rms_adamw), stepped on its grads."""
+    parts = [torch.nn.Parameter(b.clone()) for b in weight.detach().split(blocks, dim=0)]
+    opts = [torch.optim.Muon([q], lr=lr, weight_decay=wd, adjust_lr_fn="match_rms_adamw") for q in parts]
+    for g in grads:
+        for q, gb, opt in zip(parts, g.split(blocks, dim=0), opts):
+            q.grad = gb.clone()
+            opt.step()
+    return torch.cat([q.detach() for q in parts])
+
+
+def _per_head(weight, blocks, grads, lr, wd):
+    p = torch.nn.Parameter(weight.detach().clone())
+    opt = PerHeadMuon([dict(params=[p], algorithm="muon", row_blocks=blocks)], lr=lr, weight_decay=wd)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach()
+
+
+@pytest.mark.parametrize("which", ["kda_q", "kda_v", "mla_q", "mla_kv"])
+def test_per_head_equals_loop_over_heads(which):
+    torch.manual_seed(0)
+    kda = KDALayer(48, 3, 16, num_v_heads=6, v_head_dim=8)
+    mla = GatedMLA(48, 4, 12, 20, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    param = {"kda_q": kda.q_proj.weight, "kda_v": kda.v_proj.weight, "mla_q": mla.q_b_proj.weight,
+             "mla_kv": mla.kv_b_proj.weight}[which]
+    blocks = {**head_blocks(kda), **head_blocks(mla)}[param]
+    assert len(blocks) > 1 and sum(blocks) == param.shape[0]
+    grads = _grads(param.shape, 3, seed=1)
+    out = _per_head(param, blocks, grads, lr=0.02, wd=0.1)
+    assert torch.equal(out, _reference_loop(param, blocks, grads, lr=0.02, wd=0.1))
+    # Not the full-matrix update: the split really happens.
+    assert not torch.allclose(out, _per_head(param, None, grads, lr=0.02, wd=0.1), atol=1e-4)
+
+
+def test_one_block_equals_torch_muon():
+    w = torch.randn(24, 40)
+    grads = _grads(w.shape, 3, seed=2)
+    ref = _reference_loop(w, [24], grads, lr=0.01, wd=0.1)
+    assert torch.equal(_per_head(w, None, grads, lr=0.01, wd=0.1), ref)
+    assert torch.equal(_per_head(w, [24], grads, lr=0.01, wd=0.1), ref)
+
+
+def test_stacked_experts_are_orthogonalised_per_expert():
+    w = torch.randn(3, 8, 12)
+    grads = _grads(w.shape, 2, seed=3)
+    p = torch.nn.Parameter(w.clone())
+    opt = PerHeadMuon([dict(params=[p], algorithm="muon")], lr=0.01)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    for e in range(3):
+        ref = _reference_loop(w[e], [8], [g[e] for g in grads], lr=0.01, wd=0.1)
+        assert torch.equal(p.detach()[e], ref)
+
+
+def test_adamw_groups_equal_torch_adamw():
+    w = torch.randn(5, 7)
+    grads = _grads(w.shape, 3, seed=4)
+    a, b = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    mine = PerHeadMuon([dict(params=[a], algorithm="adamw")], lr=0.01, weight_decay=0.1, betas=(0.9, 0.95))
+    ref = torch.optim.AdamW([b], lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), foreach=False)
+    for g in grads:
+        a.grad, b.grad = g.clone(), g.clone()
+        mine.step()
+        ref.step()
+    assert torch.equal(a, b)
+
+
+def test_clipping_scales_raw_gradients_only():
+    w, v = torch.randn(16, 24), torch.randn(24)
+    g_w, g_v = torch.randn(16, 24) * 10, torch.randn(24) * 10
+    norm = torch.cat([g_w.flatten(), g_v]).norm()
+
+    def run(clip, scale):
+        p, q = torch.nn.Parameter(w.clone()), torch.nn.Parameter(v.clone())
+        opt = PerHeadMuon([dict(params=[p], algorithm="muon"), dict(params=[q], algorithm="adamw")],
+                          lr=0.01, max_grad_norm=clip)
+        p.grad, q.grad = g_w * scale, g_v * scale
+        opt.step()
+        return p.detach(), q.detach(), p.grad
+    clipped = run(1.0, 1.0)
+    by_hand = run(None, 1.0 / (norm + 1e-6))
+    assert torch.allclose(clipped[0], by_hand[0], atol=1e-6) and torch.allclose(clipped[1], by_hand[1], atol=1e-6)
+    assert abs(clipped[2].norm() - g_w.norm() / norm) < 1e-4
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return K3Model(K3Config.preset("k3-tiny", moe_balance="none"))
+
+
+def test_split_params_of_k3():
+    model = tiny_model()
+    muon, adamw = split_params(model)
+    muon_names = {n for n, _, _ in muon}
+    blocked = {n for n, _, b in muon if b}
+    adamw_names = {n for n, _ in adamw}
+    # KDA (layers 0-2) and MLA (layers 3-4) Q/K/V projections, split by head.
+    assert {f"sublayers.{2 * i}.fn.{w}.weight" for i in range(3) for w in ("q_proj", "k_proj", "v_proj")} <= blocked
+    assert {f"sublayers.{2 * i}.fn.{w}.weight" for i in (3, 4) for w in ("q_b_proj", "kv_b_proj")} <= blocked
+    assert "sublayers.2.fn.o_proj.weight" in muon_names and "sublayers.3.fn.experts.w_gate" in muon_names
+    for name in ("embed.weight", "head.weight", "residual.queries", "sublayers.3.fn.router.weight",
+                 "sublayers.0.fn.b_proj.weight", "sublayers.0.fn.q_conv", "sublayers.0.fn.A_log", "norm.weight"):
+        assert name in adamw_names, name
+    assert not muon_names & adamw_names
+    assert len(muon_names) + len(adamw_names) == len(list(model.parameters()))
+
+
+class Small(torch.nn.Module):
+    """Embedding -> KDA -> Gated MLA -> stacked experts -> head: every kind of state PerHeadMuon keeps."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(32, 16)
+        self.kda = KDALayer(16, 2, 8, chunk_size=16)
+        self.mla = GatedMLA(16, 2, 8, 12, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+        self.experts = GroupedExperts(2, 16, 8)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+
+    def forward(self, idx):
+        h = self.embed(idx)
+        h = h + self.kda(h, use_cache=False)[0]
+        h = h + self.mla(h)[0]
+        h = h + self.experts(h.flatten(0, 1), torch.tensor([10, 24], dtype=torch.int32)).view_as(h)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), idx.flatten())
+
+
+def _train_step(model, opt, seed):
+    idx = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(seed))
+    opt.zero_grad(set_to_none=True)
+    model(idx).backward()
+    opt.step()
+
+
+def test_dcp_save_load_step_equals_uninterrupted(tmp_path):
+    """Two steps, save with torch.distributed.checkpoint, load into a fresh model and a fresh optimizer
+    (no lazy state yet), step: equal to the third step of the uninterrupted run, and to a run restored by
+    the optimizer's own load_state_dict."""
+    model = Small(seed=1)
+    opt = per_head_muon(model, lr=0.01, max_grad_norm=1.0)
+    assert {g["algorithm"] for g in opt.param_groups} == {"muon", "adamw"}
+    assert any(g["row_blocks"] for g in opt.param_groups)
+    for s in range(2):
+        _train_step(model, opt, s)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=str(tmp_path))
+    ref = Small(seed=2)
+    ref.load_state_dict(model.state_dict())
+    ref_opt = per_head_muon(ref, lr=0.01, max_grad_norm=1.0)
+    # A copy: load_state_dict keeps the very tensors it is given when dtype and device already match.
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _train_step(model, opt, 2)
+
+    fresh = Small(seed=9)
+    fresh_opt = per_head_muon(fresh, lr=0.01, max_grad_norm=1.0)
+    assert len(fresh_opt.state) == 0
+    sd = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(sd, checkpoint_id=str(tmp_path))
+    set_model_state_dict(fresh, sd["model"])
+    set_optimizer_state_dict(fresh, fresh_opt, sd["optim"])
+    _train_step(fresh, fresh_opt, 2)
+    _train_step(ref, ref_opt, 2)
+    for (name, a), b, c in zip(model.named_parameters(), fresh.parameters(), ref.parameters()):
+        assert torch.equal(a, b), f"dcp: {name}"
+        assert torch.equal(a, c), f"load_state_dict: {name}"
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert opt.state[p].keys() == fresh_opt.state[q].keys()
+        for k in opt.state[p]:
+            assert torch.equal(opt.state[p][k], fresh_opt.state[q][k]), k
+
+
+def test_bf16_grads_with_float32_momentum():
+    p = torch.nn.Parameter(torch.randn(8, 12, dtype=torch.bfloat16))
+    opt = PerHeadMuon([dict(params=[p], algorithm="muon")], lr=0.01)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert opt.state[p]["momentum_buffer"].dtype == torch.float32
+    opt.load_state_dict(opt.state_dict())
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert torch.isfinite(p.float()).all()
+
+
+def test_validation():
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(ValueError, match="algorithm"):
+        PerHeadMuon([dict(params=[p])])
+    with pytest.raises(ValueError, match="row_blocks"):
+        PerHeadMuon([dict(params=[p], algorithm="muon", row_blocks=[4, 4])])
+    with pytest.raises(ValueError, match="2-D or 3-D"):
+        PerHeadMuon([dict(params=[torch.nn.Parameter(torch.randn(4))], algorithm="muon")])
+    with pytest.raises(ValueError, match="lr"):
+        PerHeadMuon([dict(params=[p], algorithm="muon")], lr=-1.0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        PerHeadMuon([dict(params=[p], algorithm="muon")], max_grad_norm=0.0)
