@@ -210,13 +210,14 @@ print(f"E={demo_E}, R={demo_R} on this CPU: plan {1e3 * t_plan:.2f} ms, plan_ref
 # (an expert processed away from home). On the right, each rank's load under plain all-to-all EP
 # (its home experts' pairs) against MoonEP's S·K on every rank. The skewed counts come from
 # `k3lab.bench.moonep.skew_counts` (the benchmark's: experts drawn with a power-law profile at the
-# asked maxvio, scattered over the ranks).
+# asked maxvio, scattered over the ranks or, in the explorer, packed on rank 0).
 
 # %%
-def draw_plan(E: int = demo_E, R: int = demo_R, maxvio: float = demo_maxvio, K: int = demo_K, S: int = demo_S):
+def draw_plan(E: int = demo_E, R: int = demo_R, maxvio: float = demo_maxvio, placement: str = "scattered",
+              K: int = demo_K, S: int = demo_S):
     """The MoonEP plan of skewed counts as a rank x expert grid, and the per-rank loads before and after."""
     m = min(maxvio, E / K - 1)
-    counts = skew_counts(E, R, S, K, m, seed)
+    counts = skew_counts(E, R, S, K, m, seed, placement)
     p = plan(counts, S, K)
     L, C = E // R, S * K
     grid = p.assign.T.double() / C                    # [R, E]
@@ -229,7 +230,7 @@ def draw_plan(E: int = demo_E, R: int = demo_R, maxvio: float = demo_maxvio, K: 
     rr, ee = copies.nonzero(as_tuple=True)
     ax0.scatter(ee.numpy(), rr.numpy(), marker="x", color="C3", s=25, label="redundant copy")
     ax0.set(xlabel="expert", ylabel="processing rank",
-            title=f"MoonEP plan: E={E}, R={R}, K={K}, S={S}, maxvio {m:g}")
+            title=f"MoonEP plan: E={E}, R={R}, K={K}, S={S}, maxvio {m:g}, hot experts {placement}")
     ax0.legend(fontsize=7, loc="upper right")
     base = counts.sum(0).view(R, L).sum(1).double() / C
     ax1.barh(range(R), base.numpy(), color="C7", label="all-to-all (home)")
@@ -255,7 +256,7 @@ demo_plan = draw_plan()
 # line; the figure above is the static copy.
 
 # %% tags=["nbval-ignore-output"]
-explorer = explore(draw_plan, E=[16, 32, 64], R=[2, 4, 8], maxvio=(0.0, 6.0, 0.5))
+explorer = explore(draw_plan, E=[16, 32, 64], R=[2, 4, 8], maxvio=(0.0, 6.0, 0.5), placement=["scattered", "packed"])
 
 # %% [markdown]
 # ### Where each pair goes
@@ -333,7 +334,8 @@ for (R, tag), r in rows.items():
 # shape, checks that `plan` + `layout` run under `torch.cuda.set_sync_debug_mode("error")`, and times
 # them eagerly and as a CUDA-graph replay for E in {64, 256, 896}, R in {8, 64}, S = 8192, K in
 # {8, 16}. The EP step is a **simulation** on one GPU: R = 8 ranks' counts at expert skew maxvio in
-# {0, 0.5, 1, 2, 4} (E = 64, K = 8, S = 8192, experts at a latent width of 1024 with hidden 1024);
+# {0, 0.5, 1, 2, 4} (E = 64, K = 8, S = 8192, experts at a latent width of 1024 with hidden 1024),
+# with the hot experts scattered over the ranks or packed on one (the baseline's worst case);
 # each simulated rank's expert GEMMs (forward + backward, bf16) are timed at that rank's load, and
 # communication is priced from a measured all-to-all bandwidth, not run (the figure and its source are
 # in the JSON). Step time = communication + the slowest rank's GEMMs.
@@ -354,21 +356,26 @@ else:
 
 # %% tags=["nbval-ignore-output"]
 if bench is not None and bench["skew"]:
-    sk = sorted(bench["skew"], key=lambda r: r["maxvio"])
-    assert all(r["simulated"] for r in sk)
-    mv = [r["maxvio"] for r in sk]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    ax.plot(mv, [r["moonep_ms"] for r in sk], "o-", color="C0", label="MoonEP")
-    ax.plot(mv, [r["alltoall_ms"] for r in sk], "s-", color="C3", label="all-to-all EP")
-    ax.plot(mv, [r["moonep"]["gemm_ms"] for r in sk], "o:", color="C0", lw=1, label="MoonEP, GEMMs only")
-    ax.plot(mv, [r["alltoall"]["gemm_ms"] for r in sk], "s:", color="C3", lw=1, label="all-to-all, GEMMs only")
+    assert all(r["simulated"] for r in bench["skew"])
+    placements = list(dict.fromkeys(r.get("placement", "scattered") for r in bench["skew"]))
+    fig, axes = plt.subplots(1, len(placements), figsize=(6 * len(placements), 3.6), squeeze=False)
+    for ax, placement in zip(axes[0], placements):
+        sk = sorted((r for r in bench["skew"] if r.get("placement", "scattered") == placement),
+                    key=lambda r: r["maxvio"])
+        mv = [r["maxvio"] for r in sk]
+        ax.plot(mv, [r["moonep_ms"] for r in sk], "o-", color="C0", label="MoonEP")
+        ax.plot(mv, [r["alltoall_ms"] for r in sk], "s-", color="C3", label="all-to-all EP")
+        ax.plot(mv, [r["moonep"]["gemm_ms"] for r in sk], "o:", color="C0", lw=1, label="MoonEP, GEMMs only")
+        ax.plot(mv, [r["alltoall"]["gemm_ms"] for r in sk], "s:", color="C3", lw=1, label="all-to-all, GEMMs only")
+        ax.set(xlabel="routing skew maxvio", ylabel="step time (ms), SIMULATED", ylim=(0, None),
+               title=f"SIMULATED, hot experts {placement}")
+        ax.legend(fontsize=7)
     s = bench["shapes"]["skew"]
-    ax.set(xlabel="routing skew maxvio", ylabel="step time (ms), SIMULATED", ylim=(0, None),
-           title=f"SIMULATED EP step on one {bench['device']}: E={s['E']}, R={s['R']}, K={s['K']}, S={s['S']}")
-    ax.legend(fontsize=8)
+    fig.suptitle(f"Simulated EP step, GEMMs timed on one {bench['device']}: E={s['E']}, R={s['R']}, K={s['K']}, "
+                 f"S={s['S']}", fontsize=10)
     plt.tight_layout()
     plt.show()
-    print(f"communication priced from: {sk[0]['comm_source']}")
+    print(f"communication priced from: {bench['skew'][0]['comm_source']}")
 
 # %% [markdown]
 # ## Exercises

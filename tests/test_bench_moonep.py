@@ -20,7 +20,9 @@ def test_small_cpu_run_writes_the_issue_shape(tmp_path):
     for row in data["planner"]:
         assert {"E", "R", "S", "K", "us", "graph_us"} <= row.keys()
         assert row["us"] > 0 and row["graph_us"] is None and row["max_redundant"] <= row["bound"]
-    assert [r["maxvio"] for r in data["skew"]] == [0.0, 0.5, 1.0, 2.0]  # 4.0 needs E >= 5K
+    # Both placements of the hot experts; maxvio 4 needs E >= 5K.
+    assert [(r["placement"], r["maxvio"]) for r in data["skew"]] == [
+        (p, m) for p in ("scattered", "packed") for m in (0.0, 0.5, 1.0, 2.0)]
     C = data["shapes"]["skew"]["S"] * data["shapes"]["skew"]["K"]
     for row in data["skew"]:
         assert row["simulated"] is True and "143 GB/s" in row["comm_source"]
@@ -28,7 +30,9 @@ def test_small_cpu_run_writes_the_issue_shape(tmp_path):
         assert row["moonep"]["rows_per_rank"] == [C] * 4
         assert sum(row["alltoall"]["rows_per_rank"]) == 4 * C
         assert max(row["moonep"]["redundant_per_rank"]) <= 2
-    assert result["floors"]["moonep_step_growth"]["simulated"] is True
+    assert all(result["floors"]["moonep_step_growth"][p]["simulated"] for p in ("scattered", "packed"))
+    packed = [r for r in data["skew"] if r["placement"] == "packed"]
+    assert packed[-1]["alltoall"]["busiest_over_SK"] > 2  # the hot experts all on rank 0
 
 
 def test_small_run_without_out_writes_nothing(tmp_path, monkeypatch, capsys):
@@ -39,8 +43,9 @@ def test_small_run_without_out_writes_nothing(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("target", [0.0, 0.5, 2.0, 4.0])
-def test_skew_counts_hit_the_asked_maxvio(target):
-    counts = bench.skew_counts(64, 8, 8192, 8, target)
+@pytest.mark.parametrize("placement", bench.PLACEMENTS)
+def test_skew_counts_hit_the_asked_maxvio(target, placement):
+    counts = bench.skew_counts(64, 8, 8192, 8, target, placement=placement)
     assert torch.equal(counts.sum(1), torch.full((8,), 8192 * 8))
     assert abs(float(bench.skew_profile(64, target).max()) * 64 - 1 - target) < 1e-9
     assert abs(maxvio(counts.sum(0)) - target) < 0.1
@@ -58,6 +63,7 @@ def test_priced_traffic_is_the_layouts():
     (["--planner-E", "100"], "planner shape E=100, R=8, K=8: E must be a multiple of R"),
     (["--comm-gbps", "0"], "--comm-gbps: expected a float > 0"),
     (["--reps", "0"], "--reps: expected a positive int, got 0"),
+    (["--placement", "random"], "--placement: invalid choice: 'random'"),
 ])
 def test_bad_flags_stop_at_parsing(argv, match, capsys):
     with pytest.raises(SystemExit) as exc:

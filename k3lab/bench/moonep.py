@@ -112,10 +112,15 @@ def skew_profile(E: int, maxvio: float) -> torch.Tensor:
     return w / w.sum()
 
 
-def skew_counts(E: int, R: int, S: int, K: int, maxvio: float, seed: int = 0) -> torch.Tensor:
+PLACEMENTS = ("scattered", "packed")
+
+
+def skew_counts(E: int, R: int, S: int, K: int, maxvio: float, seed: int = 0,
+                placement: str = "scattered") -> torch.Tensor:
     """[R, E] int64 (CPU) router counts at expert skew ``maxvio``: every rank draws its S*K pairs from
-    ``skew_profile(E, maxvio)`` with the experts in a fixed random order (hot experts scattered over the
-    home ranks, not packed on one). Rows sum to S*K.
+    ``skew_profile(E, maxvio)``. ``placement``: "scattered" puts the experts in a fixed random order (hot
+    experts spread over the home ranks), "packed" keeps the profile's order (the hottest E/R experts all
+    on rank 0: the all-to-all baseline's worst case). Rows sum to S*K.
 
     Raises:
         ValueError: the hottest expert would need more than S pairs a rank ((1 + maxvio) K / E > 1: a
@@ -124,8 +129,12 @@ def skew_counts(E: int, R: int, S: int, K: int, maxvio: float, seed: int = 0) ->
     if (1 + maxvio) * K > E:
         raise ValueError(f"maxvio = {maxvio} with K = {K} of E = {E}: the hottest expert would take more than "
                          f"every token ((1 + maxvio) K / E = {(1 + maxvio) * K / E:.2f} > 1)")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     gen = torch.Generator().manual_seed(seed)
-    p = skew_profile(E, maxvio)[torch.randperm(E, generator=gen)]
+    p = skew_profile(E, maxvio)
+    perm = torch.randperm(E, generator=gen)
+    p = p[perm] if placement == "scattered" else p
     draws = torch.multinomial(p.float().expand(R, E), S * K, replacement=True, generator=gen)
     return torch.zeros(R, E, dtype=torch.int64).scatter_add_(1, draws, torch.ones_like(draws))
 
@@ -257,7 +266,7 @@ def check_experts(device: torch.device, dtype: torch.dtype, d: int, h: int) -> f
     on uneven groups with an empty one; returns the worst relative RMS error.
 
     Raises:
-        AssertionError: above 2e-2 (bf16/fp16) or 1e-4 (float32).
+        AssertionError: above 3e-2 (bf16/fp16, as k3lab.bench.moe) or 1e-4 (float32).
     """
     from k3lab.moe.experts import expert_ffn, naive_expert_ffn  # noqa: PLC0415
     from k3lab.testing import rel_rms_error  # noqa: PLC0415
@@ -275,7 +284,7 @@ def check_experts(device: torch.device, dtype: torch.dtype, d: int, h: int) -> f
         y = fn(xs[0], offsets.to(dev), *xs[1:])
         outs[name] = [y, *torch.autograd.grad(y, xs, dy.to(dev, dt))]
     errs = [rel_rms_error(r, o.cpu()) for r, o in zip(outs["ref"], outs["ours"])]
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert max(errs) <= tol, f"expert_ffn {dtype} vs float64 loop: rel RMS errors {errs} > {tol}"
     return max(errs)
 
@@ -353,13 +362,13 @@ def all_to_all_ms(traffic: torch.Tensor, row_bytes: int, gbps: float, latency_us
 
 
 def skew_row(maxvio: float, E: int, R: int, S: int, K: int, d: int, h: int, device, dtype, reps: int,
-             gbps: float, latency_us: float, seed: int) -> dict:
+             gbps: float, latency_us: float, seed: int, placement: str = "scattered") -> dict:
     """The simulated EP step at expert skew ``maxvio`` for MoonEP and the all-to-all baseline."""
     from k3lab.moe import maxvio as measure_maxvio  # noqa: PLC0415
     from k3lab.moonep import plan  # noqa: PLC0415
 
     L, C = E // R, S * K
-    counts = skew_counts(E, R, S, K, maxvio, seed).to(device)
+    counts = skew_counts(E, R, S, K, maxvio, seed, placement).to(device)
     load = counts.sum(0)
     p = plan(counts, S, K)
     row_bytes = d * torch.finfo(dtype).bits // 8
@@ -414,6 +423,8 @@ def main(argv=None) -> dict:
     p.add_argument("--d", type=positive_int, default=1024,
                    help="simulation: the experts' input width, also the dispatched rows' (LatentMoE: the latent)")
     p.add_argument("--h", type=positive_int, default=1024, help="simulation: the experts' hidden width")
+    p.add_argument("--placement", choices=PLACEMENTS, nargs="+", default=list(PLACEMENTS),
+                   help="simulation: hot experts spread over the ranks (scattered), all on rank 0 (packed), or both")
     p.add_argument("--comm-gbps", type=positive_float, default=143.0,
                    help="simulation: all-to-all bandwidth per rank, GB/s (default: 2 x H200, 16 MiB messages)")
     p.add_argument("--comm-latency-us", type=nonnegative_float, default=40.0,
@@ -452,7 +463,7 @@ def main(argv=None) -> dict:
     result = dict(run_info(device), small=args.small,
                   shapes=dict(planner=dict(E=args.planner_E, R=args.planner_R, K=args.planner_K, S=args.S),
                               skew=dict(E=args.sim_E, R=args.sim_R, K=args.sim_K, S=args.S, d=args.d, h=args.h,
-                                        dtype=str(dtype).removeprefix("torch."))),
+                                        dtype=str(dtype).removeprefix("torch."), placements=args.placement)),
                   check=dict(expert_ffn_rel_err=check_experts(device, dtype, args.d, args.h),
                              traffic_matches_layout=True))
     # (2) no host sync while planning, at the largest planner shape.
@@ -467,8 +478,9 @@ def main(argv=None) -> dict:
     # (4) the simulated EP step.
     result["skew"] = [] if args.skip_skew else [
         dict(skew_row(m, args.sim_E, args.sim_R, args.S, args.sim_K, args.d, args.h, device, dtype, args.reps,
-                      args.comm_gbps, args.comm_latency_us, args.seed), comm_source=args.comm_source)
-        for m in args.maxvio]
+                      args.comm_gbps, args.comm_latency_us, args.seed, placement),
+             placement=placement, comm_source=args.comm_source)
+        for placement in args.placement for m in args.maxvio]
     result["comm_model"] = dict(gbps=args.comm_gbps, latency_us=args.comm_latency_us, source=args.comm_source,
                                 all_to_alls_per_step=4, overlap=False)
     result["floors"] = floors(result)
@@ -486,19 +498,21 @@ def main(argv=None) -> dict:
 def floors(result: dict) -> dict:
     """The issue's floors, where the run measured them: the planner at E = 896, R = 64 (best of eager and
     graph, over K) <= 200 us, and MoonEP's simulated step growing <= 10% from the smallest to the largest
-    maxvio."""
+    maxvio (per placement: {"moonep_step_growth": {placement: ...}})."""
     out = {}
     big = [r for r in result["planner"] if r["E"] == 896 and r["R"] == 64]
     if big:
         best = min(min(x for x in (r["us"], r["graph_us"]) if x is not None) for r in big)
         out["planner_us_E896_R64"] = dict(best_us=best, floor_us=PLANNER_FLOOR_US, met=best <= PLANNER_FLOOR_US)
-    skew = sorted(result["skew"], key=lambda r: r["maxvio"])
-    if len(skew) > 1:
-        growth = skew[-1]["moonep_ms"] / skew[0]["moonep_ms"] - 1
-        out["moonep_step_growth"] = dict(from_maxvio=skew[0]["maxvio"], to_maxvio=skew[-1]["maxvio"], growth=growth,
-                                         floor=SKEW_GROWTH_FLOOR, met=growth <= SKEW_GROWTH_FLOOR,
-                                         alltoall_growth=skew[-1]["alltoall_ms"] / skew[0]["alltoall_ms"] - 1,
-                                         simulated=True)
+    for placement in dict.fromkeys(r.get("placement", "scattered") for r in result["skew"]):
+        skew = sorted((r for r in result["skew"] if r.get("placement", "scattered") == placement),
+                      key=lambda r: r["maxvio"])
+        if len(skew) > 1:
+            growth = skew[-1]["moonep_ms"] / skew[0]["moonep_ms"] - 1
+            out.setdefault("moonep_step_growth", {})[placement] = dict(
+                from_maxvio=skew[0]["maxvio"], to_maxvio=skew[-1]["maxvio"], growth=growth, floor=SKEW_GROWTH_FLOOR,
+                met=growth <= SKEW_GROWTH_FLOOR, alltoall_growth=skew[-1]["alltoall_ms"] / skew[0]["alltoall_ms"] - 1,
+                simulated=True)
     return out
 
 
@@ -519,23 +533,23 @@ def table(result: dict) -> str:
         lines += ["", f"SIMULATED EP step (timed on one {result['device']}): E={s['E']}, R={s['R']}, K={s['K']}, "
                   f"S={s['S']}, d={s['d']}, h={s['h']}, {s['dtype']}; GEMMs timed per simulated rank, "
                   f"communication priced at {m['gbps']:g} GB/s + {m['latency_us']:g} us per collective",
-                  f"{'maxvio':>7}{'realised':>9}{'MoonEP ms':>11}{'(gemm':>7}{'comm':>7}{'fetch)':>7}"
-                  f"{'all-to-all ms':>15}{'(gemm':>7}{'comm)':>7}{'busiest/SK':>12}"]
+                  f"{'hot experts':<12}{'maxvio':>7}{'realised':>9}{'MoonEP ms':>11}{'(gemm':>9}{'comm':>8}"
+                  f"{'fetch)':>8}{'all-to-all ms':>15}{'(gemm':>9}{'comm)':>8}{'busiest/SK':>12}"]
         for r in result["skew"]:
             a, b = r["moonep"], r["alltoall"]
-            lines.append(f"{r['maxvio']:>7.1f}{r['maxvio_realised']:>9.2f}{r['moonep_ms']:>11.2f}{a['gemm_ms']:>7.2f}"
-                         f"{a['comm_ms']:>7.2f}{a['fetch_ms']:>7.2f}{r['alltoall_ms']:>15.2f}{b['gemm_ms']:>7.2f}"
-                         f"{b['comm_ms']:>7.2f}{b['busiest_over_SK']:>12.2f}")
+            lines.append(f"{r.get('placement', 'scattered'):<12}{r['maxvio']:>7.1f}{r['maxvio_realised']:>9.2f}"
+                         f"{r['moonep_ms']:>11.2f}{a['gemm_ms']:>9.2f}{a['comm_ms']:>8.2f}{a['fetch_ms']:>8.2f}"
+                         f"{r['alltoall_ms']:>15.2f}{b['gemm_ms']:>9.2f}{b['comm_ms']:>8.2f}"
+                         f"{b['busiest_over_SK']:>12.2f}")
     f = result["floors"]
     if "planner_us_E896_R64" in f:
         x = f["planner_us_E896_R64"]
         lines.append(f"\nfloor: planner at E=896, R=64 {x['best_us']:.0f} us (<= {x['floor_us']:.0f}): "
                      + ("met" if x["met"] else "NOT met"))
-    if "moonep_step_growth" in f:
-        x = f["moonep_step_growth"]
-        lines.append(f"floor (simulated): MoonEP step +{100 * x['growth']:.1f}% from maxvio {x['from_maxvio']:g} to "
-                     f"{x['to_maxvio']:g} (<= {100 * x['floor']:.0f}%): {'met' if x['met'] else 'NOT met'}; "
-                     f"all-to-all +{100 * x['alltoall_growth']:.1f}%")
+    for placement, x in f.get("moonep_step_growth", {}).items():
+        lines.append(f"floor (simulated, hot experts {placement}): MoonEP step {100 * x['growth']:+.1f}% from maxvio "
+                     f"{x['from_maxvio']:g} to {x['to_maxvio']:g} (<= {100 * x['floor']:.0f}%): "
+                     f"{'met' if x['met'] else 'NOT met'}; all-to-all {100 * x['alltoall_growth']:+.1f}%")
     return "\n".join(lines)
 
 
