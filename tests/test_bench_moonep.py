@@ -10,7 +10,7 @@ from k3lab.bench import moonep as bench
 from k3lab.moe import maxvio
 
 
-def test_small_cpu_run_writes_the_issue_shape(tmp_path):
+def test_small_cpu_run_writes_the_json_shape(tmp_path):
     out = tmp_path / "moonep.json"
     result = bench.main(["--device", "cpu", "--small", "--out", str(out)])
     data = json.loads(out.read_text())
@@ -70,3 +70,15 @@ def test_bad_flags_stop_at_parsing(argv, match, capsys):
         bench.main(["--device", "cpu", *argv])
     assert exc.value.code == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_planner_has_no_host_sync_and_replays_as_a_cuda_graph():
+    """On a GPU: plan + layout under set_sync_debug_mode("error"), then captured and replayed in a CUDA graph
+    with the eager plan's result."""
+    device = torch.device("cuda")
+    counts, idx = bench.routing_counts(64, 8, 256, 4, device)
+    check = bench.sync_check(counts, idx, 256, 4)
+    assert check["passed"], check["error"]
+    row = bench.planner_row(64, 8, 256, 4, device, reps=2, graph=True, seed=0)
+    assert row["graph_us"] is not None, row.get("graph_error")

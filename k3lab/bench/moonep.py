@@ -496,7 +496,7 @@ def main(argv=None) -> dict:
 
 
 def floors(result: dict) -> dict:
-    """The issue's floors, where the run measured them: the planner at E = 896, R = 64 (best of eager and
+    """The targets, where the run measured them: the planner at E = 896, R = 64 (best of eager and
     graph, over K) <= 200 us, and MoonEP's simulated step growing <= 10% from the smallest to the largest
     maxvio (per placement: {"moonep_step_growth": {placement: ...}})."""
     out = {}
