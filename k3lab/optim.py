@@ -303,3 +303,23 @@ def per_head_muon(model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.1,
             groups.append(dict(params=[p for _, p in members], names=[n for n, _ in members], algorithm="adamw",
                                weight_decay=wd))
     return PerHeadMuon(groups, lr=lr, weight_decay=weight_decay, **kwargs)
+
+
+def sharded_step_worker(rank: int, world_size: int, group, weight: torch.Tensor, grads: list[torch.Tensor],
+                        row_blocks_options: list) -> list[torch.Tensor]:
+    """A ``k3lab.dist.launch`` worker for the sharding test: for each row-block option (None or a list of
+    row counts), ``weight`` [A, B] sharded by rows over the ranks as a DTensor takes one PerHeadMuon step
+    per gradient in ``grads``; returns the full updated weights, one per option."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = []
+    for row_blocks in row_blocks_options:
+        p = nn.Parameter(distribute_tensor(weight.clone(), mesh, [Shard(0)]))
+        opt = PerHeadMuon([dict(params=[p], algorithm="muon", row_blocks=row_blocks)], lr=0.01)
+        for g in grads:
+            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+            opt.step()
+        out.append(p.full_tensor().detach())
+    return out

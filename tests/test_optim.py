@@ -220,3 +220,17 @@ def test_validation():
         PerHeadMuon([dict(params=[p], algorithm="muon")], lr=-1.0)
     with pytest.raises(ValueError, match="max_grad_norm"):
         PerHeadMuon([dict(params=[p], algorithm="muon")], max_grad_norm=0.0)
+
+
+def test_sharded_parameter_is_orthogonalised_as_the_full_matrix():
+    """An (18, 10) weight sharded by rows over 2 gloo ranks (9 rows each: no shard holds whole heads of 6)
+    gets the one-process update."""
+    from k3lab.dist import launch
+    from k3lab.optim import sharded_step_worker
+
+    w = torch.randn(18, 10, generator=torch.Generator().manual_seed(0))
+    grads = _grads(w.shape, 2, seed=5)
+    options = [None, [6, 6, 6]]
+    for rank_out in launch(sharded_step_worker, 2, w, grads, options, timeout_s=120):
+        for blocks, out in zip(options, rank_out):
+            assert torch.allclose(out, _per_head(w, blocks, grads, lr=0.01, wd=0.1), rtol=0, atol=1e-6)
