@@ -384,12 +384,13 @@ if bench is not None and bench["skew"]:
 # 2. Replace "the donor's experts with the most pairs first" by "lowest expert index first" in a copy
 #    of `plan_reference`. Does the E/R bound still hold? How does the number of redundant experts
 #    actually used (`plan.redundant()`) change on Zipf loads?
-# 3. Prove the lower bound of section 2 cannot be beaten by any assignment, not only the fill's: what
-#    is the fewest experts whose pairs can add up to C when no expert has more than n?
+# 3. For which E and R does the tightness example's lower bound ceil(E(R − 1)/R²) reach the
+#    theorem's E/R? Check your answer against the two rows printed in section 2.
 # 4. The gloo dispatch sends R·S·K·d values per rank. Count the bytes a one-sided implementation would
 #    move for the demo plan (`k3lab.bench.moonep.pair_traffic` gives the pairs moved between ranks).
-# 5. With `python -m k3lab.bench.moonep --device cpu --small`, change `--comm-gbps` and find the
-#    bandwidth below which MoonEP's weight fetch costs more than the all-to-all baseline's imbalance.
+# 5. In the benchmark's JSON, each simulated row keeps the per-rank GEMM times and the priced
+#    communication. Find the all-to-all bandwidth below which MoonEP's weight fetch costs more than it
+#    saves on the busiest rank, and rerun the pricing with `--comm-gbps` to check.
 #
 # ## References
 #
