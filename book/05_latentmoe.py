@@ -1,0 +1,481 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05 · Stable LatentMoE: SiTU-GLU, latent experts and Quantile Balancing
+#
+# Kimi K3 activates **16 of 896 experts** per token (2 shared experts beside them) and its MoE layers
+# hold most of its 2.78T parameters. Three pieces make that trainable (K3 report, Sec. 2.3-2.4):
+#
+# 1. **SiTU-GLU**, a gated activation whose output is bounded by 100 whatever the weights do;
+# 2. **LatentMoE**: routed experts run at half width (3584 instead of 7168), so doubling top-k keeps
+#    the bytes a token sends to its experts and the FLOPs it costs flat;
+# 3. **Quantile Balancing (QB)**: the router's bias is set, each step, to the quantile that gives every
+#    expert exactly its share of tokens: no auxiliary-loss coefficient, no step size.
+#
+# This chapter derives each one, runs the simplest code beside the fast path and checks that they
+# agree, balances a small MoE language model on the real corpus with QB against the auxiliary loss
+# and the sign update, and shows the measured speed of one layer on a GPU.
+
+# %% tags=["parameters"]
+profile: str = "cpu"
+seed: int = 0
+d_model: int = 128
+n_layers: int = 2
+n_experts: int = 64
+top_k: int = 4
+expert_hidden: int = 64
+steps: int = 40
+batch_size: int = 16
+seq_len: int = 128
+lr: float = 1e-3
+log_every: int = 10
+run_bench: bool = False
+
+# %% tags=["nbval-ignore-output"]
+import k3lab
+
+device = k3lab.setup(seed=seed, profile=profile)
+
+# %%
+import inspect
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import k3lab.lm as lm
+from k3lab.data import vocab_size
+from k3lab.moe import (MoE, MoEConfig, expert_ffn, group_by_expert, maxvio, naive_expert_ffn, quantile_bias,
+                       route, situ_glu)
+from k3lab.moe.balance import histogram_counts, histogram_quantile, histogram_range
+from k3lab.moe.experiment import balance_floor, build_moe_lm, train_moe_lm
+from k3lab.testing import rel_rms_error
+from k3lab.widgets import explore
+
+# %% [markdown]
+# ## 1. Why: the byte budget per token
+#
+# In expert parallelism each token travels to the ranks holding its K experts and back. In bf16 a
+# token of width $w$ costs $2w$ bytes per expert, so the dispatch volume per token is $2Kw$. K3 doubles
+# top-k from the usual 8 to 16 and halves the width the routed experts see, so the volume stays where it
+# was; the expert FLOPs per token ($6 K w h$ for the three projections of K experts of hidden $h$) stay
+# flat too. The price is two dense projections, $W_\mathrm{down}$ ($d \to l$) before dispatch and
+# $W_\mathrm{up}$ ($l \to d$) after the weighted sum.
+
+# %%
+k3 = MoEConfig.k3()
+k3_full_top8 = replace(k3, latent_dim=None, top_k=8)
+rows = [("full width, top-8", k3_full_top8), ("latent, top-16 (K3)", k3)]
+print(f"{'layer':<22}{'dispatch KB/token':>18}{'routed GFLOP/token':>20}{'all GFLOP/token':>17}")
+for name, c in rows:
+    w = c.routed_dim
+    print(f"{name:<22}{2 * c.top_k * w / 1e3:>18.1f}{6 * c.top_k * w * c.expert_hidden / 1e9:>20.3f}"
+          f"{c.flops_per_token() / 1e9:>17.3f}")
+
+# %% [markdown]
+# ## 2. SiTU-GLU: a GLU with a ceiling
+#
+# SwiGLU computes $\mathrm{SiLU}(a) \cdot u$ with $a = W_g x$, $u = W_u x$: unbounded in both factors.
+# K3's SiTU-GLU (Eq. 12) passes each factor through a scaled tanh first:
+#
+# $$\mathrm{SiTU\text{-}GLU}(a, u) = \big[\beta_1 \tanh(a/\beta_1)\, \sigma(a)\big]\cdot\big[\beta_2 \tanh(u/\beta_2)\big],
+# \qquad \beta_1 = 4,\ \beta_2 = 25,$$
+#
+# so $|\text{out}| < \beta_1\beta_2 = 100$. Near zero $\beta\tanh(x/\beta) = x - x^3/(3\beta^2) + \dots$,
+# so small inputs behave exactly like SwiGLU; as $\beta_1, \beta_2 \to \infty$ it *is* SwiGLU. The code:
+
+# %%
+print(inspect.getsource(situ_glu).split('"""')[0] + "    ...\n" + inspect.getsource(situ_glu).split('"""')[-1])
+
+# %%
+a = torch.linspace(-12, 12, 241, dtype=torch.float64)
+u = torch.linspace(-80, 80, 241, dtype=torch.float64)
+fig, ax = plt.subplots(1, 3, figsize=(13, 3.4))
+ax[0].plot(a, F.silu(a), label="SiLU(a)")
+ax[0].plot(a, 4 * torch.tanh(a / 4) * torch.sigmoid(a), label="4 tanh(a/4) σ(a)")
+ax[0].set(title="gate factor", xlabel="a")
+ax[1].plot(u, u, label="u")
+ax[1].plot(u, 25 * torch.tanh(u / 25), label="25 tanh(u/25)")
+ax[1].set(title="up factor", xlabel="u")
+A, U = torch.meshgrid(a, u, indexing="ij")
+im = ax[2].imshow(situ_glu(A, U).T, origin="lower", extent=[-12, 12, -80, 80], aspect="auto", cmap="RdBu")
+fig.colorbar(im, ax=ax[2])
+ax[2].set(title="SiTU-GLU(a, u)", xlabel="a", ylabel="u")
+for x in ax[:2]:
+    x.legend()
+plt.tight_layout()
+plt.show()
+g = torch.Generator().manual_seed(seed)
+a_big, u_big = 40 * torch.randn(10_000, generator=g, dtype=torch.float64), 80 * torch.randn(10_000, generator=g, dtype=torch.float64)
+peak = float(situ_glu(a_big, u_big).abs().max())
+print(f"max |SiTU-GLU| over 10,000 draws with |a| ~ 40, |u| ~ 80: {peak:.4f}")
+assert peak < 100
+print(f"max |SwiGLU|  on the same draws: {(F.silu(a_big) * u_big).abs().max():.0f}")
+small = 0.1 * torch.randn(10_000, generator=g, dtype=torch.float64)
+print(f"at |a|, |u| ~ 0.1 the two differ by {rel_rms_error(F.silu(small) * small, situ_glu(small, small)):.1e} (relative)")
+
+# %% [markdown]
+# The last line is why a test of SiTU-GLU must use large inputs: on small ones a silent SiLU
+# substitute passes (two public implementations shipped exactly that).
+#
+# ## 3. The router: the bias chooses, it never weighs
+#
+# $s = \sigma(W_r x)$ on the **full-width** token; the experts are the top-k of $s + b$; the weights
+# are the *selected unbiased* scores renormalised, $p_{ij} = s_{ij} / \sum_{j' \in \text{top-k}} s_{ij'}$
+# (times a routed scale, 1.0 in K3). $b$ only changes which experts are chosen; it gets no gradient.
+# How the weights are read matters: recovering them as $(s + b) - b$ in float32 loses $s$ entirely when
+# $s$ is tiny and $b$ large:
+
+# %%
+logits = torch.full((1, 8), -18.0) + 0.1 * torch.arange(8)
+bias = torch.zeros(8)
+bias[[1, 4]] = 12.0
+r = route(logits, bias, K=2)
+s = torch.sigmoid(logits)
+wrong = ((s + bias) - bias).gather(1, r.topk_idx)
+print("chosen experts        ", r.topk_idx.tolist())
+print("selected s            ", s.gather(1, r.topk_idx).tolist())
+print("weights from (s+b)-b  ", wrong.tolist(), "-> renormalised:", (wrong / wrong.sum()).tolist())
+print("k3lab's weights       ", r.topk_weight.tolist())
+
+# %% [markdown]
+# ## 4. LatentMoE and the grouped GEMM
+#
+# $$y = \sum_{\text{shared}} E_s(x) + W_\mathrm{up}\,\mathrm{RMSNorm}\Big(\sum_{j\in\text{top-k}} p_j\, E_j(W_\mathrm{down} x)\Big)$$
+#
+# (K3 Eq. 11). The router and shared experts read $x$ at full width $d$; the routed experts see the latent
+# $z = W_\mathrm{down}x$ of width $l$. For speed, the $N \cdot K$ token-expert pairs are sorted by expert,
+# so expert $e$'s rows are contiguous, and each of the three expert projections is **one** grouped GEMM
+# over all experts (`torch.nn.functional.grouped_mm` with the experts' row offsets): no Python loop over
+# experts and no host synchronisation. The layer's forward:
+
+# %%
+print(inspect.getsource(MoE._forward).split('        x2 = x.reshape')[1].join(['        x2 = x.reshape', '']))
+
+# %% [markdown]
+# The check: the grouped path (float32) against the plain loop over experts (float64), forward and
+# backward, with an expert that gets no tokens and padding rows after the last one.
+
+# %%
+g = torch.Generator().manual_seed(seed)
+E, d, h, N = 6, 16, 32, 200
+idx = torch.randint(0, E, (N, 1), generator=g)
+idx[idx == 2] = 0
+_, offsets, counts = group_by_expert(idx, E)
+x = torch.randn(N + 5, d, generator=g)
+ws = [torch.randn(E, d, h, generator=g) / 4, torch.randn(E, d, h, generator=g) / 4, torch.randn(E, h, d, generator=g) / 4]
+dy = torch.randn(N + 5, d, generator=g)
+l32 = [t.clone().requires_grad_() for t in [x] + ws]
+l64 = [t.double().requires_grad_() for t in [x] + ws]
+(expert_ffn(l32[0], offsets, *l32[1:]) * dy).sum().backward()
+(naive_expert_ffn(l64[0], offsets, *l64[1:]) * dy.double()).sum().backward()
+y32, y64 = expert_ffn(x, offsets, *ws), naive_expert_ffn(x.double(), offsets, *[w.double() for w in ws])
+print("tokens per expert:", counts.tolist())
+errors = {"y": rel_rms_error(y64, y32)} | {f"d{n}": rel_rms_error(b.grad, a.grad)
+                                             for n, a, b in zip(("x", "w_gate", "w_up", "w_down"), l32, l64)}
+for name, err in errors.items():
+    print(f"  {name:<8} rel RMS error {err:.2e}")
+assert max(errors.values()) < 1e-5
+
+# %% [markdown]
+# ## 5. Quantile Balancing
+#
+# With $m$ tokens, $E$ experts and top-$K$, a balanced layer gives every expert $q = mK/E$ tokens. QB
+# (K3 Eq. 14, App. C-D) starts from the balanced-assignment linear program
+# $\max \sum_{ij} s_{ij}x_{ij}$ subject to $\sum_j x_{ij} = K$ (each token gets $K$ experts), $\sum_i x_{ij} = q$
+# (each expert gets $q$ tokens), $0 \le x \le 1$. Its dual has a price $\alpha_i$ per token and a price
+# $-b_j$ per expert, and token $i$ takes expert $j$ exactly when $s_{ij} + b_j > \alpha_i$: the router's
+# biased top-k *is* the primal solution for given prices. Minimising the dual over one block of prices
+# with the other fixed has a closed form:
+#
+# * given $b$: $\alpha_i$ anywhere between token $i$'s $K$-th and $(K+1)$-th biased score (so it keeps
+#   exactly $K$ experts). This is why the router computes top-$(K+1)$; k3lab takes the midpoint.
+# * given $\alpha$: with $r_{ij} = \alpha_i - s_{ij}$, expert $j$ takes token $i$ iff $r_{ij} < b_j$, so
+#   $b_j$ anywhere between the $q$-th and $(q+1)$-th smallest $r_{ij}$ gives it exactly $q$ tokens
+#   (k3lab: the midpoint). Then $b \leftarrow \hat b - \mathrm{mean}(\hat b)$: adding a constant to every
+#   bias changes no choice.
+#
+# The new bias is used from the next step. No coefficient, no step size. A worked example, 6 tokens,
+# 3 experts, top-1 ($q = 2$), in which every token prefers expert 0 (the same numbers are a test in
+# `tests/test_moe.py`):
+
+# %%
+S_ex = torch.tensor([[0.70, 0.55, 0.30], [0.95, 0.25, 0.90], [0.95, 0.10, 0.40],
+                     [0.70, 0.55, 0.60], [0.90, 0.55, 0.30], [0.90, 0.05, 0.25]], dtype=torch.float64)
+lg_ex = torch.logit(S_ex).float()
+r0 = route(lg_ex, torch.zeros(3), K=1)
+print("scores s:\n", S_ex.numpy())
+print("chosen without bias:", r0.topk_idx[:, 0].tolist())
+print("alpha (midway between 1st and 2nd score):", [round(v, 3) for v in r0.cutoff.tolist()])
+r_mat = r0.cutoff[:, None] - r0.scores
+print("r = alpha - s:\n", r_mat.numpy().round(3))
+b_ex = quantile_bias(r0.scores, r0.cutoff, K=1)
+print("b (midway between the 2nd and 3rd smallest r of each expert, re-centred):", [round(v, 4) for v in b_ex.tolist()])
+r1 = route(lg_ex, b_ex, K=1)
+print("chosen with b:", r1.topk_idx[:, 0].tolist(), "loads:", torch.bincount(r1.topk_idx[:, 0], minlength=3).tolist())
+assert torch.bincount(r1.topk_idx[:, 0], minlength=3).tolist() == [2, 2, 2]
+
+# %% [markdown]
+# One update balanced this example. In general each update is exact for one block of prices with
+# the other held fixed, so repeating it on the same batch settles on exact balance:
+
+# %%
+g = torch.Generator().manual_seed(seed)
+m_fix, E_fix, K_fix = 512, 16, 2
+lg_fix = 2 * torch.randn(m_fix, E_fix, generator=g) + torch.linspace(-2, 2, E_fix)
+b_fix, trace = torch.zeros(E_fix), []
+for _ in range(400):
+    rr = route(lg_fix, b_fix, K_fix)
+    trace.append(maxvio(torch.bincount(rr.topk_idx.flatten(), minlength=E_fix)))
+    if trace[-1] == 0:
+        break
+    b_fix = quantile_bias(rr.scores, rr.cutoff, K_fix)
+print(f"{m_fix} tokens, {E_fix} experts, top-{K_fix}: maxvio {trace[0]:.2f} before, {trace[1]:.3f} after one update, "
+      f"{trace[-1]:.3f} after {len(trace) - 1} updates")
+plt.figure(figsize=(6, 2.8))
+plt.semilogy(np.maximum(trace, 1e-3), marker=".")
+plt.xlabel("updates on the same batch")
+plt.ylabel("maxvio (floored at 1e-3)")
+plt.show()
+
+# %% [markdown]
+# ### The histogram estimator
+#
+# At scale nobody gathers the $m \times E$ matrix $r$. Each expert keeps a histogram of its $r_{ij}$
+# over $[\min b - 1, \max b + 1]$ (where $r$ must lie, since $s \in (0,1)$), ~1000 bins, summed over
+# micro-batches and over the data $\times$ context ranks by **one integer all-reduce** per layer per
+# step; $\hat b_j$ is read where the cumulative count reaches $q$, interpolated linearly inside the bin.
+# It lands within one bin width of the interval of exact answers:
+
+# %%
+g = torch.Generator().manual_seed(seed + 1)
+m_h, E_h, K_h, bins = 4000, 16, 2, 1000
+lg_h = 2 * torch.randn(m_h, E_h, generator=g) + torch.linspace(-2, 2, E_h)
+b_h = 0.05 * torch.randn(E_h, generator=g)
+rr = route(lg_h, b_h, K_h)
+lo, hi = histogram_range(b_h)
+hist = histogram_counts(rr.scores, rr.cutoff, lo, hi, bins)
+est = histogram_quantile(hist, lo, hi, K_h)
+srt = (rr.cutoff[:, None] - rr.scores).sort(0).values
+q_h = m_h * K_h // E_h
+width = float((hi - lo) / bins)
+outside = torch.clamp(srt[q_h - 1] - est, min=0) + torch.clamp(est - srt[q_h], min=0)
+print(f"bin width {width:.2e}; largest distance of an estimate from its exact interval: {outside.max():.2e} "
+      f"({float(outside.max()) / width:.2f} bins)")
+assert float(outside.max()) <= width
+
+# %% [markdown]
+# ## 6. Balancing a MoE language model on the corpus
+#
+# The same small LM as chapters 01 and 04 (softmax-attention mixers here, for speed on a CPU) with every
+# FFN a LatentMoE layer, trained for the same number of steps with four balancing rules:
+# **none**, the **auxiliary loss** (coefficient 0.01), the **sign update** ($b_j \mathrel{+}= 10^{-3}\,
+# \mathrm{sign}(\overline{\text{load}} - \text{load}_j)$, DeepSeek-V3's loss-free rule) and **QB**
+# (histogram estimator). The metric is the paper's: maxvio = max load / mean load - 1 per layer and
+# step, measured on the step's own batch with the bias the step ran with.
+
+# %% tags=["nbval-ignore-output"]
+lm_cfg = lm.LMConfig.tiny(vocab_size=vocab_size(), mixer="attention", d_model=d_model, n_layers=n_layers)
+moe_cfg = MoEConfig(n_experts=n_experts, top_k=top_k, expert_hidden=expert_hidden, latent_dim=d_model // 2,
+                    n_shared=1, aux_coef=1e-2, sign_lr=1e-3)
+print(f"{n_layers} MoE layers: {n_experts} experts, top-{top_k}, latent {d_model // 2} of d = {d_model}; "
+      f"{batch_size} x {seq_len} tokens a step, so q = {batch_size * seq_len * top_k // n_experts} pairs per expert")
+runs = {}
+for method in ("none", "aux", "sign", "qb"):
+    model = build_moe_lm(lm_cfg, replace(moe_cfg, balance=method), seed=seed)
+    runs[method] = train_moe_lm(model, steps, batch_size, seq_len, lr, device, seed=seed, log_every=log_every)
+    runs[method]["model"] = model
+
+# %% tags=["nbval-ignore-output"]
+fig, ax = plt.subplots(1, n_layers, figsize=(6 * n_layers, 3.2), squeeze=False)
+for method, hist_m in runs.items():
+    for layer in range(n_layers):
+        ax[0, layer].plot(hist_m["maxvio"][:, layer], label=method)
+for layer in range(n_layers):
+    ax[0, layer].set(title=f"MoE layer {layer}", xlabel="step", ylabel="maxvio", yscale="log")
+ax[0, 0].legend()
+plt.tight_layout()
+plt.show()
+tail = max(1, steps // 4)
+print(f"{'method':<7}{'maxvio, mean of last ' + str(tail) + ' steps (per layer)':<48}{'val loss':>9}")
+final = {method: hist_m["maxvio"][-tail:].mean(0) for method, hist_m in runs.items()}
+for method, hist_m in runs.items():
+    print(f"{method:<7}{'  '.join(f'{v:6.2f}' for v in final[method].tolist()):<48}{hist_m['val_loss'][-1]:>9.3f}")
+assert all((final["qb"] < final[other]).all() for other in ("none", "sign"))
+
+# %% [markdown]
+# The heatmaps show where the tokens went, expert by expert, step by step (layer 0):
+
+# %% tags=["nbval-ignore-output"]
+fig, ax = plt.subplots(1, 4, figsize=(16, 3.2), sharey=True)
+for a_, (method, hist_m) in zip(ax, runs.items()):
+    share = hist_m["loads"][:, 0].float()
+    share = share / share.mean(1, keepdim=True)
+    im = a_.imshow(share.T, aspect="auto", cmap="magma", vmin=0, vmax=4, origin="lower")
+    a_.set(title=method, xlabel="step")
+ax[0].set_ylabel("expert")
+fig.colorbar(im, ax=ax, label="load / mean")
+plt.show()
+
+# %% [markdown]
+# QB cannot reach maxvio 0 on a batch it has not seen. Consecutive batches of a small step route
+# differently (a batch of code windows is not a sample of independent tokens), and no bias computed
+# from the past can anticipate that. `balance_floor` measures the floor: a bias fitted to batch $t$ by
+# QB run to convergence, applied to batch $t$ (in-sample) and to batch $t+1$:
+
+# %% tags=["nbval-ignore-output"]
+floor = balance_floor(runs["qb"]["model"], batches=5, batch_size=batch_size, seq_len=seq_len, device=device)
+print(f"maxvio, mean over 4 held-out batch pairs of {batch_size} x {seq_len} tokens:")
+for layer in range(n_layers):
+    print(f"layer {layer}: fitted bias on its own batch {floor['same_batch'][layer]:.3f}, on the next batch "
+          f"{floor['next_batch'][layer]:.3f}; QB's training bias on the next batch {floor['current_bias'][layer]:.3f}")
+assert (floor["same_batch"] < 0.1).all() and (floor["next_batch"] > floor["same_batch"]).all()
+
+# %% [markdown]
+# The floor is a property of the step size, not of the rule: it falls as a step holds more tokens
+# (the GPU profile's steps are 16x larger), and at K3's scale, millions of tokens a step, one step's
+# bias fits the next to within that step's noise. Compare QB's last row above with the floor.
+#
+# ## 7. LatentMoE against a full-width MoE with the same routed compute
+#
+# The full-width MoE runs top-$k$ of $E$ experts at width $d$; the LatentMoE runs top-$2k$ of $2E$
+# experts at width $d/2$: the same routed expert FLOPs and parameters, plus the latent projections
+# (the printed forward FLOPs count them). Both balanced by QB, same steps and data.
+
+# %% tags=["nbval-ignore-output"]
+full_cfg = replace(moe_cfg, n_experts=n_experts // 2, top_k=max(1, top_k // 2), latent_dim=None, balance="qb")
+lat_cfg = replace(moe_cfg, latent_dim=d_model // 2, balance="qb")
+for name, c in (("full width", full_cfg), ("latent", lat_cfg)):
+    c = replace(c, d_model=d_model)
+    print(f"{name:<11} E={c.n_experts:<3} K={c.top_k:<2} width {c.routed_dim:<4} forward MFLOP/token {c.flops_per_token() / 1e6:.2f}")
+pair = {}
+for name, c in (("full width", full_cfg), ("latent", lat_cfg)):
+    model = build_moe_lm(lm_cfg, c, seed=seed)
+    pair[name] = train_moe_lm(model, steps, batch_size, seq_len, lr, device, seed=seed, log_every=log_every)
+
+# %% tags=["nbval-ignore-output"]
+plt.figure(figsize=(6, 3.2))
+for name, hist_m in pair.items():
+    plt.plot(hist_m["step"], hist_m["val_loss"], marker="o", label=name)
+plt.xlabel("step")
+plt.ylabel("validation loss")
+plt.legend()
+plt.show()
+for name, hist_m in pair.items():
+    print(f"{name:<11} val loss {hist_m['val_loss'][-1]:.3f}")
+
+# %% [markdown]
+# A CPU run this short shows that both train, not which is better: the comparison of quality needs the
+# GPU profile's longer run. The systems side, the bytes and FLOPs of Section 1, is measured next.
+#
+# ## 8. Speed of one layer
+#
+# `python -m k3lab.bench.moe` times one MoE layer forward + backward in bf16 at a K3-shaped slice
+# (d 7168, latent 3584, hidden 3072, 64 experts, top-8, 2 shared, 16K tokens) and a small shape:
+# k3lab's LatentMoE, its full-width MoE (SiTU-GLU and SwiGLU) and `torchtitan`'s MoE layer at the same
+# full-width config, all in one run, then the grouped expert GEMMs alone against the bf16 matmul
+# ceiling measured in the same run. The committed result:
+
+# %% tags=["nbval-ignore-output"]
+if run_bench and device.type == "cuda":
+    from k3lab.bench.moe import main as bench_main
+
+    bench = bench_main([])
+else:
+    found = sorted(Path("../data/results").glob("moe_h*.json"))
+    bench = json.loads(found[-1].read_text()) if found else None
+if bench is None:
+    print("no committed result yet: run python -m k3lab.bench.moe on a GPU")
+else:
+    print(f"{bench['device']}, commit {str(bench['commit'])[:10]}, {bench['date']}; bf16 matmul ceiling "
+          f"{bench['ceiling_tflops']:.0f} TFLOP/s (same run)")
+    print(f"{'case':<10}{'latent':>10}{'full':>10}{'full SwiGLU':>12}{'torchtitan':>11}  (tokens/s)"
+          f"{'latent/full':>12}{'FLOP ratio':>11}{'GEMM TFLOP/s':>13}")
+    for c in bench["cases"]:
+        print(f"{c['name']:<10}{c['latent_tokens_per_s']:>10.0f}{c['full_tokens_per_s']:>10.0f}"
+              f"{c['full_swiglu_tokens_per_s']:>12.0f}{c.get('torchtitan_tokens_per_s', float('nan')):>11.0f}"
+              f"{'':<12}{c['speedup_latent_over_full']:>12.2f}{c['flops_ratio_full_over_latent']:>11.2f}"
+              f"{c['grouped_gemm_tflops']:>8.0f} ({100 * c['grouped_gemm_tflops'] / bench['ceiling_tflops']:.0f}%)")
+    k3c = next(c for c in bench["cases"] if c["name"] == "k3_slice")
+    layer_tflops = 3 * k3c["latent_flops_per_token"] * k3c["latent_tokens_per_s"] / 1e12
+    print(f"K3 slice, whole LatentMoE layer: {layer_tflops:.0f} TFLOP/s of model FLOPs "
+          f"(3 x forward per token), {100 * layer_tflops / bench['ceiling_tflops']:.0f}% of the ceiling")
+
+# %% [markdown]
+# Read it as: LatentMoE's speedup over the full-width layer against the ratio of their FLOPs per token
+# (the most it could be); k3lab's full-width SwiGLU layer against torchtitan's (same function, checked
+# to agree before timing); and the grouped GEMMs' share of what the card's dense matmul reaches. The
+# GEMM figure includes the activation between the projections, which is memory-bound.
+#
+# ## 9. Explore: loads under each rule
+#
+# Synthetic router scores with a skew (expert $j$'s logits shifted by skew $\cdot\, j/E$) and fresh
+# tokens every step; the loads after 20 steps of each rule. The figure below is drawn once for every
+# run; in JupyterLab the explorer redraws it for other settings.
+
+# %%
+def plot_loads(n_experts_: int = 32, top_k_: int = 4, skew: float = 3.0, tokens: int = 2048, steps_: int = 20):
+    g_ = torch.Generator().manual_seed(0)
+    shift = skew * torch.linspace(-1, 1, n_experts_)
+    fig_, ax_ = plt.subplots(1, 3, figsize=(12, 2.8), sharey=True)
+    for a_, rule in zip(ax_, ("none", "sign", "qb")):
+        b_ = torch.zeros(n_experts_)
+        for _ in range(steps_):
+            lg_ = torch.randn(tokens, n_experts_, generator=g_) + shift
+            rt = route(lg_, b_, top_k_)
+            load = torch.bincount(rt.topk_idx.flatten(), minlength=n_experts_)
+            if rule == "sign":
+                b_ += 1e-3 * torch.sign(load.float().mean() - load.float())
+            elif rule == "qb":
+                b_ = quantile_bias(rt.scores, rt.cutoff, top_k_)
+        a_.bar(range(n_experts_), load / load.float().mean())
+        a_.set(title=f"{rule}: maxvio {maxvio(load):.2f}", xlabel="expert")
+    ax_[0].set_ylabel("load / mean")
+    plt.tight_layout()
+    plt.show()
+
+
+plot_loads()
+explorer = explore(plot_loads, n_experts_=[8, 16, 32, 64, 128], top_k_=(1, 8, 1), skew=(0.0, 6.0, 0.5),
+                   tokens=[256, 1024, 4096, 16384], steps_=(1, 50, 1))
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. Replace `situ_glu` by SwiGLU in `GroupedExperts` and find the smallest input scale at which
+#    `tests/test_moe.py::test_situ_glu_formula_bound_and_not_silu` notices.
+# 2. Take $\alpha_i$ = the $(K+1)$-th biased score instead of the midpoint in `route` and rerun the
+#    fixed-batch experiment of Section 5: where does it stall, and why (think of tokens for which
+#    expert $j$ is not among the top $K$)?
+# 3. Run the balancing experiment with 4x the batch size and the same number of tokens in total:
+#    how do the floor and QB's maxvio move?
+# 4. Derive the sign update as SignSGD on the dual of Section 5 and explain why it needs a step size
+#    that QB does not.
+# 5. With $d = 7168$, $h = 3072$: at which top-k does a full-width layer cost the same FLOPs per token
+#    as K3's latent top-16 layer (use `MoEConfig.flops_per_token`)?
+#
+# ## References
+#
+# - Kimi Team, *Kimi K3 technical report* (arXiv 2607.24653): Eq. 11 (LatentMoE), Eq. 12 (SiTU-GLU),
+#   Eq. 14 and App. C-D (Quantile Balancing).
+# - *LatentMoE* (arXiv 2601.18089).
+# - L. Wang et al., *Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts* (arXiv
+#   2408.15664), the sign update; W. Fedus et al., *Switch Transformers* (arXiv 2101.03961), the aux loss.
+# - N. Shazeer, *GLU Variants Improve Transformer* (arXiv 2002.05202).
+# - `torchtitan.models.common.moe` (PyPI `torchtitan`): the MoE layer timed in Section 8.
