@@ -336,9 +336,10 @@ def train(
     progress: bool = True,
     extra_loss=None,
     after_step=None,
+    optimizer=None,
 ) -> dict[str, list]:
     """Train ``model`` (an ``LM`` or anything with ``forward(x, y) -> (logits, loss)``) on next-token
-    prediction with AdamW, linear warmup + cosine decay, gradient clipping, bf16 autocast on CUDA.
+    prediction with AdamW (or ``optimizer``), linear warmup + cosine decay, gradient clipping, bf16 autocast on CUDA.
 
     Args:
         model (nn.Module): moved to ``device``; trained in place.
@@ -360,6 +361,10 @@ def train(
             (e.g. ``k3lab.moe.balance_loss``); the logged loss stays the language-model loss.
         after_step (Callable[[int, nn.Module], None] | None): called after each optimizer step with the
             step index (e.g. the MoE bias update and its load log).
+        optimizer (Callable[[nn.Module, float, float], torch.optim.Optimizer] | None): builds the
+            optimizer from (model, lr, weight_decay), e.g. ``lambda m, lr, wd:
+            k3lab.optim.per_head_muon(m, lr, wd)``; every group's lr follows the schedule. Default: AdamW
+            (betas 0.9, 0.95), decay on matrices only.
 
     Returns:
         dict of equal-length lists, one entry per log: step, loss (mean train loss since the last
@@ -401,11 +406,16 @@ def train(
     amp = device.type == "cuda"
     model.to(device).train()
 
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95), fused=amp or None)
+    if optimizer is None:
+        decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}],
+                                lr=lr, betas=(0.9, 0.95), fused=amp or None)
+    else:
+        opt = optimizer(model, lr, weight_decay)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must return a torch.optim.Optimizer, got {type(opt).__name__}")
     gen = torch.Generator().manual_seed(seed)
     val_gen = torch.Generator().manual_seed(seed + 1)
     val = [kdata.get_batch(val_tokens, batch_size, seq_len, val_gen, device) for _ in range(eval_batches)]

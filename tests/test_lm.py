@@ -150,6 +150,25 @@ def test_train_loop_learns_a_pattern():
         lm.train(model, steps=0, batch_size=4, seq_len=32, lr=1e-2, device="cpu", data=(stream, stream))
 
 
+
+def test_train_with_an_optimizer_factory():
+    """``optimizer`` builds the optimizer from (model, lr, weight_decay); the schedule sets every group's lr."""
+    stream = np.tile(np.arange(VOCAB, dtype=np.uint16), 50)
+    model = lm.LM(tiny("attention"))
+    seen = []
+
+    def sgd(m, lr, wd):
+        seen.append((lr, wd))
+        return torch.optim.SGD(m.parameters(), lr=lr, weight_decay=wd)
+
+    kw = dict(steps=3, batch_size=2, seq_len=8, device="cpu", data=(stream, stream), progress=False, log_every=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    hist = lm.train(model, lr=1e-2, weight_decay=0.05, warmup=0, optimizer=sgd, **kw)
+    assert seen == [(1e-2, 0.05)] and hist["lr"][0] == pytest.approx(1e-2)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="optimizer"):
+        lm.train(model, lr=1e-2, optimizer=lambda m, lr, wd: None, **kw)
+
 def test_token_ids_out_of_range_or_not_integer():
     """Ids outside [0, vocab_size) failed deep inside (IndexError from the embedding or the loss);
     float ids with a RuntimeError from the embedding."""
