@@ -43,11 +43,23 @@ def situ_glu(a: torch.Tensor, u: torch.Tensor, beta1: float = BETA1, beta2: floa
     return (beta1 * torch.tanh(a / beta1) * torch.sigmoid(a)) * (beta2 * torch.tanh(u / beta2))
 
 
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def glu(a: torch.Tensor, u: torch.Tensor, activation: str) -> torch.Tensor:
     """The gated unit by name: ``"situ"`` (K3, ``situ_glu`` with b1 = 4, b2 = 25) or ``"swiglu"``
-    (``SiLU(a) * u``, the baseline). Raises ValueError for any other name."""
+    (``SiLU(a) * u``, the baseline). Raises ValueError for any other name.
+
+    On a GPU (float32/bf16/fp16) it runs as one fused Triton kernel each way
+    (``k3lab.kernels.moe.fused_glu``, the same function checked against this one); elsewhere as the
+    PyTorch expression below.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if a.is_cuda and a.dtype in FUSED_DTYPES and a.shape == u.shape and a.dtype == u.dtype:
+        from k3lab.kernels.moe import fused_glu
+
+        return fused_glu(a, u, activation, BETA1, BETA2)
     if activation == "situ":
         return situ_glu(a, u)
-    if activation == "swiglu":
-        return F.silu(a) * u
-    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return F.silu(a) * u
