@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -324,3 +325,23 @@ def test_aux_loss_gradient_reaches_the_router_as_autograd_of_the_total_loss():
     assert_close("router grad with aux", m.router.weight.grad, got, 1e-12)
     uniform = aux_loss(torch.full((8, 4), 0.5), torch.tensor([[0], [1], [2], [3]] * 2))
     assert abs(uniform.item() - 1.0) < 1e-6
+
+
+def test_latent_layout_router_and_shared_read_full_width_norm_after_the_weighted_sum():
+    """Megatron-LM#5225 and others: down-projection before dispatch, RMSNorm and up-projection after the
+    weighted top-k sum, router and shared experts on the full-width token."""
+    c = _config(latent_dim=8, d_model=16, balance="none")
+    m = MoE(c)
+    assert m.router.weight.shape == (8, 16) and m.shared.gate_up.weight.shape[1] == 16
+    assert m.experts.w_gate.shape == (8, 8, 16) and m.down.weight.shape == (8, 16) and m.up.weight.shape == (16, 8)
+    x = torch.randn(2, 5, 16, generator=_gen(15))
+    # The latent RMSNorm comes after the weighted sum, so a common scale on the weights cancels...
+    scaled = MoE(replace(c, routed_scaling=7.0))
+    scaled.load_state_dict(m.state_dict())
+    assert_close("latent output ignores the routed scale", m(x), scaled(x), 1e-5)
+    # ...while a full-width MoE passes it through.
+    full = MoE(replace(c, latent_dim=None))
+    full_scaled = MoE(replace(c, latent_dim=None, routed_scaling=7.0))
+    full_scaled.load_state_dict(full.state_dict())
+    shared = full.shared(x)
+    assert_close("full width scales", 7 * (full(x) - shared), full_scaled(x) - shared, 1e-5)
