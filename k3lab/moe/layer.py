@@ -12,6 +12,7 @@ The routed pairs are sorted by expert and each expert projection is one grouped 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -105,9 +106,16 @@ class MoE(nn.Module):
     backward recompute) the routing is counted for the bias update (``update_biases``).
     ``last_routing`` holds the latest forward's ``Routing``.
 
+    Expert parallelism: with ``ep_group`` set (a process group of R ranks, e.g.
+    ``make_mesh(...)["ep"].get_group()``), ``experts`` holds this rank's E/R home experts (plain tensors
+    [E/R, l, h], or DTensors over the ep mesh axis whose local shard is that) and the routed pairs run
+    through ``k3lab.moonep.moonep_experts`` in mode ``ep_mode`` ("moonep" or "alltoall"); the router, the
+    balancer and the shared experts are unchanged (global expert ids); padding tokens (``mask`` False) get a
+    zero routed output there. ``None`` (the default): one process.
+
     Raises:
         ValueError: ``x``'s last dim is not d, ``mask``'s shape is not ``x``'s without d, or the router
-            logits are not finite.
+            logits are not finite; ``reference`` with ``ep_group`` set.
     """
 
     def __init__(self, config: MoEConfig):
@@ -129,6 +137,8 @@ class MoE(nn.Module):
         self.shared = (GatedFFN(c.d_model, c.n_shared * c.expert_hidden, c.activation, c.init_std, out_std)
                        if c.n_shared else None)
         self.last_routing: Routing | None = None
+        self.ep_group = None
+        self.ep_mode = "moonep"
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         return self._forward(x, mask, reference=False)
@@ -149,20 +159,40 @@ class MoE(nn.Module):
         if self.training and not in_backward():
             self.balance.record(routing, self.router.bias, mask)
         z = x2 if self.down is None else self.down(x2)
-        order, offsets, _ = group_by_expert(routing.topk_idx, c.n_experts)
-        token = order // c.top_k
-        e = self.experts
-        if reference:
-            y = naive_expert_ffn(z[token], offsets, e.w_gate, e.w_up, e.w_down, e.activation)
+        if self.ep_group is not None:
+            routed = self._expert_parallel(z, routing, mask, reference)
         else:
-            y = e(z[token], offsets)
-        y = y * routing.topk_weight.reshape(-1)[order, None].to(y.dtype)
-        routed = torch.zeros_like(z).index_add_(0, token, y)
+            order, offsets, _ = group_by_expert(routing.topk_idx, c.n_experts)
+            token = order // c.top_k
+            e = self.experts
+            if reference:
+                y = naive_expert_ffn(z[token], offsets, e.w_gate, e.w_up, e.w_down, e.activation)
+            else:
+                y = e(z[token], offsets)
+            y = y * routing.topk_weight.reshape(-1)[order, None].to(y.dtype)
+            routed = torch.zeros_like(z).index_add_(0, token, y)
         if self.up is not None:
             routed = self.up(self.latent_norm(routed))
         if self.shared is not None:
             routed = routed + self.shared(x2)
         return routed.view_as(x)
+
+    def _expert_parallel(self, z: torch.Tensor, routing: Routing, mask, reference: bool) -> torch.Tensor:
+        """The routed sum for z [N, l] with the experts spread over ``ep_group`` (see the class docstring)."""
+        from k3lab.moonep import moonep_experts  # noqa: PLC0415  (k3lab.moonep imports k3lab.moe)
+
+        if reference:
+            raise ValueError("MoE: reference() is the one-process loop; unset ep_group to use it")
+        e = self.experts
+        # FSDP / EP parameters are DTensors; moonep_experts exchanges the local shards itself, and
+        # to_local() keeps autograd so the gradients land on the DTensor parameters.
+        local = lambda w: w.to_local() if hasattr(w, "to_local") else w  # noqa: E731
+        weights = SimpleNamespace(w_gate=local(e.w_gate), w_up=local(e.w_up), w_down=local(e.w_down),
+                                  activation=e.activation)
+        # The router only emits ids in [0, E): skip moonep's host-side id check (a sync per layer).
+        pad = None if mask is None else ~mask.reshape(-1)
+        return moonep_experts(z, routing.topk_idx, routing.topk_weight, weights, self.ep_group,
+                              mode=self.ep_mode, pad_mask=pad, check_ids=False)
 
     def extra_repr(self) -> str:
         c = self.config
