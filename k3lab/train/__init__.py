@@ -1,0 +1,31 @@
+"""k3lab.train: end-to-end training of a K3-shaped model on the book's corpus, FSDP2 x expert parallel, resumable.
+
+Commands (from the repository root; build the shards first with ``python -m k3lab.data build``)::
+
+    python -m k3lab.train --preset k3-tiny --steps 200 --batch-size 8 --seq-len 128
+    torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --dp 2 --steps 200 --batch-size 8 --seq-len 128
+    torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --ep 2 --ep-mode moonep --ckpt-dir ckpt --ckpt-every 50 --log-jsonl train.jsonl
+    torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --ep 2 --ckpt-dir ckpt --resume --log-jsonl train.jsonl
+    torchrun --nproc-per-node 8 -m k3lab.train --preset k3-1b --dp 4 --ep 2 --batch-size 64 --seq-len 2048
+
+One process runs gloo on CPU (float32) or NCCL on GPU (bf16 autocast, one GPU per rank via LOCAL_RANK).
+
+    config.py      TrainConfig and the command line
+    parallel.py    the mesh (k3lab.dist.make_mesh) and its groups; FSDP2 and expert parallelism on a K3Model
+    loader.py      TokenLoader: seeded windows of the token split, layout-independent position
+    checkpoint.py  atomic DCP checkpoints (model, optimizer, QB biases, step, loader) and the latest one
+    metrics.py     JSONL records, progress bar, summary table; the MFU convention
+    loop.py        train(config): the step on every rank
+    workers.py     functions for k3lab.dist.launch (tests, the book)
+
+Not here yet: context parallelism (KCP for KDA, a KV all-gather for MLA), pipeline parallelism, the
+activation manager, document masking (cu_seqlens) in the packed windows.
+"""
+from k3lab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from k3lab.train.config import TrainConfig, build_parser, parse_args
+from k3lab.train.loader import TokenLoader
+from k3lab.train.loop import lr_at, main, train
+from k3lab.train.parallel import Parallel, build_parallel, parallelize
+
+__all__ = ["TrainConfig", "TokenLoader", "Parallel", "build_parallel", "build_parser", "latest_checkpoint",
+           "load_checkpoint", "lr_at", "main", "parallelize", "parse_args", "save_checkpoint", "train"]

@@ -1,0 +1,148 @@
+"""``TrainConfig`` (one run's settings, validated) and the command line that builds it."""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, fields
+
+from k3lab.moonep import MODES
+
+TRAIN_PRESETS = ("k3-tiny", "k3-1b")
+
+
+class ConfigError(ValueError):
+    """A setting that does not fit the launched world or the data (``main`` reports it as a usage error)."""
+
+
+@dataclass
+class TrainConfig:
+    """One training run. ``python -m k3lab.train --help`` describes every field (flag ``--a-b`` is ``a_b``).
+
+    Attributes:
+        preset (str): "k3-tiny" or "k3-1b" (``k3lab.model.K3Config``), vocabulary from the data's tokenizer.
+        steps (int): total optimizer steps (the learning-rate schedule spans them; a resumed run keeps it).
+        batch_size (int): global batch in sequences, split equally over the dp x ep data ranks.
+        seq_len (int): T, tokens per sequence.
+        lr (float): peak learning rate (Muon's per-block RMS matching makes one lr serve both groups).
+        dp (int | None): data-parallel ranks (None: world size / ep). ep (int): expert-parallel ranks.
+        ep_mode (str): "moonep" or "alltoall".
+        ckpt_dir (str | None): where checkpoints go (None: never saved).
+        ckpt_every (int): save every this many steps (0: only at the end); needs ckpt_dir.
+        resume (bool): continue from the latest complete checkpoint in ckpt_dir (fresh start if none).
+        log_jsonl (str | None): metrics file (appended). seed (int): model init and data order.
+        data_dir (str | None): folder with shards/ (default ``k3lab.data``'s).
+        progress (bool): draw a progress bar on rank 0.
+        kill_at_step (int | None): fault injection: every rank SIGKILLs itself after this step.
+        weight_decay (float): decoupled weight decay (K3: 0.1). warmup (float): warmup fraction (K3: 0.01).
+
+    Raises:
+        ValueError: any field out of range; the message names the flag.
+    """
+
+    preset: str = "k3-tiny"
+    steps: int = 100
+    batch_size: int = 8
+    seq_len: int = 128
+    lr: float = 3e-3
+    dp: int | None = None
+    ep: int = 1
+    ep_mode: str = "moonep"
+    ckpt_dir: str | None = None
+    ckpt_every: int = 0
+    resume: bool = False
+    log_jsonl: str | None = None
+    seed: int = 0
+    data_dir: str | None = None
+    progress: bool = True
+    kill_at_step: int | None = None
+    weight_decay: float = 0.1
+    warmup: float = 0.01
+
+    def __post_init__(self):
+        def bad(flag, msg):
+            raise ValueError(f"--{flag.replace('_', '-')} {msg}, got {getattr(self, flag)!r}")
+
+        if self.preset not in TRAIN_PRESETS:
+            bad("preset", f"must be one of {TRAIN_PRESETS}")
+        for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("ep", 1), ("ckpt_every", 0), ("seed", 0)):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
+                bad(name, f"must be an int >= {low}")
+        if self.dp is not None and not (isinstance(self.dp, int) and not isinstance(self.dp, bool) and self.dp >= 1):
+            bad("dp", "must be an int >= 1")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            bad("lr", "must be a positive finite number")
+        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            bad("weight_decay", "must be a finite number >= 0")
+        if not (isinstance(self.warmup, (int, float)) and 0 <= self.warmup < 1):
+            bad("warmup", "must be in [0, 1)")
+        if self.ep_mode not in MODES:
+            bad("ep_mode", f"must be one of {MODES}")
+        if self.ckpt_every and not self.ckpt_dir:
+            bad("ckpt_every", "needs --ckpt-dir")
+        if self.resume and not self.ckpt_dir:
+            bad("resume", "needs --ckpt-dir")
+        if self.kill_at_step is not None and not (
+                isinstance(self.kill_at_step, int) and 1 <= self.kill_at_step <= self.steps):
+            bad("kill_at_step", f"must be an int in [1, --steps={self.steps}]")
+
+
+HELP = {
+    "preset": "model size: k3-tiny (CPU, seconds per step) or k3-1b (one GPU); the vocabulary is the data's",
+    "steps": "total optimizer steps; the cosine learning-rate schedule spans them (keep it when resuming)",
+    "batch_size": "global batch in sequences, split equally over the dp x ep data ranks",
+    "seq_len": "tokens per sequence (T)",
+    "lr": "peak learning rate of Per-Head Muon and AdamW (cosine decay to 10%% after a warmup)",
+    "dp": "data-parallel ranks, FSDP2 shards over them (default: world size / ep)",
+    "ep": "expert-parallel ranks; routed experts are split over them (must divide the expert count)",
+    "ep_mode": "expert-parallel exchange: moonep (static, balanced, K3 App. E) or alltoall (dynamic baseline)",
+    "ckpt_dir": "folder for checkpoints (step_NNNNNNNN/, written atomically); none: no checkpoints",
+    "ckpt_every": "save every N steps and at the end (0: only at the end); needs --ckpt-dir",
+    "resume": "continue from the latest complete checkpoint in --ckpt-dir (a fresh start when there is none)",
+    "log_jsonl": "append per-step metrics (loss, tokens/s, MFU, maxvio per MoE layer, peak memory) to this file",
+    "seed": "seed of the model initialisation and the data order",
+    "data_dir": "folder holding shards/ (default: $K3LAB_DATA_DIR, else the checkout's data/)",
+    "kill_at_step": "fault injection for resume tests: every rank SIGKILLs itself after this step",
+    "weight_decay": "decoupled weight decay of both optimizer groups (K3: 0.1)",
+    "warmup": "fraction of --steps spent in linear warmup (K3: 0.01)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m k3lab.train`` argument parser (one flag per ``TrainConfig`` field)."""
+    from k3lab.train import __doc__ as doc  # noqa: PLC0415
+
+    parts = doc.split("\n\n")
+    p = argparse.ArgumentParser(prog="python -m k3lab.train", description=parts[0],
+                                epilog=parts[1] + "\n\n" + parts[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = TrainConfig()
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "progress":
+            p.add_argument("--no-progress", dest="progress", action="store_false",
+                           help="no progress bar (the JSONL log and the summary table stay)")
+            continue
+        if f.name == "resume":
+            p.add_argument(flag, action="store_true", help=HELP[f.name])
+            continue
+        kind = {"preset": str, "ep_mode": str, "ckpt_dir": str, "log_jsonl": str, "data_dir": str,
+                "lr": float, "weight_decay": float, "warmup": float}.get(f.name, int)
+        choices = {"preset": TRAIN_PRESETS, "ep_mode": MODES}.get(f.name)
+        default = getattr(defaults, f.name)
+        p.add_argument(flag, type=kind, default=default, choices=choices,
+                       help=HELP[f.name] + ("" if default is None else f" (default {default})"))
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """``TrainConfig`` from the command line; a bad value exits with argparse's usage and the reason.
+
+    Raises:
+        SystemExit: status 2 on a bad flag (argparse's convention).
+    """
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return TrainConfig(**vars(ns))
+    except ValueError as e:
+        parser.error(str(e))

@@ -1,0 +1,174 @@
+"""``train(config)``: the training loop on every rank, and the process-group setup around it."""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import math
+import os
+import signal
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from k3lab.data import load_split, resolve_data_dir, vocab_size
+from k3lab.model import K3Config, K3Model, flops_per_token, mfu
+from k3lab.moe import maxvio, update_biases
+from k3lab.optim import per_head_muon
+from k3lab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from k3lab.train.config import ConfigError, TrainConfig, build_parser, parse_args
+from k3lab.train.loader import TokenLoader
+from k3lab.train.metrics import FLOPS_CONVENTION, MetricsLog, peak_key, peak_memory_gib
+from k3lab.train.parallel import build_parallel, parallelize
+
+PG_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def lr_at(step: int, total: int, peak: float, warmup: float, floor: float = 0.1) -> float:
+    """K3's schedule: linear warmup over ceil(warmup * total) steps, then cosine from ``peak`` to
+    ``floor * peak`` at ``total``; ``step`` counts from 1."""
+    w = math.ceil(warmup * total)
+    if step <= w:
+        return peak * step / w
+    t = (step - w) / max(total - w, 1)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def process_group(device: torch.device):
+    """The default process group for the run: torchrun's (RANK/WORLD_SIZE in the environment), one created
+    here for a single process, or the caller's when one is already initialised (left as it is)."""
+    if dist.is_initialized():
+        yield
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=PG_TIMEOUT)
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                timeout=PG_TIMEOUT)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def build_model(config: TrainConfig, device: torch.device) -> K3Model:
+    """The run's ``K3Model`` (preset, the data's vocabulary), initialised from ``config.seed``; the same
+    weights on every rank before sharding."""
+    torch.manual_seed(config.seed)
+    cfg = K3Config.preset(config.preset, vocab_size=vocab_size(resolve_data_dir(config.data_dir)))
+    return K3Model(cfg).to(device)
+
+
+def train(config: TrainConfig) -> list[dict]:
+    """Run ``config`` on this rank (every rank of the world calls it); returns rank 0's step records
+    (the JSONL "step" objects, see ``k3lab.train.metrics``), [] on the other ranks.
+
+    Steps: batch from the loader -> forward (bf16 autocast on GPU, float32 on CPU) -> backward (FSDP
+    reduce-scatters) -> lr of the schedule -> Per-Head Muon step -> Quantile Balancing's bias update with
+    the histogram summed over the data ranks -> loss averaged over the data ranks -> checkpoint every
+    ``ckpt_every`` steps and at the end.
+
+    Raises:
+        ConfigError (a ValueError): the layout does not match the world (``build_parallel``), the global
+            batch is not divisible by the data ranks, or a resumed checkpoint's loader differs.
+        FileNotFoundError: no token shards (``k3lab.data``).
+    """
+    device = _device()
+    # Muon orthogonalises each expert stack as its full logical tensor; the 2-step all-gather of a
+    # (dp, ep)-sharded DTensor is expected there, and torch warns about it on every step.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    with process_group(device):
+        world = dist.get_world_size()
+        ep = config.ep
+        dp = config.dp if config.dp is not None else max(world // ep, 1)
+        try:
+            par = build_parallel(dp, ep, device.type)
+            tokens = load_split("train", resolve_data_dir(config.data_dir) / "shards")
+            loader = TokenLoader(tokens, config.batch_size, config.seq_len, par.data_rank, par.data_size, config.seed)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        rank0 = dist.get_rank() == 0
+        model = parallelize(build_model(config, device), par, config.ep_mode)
+        opt = per_head_muon(model, lr=config.lr, weight_decay=config.weight_decay)
+        start = 0
+        if config.resume:
+            path = latest_checkpoint(config.ckpt_dir)
+            if path is not None:
+                state = load_checkpoint(path, model, opt, {"step": 0, "loader": loader.state_dict()})
+                start = int(state["step"])
+                try:
+                    loader.load_state_dict(state["loader"])
+                except ValueError as e:
+                    raise ConfigError(f"{path}: {e}") from e
+        mcfg = model.config
+        fpt = flops_per_token(mcfg, config.seq_len)
+        peak = peak_key(device)
+        log = MetricsLog(config.log_jsonl, config.steps, start, config.progress, enabled=rank0)
+        log.write(dict(event="start", preset=config.preset, world=world, dp=par.dp, ep=par.ep, ep_mode=config.ep_mode,
+                       device=str(device), global_batch=config.batch_size, seq_len=config.seq_len,
+                       vocab_size=mcfg.vocab_size, resumed_from=start, steps=config.steps,
+                       flops_per_token=fpt, flops_convention=FLOPS_CONVENTION, peak=peak))
+        autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                    else contextlib.nullcontext())
+        model.train()
+        for step in range(start + 1, config.steps + 1):
+            t0 = time.perf_counter()
+            x, y = loader.next_batch(device)
+            with autocast:
+                _, loss = model(x, y)
+            loss.backward()
+            lr = lr_at(step, config.steps, config.lr, config.warmup)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loads = update_biases(model, par.batch_group)
+            loss = loss.detach().float()
+            if par.batch_group is not None:
+                dist.all_reduce(loss, group=par.batch_group)
+                loss = loss / par.data_size
+            # The one host sync of the step: the loss for the log (it also closes the step's timing).
+            loss_value = loss.item()
+            dt = time.perf_counter() - t0
+            tok_s = config.batch_size * config.seq_len / dt
+            mem, mem_kind = peak_memory_gib(device)
+            log.write(dict(event="step", step=step, loss=loss_value, lr=lr, step_s=dt, tokens_per_s=tok_s,
+                           mfu=mfu(tok_s, fpt, peak, world) if peak else None,
+                           maxvio=[maxvio(l) for l in loads], peak_mem_GiB=mem, peak_mem_kind=mem_kind))
+            if config.ckpt_dir and ((config.ckpt_every and step % config.ckpt_every == 0) or step == config.steps):
+                save_checkpoint(config.ckpt_dir, step, model, opt, {"step": step, "loader": loader.state_dict()})
+            if config.kill_at_step == step:
+                dist.barrier()
+                os.kill(os.getpid(), signal.SIGKILL)
+        log.summary(dict(preset=config.preset, dp=par.dp, ep=par.ep, ep_mode=config.ep_mode, world=world,
+                         device=str(device), flops_per_token=fpt, flops_convention=FLOPS_CONVENTION))
+        return list(log.records)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m k3lab.train [flags]`` (and under torchrun): parse, train, 0 on success.
+
+    Raises:
+        SystemExit: 2 on a bad flag or a layout that does not match the launched world.
+    """
+    config = parse_args(argv)
+    try:
+        train(config)
+    except ConfigError as e:
+        build_parser().error(str(e))
+    return 0

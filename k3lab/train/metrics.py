@@ -1,0 +1,116 @@
+"""Per-step metrics: JSONL records, a progress bar and the final summary table (rank 0 only).
+
+Record kinds (one JSON object per line, ``"event"`` first):
+
+    start    the layout, model, flops_per_token and its convention, the resumed step (or 0)
+    step     step, loss (global mean, nats), lr, tokens_per_s (global), mfu (None without a known peak),
+             maxvio (one per MoE layer, this step's routing summed over the data ranks), peak_mem_GiB
+    summary  the table's numbers
+
+MFU follows ``k3lab.model.flops_per_token``: 6 x activated parameters (input embedding excluded, routed
+experts K of E at their latent width, LM head included) plus the Gated MLA attention terms at the
+training length, not halved for the causal mask; over dense bf16 peak (``k3lab.model.PEAK_FLOPS``) times
+the number of GPUs. Peak memory: ``torch.cuda.max_memory_allocated`` on GPU, the process's peak resident
+set (``ru_maxrss``) on CPU, rank 0's.
+"""
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+FLOPS_CONVENTION = ("6 x activated params (no input embedding; routed experts K of E at the latent width; "
+                    "LM head included) + Gated MLA attention 6*H*(Dn+Dr+Dv)*T per MLA layer, not halved for "
+                    "causality (k3lab.model.flops_per_token); MFU over dense bf16 peak x GPUs")
+
+
+def peak_memory_gib(device: torch.device) -> tuple[float, str]:
+    """(GiB, kind): CUDA's peak allocated bytes on ``device``, else this process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30, "cuda_max_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "cpu_peak_rss"
+
+
+def peak_key(device: torch.device) -> str | None:
+    """The ``k3lab.model.PEAK_FLOPS`` key of ``device`` ("h100", "h200"), None for a CPU or another GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    return next((k for k in ("h200", "h100") if k in name), None)
+
+
+class MetricsLog:
+    """Writes the records above (``path`` None: none), draws a tqdm bar on stderr (``progress``), prints
+    the summary table on stdout. Only rank 0 builds one; the others pass ``enabled=False``.
+
+    ``path`` is opened for append so a resumed run continues its log: the loss curve of a killed run and
+    its resumption overlap on the steps replayed since the checkpoint.
+    """
+
+    def __init__(self, path: str | None, total_steps: int, start_step: int, progress: bool, enabled: bool = True):
+        self.enabled = enabled
+        self.records: list[dict] = []
+        self.file = None
+        self.bar = None
+        if not enabled:
+            return
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a", buffering=1)
+        if progress:
+            from tqdm.auto import tqdm  # noqa: PLC0415
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", file=sys.stderr, dynamic_ncols=True)
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        if record.get("event") == "step":
+            self.records.append(record)
+            if self.bar is not None:
+                mv = max(record["maxvio"]) if record["maxvio"] else 0.0
+                self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                     maxvio=f"{mv:.2f}", refresh=False)
+                self.bar.update(1)
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+
+    def summary(self, extra: dict) -> dict:
+        """The summary record of this process's steps (the first step, which compiles and warms up, is left
+        out of the throughput), written and printed as a table."""
+        if not self.enabled:
+            return {}
+        steps = self.records
+        timed = steps[1:] or steps
+        tok_s = sum(r["tokens_per_s"] for r in timed) / max(len(timed), 1)
+        mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
+        last = steps[-1] if steps else {}
+        out = dict(event="summary", steps=len(steps), first_step=steps[0]["step"] if steps else None,
+                   last_step=last.get("step"), final_loss=last.get("loss"),
+                   min_loss=min((r["loss"] for r in steps), default=None), tokens_per_s=tok_s,
+                   mfu=sum(mfus) / len(mfus) if mfus else None,
+                   final_maxvio_mean=(sum(last["maxvio"]) / len(last["maxvio"])) if last.get("maxvio") else None,
+                   peak_mem_GiB=max((r["peak_mem_GiB"] for r in steps), default=None), **extra)
+        if self.bar is not None:
+            self.bar.close()
+        self.write(out)
+        if self.file is not None:
+            self.file.close()
+        print(format_summary(out), flush=True)
+        return out
+
+
+def format_summary(s: dict) -> str:
+    """The summary record as an aligned two-column table."""
+    def fmt(v):
+        if isinstance(v, float):
+            return "n/a" if math.isnan(v) else f"{v:.4g}"
+        return "n/a" if v is None else str(v)
+
+    rows = [(k, fmt(v)) for k, v in s.items() if k not in ("event", "flops_convention")]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join([f"{'metric':<{w}}  value", "-" * (w + 12)] + [f"{k:<{w}}  {v}" for k, v in rows])

@@ -1,0 +1,113 @@
+"""The trainer's parallel layout: one ``DeviceMesh`` (``k3lab.dist.make_mesh``) gives every group; FSDP2 and
+expert parallelism are applied to a ``K3Model`` from it.
+
+    data ranks   dp x cp x ep: every rank of the flattened "batch" axis reads its own slice of the global
+                 batch (ep ranks are data ranks too, as in torchtitan's dp_shard); the loss, the FSDP
+                 gradient average and Quantile Balancing's histogram all run over this one group.
+    experts      each MoE layer's stacked experts [E, l, h] become DTensors Shard(0) over "ep" (rank r
+                 holds experts r*E/ep ... (r+1)*E/ep - 1) and run through ``k3lab.moonep``; FSDP then
+                 shards them over "dp" alone (each dp row holds the whole set of experts once).
+    the rest     FSDP2 ``fully_shard`` over the batch axis (ZeRO-3: parameters, gradients and optimizer
+                 state sharded, parameters all-gathered for forward and backward).
+
+Gradient scale: every rank's loss is the mean over its own tokens, so the global mean loss is the average
+over the B = dp*cp*ep data ranks. FSDP averages the other parameters over B ranks. An expert's gradient
+from ``moonep_experts`` is already the sum over its ep group's losses, and FSDP sums it over dp: its divide
+factor is set to B so both come out as the gradient of the global mean.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from k3lab.dist import make_mesh
+from k3lab.moe import moe_layers
+from k3lab.moonep import MODES
+
+
+@dataclass
+class Parallel:
+    """This rank's place in the layout (a plain context object, passed explicitly).
+
+    Attributes:
+        mesh: the (pp, dp, cp, ep) ``DeviceMesh``, or None in a one-rank world (no sharding at all).
+        dp, ep (int): axis sizes. world (int): dp * ep.
+        data_rank (int), data_size (int): this rank's index on the flattened batch axis and its size; the
+            global batch is cut into ``data_size`` equal slices in that order.
+        batch_mesh: the flattened 1-D (dp, cp, ep) mesh FSDP shards the non-expert parameters over.
+        batch_group: its process group (None in a one-rank world): loss average and Quantile Balancing's
+            histogram sum.
+        ep_group: the process group of the "ep" axis (None when ep == 1).
+    """
+
+    mesh: object
+    dp: int
+    ep: int
+    world: int
+    data_rank: int
+    data_size: int
+    batch_mesh: object
+    batch_group: object
+    ep_group: object
+
+
+def build_parallel(dp: int, ep: int, device_type: str = "cpu") -> Parallel:
+    """The mesh and groups for ``dp`` x ``ep`` ranks over the initialised default process group.
+
+    Raises:
+        ValueError: dp * ep differs from the world size (the message gives both), or a size < 1.
+        RuntimeError: no default process group.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("build_parallel needs an initialised default process group")
+    world = dist.get_world_size()
+    if not all(isinstance(v, int) and v >= 1 for v in (dp, ep)):
+        raise ValueError(f"--dp and --ep must be ints >= 1, got dp={dp!r}, ep={ep!r}")
+    if dp * ep != world:
+        raise ValueError(f"--dp {dp} x --ep {ep} = {dp * ep} ranks, but {world} were launched "
+                         f"(torchrun --nproc-per-node {dp * ep})")
+    if world == 1:
+        return Parallel(None, 1, 1, 1, 0, 1, None, None, None)
+    mesh = make_mesh(dp=dp, ep=ep, device_type=device_type)
+    batch = mesh["dp", "cp", "ep"]._flatten("batch")
+    return Parallel(mesh, dp, ep, world, batch.get_local_rank(), batch.size(), batch, batch.get_group(),
+                    mesh["ep"].get_group() if ep > 1 else None)
+
+
+def parallelize(model: nn.Module, par: Parallel, ep_mode: str = "moonep") -> nn.Module:
+    """Shard ``model`` (a ``K3Model`` built identically on every rank) in place for ``par``.
+
+    With ep > 1 each MoE layer keeps its E/ep home experts (DTensor shards of the same global weights)
+    and routes through ``moonep_experts`` in ``ep_mode``; then FSDP2 as in the module docstring. A
+    one-rank ``par`` leaves the model untouched.
+
+    Raises:
+        ValueError: an unknown ``ep_mode``; E not divisible by ep.
+    """
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+    from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
+
+    if ep_mode not in MODES:
+        raise ValueError(f"--ep-mode must be one of {MODES}, got {ep_mode!r}")
+    if par.mesh is None:
+        return model
+    moes = moe_layers(model)
+    if par.ep > 1:
+        ep_mesh = par.mesh["ep"]
+        r = ep_mesh.get_local_rank()
+        for m in moes:
+            E = m.config.n_experts
+            if E % par.ep:
+                raise ValueError(f"--ep {par.ep} must divide the {E} routed experts")
+            L = E // par.ep
+            for name in ("w_gate", "w_up", "w_down"):
+                full = getattr(m.experts, name).detach()
+                local = full[r * L:(r + 1) * L].clone()
+                setattr(m.experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
+            m.ep_group, m.ep_mode = par.ep_group, ep_mode
+            fully_shard(m.experts, mesh=par.mesh["dp"], reshard_after_forward=True)
+            m.experts.set_gradient_divide_factor(float(par.data_size))
+    fully_shard(model, mesh=par.batch_mesh, reshard_after_forward=True)
+    return model
