@@ -228,6 +228,34 @@ def test_two_phase_double_backward_with_retained_graph():
         assert torch.equal(a, b)
 
 
+
+@pytest.mark.parametrize("path", ["naive", "memory", "inference"])
+def test_explicit_block_sizes(path):
+    """Block sizes given explicitly (K3: 12-layer blocks, the last partial): every path equals the formula
+    with the same sizes, the values and gradients; sizes equal to the even split give the count's function."""
+    assert block_sizes(10, [4, 4, 2]) == [4, 4, 2] and block_sizes(10, (10,)) == [10]
+    for bad in ([4, 4], [4, 0, 6], [4, 4, 2.0], [], [5, True, 4]):
+        with pytest.raises(ValueError, match="n_blocks"):
+            block_sizes(10, bad)
+        with pytest.raises(ValueError, match="n_blocks"):
+            BlockAttnRes(16, 10, bad)
+    L, sizes = 9, [4, 4, 1]
+    subs, h0, q = make(L, seed=11)
+    res = module((16, L, sizes), q, path)
+    assert res.sizes == sizes and res.n_blocks == 3
+    g_out = torch.randn_like(h0)
+    with torch.set_grad_enabled(path != "inference"):
+        ref = naive_block_attnres(h0, subs, q, sizes)
+        assert_close(f"explicit sizes {path}", ref, res(h0, subs), 1e-12)
+    assert (ref - naive_block_attnres(h0, subs, q, 3)).abs().max() > 1e-6, "[4, 4, 1] is not the even split"
+    assert_close("even sizes == count", naive_block_attnres(h0, subs, q, 3), naive_block_attnres(h0, subs, q, [3, 3, 3]),
+                 0.0)
+    if path == "memory":
+        for a, b in zip(grads_of(subs, h0, q, sizes, "memory", g_out), grads_of(subs, h0, q, sizes, "naive", g_out)):
+            assert_close("explicit sizes gradients", b, a, 1e-10)
+    weights = res.depth_weights(h0, subs)
+    assert weights.shape == (L + 1, len(sizes) + 2)
+
 def test_bool_block_counts_are_refused():
     """n_blocks=True (or n_sublayers=True) was taken as 1: a bool is an int to isinstance."""
     with pytest.raises(ValueError, match="n_blocks"):

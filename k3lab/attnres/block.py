@@ -29,7 +29,8 @@ PATHS = ("auto", "naive", "memory", "inference")
 class BlockAttnRes(nn.Module):
     """Block Attention Residuals (AttnRes paper, Sec. 3.2; K3 report, Sec. 2).
 
-    The L sublayers are cut into N consecutive blocks (``naive.block_sizes``). Sublayer l reads
+    The L sublayers are cut into N consecutive blocks (``naive.block_sizes``: as even as possible, or
+    the sizes given). Sublayer l reads
     softmax-over-depth weighted sums of [b_0 = h0, completed blocks, partial sum of its own block];
     the output aggregates [b_0, ..., b_N] with a last query. Pseudo-queries are zero-initialised, so
     at init every read is the uniform average of its sources.
@@ -37,7 +38,8 @@ class BlockAttnRes(nn.Module):
     Args:
         d_model (int): d.
         n_sublayers (int): L (for ``k3lab.lm.LM``: 2 * n_layers).
-        n_blocks (int): N in [1, L]; N = L is full AttnRes.
+        n_blocks (int | list[int]): N in [1, L] (N = L is full AttnRes), or the N block sizes, positive
+            ints summing to L (K3: 12 layers = 24 sublayers per block, the last one partial).
         eps (float): RMSNorm eps of the keys.
         path (str): "auto" (memory when autograd records, inference otherwise), "naive", "memory"
             or "inference".
@@ -56,9 +58,10 @@ class BlockAttnRes(nn.Module):
 
     Attributes:
         queries (Parameter): [L + 1, d] float32, zeros at init; row L is the final aggregation's.
+        sizes (list[int]): the N block sizes; n_blocks (int): N.
 
     Raises:
-        ValueError: N < 1 or N > L, bad d/L, unknown path or backend, eps not finite and >= 0,
+        ValueError: N < 1 or N > L, block sizes that are not positive ints summing to L, bad d/L, unknown path or backend, eps not finite and >= 0,
             recompute_input not a bool, a non-float buffer_dtype; in forward, h0 not a floating-point [B, T, d]
             with d = d_model, len(sublayers) != L, or a sublayer returning anything but a tensor of
             h0's shape.
@@ -73,7 +76,7 @@ class BlockAttnRes(nn.Module):
         torch.Size([2, 10, 64])
     """
 
-    def __init__(self, d_model: int, n_sublayers: int, n_blocks: int, eps: float = 1e-6,
+    def __init__(self, d_model: int, n_sublayers: int, n_blocks, eps: float = 1e-6,
                  path: str = "auto", backend: str | None = None, recompute_input: bool = True,
                  buffer_dtype: torch.dtype | None = None):
         super().__init__()
@@ -88,13 +91,14 @@ class BlockAttnRes(nn.Module):
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
         check_eps(eps)
         check_buffer_dtype(buffer_dtype)
-        self.d_model, self.n_sublayers, self.n_blocks, self.eps = d_model, n_sublayers, n_blocks, eps
+        self.d_model, self.n_sublayers, self.n_blocks, self.eps = d_model, n_sublayers, len(self.sizes), eps
         self.path, self.backend, self.recompute_input = path, backend, recompute_input
         self.buffer_dtype = buffer_dtype
         self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, n_sublayers={self.n_sublayers}, n_blocks={self.n_blocks}, path={self.path}"
+        return (f"d_model={self.d_model}, n_sublayers={self.n_sublayers}, n_blocks={self.n_blocks}, "
+                f"sizes={self.sizes}, path={self.path}")
 
     def _check_call(self, h0: torch.Tensor, sublayers) -> None:
         if not isinstance(h0, torch.Tensor) or h0.ndim != 3 or h0.shape[-1] != self.d_model:
@@ -112,10 +116,10 @@ class BlockAttnRes(nn.Module):
             raise RuntimeError("path='inference' records no gradients: run it under torch.no_grad() or "
                                "torch.inference_mode(), or train with path='auto' or 'memory'")
         if path == "naive":
-            return naive_block_attnres(h0, sublayers, self.queries, self.n_blocks, self.eps)
+            return naive_block_attnres(h0, sublayers, self.queries, self.sizes, self.eps)
         if path == "inference":
-            return block_attnres_inference(h0, sublayers, self.queries, self.n_blocks, self.eps)
-        return block_attnres_train(h0, sublayers, self.queries, self.n_blocks, self.eps,
+            return block_attnres_inference(h0, sublayers, self.queries, self.sizes, self.eps)
+        return block_attnres_train(h0, sublayers, self.queries, self.sizes, self.eps,
                                    self.backend or ("triton" if h0.is_cuda else "torch"), self.recompute_input,
                                    self.buffer_dtype)
 
@@ -129,7 +133,7 @@ class BlockAttnRes(nn.Module):
             (NaN where a read has no such source); row L is the final aggregation over b_0..b_N.
         """
         self._check_call(h0, sublayers)
-        _, weights = naive_block_attnres(h0, sublayers, self.queries, self.n_blocks, self.eps, return_weights=True)
+        _, weights = naive_block_attnres(h0, sublayers, self.queries, self.sizes, self.eps, return_weights=True)
         out = torch.full((self.n_sublayers + 1, self.n_blocks + 2), float("nan"))
         layer = 0
         for n, size in enumerate(self.sizes, start=1):

@@ -38,14 +38,15 @@ def block_attnres_inference(h0: torch.Tensor, sublayers, queries: torch.Tensor, 
 
     Args:
         h0 (Tensor): [B, T, d]; sublayers: L callables [B, T, d] -> [B, T, d]; queries (Tensor):
-            [L + 1, d]; n_blocks (int): N in [1, L]; eps (float): RMSNorm eps.
+            [L + 1, d]; n_blocks (int | list[int]): N in [1, L] or the block sizes
+            (``block_sizes``); eps (float): RMSNorm eps.
 
     Returns:
         Tensor: [B, T, d] in h0's dtype (mixing computed in float32; float64 stays float64); equal to
         ``naive_block_attnres`` up to float rounding.
 
     Raises:
-        ValueError: N < 1 or N > L, h0 or queries not a floating-point tensor, queries not [L + 1, d],
+        ValueError: N < 1 or N > L or bad block sizes, h0 or queries not a floating-point tensor, queries not [L + 1, d],
             h0 not [B, T, d], eps not a finite number >= 0, a sublayer returning
             anything but a tensor of h0's shape.
     """

@@ -25,27 +25,37 @@ import torch
 import torch.nn as nn
 
 
-def block_sizes(n_sublayers: int, n_blocks: int) -> list[int]:
-    """Sizes of N consecutive blocks covering L sublayers, as even as possible (the first L mod N
-    blocks get one more).
+def block_sizes(n_sublayers: int, n_blocks) -> list[int]:
+    """Sizes of N consecutive blocks covering L sublayers: as even as possible for a count N (the
+    first L mod N blocks get one more), or exactly the sizes given.
 
     Args:
         n_sublayers (int): L >= 1.
-        n_blocks (int): N, 1 <= N <= L.
+        n_blocks (int | Sequence[int]): N, 1 <= N <= L; or the N block sizes themselves, positive ints
+            summing to L (K3: blocks of 12 layers, the last partial).
 
     Returns:
-        list[int]: N sizes summing to L, e.g. ``block_sizes(10, 4) == [3, 3, 2, 2]``.
+        list[int]: N sizes summing to L, e.g. ``block_sizes(10, 4) == [3, 3, 2, 2]``,
+        ``block_sizes(10, [4, 4, 2]) == [4, 4, 2]``.
 
     Raises:
-        ValueError: L < 1, N < 1 or N > L (a block cannot be empty).
+        ValueError: L < 1; a count N < 1 or N > L (a block cannot be empty); sizes that are not
+            positive ints or do not sum to L.
     """
     # bool is an int to isinstance: True would be one block.
     if not (isinstance(n_sublayers, int) and not isinstance(n_sublayers, bool) and n_sublayers >= 1):
         raise ValueError(f"n_sublayers must be an int >= 1, got {n_sublayers!r}")
+    if isinstance(n_blocks, (list, tuple)):
+        sizes = list(n_blocks)
+        if not (sizes and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes)
+                and sum(sizes) == n_sublayers):
+            raise ValueError(f"n_blocks as block sizes must be positive ints summing to n_sublayers={n_sublayers}, "
+                             f"got {n_blocks!r}")
+        return sizes
     if not (isinstance(n_blocks, int) and not isinstance(n_blocks, bool) and 1 <= n_blocks <= n_sublayers):
         raise ValueError(
             f"n_blocks must be an int in [1, n_sublayers={n_sublayers}] (a block holds at least one "
-            f"sublayer), got {n_blocks!r}"
+            f"sublayer) or a list of block sizes, got {n_blocks!r}"
         )
     q, r = divmod(n_sublayers, n_blocks)
     return [q + 1 if i < r else q for i in range(n_blocks)]
@@ -91,7 +101,8 @@ def naive_block_attnres(
         sublayers (ModuleList | list): L callables [B, T, d] -> [B, T, d], each applying its own
             pre-norm and returning its output (not added).
         queries (Tensor): [L + 1, d] pseudo-queries; row L is the final aggregation's.
-        n_blocks (int): N in [1, L]; N = L is full AttnRes.
+        n_blocks (int | list[int]): N in [1, L] (N = L is full AttnRes), or the block sizes
+            (``block_sizes``).
         eps (float): RMSNorm eps of the keys.
         return_weights (bool): also return the depth weights.
 
@@ -101,7 +112,7 @@ def naive_block_attnres(
         order (b_0, ..., completed blocks, partial sum).
 
     Raises:
-        ValueError: N < 1 or N > L, h0 or queries not a floating-point tensor, queries not [L + 1, d],
+        ValueError: N < 1 or N > L or bad block sizes, h0 or queries not a floating-point tensor, queries not [L + 1, d],
             h0 not [B, T, d], eps not a finite number >= 0, a sublayer returning
             anything but a tensor of h0's shape.
     """

@@ -271,7 +271,8 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
 
     Args:
         h0 (Tensor): [B, T, d] embedding output; sublayers: L callables [B, T, d] -> [B, T, d];
-            queries (Tensor): [L + 1, d]; n_blocks (int): N in [1, L]; eps (float): RMSNorm eps.
+            queries (Tensor): [L + 1, d]; n_blocks (int | list[int]): N in [1, L] or the block
+            sizes (``block_sizes``); eps (float): RMSNorm eps.
         backend (str): "torch" or "triton" (``k3lab.kernels.attnres``; on CPU under TRITON_INTERPRET=1).
         recompute_input (bool): rebuild each sublayer's saved input in backward (default) instead of
             keeping it (one more d-vector per token per sublayer). Ignored under ``torch.compile``,
@@ -286,7 +287,7 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
         Differentiable once: a second differentiation raises RuntimeError (use the naive path).
 
     Raises:
-        ValueError: N < 1 or N > L, h0 or queries not a floating-point tensor, queries not [L + 1, d],
+        ValueError: N < 1 or N > L or bad block sizes, h0 or queries not a floating-point tensor, queries not [L + 1, d],
             h0 not [B, T, d], eps not a finite number >= 0, unknown backend, buffer_dtype not a
             floating-point dtype or None, a sublayer returning anything but a tensor of h0's shape.
     """
@@ -298,7 +299,7 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
     dev = h0.device.type
     o_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h0.dtype
     check_buffer_dtype(buffer_dtype)
-    store = DepthBuffer(h0, n_blocks + 1, queries.detach(), eps, backend, buffer_dtype)
+    store = DepthBuffer(h0, len(sizes) + 1, queries.detach(), eps, backend, buffer_dtype)
     taps = [_StoreFirst.apply(h0, store)]
     Q, layer = queries, 0
     # torch.compile does not carry saved-tensor hooks through: h0's gradient came back None. Compiled,
