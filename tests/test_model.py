@@ -25,6 +25,11 @@ def test_k3_full_config_matches_table_1():
     assert c.layer_types().count("kda") == 69 and c.layer_types().count("mla") == 24
     assert c.ffn_types()[:2] == ["dense", "moe"] and c.ffn_types().count("dense") == 1
     assert c.n_attn_res_blocks == 8
+    # K3's Block AttnRes boundaries: 12 layers (24 sublayers) per block, the last block 9 layers.
+    assert c.attn_res_sizes() == [24] * 7 + [18]
+    with torch.device("meta"):
+        assert K3Model(c).residual.sizes == [24] * 7 + [18]
+    assert K3Config.preset("k3-tiny").attn_res_sizes() == [4, 4, 2]
     assert (c.hidden_size, c.num_attention_heads, c.head_dim, c.vocab_size) == (7168, 96, 128, 163840)
     assert (c.n_routed_experts, c.num_experts_per_tok, c.n_shared_experts) == (896, 16, 2)
     assert (c.moe_intermediate_size, c.moe_latent_size, c.intermediate_size) == (3072, 3584, 33792)

@@ -156,6 +156,12 @@ class K3Config:
         """N = ceil(L / attn_res_block_size) Block AttnRes blocks (K3: 8)."""
         return math.ceil(self.num_hidden_layers / self.attn_res_block_size)
 
+    def attn_res_sizes(self) -> list[int]:
+        """Sublayers in each Block AttnRes block: 2 * attn_res_block_size (a mixer and an FFN per layer),
+        the last block partial (K3: [24] * 7 + [18], 8 blocks of 12 layers with 9 in the last)."""
+        size, total = 2 * self.attn_res_block_size, 2 * self.num_hidden_layers
+        return [min(size, total - start) for start in range(0, total, size)]
+
     def layer_types(self) -> list[str]:
         """Each layer's token mixer, 0-based: "mla" for the 1-based ``full_attn_layers``, else "kda"."""
         mla = set(self.full_attn_layers)

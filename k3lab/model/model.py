@@ -11,10 +11,9 @@ combines the outputs. The token mixers take per-call context (packed-document of
 caches) that the residual interface ``f(h)`` does not pass: ``K3Model`` hands it to them through one
 shared ``_MixerContext`` set for the duration of a forward.
 
-Block AttnRes here cuts the 2L sublayers into N = ceil(L / attn_res_block_size) blocks as evenly as
-``k3lab.attnres.block_sizes`` does (K3: 8 blocks of 24 or 23 sublayers, 9 sources with the embedding);
-K3 fills 7 blocks of 12 layers and leaves the last one partial (6 layers). Same N, same parameters,
-slightly different block boundaries.
+Block AttnRes cuts the 2L sublayers at K3's boundaries (``K3Config.attn_res_sizes``): blocks of
+``attn_res_block_size`` whole layers, the last one partial (K3: 7 blocks of 12 layers and one of 9,
+9 sources with the embedding).
 """
 from __future__ import annotations
 
@@ -137,7 +136,7 @@ class K3Model(nn.Module):
             layers += [MixerSublayer(d, mixer, c.rms_norm_eps, i, self.context),
                        RMSNormSublayer(d, ffn, c.rms_norm_eps)]
         self.sublayers = nn.ModuleList(layers)
-        self.residual = BlockAttnRes(d, 2 * L, c.n_attn_res_blocks, eps=c.rms_norm_eps, path=attn_res_path)
+        self.residual = BlockAttnRes(d, 2 * L, c.attn_res_sizes(), eps=c.rms_norm_eps, path=attn_res_path)
         self.norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
         self.head = nn.Linear(d, c.vocab_size, bias=False)
         self._init_weights()
