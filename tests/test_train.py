@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import torch
 from k3lab.dist import launch
 from k3lab.testing import assert_close
 from k3lab.train import TokenLoader, TrainConfig, latest_checkpoint, lr_at, main, parse_args, train
+from k3lab.train.runner import torchrun_command
 from k3lab.train.workers import train_worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,20 +92,10 @@ def _losses(records):
     return np.array([r["loss"] for r in records])
 
 
-def _torchrun(args, timeout=120):
+def _torchrun(cfg: dict, timeout=120):
+    cmd = torchrun_command(2, **cfg)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "k3lab.train", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _flags(cfg: dict) -> list[str]:
-    out = []
-    for k, v in cfg.items():
-        if k == "progress":
-            out += [] if v else ["--no-progress"]
-        elif v is not None:
-            out += [f"--{k.replace('_', '-')}", str(v)]
-    return out
 
 
 def _model_from(path):
@@ -138,14 +128,14 @@ def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path):
     # replay the uninterrupted run's losses.
     ckpt, log = tmp_path / "killed", tmp_path / "killed.jsonl"
     cfg = dict(BASE, ep=2, ckpt_dir=str(ckpt), ckpt_every=3, log_jsonl=str(log))
-    killed = _torchrun(_flags(dict(cfg, kill_at_step=5)))
+    killed = _torchrun(dict(cfg, kill_at_step=5))
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr + killed.stdout
     assert latest_checkpoint(ckpt).name == "step_00000003"
     # A save killed mid-way and a step folder without metadata are never taken as the latest.
     (ckpt / ".tmp-step_00000006").mkdir()
     (ckpt / ".tmp-step_00000006" / "__0_0.distcp").write_bytes(b"partial")
     (ckpt / "step_00000007").mkdir()
-    resumed = _torchrun(_flags(cfg) + ["--resume"])
+    resumed = _torchrun(dict(cfg, resume=True))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]
     starts = [r for r in records if r["event"] == "start"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -80,7 +81,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, 
     _barrier()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
              "train": dict(train_state)}
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     _barrier()
     if _is_rank0():
         if final.exists():
@@ -114,7 +115,11 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     state = {"model": get_model_state_dict(model), "train": dict(train_state)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
+    # One process without a group (e.g. sampling from a trained run) reads the whole checkpoint itself;
+    # DCP warns that it assumes exactly that.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
