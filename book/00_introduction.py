@@ -110,10 +110,11 @@ plt.show()
 # | 02 | FlashKDA | chunkwise KDA forward and backward as Triton kernels (`k3lab.kernels.kda`) | ready |
 # | 03 | KCP | context parallelism for KDA: affine state maps, one all-gather | ready |
 # | 04 | AttnRes | Attention Residuals: block softmax over earlier layers, kernels | ready |
-# | 05 | LatentMoE | Stable LatentMoE, SiTU-GLU, Quantile Balancing | coming |
-# | 06 | MoonEP | perfectly balanced expert parallelism | coming |
+# | 05 | LatentMoE | Stable LatentMoE, SiTU-GLU, the sigmoid router, Quantile Balancing | ready |
+# | 06 | MoonEP | perfectly balanced expert parallelism: planner, static dispatch and combine | ready |
 # | 07 | AgentEnv | sandboxes with pause, fork and snapshots for agentic RL | ready |
-# | 08 | training | pipeline + expert + data parallel training, per-head Muon, MFU | coming |
+# | 08 | the K3 model | Gated MLA, the 3:1 hybrid at full size, Per-Head Muon, MFU | coming |
+# | 09 | training | data x expert parallel training on the corpus, resumable | coming |
 #
 # Each chapter follows one order: why (a K3 number), the math, the simplest correct code, the fast
 # code, the check that they agree, a benchmark, an experiment, references.
