@@ -16,7 +16,7 @@ from k3lab.dist import launch
 from k3lab.testing import assert_close
 from k3lab.train import TokenLoader, TrainConfig, latest_checkpoint, lr_at, main, parse_args, train
 from k3lab.train.runner import torchrun_command
-from k3lab.train.workers import train_worker
+from k3lab.train.workers import first_step_grads, train_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 # Tiny enough for 2 shared cores: k3-tiny (with the corpus's 4096-token vocabulary), 4 x 32 tokens a step.
@@ -116,7 +116,17 @@ def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path):
         torch.set_num_threads(threads)
     layouts = [dict(dp=2, ckpt_dir=str(tmp_path / "dp2")), dict(ep=2, ep_mode="moonep", ckpt_dir=str(tmp_path / "ep2")),
                dict(ep=2, ep_mode="alltoall")]
-    runs = launch(train_worker, 2, [dict(BASE, **lay) for lay in layouts], timeout_s=300)[0]
+    grad_layouts = [dict(dp=2), dict(ep=2, ep_mode="moonep")]
+    out = launch(train_worker, 2, [dict(BASE, **lay) for lay in layouts],
+                 [dict(BASE, **lay) for lay in grad_layouts], timeout_s=300)[0]
+    runs = out["runs"]
+    # Muon's update does not see a gradient's scale, so the losses alone would miss an expert gradient
+    # summed over ranks instead of averaged: the first step's gradients are compared directly.
+    ref_grads = first_step_grads(TrainConfig(**BASE))
+    for lay, grads in zip(grad_layouts, out["grads"]):
+        assert grads.keys() == ref_grads.keys()
+        for name, g in grads.items():
+            assert_close(f"{lay} grad {name}", ref_grads[name], g, 1e-4)
     for lay, records in zip(layouts, runs):
         got = _losses(records)
         assert len(got) == 8
@@ -163,3 +173,20 @@ def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path):
             assert_close(k, b[k], a[k], 2e-2)
     c = _model_from(ckpt / "step_00000008")
     assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_four_ranks_dp2_ep2_match_one_process():
+    # dp=2 x ep=2: experts are DTensors over ep whose FSDP shards and gradient reduction run over dp.
+    cfg = dict(BASE, steps=5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = _losses(train(TrainConfig(**cfg)))
+        ref_grads = first_step_grads(TrainConfig(**cfg))
+    finally:
+        torch.set_num_threads(threads)
+    out = launch(train_worker, 4, [dict(cfg, dp=2, ep=2)], [dict(cfg, dp=2, ep=2)], timeout_s=300)[0]
+    got = _losses(out["runs"][0])
+    assert (np.abs(got - ref) / np.abs(ref)).max() < 1e-4, f"losses {got} vs one process {ref}"
+    for name, g in out["grads"][0].items():
+        assert_close(f"dp=2 ep=2 grad {name}", ref_grads[name], g, 1e-4)

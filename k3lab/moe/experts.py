@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -129,7 +131,8 @@ class GroupedExperts(nn.Module):
             ``init_std``).
 
     Parameters: ``w_gate``, ``w_up`` [E, d, h]; ``w_down`` [E, h, d].
-    ``forward(x [N, d], offsets [E] int32) -> [N, d]`` is ``expert_ffn``.
+    ``forward(x [N, d], offsets [E] int32) -> [N, d]`` is ``expert_ffn``; ``ep_forward`` runs the module as
+    one expert-parallel rank's share of the experts (``k3lab.moonep``).
     """
 
     def __init__(self, E: int, d: int, h: int, activation: str = "situ", init_std: float = 0.02,
@@ -156,8 +159,55 @@ class GroupedExperts(nn.Module):
             return naive_expert_ffn(x, offsets, self.w_gate, self.w_up, self.w_down, self.activation)
         return expert_ffn(x, offsets, self.w_gate, self.w_up, self.w_down, self.activation)
 
+    def ep_forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, group,
+                   mode: str = "moonep", pad_mask: torch.Tensor | None = None, grad_scale: float = 1.0) -> torch.Tensor:
+        """The routed sum sum_k topk_weight[t, k] FFN_{topk_idx[t, k]}(x[t]) with this module holding one
+        expert-parallel rank's experts (``k3lab.moonep.moonep_experts`` over ``group`` in ``mode``).
+
+        Args:
+            x (Tensor): [S, d] this rank's tokens. topk_idx (Tensor): [S, K] int64 global expert ids.
+            topk_weight (Tensor): [S, K] float. pad_mask (Tensor | None): [S] bool, True for padding.
+            grad_scale (float): factor on the expert weights' gradients, which ``moonep_experts`` sums over
+                the ranks' losses (1 / R makes them the mean, as data parallelism averages).
+
+        A method of the module (not a function reading its weights) so that a wrapper hooked on calls,
+        FSDP2 through ``register_fsdp_forward_method(experts, "ep_forward")``, gathers the weights before
+        it and reduces their gradients after. DTensor weights (sharded over the ep mesh axis) give
+        their local shard, [E/R, d, h], with autograd kept.
+
+        Returns:
+            Tensor [S, d], x's dtype.
+
+        Raises:
+            ValueError: what ``moonep_experts`` raises (shapes, mode, E not R x local experts).
+        """
+        from k3lab.moonep import moonep_experts  # noqa: PLC0415  (k3lab.moonep imports k3lab.moe)
+
+        def local(w):
+            w = w.to_local() if hasattr(w, "to_local") else w
+            return w if grad_scale == 1.0 else _ScaleGrad.apply(w, grad_scale)
+
+        weights = SimpleNamespace(w_gate=local(self.w_gate), w_up=local(self.w_up), w_down=local(self.w_down),
+                                  activation=self.activation)
+        # The ids come from a router (in [0, E) by construction): skip moonep's host-side check, a sync per layer.
+        return moonep_experts(x, topk_idx, topk_weight, weights, group, mode=mode, pad_mask=pad_mask,
+                              check_ids=False)
+
     def extra_repr(self) -> str:
         return f"E={self.E}, d={self.d}, h={self.h}, activation={self.activation}"
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``. No collectives."""
+
+    @staticmethod
+    def forward(ctx, w, scale):
+        ctx.scale = scale
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
 
 
 class GatedFFN(nn.Module):

@@ -12,7 +12,6 @@ The routed pairs are sorted by expert and each expert projection is one grouped 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -109,7 +108,8 @@ class MoE(nn.Module):
     Expert parallelism: with ``ep_group`` set (a process group of R ranks, e.g.
     ``make_mesh(...)["ep"].get_group()``), ``experts`` holds this rank's E/R home experts (plain tensors
     [E/R, l, h], or DTensors over the ep mesh axis whose local shard is that) and the routed pairs run
-    through ``k3lab.moonep.moonep_experts`` in mode ``ep_mode`` ("moonep" or "alltoall"); the router, the
+    through ``k3lab.moonep.moonep_experts`` in mode ``ep_mode`` ("moonep" or "alltoall"), the experts'
+    gradients averaged over the ep group (``GroupedExperts.ep_forward``); the router, the
     balancer and the shared experts are unchanged (global expert ids); padding tokens (``mask`` False) get a
     zero routed output there. ``None`` (the default): one process.
 
@@ -179,20 +179,14 @@ class MoE(nn.Module):
 
     def _expert_parallel(self, z: torch.Tensor, routing: Routing, mask, reference: bool) -> torch.Tensor:
         """The routed sum for z [N, l] with the experts spread over ``ep_group`` (see the class docstring)."""
-        from k3lab.moonep import moonep_experts  # noqa: PLC0415  (k3lab.moonep imports k3lab.moe)
-
         if reference:
             raise ValueError("MoE: reference() is the one-process loop; unset ep_group to use it")
-        e = self.experts
-        # FSDP / EP parameters are DTensors; moonep_experts exchanges the local shards itself, and
-        # to_local() keeps autograd so the gradients land on the DTensor parameters.
-        local = lambda w: w.to_local() if hasattr(w, "to_local") else w  # noqa: E731
-        weights = SimpleNamespace(w_gate=local(e.w_gate), w_up=local(e.w_up), w_down=local(e.w_down),
-                                  activation=e.activation)
-        # The router only emits ids in [0, E): skip moonep's host-side id check (a sync per layer).
         pad = None if mask is None else ~mask.reshape(-1)
-        return moonep_experts(z, routing.topk_idx, routing.topk_weight, weights, self.ep_group,
-                              mode=self.ep_mode, pad_mask=pad, check_ids=False)
+        # Each rank's loss is the mean over its own tokens; the experts serve the whole ep group, so their
+        # gradient is averaged over its R ranks as data parallelism averages the other weights.
+        R = torch.distributed.get_world_size(self.ep_group)
+        return self.experts.ep_forward(z, routing.topk_idx, routing.topk_weight, self.ep_group, self.ep_mode, pad,
+                                       grad_scale=1.0 / R)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -21,7 +21,7 @@ from k3lab.train.checkpoint import latest_checkpoint, load_checkpoint, save_chec
 from k3lab.train.config import ConfigError, TrainConfig, build_parser, parse_args
 from k3lab.train.loader import TokenLoader
 from k3lab.train.metrics import FLOPS_CONVENTION, MetricsLog, peak_key, peak_memory_gib
-from k3lab.train.parallel import build_parallel, parallelize
+from k3lab.train.parallel import Parallel, build_parallel, parallelize
 
 PG_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -74,6 +74,24 @@ def build_model(config: TrainConfig, device: torch.device) -> K3Model:
     return K3Model(cfg).to(device)
 
 
+def build_run(config: TrainConfig, device: torch.device) -> tuple[Parallel, TokenLoader, K3Model]:
+    """This rank's layout, loader and sharded model for ``config`` (the default process group initialised).
+
+    Raises:
+        ConfigError: the layout does not match the world, or the batch is not divisible by the data ranks.
+        FileNotFoundError: no token shards.
+    """
+    ep = config.ep
+    dp = config.dp if config.dp is not None else max(dist.get_world_size() // ep, 1)
+    try:
+        par = build_parallel(dp, ep, device.type)
+        tokens = load_split("train", resolve_data_dir(config.data_dir) / "shards")
+        loader = TokenLoader(tokens, config.batch_size, config.seq_len, par.data_rank, par.data_size, config.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return par, loader, parallelize(build_model(config, device), par, config.ep_mode)
+
+
 def train(config: TrainConfig) -> list[dict]:
     """Run ``config`` on this rank (every rank of the world calls it); returns rank 0's step records
     (the JSONL "step" objects, see ``k3lab.train.metrics``), [] on the other ranks.
@@ -94,16 +112,8 @@ def train(config: TrainConfig) -> list[dict]:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     with process_group(device):
         world = dist.get_world_size()
-        ep = config.ep
-        dp = config.dp if config.dp is not None else max(world // ep, 1)
-        try:
-            par = build_parallel(dp, ep, device.type)
-            tokens = load_split("train", resolve_data_dir(config.data_dir) / "shards")
-            loader = TokenLoader(tokens, config.batch_size, config.seq_len, par.data_rank, par.data_size, config.seed)
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
+        par, loader, model = build_run(config, device)
         rank0 = dist.get_rank() == 0
-        model = parallelize(build_model(config, device), par, config.ep_mode)
         opt = per_head_muon(model, lr=config.lr, weight_decay=config.weight_decay)
         start = 0
         if config.resume:

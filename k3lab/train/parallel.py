@@ -12,8 +12,9 @@ expert parallelism are applied to a ``K3Model`` from it.
 
 Gradient scale: every rank's loss is the mean over its own tokens, so the global mean loss is the average
 over the B = dp*cp*ep data ranks. FSDP averages the other parameters over B ranks. An expert's gradient
-from ``moonep_experts`` is already the sum over its ep group's losses, and FSDP sums it over dp: its divide
-factor is set to B so both come out as the gradient of the global mean.
+is averaged over its ep group by the MoE layer (``moonep_experts`` sums it over the group's losses; the
+layer scales by 1/ep) and over dp by FSDP: both come out as the gradient of the global mean. (FSDP's own
+divide factor would do the same on NCCL, but it reduces with PREMUL_SUM, which gloo lacks.)
 """
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def parallelize(model: nn.Module, par: Parallel, ep_mode: str = "moonep") -> nn.
     Raises:
         ValueError: an unknown ``ep_mode``; E not divisible by ep.
     """
-    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method  # noqa: PLC0415
     from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
 
     if ep_mode not in MODES:
@@ -108,6 +109,7 @@ def parallelize(model: nn.Module, par: Parallel, ep_mode: str = "moonep") -> nn.
                 setattr(m.experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
             m.ep_group, m.ep_mode = par.ep_group, ep_mode
             fully_shard(m.experts, mesh=par.mesh["dp"], reshard_after_forward=True)
-            m.experts.set_gradient_divide_factor(float(par.data_size))
+            # The EP path calls experts.ep_forward, not forward: FSDP must gather and reduce around it.
+            register_fsdp_forward_method(m.experts, "ep_forward")
     fully_shard(model, mesh=par.batch_mesh, reshard_after_forward=True)
     return model

@@ -1,11 +1,33 @@
 """Functions for ``k3lab.dist.launch`` (tests and the book): spawn cannot pickle a notebook cell's function."""
 from __future__ import annotations
 
+import torch
+
 from k3lab.train.config import TrainConfig
-from k3lab.train.loop import train
+from k3lab.train.loop import build_run, process_group, train
 
 
-def train_worker(rank: int, world_size: int, group, configs: list[dict]) -> list[list[dict]]:
-    """Run ``train(TrainConfig(**c))`` for each dict in ``configs``, one after the other in this process
-    group (spawning is the slow part); rank 0's step records per config, [] per config elsewhere."""
-    return [train(TrainConfig(**c)) for c in configs]
+def first_step_grads(config: TrainConfig) -> dict[str, torch.Tensor]:
+    """The gradients of the first step's loss for ``config``'s layout, each as its full logical tensor
+    (DTensor shards gathered: experts [E, l, h] in global id order), keyed by parameter name; float32 on CPU.
+    A one-rank world builds its own group. Every rank returns the same dict."""
+    device = torch.device("cpu")
+    with process_group(device):
+        _, loader, model = build_run(config, device)
+        x, y = loader.next_batch(device)
+        _, loss = model(x, y)
+        loss.backward()
+        return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+                for n, p in model.named_parameters() if p.grad is not None}
+
+
+def train_worker(rank: int, world_size: int, group, configs: list[dict], grad_configs: list[dict] = ()) -> dict:
+    """Run ``train(TrainConfig(**c))`` for each dict in ``configs`` and ``first_step_grads`` for each in
+    ``grad_configs``, one after the other in this process group (spawning is the slow part).
+
+    Returns:
+        {"runs": rank 0's step records per config ([] elsewhere), "grads": per grad config the dict of
+        ``first_step_grads``}.
+    """
+    return {"runs": [train(TrainConfig(**c)) for c in configs],
+            "grads": [first_step_grads(TrainConfig(**c)) for c in grad_configs]}
