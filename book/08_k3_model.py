@@ -1,0 +1,548 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 08 · The K3 model: Gated MLA, the 3:1 hybrid, Per-Head Muon and the FLOPs it costs
+#
+# Kimi K3 has **2.78T parameters, of which 104.2B are activated per token** (K3 report, Table 1). The
+# earlier chapters built its parts one at a time: KDA (01-03), Block AttnRes (04), Stable LatentMoE (05).
+# This chapter puts them together as `k3lab.model.K3Model` and adds the two pieces not yet covered:
+# **Gated MLA**, the softmax-attention layer K3 places after every three KDA layers, and **Per-Head
+# Muon**, the optimizer it trains with.
+#
+# The order: (1) build K3 at full size on the meta device and count it against Table 1; (2) Gated MLA,
+# its latent cache and the absorbed decoding form, checked in float64, and why a wrong softmax scale
+# hides at $T = 1$; (3) the 93-layer layout drawn; (4) Per-Head Muon; (5) FLOPs per token and MFU;
+# (6) an experiment: the same architecture at a tiny size trained on the corpus with Per-Head Muon and
+# with AdamW, then sampled from its caches.
+
+# %% tags=["parameters"]
+profile: str = "cpu"
+seed: int = 0
+preset: str = "k3-tiny"
+steps: int = 60
+batch_size: int = 16
+seq_len: int = 64
+lr: float = 1e-2
+log_every: int = 10
+max_seconds: float = 0.0
+gen_tokens: int = 24
+
+# %% tags=["nbval-ignore-output"]
+import k3lab
+
+device = k3lab.setup(seed=seed, profile=profile)
+
+# %%
+import inspect
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+# torch.optim.Muon's Newton-Schulz, the one PerHeadMuon runs per block.
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+import k3lab.data as kdata
+import k3lab.lm as lm
+from k3lab.mla import GatedMLA, absorbed_attention, naive_gated_mla
+from k3lab.model import K3Config, K3Model, count_params, flops_per_token, format_table, mfu, param_table
+from k3lab.model.accounting import PEAK_FLOPS
+from k3lab.moe import update_biases
+from k3lab.optim import NS_COEFFICIENTS, PerHeadMuon, adjusted_lr, head_blocks, per_head_muon
+from k3lab.testing import rel_rms_error
+from k3lab.widgets import explore
+
+
+def show(fn):
+    """Print a function's source without its docstring."""
+    head, _, body = inspect.getsource(fn).partition('"""')
+    print(head + "..." + body.partition('"""')[2])
+
+
+# %% [markdown]
+# ## 1. K3 at full size, on the meta device
+#
+# `K3Config()` holds K3's shape under the released config's field names; `"k3-full"` is that default.
+# Built under `torch.device("meta")`, every parameter has a shape and no storage, so the full model
+# takes no memory and can be counted exactly:
+
+# %%
+k3 = K3Config.preset("k3-full")
+print({f: getattr(k3, f) for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                                   "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                   "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+                                   "moe_intermediate_size", "moe_latent_size", "first_k_dense_replace",
+                                   "intermediate_size", "attn_res_block_size", "vocab_size")})
+with torch.device("meta"):
+    full = K3Model(k3)
+table = param_table(full)
+print(format_table(table))
+total, active = table["total"]
+print(f"\ntotal  {total / 1e12:.4f}T against K3's 2.78T   ({100 * (total / 2.78e12 - 1):+.2f}%)")
+print(f"active {active / 1e9:.2f}B against K3's 104.2B ({100 * (active / 104.2e9 - 1):+.2f}%)")
+assert abs(total / 2.78e12 - 1) < 0.01 and abs(active / 104.2e9 - 1) < 0.02
+
+# %% [markdown]
+# "Activated" needs a convention, and the two numbers only match Table 1 under one. k3lab's, from
+# `k3lab.model.accounting`:
+#
+# - a token activates every parameter it is multiplied by: all of them except the routed experts it
+#   does not visit (16 of 896 per MoE layer) and the **input embedding** (a table lookup, not a
+#   matmul). The LM head is a real $[d, V]$ matmul and counts; the router counts in full (all 896 scores
+#   are computed).
+# - **KDA's output gate is low rank** (rank 128, Kimi Linear's $W_{g2} W_{g1}$), its decay projection
+#   full rank.
+#
+# The same count under the other readings:
+
+# %%
+variants = {"full-rank KDA output gate": K3Config.preset("k3-full", kda_gate_rank=None)}
+for name, cfg in variants.items():
+    t_, a_ = count_params(cfg)["total"]
+    print(f"{name:<28} total {t_ / 1e12:.4f}T, active {a_ / 1e9:.2f}B")
+emb = table["embedding"][0]
+print(f"{'input embedding counted':<28} total {total / 1e12:.4f}T, active {(active + emb) / 1e9:.2f}B")
+routed = table["moe routed experts"]
+print(f"routed experts: {100 * routed[0] / total:.1f}% of the total, "
+      f"{100 * routed[1] / active:.1f}% of the active count")
+
+# %% [markdown]
+# The routed experts hold almost all of the total and under half of what a token touches; of the
+# rest, KDA is the largest part (table above).
+#
+# ## 2. Gated MLA (K3 Eq. 7)
+#
+# Every fourth layer is softmax attention, in DeepSeek's multi-head latent form with K3's changes. With
+# $x$ a token's input, $H = 96$ heads, latent width $R = 512$, query rank $R_q = 1536$, per-head key
+# widths $D_n = 128$ (from the latent) and $D_r = 64$ (shared by all heads), value width $D_v = 128$:
+#
+# $$c^q = \mathrm{RMSNorm}(W_{dq}x),\quad [q^n_h \,|\, q^s_h] = (W_{uq}c^q)_h,\qquad
+#   c = \mathrm{RMSNorm}(W_{dkv}x),\quad k^s = W_{kr}x,$$
+# $$k_h = [W_{uk,h}\,c \,|\, k^s],\quad v_h = W_{uv,h}\,c,\qquad
+#   o_h = \mathrm{softmax}\Big(\frac{q_h k_h^\top}{\sqrt{D_n + D_r}} + M\Big) v_h,$$
+# $$y = W_o\big[\sigma(W_g x) \odot o\big].$$
+#
+# Three things differ from DeepSeek-V2's MLA:
+#
+# - **NoPE**: no rotary embedding on any MLA layer. The $D_r = 64$ channels DeepSeek rotates stay
+#   unrotated; position reaches the model only through the KDA layers' recurrence and short convolutions.
+# - **The scale** is $1/\sqrt{D_n + D_r} = 1/\sqrt{192}$, from the width that $q_h \cdot k_h$ sums over.
+# - **The output gate**: $\sigma(W_g x)$, full rank ($W_g$ is $[H D_v, d]$), multiplies the attention
+#   output channel by channel before $W_o$. (KDA's gate also normalises per head first; MLA's does not.)
+#
+# The simplest code is the formula in float64 with loops over documents, heads and positions:
+
+# %%
+show(naive_gated_mla)
+
+# %% [markdown]
+# **Decoding** caches only $c$ and $k^s$, $R + D_r = 576$ numbers per token and layer, instead of the
+# $H(D_n + D_r + D_v) = 30720$ of materialised keys and values. Reading them needs the **absorbed** form:
+# $q^n_h \cdot (W_{uk,h} c_j) = (W_{uk,h}^\top q^n_h) \cdot c_j$, so each head's score against token $j$
+# is one dot product of width 576, $[W_{uk,h}^\top q^n_h \,|\, q^s_h] \cdot [c_j \,|\, k^s_j]$, and
+# $o_h = W_{uv,h} \sum_j p_{hj}\, c_j$ applies $W_{uv}$ once, after the weighted sum. All heads share the
+# same 576-wide keys (one key-value head: multi-query attention over the latent). The scores are the
+# same numbers as before, so the scale is still $1/\sqrt{192}$; SDPA's default for a 576-wide dot
+# product would be $1/\sqrt{576}$. The fast code:
+
+# %%
+show(absorbed_attention)
+
+# %% [markdown]
+# ### The checks, in float64
+#
+# The layer (SDPA, materialised) against the loop reference; the absorbed form against the materialised
+# one on the same tokens; and decoding, a prefill followed by one token at a time from the latent cache,
+# against one forward over the whole sequence. All at $T \ge 2$.
+
+# %%
+torch.manual_seed(seed)
+mla = GatedMLA(d_model=64, num_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
+               v_head_dim=8).double()
+x = torch.randn(2, 11, 64, dtype=torch.float64)
+y_mat, _ = mla(x)
+y_abs, _ = mla(x, absorbed=True)
+prefill = 5
+y_pre, cache = mla(x[:, :prefill], use_cache=True)
+steps_out = [y_pre]
+for t in range(prefill, x.shape[1]):
+    y_t, cache = mla(x[:, t : t + 1], cache=cache, use_cache=True)
+    steps_out.append(y_t)
+errors = {"materialised vs reference": rel_rms_error(naive_gated_mla(mla, x), y_mat),
+          "absorbed vs materialised": rel_rms_error(y_mat, y_abs),
+          "decoded (5 + 6 x 1) vs one forward": rel_rms_error(y_mat, torch.cat(steps_out, 1))}
+for name, err in errors.items():
+    print(f"{name:<36} rel RMS error {err:.1e}")
+print(f"cache after decoding: latent {list(cache.latent.shape)}, k_shared {list(cache.k_shared.shape)}")
+assert max(errors.values()) < 1e-12
+
+# %% [markdown]
+# ### Why the check must use $T \ge 2$
+#
+# Give the absorbed path SDPA's default scale for its width, $1/\sqrt{R + D_r}$, and compare it with the
+# materialised layer. With one token the softmax has one key, its weight is 1 whatever the scale, and
+# the wrong code agrees exactly; with two tokens it does not:
+
+# %%
+right = mla.scale
+for T in (1, 2):
+    xt = x[:, :T]
+    ref, _ = mla(xt)
+    mla.scale = (mla.R + mla.Dr) ** -0.5
+    try:
+        bad, _ = mla(xt, absorbed=True)
+    finally:
+        mla.scale = right
+    print(f"T = {T}: absorbed with scale 1/sqrt({mla.R + mla.Dr}) vs materialised with 1/sqrt({mla.Dn + mla.Dr}): "
+          f"rel RMS error {rel_rms_error(ref, bad):.1e}")
+    assert (rel_rms_error(ref, bad) < 1e-12) == (T == 1)
+
+# %% [markdown]
+# A test suite that checks decoding only on one-token prompts passes this bug. What the cache saves
+# at K3's size, per layer kind, for one sequence (bf16 latents; KDA's state in float32):
+
+# %%
+mla_per_token = k3.kv_lora_rank + k3.qk_rope_head_dim
+mat_per_token = k3.num_attention_heads * (k3.qk_nope_head_dim + k3.qk_rope_head_dim + k3.v_head_dim)
+H, Kd = k3.num_attention_heads, k3.head_dim
+kda_layers = k3.num_hidden_layers - k3.num_mla_layers
+kda_state = kda_layers * (H * Kd * Kd * 4 + 3 * (k3.kda_conv_size - 1) * H * Kd * 2)
+for T in (8192, 1 << 20):
+    print(f"T = {T:>7}: MLA latent cache {k3.num_mla_layers * mla_per_token * 2 * T / 1e9:7.2f} GB "
+          f"(materialised K/V: {k3.num_mla_layers * mat_per_token * 2 * T / 1e9:8.1f} GB); "
+          f"KDA states {kda_state / 1e9:.2f} GB at any T")
+
+# %% [markdown]
+# ## 3. The layout: 3 KDA : 1 MLA, one dense FFN, Block AttnRes
+#
+# `full_attn_layers` = [4, 8, ..., 92, 93]: 23 groups of three KDA layers and one Gated MLA, plus a
+# final Gated MLA (69 KDA, 24 MLA). Layer 1's FFN is dense (SiTU-GLU, hidden 33792); the other 92 are
+# Stable LatentMoE. Block AttnRes groups the layers into blocks of 12, the last one partial. Each row
+# below is one AttnRes block of the model built above, read from its `residual.sizes` (sublayers per
+# block: a layer is a mixer and an FFN sublayer):
+
+# %%
+def layer_blocks(model):
+    """Layer indices (0-based) of each Block AttnRes block of a K3Model (a mixer and an FFN sublayer per
+    layer, so every block holds an even number of sublayers)."""
+    out, start = [], 0
+    for size in model.residual.sizes:
+        assert size % 2 == 0, model.residual.sizes
+        out.append(list(range(start // 2, (start + size) // 2)))
+        start += size
+    return out
+
+
+def draw_layout(model):
+    c = model.config
+    kinds, ffns = c.layer_types(), c.ffn_types()
+    rows = layer_blocks(model)
+    width = max(len(r) for r in rows)
+    fig, ax = plt.subplots(figsize=(0.55 * width + 2, 0.45 * len(rows) + 1))
+    for r, layers in enumerate(rows):
+        for col, i in enumerate(layers):
+            color = "tab:orange" if kinds[i] == "mla" else "tab:blue"
+            dense = ffns[i] == "dense"
+            ax.add_patch(plt.Rectangle((col, -r), 0.9, 0.8, facecolor=color, hatch="//" if dense else None,
+                                       edgecolor="k" if dense else color))
+            ax.text(col + 0.45, -r + 0.4, str(i + 1), ha="center", va="center", fontsize=7, color="white")
+    ax.set(xlim=(-0.2, width + 0.2), ylim=(-len(rows) + 0.8, 1), xticks=[], yticks=[-r + 0.4 for r in range(len(rows))],
+           yticklabels=[f"block {r + 1}" for r in range(len(rows))],
+           title=f"{c.num_hidden_layers} layers: KDA (blue), Gated MLA (orange), dense FFN (hatched)")
+    plt.show()
+
+
+draw_layout(full)
+for r, layers in enumerate(layer_blocks(full)):
+    kinds = full.config.layer_types()
+    print(f"block {r + 1}: layers {layers[0] + 1:>2}-{layers[-1] + 1:<2} "
+          + "".join("M" if kinds[i] == "mla" else "k" for i in layers))
+k3_blocks = [list(range(s, min(s + 12, 93))) for s in range(0, 93, 12)]
+print(f"K3's blocks of 12 layers: {[len(b) for b in k3_blocks]}; this model's: {[len(b) for b in layer_blocks(full)]}")
+assert layer_blocks(full) == k3_blocks
+n_blk = len(full.residual.sizes)
+print(f"sources of a read in the last block: the embedding + {n_blk - 1} completed blocks + its partial sum = "
+      f"{n_blk + 1}; of the output's aggregation: the embedding + {n_blk} blocks = {n_blk + 1}")
+
+# %% [markdown]
+# A block boundary always falls between layers, so a layer's mixer and FFN sit in the same block. As
+# 12 is a multiple of the pattern's period 4, the seven full blocks are alike (three KDA, one MLA, three
+# times); the partial last block ends with the two final MLA layers.
+#
+# ## 4. Per-Head Muon
+#
+# Muon (Moonlight; `torch.optim.Muon`) replaces a matrix's momentum $U$ by its orthogonalisation
+# $\mathrm{NS}(U) \approx U (U^\top U)^{-1/2}$ (five quintic Newton-Schulz steps), scaled so its RMS
+# matches AdamW's: $W \leftarrow (1 - \eta\lambda) W - \eta \cdot 0.2\sqrt{\max(A, B)}\,\mathrm{NS}(U)$
+# for an $A \times B$ matrix.
+#
+# A Q, K or V projection is $H$ independent maps stacked by rows, one per head. Orthogonalised as one
+# matrix, the heads are coupled: $\mathrm{NS}$ equalises the singular values of the whole stack, so a
+# head whose gradient is small gets a small share of the update, and one with a large gradient takes
+# the rest. K3 (Sec. 2.5) splits the momentum along heads and runs Newton-Schulz on each head's row
+# block; each block is then scaled for its own shape. k3lab's `PerHeadMuon` takes the row blocks from
+# the layers (`head_blocks`): $K$ rows per KDA head; $D_n + D_r$ per MLA query head; $D_n$ key rows and
+# $D_v$ value rows per head of MLA's `kv_b_proj`. The block step:
+
+# %%
+show(PerHeadMuon._apply)
+
+# %% [markdown]
+# **The check**: per head equals a loop over heads, each head's rows a separate `torch.optim.Muon`
+# parameter, bit for bit, on the projections of one KDA and one Gated MLA layer of `k3-tiny`, three steps:
+
+# %%
+def muon_loop(weight, blocks, grads, lr_, wd):
+    parts = [torch.nn.Parameter(b.clone()) for b in weight.detach().split(blocks, dim=0)]
+    opts = [torch.optim.Muon([q], lr=lr_, weight_decay=wd, adjust_lr_fn="match_rms_adamw") for q in parts]
+    for gr in grads:
+        for q, gb, o in zip(parts, gr.split(blocks, dim=0), opts):
+            q.grad = gb.clone()
+            o.step()
+    return torch.cat([q.detach() for q in parts])
+
+
+def per_head(weight, blocks, grads, lr_, wd):
+    p = torch.nn.Parameter(weight.detach().clone())
+    o = PerHeadMuon([dict(params=[p], algorithm="muon", row_blocks=blocks)], lr=lr_, weight_decay=wd)
+    for gr in grads:
+        p.grad = gr.clone()
+        o.step()
+    return p.detach()
+
+
+torch.manual_seed(seed)
+tiny = K3Model(K3Config.preset("k3-tiny"))
+blocks_of = head_blocks(tiny)
+names = {p: n for n, p in tiny.named_parameters()}
+g = torch.Generator().manual_seed(seed)
+for p, blocks in list(blocks_of.items())[:3] + list(blocks_of.items())[-2:]:
+    grads = [torch.randn(p.shape, generator=g) for _ in range(3)]
+    same = torch.equal(per_head(p, blocks, grads, 0.02, 0.1), muon_loop(p, blocks, grads, 0.02, 0.1))
+    print(f"{names[p]:<28} {list(p.shape)} in blocks {blocks}: equal to the loop: {same}")
+    assert same
+
+# %% [markdown]
+# **Update RMS per block.** A query projection whose heads get gradients of different sizes (head $h$'s
+# rows scaled by $10^{-h}$), one step at $\eta = 1$ without decay: the RMS of each head's block of the
+# update, per head and as one matrix. AdamW-matched Muon aims at RMS 0.2 per orthogonalised block:
+
+# %%
+def update_rms(shape, blocks, grad):
+    p = torch.nn.Parameter(torch.zeros(shape))
+    o = PerHeadMuon([dict(params=[p], algorithm="muon", row_blocks=blocks)], lr=1.0, weight_decay=0.0)
+    p.grad = grad
+    o.step()
+    return [float(b.pow(2).mean().sqrt()) for b in (-p.detach()).split([shape[0] // 4] * 4)]
+
+
+q_shape = (4 * 32, 96)
+gq = torch.randn(q_shape, generator=g) * torch.repeat_interleave(10.0 ** -torch.arange(4.0), 32)[:, None]
+print(f"{'':<20}" + "".join(f"{'head ' + str(h):>10}" for h in range(4)))
+for name, blocks in (("per head", [32] * 4), ("one matrix", None)):
+    print(f"{name:<20}" + "".join(f"{v:>10.4f}" for v in update_rms(q_shape, blocks, gq)))
+print(f"target: 0.2 per block; one matrix scaled for {list(q_shape)}: lr factor {adjusted_lr(1.0, q_shape):.2f}, "
+      f"per head for [32, 96]: {adjusted_lr(1.0, (32, 96)):.2f}")
+sv = torch.linalg.svdvals(_zeropower_via_newtonschulz(gq[:32], NS_COEFFICIENTS, 5, 1e-7).float())
+print(f"singular values of one head's NS(G): {sv.min():.2f} .. {sv.max():.2f} (exact orthogonalisation: all 1)")
+
+# %% [markdown]
+# Per head, every head moves by about the same RMS whatever its gradient's scale; as one matrix, the
+# heads with the smallest gradients barely move. The per-head RMS sits under 0.2 because five quintic
+# Newton-Schulz steps bring the singular values near 1, not onto it (last line).
+#
+# What is not a hidden matrix (embedding, LM head, norms, router, KDA's $\beta$ projection and gate
+# vectors, convolution taps, AttnRes queries) goes to AdamW in the same optimizer, with the same
+# learning rate and weight decay (`per_head_muon(model)` sorts them):
+
+# %%
+opt_demo = per_head_muon(tiny)
+for grp in opt_demo.param_groups:
+    rb = f", {len(grp['row_blocks'])} blocks" if grp.get("row_blocks") else ""
+    print(f"{grp['algorithm']:<6} wd {grp['weight_decay']:<4} {len(grp['params']):>3} tensors{rb}: "
+          f"{', '.join(grp['names'][:2])}{', ...' if len(grp['names']) > 2 else ''}")
+
+# %% [markdown]
+# ## 5. FLOPs per token and MFU
+#
+# MFU is achieved model FLOP/s over peak FLOP/s; only the numerator needs a convention. k3lab's
+# (`flops_per_token`, after PaLM and torchtitan):
+#
+# $$F(T) = 6\,N_\text{active} + 24 \cdot 6\,H (D_n + D_r + D_v)\,T,$$
+#
+# $N_\text{active}$ the activated parameters of Section 1 (no input embedding; routed experts at the
+# **latent** width 3584 they run at; the LM head in), and for each of the 24 MLA layers the score and
+# weighted-sum matmuls, forward $2H(D_n + D_r)T + 2H D_v T$ and backward twice that, not halved for the
+# causal mask. KDA's chunkwise state work, linear in $T$, is not counted (its projections are in
+# $6N$), nor are norms, element-wise ops and the AttnRes mixing. The hand count against the function:
+
+# %%
+routed_latent = k3.num_experts_per_tok * 3 * k3.moe_latent_size * k3.moe_intermediate_size
+routed_full = k3.num_experts_per_tok * 3 * k3.hidden_size * k3.moe_intermediate_size
+print(f"routed experts per MoE layer and token: {routed_latent / 1e6:.0f}M parameters at the latent width "
+      f"({routed_full / 1e6:.0f}M if counted at d)")
+print(f"{'T':>8}{'6 N_active (GFLOP)':>20}{'MLA attention (GFLOP)':>23}{'total (GFLOP)':>15}")
+for T in (8192, 65536, 1 << 20):
+    attn = k3.num_mla_layers * 6 * H * (k3.qk_nope_head_dim + k3.qk_rope_head_dim + k3.v_head_dim) * T
+    f = flops_per_token(k3, T)
+    assert f == 6 * active + attn
+    print(f"{T:>8}{6 * active / 1e9:>20.1f}{attn / 1e9:>23.1f}{f / 1e9:>15.1f}")
+
+# %% [markdown]
+# K3's report gives no throughput, MFU or parallel sizes. What the convention implies is the throughput
+# a given MFU needs: tokens/s per GPU at 8K context, dense bf16 peak of an H100 / H200
+# (989.4 TFLOP/s, `PEAK_FLOPS`), at MegaScale's published 55.2% and at 40%:
+
+# %%
+f8k = flops_per_token(k3, 8192)
+for u in (0.552, 0.40):
+    tps = u * PEAK_FLOPS["h100"] / f8k
+    assert abs(mfu(tps, f8k, "h100") - u) < 1e-12
+    print(f"MFU {100 * u:.1f}%: {tps:,.0f} tokens/s per GPU; 1T tokens on 4096 GPUs in "
+          f"{1e12 / (tps * 4096) / 86400:.1f} days")
+
+# %% [markdown]
+# ## 6. Experiment: the architecture at a tiny size, Per-Head Muon against AdamW
+#
+# `k3-tiny` is K3's architecture at $d = 64$: 5 layers (KDA, KDA, KDA, MLA, MLA), the first FFN dense,
+# the rest LatentMoE with Quantile Balancing, Block AttnRes; the vocabulary is the corpus tokenizer's.
+# Two runs from the same initialisation, the same batches, warmup and cosine schedule, learning rate and
+# weight decay (RMS matching lets Muon share AdamW's), gradient clipping at 1; the only difference is
+# the optimizer. `k3lab.lm.train` runs both; the MoE bias update is its `after_step` hook.
+
+# %% tags=["nbval-ignore-output"]
+cfg = K3Config.preset(preset, vocab_size=kdata.vocab_size())
+tot_tiny, act_tiny = count_params(cfg)["total"]
+print(f"{preset}: {tot_tiny:,} parameters, {act_tiny:,} activated; {batch_size} x {seq_len} tokens a step")
+optimizers = {"Per-Head Muon": lambda m, lr_, wd: per_head_muon(m, lr_, wd), "AdamW": None}
+runs, models = {}, {}
+for name, make in optimizers.items():
+    torch.manual_seed(seed)
+    models[name] = K3Model(cfg)
+    runs[name] = lm.train(models[name], steps, batch_size, seq_len, lr, device, seed=seed, log_every=log_every,
+                          optimizer=make, after_step=lambda step, m: update_biases(m),
+                          max_seconds=max_seconds or None)
+
+# %% tags=["nbval-ignore-output"]
+fig, ax = plt.subplots(1, 2, figsize=(11, 3.4))
+for name, hist in runs.items():
+    ax[0].plot(hist["step"], hist["loss"], marker="o", label=name)
+    ax[1].plot(hist["step"], hist["val_loss"], marker="o", label=name)
+ax[0].set(xlabel="step", ylabel="train loss (mean since last log)")
+ax[1].set(xlabel="step", ylabel="validation loss")
+ax[0].legend()
+plt.tight_layout()
+plt.show()
+f_tiny = flops_per_token(cfg, seq_len)
+for name, hist in runs.items():
+    print(f"{name:<14} val loss {hist['val_loss'][-1]:.3f} after {hist['step'][-1]} steps; "
+          f"{np.mean(hist['tokens_per_s']):,.0f} tokens/s = {np.mean(hist['tokens_per_s']) * f_tiny / 1e9:.1f} GFLOP/s")
+assert all(h["val_loss"][-1] < h["val_loss"][0] for h in runs.values())
+assert all(np.isfinite(h["val_loss"]).all() for h in runs.values())
+
+# %% [markdown]
+# The curves are one seed and one learning rate on a few thousand tokens a step; they show that both
+# optimizers train the full architecture and how far apart they end here, not a tuned comparison
+# (exercise 5).
+#
+# ### Decoding from the caches
+#
+# `generate()` prefills the prompt once, then feeds one token a step: each KDA layer carries its state
+# and convolution tail, each MLA layer its latent cache, read in the absorbed form. First the check, in
+# float64 on a fresh `k3-tiny`: the logits of a prefill plus one-token steps equal one forward over the
+# whole sequence, up to the MoE router, whose scores are float32 (`k3lab.moe`).
+
+# %%
+torch.manual_seed(seed)
+m64 = K3Model(K3Config.preset("k3-tiny")).double().eval()
+ids = torch.randint(0, 256, (2, 12), generator=g)
+with torch.no_grad():
+    full_logits, _ = m64(ids)
+    logits_p, _, caches = m64(ids[:, :5], use_cache=True)
+    parts = [logits_p]
+    for t in range(5, ids.shape[1]):
+        lg, _, caches = m64(ids[:, t : t + 1], caches=caches, use_cache=True)
+        parts.append(lg)
+err = rel_rms_error(full_logits, torch.cat(parts, 1))
+print(f"prefill 5 + 7 single-token steps vs one forward of 12: rel RMS error {err:.1e}")
+print("caches per layer:", [type(c).__name__ for c in caches])
+assert err < 1e-7
+
+# %% [markdown]
+# Then a greedy continuation from each trained model, on a prompt from the validation split:
+
+# %% tags=["nbval-ignore-output"]
+tok = kdata.load_tokenizer()
+val_tokens = kdata.load_split("val")
+prompt = torch.as_tensor(val_tokens[1000:1032].astype(np.int64))[None].to(device)
+print("prompt:", repr(tok.decode(prompt[0].tolist())))
+for name, model in models.items():
+    model.eval()
+    out = model.generate(prompt, gen_tokens, temperature=0)
+    print(f"{name:<14}", repr(tok.decode(out[0, prompt.shape[1]:].tolist())))
+    assert out.shape == (1, prompt.shape[1] + gen_tokens)
+
+# %% [markdown]
+# ## 7. Explore: where the parameters go
+#
+# The total and activated counts as the MoE's shape changes, on the meta device (other fields at K3's
+# values). The figure below is drawn once for every run; in JupyterLab the explorer redraws it.
+
+# %%
+def plot_counts(n_routed_experts: int = 896, num_experts_per_tok: int = 16, moe_latent_size: int = 3584):
+    tab = count_params(K3Config.preset("k3-full", n_routed_experts=n_routed_experts,
+                                       num_experts_per_tok=num_experts_per_tok, moe_latent_size=moe_latent_size))
+    comps = [k for k in tab if k != "total" and tab[k][0] > 0]
+    fig_, ax_ = plt.subplots(1, 2, figsize=(11, 3.2))
+    for a_, col, unit in ((ax_[0], 0, "total"), (ax_[1], 1, "activated")):
+        a_.barh(comps, [tab[k][col] / 1e9 for k in comps])
+        a_.set(xscale="log", xlabel="billions of parameters",
+               title=f"{unit}: {tab['total'][col] / 1e9:,.1f}B")
+    ax_[1].set_yticks([])
+    plt.tight_layout()
+    plt.show()
+
+
+plot_counts()
+explorer = explore(plot_counts, n_routed_experts=[128, 256, 384, 512, 896, 1024], num_experts_per_tok=(1, 32, 1),
+                   moe_latent_size=[1792, 3584, 7168])
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. Count `k3-full` with a full-rank KDA output gate (`kda_gate_rank=None`) and with the input
+#    embedding counted as active. Which conventions could the report have used, given 2.78T / 104.2B?
+# 2. In `k3lab.mla.absorbed_attention`, drop `scale=scale` (SDPA's default) and run
+#    `tests/test_mla.py`. Which tests fail, and which would pass if every test used $T = 1$?
+# 3. Take a real gradient of `k3-tiny`'s MLA `kv_b_proj` from the trained model of Section 6 and print
+#    the per-block update RMS per head and as one matrix. How unequal are the heads' gradients?
+# 4. At which context length does the MLA attention term reach 10% of $6 N_\text{active}$ for K3? For
+#    `k3-1b`? (Use `flops_per_token`.)
+# 5. Tune the learning rate for each optimizer separately (three values each) on the CPU profile.
+#    Does Per-Head Muon's position against AdamW change?
+# 6. With the cache sizes of Section 2, how many 1M-token sequences fit in the memory of one H200
+#    (141 GB) beside nothing else, and which layer kind's cache dominates?
+#
+# ## References
+#
+# - Kimi Team, *Kimi K3 technical report* (arXiv 2607.24653): Table 1 (shape and counts), Eq. 7 (Gated
+#   MLA), Sec. 2.5 (Per-Head Muon).
+# - DeepSeek-AI, *DeepSeek-V2* (arXiv 2405.04434), Sec. 2.1: multi-head latent attention and its
+#   absorbed form.
+# - Kimi Team, *Kimi Linear* (arXiv 2510.26692): KDA, the 3:1 hybrid, NoPE MLA, the low-rank output gate.
+# - Kimi Team, *Attention Residuals* (arXiv 2603.15031): Block AttnRes.
+# - J. Liu et al., *Muon is Scalable for LLM Training* (Moonlight, arXiv 2502.16982): the RMS-matched
+#   learning rate; K. Jordan et al., *Muon* (2024); `torch.optim.Muon` (PyTorch >= 2.9).
+# - A. Chowdhery et al., *PaLM* (arXiv 2204.02311), App. B: model FLOPs utilisation; Z. Jiang et al.,
+#   *MegaScale* (arXiv 2402.15627): 55.2% MFU at 12,288 GPUs.
