@@ -72,13 +72,14 @@ from k3lab.train.runner import ROOT, run_and_follow, torchrun_command
 #
 # | parameters | how they are placed | gradient |
 # |---|---|---|
-# | routed experts `[E, l, h]` | DTensor `Shard(0)` over ep; FSDP2 over dp | MoonEP's backward sums every ep rank's contribution; FSDP divides by the data ranks |
+# | routed experts `[E, l, h]` | DTensor `Shard(0)` over ep; FSDP2 over dp | MoonEP's backward brings every ep rank's contribution home, the MoE layer averages it over ep, FSDP over dp |
 # | everything else | FSDP2 `fully_shard` over the flattened dp × cp × ep axis (ZeRO-3) | reduce-scatter average over the data ranks |
 # | router biases (QB) | replicated buffers | none: the histogram is summed over the data ranks once per step |
 #
 # So the global loss is the mean over all data ranks' tokens, exactly as one process on the whole
-# batch (the tests check 2 ranks against 1 process to 1e-4 over 5 steps, for dp = 2 and for ep = 2 with
-# MoonEP and with all-to-all). The command the notebook runs:
+# batch (the tests check losses over 5 steps and first-step gradients against 1 process to 1e-4, for
+# dp = 2, ep = 2 with MoonEP and with all-to-all, and dp = 2 x ep = 2 on 4 ranks). The command the
+# notebook runs:
 
 # %%
 run = Path(ROOT) / run_dir
