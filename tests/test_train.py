@@ -1,10 +1,12 @@
-"""k3lab.train: flags, the loader, the checkpoint folder, and on 2 gloo ranks: dp=2 and ep=2 (MoonEP and
-all-to-all) reproduce one process, a run SIGKILLed after a checkpoint resumes on the same losses, and a
-checkpoint written at one layout loads at another."""
+"""k3lab.train: flags, the loader, the checkpoint folder; on 2 gloo ranks dp=2 and ep=2 (MoonEP and
+all-to-all) reproduce one process (losses and first-step gradients), a run SIGKILLed after a checkpoint
+resumes on the same losses, a checkpoint written at ep=2 resumes at dp=2 and loads in one process; on 4
+ranks dp=2 x ep=2 reproduces one process."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -141,6 +143,9 @@ def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path):
     killed = _torchrun(dict(cfg, kill_at_step=5))
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr + killed.stdout
     assert latest_checkpoint(ckpt).name == "step_00000003"
+    other = tmp_path / "other_layout"
+    other.mkdir()
+    shutil.copytree(ckpt / "step_00000003", other / "step_00000003")
     # A save killed mid-way and a step folder without metadata are never taken as the latest.
     (ckpt / ".tmp-step_00000006").mkdir()
     (ckpt / ".tmp-step_00000006" / "__0_0.distcp").write_bytes(b"partial")
@@ -173,6 +178,14 @@ def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path):
             assert_close(k, b[k], a[k], 2e-2)
     c = _model_from(ckpt / "step_00000008")
     assert all(torch.equal(a[k], c[k]) for k in a)
+
+    # The ep=2 checkpoint of step 3 (model, optimizer state, loader position) resumed at dp=2: steps 4..8
+    # follow the uninterrupted run as closely as the layouts agree with each other.
+    relaid = _torchrun(dict(BASE, dp=2, ckpt_dir=str(other), resume=True, log_jsonl=str(tmp_path / "other.jsonl")))
+    assert relaid.returncode == 0, relaid.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "other.jsonl").read_text().splitlines()]
+    got = _losses([r for r in steps if r["event"] == "step"])
+    assert (np.abs(got - uninterrupted[3:]) / uninterrupted[3:]).max() < 1e-4, (got, uninterrupted[3:])
 
 
 def test_four_ranks_dp2_ep2_match_one_process():
