@@ -193,8 +193,8 @@ print(tok.decode(out[0].tolist()))
 # `preset="k3-1b"`) runs the same code on every GPU present with bf16 autocast and NCCL.
 #
 # **Not yet here** (issue 42): context parallelism (KCP for the KDA layers, a KV all-gather for MLA),
-# pipeline parallelism, the activation manager, document masking inside packed windows, and the H200
-# measurement against torchtitan.
+# pipeline parallelism, the activation manager, a document mask that scales to long rows (`--doc-mask`
+# keeps packed documents apart but builds MLA's mask densely), and the H200 measurement against torchtitan.
 #
 # ## References
 # - K3 technical report: architecture (Table 1), MoonEP (Sec. 4, App. E), Per-Head Muon (Sec. 2.5).

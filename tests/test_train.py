@@ -17,6 +17,7 @@ import torch
 from k3lab.dist import launch
 from k3lab.testing import assert_close
 from k3lab.train import TokenLoader, TrainConfig, latest_checkpoint, lr_at, main, parse_args, train
+from k3lab.train.loader import pack_documents
 from k3lab.train.runner import torchrun_command
 from k3lab.train.workers import first_step_grads, train_worker
 
@@ -78,6 +79,13 @@ def test_loader_slices_one_global_batch_and_resumes_from_its_position():
         TokenLoader(tokens, 5, 10, 0, 2)
 
 
+def test_pack_documents_starts_a_segment_at_each_window_and_separator():
+    x = torch.tensor([[5, 0, 7, 8], [9, 9, 0, 0]])
+    px, py, cu = pack_documents(x, x + 1, eot_id=0)
+    assert px.shape == (1, 8) and torch.equal(py, px + 1)
+    assert cu.tolist() == [0, 1, 4, 6, 7, 8]
+
+
 def test_latest_checkpoint_skips_partial_saves(tmp_path):
     assert latest_checkpoint(tmp_path / "missing") is None
     for name, complete in (("step_00000003", True), ("step_00000010", False), (".tmp-step_00000012", True),
@@ -114,10 +122,11 @@ def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path):
     torch.set_num_threads(1)
     try:
         ref = _losses(train(TrainConfig(**BASE)))
+        ref_doc = _losses(train(TrainConfig(**BASE, doc_mask=True)))
     finally:
         torch.set_num_threads(threads)
     layouts = [dict(dp=2, ckpt_dir=str(tmp_path / "dp2")), dict(ep=2, ep_mode="moonep", ckpt_dir=str(tmp_path / "ep2")),
-               dict(ep=2, ep_mode="alltoall")]
+               dict(ep=2, ep_mode="alltoall"), dict(ep=2, doc_mask=True)]
     grad_layouts = [dict(dp=2), dict(ep=2, ep_mode="moonep")]
     out = launch(train_worker, 2, [dict(BASE, **lay) for lay in layouts],
                  [dict(BASE, **lay) for lay in grad_layouts], timeout_s=300)[0]
@@ -129,11 +138,13 @@ def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path):
         assert grads.keys() == ref_grads.keys()
         for name, g in grads.items():
             assert_close(f"{lay} grad {name}", ref_grads[name], g, 1e-4)
+    # With --doc-mask the batch runs as one packed row with boundaries (cu_seqlens), on 2 ranks as on one.
     for lay, records in zip(layouts, runs):
         got = _losses(records)
+        want = ref_doc if lay.get("doc_mask") else ref
         assert len(got) == 8
-        rel = np.abs(got[:5] - ref[:5]) / np.abs(ref[:5])
-        assert rel.max() < 1e-4, f"{lay}: losses {got} vs one process {ref}"
+        rel = np.abs(got[:5] - want[:5]) / np.abs(want[:5])
+        assert rel.max() < 1e-4, f"{lay}: losses {got} vs one process {want}"
         assert all(len(r["maxvio"]) == 4 and r["tokens_per_s"] > 0 and r["peak_mem_GiB"] > 0 for r in records)
 
     # ep=2 MoonEP, checkpoints every 3 steps, SIGKILLed after step 5: resumed from step 3, steps 4..8

@@ -19,7 +19,7 @@ One process runs gloo on CPU (float32) or NCCL on GPU (bf16 autocast, one GPU pe
     workers.py     functions for k3lab.dist.launch (tests, the book)
 
 Not here yet: context parallelism (KCP for KDA, a KV all-gather for MLA), pipeline parallelism, the
-activation manager, document masking (cu_seqlens) in the packed windows.
+activation manager; ``--doc-mask`` builds MLA's mask densely ([B*T, B*T]), so it serves short rows only.
 """
 from k3lab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from k3lab.train.config import TrainConfig, build_parser, parse_args

@@ -32,6 +32,8 @@ class TrainConfig:
         log_jsonl (str | None): metrics file (appended). seed (int): model init and data order.
         data_dir (str | None): folder with shards/ (default ``k3lab.data``'s).
         progress (bool): draw a progress bar on rank 0.
+        doc_mask (bool): keep the packed documents apart (``pack_documents``: KDA restarts, MLA masks at every
+            ``<|endoftext|>``); the MLA mask is [B*T, B*T], so this is for short rows.
         kill_at_step (int | None): fault injection: every rank SIGKILLs itself after this step.
         weight_decay (float): decoupled weight decay (K3: 0.1). warmup (float): warmup fraction (K3: 0.01).
 
@@ -54,6 +56,7 @@ class TrainConfig:
     seed: int = 0
     data_dir: str | None = None
     progress: bool = True
+    doc_mask: bool = False
     kill_at_step: int | None = None
     weight_decay: float = 0.1
     warmup: float = 0.01
@@ -102,6 +105,8 @@ HELP = {
     "log_jsonl": "append per-step metrics (loss, tokens/s, MFU, maxvio per MoE layer, peak memory) to this file",
     "seed": "seed of the model initialisation and the data order",
     "data_dir": "folder holding shards/ (default: $K3LAB_DATA_DIR, else the checkout's data/)",
+    "doc_mask": "keep packed documents apart: KDA restarts and MLA masks at every <|endoftext|> (the MLA mask is "
+                "[B*T, B*T]: short rows only)",
     "kill_at_step": "fault injection for resume tests: every rank SIGKILLs itself after this step",
     "weight_decay": "decoupled weight decay of both optimizer groups (K3: 0.1)",
     "warmup": "fraction of --steps spent in linear warmup (K3: 0.01)",
@@ -122,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-progress", dest="progress", action="store_false",
                            help="no progress bar (the JSONL log and the summary table stay)")
             continue
-        if f.name == "resume":
+        if f.name in ("resume", "doc_mask"):
             p.add_argument(flag, action="store_true", help=HELP[f.name])
             continue
         kind = {"preset": str, "ep_mode": str, "ckpt_dir": str, "log_jsonl": str, "data_dir": str,

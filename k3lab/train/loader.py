@@ -3,8 +3,8 @@
 The split (documents joined by ``<|endoftext|>``, ``k3lab.data``) is cut into W = (n - 1) // T windows of
 T + 1 tokens (window i starts at i*T; consecutive windows share one token, the last target of one is the
 first input of the next). Documents are packed: a window may hold the end of one document, the separator
-and the start of the next (the separator teaches the model where documents end; attention still crosses
-it, as in GPT-2 / nanoGPT training). Each epoch visits every window once in the order of a permutation
+and the start of the next (the separator teaches the model where documents end). Attention crosses it, as
+in GPT-2 / nanoGPT training, unless the batch goes through ``pack_documents`` (``--doc-mask``). Each epoch visits every window once in the order of a permutation
 seeded by (seed, epoch).
 
 The position is one integer: global sequences consumed. Global sequence k is window perm_e[k mod W] of
@@ -94,3 +94,29 @@ class TokenLoader:
             raise ValueError(f"the checkpoint's loader differs (checkpoint, this run): {diff}; resume with the "
                              f"same --seed, --seq-len and --batch-size")
         self.position = int(state["position"])
+
+
+def pack_documents(x: torch.Tensor, y: torch.Tensor, eot_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The windows of a batch as one packed row with document boundaries, for ``K3Model(..., cu_seqlens=)``.
+
+    A segment starts at every window start and at every ``eot_id`` in ``x`` (the separator opens the next
+    document as its first input, so the previous document's last token still predicts it): KDA restarts
+    its state and MLA masks attention at each boundary, so no token sees another document.
+
+    Args:
+        x (Tensor), y (Tensor): [B, T] int64 inputs and targets (``TokenLoader.next_batch``).
+        eot_id (int): the ``<|endoftext|>`` id (0 for the book's tokenizer).
+
+    Returns:
+        (x [1, B*T], y [1, B*T], cu_seqlens [N+1] int64 on x's device: 0, the segment starts, B*T).
+
+    Raises:
+        ValueError: x and y not the same [B, T] shape.
+    """
+    if x.ndim != 2 or x.shape != y.shape:
+        raise ValueError(f"x and y must be [B, T] of one shape, got {list(x.shape)} and {list(y.shape)}")
+    B, T = x.shape
+    starts = (x == eot_id)
+    starts[:, 0] = True
+    cu = torch.cat([starts.reshape(-1).nonzero()[:, 0], torch.tensor([B * T], device=x.device)])
+    return x.reshape(1, B * T), y.reshape(1, B * T), cu

@@ -19,11 +19,13 @@ from k3lab.moe import maxvio, update_biases
 from k3lab.optim import per_head_muon
 from k3lab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from k3lab.train.config import ConfigError, TrainConfig, build_parser, parse_args
-from k3lab.train.loader import TokenLoader
+from k3lab.train.loader import TokenLoader, pack_documents
 from k3lab.train.metrics import FLOPS_CONVENTION, MetricsLog, peak_key, peak_memory_gib
 from k3lab.train.parallel import Parallel, build_parallel, parallelize
 
 PG_TIMEOUT = datetime.timedelta(minutes=10)
+# <|endoftext|>'s id in the book's tokenizer (k3lab.data trains it as special token 0).
+EOT_ID = 0
 
 
 def lr_at(step: int, total: int, peak: float, warmup: float, floor: float = 0.1) -> float:
@@ -72,6 +74,15 @@ def build_model(config: TrainConfig, device: torch.device) -> K3Model:
     torch.manual_seed(config.seed)
     cfg = K3Config.preset(config.preset, vocab_size=vocab_size(resolve_data_dir(config.data_dir)))
     return K3Model(cfg).to(device)
+
+
+def forward(model: K3Model, x: torch.Tensor, y: torch.Tensor, doc_mask: bool):
+    """``model(x, y)``, or with ``doc_mask`` the windows packed into one row with document boundaries
+    (``pack_documents``); the loss is the mean over the same B*T targets either way."""
+    if doc_mask:
+        x, y, cu = pack_documents(x, y, EOT_ID)
+        return model(x, y, cu_seqlens=cu)
+    return model(x, y)
 
 
 def build_run(config: TrainConfig, device: torch.device) -> tuple[Parallel, TokenLoader, K3Model]:
@@ -130,7 +141,7 @@ def train(config: TrainConfig) -> list[dict]:
         peak = peak_key(device)
         log = MetricsLog(config.log_jsonl, config.steps, start, config.progress, enabled=rank0)
         log.write(dict(event="start", preset=config.preset, world=world, dp=par.dp, ep=par.ep, ep_mode=config.ep_mode,
-                       device=str(device), global_batch=config.batch_size, seq_len=config.seq_len,
+                       device=str(device), global_batch=config.batch_size, seq_len=config.seq_len, doc_mask=config.doc_mask,
                        vocab_size=mcfg.vocab_size, resumed_from=start, steps=config.steps,
                        flops_per_token=fpt, flops_convention=FLOPS_CONVENTION, peak=peak))
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
@@ -140,7 +151,7 @@ def train(config: TrainConfig) -> list[dict]:
             t0 = time.perf_counter()
             x, y = loader.next_batch(device)
             with autocast:
-                _, loss = model(x, y)
+                _, loss = forward(model, x, y, config.doc_mask)
             loss.backward()
             lr = lr_at(step, config.steps, config.lr, config.warmup)
             for g in opt.param_groups:

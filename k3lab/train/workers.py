@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from k3lab.train.config import TrainConfig
-from k3lab.train.loop import build_run, process_group, train
+from k3lab.train.loop import build_run, forward, process_group, train
 
 
 def first_step_grads(config: TrainConfig) -> dict[str, torch.Tensor]:
@@ -15,7 +15,7 @@ def first_step_grads(config: TrainConfig) -> dict[str, torch.Tensor]:
     with process_group(device):
         _, loader, model = build_run(config, device)
         x, y = loader.next_batch(device)
-        _, loss = model(x, y)
+        _, loss = forward(model, x, y, config.doc_mask)
         loss.backward()
         return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
                 for n, p in model.named_parameters() if p.grad is not None}
