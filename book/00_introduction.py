@@ -114,7 +114,7 @@ plt.show()
 # | 06 | MoonEP | perfectly balanced expert parallelism: planner, static dispatch and combine | ready |
 # | 07 | AgentEnv | sandboxes with pause, fork and snapshots for agentic RL | ready |
 # | 08 | the K3 model | Gated MLA, the 3:1 hybrid at full size, Per-Head Muon, MFU | ready |
-# | 09 | training | data x expert parallel training on the corpus, resumable | coming |
+# | 09 | training | data x expert parallel training on the corpus, resumable | ready (CPU) |
 #
 # Each chapter follows one order: why (a K3 number), the math, the simplest correct code, the fast
 # code, the check that they agree, a benchmark, an experiment, references.
