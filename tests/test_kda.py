@@ -455,3 +455,58 @@ def test_cu_seqlens_on_meta_device_is_rejected():
     inputs = make_inputs(6, init_state=False)
     with pytest.raises(ValueError, match="cu_seqlens must be on a device"):
         chunk_kda(**inputs, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("fn", [naive_recurrent_kda, chunk_kda], ids=["naive", "chunk"])
+def test_keys_far_from_unit_norm_raise_naming_k(fn):
+    """Keys scaled by 1e3 (beta ||k||^2 ~ 1e6: the state grows ~1e6x per token) came back as NaN."""
+    inputs = {key: x.float() for key, x in make_inputs(40, H=2, seed=30).items()}
+    with pytest.raises(ValueError, match=r"^k is out of range: .*beta_t \* \|\|k_t\|\|\^2 in \[0, 2\], got "):
+        fn(**dict(inputs, k=inputs["k"] * 1e3))
+
+
+@pytest.mark.parametrize("fn", [naive_recurrent_kda, chunk_kda], ids=["naive", "chunk"])
+def test_beta_out_of_range_raises_naming_beta(fn):
+    """Unit keys with beta = 50: the same geometric growth, blamed on beta (outside [0, 1])."""
+    inputs = make_inputs(200, seed=31, gate="zero", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"^beta is out of range"):
+        fn(**dict(inputs, beta=torch.full_like(inputs["beta"], 50.0)))
+
+
+@pytest.mark.parametrize("fn", [naive_recurrent_kda, chunk_kda], ids=["naive", "chunk"])
+def test_unstable_but_finite_keys_stay_correct(fn):
+    """Keys of norm 2 (beta ||k||^2 up to 4): the state grows, but while it stays finite the float32
+    result is the float64 recurrence's to float32 precision (the check does not refuse it)."""
+    inputs = make_inputs(30, H=2, HV=4, seed=32)
+    inputs["k"] = 2 * inputs["k"]
+    o_ref, s_ref = naive_recurrent_kda(**inputs, output_final_state=True)
+    o, s = fn(**{key: x.float() for key, x in inputs.items()}, output_final_state=True)
+    assert_close("o", o_ref, o.double(), 1e-5)
+    assert_close("final_state", s_ref, s.double(), 1e-5)
+
+
+@pytest.mark.parametrize("fn", [naive_recurrent_kda, chunk_kda], ids=["naive", "chunk"])
+def test_huge_initial_state_or_values_raise_naming_them(fn):
+    """A float64 initial_state of 1e300 with float32 inputs (the state is computed in float32), and
+    values whose true output is beyond float32, came back as NaN/inf silently."""
+    inputs = {key: x.float() for key, x in make_inputs(20, seed=33, gate="zero").items()}
+    huge = torch.full(inputs["initial_state"].shape, 1e300, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^initial_state is too large: .*overflowed float32.*max \|initial_state\| = 1e\+300"):
+        fn(**dict(inputs, initial_state=huge))
+    # Values of 3e38 read by 4x queries: the float64 recurrence's output reaches 6.1e38.
+    big = dict(inputs, v=inputs["v"] / inputs["v"].abs().max() * 3e38, q=4 * inputs["q"])
+    assert naive_recurrent_kda(**{key: x.double() for key, x in big.items()})[0].abs().max() > 3.5e38
+    with pytest.raises(ValueError, match=r"^v is too large"):
+        fn(**big)
+    # The same state in float64 is in range: a finite result.
+    o, _ = fn(**{key: x.double() for key, x in inputs.items()} | dict(initial_state=huge))
+    assert torch.isfinite(o).all()
+
+
+def test_float16_output_overflow_names_q():
+    """float16 inputs: o is computed in float32 and cast back to float16, where it is out of range."""
+    inputs = make_inputs(10, seed=34, gate="zero")
+    inputs["q"] = inputs["q"] / inputs["q"].abs().max() * 6e4
+    inputs["initial_state"] = inputs["initial_state"] * 100
+    with pytest.raises(ValueError, match=r"^q is too large: .*overflowed float16"):
+        chunk_kda(**{key: x.half() for key, x in inputs.items()})

@@ -6,6 +6,18 @@ import math
 import torch
 
 
+class NonFiniteError(ValueError):
+    """A ValueError about an argument's values: NaN, inf, or a magnitude the computation overflows on.
+
+    ``name`` is the argument the message names, so a wrapper that builds KDA's inputs from its own
+    (``KDALayer``: q, k, v from x; initial_state from cache.state) can name its caller's argument instead.
+    """
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+
 def _shape(x) -> str:
     """A tensor's shape as "[B, T, ...]" for error messages; "None", or the type name of anything else."""
     if x is None:
@@ -145,7 +157,59 @@ def check_kda_inputs(
         ).tolist()
         for name, bad in zip(named, flags):
             if bad:
-                raise ValueError(f"{name} contains NaN or inf")
+                raise NonFiniteError(name, f"{name} contains NaN or inf")
         if flags[-1]:
             raise ValueError(f"g is a log-decay and must be <= 0, got max {g.max().item():.3g}")
     return N
+
+
+def overflow_error(dtype: torch.dtype, v: torch.Tensor, initial_state: torch.Tensor | None,
+                   q: torch.Tensor | None = None, scale: float | None = None, k: torch.Tensor | None = None,
+                   beta: torch.Tensor | None = None, remedy: str = "compute in float64") -> NonFiniteError:
+    """The error for finite inputs whose KDA output or state came out NaN or inf in ``dtype``, naming
+    the argument to blame. Only built on that failure path, so its float64 reductions cost nothing
+    on the way to a good result.
+
+    With ``k`` and ``beta`` (a recurrence on the caller's keys): when some beta_t ||k_t||^2 lies outside
+    [0, 2], the transition I - beta_t k_t k_t^T has an eigenvalue 1 - beta_t ||k_t||^2 of modulus > 1 and
+    the state grows geometrically, so ``k`` (or ``beta``, if it is outside [0, 1]) is named. Otherwise
+    the state stays bounded by its inputs' sizes and the largest of max |initial_state|, max |v| and
+    max |q| * scale is named.
+    """
+    limit = torch.finfo(dtype).max
+    if k is not None and beta is not None:
+        HV = v.shape[2]
+        # [B, T, H] -> [B, T, HV] as the value heads read the q/k heads (GVA).
+        k_sq = k.double().pow(2).sum(-1).repeat_interleave(HV // k.shape[2], dim=2)
+        growth = beta.double() * k_sq
+        bad = (growth > 2) | (growth < 0)
+        if bool(bad.any()):
+            where = ((growth - 1).abs() * bad).flatten().argmax().item()
+            b, t, h = torch.unravel_index(torch.tensor(where), growth.shape)
+            kk, bb, gg = k_sq[b, t, h].item(), beta[b, t, h].item(), growth[b, t, h].item()
+            name = "beta" if not 0 <= bb <= 1 else "k"
+            return NonFiniteError(name, (
+                f"{name} is out of range: KDA's state update (I - beta_t k_t k_t^T) stays bounded only for "
+                f"beta_t * ||k_t||^2 in [0, 2], got {gg:.3g} (||k_t||^2 = {kk:.3g}, beta_t = {bb:.3g}) at "
+                f"[b={b.item()}, t={t.item()}, head={h.item()}], so the state grew by up to {abs(1 - gg):.3g}x "
+                f"per token and overflowed {str(dtype)[6:]}; L2-normalise k (KDALayer and flash_kda do) and keep beta "
+                f"in [0, 1]"))
+    sizes = {"initial_state": initial_state, "v": v, "q": q}
+    sizes = {name: x.double().abs().max().item() for name, x in sizes.items() if x is not None}
+    if "q" in sizes:
+        sizes["q"] *= scale if scale is not None else q.shape[-1] ** -0.5
+    name = max(sizes, key=sizes.get)
+    listed = ", ".join(f"max |{n}|{' * scale' if n == 'q' else ''} = {m:.3g}" for n, m in sizes.items())
+    return NonFiniteError(name, (
+        f"{name} is too large: KDA's output or state overflowed {str(dtype)[6:]} (largest finite {limit:.3g}) although "
+        f"every input is finite ({listed}); scale {name} down or {remedy}"))
+
+
+def check_kda_result(o: torch.Tensor, final_state: torch.Tensor, **inputs) -> None:
+    """Raise ``overflow_error`` (in the narrower of o's and final_state's dtypes) unless o and final_state are finite (one
+    host sync). The recurrence can overflow on finite inputs (keys far from unit norm, huge states);
+    a NaN returned silently would surface far from its cause."""
+    if not bool(torch.isfinite(o).all() & torch.isfinite(final_state).all()):
+        # o may be narrower than the compute dtype (float16 inputs): name the range that ran out.
+        dtype = min(o.dtype, final_state.dtype, key=lambda d: torch.finfo(d).max)
+        raise overflow_error(dtype, **inputs)

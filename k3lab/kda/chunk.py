@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3lab.kda.checks import check_chunk_size, check_kda_inputs
+from k3lab.kda.checks import check_chunk_size, check_kda_inputs, check_kda_result
 from k3lab.kda.naive import compute_dtype, expand_heads
 
 SUB_TILE = 16
@@ -130,8 +130,10 @@ def chunk_kda(
     Raises:
         ValueError: bad shapes, HV not a multiple of H, bad cu_seqlens, g > 0, NaN/inf inputs, a scale
             that is not a finite positive number, a non-bool output_final_state
-            (``k3lab.kda.checks.check_kda_inputs``), or a chunk_size that is not a multiple of 16 or a
-            power of two below 16.
+            (``k3lab.kda.checks.check_kda_inputs``), a chunk_size that is not a multiple of 16 or a
+            power of two below 16, or finite inputs whose output or state overflows (as
+            ``naive_recurrent_kda``; the UT transform's triangular solve can overflow where the
+            recurrence does not, on keys far from unit norm).
     """
     N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
                          output_final_state=output_final_state)
@@ -140,6 +142,7 @@ def chunk_kda(
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale
     out_dtype, dt = q.dtype, compute_dtype(q)
+    inputs = dict(q=q, k=k, v=v, beta=beta, initial_state=initial_state, scale=scale)
     q, k = expand_heads(q, HV).to(dt) * scale, expand_heads(k, HV).to(dt)
     v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
     if cu_seqlens is not None:
@@ -157,4 +160,6 @@ def chunk_kda(
     o = o[:, :, :L].transpose(1, 2)
     if cu_seqlens is not None:
         o = torch.cat([o[n, :length] for n, length in enumerate(lengths)])[None]
-    return o.to(out_dtype), (S if output_final_state else None)
+    o = o.to(out_dtype)
+    check_kda_result(o, S, **inputs)
+    return o, (S if output_final_state else None)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from k3lab.kda.checks import check_kda_inputs
+from k3lab.kda.checks import check_kda_inputs, check_kda_result
 
 
 def expand_heads(x: torch.Tensor, HV: int) -> torch.Tensor:
@@ -52,7 +52,9 @@ def naive_recurrent_kda(
     Raises:
         ValueError: bad shapes, HV not a multiple of H, bad cu_seqlens, g > 0, NaN/inf inputs, a scale
             that is not a finite positive number, a non-bool output_final_state
-            (``k3lab.kda.checks.check_kda_inputs``).
+            (``k3lab.kda.checks.check_kda_inputs``); finite inputs whose output or state overflows
+            (``k3lab.kda.checks.overflow_error``: k or beta when some beta_t ||k_t||^2 is outside
+            [0, 2], else the largest of initial_state, v, q).
 
     Example:
         >>> B, T, H, K = 1, 5, 2, 4
@@ -68,6 +70,7 @@ def naive_recurrent_kda(
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale
     out_dtype, dt = q.dtype, compute_dtype(q)
+    inputs = dict(q=q, k=k, v=v, beta=beta, initial_state=initial_state, scale=scale)
     q, k = expand_heads(q, HV).to(dt) * scale, expand_heads(k, HV).to(dt)
     v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
 
@@ -82,6 +85,7 @@ def naive_recurrent_kda(
             S = S + torch.einsum("hk,hv->hkv", k[b, t], beta[b, t, :, None] * (v[b, t] - read))
             outputs.append(torch.einsum("hk,hkv->hv", q[b, t], S))
         finals.append(S)
-    o = torch.stack(outputs).view(B, T, HV, V)
-    final_state = torch.stack(finals) if output_final_state else None
-    return o.to(out_dtype), final_state
+    o = torch.stack(outputs).view(B, T, HV, V).to(out_dtype)
+    final_state = torch.stack(finals)
+    check_kda_result(o, final_state, **inputs)
+    return o, (final_state if output_final_state else None)
