@@ -194,3 +194,72 @@ def test_kcp_flash_partial_k_tile(monkeypatch):
                                FLASH_REPLICATED)
     bad = {name: e for name, e in errs.items() if not e <= 1e-5}
     assert not bad, bad
+
+
+# The interpreter runs the kernels in numpy, which warns where they overflow as intended here.
+INTERPRETER_OVERFLOW = pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+
+
+def flash_inputs(seed=40, T=20):
+    """float32 inputs on DEVICE (B = 1, T tokens, H = HV = 1, K = V = 16) and their float64 originals."""
+    inputs = make_inputs(1, T, 1, 1, 16, 16, seed=seed)
+    return [x.float().to(DEVICE) for x in inputs], inputs
+
+
+@pytest.mark.timeout(300)
+def test_keys_scaled_by_1e3_match_the_reference():
+    """flash_kda normalises q and k itself: keys 1e3 times too large give the float64 result."""
+    ours, ref = flash_inputs()
+    ours[1], ref[1] = ours[1] * 1e3, ref[1] * 1e3
+    o, s = flash_kda(*ours[:7], initial_state=ours[7], output_final_state=True)
+    o_ref, s_ref = reference(*ref[:7], initial_state=ref[7])
+    assert_close("o", o_ref, o.cpu(), 1e-4)
+    assert_close("final_state", s_ref, s.cpu(), 1e-4)
+
+
+@INTERPRETER_OVERFLOW
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["q", "k"])
+def test_q_k_beyond_the_float32_norm_raise(name):
+    """max |k| = 3e20: ||k||^2 overflowed float32 in the kernels' norm and k came out as 0, a finite
+    and wrong output (0.09 where the reference has 0.14). check_values=False still skips the check."""
+    ours, _ = flash_inputs()
+    i = NAMES.index(name)
+    ours[i] = ours[i] * 1e20
+    with pytest.raises(ValueError, match=rf"^{name} is too large for flash_kda's L2 norm: max \|{name}\| = .*K=16"):
+        flash_kda(*ours[:7], initial_state=ours[7])
+    flash_kda(*ours[:7], initial_state=ours[7], check_values=False)
+
+
+@INTERPRETER_OVERFLOW
+@pytest.mark.timeout(300)
+def test_initial_state_beyond_float32_raises():
+    """A float64 initial_state of 1e300: check_finite passed it, the kernels' float32 copy was inf."""
+    ours, _ = flash_inputs()
+    huge = torch.full(ours[7].shape, 1e300, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"^initial_state is out of range: max \|initial_state\| = 1e\+300 exceeds "
+                                         r"float32's largest value"):
+        flash_kda(*ours[:7], initial_state=huge)
+
+
+@INTERPRETER_OVERFLOW
+@pytest.mark.timeout(300)
+def test_output_overflow_names_initial_state():
+    """A float32 state of 3e38 with the gate at ~0 (z = -100: no decay): o overflows float32 -> ValueError,
+    never an inf/NaN returned."""
+    ours, _ = flash_inputs()
+    ours[3] = torch.full_like(ours[3], -100.0)
+    ours[6] = torch.zeros_like(ours[6])
+    huge = torch.full_like(ours[7], 3e38)
+    with pytest.raises(ValueError, match=r"^initial_state is too large: .*overflowed float32.*k3lab.kda.chunk_kda"):
+        flash_kda(*ours[:7], initial_state=huge)
+
+
+@INTERPRETER_OVERFLOW
+@pytest.mark.timeout(300)
+def test_nan_input_still_named():
+    """The value checks now read their flags after the kernels (one sync): a NaN input is still named."""
+    ours, _ = flash_inputs()
+    ours[2] = ours[2].index_fill(1, torch.tensor([3], device=DEVICE), float("nan"))
+    with pytest.raises(ValueError, match=r"^v contains NaN or inf$"):
+        flash_kda(*ours[:7], initial_state=ours[7])

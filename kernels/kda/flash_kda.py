@@ -7,7 +7,7 @@ import numbers
 import torch
 
 from k3lab.autograd import differentiable_once
-from k3lab.kda.checks import check_kda_inputs
+from k3lab.kda.checks import NonFiniteError, check_kda_inputs, overflow_error
 from k3lab.kda.gate import check_gate_shapes
 from k3lab.kernels import interpreting
 from k3lab.kernels.kda.chunk_bwd import kda_dqk_bwd, kda_dwv_bwd, kda_intra_bwd, kda_state_bwd
@@ -58,6 +58,56 @@ def check_finite(**named: torch.Tensor | None) -> None:
     for name, bad in zip(named, flags):
         if bad:
             raise ValueError(f"{name} contains NaN or inf")
+
+
+def value_flags(**named: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """max |x| of each tensor as a float64 scalar on its device, without a host sync (None skipped):
+    NaN or inf when x has one, so a single reduction per input serves both the NaN/inf and the
+    range checks of ``check_values``."""
+    return {name: torch.linalg.vector_norm(x, float("inf")).double() for name, x in named.items() if x is not None}
+
+
+def raise_value_errors(flags: dict[str, torch.Tensor], K: int, o: torch.Tensor, final_state: torch.Tensor | None,
+                       v: torch.Tensor, initial_state: torch.Tensor | None) -> None:
+    """The value checks of ``flash_kda``, read with one host sync after the kernels ran (a sync before
+    them as well would stall the launch queue twice per call).
+
+    Raises:
+        NonFiniteError (a ValueError): "<name> contains NaN or inf"; q or k so large that ||x||^2
+            overflows float32 in the kernels' L2 norm (max |x| > sqrt(float32 max / K), ~4.6e18 at
+            K = 16: the norm would come out inf and the normalised vector 0); an initial_state beyond
+            float32's range (the kernels keep the state in float32); an A_log whose exp overflows
+            float32; finite inputs whose output or final state is still NaN or inf (v or initial_state
+            named by ``overflow_error``).
+    """
+    outputs = [torch.isfinite(o).all()] + ([torch.isfinite(final_state).all()] if final_state is not None else [])
+    values = torch.stack(list(flags.values()) + [torch.stack(outputs).all().double()]).tolist()
+    *maxima, outputs_finite = values
+    maxima = dict(zip(flags, maxima))
+    f32 = torch.finfo(torch.float32).max
+    for name, m in maxima.items():
+        if m != m or m == float("inf"):
+            raise NonFiniteError(name, f"{name} contains NaN or inf")
+    norm_limit = (f32 / K) ** 0.5
+    for name in ("q", "k"):
+        if maxima[name] > norm_limit:
+            raise NonFiniteError(name, (
+                f"{name} is too large for flash_kda's L2 norm: max |{name}| = {maxima[name]:.3g}, but ||{name}||^2 is "
+                f"summed in float32 and overflows beyond max |{name}| = sqrt(3.4e38 / K) = {norm_limit:.3g} (K={K}); "
+                f"scale {name} down (the norm removes the scale)"))
+    if maxima.get("initial_state", 0.0) > f32:
+        raise NonFiniteError("initial_state", (
+            f"initial_state is out of range: max |initial_state| = {maxima['initial_state']:.3g} exceeds float32's "
+            f"largest value {f32:.3g}, and flash_kda keeps the state in float32"))
+    if not outputs_finite:
+        # exp(A_log) scales the gate pre-activation: inf beyond 88 in float32, and inf * 0 is NaN.
+        if maxima["A_log"] > 88.0:
+            raise NonFiniteError("A_log", (
+                f"A_log is too large: exp(A_log) overflows float32 beyond 88 and the gate came out NaN where "
+                f"g + dt_bias = 0, got max |A_log| = {maxima['A_log']:.3g}"))
+        # Keys are normalised and b = sigmoid(beta) in the kernels: the state cannot grow geometrically,
+        # so only the sizes of v and initial_state are left to blame.
+        raise overflow_error(torch.float32, v, initial_state, remedy="use k3lab.kda.chunk_kda in float64")
 
 
 def intermediate_dtype(q: torch.Tensor) -> torch.dtype:
@@ -188,8 +238,9 @@ def flash_kda(
             -10 (torch's float32 autograd through the naive recurrence: ~3e-5 and ~2e-4); at -5 dA_log
             ~5e-4 (torch: 2.4e-4; its sum is ~540x its value). ``tests/test_flash_kda_probes.py``.
             The other gradients keep float32 accuracy.
-        check_values (bool): also reject NaN/inf inputs (one device sync and a read of every input;
-            shapes are always checked). Benchmarks pass False.
+        check_values (bool): also reject NaN/inf inputs, inputs out of the kernels' float32 range and
+            outputs that overflowed (one device sync, after the kernels, and a read of every input and
+            output; shapes are always checked). Benchmarks pass False.
 
     Memory: when autograd records, the forward keeps for the backward, besides its inputs, G (float32,
     [T, HV, K]) and, in the intermediates' dtype, the UT inverse and Aqk [T, HV, 64], W, KG, QG
@@ -204,9 +255,11 @@ def flash_kda(
 
     Raises:
         ValueError: the errors of ``k3lab.kda.checks.check_kda_inputs`` (shapes, GVA, cu_seqlens, a
-            scale not finite and positive, a non-bool output_final_state, NaN/inf when ``check_values``),
-            and A_log/dt_bias of bad shapes, integer dtypes or on another device, K > 256, mixed dtypes,
-            lower_bound not a number in [-10, 0), a scale tensor that requires grad.
+            scale not finite and positive, a non-bool output_final_state), and A_log/dt_bias of bad shapes, integer dtypes or on another device, K > 256, mixed dtypes,
+            lower_bound not a number in [-10, 0), a scale tensor that requires grad; with
+            ``check_values``, after the kernels ran: NaN/inf inputs, q or k beyond the float32 L2 norm's
+            range, initial_state beyond float32, an output or final state that overflowed
+            (``raise_value_errors``).
         RuntimeError: on a CPU tensor without TRITON_INTERPRET=1 (call ``k3lab.setup()`` first);
             when a gradient taken with ``create_graph=True`` is differentiated again (no second derivatives).
 
@@ -223,8 +276,8 @@ def flash_kda(
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values=False, scale=scale,
                      output_final_state=output_final_state)
     check_gate_args(q, k, v, A_log, dt_bias, lower_bound, scale)
-    if check_values:
-        check_finite(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
+    flags = (value_flags(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
+             if check_values else None)
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else float(scale)
     lengths = [T] * B if cu_seqlens is None else cu_seqlens.diff().tolist()
@@ -234,5 +287,8 @@ def flash_kda(
     dt_bias = dt_bias.contiguous() if dt_bias is not None else None
     inputs = (q, k, v, g, beta, A_log.contiguous(), dt_bias, h0)
     for_backward = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
-    return FlashKDAFunction.apply(*inputs, scale, float(lower_bound), cu, chunk_indices, chunk_offsets,
-                                  output_final_state, for_backward)
+    o, final_state = FlashKDAFunction.apply(*inputs, scale, float(lower_bound), cu, chunk_indices, chunk_offsets,
+                                            output_final_state, for_backward)
+    if check_values:
+        raise_value_errors(flags, K, o, final_state, v, initial_state)
+    return o, final_state
