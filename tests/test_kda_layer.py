@@ -173,11 +173,51 @@ def test_bad_forward_inputs():
     with pytest.raises(ValueError, match="cu_seqlens"):
         layer(x_of(1, 4), cu_seqlens=torch.tensor([0, 2, 2, 4]))
     _, cache = layer(x_of(2, 4))
-    with pytest.raises(ValueError, match="conv_state"):
+    # The caller's names (cache.<field>), not the convolution's conv_state or the operator's initial_state.
+    with pytest.raises(ValueError, match=r"cache.conv_q must be \[N, conv_size-1, H\*K\] = \[3, 3, 16\] for N=3 "
+                                         r"sequences, got \[2, 3, 16\]"):
         layer(x_of(3, 1), cache=cache)
     bad = KDACache(cache.conv_q, cache.conv_k, cache.conv_v, cache.state[:, :1])
-    with pytest.raises(ValueError, match="initial_state"):
+    with pytest.raises(ValueError, match=r"cache.state must be \[N, HV, K, V\] = \[2, 4, 8, 6\] for N=2 sequences, "
+                                         r"got \[2, 1, 8, 6\]"):
         layer(x_of(2, 1), cache=bad)
+    bad = KDACache(cache.conv_q, cache.conv_k, cache.conv_v.int(), cache.state)
+    with pytest.raises(ValueError, match="cache.conv_v must be a floating-point tensor, got dtype torch.int32"):
+        layer(x_of(2, 1), cache=bad)
+
+
+def poisoned(cache: KDACache, field: str, value: float) -> KDACache:
+    fields = dict(conv_q=cache.conv_q, conv_k=cache.conv_k, conv_v=cache.conv_v, state=cache.state)
+    fields[field] = fields[field].clone()
+    fields[field].view(-1)[3] = value
+    return KDACache(**fields)
+
+
+@pytest.mark.parametrize("field", ["conv_q", "conv_k", "conv_v", "state"])
+def test_non_finite_cache_named_by_field(field):
+    """A NaN in the cache surfaced as the operator's "q contains NaN or inf" (or "initial_state ...")."""
+    layer = make_layer(seed=15)
+    _, cache = layer(x_of(2, 4))
+    with pytest.raises(ValueError, match=rf"^cache\.{field} contains NaN or inf$"):
+        layer(x_of(2, 1, seed=2), cache=poisoned(cache, field, float("nan")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_non_finite_x_named_x(dtype):
+    """A NaN in x was reported as the operator's q (computed from x)."""
+    layer = make_layer(seed=16).to(dtype)
+    x = x_of(1, 6).to(dtype)
+    with pytest.raises(ValueError, match=r"^x contains NaN or inf$"):
+        layer(x.index_fill(1, torch.tensor([2]), float("nan")))
+
+
+def test_huge_cache_state_named():
+    """A float64 cache.state of 1e300 in a float32 layer overflowed the operator's float32 state to NaN."""
+    layer = make_layer(seed=17).float()
+    _, cache = layer(x_of(1, 4).float())
+    huge = KDACache(cache.conv_q, cache.conv_k, cache.conv_v, torch.full(cache.state.shape, 1e300, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^cache\.state is out of range .*initial_state is too large"):
+        layer(x_of(1, 2).float(), cache=huge)
 
 
 @pytest.mark.parametrize("chunk_size", [24, 16.0], ids=["not_multiple_of_16", "float"])

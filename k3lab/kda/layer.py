@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from k3lab.kda.checks import check_chunk_size, check_cu_seqlens
+from k3lab.kda.checks import NonFiniteError, _shape, check_chunk_size, check_cu_seqlens
 from k3lab.kda.chunk import chunk_kda
 from k3lab.kda.gate import check_lower_bound, kimi_linear_gate, lower_bounded_gate
 
@@ -292,8 +292,11 @@ class KDALayer(nn.Module):
 
         Raises:
             ValueError: x is not [B, T, d_model] or not in the weights' dtype (outside autocast); a
-                cache that is not a KDACache or whose shapes do not match; and everything
-                ``chunk_kda`` raises (bad cu_seqlens, B > 1 with cu_seqlens, NaN inputs).
+                cache that is not a KDACache, or a field of it (named ``cache.<field>``) not a
+                floating-point tensor of its shape on x's device; bad cu_seqlens, B > 1 with cu_seqlens;
+                a NaN or inf in x or the cache, or an x or cache.state so large that KDA overflows
+                (``k3lab.kda.checks.NonFiniteError``, naming x or the cache field rather than the
+                operator's internal q, k, v or initial_state).
         """
         d = self.q_proj.in_features
         if x.ndim != 3 or x.shape[-1] != d:
@@ -306,8 +309,9 @@ class KDALayer(nn.Module):
             raise ValueError(f"cache must be a KDACache or None, got {type(cache).__name__}")
         if cu_seqlens is not None and x.shape[0] != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed into B=1, got B={x.shape[0]}")
-        if cu_seqlens is not None:
-            check_cu_seqlens(cu_seqlens, x.shape[1])
+        N = check_cu_seqlens(cu_seqlens, x.shape[1]) if cu_seqlens is not None else x.shape[0]
+        if cache is not None:
+            self._check_cache(cache, N, x.device)
         c = cache or KDACache(None, None, None, None)
         q, cq = causal_short_conv(self.q_proj(x), self.q_conv, c.conv_q, cu_seqlens)
         k, ck = causal_short_conv(self.k_proj(x), self.k_conv, c.conv_k, cu_seqlens)
@@ -322,11 +326,48 @@ class KDALayer(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             # x in the weights' dtype: under autocast it may be bf16 while the weights are float32.
             beta = self.b_proj(x.to(self.b_proj.weight.dtype))
-            o, state = op(q, k, v, z, beta, self.A_log, self.dt_bias, initial_state=c.state,
-                          output_final_state=use_cache, cu_seqlens=cu_seqlens, lower_bound=self.lower_bound)
+            try:
+                o, state = op(q, k, v, z, beta, self.A_log, self.dt_bias, initial_state=c.state,
+                              output_final_state=use_cache, cu_seqlens=cu_seqlens, lower_bound=self.lower_bound)
+            except NonFiniteError as err:
+                raise self._blame(err, x, c) from err
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).unflatten(-1, (self.HV, self.V))
         y = self.o_proj(o.flatten(-2))
         return y, (KDACache(cq, ck, cv, state) if use_cache else None)
+
+    def _check_cache(self, cache: KDACache, N: int, device: torch.device) -> None:
+        """ValueError naming ``cache.<field>`` unless each field is None or a floating-point tensor of its
+        shape for N sequences on ``device`` (the operator and the convolutions would name their own
+        arguments, conv_state and initial_state)."""
+        W, qk, vd = self.conv_size - 1, self.H * self.K, self.HV * self.V
+        expected = dict(conv_q=("[N, conv_size-1, H*K]", (N, W, qk)), conv_k=("[N, conv_size-1, H*K]", (N, W, qk)),
+                        conv_v=("[N, conv_size-1, HV*V]", (N, W, vd)), state=("[N, HV, K, V]", (N, self.HV, self.K, self.V)))
+        for field, (legend, shape) in expected.items():
+            t = getattr(cache, field)
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                raise ValueError(f"cache.{field} must be {legend} = {list(shape)} for N={N} sequences, got {_shape(t)}")
+            if t.device != device:
+                raise ValueError(f"cache.{field} must be on x's device {device}, got {t.device}")
+            if not t.is_floating_point():
+                raise ValueError(f"cache.{field} must be a floating-point tensor, got dtype {t.dtype}")
+
+    def _blame(self, err: NonFiniteError, x: torch.Tensor, cache: KDACache) -> NonFiniteError:
+        """The caller's argument behind the operator's value error ``err``: the first of x and the cache
+        fields holding a NaN or inf; else cache.state when the operator named its initial state, and x
+        otherwise (q, k, v, the gate and beta are all computed from x). One host sync, on this error
+        path only."""
+        named = {"x": x, **{f"cache.{f}": getattr(cache, f) for f in ("conv_q", "conv_k", "conv_v", "state")}}
+        named = {name: t for name, t in named.items() if t is not None}
+        bad = torch.stack([~torch.isfinite(t).all() for t in named.values()]).tolist()
+        for name, is_bad in zip(named, bad):
+            if is_bad:
+                return NonFiniteError(name, f"{name} contains NaN or inf")
+        if err.name == "initial_state":
+            return NonFiniteError("cache.state", f"cache.state is out of range (the KDA operator's initial_state): {err}")
+        return NonFiniteError("x", (f"x is too large: with max |x| = {x.abs().max().item():.3g} the layer's "
+                                    f"{err.name} overflowed inside the KDA operator: {err}"))
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
