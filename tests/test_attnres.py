@@ -649,3 +649,46 @@ def test_torch_backend_with_a_peaked_depth_softmax():
         print(f"float64 {name}: {assert_close(name, want, got, tol):.1e}")
     dq32 = grads("memory", torch.float32)[1]
     assert torch.count_nonzero(dq32[0]) == 0
+
+
+ENTRIES = {
+    "naive": lambda h0, subs, q, **kw: naive_block_attnres(h0, subs, q, 2, **kw),
+    "full": lambda h0, subs, q, **kw: naive_attnres(h0, subs, q, **kw),
+    "inference": lambda h0, subs, q, **kw: block_attnres_inference(h0, subs, q, 2, **kw),
+    "train": lambda h0, subs, q, **kw: block_attnres_train(h0, subs, q, 2, **kw),
+}
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=list(ENTRIES))
+@pytest.mark.parametrize("name", ["h0", "queries"])
+def test_non_finite_inputs_raise_naming_them(entry, name):
+    """A NaN in h0 or queries came out of every path as a NaN output, where KDA rejects it."""
+    subs, h0, queries = make(4)
+    bad = dict(h0=h0, queries=queries)
+    bad[name] = bad[name].clone().index_fill(0, torch.tensor([1]), float("nan"))
+    with pytest.raises(ValueError, match=rf"^{name} contains NaN or inf$"):
+        ENTRIES[entry](bad["h0"], subs, bad["queries"])
+    # check_values=False skips the check (and its host sync): the NaN goes through.
+    assert ENTRIES[entry](bad["h0"], subs, bad["queries"], check_values=False).isnan().any()
+
+
+@pytest.mark.parametrize("path", ["naive", "memory", "inference"])
+def test_module_rejects_nan_h0(path):
+    subs, h0, queries = make(4)
+    res = module((16, 4, 2), queries, path)
+    with torch.set_grad_enabled(path != "inference"), pytest.raises(ValueError, match=r"^h0 contains NaN or inf$"):
+        res(h0.index_fill(1, torch.tensor([2]), float("inf")), subs)
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=list(ENTRIES))
+def test_h0_beyond_rmsnorm_range_raises(entry):
+    """float32 h0 of 1e30: RMSNorm's mean square overflowed, the keys came out 0 and the depth softmax
+    uniform, a finite and wrong output. Large but in-range h0 (1e15) still matches float64."""
+    subs, h0, queries = make(4, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"^h0 is too large: max \|h0\| = .*overflows float32 beyond .*\(d=16\)"):
+        ENTRIES[entry](h0 * 1e30, subs, queries)
+    subs64 = copy.deepcopy(subs).double()
+    with torch.no_grad():
+        reference = ENTRIES["full" if entry == "full" else "naive"]
+        ref = reference(h0.double() * 1e15, subs64, queries.double())
+        assert_close("h0 * 1e15", ref, ENTRIES[entry](h0 * 1e15, subs, queries).double(), 1e-5)

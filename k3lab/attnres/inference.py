@@ -33,13 +33,14 @@ def _inter_block_fp32(blocks: torch.Tensor, Q: torch.Tensor, eps: float):
 
 @torch.no_grad()
 def block_attnres_inference(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_blocks: int,
-                            eps: float = 1e-6) -> torch.Tensor:
+                            eps: float = 1e-6, *, check_values: bool = True) -> torch.Tensor:
     """Block AttnRes forward without autograd, two-phase (see the module docstring).
 
     Args:
         h0 (Tensor): [B, T, d]; sublayers: L callables [B, T, d] -> [B, T, d]; queries (Tensor):
             [L + 1, d]; n_blocks (int | list[int]): N in [1, L] or the block sizes
-            (``block_sizes``); eps (float): RMSNorm eps.
+            (``block_sizes``); eps (float): RMSNorm eps; check_values (bool): as in
+            ``naive_block_attnres``.
 
     Returns:
         Tensor: [B, T, d] in h0's dtype (mixing computed in float32; float64 stays float64); equal to
@@ -48,11 +49,12 @@ def block_attnres_inference(h0: torch.Tensor, sublayers, queries: torch.Tensor, 
     Raises:
         ValueError: N < 1 or N > L or bad block sizes, h0 or queries not a floating-point tensor, queries not [L + 1, d],
             h0 not [B, T, d], eps not a finite number >= 0, a sublayer returning
-            anything but a tensor of h0's shape.
+            anything but a tensor of h0's shape; with ``check_values``, NaN/inf in h0 or queries or an h0
+            beyond RMSNorm's range.
     """
     L = len(sublayers)
     sizes = block_sizes(L, n_blocks)
-    sublayers = _check_inputs(h0, sublayers, queries, eps)
+    sublayers = _check_inputs(h0, sublayers, queries, eps, check_values)
     dt = torch.float64 if h0.dtype == torch.float64 else torch.float32
     Q = queries.to(dt)
     blocks = [h0.to(dt)]

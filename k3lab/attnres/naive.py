@@ -93,6 +93,8 @@ def naive_block_attnres(
     n_blocks: int,
     eps: float = 1e-6,
     return_weights: bool = False,
+    *,
+    check_values: bool = True,
 ):
     """Block AttnRes around ``sublayers`` by the formula, differentiable by autograd.
 
@@ -105,6 +107,8 @@ def naive_block_attnres(
             (``block_sizes``).
         eps (float): RMSNorm eps of the keys.
         return_weights (bool): also return the depth weights.
+        check_values (bool): reject NaN/inf in h0 or queries and an h0 beyond RMSNorm's range (one host
+            sync; ``check_input_values``).
 
     Returns:
         Tensor [B, T, d] (h0's dtype), the input of the final norm; with ``return_weights``, also a
@@ -118,7 +122,7 @@ def naive_block_attnres(
     """
     L = len(sublayers)
     sizes = block_sizes(L, n_blocks)
-    sublayers = _check_inputs(h0, sublayers, queries, eps)
+    sublayers = _check_inputs(h0, sublayers, queries, eps, check_values)
     blocks, weights, layer = [h0], [], 0
     for size in sizes:
         partial = None
@@ -135,13 +139,15 @@ def naive_block_attnres(
     return (out, weights) if return_weights else out
 
 
-def naive_attnres(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def naive_attnres(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float = 1e-6, *,
+                  check_values: bool = True) -> torch.Tensor:
     """Full AttnRes by the formula: sublayer l reads [h0, v_1, ..., v_l] (see the module docstring).
 
     Written as its own loop (not via ``naive_block_attnres``) so that the N = L equivalence is a test.
 
     Args:
-        h0 (Tensor): [B, T, d]; sublayers: L callables; queries (Tensor): [L + 1, d]; eps (float).
+        h0 (Tensor): [B, T, d]; sublayers: L callables; queries (Tensor): [L + 1, d]; eps (float);
+        check_values (bool): as in ``naive_block_attnres``.
 
     Returns:
         Tensor: [B, T, d] in h0's dtype.
@@ -149,10 +155,11 @@ def naive_attnres(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float
     Raises:
         ValueError: h0 or queries not a floating-point tensor, queries not [L + 1, d], h0 not [B, T, d],
             eps not a finite number >= 0, a sublayer returning
-            anything but a tensor of h0's shape.
+            anything but a tensor of h0's shape; with ``check_values``, NaN/inf in h0 or queries or an h0
+            beyond RMSNorm's range.
     """
     L = len(sublayers)
-    sublayers = _check_inputs(h0, sublayers, queries, eps)
+    sublayers = _check_inputs(h0, sublayers, queries, eps, check_values)
     sources = [h0]
     for layer in range(L):
         h, _ = depth_attention(sources, queries[layer], eps)
@@ -167,10 +174,27 @@ def check_eps(eps: float) -> None:
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
 
 
-def _check_inputs(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float) -> list:
+def check_input_values(h0: torch.Tensor, queries: torch.Tensor) -> None:
+    """ValueError naming h0 or queries when it holds a NaN or inf, or when h0 is so large that RMSNorm's
+    mean square overflows the compute dtype (max |h0| > sqrt(finfo.max / d), ~3.3e18 in float32 at
+    d = 32: the key would come out 0 and the depth softmax uniform, silently). One host sync."""
+    dt = torch.float64 if h0.dtype == torch.float64 else torch.float32
+    d = h0.shape[-1]
+    limit = (torch.finfo(dt).max / d) ** 0.5
+    maxima = torch.stack([torch.linalg.vector_norm(x, float("inf")).double() for x in (h0, queries)]).tolist()
+    for name, m in zip(("h0", "queries"), maxima):
+        if m != m or m == float("inf"):
+            raise ValueError(f"{name} contains NaN or inf")
+    if maxima[0] > limit:
+        raise ValueError(f"h0 is too large: max |h0| = {maxima[0]:.3g}, but RMSNorm's mean square overflows "
+                         f"{str(dt)[6:]} beyond sqrt(finfo.max / d) = {limit:.3g} (d={d}); scale h0 down")
+
+
+def _check_inputs(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float, values: bool = True) -> list:
     """The checks every path runs; returns the sublayers, each wrapped to raise ValueError unless it
     returns a tensor of h0's shape (the paths would otherwise broadcast a [B, 1, d] output, or, in the
-    memory path's block buffer, resize a slot and read rows never written)."""
+    memory path's block buffer, resize a slot and read rows never written). With ``values``, also
+    ``check_input_values`` (a NaN in h0 would otherwise come out of every path as a NaN output)."""
     check_eps(eps)
     L = len(sublayers)
     for name, x in dict(h0=h0, queries=queries).items():
@@ -182,6 +206,8 @@ def _check_inputs(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float
         raise ValueError(f"h0 must be [B, T, d], got shape {list(h0.shape)}")
     if tuple(queries.shape) != (L + 1, h0.shape[-1]):
         raise ValueError(f"queries must be [L + 1, d] = [{L + 1}, {h0.shape[-1]}], got {list(queries.shape)}")
+    if values:
+        check_input_values(h0, queries)
     return [_shape_checked(f, layer, h0.shape) for layer, f in enumerate(sublayers)]
 
 

@@ -266,7 +266,7 @@ class _RecomputeInput:
 
 def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_blocks: int, eps: float = 1e-6,
                         backend: str = "torch", recompute_input: bool = True,
-                        buffer_dtype: torch.dtype | None = None) -> torch.Tensor:
+                        buffer_dtype: torch.dtype | None = None, *, check_values: bool = True) -> torch.Tensor:
     """Block AttnRes forward for training, two-phase with recompute in backward (module docstring).
 
     Args:
@@ -278,6 +278,8 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
             keeping it (one more d-vector per token per sublayer). Ignored under ``torch.compile``,
             which does not carry the saved-tensor hooks that do it: compiled, the inputs are kept.
         buffer_dtype (torch.dtype | None): storage dtype of the block buffer, default h0's.
+        check_values (bool): reject NaN/inf in h0 or queries and an h0 beyond RMSNorm's range (one host
+            sync per forward; benchmarks may pass False).
 
     Returns:
         Tensor: [B, T, d] in h0's dtype; equal to ``naive_block_attnres`` in value and gradients
@@ -289,11 +291,12 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
     Raises:
         ValueError: N < 1 or N > L or bad block sizes, h0 or queries not a floating-point tensor, queries not [L + 1, d],
             h0 not [B, T, d], eps not a finite number >= 0, unknown backend, buffer_dtype not a
-            floating-point dtype or None, a sublayer returning anything but a tensor of h0's shape.
+            floating-point dtype or None, a sublayer returning anything but a tensor of h0's shape; with
+            ``check_values``, NaN/inf in h0 or queries or an h0 beyond RMSNorm's range.
     """
     L = len(sublayers)
     sizes = block_sizes(L, n_blocks)
-    sublayers = _check_inputs(h0, sublayers, queries, eps)
+    sublayers = _check_inputs(h0, sublayers, queries, eps, check_values)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     dev = h0.device.type
