@@ -491,7 +491,8 @@ def test_huge_initial_state_or_values_raise_naming_them(fn):
     values whose true output is beyond float32, came back as NaN/inf silently."""
     inputs = {key: x.float() for key, x in make_inputs(20, seed=33, gate="zero").items()}
     huge = torch.full(inputs["initial_state"].shape, 1e300, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"^initial_state is too large: .*overflowed float32.*max \|initial_state\| = 1e\+300"):
+    match = r"^initial_state is too large: .*overflowed float32.*max \|initial_state\| = 1e\+300"
+    with pytest.raises(ValueError, match=match):
         fn(**dict(inputs, initial_state=huge))
     # Values of 3e38 read by 4x queries: the float64 recurrence's output reaches 6.1e38.
     big = dict(inputs, v=inputs["v"] / inputs["v"].abs().max() * 3e38, q=4 * inputs["q"])

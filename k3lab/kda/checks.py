@@ -206,8 +206,8 @@ def overflow_error(dtype: torch.dtype, v: torch.Tensor, initial_state: torch.Ten
 
 
 def check_kda_result(o: torch.Tensor, final_state: torch.Tensor, **inputs) -> None:
-    """Raise ``overflow_error`` (in the narrower of o's and final_state's dtypes) unless o and final_state are finite (one
-    host sync). The recurrence can overflow on finite inputs (keys far from unit norm, huge states);
+    """Raise ``overflow_error`` (in the narrower of o's and final_state's dtypes) unless o and final_state
+    are finite (one host sync). The recurrence can overflow on finite inputs (keys far from unit norm, huge states);
     a NaN returned silently would surface far from its cause."""
     if not bool(torch.isfinite(o).all() & torch.isfinite(final_state).all()):
         # o may be narrower than the compute dtype (float16 inputs): name the range that ran out.

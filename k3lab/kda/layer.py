@@ -341,7 +341,8 @@ class KDALayer(nn.Module):
         arguments, conv_state and initial_state)."""
         W, qk, vd = self.conv_size - 1, self.H * self.K, self.HV * self.V
         expected = dict(conv_q=("[N, conv_size-1, H*K]", (N, W, qk)), conv_k=("[N, conv_size-1, H*K]", (N, W, qk)),
-                        conv_v=("[N, conv_size-1, HV*V]", (N, W, vd)), state=("[N, HV, K, V]", (N, self.HV, self.K, self.V)))
+                        conv_v=("[N, conv_size-1, HV*V]", (N, W, vd)),
+                        state=("[N, HV, K, V]", (N, self.HV, self.K, self.V)))
         for field, (legend, shape) in expected.items():
             t = getattr(cache, field)
             if t is None:
@@ -365,7 +366,8 @@ class KDALayer(nn.Module):
             if is_bad:
                 return NonFiniteError(name, f"{name} contains NaN or inf")
         if err.name == "initial_state":
-            return NonFiniteError("cache.state", f"cache.state is out of range (the KDA operator's initial_state): {err}")
+            return NonFiniteError("cache.state",
+                                  f"cache.state is out of range (the KDA operator's initial_state): {err}")
         return NonFiniteError("x", (f"x is too large: with max |x| = {x.abs().max().item():.3g} the layer's "
                                     f"{err.name} overflowed inside the KDA operator: {err}"))
 

@@ -255,7 +255,8 @@ def flash_kda(
 
     Raises:
         ValueError: the errors of ``k3lab.kda.checks.check_kda_inputs`` (shapes, GVA, cu_seqlens, a
-            scale not finite and positive, a non-bool output_final_state), and A_log/dt_bias of bad shapes, integer dtypes or on another device, K > 256, mixed dtypes,
+            scale not finite and positive, a non-bool output_final_state), and A_log/dt_bias of bad
+            shapes, integer dtypes or on another device, K > 256, mixed dtypes,
             lower_bound not a number in [-10, 0), a scale tensor that requires grad; with
             ``check_values``, after the kernels ran: NaN/inf inputs, q or k beyond the float32 L2 norm's
             range, initial_state beyond float32, an output or final state that overflowed
