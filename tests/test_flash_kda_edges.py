@@ -184,8 +184,9 @@ def test_kcp_flash_partial_k_tile(monkeypatch):
     """KCP over 2 gloo ranks with K = 48, V = 40: the state kernel's lead columns (values [0 | U], V' =
     K + V = 88) with the state in two halves of 32 rows, and the K-tiled backward on each rank."""
     from k3lab.kcp.workers import (
-        FLASH_REPLICATED, FLASH_SHARDED, FlashCase, errors_vs_reference, flash_check_worker, launch,
+        FLASH_REPLICATED, FLASH_SHARDED, FlashCase, errors_vs_reference, flash_check_worker,
     )
+    from k3lab.dist import launch
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     case = FlashCase(T=90, HV=1, K=48, V=40, seed=28)
