@@ -19,8 +19,9 @@ from test_flash_kda import INTERPRETED_RANKS  # noqa: E402
 
 from k3lab.kcp import kcp_flash_kda, make_context  # noqa: E402
 from k3lab.kcp.workers import (  # noqa: E402
-    FLASH_REPLICATED, FLASH_SHARDED, FlashCase, errors_vs_reference, flash_check_worker, launch,
+    FLASH_REPLICATED, FLASH_SHARDED, FlashCase, errors_vs_reference, flash_check_worker,
 )
+from k3lab.dist import launch  # noqa: E402
 from k3lab.kernels.kda import flash_kda  # noqa: E402
 from k3lab.testing import assert_close  # noqa: E402
 
