@@ -174,8 +174,9 @@ for fn in (depth_attention, naive_block_attnres):
     print(head + "..." + body.partition('"""')[2])
 
 # %% [markdown]
-# Who reads what, for $L = 10$ sublayers and $N = 4$ blocks (`block_sizes` splits as evenly as
-# possible; K3 uses fixed 12-layer blocks with a partial last one):
+# Who reads what, for $L = 10$ sublayers and $N = 4$ blocks (given a count, `block_sizes` splits as
+# evenly as possible; given a list of sizes it uses them, as `k3lab.model` does for K3's fixed
+# 12-layer blocks with a partial last one):
 
 # %%
 L_ex, N_ex = 10, 4
