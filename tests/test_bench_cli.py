@@ -17,6 +17,8 @@ from k3lab.bench import shape_bth
     ("flash_kda", ["--rep", "ten"], "--rep: expected a positive int, got 'ten'"),
     ("attnres", ["--steps", "0"], "--steps: expected a positive int"),
     ("agentenv", ["--n", "0"], "--n: expected a positive int"),
+    ("moe", ["--rep", "0"], "--rep: expected a positive int, got 0"),
+    ("moe", ["--cases", "k3"], "--cases: invalid choice"),
 ])
 def test_bad_numbers_stop_at_parsing(module, argv, match, capsys):
     main = importlib.import_module(f"k3lab.bench.{module}").main
@@ -102,3 +104,17 @@ def test_attnres_width_rejects_a_bad_width(capsys):
         main(["--widths", "2048", "0"])
     assert exc.value.code == 2
     assert "--widths: expected a positive int, got 0" in capsys.readouterr().err
+
+
+def test_bench_moe_smoke_on_cpu(capsys):
+    """The MoE benchmark's script end to end at tiny sizes: checks, every timed layer, the table."""
+    from k3lab.bench.moe import main
+
+    result = main(["--small", "--device", "cpu", "--no-torchtitan", "--rep", "1"])
+    (case,) = result["cases"]
+    assert case["latent_tokens_per_s"] > 0 and case["full_tokens_per_s"] > 0 and case["gemm_ms"] > 0
+    assert case["flops_ratio_full_over_latent"] > 1
+    assert all(v <= 3e-2 for k, v in result["checks"]["tiny"].items() if not k.endswith("same_routing"))
+    assert "One MoE layer" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--small"):
+        main(["--device", "cpu"])

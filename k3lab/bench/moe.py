@@ -225,8 +225,6 @@ def time_case(name: str, c: MoEConfig, tokens: int, device, with_torchtitan: boo
         row["torchtitan_ms"], row["torchtitan_tokens_per_s"] = ms, tokens / ms * 1e3
         del tt
     row.update(gemm_tflops(c, tokens, device, rep))
-    row["latent_tokens_per_s_full"] = row.pop("latent_tokens_per_s")
-    row["latent_tokens_per_s"] = row.pop("latent_tokens_per_s_full")
     row["flops_ratio_full_over_latent"] = row["full_flops_per_token"] / row["latent_flops_per_token"]
     row["speedup_latent_over_full"] = row["full_ms"] / row["latent_ms"]
     if with_torchtitan:
