@@ -1,0 +1,407 @@
+"""The activation manager (K3 report, "Training system"): a storage policy for every tensor saved for
+backward, declared outside the model code.
+
+Policies (``POLICIES``):
+
+    keep        the tensor stays where autograd put it (the default of plain PyTorch)
+    recompute   the region is activation-checkpointed (``torch.utils.checkpoint``, non-reentrant):
+                only its inputs are kept, everything inside is recomputed in backward
+    offload     a copy goes to host memory (pinned, copied on a side stream on CUDA; a plain copy on
+                CPU, which only simulates the saving) and comes back when backward needs it
+    fp8         block-wise FP8: float8_e4m3fn with one float32 scale per block of 128 values along
+                the last dim; dequantised to the original dtype in backward (lossy: ~2^-4 relative)
+
+Everything is built on ``torch.autograd.graph.saved_tensors_hooks`` and ``torch.utils.checkpoint``.
+Policies attach to modules by name pattern (``fnmatch`` on ``model.named_modules()`` names, the root
+being ""), or to a block of code with a context manager:
+
+    >>> mgr = ActivationManager()
+    >>> handle = apply_policies(model, {"*.experts": "fp8", "sublayers.0": "recompute"}, manager=mgr)
+    >>> loss = model(x, targets=x)[1]
+    >>> mgr.stats()["fp8"]["live_bytes"]          # bytes held for backward under fp8, right now
+    >>> loss.backward(); mgr.live_bytes()          # 0: every saved tensor released
+    >>> handle.remove()                            # the model is plain again
+
+    >>> with activation_policy("offload", manager=mgr):
+    ...     y = mlp(x)
+
+The innermost policy wins: a module's policy replaces its parent's for the tensors its own forward
+saves. Inside a recompute region nested policies are switched off, because checkpoint must see (and
+recompute) every tensor of the region itself. Parameters (and views of them) are never copied,
+quantised or counted: they are not activations and live anyway.
+
+Counters (``ActivationManager.stats()``), per policy: ``live_bytes`` (held for backward now, on the
+device the tensor came from: for offload this is 0 and the copy is counted in ``host_bytes``; for
+recompute it is the region's inputs), ``peak_bytes``, ``total_bytes`` (summed over all saves),
+``live_tensors``. A tensor saved twice while alive (by two ops) is counted once.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+POLICIES = ("keep", "recompute", "offload", "fp8")
+FP8_BLOCK = 128
+# Largest finite float8_e4m3fn value: the block's absolute maximum is mapped onto it.
+FP8_MAX = 448.0
+
+
+def check_policy(policy: str) -> str:
+    """Return ``policy`` if it is one of ``POLICIES``.
+
+    Raises:
+        ValueError: anything else, naming the valid choices.
+    """
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ValueError(f"unknown activation policy {policy!r}; expected one of {list(POLICIES)}")
+    return policy
+
+
+def fp8_quantize(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise FP8 (e4m3) quantisation along the last dim.
+
+    Args:
+        x (Tensor): [..., D] floating point, any device; D need not be a multiple of ``block`` (the last
+            block of each row is zero-padded).
+        block (int): values per scale.
+
+    Returns:
+        (q [N, ceil(D / block), block] float8_e4m3fn, scale [N, ceil(D / block), 1] float32) with
+        N = x.numel() / D; ``x ~= (q.float() * scale)`` reshaped back by ``fp8_dequantize``.
+
+    Raises:
+        ValueError: x not floating point or 0-dim.
+    """
+    if not x.is_floating_point() or x.ndim == 0:
+        raise ValueError(f"fp8_quantize needs a floating tensor with ndim >= 1, got {x.dtype} {list(x.shape)}")
+    d = x.shape[-1]
+    nb = -(-d // block)
+    rows = x.detach().reshape(-1, d).float()
+    if nb * block != d:
+        rows = torch.nn.functional.pad(rows, (0, nb * block - d))
+    blocks = rows.view(rows.shape[0], nb, block)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    # An all-zero block keeps scale 1 (any scale gives 0); the clamp avoids 0/0.
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``fp8_quantize``: [N, nb, block] float8 and [N, nb, 1] scales -> ``shape`` in ``dtype``."""
+    d = shape[-1]
+    rows = (q.float() * scale).reshape(q.shape[0], -1)[:, :d]
+    return rows.to(dtype).reshape(shape)
+
+
+@dataclass
+class _Counter:
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    total_bytes: int = 0
+    live_tensors: int = 0
+    host_bytes: int = 0
+
+
+class _Packed:
+    """What a pack hook returns: the stored form plus the bookkeeping that releases the counter when
+    autograd drops it (after backward, or when the graph is freed)."""
+
+    __slots__ = ("manager", "policy", "nbytes", "host", "data", "meta", "__weakref__")
+
+    def __init__(self, manager, policy, nbytes, host, data, meta=None):
+        self.manager, self.policy, self.nbytes, self.host, self.data, self.meta = (
+            manager, policy, nbytes, host, data, meta)
+        manager._acquire(policy, nbytes, host)
+
+    def __del__(self):
+        self.manager._release(self.policy, self.nbytes, self.host)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class ActivationManager:
+    """Holds the counters, the cache that dedupes repeated saves, and (on CUDA) the offload stream.
+
+    One manager per model is the usual choice; ``apply_policies`` and ``activation_policy`` create
+    one when none is given.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.counters = {p: _Counter() for p in POLICIES}
+        # id(tensor) -> (weakref tensor, version, weakref packed): the same live tensor saved by two
+        # ops (a linear's input also read by a norm's backward) is stored and counted once.
+        self._cache: dict[int, tuple] = {}
+        self._param_ptrs: set[int] = set()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._local = threading.local()
+
+    # -- counters ------------------------------------------------------------------------------------
+    def _acquire(self, policy, nbytes, host):
+        with self._lock:
+            c = self.counters[policy]
+            c.live_tensors += 1
+            c.total_bytes += nbytes
+            if host:
+                c.host_bytes += nbytes
+            else:
+                c.live_bytes += nbytes
+                c.peak_bytes = max(c.peak_bytes, c.live_bytes)
+
+    def _release(self, policy, nbytes, host):
+        with self._lock:
+            c = self.counters[policy]
+            c.live_tensors -= 1
+            if host:
+                c.host_bytes -= nbytes
+            else:
+                c.live_bytes -= nbytes
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per policy: live_bytes, peak_bytes, total_bytes, live_tensors, host_bytes (ints, bytes)."""
+        with self._lock:
+            return {p: dict(vars(c)) for p, c in self.counters.items()}
+
+    def live_bytes(self) -> int:
+        """Bytes held for backward now on the compute device, all policies together."""
+        return sum(c.live_bytes for c in self.counters.values())
+
+    def live_tensors(self) -> int:
+        """Saved tensors held for backward now, all policies together."""
+        return sum(c.live_tensors for c in self.counters.values())
+
+    def reset_peaks(self) -> None:
+        """Start ``peak_bytes`` and ``total_bytes`` afresh (live counts are kept)."""
+        with self._lock:
+            for c in self.counters.values():
+                c.peak_bytes, c.total_bytes = c.live_bytes, 0
+
+    def track_parameters(self, module: nn.Module) -> None:
+        """Remember ``module``'s parameter storages so that saves of them (or views) are left alone."""
+        self._param_ptrs.update(p.untyped_storage().data_ptr() for p in module.parameters())
+
+    # -- hooks ---------------------------------------------------------------------------------------
+    def _is_param(self, t: torch.Tensor) -> bool:
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return True
+        return t.device.type != "meta" and t.untyped_storage().data_ptr() in self._param_ptrs
+
+    def _pack(self, policy: str, t: torch.Tensor):
+        if self._is_param(t):
+            return t
+        hit = self._cache.get(id(t))
+        if hit is not None:
+            ref, version, packed_ref = hit
+            packed = packed_ref()
+            if ref() is t and version == t._version and packed is not None and packed.policy == policy:
+                return packed
+        if policy == "fp8" and t.is_floating_point() and t.ndim > 0 and t.numel() > 0:
+            q, scale = fp8_quantize(t)
+            packed = _Packed(self, policy, _nbytes(q) + _nbytes(scale), False, (q, scale), (t.shape, t.dtype))
+        elif policy == "offload" and t.numel() > 0:
+            packed = self._offload(t)
+        else:
+            # keep, recompute (the region's inputs), and what fp8/offload cannot change (ints, scalars).
+            packed = _Packed(self, policy, _nbytes(t), False, t)
+        self._cache[id(t)] = (weakref.ref(t), t._version, weakref.ref(packed))
+        if len(self._cache) > 4096:
+            self._cache = {k: v for k, v in self._cache.items() if v[0]() is not None and v[2]() is not None}
+        return packed
+
+    def _offload(self, t: torch.Tensor) -> _Packed:
+        if t.device.type != "cuda":
+            return _Packed(self, "offload", _nbytes(t), True, t.detach().clone(), ("cpu", None))
+        stream = self._streams.get(t.device)
+        if stream is None:
+            stream = self._streams[t.device] = torch.cuda.Stream(t.device)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        # The side stream must wait for the kernel that produced t; the wait is issued before entering
+        # the stream context so it orders the two streams (torchtitan#2581: inside it was a no-op).
+        stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(stream):
+            host.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        # t's memory may be reused by the allocator only after the copy on the side stream.
+        t.record_stream(stream)
+        return _Packed(self, "offload", _nbytes(t), True, host, (t.device, done))
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _Packed):
+            return packed
+        if packed.policy == "fp8" and isinstance(packed.data, tuple):
+            q, scale = packed.data
+            shape, dtype = packed.meta
+            return fp8_dequantize(q, scale, shape, dtype)
+        if packed.policy == "offload" and packed.meta is not None:
+            device, done = packed.meta
+            if device == "cpu":
+                return packed.data
+            done.synchronize()
+            return packed.data.to(device, non_blocking=True)
+        return packed.data
+
+    def hooks(self, policy: str):
+        """``saved_tensors_hooks`` that store every saved tensor under ``policy`` (not "recompute")."""
+        check_policy(policy)
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(policy, t), self._unpack)
+
+    # -- regions -------------------------------------------------------------------------------------
+    @property
+    def in_recompute(self) -> bool:
+        return getattr(self._local, "recompute_depth", 0) > 0
+
+    @contextlib.contextmanager
+    def _recompute_scope(self):
+        self._local.recompute_depth = getattr(self._local, "recompute_depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.recompute_depth -= 1
+
+    def run(self, policy: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` with its saved tensors stored under ``policy``.
+
+        Inside a recompute region this is a plain call (see the module docstring).
+
+        Raises:
+            ValueError: unknown policy.
+        """
+        check_policy(policy)
+        if self.in_recompute:
+            return fn(*args, **kwargs)
+        if policy != "recompute":
+            with self.hooks(policy):
+                return fn(*args, **kwargs)
+
+        def region(*a, **k):
+            # Also entered when checkpoint replays the region in backward: nested policies stay off.
+            with self._recompute_scope():
+                return fn(*a, **k)
+
+        # checkpoint stores the region's inputs through a Function that saves them before it pushes
+        # its own hooks, so these hooks see (and count) exactly what recompute keeps.
+        with self.hooks("recompute"):
+            return checkpoint(region, *args, use_reentrant=False, **kwargs)
+
+
+@contextlib.contextmanager
+def activation_policy(policy: str, manager: ActivationManager | None = None):
+    """Store every tensor saved for backward inside the block under ``policy``.
+
+    ``recompute`` needs a function to replay, so it is not a block policy: use
+    ``manager.run("recompute", fn, *args)`` or ``apply_policies``.
+
+    Yields:
+        ActivationManager: the one given, or a new one.
+
+    Raises:
+        ValueError: unknown policy, or "recompute".
+    """
+    check_policy(policy)
+    if policy == "recompute":
+        raise ValueError("'recompute' needs a region to replay: use manager.run('recompute', fn, *args) or "
+                         "apply_policies(model, {pattern: 'recompute'})")
+    manager = manager or ActivationManager()
+    if manager.in_recompute:
+        yield manager
+        return
+    with manager.hooks(policy):
+        yield manager
+
+
+@dataclass
+class PolicyHandle:
+    """Returned by ``apply_policies``: which module got which policy, and ``remove()`` to undo it."""
+
+    manager: ActivationManager
+    assigned: dict[str, str] = field(default_factory=dict)
+    _modules: list = field(default_factory=list, repr=False)
+
+    def remove(self) -> None:
+        """Give every wrapped module back its own forward."""
+        for m in self._modules:
+            if "forward" in m.__dict__:
+                del m.__dict__["forward"]
+            m.__dict__.pop("_k3lab_activation_policy", None)
+        self._modules.clear()
+        self.assigned.clear()
+
+
+def apply_policies(model: nn.Module, rules: dict[str, str], manager: ActivationManager | None = None,
+                   default: str | None = "keep", strict: bool = True) -> PolicyHandle:
+    """Attach storage policies to ``model``'s modules by name pattern, without touching model code.
+
+    Args:
+        model (nn.Module): any module; its own forward and its submodules' forwards are wrapped
+            (an instance attribute ``forward``, removed by ``PolicyHandle.remove``).
+        rules (dict[str, str]): ``fnmatch`` pattern on ``named_modules()`` names ("" is the root,
+            "*.experts", "sublayers.[02]") -> policy; for a module that several patterns match,
+            the first in dict order wins.
+        manager (ActivationManager | None): counters and streams; a new one when None.
+        default (str | None): the root's policy, so everything else is counted too ("keep"); None
+            leaves unmatched code entirely to plain autograd. A rule matching "" overrides it.
+        strict (bool): a pattern that matches no module is an error (it is almost always a typo).
+
+    Returns:
+        PolicyHandle with ``assigned`` {module name: policy} and ``remove()``.
+
+    Raises:
+        ValueError: unknown policy name; a pattern matching nothing under ``strict``; ``model``
+            already has policies applied; rules not a dict of str -> str.
+    """
+    if not isinstance(rules, dict) or not all(isinstance(k, str) for k in rules):
+        raise ValueError(f"rules must be a dict of module-name pattern -> policy, got {type(rules).__name__}")
+    for pattern, policy in rules.items():
+        try:
+            check_policy(policy)
+        except ValueError as e:
+            raise ValueError(f"rule {pattern!r}: {e}") from None
+    if default is not None:
+        check_policy(default)
+    named = list(model.named_modules())
+    if any("_k3lab_activation_policy" in m.__dict__ for _, m in named):
+        raise ValueError("model already has activation policies; call remove() on the earlier handle first")
+    manager = manager or ActivationManager()
+    manager.track_parameters(model)
+    assigned: dict[str, str] = {}
+    used = set()
+    for name, _ in named:
+        for pattern, policy in rules.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                assigned[name] = policy
+                used.add(pattern)
+                break
+    unused = [p for p in rules if p not in used]
+    if strict and unused:
+        some = [n for n, _ in named[1:6]]
+        raise ValueError(f"patterns {unused} match no module of {type(model).__name__} (names look like {some})")
+    if default is not None and "" not in assigned:
+        assigned[""] = default
+    handle = PolicyHandle(manager, dict(sorted(assigned.items())))
+    modules = dict(named)
+    for name, policy in assigned.items():
+        m = modules[name]
+        m._k3lab_activation_policy = policy
+        m.forward = _wrapped_forward(manager, policy, m.forward)
+        handle._modules.append(m)
+    return handle
+
+
+def _wrapped_forward(manager: ActivationManager, policy: str, forward):
+    def wrapped(*args, **kwargs):
+        # Plain autograd when nothing is saved (eval, no_grad): no hooks, no checkpoint.
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return manager.run(policy, forward, *args, **kwargs)
+    return wrapped
