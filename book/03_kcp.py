@@ -270,22 +270,23 @@ for r in range(4):
 # starts on its boundary, so it folds nothing. In the backward, document 1 ends on rank 2: rank 1 folds
 # `b_2`, rank 0 folds `b_2` and `b_1` (`D_0 = b_1 + M_1ᵀ b_2`).
 #
-# An interactive version (drag the boundaries; needs a live kernel):
+# The explorer: drag the boundaries in JupyterLab. A headless run (papermill, nbval, the book runner)
+# has no front end to draw sliders, so `explore` builds no widget there and prints one line; the
+# drawing above is the static copy.
+
+# %%
+from k3lab.widgets import explore
+
+
+def plot_layout(R=4, b1=10, b2=80, b3=100):
+    bounds = sorted({0, b1, b2, b3, 128})
+    fig, ax = plt.subplots(figsize=(10, 3))
+    draw_layout(128, tuple(bounds), R, ax)
+    plt.show()
+
 
 # %% tags=["nbval-ignore-output"]
-try:
-    import ipywidgets as widgets
-
-    def _explore(R=4, b1=10, b2=80, b3=100):
-        bounds = sorted({0, b1, b2, b3, 128})
-        fig, ax = plt.subplots(figsize=(10, 3))
-        draw_layout(128, tuple(bounds), R, ax)
-        plt.show()
-
-    widgets.interact(_explore, R=widgets.Dropdown(options=[1, 2, 4, 8], value=4),
-                     b1=(1, 126), b2=(2, 126), b3=(3, 127))
-except ImportError as e:
-    print(f"ipywidgets not available ({e}); the static drawing above shows the same layout")
+explorer = explore(plot_layout, R=[1, 2, 4, 8], b1=(1, 126), b2=(2, 126), b3=(3, 127))
 
 # %% [markdown]
 # ## 3. Computing a rank's map without a loop
