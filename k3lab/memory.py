@@ -69,12 +69,12 @@ def fp8_quantize(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor,
 
     Args:
         x (Tensor): [..., D] floating point, any device; D need not be a multiple of ``block`` (the last
-            block of each row is zero-padded).
+            block of each row is shorter).
         block (int): values per scale.
 
     Returns:
-        (q [N, ceil(D / block), block] float8_e4m3fn, scale [N, ceil(D / block), 1] float32) with
-        N = x.numel() / D; ``x ~= (q.float() * scale)`` reshaped back by ``fp8_dequantize``.
+        (q [..., D] float8_e4m3fn, scale [..., ceil(D / block)] float32): value j of a row is
+        ``q[j] * scale[j // block]`` (``fp8_dequantize``). 1 byte per value plus 4 per block.
 
     Raises:
         ValueError: x not floating point or 0-dim.
@@ -83,22 +83,22 @@ def fp8_quantize(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor,
         raise ValueError(f"fp8_quantize needs a floating tensor with ndim >= 1, got {x.dtype} {list(x.shape)}")
     d = x.shape[-1]
     nb = -(-d // block)
-    rows = x.detach().reshape(-1, d).float()
-    if nb * block != d:
-        rows = torch.nn.functional.pad(rows, (0, nb * block - d))
-    blocks = rows.view(rows.shape[0], nb, block)
+    rows = x.detach().float()
+    # Zero padding to whole blocks changes no block's maximum; it is dropped again before storing.
+    padded = torch.nn.functional.pad(rows, (0, nb * block - d)) if nb * block != d else rows
+    blocks = padded.reshape(*x.shape[:-1], nb, block)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    # An all-zero block keeps scale 1 (any scale gives 0); the clamp avoids 0/0.
+    # An all-zero block keeps scale 1 (any scale gives 0), avoiding 0/0.
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    q = q.reshape(*x.shape[:-1], nb * block)[..., :d].contiguous()
+    return q, scale.squeeze(-1)
 
 
-def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``fp8_quantize``: [N, nb, block] float8 and [N, nb, 1] scales -> ``shape`` in ``dtype``."""
-    d = shape[-1]
-    rows = (q.float() * scale).reshape(q.shape[0], -1)[:, :d]
-    return rows.to(dtype).reshape(shape)
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = FP8_BLOCK) -> torch.Tensor:
+    """Inverse of ``fp8_quantize``: q [..., D] float8 and scale [..., nb] float32 -> [..., D] in ``dtype``."""
+    d = q.shape[-1]
+    return (q.float() * scale.repeat_interleave(block, dim=-1)[..., :d]).to(dtype)
 
 
 @dataclass
@@ -207,12 +207,14 @@ class ActivationManager:
                 return packed
         if policy == "fp8" and t.is_floating_point() and t.ndim > 0 and t.numel() > 0:
             q, scale = fp8_quantize(t)
-            packed = _Packed(self, policy, _nbytes(q) + _nbytes(scale), False, (q, scale), (t.shape, t.dtype))
+            packed = _Packed(self, policy, _nbytes(q) + _nbytes(scale), False, (q, scale), t.dtype)
         elif policy == "offload" and t.numel() > 0:
             packed = self._offload(t)
         else:
             # keep, recompute (the region's inputs), and what fp8/offload cannot change (ints, scalars).
-            packed = _Packed(self, policy, _nbytes(t), False, t)
+            # Detached: a saved output holding its own grad_fn is a reference cycle (output -> grad_fn
+            # -> saved -> output) that only gc frees when backward never runs on it (pytorch#161186).
+            packed = _Packed(self, policy, _nbytes(t), False, t.detach())
         self._cache[id(t)] = (weakref.ref(t), t._version, weakref.ref(packed))
         if len(self._cache) > 4096:
             self._cache = {k: v for k, v in self._cache.items() if v[0]() is not None and v[2]() is not None}
@@ -241,8 +243,7 @@ class ActivationManager:
             return packed
         if packed.policy == "fp8" and isinstance(packed.data, tuple):
             q, scale = packed.data
-            shape, dtype = packed.meta
-            return fp8_dequantize(q, scale, shape, dtype)
+            return fp8_dequantize(q, scale, packed.meta)
         if packed.policy == "offload" and packed.meta is not None:
             device, done = packed.meta
             if device == "cpu":
@@ -379,9 +380,8 @@ def apply_policies(model: nn.Module, rules: dict[str, str], manager: ActivationM
     for name, _ in named:
         for pattern, policy in rules.items():
             if fnmatch.fnmatchcase(name, pattern):
-                assigned[name] = policy
                 used.add(pattern)
-                break
+                assigned.setdefault(name, policy)
     unused = [p for p in rules if p not in used]
     if strict and unused:
         some = [n for n, _ in named[1:6]]

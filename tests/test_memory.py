@@ -1,0 +1,259 @@
+"""k3lab.memory: every storage policy gives the keep policy's gradients (bitwise for keep, recompute
+and offload; within FP8 error for fp8), the counters show what each policy saves, nothing is retained
+across steps (pytorch#161186: a custom Function saving its output as the last op of a checkpointed
+region), and K3Model under policies trains on the same gradients."""
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+from k3lab.memory import (FP8_BLOCK, POLICIES, ActivationManager, activation_policy, apply_policies,
+                          fp8_dequantize, fp8_quantize)
+from k3lab.testing import rel_rms_error
+
+# Relative RMS error of fp8-stored activations on the gradients of a float32 MLP: e4m3 keeps 3 mantissa
+# bits (~2^-4 worst relative error per value), and errors of independent values average out in the RMS.
+FP8_GRAD_TOL = 0.1
+
+
+class ExpOut(torch.autograd.Function):
+    """exp(x), saving its output (not its input) for backward: the pattern of pytorch#161186."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+class Block(nn.Module):
+    def __init__(self, d, h, custom_last=False):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
+        self.custom_last = custom_last
+
+    def forward(self, x):
+        y = self.down(torch.nn.functional.gelu(self.up(x)))
+        # The custom Function is the region's last op, its saved output is the region's output.
+        return ExpOut.apply(0.1 * y) if self.custom_last else y
+
+
+class MLP(nn.Module):
+    def __init__(self, d=48, h=160, n=3, custom_last=False):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, h, custom_last) for _ in range(n))
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.out(x).square().mean()
+
+
+def _grads(model):
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _run(policy, x, dtype, custom_last=False, seed=0):
+    torch.manual_seed(seed)
+    model = MLP(custom_last=custom_last).to(dtype)
+    mgr = ActivationManager()
+    if policy is not None:
+        apply_policies(model, {"blocks.[0-9]": policy}, manager=mgr, default=None)
+    loss = model(x.to(dtype))
+    stats = mgr.stats()
+    loss.backward()
+    return _grads(model), stats, mgr
+
+
+@pytest.mark.parametrize("custom_last", [False, True], ids=["plain", "custom_fn_last"])
+@pytest.mark.parametrize("policy", ["keep", "recompute", "offload"])
+def test_exact_policies_equal_plain(policy, custom_last):
+    x = torch.randn(37, 48)
+    ref, _, _ = _run(None, x, torch.float32, custom_last)
+    out, _, mgr = _run(policy, x, torch.float32, custom_last)
+    for r, o in zip(ref, out):
+        assert torch.equal(r, o)
+    assert mgr.live_tensors() == 0 and mgr.live_bytes() == 0
+
+
+def test_fp8_gradients_within_bound():
+    x = torch.randn(64, 48)
+    ref, _, _ = _run(None, x, torch.float64)
+    out, _, _ = _run("fp8", x, torch.float32)
+    errs = [rel_rms_error(r, o) for r, o in zip(ref, out)]
+    assert max(errs) < FP8_GRAD_TOL, errs
+    # The error is FP8's, not zero: the activations really went through e4m3.
+    assert max(errs) > 1e-4, errs
+
+
+def test_fp8_roundtrip_blocks():
+    # D = 200: one full block of 128 and one padded block per row; one outlier per block stays local.
+    x = torch.randn(3, 5, 200, dtype=torch.float64)
+    x[0, 0, 3] = 1e4
+    q, scale = fp8_quantize(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scale.shape == (3, 5, 2)
+    assert scale[0, 0, 0] == 1e4 / 448 and scale[0, 0, 1] < 1
+    y = fp8_dequantize(q, scale, x.dtype)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert rel_rms_error(x[1:], y[1:]) < 0.05
+    # Rows other than the outlier's keep their precision (per-block scales).
+    assert rel_rms_error(x[0, 1:], y[0, 1:]) < 0.05
+    assert torch.equal(fp8_dequantize(*fp8_quantize(torch.zeros(4, 7)), torch.float32), torch.zeros(4, 7))
+
+
+def test_counters_show_savings():
+    x = torch.randn(64, 48)
+    live = {}
+    for policy in POLICIES:
+        _, stats, _ = _run(policy, x, torch.float32)
+        live[policy] = stats[policy]["live_bytes"]
+    assert live["keep"] > 0
+    assert live["recompute"] < live["keep"] / 4
+    assert live["fp8"] < live["keep"] / 3.5
+    assert live["offload"] == 0
+    _, stats, _ = _run("offload", x, torch.float32)
+    assert stats["offload"]["host_bytes"] == live["keep"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_flat_over_100_steps(policy):
+    torch.manual_seed(1)
+    model = MLP(d=16, h=32, n=2, custom_last=True)
+    mgr = ActivationManager()
+    apply_policies(model, {"blocks.[0-9]": policy}, manager=mgr)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    outs, counts = [], []
+    for step in range(100):
+        x = torch.randn(8, 16)
+        loss = model(x)
+        assert mgr.live_tensors() > 0
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert mgr.live_tensors() == 0 and mgr.live_bytes() == 0, (step, mgr.stats())
+        outs.append(weakref.ref(loss))
+        del loss
+        if step in (9, 99):
+            gc.collect()
+            counts.append(sum(1 for o in gc.get_objects() if torch.is_tensor(o)))
+    # Without gc: the graph (and what ExpOut saved) died with the loss.
+    assert all(r() is None for r in outs)
+    assert counts[1] <= counts[0], counts
+
+
+def test_custom_function_output_freed_without_gc():
+    # pytorch#161186: the saved output of the region's last op must not keep a reference cycle alive.
+    model = MLP(d=16, h=32, n=1, custom_last=True)
+    mgr = ActivationManager()
+    apply_policies(model, {"blocks.0": "recompute"}, manager=mgr)
+    gc.disable()
+    try:
+        refs = []
+        hook = model.blocks[0].register_forward_hook(lambda m, i, o: refs.append(weakref.ref(o)))
+        for _ in range(5):
+            model(torch.randn(4, 16)).backward()
+        hook.remove()
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()
+
+
+def test_context_manager_and_nesting():
+    lin = nn.Linear(32, 32)
+    x = torch.randn(10, 32, requires_grad=True)
+    mgr = ActivationManager()
+    with activation_policy("fp8", manager=mgr):
+        y = torch.tanh(lin(x))
+        with activation_policy("offload", manager=mgr):
+            z = torch.sigmoid(y)
+    s = mgr.stats()
+    # Innermost wins: sigmoid's saved output offloaded, the rest fp8; the weight never counted.
+    assert s["offload"]["live_tensors"] == 1 and s["fp8"]["live_tensors"] == 2
+    z.sum().backward()
+    assert mgr.live_tensors() == 0
+
+
+def test_mixed_rules_first_match_and_remove():
+    torch.manual_seed(0)
+    model = MLP()
+    handle = apply_policies(model, {"blocks.0": "recompute", "blocks.*": "offload", "blocks.1.up": "fp8"})
+    # blocks.1.up matched "blocks.*" first; inside blocks.0 (recompute) its children are not wrapped.
+    assert handle.assigned["blocks.0"] == "recompute" and handle.assigned["blocks.1.up"] == "offload"
+    assert handle.assigned[""] == "keep"
+    with pytest.raises(ValueError, match="already has activation policies"):
+        apply_policies(model, {"out": "keep"})
+    handle.remove()
+    assert "forward" not in model.blocks[0].__dict__
+    apply_policies(model, {"out": "keep"}).remove()
+
+
+def test_bad_names():
+    model = MLP()
+    with pytest.raises(ValueError, match="unknown activation policy 'fp16'"):
+        apply_policies(model, {"blocks.0": "fp16"})
+    with pytest.raises(ValueError, match="unknown activation policy"):
+        apply_policies(model, {"blocks.0": "keep"}, default="nope")
+    with pytest.raises(ValueError, match="match no module"):
+        apply_policies(model, {"*.experts": "fp8"})
+    with pytest.raises(ValueError, match="unknown activation policy"):
+        with activation_policy("offlaod"):
+            pass
+    with pytest.raises(ValueError, match="needs a region"):
+        with activation_policy("recompute"):
+            pass
+    assert "forward" not in model.__dict__
+
+
+K3_RULES = {
+    "keep": {"": "keep"},
+    "recompute": {"sublayers.[0-9]": "recompute"},
+    "offload": {"": "offload"},
+    "mixed": {"sublayers.[02468]": "recompute", "*.experts": "offload", "*.shared": "keep"},
+    # FP8 on the FFNs (dense and LatentMoE); the KDA mixers' saved decay cumsums turn fp8's 2^-4 into a
+    # ~0.3 error on A_log's gradient, so mixers are recomputed, as K3 stores its attention side.
+    "fp8": {"sublayers.[13579]": "fp8", "sublayers.[02468]": "recompute"},
+}
+
+
+@pytest.fixture(scope="module")
+def k3_reference():
+    from k3lab.model import K3Config, K3Model
+    torch.manual_seed(0)
+    model = K3Model(K3Config.preset("k3-tiny"))
+    idx = torch.randint(0, model.config.vocab_size, (2, 24))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    _, loss = model(idx, targets=idx)
+    loss.backward()
+    return model, state, idx, loss.detach(), _grads(model)
+
+
+@pytest.mark.parametrize("name", list(K3_RULES))
+def test_k3_tiny_same_gradients(k3_reference, name):
+    from k3lab.model import K3Model
+    ref_model, state, idx, ref_loss, ref_grads = k3_reference
+    model = K3Model(ref_model.config)
+    model.load_state_dict(state)
+    mgr = ActivationManager()
+    apply_policies(model, K3_RULES[name], manager=mgr)
+    _, loss = model(idx, targets=idx)
+    assert mgr.live_tensors() > 0
+    loss.backward()
+    assert mgr.live_tensors() == 0
+    grads = _grads(model)
+    if name == "fp8":
+        assert rel_rms_error(ref_loss, loss) < 1e-6
+        errs = [rel_rms_error(r, g) for r, g in zip(ref_grads, grads)]
+        bad = {n: e for (n, _), e in zip(model.named_parameters(), errs) if not e < FP8_GRAD_TOL}
+        assert not bad, bad
+    else:
+        assert torch.equal(loss, ref_loss)
+        for (n, _), r, g in zip(model.named_parameters(), ref_grads, grads):
+            assert torch.equal(r, g), n
