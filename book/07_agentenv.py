@@ -54,9 +54,19 @@ import k3lab
 from k3lab.agentenv import (Sandbox, SandboxCrashed, SandboxPool, SandboxStateError, build_image,
                             cleanup, detect_host, leftovers)
 from k3lab.agentenv.rl_demo import run_rollout
+from k3lab.agentenv.notebook import skip_vm_cells_if_missing
 from k3lab.bench.agentenv import paused_memory
 
 device = k3lab.setup(seed=seed, profile=profile)
+
+# %% [markdown]
+# The sandboxes need QEMU and the tools that build the guest image (`python -m k3lab.agentenv.sysdeps`
+# installs them; `K3LAB_SKIP_SYSDEPS=1` skips that, and a GPU node has no apt to install them with).
+# Checked once here: where they are missing, every cell that boots or uses a VM (its first line is
+# `# VM cell`) prints one line saying it is skipped, and the rest of the chapter still runs.
+
+# %%
+vm_tools = skip_vm_cells_if_missing()
 
 # %% [markdown]
 # ## What a sandbox isolates, and what it does not
@@ -102,6 +112,7 @@ for k in ("kvm_device", "kvm_pvm", "hw_virt", "qemu_version", "firecracker", "ts
 # damage into an error instead of wrong data.
 
 # %% tags=["nbval-ignore-output"]
+# VM cell
 t0 = time.perf_counter()
 img = build_image()
 print(f"image {img.root.name}: kernel {img.kernel_version}, digest {img.digest[:16]}, "
@@ -116,6 +127,7 @@ for p in (img.kernel, img.initrd, img.rootfs):
 # stderr; a timeout kills the command's whole process group inside the guest, never the host.
 
 # %% tags=["nbval-ignore-output"]
+# VM cell
 t0 = time.perf_counter()
 sb = Sandbox.create(img)
 boot_s = time.perf_counter() - t0
@@ -125,6 +137,7 @@ assert boot_s < 180
 pool = SandboxPool(base=sb.snapshot())
 
 # %%
+# VM cell
 r = sb.exec("echo hello from $(uname -s); echo oops >&2; exit 3", timeout=10)
 print(r.exit_code, r.stdout, r.stderr)
 assert (r.exit_code, r.stdout, r.stderr) == (3, b"hello from Linux\n", b"oops\n")
@@ -155,6 +168,7 @@ print("file round trip:", len(blob), "bytes,", sb.exec("sha256sum /root/blob.bin
 # A few live timings (this machine, now; the committed benchmark below has more runs):
 
 # %% tags=["nbval-ignore-output"]
+# VM cell
 def timed(fn):
     t0 = time.perf_counter()
     out = fn()
@@ -189,6 +203,7 @@ assert statistics.median(live["resume"]) < 1000
 # A paused sandbox refuses commands (it has no CPU); a hibernated one has no process at all:
 
 # %%
+# VM cell
 sb.pause()
 try:
     sb.exec("true")
@@ -212,6 +227,7 @@ print("woken:", sb.exec("cat /tmp/m", timeout=10).text.strip())
 # `drop_caches` makes each guest re-read its disk rather than its page cache.
 
 # %%
+# VM cell
 sb.exec("echo parent > /tmp/m; echo parent > /root/d; sync;"
         " (v=parent; while true; do echo $v > /tmp/live; sleep 0.2; done) >/dev/null 2>&1 &", timeout=10)
 a, b = sb.fork(2)
@@ -234,6 +250,7 @@ b.destroy()
 # and the tail of the guest console, instead of hanging.
 
 # %%
+# VM cell
 victim = pool.create()
 os.kill(victim.pids()[0], signal.SIGKILL)
 try:
@@ -335,6 +352,7 @@ assert (t_run + t_hib + t_wake) / (t_run + t_hib + t_wake + 30.0) < 0.1
 # translation cache, heap) is private to each process either way.
 
 # %% tags=["nbval-ignore-output"]
+# VM cell
 density = {True: [], False: []}
 counts = [1, 3, 6]
 for cow in (True, False):
@@ -366,6 +384,7 @@ print(f"-> {1024 / density[True][-1]:.0f} copy-on-write paused sandboxes per GiB
 # deletes the answer), and the original sandbox is checked untouched.
 
 # %%
+# VM cell
 rollout = run_rollout(pool, n_agents=n_agents, steps=rl_steps, inference_s=inference_s, seed=seed)
 print("rewards:", rollout.rewards)
 print("original untouched after grading:", rollout.untouched)
@@ -375,6 +394,7 @@ for i, out in enumerate(rollout.outputs):
 assert rollout.untouched == [True] * n_agents and rollout.max_live_processes_while_waiting == 0
 
 # %% tags=["nbval-ignore-output"]
+# VM cell
 print(f"wall {rollout.timings['total_s']:.1f} s; agents spent {rollout.waiting_fraction:.0%} of their "
       f"time hibernated (K3: ~98% waiting, with real inference taking seconds to minutes)")
 colors = {"exec": "tab:green", "hibernate": "tab:orange", "wake": "tab:blue",
@@ -397,6 +417,7 @@ plt.show()
 # host process that still mentions the sandbox root.
 
 # %%
+# VM cell
 sb.destroy()
 pool.close()
 left = leftovers(pool.root)
