@@ -257,3 +257,20 @@ def test_k3_tiny_same_gradients(k3_reference, name):
         assert torch.equal(loss, ref_loss)
         for (n, _), r, g in zip(model.named_parameters(), ref_grads, grads):
             assert torch.equal(r, g), n
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_unused_graph_freed_without_gc(policy):
+    # A forward whose graph never sees backward (a value check, an eval under grad) must free its saved
+    # outputs when dropped: stored with their grad_fn they would form a cycle only gc can break.
+    model = MLP(d=16, h=32, n=1, custom_last=True)
+    mgr = ActivationManager()
+    apply_policies(model, {"blocks.0": policy}, manager=mgr)
+    gc.disable()
+    try:
+        loss = model(torch.randn(4, 16))
+        assert mgr.live_tensors() > 0
+        del loss
+        assert mgr.live_tensors() == 0 and mgr.live_bytes() == 0
+    finally:
+        gc.enable()
