@@ -157,10 +157,11 @@ def test_plan_worked_example():
 
 @pytest.mark.parametrize("counts,S,K,match", [
     (torch.zeros(2, 3, dtype=torch.int64), 1, 1, "multiple of R"),
+    (torch.zeros(2, 0, dtype=torch.int64), 1, 1, "positive multiple of R"),
     (torch.zeros(4, dtype=torch.int64), 1, 1, r"\[R, E\]"),
     (torch.zeros(2, 4), 1, 1, r"\[R, E\] int64"),
     (torch.zeros(2, 4, dtype=torch.int64), 0, 1, "S must be"),
-], ids=["E%R", "1-D", "float", "S=0"])
+], ids=["E%R", "E=0", "1-D", "float", "S=0"])
 def test_plan_rejects_bad_counts(counts, S, K, match):
     with pytest.raises(ValueError, match=match):
         plan(counts, S, K)

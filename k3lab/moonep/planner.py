@@ -87,7 +87,7 @@ def check_counts(counts: torch.Tensor, S: int, K: int) -> tuple[int, int, int]:
         if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     R, E = counts.shape
-    if R == 0 or E % R:
+    if R == 0 or E == 0 or E % R:
         raise ValueError(f"E = {E} experts must be a positive multiple of R = {R} ranks (E/R homed on each)")
     return R, E, E // R
 
