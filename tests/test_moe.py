@@ -105,6 +105,16 @@ def test_bad_configs_name_the_argument(bad, match):
         MoE(_config(**bad))
 
 
+@pytest.mark.parametrize("bad,match", [
+    (dict(balance="aux2"), "MoEConfig.balance"), (dict(estimator="median"), "MoEConfig.estimator"),
+    (dict(bins=1), "MoEConfig.bins"), (dict(top_k=8, balance="qb"), "top_k < n_experts"),
+])
+def test_bad_balancer_settings_fail_at_the_config(bad, match):
+    with pytest.raises(ValueError, match=match):
+        _config(**bad)
+    assert MoE(_config(top_k=8, balance="none")).config.top_k == 8
+
+
 def test_nan_router_logits_and_bad_shapes_raise():
     m = MoE(_config())
     x = torch.randn(2, 3, 16)
@@ -115,6 +125,17 @@ def test_nan_router_logits_and_bad_shapes_raise():
         m(torch.randn(2, 3, 15))
     with pytest.raises(ValueError, match="mask"):
         m(torch.randn(2, 3, 16), mask=torch.ones(3, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="d=16"):
+        m(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.uint8])
+def test_a_non_bool_mask_is_refused_not_read_as_token_counts(dtype):
+    m = MoE(_config())
+    m.train()
+    with pytest.raises(ValueError, match="mask must be a bool"):
+        m(torch.randn(2, 3, 16), mask=torch.full((2, 3), 2, dtype=dtype))
+    assert int(m.balance.counts.sum()) == 0
 
 
 # ---------------------------------------------------------------- grouped experts

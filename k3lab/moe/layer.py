@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from k3lab.moe.activation import ACTIVATIONS
-from k3lab.moe.balance import Balancing, in_backward
+from k3lab.moe.balance import ESTIMATORS, METHODS, Balancing, in_backward
 from k3lab.moe.experts import GatedFFN, GroupedExperts, depth_scaled_std, group_by_expert, naive_expert_ffn
 from k3lab.moe.router import Router, Routing, check_topk
 
@@ -77,6 +77,15 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.n_shared must be an int >= 0, got {self.n_shared!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MoEConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.balance not in METHODS:
+            raise ValueError(f"MoEConfig.balance must be one of {METHODS}, got {self.balance!r}")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"MoEConfig.estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+        if not (isinstance(self.bins, int) and not isinstance(self.bins, bool) and self.bins >= 2):
+            raise ValueError(f"MoEConfig.bins must be an int >= 2, got {self.bins!r}")
+        if self.balance == "qb" and self.top_k == self.n_experts:
+            raise ValueError(f"MoEConfig: balance='qb' needs top_k < n_experts (Quantile Balancing reads each "
+                             f"token's (K+1)-th score), got top_k = n_experts = {self.top_k}; use balance='none'")
 
     @property
     def routed_dim(self) -> int:
@@ -114,8 +123,8 @@ class MoE(nn.Module):
     zero routed output there. ``None`` (the default): one process.
 
     Raises:
-        ValueError: ``x``'s last dim is not d, ``mask``'s shape is not ``x``'s without d, or the router
-            logits are not finite; ``reference`` with ``ep_group`` set.
+        ValueError: ``x``'s last dim is not d, ``mask``'s shape is not ``x``'s without d or its dtype
+            not bool, or the router logits are not finite; ``reference`` with ``ep_group`` set.
     """
 
     def __init__(self, config: MoEConfig):
@@ -149,10 +158,13 @@ class MoE(nn.Module):
 
     def _forward(self, x: torch.Tensor, mask: torch.Tensor | None, reference: bool) -> torch.Tensor:
         c = self.config
-        if x.shape[-1] != c.d_model:
+        if x.ndim == 0 or x.shape[-1] != c.d_model:
             raise ValueError(f"MoE: x must be [..., d={c.d_model}], got shape {list(x.shape)}")
         if mask is not None and mask.shape != x.shape[:-1]:
             raise ValueError(f"MoE: mask must have x's shape without d, {list(x.shape[:-1])}, got {list(mask.shape)}")
+        if mask is not None and mask.dtype != torch.bool:
+            # A 0/1 float or int mask would be read as per-token counts by the balancer (2 counts a token twice).
+            raise ValueError(f"MoE: mask must be a bool tensor (False for padding), got {mask.dtype}")
         x2 = x.reshape(-1, c.d_model)
         routing = self.router(x2)
         self.last_routing = routing
