@@ -118,3 +118,18 @@ def test_bench_moe_smoke_on_cpu(capsys):
     assert "One MoE layer" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--small"):
         main(["--device", "cpu"])
+
+
+def test_bench_moe_bad_device_and_missing_torchtitan_stop_before_any_work(capsys, monkeypatch):
+    import importlib.util
+
+    from k3lab.bench.moe import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--small", "--device", "foo"])
+    assert exc.value.code == 2
+    assert "--device: expected cuda, cuda:N or cpu, got 'foo'" in capsys.readouterr().err
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchtitan" else real(name, *a))
+    with pytest.raises(SystemExit, match="--no-torchtitan"):
+        main(["--small", "--device", "cpu"])

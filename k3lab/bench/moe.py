@@ -257,13 +257,21 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default "
                    "data/results/moe_<h100|h200>.json after the device")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"argument --device: expected cuda, cuda:N or cpu, got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --device cpu --small to check the script")
     if device.type != "cuda" and not args.small:
         raise SystemExit("--device cpu needs --small (the full shapes are GPU work)")
     cases = TINY if args.small else {k: CASES[k] for k in args.cases}
     with_tt = not args.no_torchtitan
+    if with_tt:
+        import importlib.util
+
+        if importlib.util.find_spec("torchtitan") is None:
+            raise SystemExit("torchtitan is not installed: install it or pass --no-torchtitan")
     result = run_info(device)
     result["ceiling_tflops"] = ceiling_tflops(device, 256 if args.small else 8192)
     result["checks"], result["cases"] = {}, []
