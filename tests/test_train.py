@@ -51,6 +51,16 @@ def test_layout_that_does_not_fit_the_world_is_a_usage_error(capsys):
     assert "--dp 2 x --ep 1 = 2 ranks, but 1 were launched" in capsys.readouterr().err
 
 
+def test_resuming_past_steps_is_a_usage_error_not_a_silent_no_op(tmp_path, capsys):
+    flags = ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--ckpt-dir", str(tmp_path)]
+    assert main(["--steps", "2", *flags]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["--steps", "1", "--resume", *flags])
+    assert e.value.code == 2
+    assert "the checkpoint is at step 2, past --steps 1" in capsys.readouterr().err
+
+
 def test_lr_schedule_warms_up_then_decays_to_a_tenth():
     lrs = [lr_at(s, 200, 1.0, 0.01) for s in range(1, 201)]
     assert lrs[:2] == [0.5, 1.0]

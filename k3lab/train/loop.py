@@ -114,7 +114,8 @@ def train(config: TrainConfig) -> list[dict]:
 
     Raises:
         ConfigError (a ValueError): the layout does not match the world (``build_parallel``), the global
-            batch is not divisible by the data ranks, or a resumed checkpoint's loader differs.
+            batch is not divisible by the data ranks, or a resumed checkpoint's loader differs or its step is
+            past ``steps``.
         FileNotFoundError: no token shards (``k3lab.data``).
     """
     device = _device()
@@ -132,6 +133,9 @@ def train(config: TrainConfig) -> list[dict]:
             if path is not None:
                 state = load_checkpoint(path, model, opt, {"step": 0, "loader": loader.state_dict()})
                 start = int(state["step"])
+                if start > config.steps:
+                    raise ConfigError(f"{path}: the checkpoint is at step {start}, past --steps {config.steps} (the "
+                                      f"schedule's length); resume with --steps >= {start}")
                 try:
                     loader.load_state_dict(state["loader"])
                 except ValueError as e:
