@@ -229,7 +229,9 @@ print("woken:", sb.exec("cat /tmp/m", timeout=10).text.strip())
 # %%
 # VM cell
 sb.exec("echo parent > /tmp/m; echo parent > /root/d; sync;"
-        " (v=parent; while true; do echo $v > /tmp/live; sleep 0.2; done) >/dev/null 2>&1 &", timeout=10)
+        # The loop writes a temp file and renames it: a reader never sees the file truncated mid-write.
+        " (v=parent; while true; do echo $v > /tmp/live.new; mv /tmp/live.new /tmp/live; sleep 0.2; done)"
+        " >/dev/null 2>&1 &", timeout=10)
 a, b = sb.fork(2)
 a.exec("echo fork-A > /tmp/m; echo fork-A > /root/d; sync", timeout=10)
 b.exec("echo fork-B > /tmp/m; echo fork-B > /root/d; rm /root/blob.bin; sync", timeout=10)
