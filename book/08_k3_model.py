@@ -59,7 +59,8 @@ from k3lab.mla import GatedMLA, absorbed_attention, naive_gated_mla
 from k3lab.model import K3Config, K3Model, count_params, flops_per_token, format_table, mfu, param_table
 from k3lab.model.accounting import PEAK_FLOPS
 from k3lab.moe import update_biases
-from k3lab.optim import NS_COEFFICIENTS, PerHeadMuon, adjusted_lr, head_blocks, per_head_muon
+from k3lab.optim import (NS_COEFFICIENTS, PerHeadMuon, adjusted_lr, head_blocks, muon_loop_reference, per_head_muon,
+                         per_head_steps)
 from k3lab.testing import rel_rms_error
 from k3lab.widgets import explore
 
@@ -303,25 +304,9 @@ show(PerHeadMuon._apply)
 # parameter, bit for bit, on the projections of one KDA and one Gated MLA layer of `k3-tiny`, three steps:
 
 # %%
-def muon_loop(weight, blocks, grads, lr_, wd):
-    parts = [torch.nn.Parameter(b.clone()) for b in weight.detach().split(blocks, dim=0)]
-    opts = [torch.optim.Muon([q], lr=lr_, weight_decay=wd, adjust_lr_fn="match_rms_adamw") for q in parts]
-    for gr in grads:
-        for q, gb, o in zip(parts, gr.split(blocks, dim=0), opts):
-            q.grad = gb.clone()
-            o.step()
-    return torch.cat([q.detach() for q in parts])
+show(muon_loop_reference)
 
-
-def per_head(weight, blocks, grads, lr_, wd):
-    p = torch.nn.Parameter(weight.detach().clone())
-    o = PerHeadMuon([dict(params=[p], algorithm="muon", row_blocks=blocks)], lr=lr_, weight_decay=wd)
-    for gr in grads:
-        p.grad = gr.clone()
-        o.step()
-    return p.detach()
-
-
+# %%
 torch.manual_seed(seed)
 tiny = K3Model(K3Config.preset("k3-tiny"))
 blocks_of = head_blocks(tiny)
@@ -329,7 +314,7 @@ names = {p: n for n, p in tiny.named_parameters()}
 g = torch.Generator().manual_seed(seed)
 for p, blocks in list(blocks_of.items())[:3] + list(blocks_of.items())[-2:]:
     grads = [torch.randn(p.shape, generator=g) for _ in range(3)]
-    same = torch.equal(per_head(p, blocks, grads, 0.02, 0.1), muon_loop(p, blocks, grads, 0.02, 0.1))
+    same = torch.equal(per_head_steps(p, blocks, grads, 0.02, 0.1), muon_loop_reference(p, blocks, grads, 0.02, 0.1))
     print(f"{names[p]:<28} {list(p.shape)} in blocks {blocks}: equal to the loop: {same}")
     assert same
 

@@ -305,6 +305,42 @@ def per_head_muon(model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.1,
     return PerHeadMuon(groups, lr=lr, weight_decay=weight_decay, **kwargs)
 
 
+def muon_loop_reference(weight: torch.Tensor, blocks: list[int] | None, grads: list[torch.Tensor], lr: float,
+                        weight_decay: float) -> torch.Tensor:
+    """Per-Head Muon's reference: each row block of ``weight`` as its own ``torch.optim.Muon`` parameter
+    (``adjust_lr_fn="match_rms_adamw"``), stepped once per gradient.
+
+    Args:
+        weight (Tensor): [rows, cols] float32 starting point (not modified).
+        blocks (list[int] | None): row counts per head, summing to rows; None for one block.
+        grads (list[Tensor]): one [rows, cols] gradient per step.
+        lr (float), weight_decay (float): as for ``torch.optim.Muon``.
+
+    Returns:
+        Tensor [rows, cols]: the weight after ``len(grads)`` steps.
+    """
+    blocks = [weight.shape[0]] if blocks is None else blocks
+    parts = [nn.Parameter(b.clone()) for b in weight.detach().split(blocks, dim=0)]
+    opts = [torch.optim.Muon([q], lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw") for q in parts]
+    for g in grads:
+        for q, gb, opt in zip(parts, g.split(blocks, dim=0), opts):
+            q.grad = gb.clone()
+            opt.step()
+    return torch.cat([q.detach() for q in parts])
+
+
+def per_head_steps(weight: torch.Tensor, blocks: list[int] | None, grads: list[torch.Tensor], lr: float,
+                   weight_decay: float) -> torch.Tensor:
+    """``PerHeadMuon`` on one parameter with row blocks ``blocks``, stepped once per gradient: the fast
+    path ``muon_loop_reference`` checks (same arguments and return)."""
+    p = nn.Parameter(weight.detach().clone())
+    opt = PerHeadMuon([dict(params=[p], algorithm="muon", row_blocks=blocks)], lr=lr, weight_decay=weight_decay)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach()
+
+
 def sharded_step_worker(rank: int, world_size: int, group, weight: torch.Tensor, grads: list[torch.Tensor],
                         row_blocks_options: list) -> list[torch.Tensor]:
     """A ``k3lab.dist.launch`` worker for the sharding test: for each row-block option (None or a list of

@@ -14,32 +14,12 @@ from k3lab.kda import KDALayer
 from k3lab.mla import GatedMLA
 from k3lab.model import K3Config, K3Model
 from k3lab.moe import GroupedExperts
-from k3lab.optim import PerHeadMuon, head_blocks, per_head_muon, split_params
+from k3lab.optim import PerHeadMuon, head_blocks, muon_loop_reference, per_head_muon, per_head_steps, split_params
 
 
 def _grads(shape, steps, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=g) for _ in range(steps)]
-
-
-def _reference_loop(weight, blocks, grads, lr, wd):
-    """Each row block as its own torch.optim.Muon parameter (match_rms_adamw), stepped on its grads."""
-    parts = [torch.nn.Parameter(b.clone()) for b in weight.detach().split(blocks, dim=0)]
-    opts = [torch.optim.Muon([q], lr=lr, weight_decay=wd, adjust_lr_fn="match_rms_adamw") for q in parts]
-    for g in grads:
-        for q, gb, opt in zip(parts, g.split(blocks, dim=0), opts):
-            q.grad = gb.clone()
-            opt.step()
-    return torch.cat([q.detach() for q in parts])
-
-
-def _per_head(weight, blocks, grads, lr, wd):
-    p = torch.nn.Parameter(weight.detach().clone())
-    opt = PerHeadMuon([dict(params=[p], algorithm="muon", row_blocks=blocks)], lr=lr, weight_decay=wd)
-    for g in grads:
-        p.grad = g.clone()
-        opt.step()
-    return p.detach()
 
 
 @pytest.mark.parametrize("which", ["kda_q", "kda_v", "mla_q", "mla_kv"])
@@ -52,18 +32,18 @@ def test_per_head_equals_loop_over_heads(which):
     blocks = {**head_blocks(kda), **head_blocks(mla)}[param]
     assert len(blocks) > 1 and sum(blocks) == param.shape[0]
     grads = _grads(param.shape, 3, seed=1)
-    out = _per_head(param, blocks, grads, lr=0.02, wd=0.1)
-    assert torch.equal(out, _reference_loop(param, blocks, grads, lr=0.02, wd=0.1))
+    out = per_head_steps(param, blocks, grads, lr=0.02, weight_decay=0.1)
+    assert torch.equal(out, muon_loop_reference(param, blocks, grads, lr=0.02, weight_decay=0.1))
     # Not the full-matrix update: the split really happens.
-    assert not torch.allclose(out, _per_head(param, None, grads, lr=0.02, wd=0.1), atol=1e-4)
+    assert not torch.allclose(out, per_head_steps(param, None, grads, lr=0.02, weight_decay=0.1), atol=1e-4)
 
 
 def test_one_block_equals_torch_muon():
     w = torch.randn(24, 40)
     grads = _grads(w.shape, 3, seed=2)
-    ref = _reference_loop(w, [24], grads, lr=0.01, wd=0.1)
-    assert torch.equal(_per_head(w, None, grads, lr=0.01, wd=0.1), ref)
-    assert torch.equal(_per_head(w, [24], grads, lr=0.01, wd=0.1), ref)
+    ref = muon_loop_reference(w, [24], grads, lr=0.01, weight_decay=0.1)
+    assert torch.equal(per_head_steps(w, None, grads, lr=0.01, weight_decay=0.1), ref)
+    assert torch.equal(per_head_steps(w, [24], grads, lr=0.01, weight_decay=0.1), ref)
 
 
 def test_stacked_experts_are_orthogonalised_per_expert():
@@ -75,7 +55,7 @@ def test_stacked_experts_are_orthogonalised_per_expert():
         p.grad = g.clone()
         opt.step()
     for e in range(3):
-        ref = _reference_loop(w[e], [8], [g[e] for g in grads], lr=0.01, wd=0.1)
+        ref = muon_loop_reference(w[e], [8], [g[e] for g in grads], lr=0.01, weight_decay=0.1)
         assert torch.equal(p.detach()[e], ref)
 
 
@@ -233,4 +213,4 @@ def test_sharded_parameter_is_orthogonalised_as_the_full_matrix():
     options = [None, [6, 6, 6]]
     for rank_out in launch(sharded_step_worker, 2, w, grads, options, timeout_s=120):
         for blocks, out in zip(options, rank_out):
-            assert torch.allclose(out, _per_head(w, blocks, grads, lr=0.01, wd=0.1), rtol=0, atol=1e-6)
+            assert torch.allclose(out, per_head_steps(w, blocks, grads, lr=0.01, weight_decay=0.1), rtol=0, atol=1e-6)
