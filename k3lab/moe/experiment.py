@@ -14,6 +14,7 @@ import torch
 import k3lab.data as kdata
 import k3lab.lm as lm
 from k3lab.moe.balance import maxvio, quantile_bias
+from k3lab.moe.experts import group_by_expert
 from k3lab.moe.layer import MoE, MoEConfig, balance_loss, moe_layers, update_biases
 from k3lab.moe.router import route
 
@@ -78,9 +79,7 @@ def balance_floor(model: lm.LM, batches: int, batch_size: int, seq_len: int, dev
                 b = quantile_bias(r.scores, r.cutoff, K)
             nxt = routings[t + 1][i][0]
             for key, lg, bias in (("same_batch", logits, b), ("next_batch", nxt, b), ("current_bias", nxt, bias_now)):
-                idx = route(lg, bias, K).topk_idx
-                load = torch.zeros(E, dtype=torch.int64, device=idx.device).scatter_add_(
-                    0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))
+                load = group_by_expert(route(lg, bias, K).topk_idx, E)[2]
                 out[key][i] += maxvio(load) / (batches - 1)
     model.train(was)
     return out
