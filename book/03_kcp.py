@@ -618,9 +618,7 @@ print(f"bytes per layer {nbytes.pop():,} at every T: ~{done[0]['bytes_per_layer'
 #   state — rank 0's intra and state pass, then the gather. Rank 1's path is about local + one state
 #   pass of rank 0: 0.7, 2.0 and 7.0 ms over the local forward alone. This is most of what is left.
 #   Pipelining that wait over head groups (rank 0 sends the end states of one group of heads while it
-#   runs the next, so rank 1 starts earlier) was tried on a branch with two groups and measured on the
-#   same kernels (`data/results/kcp_h200x2_head_groups_branch.json`): the 2-GPU forward at 128K took
-#   12.2 ms against 9.3 ms here (forward+backward 37.5 vs 34.5 ms), so it was dropped.
+#   runs the next) was measured slower at every length (`docs/kcp.md`).
 # * **backward**, mirrored: rank 0's reverse state stage for its last piece needs `D_0` — rank 1's
 #   intra and reverse state pass, then the gather. Rank 0 recomputes its forward chunk states while
 #   it waits, so only the part of rank 1's reverse pass that outlasts that recompute shows. At 512K the

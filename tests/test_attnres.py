@@ -74,7 +74,7 @@ def test_block_sizes_and_config_errors():
 @pytest.mark.parametrize("path", ["naive", "memory", "inference"])
 @pytest.mark.parametrize("bad", ["pooled", "wider", "none"])
 def test_sublayer_output_shape_is_checked(path, bad):
-    """A fresh user's case: a sublayer returning [B, 1, d] was broadcast silently by the memory and
+    """Regression: a sublayer returning [B, 1, d] was broadcast silently by the memory and
     inference paths; a wrong width or None failed deep inside the mixing."""
     subs, h0, q = make(4, seed=43)
     outputs = {"pooled": lambda h: h.mean(1, keepdim=True), "wider": lambda h: torch.cat([h, h[..., :1]], -1),
@@ -88,7 +88,7 @@ def test_sublayer_output_shape_is_checked(path, bad):
 
 @pytest.mark.parametrize("entry", [naive_block_attnres, block_attnres_train, block_attnres_inference])
 def test_functional_entry_points_check_sublayer_outputs(entry):
-    """A fresh user's case: block_attnres_train, given a sublayer returning [B, 1, d], resized a slot of
+    """Regression: block_attnres_train, given a sublayer returning [B, 1, d], resized a slot of
     its block buffer (a deprecation warning) and read rows never written: garbage that changed from
     call to call. The functional entry points check outputs as the module does."""
     subs, h0, q = make(2, seed=44)
@@ -376,7 +376,7 @@ def test_train_path_errors():
         block_attnres_train(h0, subs, q, 5)
     with pytest.raises(ValueError, match="exactly one"):
         merge_fwd_torch(None, h0, h0[..., 0], q[0], 1e-6)
-    # A fresh user's cases: an integer h0 reached the first sublayer, a list of queries gave an AttributeError.
+    # Regressions: an integer h0 reached the first sublayer, a list of queries gave an AttributeError.
     with pytest.raises(ValueError, match="h0 must be a floating-point tensor"):
         block_attnres_train(h0.long(), subs, q, 2)
     with pytest.raises(ValueError, match="queries must be a torch.Tensor, got list"):
@@ -385,7 +385,7 @@ def test_train_path_errors():
 
 @pytest.mark.parametrize("case", ["output", "sublayer_input"])
 def test_memory_path_allows_in_place_changes_as_the_naive_path_does(case):
-    """A fresh user's case: on the torch backend, changing the output (or a sublayer changing its input)
+    """Regression: on the torch backend, changing the output (or a sublayer changing its input)
     in place raised "Output 0 of _Phase1 is a view", where the naive path allows it; and once allowed, a
     sublayer's input changed in place was rebuilt for backward as it was before the change (wrong
     gradients, silently; the Triton backend did that already). Values and gradients must match the
@@ -582,7 +582,7 @@ def test_bench_attnres_help_names_the_module(capsys):
 
 @pytest.mark.parametrize("entry", ["naive", "train", "inference"])
 def test_functional_entry_points_check_eps(entry):
-    """A fresh user's case: the functions behind BlockAttnRes took eps=-1 and returned NaN."""
+    """Regression: the functions behind BlockAttnRes took eps=-1 and returned NaN."""
     from k3lab.attnres import block_attnres_inference, block_attnres_train, naive_block_attnres
 
     subs, h0, q = make(4, seed=44)
@@ -623,7 +623,7 @@ def test_torch_compile_keeps_every_gradient(compile_backend):
 
 
 def test_torch_backend_with_a_peaked_depth_softmax():
-    """A fresh user's case: with pseudo-queries of scale 10 (a peaked softmax over depth) the memory
+    """Regression: with pseudo-queries of scale 10 (a peaked softmax over depth) the memory
     path's "torch" backend, which formed phase 1's weights as exp(s - lse) (summing to 1 only up to
     lse's rounding) and delta_0 from h, lost 30x in float64 against the formula; and a read of one
     source, whose query gradient is exactly 0, got noise (4e-6 in float32)."""

@@ -92,7 +92,7 @@ def test_state_kernels_with_and_without_prefetch(monkeypatch, prefetch):
     one chunk ahead) on packed sequences of 7, 130 and 64 tokens: tails, a three-chunk walk each way,
     and the chunk after a sequence's last (masked). Weak gates (z ~ -7: a chunk keeps 0.5-0.8 of its
     state; the default inputs' chunks keep < 1e-39), or a wrong decay row in the backward's prefetch
-    went unseen (a fresh user's probe: 1.2e-2 in d initial_state)."""
+    went unseen (1.2e-2 in d initial_state)."""
     from k3lab.kernels.kda import chunk_bwd, chunk_fwd
 
     for mod in (chunk_fwd, chunk_bwd):
@@ -233,7 +233,7 @@ def test_second_derivative_is_refused():
 
 
 def test_second_derivative_is_refused_for_constant_incoming_gradients():
-    """A fresh user's case: with a loss linear in o, the incoming gradient does not require grad, and
+    """Regression: with a loss linear in o, the incoming gradient does not require grad, and
     torch's once_differentiable then returned plain tensors: the second derivative silently lacked
     flash_kda's terms (0.058401 vs the reference's 0.059186). It must raise too."""
     q, k, v, z, beta, A_log, dt_bias, _ = (x.float().to(DEVICE) for x in make_inputs(1, 8, 1, 1, 16, 16, seed=14))
@@ -367,7 +367,7 @@ def test_gate_parameters_on_another_device_or_bad_scale():
 
 
 def test_silently_accepted_arguments_are_refused():
-    """A fresh user's cases, all accepted without a word before: a scale <= 0, a tensor as
+    """Regressions, all accepted without a word before: a scale <= 0, a tensor as
     output_final_state (truthy), an integer A_log or dt_bias (no gradient), a 0-d tensor lower_bound."""
     q, k, v, z, beta, A_log, dt_bias, h0 = (x.float() for x in make_inputs(1, 8, 1, 1, 16, 16))
     cases = [(dict(scale=-0.25), "scale must be a finite positive float, got -0.25"),

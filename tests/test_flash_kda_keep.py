@@ -1,15 +1,14 @@
-"""Fresh-user probes of two FlashKDA changes: the forward keeping W, KG, QG, h and V~ for the backward
-when autograd records (8a5415d), and the UT inverse's diagonal 16x16 blocks as the product
-(I - N)(I + N^2)(I + N^4)(I + N^8) (7d3c5cb; by recursive doubling since session 20).
+"""FlashKDA's saved intermediates and its UT inverse: the forward keeps W, KG, QG, h and V~ for the
+backward when autograd records, and inverts the diagonal 16x16 blocks of I + L by recursive doubling.
 
 Kept: torch.utils.checkpoint (both modes) gives the un-checkpointed gradients bit for bit; the kept
 intermediates die with a dropped graph and are never made without a graph; two forwards in one loss and
 varlen second backwards with new upstream gradients match float64; non-reentrant checkpoint and
-saved-tensor hooks see the kept intermediates (found failing while they were ctx attributes, before
-they went through save_for_backward). Found: the product form alone lost ~3
-digits of the UT inverse on strongly coupled sub-tiles (repeated keys, saturated beta, weak decay), which
-the Newton step after it restored (the two tests at the end fail without it), and recursive doubling,
-which never forms the large powers, does not lose.
+saved-tensor hooks see the kept intermediates (which they would not if the intermediates were ctx
+attributes rather than saved tensors). Strongly coupled sub-tiles (repeated keys, saturated beta, weak
+decay) are the UT inverse's hard input: the power form (I - N)(I + N^2)(I + N^4)(I + N^8) loses ~3 digits
+there (the two tests at the end catch it), recursive doubling, which never forms the large powers, does
+not.
 
 Float32 kernels (TRITON_INTERPRET=1 on CPU) against the float64 naive recurrence.
 """
@@ -162,8 +161,8 @@ def coupled_inputs():
 @pytest.mark.timeout(120)
 def test_ut_inverse_of_strongly_coupled_subtiles():
     """The kernel's whole T = (I + L)^-1 (Tinv after the forward) against float64's inverse of the same L.
-    7d3c5cb's products alone: 9.3e-4 off; forward substitution (8a5415d) and the products plus one
-    Newton step: 3.1e-7; recursive doubling (session 20): 3.0e-7."""
+    The power form alone is 9.3e-4 off; forward substitution, and the power form plus one Newton step,
+    3.1e-7; recursive doubling 3.0e-7."""
     q, k, v, z, beta, A_log, dt_bias, _ = coupled_inputs()
     T, K = q.shape[1], q.shape[3]
     kn = k[0, :, 0] / (k[0, :, 0].pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
@@ -184,7 +183,7 @@ def test_ut_inverse_of_strongly_coupled_subtiles():
 def test_outputs_and_gradients_of_strongly_coupled_subtiles():
     """The same chunk end to end: o, final state and every gradient within test_flash_kda's float32
     tolerance (dbeta = sigmoid'(20) ~ 2e-9 of its terms is 0 in float32, as in torch's autograd: skipped).
-    7d3c5cb's products alone: dv 3.3e-4, dk 1.5e-4, final state 9.8e-5; with the Newton step (as with
+    The power form alone gives dv 3.3e-4, dk 1.5e-4, final state 9.8e-5; with a Newton step (as with
     forward substitution) all <= 1.8e-6; by recursive doubling all <= 1.2e-6."""
     ours, ref = run_both(coupled_inputs())
     for name in ref:

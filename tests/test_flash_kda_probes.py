@@ -1,9 +1,9 @@
-"""FlashKDA probes from fresh-user attempts to break the rewritten backward (intra backward per
+"""FlashKDA probes aimed at the backward's layout (intra backward per
 16-row sub-tile x K tile of 64, the gate backward per K tile of 32, the q/k norm backward per token block,
 the rows' inverse norms written by dq/dk and read later, state gradients in the intermediate dtype) and
-the forward whose output the state kernel writes (944d9aa).
+the forward whose output the state kernel writes.
 
-Every probe here passed; they are kept as regression tests for what the other FlashKDA test files do not
+They are regression tests for what the other FlashKDA tests do not
 reach: every tail length of a chunk's sub-tiles in one varlen batch with K = 72 (a partial second K tile)
 and the backward's empty buffers poisoned with NaN, per-sequence errors, T < 16 with B = 3, gradients of
 a subset of the inputs, strided inputs and expanded output gradients, the gate next to lower_bound = -10
@@ -150,8 +150,7 @@ def test_strided_inputs_and_expanded_output_gradients():
 def test_strong_decay_then_open_gates_in_one_chunk():
     """48 tokens at a log-decay near -10 (G reaches about -480 in the chunk), then 16 nearly open ones
     (-4.5e-4 each): float32 resolves G only to 3e-5 there, so a float32 running sum rounded each small
-    gate and missed by up to 1.5e-4 (o 5.7e-5, final state 9.8e-5, gradients up to 1.4e-4; a fresh-user
-    probe). With float32 intermediates G is summed in float64 and rounded once: o and the state are
+    gate and missed by up to 1.5e-4 (o 5.7e-5, final state 9.8e-5, gradients up to 1.4e-4). With float32 intermediates G is summed in float64 and rounded once: o and the state are
     1.2e-5 / 1.4e-5 off."""
     from test_flash_kda import check
 
@@ -175,8 +174,8 @@ def test_gate_saturated_at_a_strong_bound(lower_bound, gate_tol):
     interpreter's dots; the forward's masked upper triangle does, the backward, whose factors are all
     <= 1, must not). The gate's own gradients are ~e^-10 of the O(1) terms whose differences the chunkwise
     form takes (cumulative G, reverse cumsum of dG), so their error grows like e^|lb|: at -10 measured dg
-    4.8e-3, ddt_bias 5.1e-3, dA_log 8.6e-2, the same before the backward's rewrite (a63af7b) and better
-    than the PyTorch chunk_kda in float32 (2.2e-2, 9.1e-2, 2.0); at -7 (a fresh-user probe) dg 1.6e-4,
+    4.8e-3, ddt_bias 5.1e-3, dA_log 8.6e-2, better than the PyTorch chunk_kda in float32 (2.2e-2,
+    9.1e-2, 2.0); at -7 dg 1.6e-4,
     dA_log 2.6e-3, already past the 1e-4 float32 tolerance. torch's float32 autograd through the naive
     recurrence gets ~3e-5 / 2e-4 at both."""
     inputs = make_inputs(1, 40, 1, 2, 40, 16, seed=105)
@@ -204,7 +203,7 @@ def test_gate_saturated_at_a_strong_bound(lower_bound, gate_tol):
 @pytest.mark.timeout(300)
 def test_saturated_gates():
     """a (z + bias) near +12, where the gate's sigmoid is 1 - 6e-6: its derivative taken as s (1 - s) lost
-    1 - s to cancellation in float32 (dz 5.4e-3, dA_log 7.8e-3 relative; a fresh-user probe); as
+    1 - s to cancellation in float32 (dz 5.4e-3, dA_log 7.8e-3 relative); as
     t / (1 + t)^2 with t = e^-|x| every gradient is at float32 accuracy (dz 9e-6)."""
     from test_flash_kda import check
 
@@ -264,7 +263,7 @@ def test_kcp_documents_crossing_the_rank_boundary(monkeypatch):
         assert not bad, (fold, bad)
 
 
-# Probes of the forward with the output written by the state kernel (944d9aa: one program per sequence,
+# Probes of the forward with the output written by the state kernel (one program per sequence,
 # value head and V tile writes that tile's columns of o while its state is in registers). Every probe
 # passed (float32 vs float64, o and final states <= 9e-7, gradients <= 3.1e-6): grad vs no_grad forwards,
 # with and without initial/final state, varlen of 1..130 tokens at V tiles of 16, V = 16/24/40/48/80

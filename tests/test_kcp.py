@@ -104,7 +104,7 @@ def test_one_process_matches_chunk_kda_and_rejects_bad_input():
         kcp_kda(q, k, v, g, beta, ctx, chunk_size=16, slab_tokens=24)
     with pytest.raises(ValueError, match="weight"):
         kcp_short_conv(x, torch.randn(5, 4), ctx)
-    # From a fresh-user probe: an integer x cast the taps to int (all-zero output); q=None raised
+    # Regressions: an integer x cast the taps to int (all-zero output); q=None raised
     # AttributeError, chunk_size=0 ZeroDivisionError; offsets past T gave the reference a longer output.
     with pytest.raises(ValueError, match="x must be a floating-point tensor"):
         kcp_short_conv(x.round().long(), w, ctx)
@@ -184,7 +184,7 @@ def test_entry_points_reject_wrong_argument_types():
         kcp_kda(q, k, v, g, beta, None)
     with pytest.raises(ValueError, match="initial_state"):
         kcp_kda(q, k, v, g, beta, ctx, initial_state=[[0.0]])
-    # A fresh user's cases: these were taken (the state silently converted, the flag read as truthy) or
+    # Regressions: these were taken (the state silently converted, the flag read as truthy) or
     # failed deep inside with a TypeError.
     with pytest.raises(ValueError, match="initial_state must be a floating-point tensor"):
         kcp_kda(q, k, v, g, beta, ctx, initial_state=torch.zeros(1, H, K, K, dtype=torch.long))

@@ -98,7 +98,7 @@ def test_one_process_is_flash_kda():
 
 @pytest.mark.timeout(300)
 def test_outputs_can_be_changed_in_place():
-    """A fresh user's case: with float32 inputs, o.mul_(2) on flash_kda's or kcp_flash_kda's output
+    """Regression: with float32 inputs, o.mul_(2) on flash_kda's or kcp_flash_kda's output
     raised "Output 0 of ... is a view" (the output was a view made inside the Function; bf16 inputs, cast
     by a copy, did not). Both now allow it, and the gradients follow the change (R = 1, bit for bit)."""
     T, cu = 40, (0, 13, 40)
@@ -122,7 +122,7 @@ def test_outputs_can_be_changed_in_place():
 
 
 def test_flags_and_state_types_are_checked():
-    """A fresh user's cases: kcp_flash_kda took output_final_state=1 and an integer initial_state
+    """Regressions: kcp_flash_kda took output_final_state=1 and an integer initial_state
     (converted silently), where flash_kda refuses both."""
     T = 32
     ctx = make_context(T)

@@ -279,7 +279,7 @@ def test_kimi_linear_gate_formula_and_range():
 
 @pytest.mark.parametrize("gate", [lower_bounded_gate, kimi_linear_gate])
 def test_gates_refuse_integer_pre_activations(gate):
-    """A fresh user's case: an int64 z gave an int64, truncated log-decay (-4 for -4.91)."""
+    """Regression: an int64 z gave an int64, truncated log-decay (-4 for -4.91)."""
     with pytest.raises(ValueError, match="z must be a floating-point tensor, got dtype torch.int64"):
         gate(torch.ones(1, 2, 1, 3, dtype=torch.long), torch.zeros(1), torch.zeros(3))
 
@@ -294,7 +294,7 @@ def test_lower_bound_must_be_finite_negative(lower_bound):
 
 @pytest.mark.parametrize("gate", [lower_bounded_gate, kimi_linear_gate])
 def test_gate_params_are_not_broadcast(gate):
-    """A fresh user's case: z [1, 3, 1, 4] with A_log [3] (HV = 1) broadcast to a [1, 3, 3, 4] gate."""
+    """Regression: z [1, 3, 1, 4] with A_log [3] (HV = 1) broadcast to a [1, 3, 3, 4] gate."""
     z = torch.randn(1, 3, 1, 4)
     with pytest.raises(ValueError, match=r"A_log must be a \[HV\] = \[1\] tensor, got \[3\]"):
         gate(z, torch.zeros(3))
@@ -415,7 +415,7 @@ def _bad_more(name):
     return x, extra
 
 
-# all_meta and int_state: a fresh user's cases (NotImplementedError "Cannot copy out of meta tensor"
+# all_meta and int_state: regressions (NotImplementedError "Cannot copy out of meta tensor"
 # from the value checks; an integer state silently cast); so are a scale <= 0 and a tensor passed as
 # output_final_state (both accepted silently).
 BAD_MORE = {"int_q": "q", "int_all": "q", "bool_beta": "beta", "B0": "B", "H0": "H", "cu_list": "cu_seqlens",

@@ -249,7 +249,7 @@ def test_bad_norm_eps(norm_eps):
 
 
 def test_reference_op_refuses_unknown_gate():
-    """A fresh user's case: gate='foo' silently ran the kimi_linear gate."""
+    """Regression: gate='foo' silently ran the kimi_linear gate."""
     from k3lab.kda.layer import reference_kda_op
 
     q, k, v, z = (torch.randn(1, 4, 1, 8) for _ in range(4))

@@ -447,7 +447,7 @@ def main(argv=None) -> dict:
                                    lm_experiment(device, 512, 8, 32, 512, args.lm_steps, [2, 4, 8]))
 
     if not args.smoke:
-        # Sections not run this time stay as the earlier run left them, with that run's date.
+        # Sections this run skipped keep the values the file held, with the date they were measured.
         earlier = json.loads(out.read_text()) if out.exists() else {}
         step_keys = ("step", "step_overhead_block", "step_overhead_block_precision", "step_overhead_block_by_precision")
         for keys in (("kernel_cases", "bandwidth"), step_keys, ("lm_experiment",)):

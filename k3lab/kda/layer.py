@@ -51,7 +51,7 @@ def reference_kda_op(
     A_log: torch.Tensor, dt_bias: torch.Tensor | None, scale: float | None = None,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None, lower_bound: float = -5.0, *, gate: str = "lower_bounded",
-    chunk_size: int = 64,
+    chunk_size: int = 64, cp=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA on un-normalised q/k, the gate pre-activation and beta logits, in PyTorch:
     ``chunk_kda(L2Norm(q), L2Norm(k), v, gate(z), sigmoid(beta_logits))``.
@@ -69,32 +69,46 @@ def reference_kda_op(
         lower_bound (float): g_min of the lower-bounded gate.
         gate (str): "lower_bounded" or "kimi_linear".
         chunk_size (int): C for ``chunk_kda``.
+        cp (KCPContext | None): context parallel (``k3lab.kcp``): q ... beta_logits are this rank's
+            tokens [1, T_local, ...] of the sequence ``cp`` describes, and ``kcp_kda`` runs instead of
+            ``chunk_kda`` (cu_seqlens must then be None: the documents are ``cp``'s).
 
     Returns:
         (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] or None).
 
     Raises:
-        ValueError: everything ``chunk_kda`` and ``lower_bounded_gate`` raise; an unknown ``gate``.
+        ValueError: everything ``chunk_kda`` (or ``kcp_kda``) and ``lower_bounded_gate`` raise; an unknown
+            ``gate``; cu_seqlens together with cp.
     """
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     z = _wide(z)
     g = (lower_bounded_gate(z, A_log, dt_bias, lower_bound) if gate == "lower_bounded"
          else kimi_linear_gate(z, A_log, dt_bias))
-    return chunk_kda(_l2norm(q), _l2norm(k), v, g, torch.sigmoid(_wide(beta_logits)), scale=scale,
-                     initial_state=initial_state, output_final_state=output_final_state,
-                     cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    q, k, beta = _l2norm(q), _l2norm(k), torch.sigmoid(_wide(beta_logits))
+    if cp is not None:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens must be None with cp: the context's seq_bounds place the documents")
+        from k3lab.kcp import kcp_kda  # noqa: PLC0415  (k3lab.kcp imports this package)
+
+        return kcp_kda(q, k, v, g, beta, cp, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, chunk_size=chunk_size)
+    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
 
 
-def _kda_op(device: torch.device, gate: str, chunk_size: int):
+def _kda_op(device: torch.device, gate: str, chunk_size: int, cp=None, check_values: bool = True):
     """The KDA operator used on ``device``: the single place where the fast path plugs in.
 
     Returns a function with ``reference_kda_op``'s (= ``flash_kda``'s) positional signature:
     ``op(q, k, v, z, beta_logits, A_log, dt_bias, scale=None, initial_state=None,
     output_final_state=False, cu_seqlens=None, lower_bound=-5.0) -> (o, final_state)``.
-    On CPU it is always the PyTorch reference (kernel modules are never imported there).
+    On CPU it is always the PyTorch reference (kernel modules are never imported there). With ``cp`` (a
+    ``k3lab.kcp.KCPContext``) the operator is context parallel: ``kcp_kda`` in PyTorch, ``kcp_flash_kda``
+    on CUDA. ``check_values=False`` skips the fused kernels' NaN/inf and range checks (one host sync per
+    call); the PyTorch reference always checks.
     """
-    reference = functools.partial(reference_kda_op, gate=gate, chunk_size=chunk_size)
+    reference = functools.partial(reference_kda_op, gate=gate, chunk_size=chunk_size, cp=cp)
     if device.type != "cuda" or gate != "lower_bounded":
         return reference
     # FlashKDA on CUDA (imported here so CPU sessions never load Triton kernels); the reference for
@@ -102,13 +116,25 @@ def _kda_op(device: torch.device, gate: str, chunk_size: int):
     from k3lab.kernels.kda import flash_kda
     from k3lab.kernels.kda.flash_kda import MAX_K, MIN_LOWER_BOUND
 
+    def fused(q, k, v, z, beta, A_log, dt_bias, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, lower_bound=-5.0):
+        if cp is None:
+            return flash_kda(q, k, v, z, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                             cu_seqlens, lower_bound, check_values=check_values)
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens must be None with cp: the context's seq_bounds place the documents")
+        from k3lab.kcp import kcp_flash_kda  # noqa: PLC0415
+
+        return kcp_flash_kda(q, k, v, z, beta, A_log, dt_bias, cp, scale, initial_state, output_final_state,
+                             lower_bound, check_values=check_values)
+
     def op(q, *args, **kwargs):
         lower_bound = kwargs.get("lower_bound", -5.0)
         # Not a number: flash_kda's checks name the argument.
         too_low = (isinstance(lower_bound, numbers.Real) and not isinstance(lower_bound, bool)
                    and lower_bound < MIN_LOWER_BOUND)
         fits = q.dtype != torch.float64 and q.shape[-1] <= MAX_K and not too_low
-        return (flash_kda if fits else reference)(q, *args, **kwargs)
+        return (fused if fits else reference)(q, *args, **kwargs)
 
     return op
 
@@ -246,6 +272,9 @@ class KDALayer(nn.Module):
                        nn.Sequential(nn.Linear(d_model, gate_rank, bias=False), nn.Linear(gate_rank, v_dim, bias=True)))
         self.o_norm = nn.RMSNorm(v_head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(v_dim, d_model, bias=False)
+        # The fused kernels' NaN/inf and range checks cost one host sync per call; a trainer that
+        # validates its inputs once turns them off (``K3Model.value_checks``).
+        self.check_values = True
         self.reset_gate_parameters()
 
     def reset_gate_parameters(self) -> None:
@@ -276,7 +305,7 @@ class KDALayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cache: KDACache | None = None, cu_seqlens: torch.Tensor | None = None,
-        use_cache: bool = True,
+        use_cache: bool = True, cp=None,
     ) -> tuple[torch.Tensor, KDACache | None]:
         """Mix tokens causally.
 
@@ -286,6 +315,10 @@ class KDALayer(nn.Module):
                 number of packed sequences with ``cu_seqlens``); None starts from zeros.
             cu_seqlens (Tensor | None): int [N+1] offsets of packed sequences; requires B == 1.
             use_cache (bool): return the updated cache (False returns None, e.g. for training).
+            cp (KCPContext | None): context parallel (``k3lab.kcp.make_context``): x is this rank's
+                [1, T_local, d] slice of the packed sequence ``cp`` describes (its documents, its group);
+                the short convolutions take their halo from the previous rank (``kcp_short_conv``) and
+                KDA runs as ``kcp_kda`` (``kcp_flash_kda`` on CUDA). No cache, cu_seqlens or use_cache.
 
         Returns:
             (y [B, T, d] in x's dtype, KDACache | None).
@@ -294,6 +327,7 @@ class KDALayer(nn.Module):
             ValueError: x is not [B, T, d_model] or not in the weights' dtype (outside autocast); a
                 cache that is not a KDACache, or a field of it (named ``cache.<field>``) not a
                 floating-point tensor of its shape on x's device; bad cu_seqlens, B > 1 with cu_seqlens;
+                cp with B > 1, a cache, cu_seqlens or use_cache;
                 a NaN or inf in x or the cache, or an x or cache.state so large that KDA overflows
                 (``k3lab.kda.checks.NonFiniteError``, naming x or the cache field rather than the
                 operator's internal q, k, v or initial_state).
@@ -310,19 +344,30 @@ class KDALayer(nn.Module):
         if cu_seqlens is not None and x.shape[0] != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed into B=1, got B={x.shape[0]}")
         N = check_cu_seqlens(cu_seqlens, x.shape[1]) if cu_seqlens is not None else x.shape[0]
+        conv = causal_short_conv
+        if cp is not None:
+            if x.shape[0] != 1 or cache is not None or cu_seqlens is not None or use_cache:
+                raise ValueError(f"with cp, x must be this rank's one packed row [1, T_local, d] with no cache, "
+                                 f"cu_seqlens or use_cache (cp places the documents), got x {list(x.shape)}, "
+                                 f"cache={type(cache).__name__}, cu_seqlens={cu_seqlens is not None}, "
+                                 f"use_cache={use_cache}")
+            from k3lab.kcp import kcp_short_conv  # noqa: PLC0415  (k3lab.kcp imports this package)
+
+            def conv(y, weight, state, cu):
+                return kcp_short_conv(y, weight, cp), None
         if cache is not None:
             self._check_cache(cache, N, x.device)
         c = cache or KDACache(None, None, None, None)
-        q, cq = causal_short_conv(self.q_proj(x), self.q_conv, c.conv_q, cu_seqlens)
-        k, ck = causal_short_conv(self.k_proj(x), self.k_conv, c.conv_k, cu_seqlens)
-        v, cv = causal_short_conv(self.v_proj(x), self.v_conv, c.conv_v, cu_seqlens)
+        q, cq = conv(self.q_proj(x), self.q_conv, c.conv_q, cu_seqlens)
+        k, ck = conv(self.k_proj(x), self.k_conv, c.conv_k, cu_seqlens)
+        v, cv = conv(self.v_proj(x), self.v_conv, c.conv_v, cu_seqlens)
         q = F.silu(q).unflatten(-1, (self.H, self.K))
         k = F.silu(k).unflatten(-1, (self.H, self.K))
         v = F.silu(v).unflatten(-1, (self.HV, self.V))
         z = self.f_proj(x).unflatten(-1, (self.HV, self.K))
         # The operator normalises q/k, applies the gate and sigmoid(beta) and picks its own precision
         # (the reference computes in float32): keep autocast from making its matmuls bf16.
-        op = _kda_op(x.device, self.gate, self.chunk_size)
+        op = _kda_op(x.device, self.gate, self.chunk_size, cp, self.check_values)
         with torch.autocast(x.device.type, enabled=False):
             # x in the weights' dtype: under autocast it may be bf16 while the weights are float32.
             beta = self.b_proj(x.to(self.b_proj.weight.dtype))

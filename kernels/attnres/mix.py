@@ -50,16 +50,9 @@ _TILE_BUDGET = 16384
 # (G, BM, num_warps) of the backward. Offline sm_90 compiles (tests/sm90_compile.py's ``compile_sm90``,
 # d = 2048): (8, 1, 8), (4, 2, 8) and (2, 2, 8) use 255 registers and the first two spill (296 and 384
 # bytes of stack); 16 warps cap registers at 128 and spill more. On an H200 at M = 8192, d = 2048, n = 8,
-# S = 6 (float32 blocks, bf16 dO, each option forced through the autotuner) the backward with the
-# logits and r from the tables is fastest at (4, 2, 8): 1.062 ms, against 1.164 for (8, 1, 8), 1.342
-# for (2, 2, 8) and 4.4-6.0 for the 16-warp ones; it formed the logits and r itself before, 1.248 ms
-# at its best (8, 1, 8) (attnres_h200_session25.json). A two-pass backward (per-token scalars over
-# whole rows, then the blocks' gradients by d tiles) took 3.70 ms (attnres_h200_session24.json), and
-# one tiled by tokens, two passes over d per tile (all dO_l . b_i, then the gradients), 4.51 ms
-# (attnres_h200_session25.json, branch exp/tiled-bwd). Two more lost (attnres_h200_session27.json, branch
-# exp/bwd-s27): one flat loop over (tile, block) pairs, pipelined across tiles, 1.43 ms; and two kernels, every
-# dO_l . b_i by d chunks (0.29 ms, 2.7 TB/s) then the gradients by d slices, 1.95 ms in all (that second pass
-# was bound by shared-memory layout conversions).
+# S = 6 (float32 blocks, bf16 dO, each option forced through the autotuner) the backward is fastest at
+# (4, 2, 8): 1.062 ms, against 1.164 for (8, 1, 8), 1.342 for (2, 2, 8) and 4.4-6.0 for the 16-warp ones.
+# The other backward layouts that were timed (two passes, token tiles, two kernels) lost; docs/attnres.md.
 _BWD_OPTIONS = [(8, 1, 8), (4, 1, 8), (4, 2, 8), (2, 1, 8), (2, 2, 8), (1, 1, 8), (1, 1, 16), (1, 1, 32)]
 
 
@@ -114,7 +107,7 @@ def attnres_store_kernel(
         b_ss += tl.sum(b_x * b_x, axis=1)
         b_w = tl.load(W + o_q[None, :] * D + o_k[:, None], mask=m_k[:, None] & m_q[None, :], other=0.0)
         # tf32x3: float32 accuracy from three tensor-core products ("ieee", FMA loops, took 0.32 ms for
-        # 8192 x 2048 x 49 on an H200, against 0.067 for the add alone; attnres_h200_session24.json).
+        # 8192 x 2048 x 49 on an H200, against 0.067 for the add alone).
         b_s += tl.dot(b_x, b_w.to(tl.float32), input_precision="tf32x3")
     b_r = 1.0 / tl.sqrt(b_ss / D + eps)
     tl.store(scores + o_q[None, :] * stride_q + o_m[:, None], b_s * b_r[:, None], mask=m_m[:, None] & m_q[None, :])
@@ -122,8 +115,8 @@ def attnres_store_kernel(
         tl.store(rstd + o_m, b_r, mask=m_m)
 
 
-# Session 23 (attnres_h200_session23.json, n = 8, S = 6, the prototype of this kernel): (1, 512, 4) 0.242 ms,
-# (1, 1024, 4) 0.244, (2, 256, 4) 0.250, (2, 512, 4) 0.251, (4, 256, 4) 0.259; 8 warps 0.28-0.45.
+# (BM, BD, num_warps) of the forward: on an H200 at M = 8192, d = 2048, n = 8, S = 6 these five took
+# 0.242-0.259 ms, (1, 512, 4) the fastest; 8 warps took 0.28-0.45.
 @triton.autotune(configs=_configs("BM BD", [(1, 512, 4), (1, 1024, 4), (2, 256, 4), (2, 512, 4), (4, 256, 4)],
                                   (2, 16, 4)), key=["D", "S"])
 @triton.jit

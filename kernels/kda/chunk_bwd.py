@@ -421,9 +421,8 @@ def kda_state_bwd(QG, KG, W, G, Aqk, do, dht, need_dh0, cu_seqlens, chunk_offset
 
 def _dqkw_tiles(K: int, V: int, cuda: bool) -> tuple[int, int, int]:
     """(BKK, BK, BV): K whole (BKK) or in tiles of 64, and the dW/dv kernel's V tile, 32 on the GPU (dq/dk
-    uses ``block_sizes``' 64). Measured on an H200 at B4 T8192 H16, bf16 (tile and warp sweeps,
-    ``data/results/flash_kda_h200_stages.json``): dq/dk V tile 64 -> 1.14 ms, 32 -> 1.24; dW/dv 32 is the
-    fastest of 16, 32 and 64."""
+    uses ``block_sizes``' 64). Measured on an H200 at B4 T8192 H16, bf16 (tile and warp sweeps): dq/dk
+    V tile 64 -> 1.14 ms, 32 -> 1.24; dW/dv 32 is the fastest of 16, 32 and 64."""
     BKK, BV = block_sizes(K, V)
     return BKK, min(BKK, 64), min(BV, 32) if cuda else BV
 

@@ -145,11 +145,11 @@ def unit_lower_inverse(b_N0, b_N1, b_N2, b_N3, BC: tl.constexpr, PREC: tl.conste
 
     The intermediates are inverses of smaller diagonal blocks and the products B^-1 C, never powers of N,
     so they do not form the large terms that cancel in the power form (I - N)(I + N^2)(I + N^4)(I + N^8)
-    this replaced: on near-identical keys (N's entries near 1) N^8 reaches C(14, 7) = 3432, where float32
+    would form: on near-identical keys (N's entries near 1) N^8 reaches C(14, 7) = 3432, where float32
     products of the powers lose 6e-5 relative and plain TF32 ones 0.65 at most. Doubling in float32
     ("ieee") is at float32's rounding (2.7e-8 relative on identical keys in runs of 8 on an H200, with no
     Newton step), and in three bf16 passes ("bf16x3", which gave the powers 8.1e-3 at most) it leaves T
-    at its bf16 rounding (``inverse_precisions``; flash_kda_h200_session14.json, session20.json)."""
+    at its bf16 rounding (``inverse_precisions``; docs/flash_kda.md)."""
     b_N = tl.permute(tl.reshape(tl.join(tl.join(b_N0, b_N1), tl.join(b_N2, b_N3)), (BC, BC, 4)), (2, 0, 1))
     o_c = tl.arange(0, BC)
     o_i, o_j = o_c[:, None], o_c[None, :]
@@ -204,14 +204,14 @@ def kda_gate_fwd_kernel(
     int16 code x = (G - r) / x_scale + 32767 with r = G before the row's 16-row sub-tile, half G's bytes;
     E gets G at each sub-tile's last row, from which the scores kernel rebuilds G = r + x_scale (x - 32767)
     to within x_scale / 2 and the state kernel takes the chunk's decay. The walk keeps the running sum in
-    registers, one row at a time: the sub-tile ends formed from a [64, BK] tile by masked sums across its
-    rows took this kernel from 444 to 932 us or more on an H200 (flash_kda_h200_session22.json).
+    registers, one row at a time, so threads exchange nothing (sums across a [64, BK] tile's rows took
+    this kernel from 444 to 932 us or more on an H200).
 
     With ``EXACT_SUM`` (float32 intermediates) the sum runs in float64 and is rounded once: after strong
     decay G is hundreds, where float32 resolves only ~3e-5, and a float32 running sum rounds every small
-    gate after it (a fresh-user probe: up to 1.5e-4 in G, 1.4e-4 in the float32 gradients). bf16
+    gate after it (up to 1.5e-4 in G, 1.4e-4 in the float32 gradients). bf16
     intermediates round at 2^-8 anyway, and on an H200 the float64 sum took this kernel from 436 to 647 us
-    at B8 T4096 H64 (forward +4%, flash_kda_h200_session19.json), so they keep the float32 sum."""
+    at B8 T4096 H64 (forward +4%), so they keep the float32 sum."""
     i_k, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     o_k = i_k * BKG + tl.arange(0, BKG)
@@ -358,10 +358,10 @@ def kda_inverse_fwd_kernel(
     """Per chunk and value head: the UT-transform inverse (``ut_inverse_blocks``), stored in the
     intermediates' dtype (what ``kda_wu_fwd_kernel`` and the backward use). A kernel of its own when T is
     kept, so that the W/U products (82 registers at 4 warps, offline sm_90) do not run at this chain of
-    dependent small products' register count: on an H200 the split took the float32 intra forward from
-    1.822 to 1.700 ms at B4 T8192 H16 and left bf16's as it was (1.015 -> 1.011 ms); with the doubling,
-    bf16's fused kernel storing T took 1220 us at B8 T4096 H64 against 512 + 698 split
-    (flash_kda_h200_session21.json). Without a backward, ``kda_inverse_wu_fwd_kernel`` runs instead."""
+    dependent small products' register count: on an H200 the split is 7% faster for float32
+    intermediates (intra forward 1.700 against 1.822 ms at B4 T8192 H16) and, for bf16 ones storing T,
+    1210 against 1220 us at B8 T4096 H64. Without a backward, ``kda_inverse_wu_fwd_kernel`` runs
+    instead."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33 = ut_inverse_blocks(
@@ -421,9 +421,8 @@ def kda_inverse_wu_fwd_kernel(
     """Per chunk and value head, for a forward with no backward: the UT inverse (``ut_inverse_blocks``)
     assembled in registers as one [BT, BT] operand, rounded to W's dtype as the stored T would be, and
     W and U from it (``apply_ut``); T never goes to memory. The same results as the two kernels, bit for
-    bit; on an H200 (bf16) 1143 us at B8 T4096 H64 against 512 + 698 for them, the forward 1.6% less
-    there (4.803 -> 4.727 ms) and 1.7% at B4 T8192 H16 (1.217 -> 1.196; flash_kda_h200_session21.json).
-    float32 intermediates keep the split, whose reason above was measured on them."""
+    bit; on an H200 (bf16) 1143 us at B8 T4096 H64 against 512 + 698 for them, a forward 1.6-1.7%
+    faster. float32 intermediates keep the split, whose reason above was measured on them."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     t0, n_t = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33 = ut_inverse_blocks(
@@ -538,9 +537,9 @@ def kda_state_fwd_kernel(
 # instead of 4: uncapped it takes 244, and Nsight Compute showed it latency-bound at 12.5% occupancy. On an
 # H200 (bf16, K = V = 128) the whole forward went from 1.388 to 1.336 ms at B4 T8192 H16, 1.951 -> 1.898 at
 # B1 T32768 H16, 5.431 -> 5.231 at B8 T4096 H64; caps of 144, 152 and 184, 3 stages, and 4 or 8 warps
-# with or without a cap were slower (``session_11_experiments`` in ``flash_kda_h200_stages.json``).
+# with or without a cap were slower.
 # Elsewhere the cap would spill more (offline sm_90: 1272 B at K = 256, 456 B with float32
-# intermediates), so for K > 128 and float32 intermediates the warps are timed, as before.
+# intermediates), so for K > 128 and float32 intermediates the warps are timed, as for the other kernels.
 SCORES_LAUNCH = dict(num_warps=2, num_stages=2, maxnreg=168)
 kda_scores_fwd_tuned = triton.autotune(configs=warp_configs(4, 2, 8),
                                        key=["grid_log2", "H", "HV", "K", "REPLAY", "PACKED"])(kda_scores_fwd_kernel)
@@ -553,9 +552,8 @@ def inverse_precisions(exact: bool) -> tuple[str, str]:
     which leaves T's error at that of "ieee" products, bf16's rounding of T: on an H200, keys identical in
     runs of 8 or 16 (weak decay, beta near 1), 8.2e-4 relative and 2.0e-3 at most for both; plain TF32
     there was faster (inverse 109 against 134 us at B4 T8192 H16) but lost 2.2e-3 relative on a block of
-    near-identical keys with beta = 1 (flash_kda_h200_session20.json). TF32 for the blocks
-    T_IJ = -T_II (sum L T), as before the doubling: there it left T's error as it was on those inputs
-    (flash_kda_h200_session14.json)."""
+    near-identical keys with beta = 1. TF32 for the blocks T_IJ = -T_II (sum L T): on those inputs it
+    leaves T's error at that of bf16x3 blocks."""
     return ("ieee", "ieee") if exact else ("bf16x3", "tf32")
 
 
@@ -591,16 +589,16 @@ def kda_gate_fwd(z, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, exac
     G float32 [T, HV, K] and E None, or when ``packed`` the int16 codes [T, HV, K] of G relative to each
     16-row sub-tile's start, its ends E float32 [NT, HV, BT // BC, K] and the codes' step
     (``packed_gate_scale``). The packed gate halves G's bytes for the scores kernel, which rebuilds G
-    from it (on an H200 at B8 T4096 H64, bf16: gate 444 -> 411 us, scores 1966 -> 1758 us, forward
-    4.73 -> 4.51 ms; flash_kda_h200_session22.json)."""
+    from it (on an H200 at B8 T4096 H64, bf16: gate 411 us against 444 for float32 G, scores 1758
+    against 1966 us, forward 4.51 against 4.73 ms)."""
     T, HV, K = z.shape
     NT = chunk_indices.shape[0]
     G = torch.empty(T, HV, K, device=z.device, dtype=torch.int16 if packed else torch.float32)
     E = torch.empty(NT, HV, BT // BC, K, device=z.device, dtype=torch.float32) if packed else None
     x_scale = packed_gate_scale(lower_bound)
     # G: K tiles of 64 at 4 warps, on an H200 at K = 128 the fastest of 16-128 x 1-8 warps (B4 T8192 H16:
-    # 114.5 us, against 131.7 for tiles of 32; flash_kda_h200_session13.json). The packed gate's
-    # row-by-row walk: tiles of 128 at 2 warps, the fastest of 32-256 x 1-4 (flash_kda_h200_session22.json).
+    # 114.5 us, against 131.7 for tiles of 32). The packed gate's row-by-row walk: tiles of 128 at 2
+    # warps, the fastest of 32-256 x 1-4.
     BKG, warps = (min(128, block_sizes(K, K)[0]), 2) if packed else (min(64, block_sizes(K, K)[0]), 4)
     kda_gate_fwd_kernel[(triton.cdiv(K, BKG), NT, HV)](
         z, A_log, dt_bias, G, E, cu_seqlens, chunk_indices, lower_bound, x_scale, HV=HV, K=K,

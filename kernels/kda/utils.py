@@ -33,7 +33,7 @@ def grid_log2(programs: int) -> int:
     their ``triton.autotune``, since the fastest num_warps depends on how many programs share the SMs.
     On an H200 (bf16, H16) the UT inverse and W/U kernels tuned at B1 T4096 H16 (1024 programs) took 4
     and 8 warps, tuned at B4 T8192 H16 (8192) 2 and 4; the forward at B4 T8192 H16 took 1.277 ms with
-    the first choice and 1.247 with its own (flash_kda_h200_session14.json)."""
+    the first choice and 1.247 with its own."""
     return min(max(max(programs, 1).bit_length() - 1, 10), 16)
 
 
