@@ -35,7 +35,7 @@ import torch
 
 import k3lab
 from k3lab.attnres.traffic import bytes_model, bytes_table, step_ms
-from k3lab.bench import nonnegative_int, positive_int
+from k3lab.bench import nonnegative_int, positive_int, run_info
 from k3lab.files import write_json
 
 PHASE1_CASES = [  # (tokens M, width d, blocks read n, queries S, buffer dtype)
@@ -392,6 +392,9 @@ def main(argv=None) -> dict:
     result = dict(hardware=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   torch=torch.__version__, bytes_model=bytes_model(), bytes_priced_at=dict(tokens=batch * seq, d=d))
+    info = run_info(device)
+    # Every baseline (eager and compiled PyTorch, the standard-residual step) is timed in this run, beside ours.
+    result.update(commit=info["commit"], versions=info["versions"], baselines_same_run=True)
     print(bytes_table(result["bytes_model"], **result["bytes_priced_at"]), flush=True)
     print("1. correctness", flush=True)
     result["correctness"] = check_correctness(device, *((40, 24, 8) if args.smoke else ()))

@@ -20,7 +20,7 @@ import datetime
 import torch
 
 import k3lab
-from k3lab.bench import positive_int
+from k3lab.bench import positive_int, run_info
 from k3lab.bench.attnres import PRECISIONS, bench_step
 from k3lab.files import write_json
 
@@ -47,6 +47,9 @@ def main(argv=None) -> dict:
                   torch=torch.__version__, model=f"k3lab.lm.LM attention mixers, {n_layers} layers "
                   f"({2 * n_layers} sublayers), B={batch}, T={seq}, AdamW; Block AttnRes N={n_blocks}",
                   precisions={k: PRECISIONS[k] for k in precisions}, rows=[])
+    info = run_info(device)
+    # The standard-residual step is timed in this run, in alternation with Block AttnRes's.
+    result.update(commit=info["commit"], versions=info["versions"], baselines_same_run=True)
     for d in widths:
         for precision in precisions:
             variants = [("standard", None, {}, precision), (f"block_N{n_blocks}", n_blocks, {}, precision)]

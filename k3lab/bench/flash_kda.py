@@ -11,12 +11,13 @@ TFLOP/s and device-to-device copy GB/s; (3) per case, ours and fla forward and f
 (``triton.testing.do_bench``, median ms) and peak memory of one forward+backward
 (``torch.cuda.max_memory_allocated`` above the inputs). Both run the same settings: bf16, K = V = 128,
 K3's lower-bounded gate (lower_bound -5), q/k L2 norm, beta sigmoid and gate activation in-kernel,
-no initial or final state. Writes the JSON (shape fixed by issue 3) and prints the table last.
+no initial or final state. Writes ``data/results/flash_kda_<card>.json`` (``k3lab.bench.result_path``:
+device, commit, date, versions, ceilings, and per case ``fla_same_run``: whether fla was timed in this run
+or its times came from ``--fla-from``) and prints the table last.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import platform
 import time
@@ -24,13 +25,12 @@ from pathlib import Path
 
 import torch
 
-from k3lab.bench import positive_int, shape_bth
+from k3lab.bench import positive_int, result_path, run_info, shape_bth
 from k3lab.files import write_json
 from k3lab.testing import rel_rms_error
 
 LOWER_BOUND = -5.0
 BASELINE_CASES = ["1x8192x16", "4x8192x16", "1x32768x32", "8x4096x32"]
-DEFAULT_OUT = "data/results/flash_kda_h200.json"
 OUT_TOL, GRAD_TOL = 5e-3, 1e-2
 # flash_kda's MAX_K, here so that parsing the command line loads no kernels (tests/test_bench_cli.py
 # checks that the two agree).
@@ -46,14 +46,11 @@ def head_dim(text: str) -> int:
 
 
 def reference(q, k, v, z, beta, A_log, dt_bias, initial_state=None, cu_seqlens=None, lower_bound=LOWER_BOUND):
-    """The float64 naive recurrence with the fused pieces applied in torch (the ground truth)."""
-    from k3lab.kda import lower_bounded_gate, naive_recurrent_kda
+    """The ground truth: ``k3lab.kda.naive_fused_kda`` (run it on float64 inputs), final state returned."""
+    from k3lab.kda import naive_fused_kda
 
-    qn = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
-    kn = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
-    g = lower_bounded_gate(z, A_log, dt_bias, lower_bound)
-    return naive_recurrent_kda(qn, kn, v, g, beta.sigmoid(), initial_state=initial_state,
-                               output_final_state=True, cu_seqlens=cu_seqlens)
+    return naive_fused_kda(q, k, v, z, beta, A_log, dt_bias, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                           lower_bound=lower_bound)
 
 
 def make_inputs(B, T, H, HV, K, V, device, dtype=torch.bfloat16, seed=0, N=None):
@@ -322,8 +319,9 @@ def main(argv=None) -> dict:
                    help=f"shapes BxTxH (K = V = --K, HV = H); default {' '.join(BASELINE_CASES)}")
     p.add_argument("--K", type=head_dim, default=128, help="key and value head dim of the timed cases, <= 256 "
                    "(the correctness check runs at K = V = 128)")
-    p.add_argument("--out", default=None, help=f"where the JSON goes ('' = nowhere); default {DEFAULT_OUT} for "
-                   "the default cases, nowhere with --cases (a one-shape try must not replace the committed sweep)")
+    p.add_argument("--out", default=None, help="where the JSON goes ('' = nowhere); default "
+                   "data/results/flash_kda_<card>.json for the default cases, nowhere with --cases (a one-shape "
+                   "try must not replace the committed sweep)")
     check = p.add_mutually_exclusive_group()
     check.add_argument("--check-only", action="store_true", help="run the correctness check and stop")
     check.add_argument("--skip-check", action="store_true", help="skip the correctness check")
@@ -337,14 +335,14 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.fla_from and not args.no_fla:
         p.error("--fla-from needs --no-fla (without it fla is timed live)")
-    if args.out is None:
-        args.out = DEFAULT_OUT if args.cases is None else ""
-    args.cases = args.cases if args.cases is not None else [shape_bth(c) for c in BASELINE_CASES]
     if not torch.cuda.is_available():
         raise SystemExit("python -m k3lab.bench.flash_kda needs a CUDA GPU")
+    if args.out is None:
+        args.out = result_path("flash_kda", torch.cuda.get_device_name()) if args.cases is None else ""
+    args.cases = args.cases if args.cases is not None else [shape_bth(c) for c in BASELINE_CASES]
     device = torch.device("cuda")
-    result = {"hardware": {"name": torch.cuda.get_device_name()}, "versions": versions(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cases": []}
+    info = run_info(device)
+    result = {"hardware": {"name": info.pop("device")}, **info, "versions": versions(), "cases": []}
     if not args.skip_check:
         t = time.time()
         result["hardware"]["correctness"] = check_correctness(device)
@@ -365,6 +363,7 @@ def main(argv=None) -> dict:
     result["hardware"].update(ceilings(device))
     for B, T, H in args.cases:
         case_result = time_case(B, T, H, args.K, args.K, device, run_fla=not args.no_fla, rep=args.rep)
+        case_result["fla_same_run"] = not args.no_fla
         if (B, T, H, args.K) in earlier:
             case_result.update(earlier[B, T, H, args.K])
             case_result["speedup_fwd"] = case_result["fla_fwd_ms"] / case_result["ours_fwd_ms"]

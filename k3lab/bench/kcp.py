@@ -33,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from k3lab.bench import positive_int
+from k3lab.bench import positive_int, run_info
 from k3lab.dist import launch
 from k3lab.files import write_json
 from k3lab.kcp import kcp_short_conv, make_context
@@ -336,6 +336,9 @@ def main(argv=None) -> dict:
         "check": r0["check"],
         "fold_vs_scan": r0["fold_vs_scan"],
         "wall_s": round(time.perf_counter() - t0, 1),
+        "commit": run_info("cpu")["commit"],
+        # The one-GPU baseline and each rank's local work alone are timed in this run, on these GPUs.
+        "baselines_same_run": True,
     }
     result["notes"] = notes(result)
     write_json(cfg.out, result, indent=2)

@@ -89,3 +89,51 @@ def naive_recurrent_kda(
     final_state = torch.stack(finals)
     check_kda_result(o, final_state, **inputs)
     return o, (final_state if output_final_state else None)
+
+
+def naive_fused_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    z: torch.Tensor,
+    beta_logits: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    lower_bound: float = -5.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fused KDA op (``k3lab.kernels.kda.flash_kda``'s signature) by the recurrence, for checking it:
+
+        g = lower_bound * sigmoid(exp(A_log) (z + dt_bias)),  beta = sigmoid(beta_logits)
+        naive_recurrent_kda(q / ||q||, k / ||k||, v, g, beta)      (eps 1e-6 under the root)
+
+    Run it in float64 for a ground truth. The one reference of the fused op: the benchmark, the tests and
+    chapter 02 all check FlashKDA against it.
+
+    Args:
+        q, k (Tensor): [B, T, H, K] before L2 normalisation.
+        v (Tensor): [B, T, HV, V].
+        z (Tensor): [B, T, HV, K] gate pre-activation; A_log (Tensor): [HV]; dt_bias (Tensor | None):
+            [HV * K] or [HV, K] (``k3lab.kda.lower_bounded_gate``).
+        beta_logits (Tensor): [B, T, HV] write-strength logits.
+        scale, initial_state, cu_seqlens: as in ``naive_recurrent_kda``.
+        output_final_state (bool): return the final state (default True, unlike ``naive_recurrent_kda``:
+            a check wants it).
+        lower_bound (float): g_min, in [-10, 0) for FlashKDA.
+
+    Returns:
+        (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] in the compute dtype, or None).
+
+    Raises:
+        ValueError: what ``lower_bounded_gate`` and ``naive_recurrent_kda`` raise.
+    """
+    from k3lab.kda.gate import lower_bounded_gate
+
+    qn = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    kn = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    g = lower_bounded_gate(z, A_log, dt_bias, lower_bound)
+    return naive_recurrent_kda(qn, kn, v, g, beta_logits.sigmoid(), scale=scale, initial_state=initial_state,
+                               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
