@@ -154,3 +154,26 @@ def test_validation():
         GatedMLA(40, 2, 0)
     with pytest.raises(ValueError, match="norm_eps"):
         GatedMLA(40, 2, 8, norm_eps=float("nan"))
+
+
+@pytest.mark.parametrize("R, cu", [(2, None), (4, [0, 5, 16]), (4, [0, 3, 4, 11, 16])])
+def test_context_mask_is_each_ranks_rows_of_the_packed_mask(R, cu):
+    from k3lab.kcp import make_context
+    from k3lab.mla import context_mask
+
+    T = 16
+    full = attention_mask(T, T, cu_seqlens=None if cu is None else torch.tensor(cu))
+    for r in range(R):
+        ctx = make_context(T, cu, rank=r, world_size=R)
+        assert torch.equal(context_mask(ctx), full[ctx.start:ctx.stop]), (R, cu, r)
+
+
+def test_context_parallel_rejects_caches_batches_and_wrong_lengths():
+    from k3lab.kcp import make_context
+
+    mla = GatedMLA(d_model=32, num_heads=2, kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=4,
+                   qk_rope_head_dim=2, v_head_dim=4)
+    ctx = make_context(8, rank=0, world_size=2)
+    for kwargs, x in [({}, torch.randn(2, 4, 32)), ({}, torch.randn(1, 5, 32)), ({"use_cache": True}, torch.randn(1, 4, 32))]:
+        with pytest.raises(ValueError, match="with cp, x must be this rank's one packed row"):
+            mla(x, cp=ctx, **kwargs)

@@ -1,7 +1,7 @@
-"""k3lab.train: flags, the loader, the checkpoint folder; on 2 gloo ranks dp=2 and ep=2 (MoonEP and
-all-to-all) reproduce one process (losses and first-step gradients), a run SIGKILLed after a checkpoint
-resumes on the same losses, a checkpoint written at ep=2 resumes at dp=2 and loads in one process; on 4
-ranks dp=2 x ep=2 reproduces one process."""
+"""k3lab.train: flags, the loader, the checkpoint folder; on 2 gloo ranks dp=2, ep=2 (MoonEP and
+all-to-all) and cp=2 reproduce one process (losses and first-step gradients), a run SIGKILLed after a
+checkpoint resumes on the same losses, a checkpoint written at ep=2 resumes at dp=2 and loads in one
+process; on 4 ranks dp=2 x ep=2, cp=2 x ep=2 and dp=2 x cp=2 reproduce one process."""
 from __future__ import annotations
 
 import json
@@ -48,7 +48,7 @@ def test_layout_that_does_not_fit_the_world_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--dp", "2", "--no-progress"])
     assert e.value.code == 2
-    assert "--dp 2 x --ep 1 = 2 ranks, but 1 were launched" in capsys.readouterr().err
+    assert "--dp 2 x --cp 1 x --ep 1 = 2 ranks, but 1 were launched" in capsys.readouterr().err
 
 
 def test_resuming_past_steps_is_a_usage_error_not_a_silent_no_op(tmp_path, capsys):
@@ -136,8 +136,8 @@ def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path):
     finally:
         torch.set_num_threads(threads)
     layouts = [dict(dp=2, ckpt_dir=str(tmp_path / "dp2")), dict(ep=2, ep_mode="moonep", ckpt_dir=str(tmp_path / "ep2")),
-               dict(ep=2, ep_mode="alltoall"), dict(ep=2, doc_mask=True)]
-    grad_layouts = [dict(dp=2), dict(ep=2, ep_mode="moonep")]
+               dict(ep=2, ep_mode="alltoall"), dict(ep=2, doc_mask=True), dict(cp=2), dict(cp=2, doc_mask=True)]
+    grad_layouts = [dict(dp=2), dict(ep=2, ep_mode="moonep"), dict(cp=2)]
     out = launch(train_worker, 2, [dict(BASE, **lay) for lay in layouts],
                  [dict(BASE, **lay) for lay in grad_layouts], timeout_s=300)[0]
     runs = out["runs"]
@@ -209,8 +209,10 @@ def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path):
     assert (np.abs(got - uninterrupted[3:]) / uninterrupted[3:]).max() < 1e-4, (got, uninterrupted[3:])
 
 
-def test_four_ranks_dp2_ep2_match_one_process():
+def test_four_ranks_dp_ep_cp_layouts_match_one_process():
     # dp=2 x ep=2: experts are DTensors over ep whose FSDP shards and gradient reduction run over dp.
+    # cp=2 x ep=2: the experts' FSDP group is dp x cp; each row's packed tokens are cut in two (KCP, the
+    # MLA latents gathered). dp=2 x cp=2 with --doc-mask: documents cross the cut.
     cfg = dict(BASE, steps=5)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -219,8 +221,22 @@ def test_four_ranks_dp2_ep2_match_one_process():
         ref_grads = first_step_grads(TrainConfig(**cfg))
     finally:
         torch.set_num_threads(threads)
-    out = launch(train_worker, 4, [dict(cfg, dp=2, ep=2)], [dict(cfg, dp=2, ep=2)], timeout_s=300)[0]
-    got = _losses(out["runs"][0])
-    assert (np.abs(got - ref) / np.abs(ref)).max() < 1e-4, f"losses {got} vs one process {ref}"
-    for name, g in out["grads"][0].items():
-        assert_close(f"dp=2 ep=2 grad {name}", ref_grads[name], g, 1e-4)
+    layouts = [dict(dp=2, ep=2), dict(cp=2, ep=2), dict(dp=2, cp=2, doc_mask=True)]
+    out = launch(train_worker, 4, [dict(cfg, **lay) for lay in layouts[:2]],
+                 [dict(cfg, **lay) for lay in layouts], timeout_s=600)[0]
+    for lay, records in zip(layouts, out["runs"]):
+        got = _losses(records)
+        assert (np.abs(got - ref) / np.abs(ref)).max() < 1e-4, f"{lay}: losses {got} vs one process {ref}"
+    doc_grads = first_step_grads(TrainConfig(**cfg, doc_mask=True))
+    for lay, grads in zip(layouts, out["grads"]):
+        want = doc_grads if lay.get("doc_mask") else ref_grads
+        assert grads.keys() == want.keys()
+        for name, g in grads.items():
+            assert_close(f"{lay} grad {name}", want[name], g, 1e-4)
+
+
+def test_a_cp_layout_that_does_not_fit_the_world_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--dp", "1", "--cp", "2", "--no-progress"])
+    assert e.value.code == 2
+    assert "--dp 1 x --cp 2 x --ep 1 = 2 ranks, but 1 were launched" in capsys.readouterr().err

@@ -84,6 +84,27 @@ def attention_mask(T: int, S: int, offset: int = 0, cu_seqlens: torch.Tensor | N
     return mask
 
 
+def context_mask(cp, device: torch.device | str | None = None) -> torch.Tensor:
+    """The attention mask of this context-parallel rank's queries over the whole packed sequence.
+
+    Rank r of ``cp`` holds global tokens [start, stop); its query at global position i sees key j of the
+    T gathered keys when j <= i and both lie in one of ``cp``'s documents (``seq_bounds``).
+
+    Args:
+        cp (KCPContext): layout of the sequence over the context-parallel group (``k3lab.kcp``).
+        device: where to build it.
+
+    Returns:
+        Tensor [T_local, T] bool (True = may attend).
+    """
+    T = cp.T
+    j = torch.arange(T, device=device)
+    i = j[cp.start:cp.stop, None]
+    inner = torch.tensor(cp.seq_bounds[1:-1], device=device, dtype=j.dtype)
+    doc = torch.bucketize(j, inner, right=True)
+    return (j[None, :] <= i) & (doc[cp.start:cp.stop, None] == doc[None, :])
+
+
 def absorbed_attention(q_nope: torch.Tensor, q_shared: torch.Tensor, latent: torch.Tensor,
                        k_shared: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
                        mask: torch.Tensor | None) -> torch.Tensor:
@@ -215,7 +236,7 @@ class GatedMLA(nn.Module):
         return self.kv_a_norm(c), k_shared
 
     def forward(self, x: torch.Tensor, cache: MLACache | None = None, cu_seqlens: torch.Tensor | None = None,
-                use_cache: bool = False, absorbed: bool | None = None) -> tuple[torch.Tensor, MLACache | None]:
+                use_cache: bool = False, absorbed: bool | None = None, cp=None) -> tuple[torch.Tensor, MLACache | None]:
         """Attend causally (per packed document with ``cu_seqlens``).
 
         Args:
@@ -227,6 +248,12 @@ class GatedMLA(nn.Module):
             use_cache (bool): return the cache extended by these T tokens.
             absorbed (bool | None): run the absorbed form (True) or the materialised one (False);
                 None: absorbed when a cache is given (decoding), materialised otherwise (training, prefill).
+            cp (KCPContext | None): context parallel (``k3lab.kcp.make_context``): x is this rank's
+                [1, T_local, d] slice of the packed sequence ``cp`` describes. The latents c_kv and
+                k_shared ([T_local, R + Dr] per rank, the KV all-gather) are gathered from the group,
+                and the local queries attend over all T keys under ``context_mask`` (the backward
+                reduce-scatters the latents' gradients to their owners). No cache, cu_seqlens or
+                use_cache.
 
         Returns:
             (y [B, T, d] in x's dtype, MLACache | None).
@@ -234,7 +261,8 @@ class GatedMLA(nn.Module):
         Raises:
             ValueError: x not a floating [B, T, d_model] tensor with T >= 1; a cache that is not an MLACache
                 or whose batch, widths or dtype disagree; cu_seqlens with B > 1, with a cache, or invalid
-                (``k3lab.kda.checks.check_cu_seqlens``).
+                (``k3lab.kda.checks.check_cu_seqlens``); cp with B > 1, a cache, cu_seqlens or use_cache,
+                or x not holding the context's T_local tokens.
         """
         if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != self.d_model or not x.is_floating_point():
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -255,8 +283,20 @@ class GatedMLA(nn.Module):
             if cache is not None:
                 raise ValueError("GatedMLA: cu_seqlens with a cache is not supported (decode documents as a batch)")
             check_cu_seqlens(cu_seqlens, T)
+        if cp is not None and (B != 1 or cache is not None or cu_seqlens is not None or use_cache or T != cp.T_local):
+            raise ValueError(f"GatedMLA: with cp, x must be this rank's one packed row [1, T_local={cp.T_local}, d] with "
+                             f"no cache, cu_seqlens or use_cache, got x {list(x.shape)}, cache={type(cache).__name__}, "
+                             f"cu_seqlens={cu_seqlens is not None}, use_cache={use_cache}")
         q_nope, q_shared = self.queries(x)
         latent, k_shared = self.latents(x)
+        mask = None
+        if cp is not None:
+            from k3lab.kcp.kcp import gather_from_group  # noqa: PLC0415  (k3lab.kcp imports k3lab.kda)
+
+            # One all-gather of [T_local, R + Dr] per rank: the latents every rank's queries read.
+            full = gather_from_group(torch.cat([latent, k_shared], dim=-1)[0], cp, "mla_latent")
+            latent, k_shared = full.reshape(1, cp.T, self.R + self.Dr).split([self.R, self.Dr], dim=-1)
+            mask = context_mask(cp, x.device)
         offset = 0
         if cache is not None:
             offset = cache.length
@@ -266,7 +306,8 @@ class GatedMLA(nn.Module):
         if absorbed is None:
             absorbed = cache is not None
         causal_only = cu_seqlens is None and offset == 0
-        mask = None if (causal_only and not absorbed) else attention_mask(T, S, offset, cu_seqlens, x.device)
+        if cp is None and not (causal_only and not absorbed):
+            mask = attention_mask(T, S, offset, cu_seqlens, x.device)
         if absorbed:
             w_uk, w_uv = self.up_weights()
             o = absorbed_attention(q_nope, q_shared, latent, k_shared, w_uk.to(q_nope.dtype), w_uv.to(q_nope.dtype),

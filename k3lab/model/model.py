@@ -35,19 +35,19 @@ from k3lab.model.config import K3Config
 
 class _MixerContext:
     """What every token mixer of one forward reads: cu_seqlens, the input caches, whether to return
-    new ones, and where to put them (one slot per layer)."""
+    new ones, where to put them (one slot per layer), and the context-parallel layout."""
 
     def __init__(self):
         self.reset()
 
-    def reset(self, cu_seqlens=None, caches=None, use_cache=False, n_layers=0):
-        self.cu_seqlens, self.caches, self.use_cache = cu_seqlens, caches, use_cache
+    def reset(self, cu_seqlens=None, caches=None, use_cache=False, n_layers=0, cp=None):
+        self.cu_seqlens, self.caches, self.use_cache, self.cp = cu_seqlens, caches, use_cache, cp
         self.new_caches = [None] * n_layers if use_cache else None
 
 
 class MixerSublayer(nn.Module):
     """Layer ``index``'s token mixer as a sublayer: y = mixer(RMSNorm(h)) with the context's
-    cu_seqlens and cache; [B, T, d] -> [B, T, d]."""
+    cu_seqlens, cache and context-parallel layout; [B, T, d] -> [B, T, d]."""
 
     def __init__(self, d_model: int, mixer: nn.Module, eps: float, index: int, context: _MixerContext):
         super().__init__()
@@ -60,7 +60,8 @@ class MixerSublayer(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         c = self.context
         cache = None if c.caches is None else c.caches[self.index]
-        y, new = self.fn(self.norm(h), cache=cache, cu_seqlens=c.cu_seqlens, use_cache=c.use_cache)
+        extra = {} if c.cp is None else {"cp": c.cp}
+        y, new = self.fn(self.norm(h), cache=cache, cu_seqlens=c.cu_seqlens, use_cache=c.use_cache, **extra)
         if c.use_cache:
             c.new_caches[self.index] = new
         return y
@@ -163,9 +164,19 @@ class K3Model(nn.Module):
         """The L token mixers (KDALayer or GatedMLA), in layer order."""
         return [s.fn for s in self.sublayers[0::2]]
 
+    def value_checks(self, enabled: bool) -> None:
+        """Turn the per-call NaN/inf checks of the KDA kernels and the routers on or off (each is one
+        host sync per layer per call). A trainer whose inputs are token ids checked once per batch turns
+        them off so a step never waits on the host; a NaN then shows in the loss."""
+        from k3lab.moe.router import Router  # noqa: PLC0415
+
+        for m in self.modules():
+            if isinstance(m, (KDALayer, Router)):
+                m.check_values = bool(enabled)
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, caches: list | None = None,
-                use_cache: bool = False):
+                use_cache: bool = False, cp=None):
         """Next-token logits (and loss).
 
         Args:
@@ -176,6 +187,11 @@ class K3Model(nn.Module):
                 keeps them apart (KDA restarts its state and convolution, MLA masks across documents).
             caches (list | None): per layer KDACache / MLACache from an earlier call with use_cache=True.
             use_cache (bool): also return the updated caches.
+            cp (KCPContext | None): context parallel (``k3lab.kcp.make_context`` over the cp group):
+                idx [1, T_local] is this rank's slice of the packed sequence ``cp`` describes (its
+                documents keep apart as with cu_seqlens); KDA layers run KCP, MLA layers gather the
+                latents (``GatedMLA``); everything else is per token. The loss is the mean over the local
+                targets: average it over the group for the sequence's mean.
 
         Returns:
             (logits [B, T, vocab] float32 (float64 for a float64 model), loss scalar | None), and the
@@ -183,7 +199,8 @@ class K3Model(nn.Module):
 
         Raises:
             ValueError: idx not [B, T] with B, T >= 1, ids out of range, targets of another shape,
-                cu_seqlens with B > 1, with caches, or invalid; caches not a list of L caches.
+                cu_seqlens with B > 1, with caches, or invalid; caches not a list of L caches; cp with
+                cu_seqlens, caches or use_cache, or idx not [1, cp.T_local].
         """
         c = self.config
         if not isinstance(idx, torch.Tensor) or idx.ndim != 2 or 0 in idx.shape:
@@ -205,7 +222,11 @@ class K3Model(nn.Module):
                                        and all(isinstance(x, (KDACache, MLACache)) for x in caches)):
             raise ValueError(f"caches must be a list of {c.num_hidden_layers} KDACache/MLACache from a call with "
                              f"use_cache=True, got {type(caches).__name__}")
-        self.context.reset(cu_seqlens, caches, use_cache, c.num_hidden_layers)
+        if cp is not None and (cu_seqlens is not None or caches is not None or use_cache
+                               or tuple(idx.shape) != (1, cp.T_local)):
+            raise ValueError(f"with cp, idx must be this rank's slice [1, T_local={cp.T_local}] with no cu_seqlens "
+                             f"(cp places the documents), caches or use_cache, got idx {list(idx.shape)}")
+        self.context.reset(cu_seqlens, caches, use_cache, c.num_hidden_layers, cp)
         try:
             h = self.residual(self.embed(idx.long()), self.sublayers)
             new_caches = self.context.new_caches

@@ -46,7 +46,7 @@ def check_topk(E: int, K: int, who: str = "router") -> None:
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, K: int, renormalize: bool = True,
-          routed_scaling: float = 1.0) -> Routing:
+          routed_scaling: float = 1.0, check_values: bool = True) -> Routing:
     """Route N tokens over E experts from router logits (K3 report, Eq. 13).
 
     Args:
@@ -55,12 +55,15 @@ def route(logits: torch.Tensor, bias: torch.Tensor, K: int, renormalize: bool = 
         K (int): top-k, 1 <= K <= E.
         renormalize (bool): divide the selected scores by their sum (K3: True).
         routed_scaling (float): a constant factor on the weights (K3: 1.0).
+        check_values (bool): reject NaN/inf logits (one host sync; a trainer that checks its batch once
+            passes False and sees a NaN in its loss instead).
 
     Returns:
         Routing: see its attributes.
 
     Raises:
-        ValueError: bad shapes, K out of range, or a NaN/inf logit (reported before it can spread).
+        ValueError: bad shapes, K out of range, or a NaN/inf logit with ``check_values`` (reported before it
+            can spread).
     """
     if logits.ndim != 2:
         raise ValueError(f"route: logits must be [N, E], got shape {list(logits.shape)}")
@@ -68,7 +71,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, K: int, renormalize: bool = 
     check_topk(E, K, "route")
     if bias.shape != (E,):
         raise ValueError(f"route: bias must be [E={E}], got shape {list(bias.shape)}")
-    if not torch.isfinite(logits).all():
+    if check_values and not torch.isfinite(logits).all():
         raise ValueError("route: the router logits hold NaN or inf (check the input x and the router weight)")
     scores = torch.sigmoid(logits.float())
     biased = scores.detach() + bias.detach().float()
@@ -105,6 +108,8 @@ class Router(nn.Module):
         self.E, self.K, self.renormalize, self.routed_scaling = E, K, renormalize, routed_scaling
         self.weight = nn.Parameter(torch.randn(E, d) * init_std)
         self.register_buffer("bias", torch.zeros(E, dtype=torch.float32))
+        # route's NaN/inf check (one host sync per call); ``K3Model.value_checks`` turns it off.
+        self.check_values = True
 
     def _apply(self, fn, recurse=True):
         bias = self.bias
@@ -114,4 +119,5 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x [N, d] -> Routing (see ``route``)."""
-        return route(x @ self.weight.t(), self.bias, self.K, self.renormalize, self.routed_scaling)
+        return route(x @ self.weight.t(), self.bias, self.K, self.renormalize, self.routed_scaling,
+                     self.check_values)

@@ -21,10 +21,12 @@ class TrainConfig:
     Attributes:
         preset (str): "k3-tiny" or "k3-1b" (``k3lab.model.K3Config``), vocabulary from the data's tokenizer.
         steps (int): total optimizer steps (the learning-rate schedule spans them; a resumed run keeps it).
-        batch_size (int): global batch in sequences, split equally over the dp x ep data ranks.
+        batch_size (int): global batch in sequences, split equally over the dp x ep data rows (the cp
+            ranks of a row share its sequences, each holding a contiguous 1/cp of them).
         seq_len (int): T, tokens per sequence.
         lr (float): peak learning rate (Muon's per-block RMS matching makes one lr serve both groups).
-        dp (int | None): data-parallel ranks (None: world size / ep). ep (int): expert-parallel ranks.
+        dp (int | None): data-parallel ranks (None: world size / (ep * cp)). ep (int): expert-parallel ranks.
+        cp (int): context-parallel ranks (KCP for the KDA layers, a latent all-gather for MLA).
         ep_mode (str): "moonep" or "alltoall".
         ckpt_dir (str | None): where checkpoints go (None: never saved).
         ckpt_every (int): save every this many steps (0: only at the end); needs ckpt_dir.
@@ -48,6 +50,7 @@ class TrainConfig:
     lr: float = 3e-3
     dp: int | None = None
     ep: int = 1
+    cp: int = 1
     ep_mode: str = "moonep"
     ckpt_dir: str | None = None
     ckpt_every: int = 0
@@ -67,7 +70,8 @@ class TrainConfig:
 
         if self.preset not in TRAIN_PRESETS:
             bad("preset", f"must be one of {TRAIN_PRESETS}")
-        for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("ep", 1), ("ckpt_every", 0), ("seed", 0)):
+        for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("ep", 1), ("cp", 1), ("ckpt_every", 0),
+                          ("seed", 0)):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
                 bad(name, f"must be an int >= {low}")
@@ -93,11 +97,13 @@ class TrainConfig:
 HELP = {
     "preset": "model size: k3-tiny (CPU, seconds per step) or k3-1b (one GPU); the vocabulary is the data's",
     "steps": "total optimizer steps; the cosine learning-rate schedule spans them (keep it when resuming)",
-    "batch_size": "global batch in sequences, split equally over the dp x ep data ranks",
+    "batch_size": "global batch in sequences, split equally over the dp x ep data rows (cp ranks share a row's)",
     "seq_len": "tokens per sequence (T)",
     "lr": "peak learning rate of Per-Head Muon and AdamW (cosine decay to 10%% after a warmup)",
-    "dp": "data-parallel ranks, FSDP2 shards over them (default: world size / ep)",
+    "dp": "data-parallel ranks, FSDP2 shards over them (default: world size / (ep * cp))",
     "ep": "expert-parallel ranks; routed experts are split over them (must divide the expert count)",
+    "cp": "context-parallel ranks: a row's packed tokens are split into cp contiguous pieces (KCP for KDA, "
+          "an all-gather of the MLA latents)",
     "ep_mode": "expert-parallel exchange: moonep (static, balanced, K3 App. E) or alltoall (dynamic baseline)",
     "ckpt_dir": "folder for checkpoints (step_NNNNNNNN/, written atomically); none: no checkpoints",
     "ckpt_every": "save every N steps and at the end (0: only at the end); needs --ckpt-dir",

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from k3lab.data import load_split, resolve_data_dir, vocab_size
+from k3lab.kcp import make_context
 from k3lab.model import K3Config, K3Model, flops_per_token, mfu
 from k3lab.moe import maxvio, update_biases
 from k3lab.optim import per_head_muon
@@ -76,13 +77,29 @@ def build_model(config: TrainConfig, device: torch.device) -> K3Model:
     return K3Model(cfg).to(device)
 
 
-def forward(model: K3Model, x: torch.Tensor, y: torch.Tensor, doc_mask: bool):
+def forward(model: K3Model, x: torch.Tensor, y: torch.Tensor, doc_mask: bool, par: Parallel | None = None):
     """``model(x, y)``, or with ``doc_mask`` the windows packed into one row with document boundaries
-    (``pack_documents``); the loss is the mean over the same B*T targets either way."""
+    (``pack_documents``); the loss is the mean over the same B*T targets either way.
+
+    With context parallel (``par.cp > 1``) the row's B windows are packed into one stream of B*T tokens
+    (each window a document, or with ``doc_mask`` each document of the windows), cut into cp contiguous
+    pieces; this rank runs its piece with the layout as ``cp`` (``K3Model.forward``) and its loss is the
+    mean over its B*T/cp targets. Reading the documents of a ``doc_mask`` batch is one host sync; without
+    it the layout is known from the shapes alone."""
+    cp_group = None if par is None else par.cp_group
+    if cp_group is None:
+        if doc_mask:
+            x, y, cu = pack_documents(x, y, EOT_ID)
+            return model(x, y, cu_seqlens=cu)
+        return model(x, y)
+    B, T = x.shape
     if doc_mask:
         x, y, cu = pack_documents(x, y, EOT_ID)
-        return model(x, y, cu_seqlens=cu)
-    return model(x, y)
+        cu = cu.tolist()
+    else:
+        x, y, cu = x.reshape(1, B * T), y.reshape(1, B * T), list(range(0, B * T + 1, T))
+    ctx = make_context(B * T, cu, group=cp_group)
+    return model(x[:, ctx.start:ctx.stop], y[:, ctx.start:ctx.stop], cp=ctx)
 
 
 def build_run(config: TrainConfig, device: torch.device) -> tuple[Parallel, TokenLoader, K3Model]:
@@ -92,14 +109,21 @@ def build_run(config: TrainConfig, device: torch.device) -> tuple[Parallel, Toke
         ConfigError: the layout does not match the world, or the batch is not divisible by the data ranks.
         FileNotFoundError: no token shards.
     """
-    ep = config.ep
-    dp = config.dp if config.dp is not None else max(dist.get_world_size() // ep, 1)
+    ep, cp = config.ep, config.cp
+    dp = config.dp if config.dp is not None else max(dist.get_world_size() // (ep * cp), 1)
     try:
-        par = build_parallel(dp, ep, device.type)
+        par = build_parallel(dp, ep, device.type, cp=cp)
         tokens = load_split("train", resolve_data_dir(config.data_dir) / "shards")
-        loader = TokenLoader(tokens, config.batch_size, config.seq_len, par.data_rank, par.data_size, config.seed)
+        loader = TokenLoader(tokens, config.batch_size, config.seq_len, par.row, par.rows, config.seed)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    row_tokens = config.batch_size // par.rows * config.seq_len
+    # KDA's short convolution reads conv_size - 1 tokens of the previous piece (the KCP halo).
+    min_piece = max(1, K3Config.preset(config.preset).kda_conv_size - 1)
+    if cp > 1 and (row_tokens % cp or row_tokens // cp < min_piece):
+        raise ConfigError(f"--cp {cp} must divide the {row_tokens} tokens of a data row (--batch-size "
+                          f"{config.batch_size} / {par.rows} rows x --seq-len {config.seq_len}) into pieces of at "
+                          f"least {min_piece} tokens")
     return par, loader, parallelize(build_model(config, device), par, config.ep_mode)
 
 
@@ -144,7 +168,8 @@ def train(config: TrainConfig) -> list[dict]:
         fpt = flops_per_token(mcfg, config.seq_len)
         peak = peak_key(device)
         log = MetricsLog(config.log_jsonl, config.steps, start, config.progress, enabled=rank0)
-        log.write(dict(event="start", preset=config.preset, world=world, dp=par.dp, ep=par.ep, ep_mode=config.ep_mode,
+        log.write(dict(event="start", preset=config.preset, world=world, dp=par.dp, ep=par.ep, cp=par.cp,
+                       ep_mode=config.ep_mode,
                        device=str(device), global_batch=config.batch_size, seq_len=config.seq_len, doc_mask=config.doc_mask,
                        vocab_size=mcfg.vocab_size, resumed_from=start, steps=config.steps,
                        flops_per_token=fpt, flops_convention=FLOPS_CONVENTION, peak=peak))
@@ -155,7 +180,7 @@ def train(config: TrainConfig) -> list[dict]:
             t0 = time.perf_counter()
             x, y = loader.next_batch(device)
             with autocast:
-                _, loss = forward(model, x, y, config.doc_mask)
+                _, loss = forward(model, x, y, config.doc_mask, par)
             loss.backward()
             lr = lr_at(step, config.steps, config.lr, config.warmup)
             for g in opt.param_groups:
@@ -180,7 +205,7 @@ def train(config: TrainConfig) -> list[dict]:
             if config.kill_at_step == step:
                 dist.barrier()
                 os.kill(os.getpid(), signal.SIGKILL)
-        log.summary(dict(preset=config.preset, dp=par.dp, ep=par.ep, ep_mode=config.ep_mode, world=world,
+        log.summary(dict(preset=config.preset, dp=par.dp, ep=par.ep, cp=par.cp, ep_mode=config.ep_mode, world=world,
                          device=str(device), flops_per_token=fpt, flops_convention=FLOPS_CONVENTION))
         return list(log.records)
 

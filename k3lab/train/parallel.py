@@ -1,17 +1,22 @@
 """The trainer's parallel layout: one ``DeviceMesh`` (``k3lab.dist.make_mesh``) gives every group; FSDP2 and
 expert parallelism are applied to a ``K3Model`` from it.
 
-    data ranks   dp x cp x ep: every rank of the flattened "batch" axis reads its own slice of the global
-                 batch (ep ranks are data ranks too, as in torchtitan's dp_shard); the loss, the FSDP
-                 gradient average and Quantile Balancing's histogram all run over this one group.
+    data ranks   dp x cp x ep: every rank of the flattened "batch" axis holds its own tokens of the global
+                 batch; the loss, the FSDP gradient average and Quantile Balancing's histogram all run
+                 over this one group. The dp x ep "rows" read disjoint sequences (ep ranks are data ranks
+                 too, as in torchtitan's dp_shard); the cp ranks of a row share its sequences, packed into
+                 one stream and cut into cp contiguous pieces (``k3lab.kcp.make_context``).
     experts      each MoE layer's stacked experts [E, l, h] become DTensors Shard(0) over "ep" (rank r
                  holds experts r*E/ep ... (r+1)*E/ep - 1) and run through ``k3lab.moonep``; FSDP then
-                 shards them over "dp" alone (each dp row holds the whole set of experts once).
+                 shards them over dp x cp (each such group holds the whole set of experts once).
     the rest     FSDP2 ``fully_shard`` over the batch axis (ZeRO-3: parameters, gradients and optimizer
                  state sharded, parameters all-gathered for forward and backward).
 
-Gradient scale: every rank's loss is the mean over its own tokens, so the global mean loss is the average
-over the B = dp*cp*ep data ranks. FSDP averages the other parameters over B ranks. An expert's gradient
+Gradient scale: every rank's loss is the mean over its own tokens (the same count on every rank), so the
+global mean loss is the average over the B = dp*cp*ep data ranks. Under cp a rank's tokens feed the other
+cp ranks' losses through the KCP maps, the convolution halo and the MLA latents; the backward of those
+collectives sends each rank its share, so the sum over ranks of the local gradients is still the gradient
+of the sum of their losses. FSDP averages the other parameters over B ranks. An expert's gradient
 is averaged over its ep group by the MoE layer (``moonep_experts`` sums it over the group's losses; the
 layer scales by 1/ep) and over dp by FSDP: both come out as the gradient of the global mean. (FSDP's own
 divide factor would do the same on NCCL, but it reduces with PREMUL_SUM, which gloo lacks.)
@@ -34,9 +39,11 @@ class Parallel:
 
     Attributes:
         mesh: the (pp, dp, cp, ep) ``DeviceMesh``, or None in a one-rank world (no sharding at all).
-        dp, ep (int): axis sizes. world (int): dp * ep.
-        data_rank (int), data_size (int): this rank's index on the flattened batch axis and its size; the
-            global batch is cut into ``data_size`` equal slices in that order.
+        dp, ep, cp (int): axis sizes. world (int): dp * cp * ep.
+        row (int), rows (int): this rank's data row (dp_rank * ep + ep_rank) and dp * ep: the global batch
+            is cut into ``rows`` equal slices of sequences in that order.
+        cp_rank (int): this rank's index on the cp axis; cp_group: its process group (None when cp == 1).
+        data_size (int): the ranks of the batch axis (dp * cp * ep), over which the loss is averaged.
         batch_mesh: the flattened 1-D (dp, cp, ep) mesh FSDP shards the non-expert parameters over.
         batch_group: its process group (None in a one-rank world): loss average and Quantile Balancing's
             histogram sum.
@@ -46,35 +53,41 @@ class Parallel:
     mesh: object
     dp: int
     ep: int
+    cp: int
     world: int
-    data_rank: int
+    row: int
+    rows: int
+    cp_rank: int
     data_size: int
     batch_mesh: object
     batch_group: object
     ep_group: object
+    cp_group: object
 
 
-def build_parallel(dp: int, ep: int, device_type: str = "cpu") -> Parallel:
-    """The mesh and groups for ``dp`` x ``ep`` ranks over the initialised default process group.
+def build_parallel(dp: int, ep: int, device_type: str = "cpu", cp: int = 1) -> Parallel:
+    """The mesh and groups for ``dp`` x ``cp`` x ``ep`` ranks over the initialised default process group.
 
     Raises:
-        ValueError: dp * ep differs from the world size (the message gives both), or a size < 1.
+        ValueError: dp * cp * ep differs from the world size (the message gives both), or a size < 1.
         RuntimeError: no default process group.
     """
     if not dist.is_initialized():
         raise RuntimeError("build_parallel needs an initialised default process group")
     world = dist.get_world_size()
-    if not all(isinstance(v, int) and v >= 1 for v in (dp, ep)):
-        raise ValueError(f"--dp and --ep must be ints >= 1, got dp={dp!r}, ep={ep!r}")
-    if dp * ep != world:
-        raise ValueError(f"--dp {dp} x --ep {ep} = {dp * ep} ranks, but {world} were launched "
-                         f"(torchrun --nproc-per-node {dp * ep})")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (dp, ep, cp)):
+        raise ValueError(f"--dp, --ep and --cp must be ints >= 1, got dp={dp!r}, ep={ep!r}, cp={cp!r}")
+    if dp * cp * ep != world:
+        raise ValueError(f"--dp {dp} x --cp {cp} x --ep {ep} = {dp * cp * ep} ranks, but {world} were launched "
+                         f"(torchrun --nproc-per-node {dp * cp * ep})")
     if world == 1:
-        return Parallel(None, 1, 1, 1, 0, 1, None, None, None)
-    mesh = make_mesh(dp=dp, ep=ep, device_type=device_type)
+        return Parallel(None, 1, 1, 1, 1, 0, 1, 0, 1, None, None, None, None)
+    mesh = make_mesh(dp=dp, cp=cp, ep=ep, device_type=device_type)
     batch = mesh["dp", "cp", "ep"]._flatten("batch")
-    return Parallel(mesh, dp, ep, world, batch.get_local_rank(), batch.size(), batch, batch.get_group(),
-                    mesh["ep"].get_group() if ep > 1 else None)
+    dp_rank, cp_rank, ep_rank = (mesh[a].get_local_rank() for a in ("dp", "cp", "ep"))
+    return Parallel(mesh, dp, ep, cp, world, dp_rank * ep + ep_rank, dp * ep, cp_rank, batch.size(), batch,
+                    batch.get_group(), mesh["ep"].get_group() if ep > 1 else None,
+                    mesh["cp"].get_group() if cp > 1 else None)
 
 
 def parallelize(model: nn.Module, par: Parallel, ep_mode: str = "moonep") -> nn.Module:
@@ -97,6 +110,8 @@ def parallelize(model: nn.Module, par: Parallel, ep_mode: str = "moonep") -> nn.
     moes = moe_layers(model)
     if par.ep > 1:
         ep_mesh = par.mesh["ep"]
+        # The ranks that hold the same experts: every dp row and every cp piece of it.
+        expert_mesh = par.mesh["dp", "cp"]._flatten("dp_cp") if par.cp > 1 else par.mesh["dp"]
         r = ep_mesh.get_local_rank()
         for m in moes:
             E = m.config.n_experts
@@ -108,7 +123,7 @@ def parallelize(model: nn.Module, par: Parallel, ep_mode: str = "moonep") -> nn.
                 local = full[r * L:(r + 1) * L].clone()
                 setattr(m.experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
             m.ep_group, m.ep_mode = par.ep_group, ep_mode
-            fully_shard(m.experts, mesh=par.mesh["dp"], reshard_after_forward=True)
+            fully_shard(m.experts, mesh=expert_mesh, reshard_after_forward=True)
             # The EP path calls experts.ep_forward, not forward: FSDP must gather and reduce around it.
             register_fsdp_forward_method(m.experts, "ep_forward")
     fully_shard(model, mesh=par.batch_mesh, reshard_after_forward=True)

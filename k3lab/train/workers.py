@@ -13,9 +13,9 @@ def first_step_grads(config: TrainConfig) -> dict[str, torch.Tensor]:
     A one-rank world builds its own group. Every rank returns the same dict."""
     device = torch.device("cpu")
     with process_group(device):
-        _, loader, model = build_run(config, device)
+        par, loader, model = build_run(config, device)
         x, y = loader.next_batch(device)
-        _, loss = forward(model, x, y, config.doc_mask)
+        _, loss = forward(model, x, y, config.doc_mask, par)
         loss.backward()
         return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
                 for n, p in model.named_parameters() if p.grad is not None}
