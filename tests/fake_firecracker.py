@@ -35,10 +35,13 @@ made non-blocking, and output that a full pipe refuses is lost (counted in the l
 that lets more than a pipe's worth pile up loses data here too. Shortly after boot the guest
 prints some boot noise and ``\n@K3READY\n``; after a load it prints nothing (its agent carries
 on). The agent speaks k3lab's protocol (:mod:`k3lab.agentenv.agent`: ping / exec / write / read,
-payloads and replies in acknowledged chunks, md5 sums): ``exec`` runs the script with ``sh`` on
-the host with the guest folder as working directory and ``$GUEST_ROOT`` set (so tests use
-guest-relative paths in commands), and kills the command's process group when it returns (no
-long-lived guest processes). A paused guest answers nothing until resumed.
+payloads and replies in acknowledged chunks, md5 sums, the end-of-command marker): ``exec`` runs
+the script with ``sh`` on the host with the guest folder as working directory and ``$GUEST_ROOT``
+set (so tests use guest-relative paths in commands), with stdout and stderr in files of its own,
+and kills the command's process group when it returns unless asked to keep background processes,
+and at its timeout. The uid argument is ignored (everything runs as the test's user) and
+``limits`` only records the values (it reports the "rlimit" mechanism and enforces nothing). A
+paused guest answers nothing until resumed.
 
 Every API request is appended to ``<api-sock>.requests.jsonl`` as ``[method, path, body]``.
 """
@@ -99,6 +102,7 @@ class Guest:
         self.baseline: bytes | None = None
         self.log = log
         self.next: bytes | None = None
+        self.limits = ["256", "65536"]
         os.set_blocking(1, False)
 
     # -- files -----------------------------------------------------------------------------------
@@ -201,6 +205,8 @@ class Guest:
             self.running.wait()
             with self.lock:
                 rc, out, err, timed_out, got = self._op(op, args, payload, md5)
+            if op == "exec":
+                self.serial_out(f"\n@K3D {rid}\n".encode())
             self._reply(inp, rid, rc, timed_out, got, out, err)
 
     def _recv(self, inp, rid: str, n: int) -> bytes:
@@ -234,7 +240,7 @@ class Guest:
             got = hashlib.md5(payload).hexdigest()
             if got != md5:
                 return 1, b"", b"fake agent: the command arrived damaged", False, got
-            result = *self._exec(payload, float(args[0])), got
+            result = *self._exec(payload, float(args[0]), args[2] == "1"), got
         elif op in ("write", "read"):
             path = base64.b64decode(args[0]).decode()
             try:
@@ -248,13 +254,20 @@ class Guest:
                     result = 0, b"", b"", False, hashlib.md5(fh.read()).hexdigest()
             except OSError as e:
                 result = 1, b"", f"{op} {path}: {e.strerror}".encode(), False, "-"
+        elif op == "limits":
+            self.limits = [new if new != "-" else old for new, old in zip(args, self.limits)]
+            return 0, f"rlimit {self.limits[0]} {self.limits[1]} -".encode(), b"", False, "-"
         else:
             return 2, b"", f"unknown op {op}".encode(), False, "-"
         self.sync_disk()
         return result
 
-    def _exec(self, script: bytes, timeout: float) -> tuple[int, bytes, bytes, bool]:
+    def _exec(self, script: bytes, timeout: float, keep: bool) -> tuple[int, bytes, bytes, bool]:
+        # Files of this command's own: what it leaves running never writes into a later one's.
         cmd, out, err = (os.path.join(self.priv, n) for n in ("cmd", "o", "e"))
+        for name in (out, err):
+            if os.path.exists(name):
+                os.unlink(name)
         with open(cmd, "wb") as fc:
             fc.write(script)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": self.path("/root"),
@@ -267,10 +280,11 @@ class Guest:
             rc = p.wait(timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if timed_out or not keep:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if timed_out:
             p.wait()
             rc = 137

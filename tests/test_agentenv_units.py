@@ -144,7 +144,7 @@ def test_agent_chunks_both_ways_with_acks_and_checksums():
     result = {}
     t = threading.Thread(target=lambda: result.update(r=ch.write_file("/f", data, 0o600, time.monotonic() + 10)))
     t.start()
-    line = f"1 write {len(data)} {md5} {base64.b64encode(b'/f').decode()} 600\n".encode()
+    line = f"1 write {len(data)} {md5} {base64.b64encode(b'/f').decode()} 600 1000\n".encode()
     got = _recv_exactly(guest_end, len(line) + CHUNK)
     assert got[:len(line)] == line
     time.sleep(0.1)

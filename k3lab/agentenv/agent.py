@@ -7,9 +7,15 @@ socket on the host, :meth:`AgentChannel.connect_unix`) or the serial port ``/dev
 
 - request: ``"<id> <op> <n> <md5> <args...>\\n"`` then ``n`` raw payload bytes, ``md5`` their
   md5 (``-`` without a payload). ``ping``; ``exec`` (payload: the script; args: the timeout in
-  seconds); ``write`` (payload: the file; args: base64 path, octal mode); ``read`` (args: base64
-  path). The payload goes in chunks of :data:`CHUNK` bytes; after each chunk but the last the host
-  waits for the guest's ``"\\n@K3A <id>\\n"`` (it has read the chunk).
+  seconds, the uid to run as (0 or :data:`USER_UID`), 1 to keep background processes else 0);
+  ``write`` (payload: the file; args: base64 path, octal mode, owner uid); ``read`` (args: base64
+  path); ``limits`` (args: the process limit and the memory limit in KiB, ``-`` to keep one;
+  stdout: ``"<cgroup|rlimit> <pids> <memory KiB> <memory in use KiB or ->"``). The payload goes
+  in chunks of :data:`CHUNK` bytes; after each chunk but the last the host waits for the guest's
+  ``"\\n@K3A <id>\\n"`` (it has read the chunk).
+- exec only: ``"\\n@K3D <id>\\n"`` as soon as the command has ended or been killed, before the
+  reply is built: the host's proof that the agent is alive (its deadline is the command's timeout
+  plus a grace period; the reply then has :data:`IDLE_S` per chunk).
 - reply: ``"\\n@K3 <id> <rc> <timed_out> <md5_in> <md5_out> <md5_err>\\n"``, then
   ``base64(stdout) "\\n" base64(stderr)`` in chunks of :data:`CHUNK` bytes: a chunk that ends with
   ``"\\n@K3C <id>\\n"`` is followed by more once the host answers ``"<id> ack\\n"``; the last ends
@@ -49,6 +55,10 @@ CHUNK = 32768
 #: bytes of the most recent channel traffic kept for crash reports (a serial port is also the
 #: guest's kernel console).
 RECENT = 8192
+#: uid of the guest's unprivileged user ("user", home /home/user) that commands run as by default.
+USER_UID = 1000
+#: seconds a reply may stall between two chunks once the guest has started it.
+IDLE_S = 60.0
 
 _HEADER = re.compile(rb"\n@K3 (\d+) (-?\d+) ([01]) (\S+) (\S+) (\S+)\n")
 _READY = b"\n@K3READY\n"
@@ -63,7 +73,13 @@ class AgentClosed(AgentError):
 
 
 class AgentTimeout(AgentError):
-    """No reply before the host-side deadline (the guest is hung or far too slow)."""
+    """No reply before the host-side deadline (the guest is hung or far too slow).
+
+    Attributes:
+        ended (bool): the guest had said the command ended (``@K3D``) and then stalled in its reply.
+    """
+
+    ended = False
 
 
 class AgentCorrupt(AgentError):
@@ -210,20 +226,42 @@ class AgentChannel:
                             " is out of step (restore or destroy the sandbox)")
             raise
 
-    def _reply(self, rid: int, op: str, deadline: float) -> tuple[re.Match, bytes]:
+    def _reply(self, rid: int, op: str, deadline: float, idle_s: float | None) -> tuple[re.Match, bytes]:
+        """Read the reply to ``rid``. With ``idle_s`` (exec) the guest's end-of-command marker
+        counts as its answer by ``deadline``; from then on each piece has ``idle_s`` seconds."""
+        done = f"\n@K3D {rid}\n".encode()
+        ended = False
+
+        def more() -> None:
+            nonlocal deadline
+            try:
+                self._more(rid, op, deadline)
+            except AgentTimeout as e:
+                e.ended = ended
+                raise
+            if ended:
+                deadline = time.monotonic() + idle_s
+
         while (m := _HEADER.search(self.buf)) is None or int(m.group(1)) != rid:
             if m is not None:
                 # A reply to an earlier request that timed out on the host: skip it.
                 self.buf = self.buf[m.end():]
                 continue
-            self._more(rid, op, deadline)
+            if idle_s is not None and not ended and (i := self.buf.find(done)) >= 0:
+                self.buf = self.buf[i + len(done):]
+                ended, deadline = True, time.monotonic() + idle_s
+                continue
+            more()
+        ended = ended or idle_s is not None
+        if ended:
+            deadline = time.monotonic() + idle_s
         self.buf = self.buf[m.end():]
-        more, end = f"\n@K3C {rid}\n".encode(), f"\n@K3END {rid}\n".encode()
+        more_mark, end = f"\n@K3C {rid}\n".encode(), f"\n@K3END {rid}\n".encode()
         parts = []
         while True:
-            i, j = self.buf.find(more), self.buf.find(end)
+            i, j = self.buf.find(more_mark), self.buf.find(end)
             if i >= 0 and (j < 0 or i < j):
-                part, self.buf = self.buf[:i], self.buf[i + len(more):]
+                part, self.buf = self.buf[:i], self.buf[i + len(more_mark):]
                 if len(part) != CHUNK:
                     raise AgentCorrupt(f"reply to request {rid} ({op}): a chunk of {len(part)} bytes,"
                                        f" expected {CHUNK}: bytes were lost on the way")
@@ -237,10 +275,17 @@ class AgentChannel:
                 parts.append(part)
                 return m, b"".join(parts)
             else:
-                self._more(rid, op, deadline)
+                more()
 
-    def request(self, op: str, args: list[str], payload: bytes, deadline: float) -> ExecResult:
+    def request(self, op: str, args: list[str], payload: bytes, deadline: float,
+                idle_s: float | None = None) -> ExecResult:
         """Send one request with its ``payload`` and read the reply.
+
+        Args:
+            deadline (float): time.monotonic() by which the payload must be sent and the reply
+                (with ``idle_s``: the end-of-command marker or the reply header) have arrived.
+            idle_s (float | None): exec: once the command has ended, the reply may take any
+                time as long as no piece of it stalls longer than this.
 
         Raises:
             AgentClosed, AgentTimeout: the channel closed or the deadline passed. AgentCorrupt:
@@ -255,7 +300,7 @@ class AgentChannel:
         sent_md5 = _md5(payload) if op in ("exec", "write") else "-"
         line = f"{rid} {op} {len(payload)} {sent_md5} {' '.join(args)}\n".encode()
         self._payload(rid, op, line, payload, deadline)
-        m, body = self._reply(rid, op, deadline)
+        m, body = self._reply(rid, op, deadline, idle_s)
         got_md5, out_md5, err_md5 = (g.decode() for g in m.group(4, 5, 6))
         if got_md5 not in ("-", "!", sent_md5):
             raise AgentCorrupt(f"request {rid} ({op}): the guest got a payload with md5 {got_md5},"
@@ -277,11 +322,21 @@ class AgentChannel:
     def ping(self, deadline: float) -> None:
         self.request("ping", [], b"", deadline)
 
-    def exec(self, cmd: str, timeout: float, deadline: float) -> ExecResult:
-        return self.request("exec", [f"{timeout:.3f}"], cmd.encode(), deadline)
+    def exec(self, cmd: str, timeout: float, deadline: float, root: bool = False,
+             keep_background: bool = False, idle_s: float = IDLE_S) -> ExecResult:
+        """Run ``cmd`` (as root or :data:`USER_UID`); ``deadline``: by when the guest must say
+        that it ended (the timeout plus a grace period); then the reply has ``idle_s`` per piece."""
+        args = [f"{timeout:.3f}", "0" if root else str(USER_UID), "1" if keep_background else "0"]
+        return self.request("exec", args, cmd.encode(), deadline, idle_s=idle_s)
 
-    def write_file(self, path: str, data: bytes, mode: int, deadline: float) -> ExecResult:
-        return self.request("write", [base64.b64encode(path.encode()).decode(), f"{mode:o}"], data, deadline)
+    def write_file(self, path: str, data: bytes, mode: int, deadline: float, root: bool = False) -> ExecResult:
+        """Write ``path`` owned by root or by :data:`USER_UID`."""
+        args = [base64.b64encode(path.encode()).decode(), f"{mode:o}", "0" if root else str(USER_UID)]
+        return self.request("write", args, data, deadline)
 
     def read_file(self, path: str, deadline: float) -> ExecResult:
         return self.request("read", [base64.b64encode(path.encode()).decode()], b"", deadline)
+
+    def limits(self, max_pids: int | None, memory_kib: int | None, deadline: float) -> ExecResult:
+        args = ["-" if max_pids is None else str(max_pids), "-" if memory_kib is None else str(memory_kib)]
+        return self.request("limits", args, b"", deadline)

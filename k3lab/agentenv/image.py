@@ -40,7 +40,7 @@ from pathlib import Path
 
 from k3lab.agentenv.agent import CHUNK
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 MODULES = ("virtio", "virtio_ring", "virtio_mmio", "virtio_blk", "virtio_console")
 ROOTFS_MIB = 64
 APT_ARCHIVES = Path("/var/cache/apt/archives")
@@ -69,13 +69,34 @@ mount -t tmpfs -o mode=1777 tmp /tmp
 mount -t tmpfs -o mode=755 run /run
 hostname sandbox
 export PATH=/bin:/sbin:/usr/bin:/usr/sbin HOME=/root
+# An image built by a non-root user carries that user's uid on its files: system files go to root.
+[ "$(stat -c %u /bin/busybox)" = 0 ] || chown -R 0:0 /bin /sbin /usr /etc /root /lib 2>/dev/null
+chown 1000:1000 /home/user
 cd /root
 tty=hvc0
 read -r cmdline < /proc/cmdline
 for w in $cmdline; do case $w in k3lab.agent=*) tty=${w#k3lab.agent=} ;; esac; done
+# init and the agent are the last things the OOM killer may pick (their children reset it).
+echo -1000 > /proc/self/oom_score_adj
 # Nothing of init's goes to the console from here on: on a serial port it is the agent's channel.
 exec </dev/null >/dev/null 2>&1
 while true; do /sbin/k3agent /dev/$tty; sleep 0.1; done
+"""
+
+# rootfs /sbin/k3run <user> <cgroup> <script>: started by the agent (setsid, its output already
+# on the command's own files) to run one command: it joins the command's cgroup (if any), then
+# runs the script as root (user 0) or drops to the unprivileged "user" (uid 1000, no
+# supplementary groups: busybox nsenter without namespaces is setgroups + setgid + setuid, half
+# the cost of su), under rlimits when the guest has no cgroup v2. The script is opened here, as
+# root, and read through the open descriptor: its folder is root's alone.
+K3RUN_SH = r"""#!/bin/sh
+echo 0 > /proc/self/oom_score_adj
+[ -n "$2" ] && echo $$ > "$2/cgroup.procs"
+if [ "$1" = 0 ]; then cd /root; exec sh "$3"; fi
+cd /home/user
+export HOME=/home/user USER=user LOGNAME=user
+[ -n "$2" ] || ulimit -u $K3_PIDS -v $K3_MEM_KIB
+exec nsenter -S 1000 -G 1000 sh /proc/self/fd/3 3< "$3"
 """
 
 # The guest agent, serving k3lab.agentenv.agent's protocol (see its docstring) on the tty "$1".
@@ -83,6 +104,13 @@ while true; do /sbin/k3agent /dev/$tty; sleep 0.1; done
 # signals, 8 bits) and are read with head -c exactly; replies are base64, so the markers, which
 # start with "\n@", are unambiguous. md5 sums go both ways. A reply with no output takes no fork
 # (each fork costs milliseconds under TCG).
+#
+# Each exec gets its own folder, a tmpfs of a quarter of guest RAM (its output cap), holding the
+# script and the command's stdout and stderr files, and its own cgroup under /sys/fs/cgroup/k3
+# (the sandbox's limits on memory and processes). What a command leaves running can only ever
+# write into its own command's files (unmounted once replied), and killing a command means
+# cgroup.kill: its whole tree, setsid daemons included. Without cgroup v2 the kill is the
+# command's process group and the limits are rlimits of the unprivileged user.
 AGENT_SH = r"""#!/bin/sh
 set -f
 # clocal first: opening a serial port without it waits for carrier. The rest once it is open:
@@ -90,10 +118,28 @@ set -f
 stty -F "$1" clocal 2>/dev/null
 exec <"$1" >"$1" 2>/dev/null
 stty raw -echo -iexten
+chmod 600 "$1" /dev/console
 W=/run/k3agent
 K=__CHUNK__
 E=d41d8cd98f00b204e9800998ecf8427e
-mkdir -p $W
+C=/sys/fs/cgroup/k3
+D=/run/k3cmd
+mkdir -p $W $D
+read -r x kb x < /proc/meminfo
+OUT_KIB=$((kb / 4))
+# Limits for commands: every process in the sandbox's cgroup (or of the unprivileged user).
+export K3_PIDS=256 K3_MEM_KIB=$((kb * 3 / 4))
+if [ ! -d $C ]; then
+  mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null &&
+  echo "+memory +pids +cpu" > /sys/fs/cgroup/cgroup.subtree_control &&
+  mkdir $C && echo "+memory +pids +cpu" > $C/cgroup.subtree_control &&
+  echo $K3_PIDS > $C/pids.max && echo $((K3_MEM_KIB * 1024)) > $C/memory.max &&
+  echo 10 > $C/cpu.weight || rmdir $C 2>/dev/null
+fi
+# cpu.weight 10: a command that spins (a fork bomb) leaves the agent its CPU to answer and kill.
+[ -d $C ] || C=
+seq=0
+kept=
 md5() { h=-; if [ -f "$1" ]; then md5sum "$1" > $W/s && read -r h x < $W/s; fi; }
 # recv <id> <n> <file>: the request's n payload bytes, acknowledging each chunk but the last
 recv() {
@@ -111,20 +157,29 @@ ack() {
 b64() { if [ -s "$1" ]; then base64 -w0 "$1"; fi; }
 # unb64 <text>: path=the decoded text, trailing newlines kept ($(...) alone strips them)
 unb64() { path=$(echo $1 | base64 -d; echo .); path=${path%.}; }
-# reply <id> <rc> <timed_out> <md5_in>: the header, then base64 stdout, "\n", base64 stderr in chunks
+# stop <pgid> <cgroup>: SIGKILL a command's whole tree and wait until it is gone
+stop() {
+  if [ -z "$2" ]; then kill -KILL -$1 2>/dev/null; return; fi
+  echo 1 > $2/cgroup.kill
+  n=0
+  while read -r a b < $2/cgroup.events && [ "$b" = 1 ] && [ $n -lt 1000 ]; do usleep 5000; n=$((n + 1)); done
+  rmdir $2 2>/dev/null
+}
+# reply <id> <rc> <timed_out> <md5_in>: the header, then base64 of $O (stdout) "\n" base64 of $R
+# (stderr) in chunks
 reply() {
-  if [ ! -s $W/o ] && [ ! -s $W/e ]; then
+  if [ ! -s $O ] && [ ! -s $R ]; then
     printf '\n@K3 %s %s %s %s %s %s\n\n\n@K3END %s\n' $1 $2 $3 $4 $E $E $1
     return
   fi
   id=$1 rc=$2 to=$3 mi=$4
-  { b64 $W/o; echo; b64 $W/e; } > $W/r
+  { b64 $O; echo; b64 $R; } > $W/r
   # Sums and sizes through pipes, not files: /run may be full. base64 exits 0 on a full /run,
   # so the size of the encoded reply is what tells.
-  set -- $(md5sum $W/o $W/e) $(stat -c %s $W/o $W/e $W/r)
+  set -- $(md5sum $O $R) $(stat -c %s $O $R $W/r)
   if [ "$7" != $(( (($5 + 2) / 3 + ($6 + 2) / 3) * 4 + 1 )) ]; then
-    rm -f $W/r; : > $W/o
-    echo "k3agent: the reply ($5 bytes of stdout, $6 of stderr) does not fit in the guest's /run" > $W/e
+    rm -f $W/r; O=$W/o R=$W/e; : > $O
+    echo "k3agent: the reply ($5 bytes of stdout, $6 of stderr) does not fit in the guest's /run" > $R
     reply $id $rc $to !
     return
   fi
@@ -137,45 +192,90 @@ reply() {
   done
   printf '\n@K3END %s\n' $id
 }
+# run <id> <n> <md5> <timeout> <uid> <keep>: one exec, on a tmpfs of its own mounted on D (the
+# previous command's was detached from D, and lives on only while processes it kept hold files
+# there), in a cgroup of its own G
+run() {
+  seq=$((seq + 1))
+  G= O=$D/o R=$D/e
+  mount -t tmpfs -o size=${OUT_KIB}k,mode=700 k3cmd $D
+  recv $1 $2 $D/cmd
+  md5 $D/cmd
+  : > $O; : > $R
+  if [ "$h" != "$3" ]; then
+    echo "k3agent: the command arrived damaged" > $R; reply $1 1 0 $h; return
+  fi
+  if [ -n "$C" ]; then G=$C/c$$.$seq; mkdir $G && echo 1 > $G/memory.oom.group; fi
+  setsid /sbin/k3run $5 "$G" $D/cmd < /dev/null > $O 2> $R &
+  p=$!
+  ( trap 'kill $s 2>/dev/null; exit 0' TERM
+    sleep $4 & s=$!; wait $s
+    : > $D/to; stop $p "$G" ) &
+  w=$!
+  wait $p; rc=$?
+  kill $w 2>/dev/null; wait $w 2>/dev/null
+  # The command has ended (or was killed): the host's proof that the agent is alive.
+  printf '\n@K3D %s\n' $1
+  t=0; [ -e $D/to ] && t=1
+  if [ -n "$G" ]; then
+    while read -r a b; do
+      [ "$a" = oom_kill ] && [ "$b" != 0 ] &&
+        echo "k3agent: the command was killed: out of memory (the sandbox's limit is $K3_MEM_KIB KiB)" >> $R
+    done < $G/memory.events
+  fi
+  if [ "$6" = 1 ] && [ $t = 0 ]; then kept="$kept $G"; else stop $p "$G"; fi
+  # A full tmpfs (no free blocks) means the output was cut off; empty output cannot have filled it.
+  f=1; { [ -s $O ] || [ -s $R ]; } && f=$(stat -f -c %a $D)
+  set -- $1 $rc $t $h $f
+  if [ "$5" = 0 ]; then
+    : > $O
+    echo "k3agent: the command's output filled its $OUT_KIB KiB (a quarter of guest RAM for stdout and stderr together)" > $R
+    reply $1 $2 $3 !
+  else
+    reply $1 $2 $3 $4
+  fi
+}
 printf '\n@K3READY\n'
 next=
 while true; do
   if [ -n "$next" ]; then l=$next; next=; else read -r l || exit 0; fi
   set -- $l
   [ -n "$2" ] || continue
-  : > $W/o; : > $W/e; : > $W/to
+  O=$W/o R=$W/e
+  : > $O; : > $R
   case "$2" in
   ping) reply $1 0 0 - ;;
   exec)
-    : > $W/cmd
-    recv $1 $3 $W/cmd
-    md5 $W/cmd
-    if [ "$h" != "$4" ]; then
-      echo "k3agent: the command arrived damaged" > $W/e; reply $1 1 0 $h; continue
+    # kept commands whose processes have all ended leave empty cgroups behind
+    if [ -n "$kept" ]; then k=; for g in $kept; do rmdir $g 2>/dev/null || k="$k $g"; done; kept=$k; fi
+    run $1 $3 $4 $5 $6 $7
+    umount -l $D ;;
+  limits)
+    # limits <pids> <memory KiB>: "-" keeps a value
+    [ "$5" = - ] || K3_PIDS=$5
+    [ "$6" = - ] || K3_MEM_KIB=$6
+    if [ -n "$C" ]; then
+      echo $K3_PIDS > $C/pids.max 2> $R && echo $((K3_MEM_KIB * 1024)) > $C/memory.max 2>> $R
+      rc=$?
+      read -r cur < $C/memory.current
+      echo cgroup $K3_PIDS $K3_MEM_KIB $((cur / 1024)) > $O
+    else
+      rc=0; echo rlimit $K3_PIDS $K3_MEM_KIB - > $O
     fi
-    setsid sh $W/cmd < /dev/null > $W/o 2> $W/e &
-    p=$!
-    ( trap 'kill $s 2>/dev/null; exit 0' TERM
-      sleep $5 & s=$!; wait $s
-      echo 1 > $W/to; kill -KILL -$p 2>/dev/null ) &
-    w=$!
-    wait $p; rc=$?
-    kill $w 2>/dev/null; wait $w 2>/dev/null
-    t=0; [ -s $W/to ] && t=1
-    reply $1 $rc $t $h ;;
+    reply $1 $rc 0 - ;;
   write)
     unb64 $5
     # A file that cannot be created still has its payload read (to /dev/null).
-    if { true > "$path"; } 2> $W/e; then d=$path; else d=; fi
+    if { true > "$path"; } 2> $R; then d=$path; else d=; fi
     recv $1 $3 "${d:-/dev/null}"
-    if [ -z "$d" ] || ! chmod $6 "$path" 2> $W/e; then reply $1 1 0 -; continue; fi
+    if [ -z "$d" ] || ! chmod $6 "$path" 2> $R || ! chown $7:$7 "$path" 2> $R; then reply $1 1 0 -; continue; fi
     md5 "$path"
     reply $1 0 0 $h ;;
   read)
     unb64 $5
-    if cat "$path" > $W/o 2> $W/e; then rc=0; else rc=1; fi
+    if cat "$path" > $O 2> $R; then rc=0; else rc=1; fi
     reply $1 $rc 0 - ;;
-  *) echo "unknown op $2" > $W/e; reply $1 2 0 - ;;
+  *) echo "unknown op $2" > $R; reply $1 2 0 - ;;
   esac
 done
 """
@@ -410,11 +510,13 @@ def _build(out: Path, debs: dict[str, Path]) -> str:
         if not link.exists():
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to("/bin/busybox")
-    for name, text in (("sbin/k3init", K3INIT_SH), ("sbin/k3agent", agent_script())):
+    for name, text in (("sbin/k3init", K3INIT_SH), ("sbin/k3run", K3RUN_SH), ("sbin/k3agent", agent_script())):
         (stage / name).write_text(text)
         (stage / name).chmod(0o755)
-    (stage / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
-    (stage / "etc" / "group").write_text("root:x:0:\n")
+    (stage / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n"
+                                          "user:x:1000:1000:user:/home/user:/bin/sh\n")
+    (stage / "etc" / "group").write_text("root:x:0:\nuser:x:1000:\n")
+    (stage / "home" / "user").mkdir()
     (stage / "etc" / "hostname").write_text("sandbox\n")
     _run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-L", "k3root", "-E", "root_owner=0:0",
           "-d", str(stage), str(out / "rootfs.ext4"), f"{ROOTFS_MIB}M"])
@@ -443,7 +545,7 @@ def build_image(cache_dir: str | os.PathLike | None = None, force: bool = False)
     debs = _fetch_debs(cache / "debs")
     deb_sums = {k: {"file": p.name, "sha256": _sha256(p)} for k, p in debs.items()}
     key_src = json.dumps({"format": FORMAT_VERSION, "debs": deb_sums, "init": INIT_SH,
-                          "k3init": K3INIT_SH, "agent": agent_script(), "modules": MODULES,
+                          "k3init": K3INIT_SH, "k3run": K3RUN_SH, "agent": agent_script(), "modules": MODULES,
                           "rootfs_mib": ROOTFS_MIB}, sort_keys=True)
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     final = cache / "images" / key

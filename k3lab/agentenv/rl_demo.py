@@ -1,13 +1,15 @@
 """An RL-style rollout over sandboxes: act, hibernate while "waiting for inference", wake, and
 grade in a fork.
 
-Each agent gets a toy task in its sandbox (``/root/task.txt``: numbers to add; the answer goes to
-``/root/answer``). A scripted policy stands in for the LLM: it emits one shell command per step;
+Each agent gets a toy task in its sandbox (``/home/user/task.txt``: numbers to add; the answer
+goes to ``/home/user/answer``). A scripted policy stands in for the LLM: it emits one shell
+command per step, run as the sandbox's unprivileged user;
 agent ``i`` with ``i % 3 == 2`` makes an arithmetic slip, so rewards differ. Between steps every
 agent is hibernated (no process, no memory) for the "inference" wait, as K3's sandboxes are for
 ~98% of their life, then woken to run the next command. The reward check runs in a fork of the
-finished agent: the grader is destructive (it deletes the answer and leaves a marker), and the
-original sandbox is verified untouched afterwards.
+finished agent, as root, from a root-owned script the agent's commands cannot change: the grader
+is destructive (it deletes the answer and leaves a marker), and the original sandbox is verified
+untouched afterwards.
 """
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ from dataclasses import dataclass, field
 from k3lab.agentenv.sandbox import Sandbox, SandboxPool
 
 GRADER = """#!/bin/sh
-want=$(awk '{s+=$1} END {print s}' /root/task.txt)
-got=$(cat /root/answer 2>/dev/null)
-rm -f /root/answer; echo graded > /root/graded; sync
+want=$(awk '{s+=$1} END {print s}' /home/user/task.txt)
+got=$(cat /home/user/answer 2>/dev/null)
+rm -f /home/user/answer; echo graded > /home/user/graded; sync
 [ "$got" = "$want" ] && echo 1 || echo 0
 """
 
@@ -27,11 +29,11 @@ rm -f /root/answer; echo graded > /root/graded; sync
 def policy(agent: int, step: int) -> str:
     """The scripted stand-in for an LLM: the shell command agent ``agent`` runs at ``step``."""
     if step == 0:
-        return "cat /root/task.txt | wc -l"
+        return "cat /home/user/task.txt | wc -l"
     if step == 1:
         slip = " + 1" if agent % 3 == 2 else ""
-        return f"awk '{{s+=$1}} END {{print s{slip}}}' /root/task.txt > /root/answer; cat /root/answer"
-    return "ls /root"
+        return f"awk '{{s+=$1}} END {{print s{slip}}}' /home/user/task.txt > /home/user/answer; cat /home/user/answer"
+    return "ls /home/user"
 
 
 @dataclass
@@ -78,8 +80,8 @@ def run_rollout(pool: SandboxPool, n_agents: int = 3, steps: int = 3, inference_
         for i in range(n_agents):
             sb = pool.create(cow=False)
             nums = [(seed * 7919 + i * 104729 + k * 1299709) % 97 + 1 for k in range(5 + i)]
-            sb.write_file("/root/task.txt", "".join(f"{x}\n" for x in nums))
-            sb.write_file("/root/grade.sh", GRADER, mode=0o755)
+            sb.write_file("/home/user/task.txt", "".join(f"{x}\n" for x in nums))
+            sb.write_file("/root/grade.sh", GRADER, mode=0o700, root=True)
             agents.append(sb)
         t0 = time.perf_counter()
         now = lambda: time.perf_counter() - t0  # noqa: E731
@@ -113,10 +115,10 @@ def run_rollout(pool: SandboxPool, n_agents: int = 3, steps: int = 3, inference_
             wake(i)
             a = now()
             (grader,) = sb.fork(1)
-            rewards.append(int(grader.exec("sh /root/grade.sh", timeout=30).text.strip()))
+            rewards.append(int(grader.exec("sh /root/grade.sh", timeout=30, root=True).text.strip()))
             grader.destroy()
             events.append((i, "fork+grade", a, now()))
-            check = sb.exec("cat /root/answer && test ! -e /root/graded && echo clean", timeout=30)
+            check = sb.exec("cat /home/user/answer && test ! -e /home/user/graded && echo clean", timeout=30)
             untouched.append(check.ok and check.text.strip().endswith("clean"))
         total = now()
         waited = sum(t1 - t0_ for _, kind, t0_, t1 in events if kind == "hibernated")

@@ -13,10 +13,24 @@ Backends (one :class:`Sandbox` class and API for both; the hypervisor-specific c
 What a sandbox isolates: its own guest kernel, memory, processes, filesystem (a per-sandbox disk:
 a qcow2 overlay or a raw copy) and devices; a command in it cannot see or change the host's or
 another sandbox's files, memory or processes except through a hypervisor bug. What it does NOT
-isolate: CPU time and host memory are shared with no quota (no cgroup limits here), there is no
-network at all (no NIC), the guest sees the host's CPU model and TSC, and under TCG (software
-emulation, these machines) QEMU itself is the attack surface, which is weaker than KVM's hardware
-boundary. Side channels are out of scope.
+isolate: CPU time and host memory are shared with no quota on the host (the guest's RAM is the
+VM's size; host-side cgroups are not set here), there is no network at all (no NIC), the guest
+sees the host's CPU model and TSC, and under TCG (software emulation, these machines) QEMU itself
+is the attack surface, which is weaker than KVM's hardware boundary. Side channels are out of scope.
+
+Inside the guest, commands are hostile by assumption (see ``docs/agentenv.md``):
+
+- each :meth:`Sandbox.exec` runs as the unprivileged ``user`` (uid 1000, home ``/home/user``)
+  unless ``root=True``, in a new session, in a cgroup of its own under the sandbox's cgroup
+  (cgroup v2 in the guest: a process limit and a memory limit for all commands together, see
+  :meth:`Sandbox.limits`; rlimits of ``user`` where the guest kernel has no cgroup v2);
+- its stdout and stderr are files of its own (a tmpfs per command, a quarter of guest RAM): what
+  it leaves running can never write into another command's output or exit code;
+- when it returns its whole tree is killed (``cgroup.kill``, so ``setsid`` daemons too) unless
+  ``keep_background=True``; at its timeout the whole tree is killed regardless;
+- a guest agent that does not answer within :attr:`Sandbox.grace_s` of the deadline makes the
+  sandbox "unhealthy": later calls fail at once, :meth:`Sandbox.restore` and
+  :meth:`Sandbox.destroy` still work.
 
 Lifecycle (files under ``<root>/<id>/``; the backends' docstrings give their layouts):
 
@@ -41,6 +55,7 @@ import json
 import mmap
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -72,7 +87,8 @@ class SandboxTimeout(SandboxError):
 
 
 class SandboxStateError(SandboxError):
-    """The operation is not valid in the sandbox's current state (e.g. exec while paused)."""
+    """The operation is not valid in the sandbox's current state (e.g. exec while paused, any
+    call on an unhealthy sandbox, an exec that :meth:`Sandbox.destroy` ended)."""
 
 
 _root_lock = threading.Lock()
@@ -87,6 +103,13 @@ _snapshots: "set[Snapshot]" = set()
 _ids = itertools.count()
 #: the longest exec timeout in seconds (~3 years); larger ones overflow the host's select().
 MAX_TIMEOUT_S = 1e8
+#: characters of a command quoted in error messages.
+QUOTE_CHARS = 60
+
+
+def _quote(cmd: str) -> str:
+    """A command as error messages name it: its first :data:`QUOTE_CHARS` characters, repr'd."""
+    return repr(cmd if len(cmd) <= QUOTE_CHARS else cmd[:QUOTE_CHARS] + "...")
 
 
 def default_root() -> Path:
@@ -267,8 +290,10 @@ class Snapshot:
 class Sandbox:
     """A microVM sandbox. Build with :meth:`create` (cold boot) or :meth:`from_snapshot`.
 
-    States: "running", "paused", "hibernated", "crashed", "destroyed". Not thread-safe: one caller
-    at a time per sandbox (different sandboxes are independent processes).
+    States: "running", "paused", "hibernated", "unhealthy" (the guest agent stopped answering:
+    only :meth:`restore` and :meth:`destroy` work), "crashed", "destroyed". Not thread-safe: one
+    caller at a time per sandbox (different sandboxes are independent processes), except that
+    :meth:`destroy` may be called from another thread during a call, which it ends.
 
     Attributes:
         backend (str): "qemu" or "firecracker".
@@ -282,8 +307,12 @@ class Sandbox:
             kids = sb.fork(2)                            # two children from the exact running state
     """
 
-    #: extra seconds the host waits beyond an exec timeout before declaring the guest hung.
-    grace_s = 60.0
+    #: seconds the host waits beyond an exec's timeout for the guest agent to say the command
+    #: ended (it kills the command's tree at the timeout and says so within about a second under
+    #: TCG); past that the sandbox is "unhealthy".
+    grace_s = 5.0
+    #: seconds a file transfer, or an exec's reply once the command has ended, may stall.
+    transfer_s = 60.0
 
     def __init__(self, backend: str, image: Image, memory_mib: int, vcpus: int, root: Path,
                  host: HostInfo) -> None:
@@ -294,6 +323,11 @@ class Sandbox:
         self.dir.mkdir(parents=True)
         self.state = "new"
         self.base: Snapshot | None = None
+        self._unhealthy = ""  # why, while state == "unhealthy"
+        self._call: str | None = None  # the guest call in flight, as messages name it
+        self._call_done = threading.Event()
+        self._call_done.set()
+        self._destroying = False
         _live.add(self)
         try:
             self.vm: VMBackend = BACKENDS[backend](self.dir, image, memory_mib, vcpus, host)
@@ -404,6 +438,8 @@ class Sandbox:
     # ---- checks -------------------------------------------------------------------------------
 
     def _crashed(self, what: str) -> None:
+        if self._call is not None:
+            what = f"{what}; during {self._call}"
         if self.vm.pid is not None:
             deadline = time.monotonic() + 5.0
             while self.vm.poll() is None and time.monotonic() < deadline:
@@ -417,24 +453,39 @@ class Sandbox:
         raise SandboxCrashed(f"sandbox {self.id} crashed ({what}; {self.vm.process} {how});"
                              f" {guest}{self.vm.log_tail()}")
 
-    def _need(self, *states: str) -> None:
-        if self.state in ("running", "paused") and self.vm.poll() is not None:
+    def _need(self, *states: str, what: str = "") -> None:
+        if self.state in ("running", "paused", "unhealthy") and self.vm.poll() is not None:
             self._crashed("VM process exited")
         if self.state not in states:
-            raise SandboxStateError(f"sandbox {self.id} is {self.state}; this needs {' or '.join(states)}")
+            call = f" ({what})" if what else ""
+            if self.state == "unhealthy":
+                raise SandboxStateError(f"sandbox {self.id} is unhealthy{call}: {self._unhealthy};"
+                                        " restore a snapshot or destroy it")
+            raise SandboxStateError(f"sandbox {self.id} is {self.state}{call}; this needs {' or '.join(states)}")
 
-    def _agent_call(self, op: str, *args, wait_s: float):
-        self._need("running")
+    def _agent_call(self, what: str, op: str, *args, deadline: float, **kw):
+        """Call the guest agent's ``op``; ``what`` names the call in every error."""
+        self._need("running", what=what)
+        self._call = what
+        self._call_done.clear()
         try:
-            return getattr(self.vm.agent, op)(*args, deadline=time.monotonic() + wait_s)
-        except AgentClosed as e:
-            self._crashed(str(e))
-        except AgentTimeout as e:
-            if self.vm.poll() is not None:
-                self._crashed(str(e))
-            raise SandboxTimeout(f"sandbox {self.id}: guest agent silent for {wait_s:.0f} s (hung guest)") from e
+            return getattr(self.vm.agent, op)(*args, deadline=deadline, **kw)
         except AgentError as e:
-            raise SandboxError(f"sandbox {self.id}: {e}") from e
+            if self._destroying or self.state == "destroyed":
+                raise SandboxStateError(f"sandbox {self.id} was destroyed during {what}") from None
+            if isinstance(e, AgentClosed) or self.vm.poll() is not None:
+                self._crashed(str(e))
+            if isinstance(e, AgentTimeout):
+                late = time.monotonic() - deadline
+                why = (f"the guest agent stalled in its reply to {what}" if e.ended else
+                       f"no answer from the guest agent to {what} {late:.1f} s after its deadline")
+                self.state, self._unhealthy = "unhealthy", f"{why} (guest wedged)"
+                raise SandboxTimeout(f"sandbox {self.id}: {why}: the guest is wedged; the sandbox is"
+                                     " now unhealthy (restore a snapshot or destroy it)") from e
+            raise SandboxError(f"sandbox {self.id}: {what}: {e}") from e
+        finally:
+            self._call = None
+            self._call_done.set()
 
     def _control(self, fn, *args):
         """Run a backend control call; a dead VM process becomes SandboxCrashed."""
@@ -452,27 +503,44 @@ class Sandbox:
 
     # ---- guest operations ---------------------------------------------------------------------
 
-    def exec(self, cmd: str, timeout: float = 30.0) -> ExecResult:
-        """Run ``sh -c cmd``-like (the text is a script for busybox sh) in the guest.
+    def exec(self, cmd: str, timeout: float = 30.0, root: bool = False,
+             keep_background: bool = False) -> ExecResult:
+        """Run ``cmd`` (a script for busybox sh) in the guest, in a new session and a cgroup of
+        its own, with stdin ``/dev/null`` and stdout/stderr in files of its own.
 
         Args:
             cmd (str): shell script text.
             timeout (float): seconds, in (0, 1e8]. On expiry the guest SIGKILLs the command's whole
-                process group; the result has ``timed_out=True`` and exit code 137. The host is
-                untouched.
+                tree (its cgroup, daemons that left its session too); the result has
+                ``timed_out=True`` and exit code 137, within about a second of the timeout.
+            root (bool): run as root (cwd ``/root``); default the unprivileged ``user`` (uid 1000,
+                cwd and ``$HOME`` ``/home/user``). Both are under the sandbox's :meth:`limits`.
+            keep_background (bool): leave the processes the command started running after it
+                returns (a server); their writes to the command's stdout/stderr go to that
+                command's own files (gone from view once it returned, capped with them), never into
+                a later command's. Default: the whole tree is killed when the command returns.
 
         Returns:
-            ExecResult: exit code, stdout, stderr (bytes), timed_out.
+            ExecResult: exit code (137 when killed: timeout, or out of memory, which stderr then
+            names), stdout, stderr (bytes), timed_out.
 
         Raises:
-            TypeError: ``cmd`` not a str, ``timeout`` not an int or float (a bool is refused).
-            ValueError: ``timeout`` not in (0, 1e8] (inf and nan
-            too: the host's wait needs a deadline). SandboxStateError: not
-            running. SandboxCrashed: the VM died. SandboxTimeout: no answer ``grace_s`` after the
-            timeout (hung guest). SandboxError: the command or its output arrived damaged (md5 or
-            chunk length mismatch; a damaged command is not run), or the output does not fit in
-            the guest's ``/run`` (a tmpfs of ~37% of guest RAM that holds the output and its
-            base64: ~20 MB of stdout at 128 MiB).
+            TypeError: ``cmd`` not a str, ``timeout`` not an int or float (a bool is refused),
+                ``root`` or ``keep_background`` not a bool.
+            ValueError: ``timeout`` not in (0, 1e8] (inf and nan too: the host's wait needs a
+                deadline).
+            SandboxStateError: not running (unhealthy included), or :meth:`destroy` ended it
+                (the message says the sandbox was destroyed during this command).
+            SandboxCrashed: the VM died.
+            SandboxTimeout: the guest agent did not say the command ended within
+                :attr:`grace_s` (5 s) after ``timeout`` (a wedged guest), or its reply then stalled
+                :attr:`transfer_s`; the sandbox is "unhealthy" from then on.
+            SandboxError: the command or its output arrived damaged (md5 or chunk length
+                mismatch; a damaged command is not run), or its output filled its cap (a quarter
+                of guest RAM for stdout and stderr together: ~23 MB at 128 MiB), or the reply does
+                not fit in the guest's ``/run``.
+
+        Every error message names the sandbox and the command (its first 60 characters).
         """
         if not isinstance(cmd, str):
             raise TypeError(f"cmd must be a str (a shell script), got {type(cmd).__name__}")
@@ -480,20 +548,28 @@ class Sandbox:
             raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
         if not 0 < timeout <= MAX_TIMEOUT_S:
             raise ValueError(f"timeout must be > 0 and <= {MAX_TIMEOUT_S:g} seconds, got {timeout}")
-        return self._agent_call("exec", cmd, timeout, wait_s=timeout + self.grace_s)
+        for name, flag in (("root", root), ("keep_background", keep_background)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        deadline = time.monotonic() + timeout + self.grace_s + len(cmd) / 1e5
+        return self._agent_call(f"exec {_quote(cmd)}", "exec", cmd, timeout, deadline=deadline, root=root,
+                                keep_background=keep_background, idle_s=self.transfer_s)
 
-    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
-        """Write ``data`` to ``path`` in the guest (parent folder must exist).
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644, root: bool = False) -> None:
+        """Write ``data`` to ``path`` in the guest (parent folder must exist), as root.
 
         Args:
             path (str): absolute guest path, no NUL character.
             data (bytes | str): the contents (str is UTF-8 encoded).
             mode (int): permission bits, 0..0o7777.
+            root (bool): the file is owned by root; default by the unprivileged ``user`` that
+                :meth:`exec` runs as, so its commands can change it.
 
         Raises:
             TypeError: ``path`` not a str, ``data`` not str/bytes-like, ``mode`` not an int.
             ValueError: ``path`` not absolute or with a NUL, ``mode`` out of range. SandboxError:
             the guest could not write it, or the file it wrote differs from ``data`` (md5 mismatch).
+            SandboxStateError, SandboxCrashed, SandboxTimeout: as in :meth:`exec`.
         """
         _check_guest_path(path)
         # bytes(5) would silently be five NUL bytes.
@@ -505,23 +581,64 @@ class Sandbox:
         if not 0 <= mode <= 0o7777:
             raise ValueError(f"mode must be permission bits in [0, 0o7777], got {mode:#o}")
         data = data.encode() if isinstance(data, str) else bytes(data)
-        r = self._agent_call("write_file", path, data, mode, wait_s=self.grace_s + len(data) / 1e5)
+        what = f"write_file({path!r})"
+        r = self._agent_call(what, "write_file", path, data, mode, root=root,
+                             deadline=time.monotonic() + self.transfer_s + len(data) / 1e5)
         if r.exit_code != 0:
-            raise SandboxError(f"write_file({path!r}) failed: {r.stderr.decode(errors='replace').strip()}")
+            raise SandboxError(f"sandbox {self.id}: {what} failed: {r.stderr.decode(errors='replace').strip()}")
 
     def read_file(self, path: str) -> bytes:
-        """The bytes of ``path`` in the guest.
+        """The bytes of ``path`` in the guest (read as root).
 
         Raises:
             TypeError: ``path`` not a str. ValueError: ``path`` has a NUL. FileNotFoundError: the
             guest cannot read it (message has the guest's error). SandboxError: the file arrived
             damaged (md5 mismatch) or does not fit in the guest's ``/run`` (as in :meth:`exec`).
+            SandboxStateError, SandboxCrashed, SandboxTimeout: as in :meth:`exec`.
         """
         _check_guest_path(path)
-        r = self._agent_call("read_file", path, wait_s=self.grace_s)
+        what = f"read_file({path!r})"
+        r = self._agent_call(what, "read_file", path, deadline=time.monotonic() + self.transfer_s)
         if r.exit_code != 0:
             raise FileNotFoundError(f"{path} in sandbox {self.id}: {r.stderr.decode(errors='replace').strip()}")
         return r.stdout
+
+    def limits(self, max_pids: int | None = None, memory_mib: int | None = None) -> dict:
+        """Set (the arguments given) and report the limits on everything :meth:`exec` runs in
+        this sandbox, all commands together: at most ``max_pids`` processes and ``memory_mib``
+        MiB of memory (their tmpfs files included). Defaults at boot: 256 processes, three
+        quarters of the guest's RAM. A fork bomb then fails to fork past the limit; a memory hog
+        is OOM-killed inside its command (exit 137, stderr says so); the agent stays out of both.
+        Snapshots, restores and forks carry the limits.
+
+        Args:
+            max_pids (int | None): 1..4194304 processes; None keeps the current value.
+            memory_mib (int | None): MiB, >= 1; None keeps the current value.
+
+        Returns:
+            dict: ``mechanism`` ("cgroup": cgroup v2 in the guest; "rlimit": the guest kernel
+            has none, so ``max_pids`` is RLIMIT_NPROC of ``user`` and ``memory_mib`` RLIMIT_AS of
+            each of its processes, and root commands are not limited), ``max_pids``,
+            ``memory_mib`` (float), ``memory_used_mib`` (float, cgroup only, else None).
+
+        Raises:
+            TypeError: an argument not an int (or None). ValueError: out of range.
+            SandboxError: the guest refused the value. SandboxStateError, SandboxCrashed,
+            SandboxTimeout: as in :meth:`exec`.
+        """
+        for name, v, hi in (("max_pids", max_pids, 4194304), ("memory_mib", memory_mib, 1 << 30)):
+            if v is not None:
+                _check_int(name, v)
+                if not 1 <= v <= hi:
+                    raise ValueError(f"{name} must be in [1, {hi}], got {v}")
+        what = f"limits(max_pids={max_pids}, memory_mib={memory_mib})"
+        r = self._agent_call(what, "limits", max_pids, None if memory_mib is None else memory_mib * 1024,
+                             deadline=time.monotonic() + self.transfer_s)
+        if r.exit_code != 0:
+            raise SandboxError(f"sandbox {self.id}: {what} failed: {r.stderr.decode(errors='replace').strip()}")
+        mech, pids, mem_kib, used = r.text.split()
+        return {"mechanism": mech, "max_pids": int(pids), "memory_mib": int(mem_kib) / 1024,
+                "memory_used_mib": None if used == "-" else int(used) / 1024}
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -578,7 +695,7 @@ class Sandbox:
             vcpus); both checked before this sandbox's state is touched.
         """
         if self.state == "destroyed":
-            raise SandboxStateError(f"sandbox {self.id} is destroyed")
+            raise SandboxStateError(f"sandbox {self.id} is destroyed (restore)")
         if snapshot.deleted:
             raise SandboxStateError(f"snapshot {snapshot.path} was deleted")
         if snapshot.backend != self.backend:
@@ -638,9 +755,22 @@ class Sandbox:
         self._start(self.vm.wake, timeout)
 
     def destroy(self) -> None:
-        """Kill the VM, delete every file of this sandbox, release its snapshots. Idempotent."""
+        """Kill the VM, delete every file of this sandbox, release its snapshots. Idempotent.
+
+        Works in every state, unhealthy included. Called from another thread while a call
+        (:meth:`exec`, a file transfer) is in flight, it kills the VM process first, waits up to
+        10 s for that call to end (it raises SandboxStateError: "sandbox ... was destroyed
+        during exec '...'"), then cleans up."""
         if self.state == "destroyed":
             return
+        self._destroying = True
+        if self.vm is not None and not self._call_done.is_set():
+            # The channel stays open until the call has seen the VM's end: closing its descriptor
+            # under a select() in another thread could hand the number to an unrelated file.
+            pid = self.vm.pid
+            if pid is not None and self.vm.poll() is None:
+                os.kill(pid, signal.SIGKILL)
+            self._call_done.wait(10.0)
         if self.vm is not None:
             self.vm.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -648,6 +778,7 @@ class Sandbox:
             self.base._release()
             self.base = None
         self.state = "destroyed"
+        self._destroying = False
         _live.discard(self)
 
     # ---- introspection ------------------------------------------------------------------------
