@@ -36,7 +36,11 @@ BASE = dict(preset="k3-tiny", steps=8, batch_size=4, seq_len=32, lr=3e-3, progre
     (["--resume"], "--resume needs --ckpt-dir"),
     (["--lr", "nan"], "--lr must be a positive finite number"),
     (["--kill-at-step", "9", "--steps", "8"], "--kill-at-step must be an int in"),
-], ids=["preset", "steps", "ep-mode", "ckpt-every", "resume", "lr", "kill"])
+    (["--activations", "sublayers.*=discard"], "--activations unknown activation policy 'discard'"),
+    (["--activations", "sublayers.*"], "--activations expected PATTERN=POLICY"),
+    (["--log-every", "0"], "--log-every must be an int >= 1"),
+    (["--cp", "0"], "--cp must be an int >= 1"),
+], ids=["preset", "steps", "ep-mode", "ckpt-every", "resume", "lr", "kill", "policy", "rule", "log-every", "cp"])
 def test_bad_flags_exit_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
@@ -59,6 +63,24 @@ def test_resuming_past_steps_is_a_usage_error_not_a_silent_no_op(tmp_path, capsy
         main(["--steps", "1", "--resume", *flags])
     assert e.value.code == 2
     assert "the checkpoint is at step 2, past --steps 1" in capsys.readouterr().err
+
+
+def test_metrics_read_every_n_steps_and_activation_policies_keep_the_losses():
+    # --log-every 3 reads the losses back once per window: the same losses, maxvio only where read.
+    # Recomputing every sublayer in backward (the activation manager) gives the same gradients, so the
+    # same losses; offload the same too; block-wise fp8 of the MoE layers' saved tensors is lossy but close.
+    cfg = dict(BASE, steps=4, batch_size=2)
+    plain = train(TrainConfig(**cfg))
+    windowed = train(TrainConfig(**cfg, log_every=3))
+    assert [r["step"] for r in windowed] == [1, 2, 3, 4]
+    np.testing.assert_allclose(_losses(windowed), _losses(plain), rtol=1e-6)
+    assert [r["maxvio"] is None for r in windowed] == [True, True, False, False]
+    for rules, tol in (("sublayers.*=recompute", 1e-5), ("sublayers.*=offload", 1e-6), ("sublayers.[13579]=fp8", 2e-2)):
+        got = _losses(train(TrainConfig(**cfg, activations=rules)))
+        rel = np.abs(got - _losses(plain)) / _losses(plain)
+        assert rel.max() < tol, (rules, got, _losses(plain))
+    with pytest.raises(ValueError, match="--activations: patterns .* match no module"):
+        train(TrainConfig(**cfg, activations="nothing.here=recompute"))
 
 
 def test_lr_schedule_warms_up_then_decays_to_a_tenth():

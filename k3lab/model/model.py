@@ -140,6 +140,8 @@ class K3Model(nn.Module):
         self.residual = BlockAttnRes(d, 2 * L, c.attn_res_sizes(), eps=c.rms_norm_eps, path=attn_res_path)
         self.norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
         self.head = nn.Linear(d, c.vocab_size, bias=False)
+        # Token-id range checks (one host sync per call); ``value_checks`` turns them off.
+        self.check_values = True
         self._init_weights()
         if c.tie_word_embeddings:
             self.head.weight = self.embed.weight
@@ -165,13 +167,13 @@ class K3Model(nn.Module):
         return [s.fn for s in self.sublayers[0::2]]
 
     def value_checks(self, enabled: bool) -> None:
-        """Turn the per-call NaN/inf checks of the KDA kernels and the routers on or off (each is one
-        host sync per layer per call). A trainer whose inputs are token ids checked once per batch turns
-        them off so a step never waits on the host; a NaN then shows in the loss."""
+        """Turn the per-call value checks on or off: the token-id range of ``forward``, the NaN/inf checks of
+        the KDA kernels and of the routers (each one host sync per call). A trainer that checks its token
+        split once turns them off so a step never waits on the host; a NaN then shows in the loss."""
         from k3lab.moe.router import Router  # noqa: PLC0415
 
         for m in self.modules():
-            if isinstance(m, (KDALayer, Router)):
+            if isinstance(m, (K3Model, KDALayer, Router)):
                 m.check_values = bool(enabled)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
@@ -206,12 +208,14 @@ class K3Model(nn.Module):
         if not isinstance(idx, torch.Tensor) or idx.ndim != 2 or 0 in idx.shape:
             got = list(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
             raise ValueError(f"idx must be [B, T] token ids with B, T >= 1, got {got}")
-        _check_ids("idx", idx, c.vocab_size)
+        if self.check_values:
+            _check_ids("idx", idx, c.vocab_size)
         if targets is not None:
             if not isinstance(targets, torch.Tensor) or targets.shape != idx.shape:
                 raise ValueError(f"targets must have idx's shape {list(idx.shape)}, got "
                                  f"{list(targets.shape) if isinstance(targets, torch.Tensor) else targets!r}")
-            _check_ids("targets", targets, c.vocab_size, ignore_index=-100)
+            if self.check_values:
+                _check_ids("targets", targets, c.vocab_size, ignore_index=-100)
         if cu_seqlens is not None:
             if idx.shape[0] != 1:
                 raise ValueError(f"with cu_seqlens the documents must be packed into B=1, got B={idx.shape[0]}")

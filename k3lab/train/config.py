@@ -5,6 +5,7 @@ import argparse
 import math
 from dataclasses import dataclass, fields
 
+from k3lab.memory import check_policy
 from k3lab.moonep import MODES
 
 TRAIN_PRESETS = ("k3-tiny", "k3-1b")
@@ -38,6 +39,12 @@ class TrainConfig:
             ``<|endoftext|>``); the MLA mask is [B*T, B*T], so this is for short rows.
         kill_at_step (int | None): fault injection: every rank SIGKILLs itself after this step.
         weight_decay (float): decoupled weight decay (K3: 0.1). warmup (float): warmup fraction (K3: 0.01).
+        log_every (int): read the loss and metrics back every this many steps (the step's one host sync);
+            the step records in between carry the window's mean step time.
+        activations (str | None): activation-manager rules "PATTERN=POLICY,..." (``k3lab.memory``: keep,
+            recompute, offload, fp8; patterns on ``K3Model.named_modules()``), e.g. "sublayers.*=recompute".
+        sync_debug (bool): on CUDA, run every step between two log steps under
+            ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation there raises.
 
     Raises:
         ValueError: any field out of range; the message names the flag.
@@ -63,6 +70,9 @@ class TrainConfig:
     kill_at_step: int | None = None
     weight_decay: float = 0.1
     warmup: float = 0.01
+    log_every: int = 1
+    activations: str | None = None
+    sync_debug: bool = False
 
     def __post_init__(self):
         def bad(flag, msg):
@@ -71,7 +81,7 @@ class TrainConfig:
         if self.preset not in TRAIN_PRESETS:
             bad("preset", f"must be one of {TRAIN_PRESETS}")
         for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("ep", 1), ("cp", 1), ("ckpt_every", 0),
-                          ("seed", 0)):
+                          ("seed", 0), ("log_every", 1)):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
                 bad(name, f"must be an int >= {low}")
@@ -89,9 +99,31 @@ class TrainConfig:
             bad("ckpt_every", "needs --ckpt-dir")
         if self.resume and not self.ckpt_dir:
             bad("resume", "needs --ckpt-dir")
+        if self.activations is not None:
+            try:
+                self.activation_rules()
+            except ValueError as e:
+                bad("activations", str(e))
         if self.kill_at_step is not None and not (
                 isinstance(self.kill_at_step, int) and 1 <= self.kill_at_step <= self.steps):
             bad("kill_at_step", f"must be an int in [1, --steps={self.steps}]")
+
+
+    def activation_rules(self) -> dict[str, str]:
+        """``activations`` as ``k3lab.memory.apply_policies`` rules {pattern: policy} ({} when None).
+
+        Raises:
+            ValueError: an entry not PATTERN=POLICY or an unknown policy.
+        """
+        rules = {}
+        for item in (self.activations or "").split(","):
+            if not item.strip():
+                continue
+            pattern, sep, policy = item.partition("=")
+            if not sep or not pattern.strip():
+                raise ValueError(f"expected PATTERN=POLICY entries separated by commas, got {item!r}")
+            rules[pattern.strip()] = check_policy(policy.strip())
+        return rules
 
 
 HELP = {
@@ -116,6 +148,10 @@ HELP = {
     "kill_at_step": "fault injection for resume tests: every rank SIGKILLs itself after this step",
     "weight_decay": "decoupled weight decay of both optimizer groups (K3: 0.1)",
     "warmup": "fraction of --steps spent in linear warmup (K3: 0.01)",
+    "log_every": "read the loss and metrics back every N steps, the step's one host sync (GPU: 10 or more)",
+    "activations": "activation-manager rules PATTERN=POLICY[,...] on K3Model module names, policies keep, "
+                   "recompute, offload, fp8 (e.g. 'sublayers.*=recompute')",
+    "sync_debug": "CUDA: steps between log steps run under torch.cuda.set_sync_debug_mode('error')",
 }
 
 
@@ -133,10 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-progress", dest="progress", action="store_false",
                            help="no progress bar (the JSONL log and the summary table stay)")
             continue
-        if f.name in ("resume", "doc_mask"):
+        if f.name in ("resume", "doc_mask", "sync_debug"):
             p.add_argument(flag, action="store_true", help=HELP[f.name])
             continue
-        kind = {"preset": str, "ep_mode": str, "ckpt_dir": str, "log_jsonl": str, "data_dir": str,
+        kind = {"preset": str, "ep_mode": str, "ckpt_dir": str, "log_jsonl": str, "data_dir": str, "activations": str,
                 "lr": float, "weight_decay": float, "warmup": float}.get(f.name, int)
         choices = {"preset": TRAIN_PRESETS, "ep_mode": MODES}.get(f.name)
         default = getattr(defaults, f.name)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from k3lab.data import load_split, resolve_data_dir, vocab_size
+from k3lab.memory import apply_policies
 from k3lab.kcp import make_context
 from k3lab.model import K3Config, K3Model, flops_per_token, mfu
 from k3lab.moe import maxvio, update_biases
@@ -27,6 +28,19 @@ from k3lab.train.parallel import Parallel, build_parallel, parallelize
 PG_TIMEOUT = datetime.timedelta(minutes=10)
 # <|endoftext|>'s id in the book's tokenizer (k3lab.data trains it as special token 0).
 EOT_ID = 0
+
+
+@contextlib.contextmanager
+def _sync_debug(enabled: bool):
+    """``torch.cuda.set_sync_debug_mode("error")`` inside the block when ``enabled``: a host sync raises."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def lr_at(step: int, total: int, peak: float, warmup: float, floor: float = 0.1) -> float:
@@ -71,10 +85,17 @@ def process_group(device: torch.device):
 
 def build_model(config: TrainConfig, device: torch.device) -> K3Model:
     """The run's ``K3Model`` (preset, the data's vocabulary), initialised from ``config.seed``; the same
-    weights on every rank before sharding."""
+    weights on every rank before sharding; ``config.activations``' policies attached (``k3lab.memory``)."""
     torch.manual_seed(config.seed)
     cfg = K3Config.preset(config.preset, vocab_size=vocab_size(resolve_data_dir(config.data_dir)))
-    return K3Model(cfg).to(device)
+    model = K3Model(cfg).to(device)
+    rules = config.activation_rules()
+    if rules:
+        try:
+            apply_policies(model, rules, default=None)
+        except ValueError as e:
+            raise ConfigError(f"--activations: {e}") from e
+    return model
 
 
 def forward(model: K3Model, x: torch.Tensor, y: torch.Tensor, doc_mask: bool, par: Parallel | None = None):
@@ -117,6 +138,10 @@ def build_run(config: TrainConfig, device: torch.device) -> tuple[Parallel, Toke
         loader = TokenLoader(tokens, config.batch_size, config.seq_len, par.row, par.rows, config.seed)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    V = vocab_size(resolve_data_dir(config.data_dir))
+    if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < V:
+        raise ConfigError(f"the token split holds ids outside [0, {V}) (min {tokens.min()}, max {tokens.max()}): "
+                          f"rebuild the shards with python -m k3lab.data build")
     row_tokens = config.batch_size // par.rows * config.seq_len
     # KDA's short convolution reads conv_size - 1 tokens of the previous piece (the KCP halo).
     min_piece = max(1, K3Config.preset(config.preset).kda_conv_size - 1)
@@ -133,8 +158,9 @@ def train(config: TrainConfig) -> list[dict]:
 
     Steps: batch from the loader -> forward (bf16 autocast on GPU, float32 on CPU) -> backward (FSDP
     reduce-scatters) -> lr of the schedule -> Per-Head Muon step -> Quantile Balancing's bias update with
-    the histogram summed over the data ranks -> loss averaged over the data ranks -> checkpoint every
-    ``ckpt_every`` steps and at the end.
+    the histogram summed over the data ranks -> loss averaged over the data ranks (kept on the device) ->
+    every ``log_every`` steps (and before a checkpoint) the window's losses read back, the step's one host
+    sync -> checkpoint every ``ckpt_every`` steps and at the end.
 
     Raises:
         ConfigError (a ValueError): the layout does not match the world (``build_parallel``), the global
@@ -169,42 +195,54 @@ def train(config: TrainConfig) -> list[dict]:
         peak = peak_key(device)
         log = MetricsLog(config.log_jsonl, config.steps, start, config.progress, enabled=rank0)
         log.write(dict(event="start", preset=config.preset, world=world, dp=par.dp, ep=par.ep, cp=par.cp,
-                       ep_mode=config.ep_mode,
-                       device=str(device), global_batch=config.batch_size, seq_len=config.seq_len, doc_mask=config.doc_mask,
-                       vocab_size=mcfg.vocab_size, resumed_from=start, steps=config.steps,
-                       flops_per_token=fpt, flops_convention=FLOPS_CONVENTION, peak=peak))
+                       ep_mode=config.ep_mode, device=str(device), global_batch=config.batch_size,
+                       seq_len=config.seq_len, doc_mask=config.doc_mask, vocab_size=mcfg.vocab_size,
+                       resumed_from=start, steps=config.steps, log_every=config.log_every,
+                       activations=config.activation_rules(), flops_per_token=fpt,
+                       flops_convention=FLOPS_CONVENTION, peak=peak))
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                     else contextlib.nullcontext())
+        # The token split was checked against the vocabulary once (build_run): no per-call range or
+        # NaN checks, so nothing in a step reads a value back to the host.
+        model.value_checks(False)
         model.train()
+        pending, loads, t_window = [], [], time.perf_counter()
         for step in range(start + 1, config.steps + 1):
-            t0 = time.perf_counter()
-            x, y = loader.next_batch(device)
-            with autocast:
-                _, loss = forward(model, x, y, config.doc_mask, par)
-            loss.backward()
-            lr = lr_at(step, config.steps, config.lr, config.warmup)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loads = update_biases(model, par.batch_group)
-            loss = loss.detach().float()
-            if par.batch_group is not None:
-                dist.all_reduce(loss, group=par.batch_group)
-                loss = loss / par.data_size
-            # The one host sync of the step: the loss for the log (it also closes the step's timing).
-            loss_value = loss.item()
-            dt = time.perf_counter() - t0
-            tok_s = config.batch_size * config.seq_len / dt
-            mem, mem_kind = peak_memory_gib(device)
-            log.write(dict(event="step", step=step, loss=loss_value, lr=lr, step_s=dt, tokens_per_s=tok_s,
-                           mfu=mfu(tok_s, fpt, peak, world) if peak else None,
-                           maxvio=[maxvio(l) for l in loads], peak_mem_GiB=mem, peak_mem_kind=mem_kind))
-            if config.ckpt_dir and ((config.ckpt_every and step % config.ckpt_every == 0) or step == config.steps):
-                save_checkpoint(config.ckpt_dir, step, model, opt, {"step": step, "loader": loader.state_dict()})
-            if config.kill_at_step == step:
-                dist.barrier()
-                os.kill(os.getpid(), signal.SIGKILL)
+            with _sync_debug(config.sync_debug and device.type == "cuda"):
+                x, y = loader.next_batch(device)
+                with autocast:
+                    _, loss = forward(model, x, y, config.doc_mask, par)
+                loss.backward()
+                lr = lr_at(step, config.steps, config.lr, config.warmup)
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                loads = update_biases(model, par.batch_group)
+                loss = loss.detach().float()
+                if par.batch_group is not None:
+                    dist.all_reduce(loss, group=par.batch_group)
+                    loss = loss / par.data_size
+                pending.append((step, lr, loss))
+            save = config.ckpt_dir and ((config.ckpt_every and step % config.ckpt_every == 0) or step == config.steps)
+            if step % config.log_every == 0 or step == config.steps or save or config.kill_at_step == step:
+                # The step's host sync: the window's losses read back at once (it also closes its timing).
+                values = torch.stack([v for _, _, v in pending]).tolist()
+                dt = (time.perf_counter() - t_window) / len(pending)
+                tok_s = config.batch_size * config.seq_len / dt
+                mem, mem_kind = peak_memory_gib(device)
+                vio = [maxvio(l) for l in loads]
+                for (s_, lr_, _), v in zip(pending, values):
+                    log.write(dict(event="step", step=s_, loss=v, lr=lr_, step_s=dt, tokens_per_s=tok_s,
+                                   mfu=mfu(tok_s, fpt, peak, world) if peak else None,
+                                   maxvio=vio if s_ == step else None, peak_mem_GiB=mem, peak_mem_kind=mem_kind))
+                pending = []
+                if save:
+                    save_checkpoint(config.ckpt_dir, step, model, opt, {"step": step, "loader": loader.state_dict()})
+                if config.kill_at_step == step:
+                    dist.barrier()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                t_window = time.perf_counter()
         log.summary(dict(preset=config.preset, dp=par.dp, ep=par.ep, cp=par.cp, ep_mode=config.ep_mode, world=world,
                          device=str(device), flops_per_token=fpt, flops_convention=FLOPS_CONVENTION))
         return list(log.records)

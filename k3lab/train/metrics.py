@@ -3,8 +3,10 @@
 Record kinds (one JSON object per line, ``"event"`` first):
 
     start    the layout, model, flops_per_token and its convention, the resumed step (or 0)
-    step     step, loss (global mean, nats), lr, tokens_per_s (global), mfu (None without a known peak),
-             maxvio (one per MoE layer, this step's routing summed over the data ranks), peak_mem_GiB
+    step     step, loss (global mean, nats), lr, step_s and tokens_per_s (global; the mean over the
+             ``--log-every`` window the step was read back in), mfu (None without a known peak), maxvio
+             (one per MoE layer, the step's routing summed over the data ranks; None on the steps of a
+             window before its last, whose loads are not read back), peak_mem_GiB
     summary  the table's numbers
 
 MFU follows ``k3lab.model.flops_per_token``: 6 x activated parameters (input embedding excluded, routed

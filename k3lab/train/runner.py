@@ -36,7 +36,7 @@ def torchrun_command(nproc: int, **flags) -> list[str]:
     for k, v in flags.items():
         if k == "progress":
             args += [] if v else ["--no-progress"]
-        elif k in ("resume", "doc_mask"):
+        elif k in ("resume", "doc_mask", "sync_debug"):
             args += [f"--{k.replace('_', '-')}"] if v else []
         elif v is not None:
             args += [f"--{k.replace('_', '-')}", str(v)]
