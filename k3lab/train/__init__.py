@@ -1,4 +1,4 @@
-"""k3lab.train: end-to-end training of a K3-shaped model on the book's corpus, FSDP2 x expert parallel, resumable.
+"""k3lab.train: end-to-end training of a K3-shaped model on the book's corpus, FSDP2 x expert x context parallel, resumable.
 
 Commands (from the repository root; build the shards first with ``python -m k3lab.data build``)::
 
@@ -6,7 +6,8 @@ Commands (from the repository root; build the shards first with ``python -m k3la
     torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --dp 2 --steps 200 --batch-size 8 --seq-len 128
     torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --ep 2 --ep-mode moonep --ckpt-dir ckpt --ckpt-every 50 --log-jsonl train.jsonl
     torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --ep 2 --ckpt-dir ckpt --resume --log-jsonl train.jsonl
-    torchrun --nproc-per-node 8 -m k3lab.train --preset k3-1b --dp 4 --ep 2 --batch-size 64 --seq-len 2048
+    torchrun --nproc-per-node 4 -m k3lab.train --preset k3-tiny --cp 2 --ep 2 --doc-mask --batch-size 4 --seq-len 256
+    torchrun --nproc-per-node 8 -m k3lab.train --preset k3-1b --dp 4 --ep 2 --batch-size 64 --seq-len 2048 --log-every 10
 
 One process runs gloo on CPU (float32) or NCCL on GPU (bf16 autocast, one GPU per rank via LOCAL_RANK).
 
@@ -18,8 +19,9 @@ One process runs gloo on CPU (float32) or NCCL on GPU (bf16 autocast, one GPU pe
     loop.py        train(config): the step on every rank
     workers.py     functions for k3lab.dist.launch (tests, the book)
 
-Not here yet: context parallelism (KCP for KDA, a KV all-gather for MLA), pipeline parallelism, the
-activation manager; ``--doc-mask`` builds MLA's mask densely ([B*T, B*T]), so it serves short rows only.
+Context parallel (``--cp``) cuts each data row's packed tokens into cp pieces: KCP for the KDA layers, an
+all-gather of the MLA latents. Not here yet: pipeline parallelism; ``--doc-mask`` builds MLA's mask densely
+([B*T, B*T], or [T_local, B*T] per cp rank), so it serves short rows only.
 """
 from k3lab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from k3lab.train.config import TrainConfig, build_parser, parse_args
