@@ -264,6 +264,14 @@ def test_guest_operation_arguments_checked_before_any_vm_call():
         sb.read_file(None)
     with pytest.raises(TypeError, match="cmd"):
         sb.exec(["echo", "hi"])
+    with pytest.raises(TypeError, match="root must be a bool, got 1"):
+        sb.exec("true", root=1)
+    with pytest.raises(TypeError, match="keep_background must be a bool, got 'yes'"):
+        sb.exec("true", keep_background="yes")
+    with pytest.raises(TypeError, match="max_pids must be an int, got float"):
+        sb.limits(max_pids=10.0)
+    with pytest.raises(ValueError, match=r"memory_mib must be in \[1, \d+\], got 0"):
+        sb.limits(memory_mib=0)
 
 
 def test_timeout_mode_and_nul_paths_checked_before_any_vm_call():

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from k3lab.agentenv.agent import CHUNK
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 MODULES = ("virtio", "virtio_ring", "virtio_mmio", "virtio_blk", "virtio_console")
 ROOTFS_MIB = 64
 APT_ARCHIVES = Path("/var/cache/apt/archives")
@@ -223,7 +223,13 @@ run() {
         echo "k3agent: the command was killed: out of memory (the sandbox's limit is $K3_MEM_KIB KiB)" >> $R
     done < $G/memory.events
   fi
-  if [ "$6" = 1 ] && [ $t = 0 ]; then kept="$kept $G"; else stop $p "$G"; fi
+  if [ "$6" = 1 ] && [ $t = 0 ]; then
+    kept="$kept $G"
+    # Its processes write on: the reply is what was written until the command returned.
+    cat $O > $W/o; cat $R > $W/e; O=$W/o R=$W/e
+  else
+    stop $p "$G"
+  fi
   # A full tmpfs (no free blocks) means the output was cut off; empty output cannot have filled it.
   f=1; { [ -s $O ] || [ -s $R ]; } && f=$(stat -f -c %a $D)
   set -- $1 $rc $t $h $f
@@ -517,6 +523,8 @@ def _build(out: Path, debs: dict[str, Path]) -> str:
                                           "user:x:1000:1000:user:/home/user:/bin/sh\n")
     (stage / "etc" / "group").write_text("root:x:0:\nuser:x:1000:\n")
     (stage / "home" / "user").mkdir()
+    # root's home is root's alone: commands run as "user" by default and must not read it.
+    (stage / "root").chmod(0o700)
     (stage / "etc" / "hostname").write_text("sandbox\n")
     _run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-L", "k3root", "-E", "root_owner=0:0",
           "-d", str(stage), str(out / "rootfs.ext4"), f"{ROOTFS_MIB}M"])
