@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import pytest
 
 import fake_firecracker
 from k3lab.agentenv import (HostInfo, Image, Sandbox, SandboxCrashed, SandboxError, SandboxPool,
-                            SandboxStateError, leftovers)
+                            SandboxStateError, SandboxTimeout, leftovers)
 from k3lab.agentenv import sandbox as sandbox_mod
 from k3lab.agentenv.agent import CHUNK, AgentChannel
 
@@ -307,3 +308,55 @@ def test_backend_argument(fake, monkeypatch):
     # This host has no qemu: a bare FileNotFoundError for qemu-img came from deep in the boot.
     with pytest.raises(SandboxError, match="qemu backend needs qemu-system-x86_64 and qemu-img.*fake firecracker"):
         Sandbox.create(backend="qemu")
+
+
+def test_commands_are_isolated_from_each_other_on_firecracker(fc):
+    """The exec protocol as the guest agent speaks it: the end-of-command marker, a kept
+    background writer that never reaches a later command's output, the tree killed at return."""
+    with fc() as sb:
+        assert sb.exec("(sleep 0.5; echo LATE) & echo a", timeout=10).stdout == b"a\n"
+        r = sb.exec("sleep 1; echo b; exit 4", timeout=10)
+        assert (r.stdout, r.stderr, r.exit_code) == (b"b\n", b"", 4)
+        # a writer that stops by itself (the fake's processes run on this host)
+        sb.exec("(for i in $(seq 30); do echo X; echo Y >&2; sleep 0.05; done) & echo go", timeout=10,
+                keep_background=True)
+        for i in range(3):
+            r = sb.exec(f"sleep 0.2; echo out{i}", timeout=10)
+            assert (r.stdout, r.stderr) == (f"out{i}\n".encode(), b"")
+        assert sb.limits(max_pids=64) == {"mechanism": "rlimit", "max_pids": 64, "memory_mib": 64.0,
+                                          "memory_used_mib": None}
+        time.sleep(1.0)
+
+
+def test_wedged_guest_and_destroy_during_exec_on_firecracker(fc):
+    """A stopped firecracker process (a wedged guest): the exec raises grace_s after its timeout,
+    the sandbox is unhealthy and refuses calls at once, restore() revives it. destroy() during an
+    exec ends it with a state error naming the sandbox and the command."""
+    with fc() as sb:
+        sb.exec("echo v1 > root/m", timeout=10)
+        with sb.snapshot() as snap:
+            sb.grace_s = 1.0
+            os.kill(sb.pids()[0], signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(SandboxTimeout, match=rf"sandbox {sb.id}: no answer .* exec 'echo hi'"):
+                sb.exec("echo hi", timeout=0.5)
+            assert 1.5 <= time.monotonic() - t0 < 4.0 and sb.state == "unhealthy"
+            with pytest.raises(SandboxStateError, match=rf"sandbox {sb.id} is unhealthy \(exec 'true'\)"):
+                sb.exec("true")
+            sb.restore(snap)
+            assert sb.exec("cat root/m", timeout=10).stdout == b"v1\n"
+        ended = []
+
+        def run():
+            try:
+                sb.exec("sleep 30", timeout=60)
+            except Exception as e:  # noqa: BLE001 - checked below
+                ended.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.5)
+        sb.destroy()
+        t.join(10)
+        assert isinstance(ended[0], SandboxStateError)
+        assert str(ended[0]) == f"sandbox {sb.id} was destroyed during exec 'sleep 30'"
