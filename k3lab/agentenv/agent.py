@@ -21,7 +21,8 @@ socket on the host, :meth:`AgentChannel.connect_unix`) or the serial port ``/dev
   ``"\\n@K3C <id>\\n"`` is followed by more once the host answers ``"<id> ack\\n"``; the last ends
   with ``"\\n@K3END <id>\\n"``. ``md5_in`` is the md5 of the payload as the guest received it
   (exec) or of the file it wrote (write); ``-`` otherwise; ``!`` when the guest could not build
-  the reply (the output does not fit in its ``/run``): stderr says why and the host raises.
+  the reply (the output filled the command's output space, or does not fit in the guest's
+  ``/run``): stderr says why and the host raises.
 
 Why the flow control: neither hypervisor buffers a console. QEMU's ``virtconsole`` drops guest
 output that the host socket cannot take at once (``hw/char/virtio-console.c``, ``flush_buf``:
@@ -91,9 +92,10 @@ class ExecResult:
     """Result of :meth:`Sandbox.exec`.
 
     Attributes:
-        exit_code (int): the command's exit status; 137 when the timeout killed it.
-        stdout (bytes), stderr (bytes): everything the command wrote.
-        timed_out (bool): the guest-side timeout fired and SIGKILLed the command's process group.
+        exit_code (int): the command's exit status; 137 when SIGKILLed (the timeout, or the OOM
+            killer at the sandbox's memory limit: stderr then ends with the agent's note saying so).
+        stdout (bytes), stderr (bytes): everything the command wrote until it returned.
+        timed_out (bool): the guest-side timeout fired and SIGKILLed the command's whole tree.
     """
 
     exit_code: int
