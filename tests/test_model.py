@@ -169,3 +169,16 @@ def test_validation():
         model(idx, caches=[None] * 5)
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(idx, -1)
+
+
+def test_trains_under_bf16_autocast_with_value_checks_off():
+    # The trainer's GPU step: bf16 autocast over float32 weights (the stacked experts run grouped_mm,
+    # which autocast does not cast: the layer does), no per-call value checks.
+    model = K3Model(K3Config.preset("k3-tiny"))
+    model.value_checks(False)
+    idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(idx, targets=idx)
+    loss.backward()
+    assert torch.isfinite(loss) and 4 < loss.item() < 7
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)

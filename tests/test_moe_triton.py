@@ -22,8 +22,8 @@ def test_fused_glu_matches_the_expression(activation, dtype, tol):
     d_out = torch.randn(33, 70, generator=g).to(DEVICE, dtype)
     y = fused_glu(a, u, activation)
     (y.float() * d_out.float()).sum().backward()
-    a64, u64 = a.detach().double().requires_grad_(), u.detach().double().requires_grad_()
-    y64 = glu(a64.cpu(), u64.cpu(), activation)
+    a64, u64 = a.detach().cpu().double().requires_grad_(), u.detach().cpu().double().requires_grad_()
+    y64 = glu(a64, u64, activation)
     (y64 * d_out.double().cpu()).sum().backward()
     assert y.dtype == dtype
     assert_close("out", y64, y.cpu(), tol)

@@ -94,6 +94,9 @@ class BlockAttnRes(nn.Module):
         self.d_model, self.n_sublayers, self.n_blocks, self.eps = d_model, n_sublayers, len(self.sizes), eps
         self.path, self.backend, self.recompute_input = path, backend, recompute_input
         self.buffer_dtype = buffer_dtype
+        # The training path's NaN/inf check of h0 and the queries (one host sync per call); a trainer that
+        # checks its inputs once turns it off (``K3Model.value_checks``).
+        self.check_values = True
         self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
 
     def extra_repr(self) -> str:
@@ -121,7 +124,7 @@ class BlockAttnRes(nn.Module):
             return block_attnres_inference(h0, sublayers, self.queries, self.sizes, self.eps)
         return block_attnres_train(h0, sublayers, self.queries, self.sizes, self.eps,
                                    self.backend or ("triton" if h0.is_cuda else "torch"), self.recompute_input,
-                                   self.buffer_dtype)
+                                   self.buffer_dtype, check_values=self.check_values)
 
     @torch.no_grad()
     def depth_weights(self, h0: torch.Tensor, sublayers) -> torch.Tensor:

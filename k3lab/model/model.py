@@ -168,12 +168,12 @@ class K3Model(nn.Module):
 
     def value_checks(self, enabled: bool) -> None:
         """Turn the per-call value checks on or off: the token-id range of ``forward``, the NaN/inf checks of
-        the KDA kernels and of the routers (each one host sync per call). A trainer that checks its token
+        the KDA kernels, the routers and Block AttnRes's training path (each one host sync per call). A trainer that checks its token
         split once turns them off so a step never waits on the host; a NaN then shows in the loss."""
         from k3lab.moe.router import Router  # noqa: PLC0415
 
         for m in self.modules():
-            if isinstance(m, (K3Model, KDALayer, Router)):
+            if isinstance(m, (K3Model, KDALayer, Router, BlockAttnRes)):
                 m.check_values = bool(enabled)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,

@@ -157,7 +157,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float64:
             return naive_expert_ffn(x, offsets, self.w_gate, self.w_up, self.w_down, self.activation)
-        return expert_ffn(x, offsets, self.w_gate, self.w_up, self.w_down, self.activation)
+        return expert_ffn(x, offsets, *_autocast(x, self.w_gate, self.w_up, self.w_down), self.activation)
 
     def ep_forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, group,
                    mode: str = "moonep", pad_mask: torch.Tensor | None = None, grad_scale: float = 1.0) -> torch.Tensor:
@@ -187,14 +187,23 @@ class GroupedExperts(nn.Module):
             w = w.to_local() if hasattr(w, "to_local") else w
             return w if grad_scale == 1.0 else _ScaleGrad.apply(w, grad_scale)
 
-        weights = SimpleNamespace(w_gate=local(self.w_gate), w_up=local(self.w_up), w_down=local(self.w_down),
-                                  activation=self.activation)
+        w_gate, w_up, w_down = _autocast(x, local(self.w_gate), local(self.w_up), local(self.w_down))
+        weights = SimpleNamespace(w_gate=w_gate, w_up=w_up, w_down=w_down, activation=self.activation)
         # The ids come from a router (in [0, E) by construction): skip moonep's host-side check, a sync per layer.
         return moonep_experts(x, topk_idx, topk_weight, weights, group, mode=mode, pad_mask=pad_mask,
                               check_ids=False)
 
     def extra_repr(self) -> str:
         return f"E={self.E}, d={self.d}, h={self.h}, activation={self.activation}"
+
+
+def _autocast(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The weights in autocast's dtype when autocast is on for x's device (as it casts an nn.Linear's
+    weight; grouped_mm is not on its list), else unchanged: bf16 tokens meet bf16 experts."""
+    if not torch.is_autocast_enabled(x.device.type):
+        return weights
+    dtype = torch.get_autocast_dtype(x.device.type)
+    return tuple(w.to(dtype) for w in weights)
 
 
 class _ScaleGrad(torch.autograd.Function):
