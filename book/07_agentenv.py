@@ -44,6 +44,7 @@ import os
 import re
 import signal
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -51,8 +52,8 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 import k3lab
-from k3lab.agentenv import (Sandbox, SandboxCrashed, SandboxPool, SandboxStateError, build_image,
-                            cleanup, detect_host, leftovers)
+from k3lab.agentenv import (Sandbox, SandboxCrashed, SandboxPool, SandboxStateError, SandboxTimeout,
+                            build_image, cleanup, detect_host, leftovers)
 from k3lab.agentenv.rl_demo import run_rollout
 from k3lab.agentenv.notebook import skip_vm_cells_if_missing
 from k3lab.bench.agentenv import paused_memory
@@ -75,10 +76,15 @@ vm_tools = skip_vm_cells_if_missing()
 # (a copy-on-write disk overlay) and devices. A command inside cannot see or change the host's or
 # another sandbox's files, memory or processes except through a bug in the virtual machine monitor.
 #
-# It does **not** isolate: CPU time and host memory are shared with no quota (no cgroup limits
-# here); there is no network at all (no network device, so also no network escape); the guest sees
-# the host's CPU model and clock; side channels are out of scope. And on these machines the
-# boundary is weaker than K3's: see the next cell.
+# Inside the guest, every command is treated as hostile: it runs as an unprivileged user in a cgroup
+# of its own, with its own output files, and its whole process tree dies when it returns or times
+# out (the section "what a misbehaving agent can and cannot do" below runs the cases live).
+#
+# It does **not** isolate: CPU time and host memory are shared with no quota on the host (no
+# host-side cgroup limits here; a sandbox's RAM is its VM size); there is no network at all (no
+# network device, so also no network escape); the guest sees the host's CPU model and clock; side
+# channels are out of scope. And on these machines the boundary is weaker than K3's: see the next
+# cell.
 #
 # ## Which backend this host gets
 #
@@ -124,7 +130,8 @@ for p in (img.kernel, img.initrd, img.rootfs):
 # ## Boot, exec, files
 #
 # A cold boot runs the guest kernel (under TCG, seconds). `exec` returns the exit code, stdout and
-# stderr; a timeout kills the command's whole process group inside the guest, never the host.
+# stderr; a command runs as the guest's unprivileged `user` (home `/home/user`) unless `root=True`,
+# and a timeout kills its whole process tree inside the guest, never the host.
 
 # %% tags=["nbval-ignore-output"]
 # VM cell
@@ -148,9 +155,9 @@ print("its sleeps left running:", sb.exec("ps -o args | grep -cE '^sleep (100|60
 assert r.timed_out and r.exit_code == 137
 
 blob = bytes(range(256)) * 64
-sb.write_file("/root/blob.bin", blob)
-assert sb.read_file("/root/blob.bin") == blob
-print("file round trip:", len(blob), "bytes,", sb.exec("sha256sum /root/blob.bin", timeout=10).text.split()[0][:16])
+sb.write_file("/home/user/blob.bin", blob)
+assert sb.read_file("/home/user/blob.bin") == blob
+print("file round trip:", len(blob), "bytes,", sb.exec("sha256sum blob.bin", timeout=10).text.split()[0][:16])
 
 # %% [markdown]
 # ## The lifecycle, measured live
@@ -221,26 +228,28 @@ print("woken:", sb.exec("cat /tmp/m", timeout=10).text.strip())
 # %% [markdown]
 # ## Fork isolation, on disk and in memory
 #
-# The parent writes a value into memory (a tmpfs file, and a live shell loop holding a variable)
-# and onto its disk. Two forks then overwrite both. Each fork maps the snapshot's RAM
+# The parent writes a value into memory (a tmpfs file, and a live shell loop holding a variable,
+# started with `keep_background=True` so that it outlives its command) and onto its disk. Two forks then overwrite both. Each fork maps the snapshot's RAM
 # copy-on-write and writes its own qcow2 overlay, so no write can reach the parent or the sibling.
 # `drop_caches` makes each guest re-read its disk rather than its page cache.
 
 # %%
 # VM cell
-sb.exec("echo parent > /tmp/m; echo parent > /root/d; sync;"
+sb.exec("echo parent > /tmp/m; echo parent > d; sync;"
         # The loop writes a temp file and renames it: a reader never sees the file truncated mid-write.
         " (v=parent; while true; do echo $v > /tmp/live.new; mv /tmp/live.new /tmp/live; sleep 0.2; done)"
-        " >/dev/null 2>&1 &", timeout=10)
+        " >/dev/null 2>&1 &", timeout=10, keep_background=True)
 a, b = sb.fork(2)
-a.exec("echo fork-A > /tmp/m; echo fork-A > /root/d; sync", timeout=10)
-b.exec("echo fork-B > /tmp/m; echo fork-B > /root/d; rm /root/blob.bin; sync", timeout=10)
-show = "echo 3 > /proc/sys/vm/drop_caches; echo $(cat /tmp/m) $(cat /root/d) $(cat /tmp/live) $(ls /root | wc -l)"
-print(f"{'':8s} {'memory':8s} {'disk':8s} {'live loop':10s} files in /root")
+a.exec("echo fork-A > /tmp/m; echo fork-A > d; sync", timeout=10)
+b.exec("echo fork-B > /tmp/m; echo fork-B > d; rm blob.bin; sync", timeout=10)
+# drop_caches needs root
+show = ("echo 3 > /proc/sys/vm/drop_caches; cd /home/user;"
+        " echo $(cat /tmp/m) $(cat d) $(cat /tmp/live) $(ls | wc -l)")
+print(f"{'':8s} {'memory':8s} {'disk':8s} {'live loop':10s} files in /home/user")
 for name, s in (("parent", sb), ("fork A", a), ("fork B", b)):
-    print(f"{name:8s} " + " ".join(f"{x:8s}" for x in s.exec(show, timeout=10).text.split()))
-assert sb.exec("cat /tmp/m /root/d", timeout=10).stdout == b"parent\nparent\n"
-assert a.exec("cat /root/d; ls /root/blob.bin", timeout=10).stdout == b"fork-A\n/root/blob.bin\n"
+    print(f"{name:8s} " + " ".join(f"{x:8s}" for x in s.exec(show, timeout=10, root=True).text.split()))
+assert sb.exec("cat /tmp/m d", timeout=10).stdout == b"parent\nparent\n"
+assert a.exec("cat d; ls blob.bin", timeout=10).stdout == b"fork-A\nblob.bin\n"
 a.destroy()
 b.destroy()
 
@@ -262,11 +271,130 @@ except SandboxCrashed as e:
 victim.destroy()
 panicky = pool.create()
 try:
-    panicky.exec("echo c > /proc/sysrq-trigger", timeout=5)
+    panicky.exec("echo c > /proc/sysrq-trigger", timeout=5, root=True)
 except SandboxCrashed as e:
     print("guest panic -> SandboxCrashed: QEMU", re.search(r"QEMU ([^)]*)\)", str(e)).group(1),
           "|", re.search(r"guest: \[[ .\d]*\] ([^;]*);", str(e)).group(1))
 panicky.destroy()
+
+# %% [markdown]
+# ## What a misbehaving agent can and cannot do
+#
+# An RL agent runs whatever it generates, and K3 moved from containers to microVMs because
+# aggressive agents crashed and deadlocked kernels. So inside the guest every command is hostile by
+# assumption (`docs/agentenv.md` has the threat model):
+#
+# * each `exec` runs as the unprivileged `user` (`root=True` on request) in a **new session and a
+#   cgroup of its own**, with **stdout and stderr on a tmpfs of its own**: nothing it leaves behind can
+#   write into a later command's output or exit code;
+# * when it returns, its **whole tree is killed** (`cgroup.kill`, so daemons that left its session
+#   too) unless `keep_background=True`; at its timeout the tree dies regardless, and the agent answers
+#   within about a second;
+# * all commands together are held to the sandbox's **limits** on processes and memory
+#   (`sb.limits()`; cgroup v2 in the guest), so a fork bomb or a memory hog stays inside;
+# * a guest whose agent stops answering is reported `grace_s` (5 s) after the deadline, and the
+#   sandbox turns **unhealthy**: every later call fails at once, `restore` and `destroy` still work.
+#
+# Each case below runs live in a fresh copy-on-write sandbox of the pool.
+
+# %%
+# VM cell
+hostile = []
+
+
+def outcome(case, ok, what):
+    hostile.append((case, ok, what))
+    assert ok, (case, what)
+
+
+with pool.create() as h:
+    lim = h.limits()
+    print(f"limits ({lim['mechanism']}): {lim['max_pids']} processes, {lim['memory_mib']:.0f} MiB for all commands")
+    # 1. a background process writes after its command returned (the leak that used to corrupt results)
+    h.exec("(sleep 1; echo LATE; exit 9) & echo a", timeout=10)
+    r = h.exec("sleep 2; echo b", timeout=10)
+    outcome("background writer, killed at return", r.stdout == b"b\n" and r.exit_code == 0,
+            f"next stdout {r.stdout!r}, exit {r.exit_code}")
+    # 2. the same writer kept on purpose (a server): later commands stay exact
+    h.exec("(while true; do echo X; echo Y >&2; usleep 20000; done) &", timeout=10, keep_background=True)
+    r = h.exec("usleep 300000; echo c; exit 4", timeout=10)
+    outcome("kept writer (keep_background=True)", (r.stdout, r.stderr, r.exit_code) == (b"c\n", b"", 4),
+            f"next stdout {r.stdout!r}, stderr {r.stderr!r}, exit {r.exit_code}")
+    # 3. a daemon that leaves the command's session and process group
+    h.exec("setsid sh -c 'sleep 1000' &", timeout=10)
+    r = h.exec("ps -o args | grep -c '^sleep 1000'", timeout=10)
+    outcome("setsid daemon", r.text.strip() == "0", f"{r.text.strip()} left running")
+    # 4. privileges: kill the agent, read root's files, raise its own limits
+    r = h.exec("kill -9 $PPID; cat /root/.profile; echo 4096 > /sys/fs/cgroup/k3/pids.max", timeout=10)
+    denied = r.stderr.count(b"Permission denied") + r.stderr.count(b"not permitted")
+    outcome("kill the agent, read /root, raise the limits", denied == 3, f"{denied} of 3 refused")
+
+with pool.create() as h:
+    # 5. a fork bomb under a 3 s timeout
+    t0 = time.perf_counter()
+    r = h.exec("f() { f | f & }; f; sleep 100", timeout=3)
+    late = time.perf_counter() - t0 - 3
+    left = h.exec("read n < /sys/fs/cgroup/k3/pids.current; echo $((n - 1))", timeout=10).text.strip()
+    outcome("fork bomb, timeout=3", r.timed_out and r.exit_code == 137 and left == "0" and late < 3,
+            f"killed, answered {late:.1f} s after the timeout, {left} processes left")
+    # 6. a memory hog: three 40 MB buffers against the sandbox's memory limit
+    r = h.exec("for i in 1 2 3; do dd if=/dev/zero of=/dev/null bs=40M count=1 & done; wait", timeout=20)
+    outcome("memory hog", r.exit_code == 137 and b"out of memory" in r.stderr,
+            f"exit {r.exit_code}: {r.stderr.decode().strip().split(': ', 1)[1]}")
+    alive = h.exec("echo alive", timeout=10).text.strip()
+    outcome("the same sandbox afterwards", alive == "alive", alive)
+
+with pool.create() as h:
+    # 7. the guest stops answering: here the agent itself is stopped (a root command can do that)
+    snap = h.snapshot()
+    t0 = time.perf_counter()
+    try:
+        h.exec("kill -STOP $PPID", timeout=1, root=True)
+    except SandboxTimeout as e:
+        late = time.perf_counter() - t0 - 1
+        outcome("wedged guest (agent stopped)", h.state == "unhealthy" and late < Sandbox.grace_s + 2,
+                f"SandboxTimeout {late:.1f} s after the timeout, sandbox {h.state}")
+    try:
+        h.exec("true")
+    except SandboxStateError as e:
+        outcome("a later call", "unhealthy" in str(e), "SandboxStateError at once: is unhealthy")
+    h.restore(snap)
+    snap.delete()
+    outcome("restore", h.exec("echo back", timeout=10).text == "back\n", f"state {h.state}")
+
+# 8. destroy from another thread while an exec runs
+def error_of_exec(box):
+    try:
+        box.exec("sleep 60", timeout=120)
+    except SandboxStateError as e:
+        return e
+
+
+h = pool.create()
+ended = []
+t = threading.Thread(target=lambda: ended.append(error_of_exec(h)))
+t.start()
+time.sleep(0.5)
+h.destroy()
+t.join(10)
+outcome("destroy during exec", isinstance(ended[0], SandboxStateError),
+        f"{type(ended[0]).__name__}: " + str(ended[0]).replace(h.id, "<id>"))
+
+print(f"\n{'case':46s} {'contained':9s} outcome")
+for case, ok, what in hostile:
+    print(f"{case:46s} {'yes' if ok else 'NO':9s} {what}")
+# on the host: the only VM process left under the root is the chapter's own sandbox
+left = leftovers(pool.root, exclude=(pool.base.path,))["pids"]
+print("\nhost VM processes left by these cases:", len(left) - 1)
+assert left == sb.pids()
+
+# %% [markdown]
+# What it **can** still do: use the sandbox's whole quota (256 processes, three quarters of its
+# RAM, a quarter of it as output per command, all of `/tmp`), burn its vCPU until its timeout, keep
+# a server running with `keep_background=True`, and, given `root=True`, anything inside the guest,
+# up to panicking its kernel (a `SandboxCrashed`, as above). What it cannot do: reach a later
+# command's result, outlive its command uninvited, starve the agent, or leave the host waiting: the
+# host hears from the guest within `grace_s` of every deadline or marks the sandbox unhealthy.
 
 # %% [markdown]
 # ## The committed benchmark: `python -m k3lab.bench.agentenv`
