@@ -16,6 +16,7 @@ import pytest
 
 from k3lab.agentenv import (Sandbox, SandboxPool, SandboxStateError, SandboxTimeout, leftovers,
                             sysdeps)
+from k3lab.agentenv.qemu import QemuVM
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -218,3 +219,32 @@ def test_hostile_loop_leaves_nothing_on_the_host(pool):
             t.join(10)
             assert isinstance(ended[0], SandboxStateError), ended
     assert _nothing_left(pool) == {"files": [], "pids": []}
+
+
+def _without_memory_cgroup(self, *args):
+    cmd = _real_cmdline(self, *args)
+    i = cmd.index("-append")
+    cmd[i + 1] += " cgroup_disable=memory"
+    return cmd
+
+
+_real_cmdline = QemuVM.cmdline
+
+
+def test_rlimits_where_the_guest_kernel_has_no_memory_cgroup(monkeypatch, tmp_path):
+    """Without cgroup v2's memory controller the agent falls back to rlimits of the unprivileged
+    user and kills by process group and by uid: a fork bomb and a daemon still die with their
+    command, what a command keeps survives (and from then on the kill by uid is off)."""
+    monkeypatch.setattr(QemuVM, "cmdline", _without_memory_cgroup)
+    with Sandbox.create(root=tmp_path) as sb:
+        assert sb.limits(max_pids=40)["mechanism"] == "rlimit"
+        assert sb.exec("ulimit -u", timeout=10).stdout == b"40\n"
+        ps = "ps -o user,args | grep -c '^user'"  # user's processes: this sh, ps and grep
+        r, took = _timed(lambda: sb.exec(FORK_BOMB, timeout=2))
+        assert r.timed_out and took < 5 and b"can't fork" in r.stderr, (r, took)
+        sb.exec("setsid sleep 1000 & echo d", timeout=10)
+        assert sb.exec(ps, timeout=10).stdout == b"3\n"
+        sb.exec("setsid sleep 1000 &", timeout=10, keep_background=True)
+        assert sb.exec("ps -o args | grep -c '^sleep 1000'", timeout=10).stdout == b"1\n"
+        assert b"out of memory" in sb.exec("dd if=/dev/zero of=/dev/null bs=80M count=1", timeout=10).stderr
+    assert leftovers(tmp_path) == {"files": [], "pids": []}

@@ -95,7 +95,7 @@ echo 0 > /proc/self/oom_score_adj
 if [ "$1" = 0 ]; then cd /root; exec sh "$3"; fi
 cd /home/user
 export HOME=/home/user USER=user LOGNAME=user
-[ -n "$2" ] || ulimit -u $K3_PIDS -v $K3_MEM_KIB
+[ -n "$2" ] || { ulimit -u $K3_PIDS; ulimit -v $K3_MEM_KIB; }
 exec nsenter -S 1000 -G 1000 sh /proc/self/fd/3 3< "$3"
 """
 
@@ -139,7 +139,7 @@ fi
 # cpu.weight 10: a command that spins (a fork bomb) leaves the agent its CPU to answer and kill.
 [ -d $C ] || C=
 seq=0
-kept=
+kept= kept_user=
 md5() { h=-; if [ -f "$1" ]; then md5sum "$1" > $W/s && read -r h x < $W/s; fi; }
 # recv <id> <n> <file>: the request's n payload bytes, acknowledging each chunk but the last
 recv() {
@@ -157,9 +157,15 @@ ack() {
 b64() { if [ -s "$1" ]; then base64 -w0 "$1"; fi; }
 # unb64 <text>: path=the decoded text, trailing newlines kept ($(...) alone strips them)
 unb64() { path=$(echo $1 | base64 -d; echo .); path=${path%.}; }
-# stop <pgid> <cgroup>: SIGKILL a command's whole tree and wait until it is gone
+# stop <pgid> <cgroup> <uid>: SIGKILL a command's whole tree and wait until it is gone. Without a
+# cgroup: its process group, and every process of "user" unless a command kept some (a daemon
+# that left the group is found by its uid)
 stop() {
-  if [ -z "$2" ]; then kill -KILL -$1 2>/dev/null; return; fi
+  if [ -z "$2" ]; then
+    kill -KILL -$1 2>/dev/null
+    [ "$3" = 0 ] || [ -n "$kept_user" ] || nsenter -S 1000 -G 1000 kill -KILL -1 2>/dev/null
+    return
+  fi
   echo 1 > $2/cgroup.kill
   n=0
   while read -r a b < $2/cgroup.events && [ "$b" = 1 ] && [ $n -lt 1000 ]; do usleep 5000; n=$((n + 1)); done
@@ -210,7 +216,7 @@ run() {
   p=$!
   ( trap 'kill $s 2>/dev/null; exit 0' TERM
     sleep $4 & s=$!; wait $s
-    : > $D/to; stop $p "$G" ) &
+    : > $D/to; stop $p "$G" $5 ) &
   w=$!
   wait $p; rc=$?
   kill $w 2>/dev/null; wait $w 2>/dev/null
@@ -225,10 +231,11 @@ run() {
   fi
   if [ "$6" = 1 ] && [ $t = 0 ]; then
     kept="$kept $G"
+    [ -n "$G" ] || [ "$5" = 0 ] || kept_user=1
     # Its processes write on: the reply is what was written until the command returned.
     cat $O > $W/o; cat $R > $W/e; O=$W/o R=$W/e
   else
-    stop $p "$G"
+    stop $p "$G" $5
   fi
   # A full tmpfs (no free blocks) means the output was cut off; empty output cannot have filled it.
   f=1; { [ -s $O ] || [ -s $R ]; } && f=$(stat -f -c %a $D)
