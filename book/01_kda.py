@@ -52,6 +52,7 @@ import k3lab
 device = k3lab.setup(seed=seed, profile=profile)
 
 # %%
+import inspect
 import math
 import time
 
@@ -61,8 +62,16 @@ import torch
 import torch.nn.functional as F
 
 from k3lab.kda import KDALayer, chunk_kda, kimi_linear_gate, lower_bounded_gate, naive_recurrent_kda
-from k3lab.kda.chunk import decayed_scores
+from k3lab.kda.chunk import chunk_kda_fwd, decayed_scores
 from k3lab.testing import rel_rms_error
+
+
+def show_source(fn, start=None, end=None):
+    """Print ``fn``'s source from the line containing ``start`` up to the line containing ``end``."""
+    src = inspect.getsource(fn)
+    i = src.index(start) if start else 0
+    j = src.index(end, i) if end else len(src)
+    print(src[src.rfind("\n", 0, i) + 1:j].rstrip())
 
 # %% [markdown]
 # ## 1. The delta rule is online regression
@@ -83,6 +92,13 @@ from k3lab.testing import rel_rms_error
 # the delta rule corrects them. The output is a read with the query: $o_t = S_t^\top q_t$ (scaled by
 # $d_k^{-1/2}$).
 #
+# `k3lab.kda.naive_recurrent_kda` is this rule with the decay of section 2 in front of it, one token
+# at a time; its loop (after the input checks) reads:
+
+# %%
+show_source(naive_recurrent_kda, "    bounds = ", "    o = torch.stack")
+
+# %% [markdown]
 # The check: one step of `torch.optim.SGD` on that loss equals one token of `naive_recurrent_kda`
 # with no decay ($g = 0$).
 
@@ -307,7 +323,13 @@ explorer = explore(plot_gates, A_log=(-3.0, 3.0, 0.25), lower_bound=(-10.0, -0.5
 #
 # $U$, $W$ and the $C\times C$ score matrices depend only on the chunk's own inputs, so they are
 # computed for all chunks in parallel; only $\tilde V = U - WS$ and the state update are sequential,
-# and both are matmuls. `k3lab.kda.chunk_kda` is exactly this (`chunk.py`, ~40 lines).
+# and both are matmuls. `k3lab.kda.chunk_kda` is exactly this; its core, `chunk_kda_fwd`, after the
+# inputs are padded to whole chunks and the heads expanded:
+
+# %%
+show_source(chunk_kda_fwd, "    B, HV, T, K = k.shape")
+
+# %% [markdown]
 #
 # **Why $1/\Gamma$ is never formed.** The factorised form $(\Gamma\odot K)(K/\Gamma)^\top$ is how
 # the math reads, but $1/\Gamma_j = e^{-G_j}$ explodes: 64 tokens of strong decay give
@@ -554,14 +576,18 @@ for mixer, h in histories.items():
     # Bounds for a run that finished its steps (lm_max_seconds only cuts runs on a crowded machine).
     if h["step"][-1] == lm_steps >= 100:
         assert h["val_loss"][-1] < ln_vocab - 1.5, h["val_loss"]
+final = {mixer: h["val_loss"][-1] for mixer, h in histories.items()}
+print(f"final validation loss: kda {final['kda']:.2f}, attention {final['attention']:.2f} nats "
+      f"({final['kda'] - final['attention']:+.2f}); a KDA step costs "
+      f"{step_cost['kda'] / step_cost['attention']:.1f}x an attention step")
 
 # %% [markdown]
-# Reading the stored CPU run: per step, the two models learn at the same pace, and the KDA model ends
-# slightly lower (6.08 vs 6.31 nats on validation after 120 steps of 1024 tokens; its short
-# convolutions give it cheap local n-gram features, which matter early in training). This is one
-# seed and a few seconds of data, so read it as "KDA is a working token mixer", not as a ranking. A
-# KDA step costs about 4x an attention step here because `chunk_kda` is plain PyTorch with a Python
-# loop over chunks, while attention is one fused kernel; chapter 02's Triton kernel is the fix.
+# Reading the run (the last line above): per step the two models learn at a similar pace, and the
+# final validation losses differ by a fraction of a nat (KDA's short convolutions give it cheap local
+# n-gram features, which matter early in training). This is one seed and a few seconds of data, so
+# read it as "KDA is a working token mixer", not as a ranking. A KDA step costs several attention steps
+# here because `chunk_kda` is plain PyTorch with a Python loop over chunks, while attention is one fused
+# kernel; chapter 02's Triton kernels are the fix.
 
 # %% [markdown]
 # What did the KDA model's gates learn? Per key channel, the mean log-decay on validation text gives a
