@@ -105,9 +105,16 @@ def test_commands_run_unprivileged_unless_root(pool):
     with pool.create() as sb:
         r = sb.exec("id -u; pwd; kill -9 $PPID; cat /proc/self/status | grep ^Groups", timeout=10)
         assert re.fullmatch(rb"1000\n/home/user\nGroups:\s*\n", r.stdout) and b"not permitted" in r.stderr, r
-        for path in ("/etc/passwd", "/root/x", "/sbin/k3agent", "/sys/fs/cgroup/k3/pids.max"):
+        for path in ("/etc/passwd", "/root/x", "/sbin/k3agent", "/sys/fs/cgroup/k3/pids.max",
+                     "/proc/sys/kernel/yama/ptrace_scope", "/proc/1/mem", "/dev/hvc0"):
             assert sb.exec(f"echo x >> {path}", timeout=10).exit_code != 0, path
         assert sb.exec("id -u; pwd", timeout=10, root=True).stdout == b"0\n/root\n"
+        # a kept process cannot ptrace a later command of the same user
+        pid = int(sb.exec("sleep 100 & echo $!", timeout=10, keep_background=True).text)
+        r = sb.exec(f"cat /proc/{pid}/mem", timeout=10)
+        # the open is refused (without Yama it opens, and the read at address 0 fails with EIO)
+        assert b"Permission denied" in r.stderr or b"not permitted" in r.stderr, r
+        assert sb.exec("cat /proc/sys/kernel/yama/ptrace_scope", timeout=10).stdout == b"2\n"
         sb.write_file("/home/user/task", "t")
         sb.write_file("/root/grader", "g", root=True)
         r = sb.exec("echo mine >> task && cat task; cat /root/grader", timeout=10)

@@ -138,6 +138,8 @@ if [ ! -d $C ]; then
 fi
 # cpu.weight 10: a command that spins (a fork bomb) leaves the agent its CPU to answer and kill.
 [ -d $C ] || C=
+# No ptrace for "user": a process a command kept cannot reach into a later command of the same uid.
+echo 2 > /proc/sys/kernel/yama/ptrace_scope 2>/dev/null
 seq=0
 kept= kept_user=
 md5() { h=-; if [ -f "$1" ]; then md5sum "$1" > $W/s && read -r h x < $W/s; fi; }

@@ -455,7 +455,7 @@ class Sandbox:
 
     def _need(self, *states: str, what: str = "") -> None:
         if self.state in ("running", "paused", "unhealthy") and self.vm.poll() is not None:
-            self._crashed("VM process exited")
+            self._crashed(f"VM process exited before {what}" if what else "VM process exited")
         if self.state not in states:
             call = f" ({what})" if what else ""
             if self.state == "unhealthy":
