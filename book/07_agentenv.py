@@ -109,9 +109,9 @@ for k in ("kvm_device", "kvm_pvm", "hw_virt", "qemu_version", "firecracker", "ts
 # (its LZ4-compressed bzImage unpacked to the ELF `vmlinux` that `microvm` boots through the PVH
 # entry point), an initrd (busybox + the virtio modules this kernel builds as modules, loaded by
 # `/init`; devices are found through ACPI), and a busybox ext4 rootfs made with `mkfs.ext4 -d`
-# holding the guest agent: a ~90-line `sh` loop on a tty, `/dev/hvc0` (a virtio console) under QEMU
-# or the serial port `/dev/ttyS0` (Firecracker's only console), that answers `exec`, `write` and
-# `read` requests. Payloads go in raw, replies come back as marker-framed base64, both in 32 KiB
+# holding the guest agent: a ~180-line `sh` loop on a tty, `/dev/hvc0` (a virtio console) under QEMU
+# or the serial port `/dev/ttyS0` (Firecracker's only console), that answers `exec`, `write`, `read`
+# and `limits` requests, and the unprivileged `user` that commands run as. Payloads go in raw, replies come back as marker-framed base64, both in 32 KiB
 # chunks that wait for the other side's acknowledgement: consoles drop what their buffers cannot
 # take (QEMU's virtio console on a full socket, Firecracker's serial port on a full pipe), which
 # once cost a read on a loaded box the middle of a 150 KB file. md5 sums both ways turn any
