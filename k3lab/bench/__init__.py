@@ -14,6 +14,19 @@ def nonnegative_int(text: str) -> int:
     return _int_at_least(text, 0, "an int >= 0")
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0 (a bad value stops the command before any work, naming the option)."""
+    import math
+
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {x}")
+    return x
+
+
 def _int_at_least(text: str, low: int, what: str) -> int:
     try:
         n = int(text)

@@ -1,0 +1,560 @@
+"""End-to-end training on one GPU: k3lab's trainer on the real corpus, the Block AttnRes step overhead, and
+torchtitan's DeepSeek-V3 model as the peer, all in one run.
+
+    python -m k3lab.bench.train                                # k3-1b, 4 minutes -> data/results/train_<card>.json
+    python -m k3lab.bench.train --minutes 10 --batch-size 8    # a longer run at a smaller batch
+    python -m k3lab.bench.train --small --device cpu --out ''  # k3-tiny, a few steps: checks the script
+
+Needs the token shards (``python -m k3lab.data build``) and, for the peer, torchtitan 0.3.0 (its wheel and
+tyro's are carried to GPU nodes without internet; ``--no-torchtitan`` skips it).
+
+Order: (1) correctness first: the model's loss under bf16 autocast against float32 on one real batch
+(relative error printed and bounded, the benchmark stops past the bound; the logits' error recorded); a
+warm-up run of the trainer (it finds a batch that fits, halving on CUDA out-of-memory, and times a step);
+a short run with the trainer's value checks off under ``torch.cuda.set_sync_debug_mode("error")``
+(``TrainConfig(sync_debug=True)``), pass or fail recorded with the error, the benchmark going on without
+it. (2) ``k3lab.train.train`` on the corpus for ``--minutes`` (steps estimated from the warm-up): tokens/s
+as the median of the ``--log-every`` windows after the first, MFU on ``k3lab.model.flops_per_token``'s
+convention, peak memory, the loss curve. (3) The same step (bf16 autocast, Per-Head Muon, Quantile
+Balancing) with Block AttnRes and with the standard residual h = h + f(h) (``k3lab.lm.PreNormResidual``)
+swapped into one model between steps, so both time the same weights, optimizer and batch: the AttnRes
+overhead is the ratio of the median step times minus one. (4) torchtitan's ``DeepSeekV3Model`` (MLA + MoE)
+at k3lab's width, depth, heads, MLA ranks, experts and top-k, its expert width chosen so its activated
+parameters match the preset's; forward + backward + AdamW under bf16 autocast on random tokens at the same
+batch and length (on a CPU only its config and counts: FlexAttention has no CPU backward). A table is
+printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from k3lab.bench import positive_float, positive_int, result_path, run_info
+from k3lab.data import load_split, resolve_data_dir
+from k3lab.files import write_json
+from k3lab.lm import PreNormResidual
+from k3lab.model import K3Config, count_params, flops_per_token, mfu
+from k3lab.moe import update_biases
+from k3lab.optim import per_head_muon
+from k3lab.testing import rel_rms_error
+from k3lab.train import TokenLoader, TrainConfig, train
+from k3lab.train.loop import build_model
+from k3lab.train.metrics import FLOPS_CONVENTION, peak_key
+
+# bf16 autocast against float32, same weights and batch: bound on the loss's relative error. The logits'
+# error is recorded, not bounded: at initialisation the router's scores nearly tie, bf16 rounding sends some
+# tokens to other experts (k3lab.bench.moe compares only tokens routed alike), and attention spreads those
+# changes to every token (k3-1b on a CPU: logits off by ~100% RMS, the loss by 0.5%; with every expert
+# selected, 8% and 0.01%).
+BF16_LOSS_BOUND = 2e-2
+PEER = "torchtitan 0.3.0 deepseek_v3 DeepSeekV3Model (MLA + MoE), built from its model class"
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _autocast(device: torch.device):
+    # What k3lab.train.train runs: bf16 autocast on the GPU, float32 on the CPU.
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def real_batch(config: TrainConfig, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first batch of ``config``'s loader order: (x, y) int64 [batch_size, seq_len] on ``device``.
+
+    Raises:
+        FileNotFoundError: no token shards (``python -m k3lab.data build``).
+    """
+    tokens = load_split("train", resolve_data_dir(config.data_dir) / "shards")
+    return TokenLoader(tokens, batch_size, config.seq_len, 0, 1, config.seed).next_batch(device)
+
+
+def check_bf16(config: TrainConfig, device: torch.device, batch_size: int = 2) -> dict:
+    """The run's model (``build_model``, float32 weights, training path) on one real batch of ``batch_size``
+    x ``config.seq_len`` tokens, without autocast and under bf16 autocast (CPU autocast on a CPU).
+
+    Returns:
+        {"loss_fp32", "loss_bf16", "loss_rel_err" (|l16 - l32| / l32), "loss_bound", "logits_rel_rms_err"
+        (recorded, see ``BF16_LOSS_BOUND``), "ok"}.
+
+    Raises:
+        AssertionError: the loss's relative error above ``BF16_LOSS_BOUND``, or not finite.
+    """
+    x, y = real_batch(config, batch_size, device)
+    model = build_model(config, device)
+    model.train()
+    out = {}
+    for name, autocast in (("fp32", False), ("bf16", True)):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits, loss = model(x, y)
+        out[name] = (logits.detach().float(), float(loss.detach()))
+        del logits, loss
+    (logits32, loss32), (logits16, loss16) = out["fp32"], out["bf16"]
+    err = abs(loss16 - loss32) / abs(loss32)
+    result = dict(loss_fp32=loss32, loss_bf16=loss16, loss_rel_err=err, loss_bound=BF16_LOSS_BOUND,
+                  logits_rel_rms_err=rel_rms_error(logits32, logits16), ok=err <= BF16_LOSS_BOUND)
+    print(f"check bf16 vs float32: loss {loss16:.5f} vs {loss32:.5f}, rel err {err:.2e} (bound {BF16_LOSS_BOUND:.0e}); "
+          f"logits rel RMS err {result['logits_rel_rms_err']:.2e} (routing near ties, not bounded)", flush=True)
+    del model, out, logits32, logits16
+    _free(device)
+    if not result["ok"]:
+        raise AssertionError(f"bf16 autocast loss disagrees with float32 past {BF16_LOSS_BOUND}: {result}")
+    return result
+
+
+def check_sync(config: TrainConfig, device: torch.device) -> dict:
+    """Two trainer steps with ``sync_debug=True`` (value checks off, every step body under
+    ``torch.cuda.set_sync_debug_mode("error")``; enforced on CUDA only). A failure is recorded, not raised.
+
+    Returns:
+        {"ok", "enforced" (bool: a CUDA device), "steps", "error" (first line, or None), "where" (the
+        innermost k3lab frames of the failure)}.
+    """
+    out = dict(ok=True, enforced=device.type == "cuda", steps=2, error=None, where=[])
+    try:
+        train(replace(config, steps=2, log_every=2, sync_debug=True, progress=False))
+    except RuntimeError as e:
+        frames = [f"{f.filename.split('k3lab/', 1)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)
+                  if "k3lab" in f.filename]
+        out.update(ok=False, error=(str(e).strip().splitlines() or [type(e).__name__])[0][:500], where=frames[-4:])
+    _free(device)
+    print(f"check sync debug ({'enforced' if out['enforced'] else 'not enforced on CPU'}): "
+          f"{'pass' if out['ok'] else 'FAIL: ' + out['error'] + ' at ' + ' <- '.join(reversed(out['where']))}",
+          flush=True)
+    return out
+
+
+def warm_up(config: TrainConfig, device: torch.device) -> tuple[TrainConfig, float, list[int]]:
+    """Four trainer steps (two windows of two) at ``config.batch_size``, halved after each CUDA
+    out-of-memory error: compiles and autotunes the kernels for the run's shapes and times a step.
+
+    Returns:
+        (config with the batch that fit, seconds per step of the second window, the batches that did not fit).
+
+    Raises:
+        torch.cuda.OutOfMemoryError: not even one sequence fits.
+    """
+    batch, too_big = config.batch_size, []
+    while True:
+        records = None
+        try:
+            records = train(replace(config, batch_size=batch, steps=4, log_every=2, progress=False))
+        except torch.cuda.OutOfMemoryError:
+            if batch == 1:
+                raise
+        if records is not None:
+            return replace(config, batch_size=batch), records[-1]["step_s"], too_big
+        too_big.append(batch)
+        print(f"batch {batch} x {config.seq_len} does not fit; trying {batch // 2}", flush=True)
+        batch //= 2
+        _free(device)
+
+
+def summarise(records: list[dict], config: TrainConfig, device: torch.device) -> dict:
+    """Throughput, MFU, memory and the loss curve of a ``train`` run's step records.
+
+    tokens/s is the median over the ``log_every`` windows after the first (which holds the first step's
+    warm-up); with a single window, that window's (``steady`` False).
+    """
+    ends = [r for r in records if r["step"] % config.log_every == 0 or r["step"] == config.steps]
+    rates = [r["tokens_per_s"] for r in ends]
+    steady = rates[1:] or rates
+    tok_s = statistics.median(steady)
+    fpt = flops_per_token(K3Config.preset(config.preset, vocab_size=_vocab(config)), config.seq_len)
+    peak = peak_key(device)
+    return dict(tokens_per_s=tok_s, tokens_per_s_windows=rates, steady=len(rates) > 1, flops_per_token=fpt,
+                peak_flops_key=peak, mfu=mfu(tok_s, fpt, peak) if peak else None,
+                peak_GiB=max(r["peak_mem_GiB"] for r in records), peak_mem_kind=records[-1]["peak_mem_kind"],
+                loss_curve=[[r["step"], r["loss"]] for r in records], final_loss=records[-1]["loss"])
+
+
+def _vocab(config: TrainConfig) -> int:
+    from k3lab.data import vocab_size
+
+    return vocab_size(resolve_data_dir(config.data_dir))
+
+
+def _timed(fn, device: torch.device) -> tuple[float, object]:
+    """(seconds, result) of ``fn()``, the device synchronised before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t, out
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def attnres_overhead(config: TrainConfig, device: torch.device, steps: int, warmup: int = 3) -> dict:
+    """The trainer's step (bf16 autocast on CUDA, Per-Head Muon, Quantile Balancing, value checks off) on one
+    real batch, with the model's Block AttnRes and with the standard residual swapped in, alternating
+    step by step (``warmup`` untimed steps of each first).
+
+    Returns:
+        {"attnres_ms", "standard_ms" (medians), "overhead" (their ratio - 1), "overhead_min" (of the
+        minima), "attnres_peak_GiB", "standard_peak_GiB" (CUDA), "steps", "tokens"}.
+    """
+    x, y = real_batch(config, config.batch_size, device)
+    model = build_model(config, device)
+    model.value_checks(False)
+    model.train()
+    opt = per_head_muon(model, lr=config.lr, weight_decay=config.weight_decay)
+    residuals = {"attnres": model.residual, "standard": PreNormResidual()}
+
+    def step(name):
+        # The residual is the only difference: K3Model combines its sublayers with whatever module
+        # ``residual`` holds (forward(h0, sublayers)). Block AttnRes' queries get no gradient from the
+        # standard steps, and the optimizer skips parameters without one.
+        model.residual = residuals[name]
+        with _autocast(device):
+            _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        update_biases(model)
+        return loss.detach()
+
+    times, peaks = {k: [] for k in residuals}, {}
+    for i in range(warmup + steps):
+        for name in residuals:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t, _ = _timed(lambda: step(name), device)
+            peaks[name] = _peak_gib(device)
+            if i >= warmup:
+                times[name].append(t)
+    model.residual = residuals["attnres"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = dict(attnres_ms=1e3 * med["attnres"], standard_ms=1e3 * med["standard"],
+               overhead=med["attnres"] / med["standard"] - 1,
+               overhead_min=min(times["attnres"]) / min(times["standard"]) - 1,
+               attnres_peak_GiB=peaks["attnres"], standard_peak_GiB=peaks["standard"], steps=steps,
+               tokens=config.batch_size * config.seq_len)
+    out["step_tokens_per_s"] = out["tokens"] / med["attnres"]
+    print(f"AttnRes step {out['attnres_ms']:.1f} ms vs standard residual {out['standard_ms']:.1f} ms: "
+          f"overhead {100 * out['overhead']:+.2f}% (of the minima {100 * out['overhead_min']:+.2f}%)", flush=True)
+    del model, opt, residuals, x, y
+    _free(device)
+    return out
+
+
+def peer_model_config(cfg: K3Config, seq_len: int, moe_hidden: int):
+    """torchtitan's ``DeepSeekV3Model.Config`` at ``cfg``'s shape: its width, depth, heads, MLA ranks and
+    head widths, first dense layers and dense width, experts, top-k and shared experts, vocabulary; every
+    layer MLA (DeepSeek-V3 has no linear attention), SwiGLU experts at full width and ``moe_hidden`` wide
+    (shared experts ``moe_hidden`` x their count), sigmoid router, renormalised as ``cfg``, RoPE over the
+    ``qk_rope_head_dim`` channels, flex attention (torchtitan's default), DeepSeek-V3's initialisation.
+
+    Raises:
+        ValueError: ``cfg`` has no shared experts (torchtitan sizes them from ``moe_hidden``).
+        ImportError: torchtitan is not installed.
+    """
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    # DeepSeek-V3's own initialisers, as its preset configs pass them.
+    from torchtitan.models.deepseek_v3 import (_EMBEDDING_INIT, _LINEAR_INIT, _NORM_INIT, DeepSeekV3Model,
+                                               _depth_experts_init, _depth_init, _output_linear_init,
+                                               build_mla_moe_layers)
+
+    if cfg.n_shared_experts < 1:
+        raise ValueError("peer_model_config: torchtitan's shared experts are moe_hidden x count wide; "
+                         f"the config has n_shared_experts={cfg.n_shared_experts}")
+    d, V = cfg.hidden_size, cfg.vocab_size
+    layers = build_mla_moe_layers(
+        n_layers=cfg.num_hidden_layers, n_dense_layers=cfg.first_k_dense_replace, dim=d,
+        n_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank or 0, kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        mscale=1.0, dense_hidden_dim=cfg.intermediate_size, moe_hidden_dim=moe_hidden,
+        num_experts=cfg.n_routed_experts, num_shared_experts=cfg.n_shared_experts,
+        router_top_k=cfg.num_experts_per_tok, router_score_func="sigmoid", router_route_norm=cfg.moe_renormalize,
+        router_route_scale=cfg.routed_scaling_factor, attn_backend="flex", moe_comm_backend="standard",
+        non_blocking_capacity_factor=None, linear_init=_LINEAR_INIT, norm_init=_NORM_INIT, depth_init=_depth_init,
+        depth_experts_init=_depth_experts_init,
+        rope=ComplexRoPE.Config(dim=cfg.qk_rope_head_dim, max_seq_len=seq_len, theta=10000.0))
+    return DeepSeekV3Model.Config(
+        vocab_size=V, dim=d, layers=layers, mtp_layers=[],
+        tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=d, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=d, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=d, out_features=V, param_init=_output_linear_init(d)))
+
+
+def peer_params(model: torch.nn.Module, cfg: K3Config) -> dict:
+    """{"total", "active"} parameters of a torchtitan model on ``k3lab.model``'s convention: the input
+    embedding not active, routed experts K of E, everything else (router, shared experts, head) in full."""
+    share = cfg.num_experts_per_tok / cfg.n_routed_experts
+    total = active = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if "tok_embeddings" in name:
+            continue
+        active += p.numel() * (share if "moe.routed_experts" in name else 1.0)
+    return dict(total=total, active=round(active))
+
+
+def match_peer(cfg: K3Config, seq_len: int, multiple: int = 16) -> tuple[object, int, dict]:
+    """The peer's config whose activated parameters come nearest ``cfg``'s (``count_params``) with the expert
+    width a multiple of ``multiple`` (grouped GEMMs want 16-byte rows); counted on the meta device.
+
+    Activated parameters are linear in the expert width h: a(h) = a(h1) + (h - h1) * slope.
+
+    Returns:
+        (DeepSeekV3Model.Config, h, {"total", "active", "target_active", "flops_per_token"}); flops per token
+        by torchtitan's ``get_nparams_and_flops``, the same convention as ``k3lab.model.flops_per_token``.
+    """
+    target = count_params(cfg)["total"][1]
+
+    def counts(h):
+        pcfg = peer_model_config(cfg, seq_len, h)
+        with torch.device("meta"):
+            model = pcfg.build()
+        return pcfg, model, peer_params(model, cfg)
+
+    h1, h2 = multiple, 2 * multiple
+    a1, a2 = counts(h1)[2]["active"], counts(h2)[2]["active"]
+    slope = (a2 - a1) / (h2 - h1)
+    h = max(multiple, multiple * round((h1 + (target - a1) / slope) / multiple))
+    pcfg, model, n = counts(h)
+    n["target_active"] = target
+    n["flops_per_token"] = pcfg.get_nparams_and_flops(model, seq_len)[1]
+    return pcfg, h, n
+
+
+def describe_peer(pcfg, cfg: K3Config, hidden: int, batch: int, T: int, device: torch.device) -> dict:
+    """The peer's settings for the JSON (``peer_config``)."""
+    attn = pcfg.layers[0].attention
+    return dict(model="DeepSeekV3Model", dim=pcfg.dim, n_layers=len(pcfg.layers), n_dense_layers=cfg.first_k_dense_replace,
+                n_heads=attn.n_heads, q_lora_rank=attn.q_lora_rank, kv_lora_rank=attn.kv_lora_rank,
+                qk_nope_head_dim=attn.qk_nope_head_dim, qk_rope_head_dim=attn.qk_rope_head_dim,
+                v_head_dim=attn.v_head_dim, dense_hidden_dim=cfg.intermediate_size, moe_hidden_dim=hidden,
+                num_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, num_shared_experts=cfg.n_shared_experts,
+                router="sigmoid scores, top-k renormalised" if cfg.moe_renormalize else "sigmoid scores, top-k",
+                experts="SwiGLU at full width", vocab_size=pcfg.vocab_size, seq_len=T, batch_size=batch,
+                attention="MLA in every layer, flex attention (causal block mask built once)",
+                rope=f"ComplexRoPE over the {attn.qk_rope_head_dim} rope channels, theta 1e4",
+                precision="float32 parameters, bf16 autocast" if device.type == "cuda" else "float32",
+                optimizer="torch.optim.AdamW (fused on CUDA), lr 3e-4, weight decay 0.1",
+                expert_bias_update="not run (torchtitan applies it in an optimizer pre-hook)", data="random tokens")
+
+
+def time_peer(cfg: K3Config, config: TrainConfig, device: torch.device, steps: int, warmup: int = 3) -> dict:
+    """torchtitan's DeepSeek-V3 model matched to ``cfg`` (``match_peer``): forward (bf16 autocast on CUDA,
+    float32 parameters, as k3lab's trainer), cross-entropy on float32 logits, backward, fused AdamW, on random
+    tokens [B, T] of ``config``; the causal block mask built once. Halves the batch on CUDA out-of-memory.
+    On a CPU only the config and its counts (FlexAttention has no CPU backward): the timing fields are None.
+
+    Returns:
+        {"peer_tokens_per_s", "peer_step_ms" (median of ``steps`` after ``warmup``), "peer_mfu", "peer_config",
+        "peer_params", "peer_flops_per_token", "peer_peak_GiB", "peer_batch_size", "peer_loss"}.
+    """
+    pcfg, hidden, n = match_peer(cfg, config.seq_len)
+    batch, T = config.batch_size, config.seq_len
+    out = dict(peer_tokens_per_s=None, peer_step_ms=None, peer_mfu=None, peer_peak_GiB=None, peer_loss=None,
+               peer_flops_per_token=n["flops_per_token"], peer_batch_size=batch,
+               peer_params=dict(total=n["total"], active=n["active"], target_active=n["target_active"]))
+    print(f"peer: expert width {hidden}, active {n['active'] / 1e6:.2f}M vs k3lab's {n['target_active'] / 1e6:.2f}M, "
+          f"total {n['total'] / 1e6:.1f}M", flush=True)
+    if device.type != "cuda":
+        out["peer_config"] = describe_peer(pcfg, cfg, hidden, batch, T, device)
+        return out
+    while True:
+        try:
+            ms, loss, peak_gib = _time_peer_step(pcfg, cfg.vocab_size, batch, T, device, steps, warmup)
+            break
+        except torch.cuda.OutOfMemoryError:
+            if batch == 1:
+                raise
+        print(f"peer: batch {batch} x {T} does not fit; trying {batch // 2}", flush=True)
+        batch //= 2
+        _free(device)
+    tok_s = batch * T / ms * 1e3
+    peak = peak_key(device)
+    out.update(peer_tokens_per_s=tok_s, peer_step_ms=ms, peer_mfu=mfu(tok_s, n["flops_per_token"], peak) if peak else None,
+               peer_peak_GiB=peak_gib, peer_loss=loss, peer_batch_size=batch,
+               peer_config=describe_peer(pcfg, cfg, hidden, batch, T, device))
+    print(f"peer: {ms:.1f} ms/step, {tok_s:.0f} tokens/s", flush=True)
+    return out
+
+
+def _time_peer_step(pcfg, vocab: int, batch: int, T: int, device: torch.device, steps: int,
+                    warmup: int) -> tuple[float, float, float | None]:
+    """(median step ms, last loss, peak GiB) of the peer's training step at [batch, T]."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = pcfg.build()
+        model.init_states()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x, y = (torch.randint(0, vocab, (batch, T), generator=g).to(device) for _ in range(2))
+    positions = torch.arange(T, device=device).expand(batch, T)
+    masks = model.get_attention_masks(positions)
+
+    def step():
+        with _autocast(device):
+            logits = model(x, positions, masks)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    times = []
+    torch.cuda.reset_peak_memory_stats(device)
+    for i in range(warmup + steps):
+        t, loss = _timed(step, device)
+        if i >= warmup:
+            times.append(t)
+    result = 1e3 * statistics.median(times), float(loss), _peak_gib(device)
+    del model, opt, x, y, masks, loss
+    _free(device)
+    return result
+
+
+def _millions(n: dict) -> str:
+    return f"{n['total'] / 1e6:.0f} / {n['active'] / 1e6:.0f}"
+
+
+def table(r: dict) -> str:
+    """The result as text: k3lab beside the peer, the checks, the floors and goals of the issue."""
+    def pct(v):
+        return "n/a" if v is None else f"{100 * v:.1f}%"
+
+    def num(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    ours, peer = r["params"], r.get("peer_params") or {}
+    lines = [f"End-to-end training, {r['preset']}, B x T = {r['batch_size']} x {r['seq_len']}, on {r['device']} "
+             f"({r['date']}): {r['steps']} steps, {r['minutes']:.1f} min on the corpus ({r['epochs']:.1f} epochs)",
+             f"FLOPs convention: {r['flops_convention']}",
+             f"{'':<30}{'k3lab':>16}{'torchtitan dsv3':>18}",
+             f"{'tokens/s':<30}{r['tokens_per_s']:>16.0f}{num(r.get('peer_tokens_per_s'), '.0f'):>18}",
+             f"{'tokens/s, bare step':<30}{r['attnres']['step_tokens_per_s']:>16.0f}"
+             f"{num(r.get('peer_tokens_per_s'), '.0f'):>18}",
+             f"{'MFU':<30}{pct(r['mfu']):>16}{pct(r.get('peer_mfu')):>18}",
+             f"{'FLOPs / token (G)':<30}{r['flops_per_token'] / 1e9:>16.3f}"
+             f"{num(r.get('peer_flops_per_token') and r['peer_flops_per_token'] / 1e9, '.3f'):>18}",
+             f"{'params total / active (M)':<30}{_millions(ours):>16}{_millions(peer) if peer else 'n/a':>18}",
+             f"{'peak GiB':<30}{num(r['peak_GiB'], '.1f'):>16}{num(r.get('peer_peak_GiB'), '.1f'):>18}"]
+    if r.get("vs_peer") is not None:
+        lines.append(f"k3lab / peer tokens/s: {r['vs_peer']:.2f}x (floor 1.0x, goal 1.3x)")
+    lines += [f"MFU {pct(r['mfu'])} (floor 25%, goal 45%); AttnRes step overhead "
+              f"{100 * r['attnres_overhead']:+.2f}% (goal <= 4%)",
+              f"loss {r['loss_curve'][0][1]:.3f} -> {r['final_loss']:.3f}",
+              f"checks: bf16 vs float32 loss rel err {r['checks']['bf16']['loss_rel_err']:.1e} (logits "
+              f"{r['checks']['bf16']['logits_rel_rms_err']:.1e}); sync debug "
+              + ("pass" if r['checks']['sync_debug']['ok'] else f"FAIL ({r['checks']['sync_debug']['error']})")
+              + ("" if r['checks']['sync_debug']['enforced'] else " (not enforced on CPU)")]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    """``python -m k3lab.bench.train [flags]``: run the benchmark, write its JSON, print the table; returns
+    the result dict.
+
+    Raises:
+        SystemExit: 2 on a bad flag; no CUDA device for ``--device cuda``; ``--device cpu`` without
+            ``--small`` or on a machine whose trainer would use its GPU; torchtitan missing without
+            ``--no-torchtitan`` (outside ``--small``).
+        AssertionError: the bf16 check failed.
+    """
+    p = argparse.ArgumentParser(prog="python -m k3lab.bench.train", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda (the benchmark) or cpu (only with --small)")
+    p.add_argument("--small", action="store_true",
+                   help="k3-tiny, batch 4 x 32, 6 steps; torchtitan only when installed (checks the script)")
+    p.add_argument("--minutes", type=positive_float, default=4.0,
+                   help="length of the timed trainer run in minutes; its steps are estimated from the warm-up "
+                        "(default 4; the issue's run is 10)")
+    p.add_argument("--steps", type=positive_int, default=None, help="trainer steps instead of --minutes")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="sequences per step, halved while CUDA runs out of memory (default 16; --small 4)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence T (default 2048; --small 32)")
+    p.add_argument("--log-every", type=positive_int, default=None,
+                   help="the trainer reads its metrics back every N steps: tokens/s is per window (default 10; --small 2)")
+    p.add_argument("--overhead-steps", type=positive_int, default=None,
+                   help="timed steps of each residual for the AttnRes overhead (default 20; --small 2)")
+    p.add_argument("--peer-steps", type=positive_int, default=None, help="timed peer steps (default 10; --small 2)")
+    p.add_argument("--no-torchtitan", action="store_true", help="skip the peer")
+    p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default data/results/train_<card>.json "
+                   "after the device (with --small: nothing)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --device cpu --small to check the script")
+    if device.type == "cpu" and not args.small:
+        raise SystemExit("--device cpu needs --small (k3-1b is GPU work)")
+    if device.type == "cpu" and torch.cuda.is_available():
+        raise SystemExit("--device cpu on a machine with CUDA: k3lab.train runs on the GPU; hide it "
+                         "(CUDA_VISIBLE_DEVICES=) or use --device cuda")
+    import importlib.util
+
+    has_tt = importlib.util.find_spec("torchtitan") is not None
+    if not args.small and not args.no_torchtitan and not has_tt:
+        raise SystemExit("torchtitan is not installed: install it or pass --no-torchtitan")
+    with_peer = has_tt and not args.no_torchtitan
+    small = args.small
+    config = TrainConfig(preset="k3-tiny" if small else "k3-1b", batch_size=args.batch_size or (4 if small else 16),
+                         seq_len=args.seq_len or (32 if small else 2048), progress=False,
+                         log_every=args.log_every or (2 if small else 10))
+    cfg = K3Config.preset(config.preset, vocab_size=_vocab(config))
+
+    result = run_info(device)
+    result.update(preset=config.preset, flops_convention=FLOPS_CONVENTION, peer=PEER if with_peer else None)
+    print(f"== correctness: {config.preset} bf16 autocast vs float32", flush=True)
+    checks = {"bf16": check_bf16(config, device)}
+    print(f"== warm-up: {config.batch_size} x {config.seq_len}", flush=True)
+    config, step_s, too_big = warm_up(config, device)
+    checks["sync_debug"] = check_sync(config, device)
+    steps = args.steps or (6 if small else max(2 * config.log_every,
+                                               config.log_every * math.ceil(args.minutes * 60 / step_s / config.log_every)))
+    config = replace(config, steps=steps, progress=sys.stderr.isatty())
+    print(f"== k3lab.train: {steps} steps (warm-up step {step_s:.3f} s)", flush=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    records = train(config)
+    minutes = (time.perf_counter() - t0) / 60
+    _free(device)
+    n = count_params(cfg)["total"]
+    split = len(load_split("train", resolve_data_dir(config.data_dir) / "shards"))
+    result.update(batch_size=config.batch_size, seq_len=config.seq_len, tokens_per_step=config.batch_size * config.seq_len,
+                  batch_sizes_that_did_not_fit=too_big, steps=steps, log_every=config.log_every, lr=config.lr,
+                  minutes=minutes, minutes_requested=None if args.steps or small else args.minutes,
+                  epochs=steps * config.batch_size * config.seq_len / split, params=dict(total=n[0], active=n[1]),
+                  **summarise(records, config, device))
+    print("== AttnRes overhead", flush=True)
+    result["attnres"] = attnres_overhead(config, device, args.overhead_steps or (2 if small else 20),
+                                         warmup=1 if small else 3)
+    result["attnres_overhead"] = result["attnres"]["overhead"]
+    result["checks"] = checks
+    result.update(peer_tokens_per_s=None, peer_config=None, vs_peer=None)
+    if with_peer:
+        print("== peer: torchtitan deepseek_v3", flush=True)
+        result.update(time_peer(cfg, config, device, args.peer_steps or (2 if small else 10), warmup=1 if small else 3))
+        if result["peer_tokens_per_s"]:
+            result["vs_peer"] = result["tokens_per_s"] / result["peer_tokens_per_s"]
+    out = (None if small else result_path("train", result["device"])) if args.out is None else args.out
+    if out:
+        write_json(out, result, indent=1)
+        print(f"wrote {out}")
+    print("\n" + table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

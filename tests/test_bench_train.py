@@ -1,0 +1,100 @@
+"""``python -m k3lab.bench.train --small --device cpu``: the end-to-end benchmark runs on a CPU in seconds
+(k3-tiny on the corpus shards), its correctness checks run, and its JSON carries the fields of the GPU result."""
+import json
+import math
+
+import pytest
+import torch
+
+from k3lab.bench.train import BF16_LOSS_BOUND, main, summarise
+from k3lab.train import TrainConfig
+from k3lab.train.metrics import FLOPS_CONVENTION
+
+FIELDS = ("device", "commit", "date", "versions", "preset", "flops_convention", "mfu", "tokens_per_s", "peer",
+          "peer_tokens_per_s", "peer_config", "attnres_overhead", "peak_GiB", "minutes", "loss_curve", "checks")
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """(returned dict, written JSON) of one small CPU run."""
+    out = tmp_path_factory.mktemp("bench_train") / "train.json"
+    threads = torch.get_num_threads()
+    # Two shared cores: one thread each keeps a k3-tiny step near 0.1 s (two threads contend).
+    torch.set_num_threads(1)
+    try:
+        result = main(["--small", "--device", "cpu", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    return result, json.loads(out.read_text())
+
+
+def test_small_run_writes_the_result_fields(small_run):
+    result, written = small_run
+    assert set(FIELDS) <= set(written)
+    assert written == json.loads(json.dumps(result))
+    assert written["preset"] == "k3-tiny" and written["flops_convention"] == FLOPS_CONVENTION
+    assert written["device"] == "cpu" and written["mfu"] is None  # no GPU peak to divide by
+    assert [s for s, _ in written["loss_curve"]] == list(range(1, written["steps"] + 1))
+    assert all(math.isfinite(loss) and 0 < loss < 20 for _, loss in written["loss_curve"])
+    assert written["tokens_per_s"] > 0 and written["peak_GiB"] > 0 and written["minutes"] > 0
+    assert written["params"]["total"] > written["params"]["active"] > 0
+
+
+def test_small_run_checks_ran(small_run):
+    checks = small_run[1]["checks"]
+    bf16 = checks["bf16"]
+    assert bf16["ok"] and 0 <= bf16["loss_rel_err"] <= BF16_LOSS_BOUND
+    assert bf16["loss_fp32"] != bf16["loss_bf16"]  # bf16 autocast really ran
+    assert math.isfinite(bf16["logits_rel_rms_err"]) and bf16["logits_rel_rms_err"] > 0
+    sync = checks["sync_debug"]
+    assert sync == {"ok": True, "enforced": False, "steps": 2, "error": None, "where": []}
+
+
+def test_small_run_times_both_residuals(small_run):
+    a = small_run[1]["attnres"]
+    assert a["attnres_ms"] > 0 and a["standard_ms"] > 0
+    assert small_run[1]["attnres_overhead"] == pytest.approx(a["attnres_ms"] / a["standard_ms"] - 1)
+    assert a["step_tokens_per_s"] == pytest.approx(a["tokens"] / a["attnres_ms"] * 1e3)
+
+
+def test_small_run_peer_is_counted_when_torchtitan_is_installed(small_run):
+    r = small_run[1]
+    assert r["peer_tokens_per_s"] is None and r["vs_peer"] is None  # FlexAttention has no CPU backward
+    try:
+        import torchtitan  # noqa: F401
+    except ImportError:
+        assert r["peer"] is None and r["peer_config"] is None
+        return
+    n = r["peer_params"]
+    assert n["target_active"] == r["params"]["active"]
+    assert abs(n["active"] - n["target_active"]) <= 0.05 * n["target_active"]
+    assert r["peer_config"]["dim"] == 64 and r["peer_config"]["n_layers"] == 5
+
+
+def test_tokens_per_s_is_the_median_of_the_windows_after_the_first():
+    config = TrainConfig(preset="k3-tiny", steps=7, log_every=2)
+    rates = {1: 10.0, 2: 10.0, 3: 20.0, 4: 20.0, 5: 40.0, 6: 40.0, 7: 30.0}
+    records = [dict(step=s, loss=5.0, tokens_per_s=r, peak_mem_GiB=1.0, peak_mem_kind="cpu_peak_rss")
+               for s, r in rates.items()]
+    s = summarise(records, config, torch.device("cpu"))
+    assert s["tokens_per_s_windows"] == [10.0, 20.0, 40.0, 30.0]
+    assert s["tokens_per_s"] == 30.0  # the median of 20, 40 and 30
+    assert s["steady"] and s["mfu"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--minutes", "0"], "--minutes: expected a positive number, got 0.0"),
+    (["--minutes", "nan"], "--minutes: expected a positive number, got nan"),
+    (["--batch-size", "0"], "--batch-size: expected a positive int, got 0"),
+    (["--device", "mps"], "--device: invalid choice"),
+])
+def test_bad_flags_stop_at_parsing(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cpu_without_small_is_refused():
+    with pytest.raises(SystemExit, match="--device cpu needs --small"):
+        main(["--device", "cpu"])
