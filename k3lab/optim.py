@@ -9,7 +9,8 @@ Muon (Moonlight, "Muon is Scalable for LLM Training"; ``torch.optim.Muon``) on t
 Per-Head Muon splits the Q/K/V projections' update along heads (row blocks of the [out, in] weight:
 K rows per KDA head, Dn + Dr per MLA query head, Dn and Dv per MLA key / value head) and runs
 Newton-Schulz on each block: the result equals a loop over heads, each block a separate
-``torch.optim.Muon`` parameter. A stacked expert tensor [E, a, b] is orthogonalised per expert.
+``torch.optim.Muon`` parameter (to bf16 rounding: blocks of one shape run as one batched Newton-Schulz,
+``newton_schulz_blocks``). A stacked expert tensor [E, a, b] is orthogonalised per expert.
 
 Learning-rate scaling: Moonlight's ``match_rms_adamw`` (torch's ``adjust_lr_fn="match_rms_adamw"``),
 lr * 0.2 * sqrt(max(A, B)) with (A, B) the shape of the block orthogonalised. An orthogonalised
@@ -118,6 +119,45 @@ def split_params(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter, list[i
         else:
             adamw.append((name, p))
     return muon, adamw
+
+
+def newton_schulz_blocks(blocks: list[torch.Tensor], ns_coefficients=NS_COEFFICIENTS, ns_steps: int = 5,
+                         eps: float = 1e-7) -> list[torch.Tensor]:
+    """``torch.optim.Muon``'s Newton-Schulz orthogonalisation of each 2-D block, blocks of one shape run
+    together as batched matmuls (one launch per step for all heads or experts, not one per block).
+
+    Per block X [A, B] (transposed when A > B), in bf16 as torch's:
+        X <- X / max(||X||_F, eps);  5 times:  G = X X^T,  X <- a X + (b G + c G G) X
+
+    Args:
+        blocks (list[Tensor]): 2-D [A_i, B_i] updates, any float dtype.
+        ns_coefficients (tuple): the quintic's (a, b, c). ns_steps (int): iterations. eps (float): norm floor.
+
+    Returns:
+        list[Tensor]: bf16 [A_i, B_i], in the order of ``blocks``. A single block goes through torch's
+        own ``_zeropower_via_newtonschulz``; batched blocks agree with it to bf16 rounding (the batched
+        GEMMs may round differently).
+    """
+    if len(blocks) == 1:
+        return [_zeropower_via_newtonschulz(blocks[0], ns_coefficients, ns_steps, eps)]
+    a, b, c = ns_coefficients
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i, x in enumerate(blocks):
+        by_shape.setdefault(tuple(x.shape), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(blocks)
+    for (A, B), idx in by_shape.items():
+        X = torch.stack([blocks[i] for i in idx]).bfloat16()
+        if A > B:
+            X = X.transpose(1, 2)
+        X = X / torch.linalg.vector_norm(X, dim=(1, 2), keepdim=True).clamp(min=eps)
+        for _ in range(ns_steps):
+            gram = torch.bmm(X, X.transpose(1, 2))
+            X = torch.baddbmm(X, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), X, beta=a)
+        if A > B:
+            X = X.transpose(1, 2)
+        for j, i in enumerate(idx):
+            out[i] = X[j]
+    return out
 
 
 class PerHeadMuon(torch.optim.Optimizer):
@@ -234,16 +274,18 @@ class PerHeadMuon(torch.optim.Optimizer):
             blocks = list(full.split(group["row_blocks"], dim=0))
         else:
             blocks = [full]
-        ns = [_zeropower_via_newtonschulz(b, group["ns_coefficients"], group["ns_steps"], group["eps"]) for b in blocks]
-        if not sharded:
-            # Block views of p, updated in place exactly as torch.optim.Muon updates a whole parameter.
-            views = list(p.unbind(0)) if p.ndim == 3 else list(p.split([b.shape[0] for b in blocks], dim=0))
-            for v, o in zip(views, ns):
-                v.mul_(1 - lr * wd)
-                v.add_(o, alpha=-adjusted_lr(lr, o.shape))
+        ns = newton_schulz_blocks(blocks, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        if len(ns) == 1 and not sharded:
+            # One block: exactly torch.optim.Muon's in-place update.
+            p.mul_(1 - lr * wd)
+            p.add_(ns[0].view_as(p), alpha=-adjusted_lr(lr, ns[0].shape))
             return
         scaled = [o.to(full.dtype) * adjusted_lr(lr, o.shape) for o in ns]
         step_full = torch.stack(scaled) if p.ndim == 3 else torch.cat(scaled, dim=0)
+        if not sharded:
+            p.mul_(1 - lr * wd)
+            p.sub_(step_full.to(p.dtype))
+            return
         # Replicate -> the parameter's placements is a local slice (no communication).
         local = DTensor.from_local(step_full, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
                                    run_check=False).redistribute(p.device_mesh, p.placements).to_local()

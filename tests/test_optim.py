@@ -1,4 +1,5 @@
-"""Per-Head Muon: per-head equals a loop over heads of torch.optim.Muon (KDA and MLA projections),
+"""Per-Head Muon: per-head equals a loop over heads of torch.optim.Muon (KDA and MLA projections; heads
+of one shape run as batched GEMMs, so to bf16 rounding, while a split into other blocks is far off),
 one block equals torch.optim.Muon, AdamW groups equal torch.optim.AdamW, raw-gradient clipping,
 parameter split, and a torch.distributed.checkpoint round trip equal to the uninterrupted run."""
 from __future__ import annotations
@@ -15,6 +16,7 @@ from k3lab.mla import GatedMLA
 from k3lab.model import K3Config, K3Model
 from k3lab.moe import GroupedExperts
 from k3lab.optim import PerHeadMuon, head_blocks, muon_loop_reference, per_head_muon, per_head_steps, split_params
+from k3lab.testing import assert_close, rel_rms_error
 
 
 def _grads(shape, steps, seed):
@@ -32,10 +34,11 @@ def test_per_head_equals_loop_over_heads(which):
     blocks = {**head_blocks(kda), **head_blocks(mla)}[param]
     assert len(blocks) > 1 and sum(blocks) == param.shape[0]
     grads = _grads(param.shape, 3, seed=1)
+    w = param.detach()
     out = per_head_steps(param, blocks, grads, lr=0.02, weight_decay=0.1)
-    assert torch.equal(out, muon_loop_reference(param, blocks, grads, lr=0.02, weight_decay=0.1))
-    # Not the full-matrix update: the split really happens.
-    assert not torch.allclose(out, per_head_steps(param, None, grads, lr=0.02, weight_decay=0.1), atol=1e-4)
+    assert_close(which, muon_loop_reference(param, blocks, grads, lr=0.02, weight_decay=0.1) - w, out - w, 1e-2)
+    # Not the full-matrix update: the split really happens (the updates differ by ~30-50%).
+    assert rel_rms_error(per_head_steps(param, None, grads, lr=0.02, weight_decay=0.1) - w, out - w) > 0.2
 
 
 def test_one_block_equals_torch_muon():
@@ -56,7 +59,7 @@ def test_stacked_experts_are_orthogonalised_per_expert():
         opt.step()
     for e in range(3):
         ref = muon_loop_reference(w[e], [8], [g[e] for g in grads], lr=0.01, weight_decay=0.1)
-        assert torch.equal(p.detach()[e], ref)
+        assert_close(f"expert {e}", ref - w[e], p.detach()[e] - w[e], 1e-2)
 
 
 def test_adamw_groups_equal_torch_adamw():

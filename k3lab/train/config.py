@@ -43,8 +43,9 @@ class TrainConfig:
             the step records in between carry the window's mean step time.
         activations (str | None): activation-manager rules "PATTERN=POLICY,..." (``k3lab.memory``: keep,
             recompute, offload, fp8; patterns on ``K3Model.named_modules()``), e.g. "sublayers.*=recompute".
-        sync_debug (bool): on CUDA, run every step between two log steps under
-            ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation there raises.
+        sync_debug (bool): on CUDA, run every step but the run's first (kernel compilation, cached index
+            tables) under ``torch.cuda.set_sync_debug_mode("error")`` up to the log's read-back: any host
+            synchronisation there raises.
 
     Raises:
         ValueError: any field out of range; the message names the flag.

@@ -208,7 +208,8 @@ def train(config: TrainConfig) -> list[dict]:
         model.train()
         pending, loads, t_window = [], [], time.perf_counter()
         for step in range(start + 1, config.steps + 1):
-            with _sync_debug(config.sync_debug and device.type == "cuda"):
+            # The run's first step is exempt: it compiles kernels and copies their index tables to the device.
+            with _sync_debug(config.sync_debug and device.type == "cuda" and step > start + 1):
                 x, y = loader.next_batch(device)
                 with autocast:
                     _, loss = forward(model, x, y, config.doc_mask, par)
