@@ -1,7 +1,13 @@
-"""One comparison helper for every fast path in k3lab."""
+"""The comparison helpers every fast path in k3lab is checked with, and a guard against host syncs."""
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import torch
+
+# The tensor methods that read a value back to the host; the CPU form of ``forbid_host_sync`` patches them.
+SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
 def rel_rms_error(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -28,3 +34,26 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, tol: float) ->
     if not err <= tol:
         raise AssertionError(f"{name}: rel RMS error {err:.3e} > tol {tol:.1e} (max abs err {max_abs:.3e})")
     return err
+
+
+@contextlib.contextmanager
+def forbid_host_sync(device: torch.device):
+    """On CUDA: ``torch.cuda.set_sync_debug_mode("error")``; on CPU: the host-reading tensor methods
+    (``SYNC_METHODS``) raise. Either way a host read inside the block raises RuntimeError (on a CPU,
+    where nothing is asynchronous, it stands in for the GPU check: code that passes it reads nothing back)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return
+
+    def sync(*args, **kwargs):
+        raise RuntimeError("host synchronisation: a tensor value read on the host")
+
+    with contextlib.ExitStack() as stack:
+        for name in SYNC_METHODS:
+            stack.enter_context(mock.patch.object(torch.Tensor, name, sync))
+        yield

@@ -14,7 +14,7 @@ from k3lab.moe import (MoE, MoEConfig, balance_loss, expert_ffn, group_by_expert
                        quantile_bias, route, situ_glu, update_biases)
 from k3lab.moe.balance import aux_loss, histogram_bias, histogram_counts, histogram_quantile, histogram_range
 from k3lab.moe.workers import histogram_worker
-from k3lab.testing import assert_close
+from k3lab.testing import assert_close, forbid_host_sync
 
 
 def _gen(seed=0):
@@ -321,6 +321,19 @@ def test_every_layer_is_updated_disabled_ones_skipped_none_is_a_noop():
     assert layers[1].router.bias.abs().sum() == 0
     assert all(layer.balance.counts.sum() == 0 for layer in layers)
     assert update_biases(torch.nn.Linear(3, 3)) == []
+
+
+def test_quantile_balancing_update_reads_nothing_back_and_keeps_the_bias_without_tokens():
+    # The trainer's step runs under a sync check on the GPU: the histogram update decides on the device.
+    m = MoE(_config())
+    m(torch.randn(2, 9, 16, generator=_gen(14)))
+    with forbid_host_sync(torch.device("cpu")):
+        update_biases(m)
+    moved = m.router.bias.clone()
+    assert moved.abs().sum() > 0
+    with forbid_host_sync(torch.device("cpu")):
+        load = update_biases(m)[0]
+    assert load.sum() == 0 and torch.equal(m.router.bias, moved)
 
 
 def test_sign_update_compares_like_with_like():

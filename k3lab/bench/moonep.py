@@ -28,23 +28,20 @@ communication + the slowest rank's GEMMs. Writes the JSON and prints the table l
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import statistics
 import time
-from unittest import mock
 
 import torch
 
 from k3lab.bench import positive_int, result_path, run_info
+from k3lab.testing import SYNC_METHODS, forbid_host_sync
 
 COMM_SOURCE = ("NCCL all_to_all_single between two H200s over NVLink: ~143 GB/s out per rank at 16 MiB "
                "messages, ~40 us for small messages (the project's 2-GPU measurement of 2026-11-30); "
                "priced, not run")
 PLANNER_FLOOR_US = 200.0
 SKEW_GROWTH_FLOOR = 0.10
-# The host-reading calls the CPU check forbids while planning (a GPU checks with sync_debug_mode).
-SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
 def nonnegative_float(text: str) -> float:
@@ -184,28 +181,6 @@ def time_ms(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
             torch.cuda.synchronize(device)
         times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
-
-
-@contextlib.contextmanager
-def forbid_host_sync(device: torch.device):
-    """On CUDA: ``torch.cuda.set_sync_debug_mode("error")``; on CPU: the host-reading tensor methods
-    (``SYNC_METHODS``) raise. Either way a host read inside the block raises RuntimeError."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        return
-
-    def sync(*args, **kwargs):
-        raise RuntimeError("host synchronisation: a tensor value read on the host")
-
-    with contextlib.ExitStack() as stack:
-        for name in SYNC_METHODS:
-            stack.enter_context(mock.patch.object(torch.Tensor, name, sync))
-        yield
 
 
 def sync_check(counts: torch.Tensor, idx: torch.Tensor, S: int, K: int) -> dict:

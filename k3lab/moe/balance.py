@@ -237,16 +237,18 @@ class Balancing(nn.Module):
             self.counts.copy_(flat[:self.E])
             self.hist.copy_(flat[self.E:].view_as(self.hist))
         load = self.counts.clone()
-        if self.method == "qb" and load.sum() > 0:
-            if self.estimator == "histogram":
-                lo, hi = histogram_range(bias)
-                bias.copy_(histogram_bias(self.hist, lo, hi, self.K))
-            else:
-                if group is not None:
-                    raise ValueError("the exact Quantile Balancing estimator runs in one process; "
-                                     "use estimator='histogram' with a process group")
-                scores, cutoff = (torch.cat(t) for t in zip(*self._kept))
-                bias.copy_(quantile_bias(scores, cutoff, self.K))
+        if self.method == "qb" and self.estimator == "histogram":
+            # A step with no counted tokens keeps the bias; chosen on the device, so the step never
+            # waits on the host.
+            lo, hi = histogram_range(bias)
+            bias.copy_(torch.where(load.sum() > 0, histogram_bias(self.hist, lo, hi, self.K), bias))
+        elif self.method == "qb" and self._kept and load.sum() > 0:
+            # The exact estimator is the one-process reference: reading the load here is fine.
+            if group is not None:
+                raise ValueError("the exact Quantile Balancing estimator runs in one process; "
+                                 "use estimator='histogram' with a process group")
+            scores, cutoff = (torch.cat(t) for t in zip(*self._kept))
+            bias.copy_(quantile_bias(scores, cutoff, self.K))
         elif self.method == "sign":
             mean = load.double().mean()
             bias += self.sign_lr * torch.sign(mean - load.double()).float()
