@@ -236,15 +236,30 @@ class PerHeadMuon(torch.optim.Optimizer):
             grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             if grads:
                 torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        jobs = []
         for group in self.param_groups:
             if group["algorithm"] == "muon":
-                self._muon(group)
+                jobs += self._muon(group)
             else:
                 self._adamw(group)
+        # Newton-Schulz once for every block of every Muon parameter: blocks of one shape (the heads of
+        # all layers' projections, the experts of all MoE layers) become one batched matmul per iteration.
+        settings = {}
+        for job in jobs:
+            g = job[1]
+            settings.setdefault((g["ns_coefficients"], g["ns_steps"], g["eps"]), []).append(job)
+        for (coefficients, steps, eps), group_jobs in settings.items():
+            split = [self._blocks(p, update, group) for p, group, update in group_jobs]
+            ns = newton_schulz_blocks([b for _, _, blocks in split for b in blocks], coefficients, steps, eps)
+            for (p, group, _), (sharded, full, blocks) in zip(group_jobs, split):
+                mine, ns = ns[:len(blocks)], ns[len(blocks):]
+                self._apply(p, full, mine, sharded, group["lr"], group["weight_decay"])
         return loss
 
-    def _muon(self, group) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+    def _muon(self, group) -> list:
+        """Momentum for the group's parameters; returns (p, group, update) for each one with a gradient."""
+        mu = group["momentum"]
+        jobs = []
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -256,25 +271,29 @@ class PerHeadMuon(torch.optim.Optimizer):
             # A restored buffer may differ in dtype from the gradient (float32 momentum, bf16 grads).
             grad = p.grad.to(buf.dtype)
             buf.lerp_(grad, 1 - mu)
-            update = grad.lerp(buf, mu) if group["nesterov"] else buf
-            self._apply(p, update, group, lr, wd)
+            jobs.append((p, group, grad.lerp(buf, mu) if group["nesterov"] else buf))
+        return jobs
 
     @staticmethod
-    def _apply(p, update, group, lr, wd) -> None:
-        """p <- (1 - lr wd) p - adjusted_lr(block) NS(block), block by block over the full logical matrix."""
+    def _blocks(p, update, group) -> tuple[bool, torch.Tensor, list[torch.Tensor]]:
+        """(sharded, the full logical update, its blocks): one per expert of a stack, one per head with
+        row blocks, else the whole matrix. A DTensor's update is gathered to its full matrix."""
         try:
-            from torch.distributed.tensor import DTensor, Replicate
+            from torch.distributed.tensor import DTensor
         except ImportError:
             DTensor = None
         sharded = DTensor is not None and isinstance(p, DTensor)
         full = update.full_tensor() if sharded else update
         if p.ndim == 3:
-            blocks = list(full.unbind(0))
-        elif group["row_blocks"] is not None:
-            blocks = list(full.split(group["row_blocks"], dim=0))
-        else:
-            blocks = [full]
-        ns = newton_schulz_blocks(blocks, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            return sharded, full, list(full.unbind(0))
+        if group["row_blocks"] is not None:
+            return sharded, full, list(full.split(group["row_blocks"], dim=0))
+        return sharded, full, [full]
+
+    @staticmethod
+    def _apply(p, full, ns, sharded, lr, wd) -> None:
+        """p <- (1 - lr wd) p - adjusted_lr(block) NS(block), block by block over the full logical matrix
+        (``ns``: the orthogonalised blocks of ``_blocks``, in order)."""
         if len(ns) == 1 and not sharded:
             # One block: exactly torch.optim.Muon's in-place update.
             p.mul_(1 - lr * wd)
@@ -286,6 +305,8 @@ class PerHeadMuon(torch.optim.Optimizer):
             p.mul_(1 - lr * wd)
             p.sub_(step_full.to(p.dtype))
             return
+        from torch.distributed.tensor import DTensor, Replicate  # noqa: PLC0415
+
         # Replicate -> the parameter's placements is a local slice (no communication).
         local = DTensor.from_local(step_full, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
                                    run_check=False).redistribute(p.device_mesh, p.placements).to_local()
