@@ -14,7 +14,6 @@ from k3lab.attnres import (AttnRes, BlockAttnRes, block_attnres_inference, block
 from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch
 from k3lab.testing import assert_close, rel_rms_error
 
-from attnres_helpers import DoublesItsInput, uniform_block_average
 
 
 class MLP(nn.Module):
@@ -132,7 +131,7 @@ def test_call_errors_name_the_argument():
 
 @pytest.mark.parametrize("path", ["naive", "memory", "inference"])
 @pytest.mark.parametrize("L,N", [(6, 6), (6, 2), (7, 3)], ids=["full", "N2", "uneven"])
-def test_zero_init_is_uniform_average(path, L, N):
+def test_zero_init_is_uniform_average(path, L, N, uniform_block_average):
     """With w = 0 every read is the plain mean of its sources (written here without softmax)."""
     subs, h0, _ = make(L, seed=1)
     res = BlockAttnRes(h0.shape[-1], L, N, path=path).double()
@@ -384,7 +383,7 @@ def test_train_path_errors():
 
 
 @pytest.mark.parametrize("case", ["output", "sublayer_input"])
-def test_memory_path_allows_in_place_changes_as_the_naive_path_does(case):
+def test_memory_path_allows_in_place_changes_as_the_naive_path_does(case, doubles_its_input):
     """Regression: on the torch backend, changing the output (or a sublayer changing its input)
     in place raised "Output 0 of _Phase1 is a view", where the naive path allows it; and once allowed, a
     sublayer's input changed in place was rebuilt for backward as it was before the change (wrong
@@ -392,7 +391,7 @@ def test_memory_path_allows_in_place_changes_as_the_naive_path_does(case):
     naive path's with the same in-place change."""
     subs, h0, q = make(5, seed=61)
     if case == "sublayer_input":
-        subs = nn.ModuleList(DoublesItsInput(s) for s in subs)
+        subs = nn.ModuleList(doubles_its_input(s) for s in subs)
     g_out = torch.randn(h0.shape, dtype=h0.dtype, generator=torch.Generator().manual_seed(62))
     results = []
     for path in ("naive", "memory"):

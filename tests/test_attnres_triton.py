@@ -16,7 +16,6 @@ from k3lab.attnres.mix import (block_scores, merge_bwd_torch, merge_fwd_torch, p
 from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd, store_block  # noqa: E402
 from k3lab.testing import assert_close  # noqa: E402
 
-from attnres_helpers import DoublesItsInput, uniform_block_average  # noqa: E402
 
 TOL = 1e-5 if DEVICE.type == "cpu" else 1e-4
 
@@ -215,14 +214,14 @@ def test_module_triton_backend_matches_naive(N):
 
 
 @pytest.mark.parametrize("change", ["output", "sublayer_input"])
-def test_module_triton_output_changed_in_place(change):
+def test_module_triton_output_changed_in_place(change, doubles_its_input):
     """Changing the output in place after forward (legal: no node saves it), or a sublayer changing its
     input in place before using it, leaves the gradients those of the formula doing the same (the
     second gave wrong ones silently: the input was rebuilt for backward as it was before the change)."""
     L, N, d = 4, 2, 8
     subs = sublayers(L, d, 5)
     if change == "sublayer_input":
-        subs = nn.ModuleList(DoublesItsInput(s) for s in subs)
+        subs = nn.ModuleList(doubles_its_input(s) for s in subs)
     g = torch.Generator().manual_seed(6)
     h0, q = randn(2, 3, d, g=g), randn(L + 1, d, g=g)
     grads = {}
@@ -329,7 +328,7 @@ def test_argument_errors_and_layouts():
             f(None, o, lse, w, 1e-6, prev=randn(1, 20, g=g), v=o)
 
 
-def test_module_triton_zero_init_is_uniform_average():
+def test_module_triton_zero_init_is_uniform_average(uniform_block_average):
     L, N, d = 5, 2, 8
     subs = sublayers(L, d, 2)
     h0 = randn(1, 3, d, g=torch.Generator().manual_seed(2))

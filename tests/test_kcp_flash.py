@@ -15,7 +15,6 @@ if not torch.cuda.is_available():
     # Triton reads this when a kernel is defined: before k3lab.kernels is imported.
     os.environ["TRITON_INTERPRET"] = "1"
 
-from test_flash_kda import INTERPRETED_RANKS  # noqa: E402
 
 from k3lab.kcp import kcp_flash_kda, make_context  # noqa: E402
 from k3lab.kcp.workers import (  # noqa: E402
@@ -41,7 +40,7 @@ CASES = {
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [2, 3])
-@INTERPRETED_RANKS
+@pytest.mark.interpreted_ranks
 def test_kcp_flash_matches_flash_kda(world_size, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cases = CASES[world_size]

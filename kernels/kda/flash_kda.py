@@ -236,7 +236,7 @@ def flash_kda(
             the O(1) terms the chunkwise form sums (the reverse cumsum of dG). In float32, saturated at
             the bound: dg and ddt_bias ~1.6e-4 and dA_log ~2.6e-3 relative at -7, ~5e-3 and ~9e-2 at
             -10 (torch's float32 autograd through the naive recurrence: ~3e-5 and ~2e-4); at -5 dA_log
-            ~5e-4 (torch: 2.4e-4; its sum is ~540x its value). ``tests/test_flash_kda_probes.py``.
+            ~5e-4 (torch: 2.4e-4; its sum is ~540x its value). ``tests/test_flash_kda_numerics_edges.py``.
             The other gradients keep float32 accuracy.
         check_values (bool): also reject NaN/inf inputs, inputs out of the kernels' float32 range and
             outputs that overflowed (one device sync, after the kernels, and a read of every input and
