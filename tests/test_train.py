@@ -257,6 +257,13 @@ def test_four_ranks_dp_ep_cp_layouts_match_one_process():
             assert_close(f"{lay} grad {name}", want[name], g, 1e-4)
 
 
+def test_missing_shards_are_a_usage_error_that_names_the_build_command(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--steps", "1", "--data-dir", str(tmp_path), "--no-progress"])
+    assert e.value.code == 2
+    assert "python -m k3lab.data build" in capsys.readouterr().err
+
+
 def test_a_cp_layout_that_does_not_fit_the_world_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--dp", "1", "--cp", "2", "--no-progress"])

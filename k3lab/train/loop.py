@@ -253,11 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m k3lab.train [flags]`` (and under torchrun): parse, train, 0 on success.
 
     Raises:
-        SystemExit: 2 on a bad flag or a layout that does not match the launched world.
+        SystemExit: 2 on a bad flag, a layout that does not match the launched world, or missing token shards.
     """
     config = parse_args(argv)
     try:
         train(config)
-    except ConfigError as e:
+    except (ConfigError, FileNotFoundError) as e:
+        # A layout that does not fit, or no token shards: the message says what to run.
         build_parser().error(str(e))
     return 0
