@@ -253,10 +253,13 @@ def main(argv=None) -> dict:
     p.add_argument("--small", action="store_true", help="tiny sizes; for checking the script on a CPU")
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=sorted(CASES), help="which shapes")
     p.add_argument("--no-torchtitan", action="store_true", help="skip torchtitan's layer")
-    p.add_argument("--rep", type=positive_int, default=20, help="timed repetitions per measurement (median)")
+    p.add_argument("--rep", type=positive_int, default=None,
+                   help="timed repetitions per measurement (median; default 20, 2 with --small)")
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default "
                    "data/results/moe_<h100|h200>.json after the device")
     args = p.parse_args(argv)
+    if args.rep is None:
+        args.rep = 2 if args.small else 20
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -282,11 +285,12 @@ def main(argv=None) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         print(f"{name}: checks {result['checks'][name]}", flush=True)
-        result["cases"].append(time_case(name, c, tokens, device, with_tt, 2 if args.small else args.rep))
+        result["cases"].append(time_case(name, c, tokens, device, with_tt, args.rep))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    out = result_path("moe", result["device"]) if args.out is None else args.out
-    if out and not args.small:
+    # --small writes only where --out says: its tiny shapes must never replace a committed result.
+    out = (None if args.small else result_path("moe", result["device"])) if args.out is None else args.out
+    if out:
         write_json(out, result, indent=1)
         print(f"wrote {out}")
     print("\n" + table(result))
