@@ -379,3 +379,10 @@ def test_latent_layout_router_and_shared_read_full_width_norm_after_the_weighted
     full_scaled.load_state_dict(full.state_dict())
     shared = full.shared(x)
     assert_close("full width scales", 7 * (full(x) - shared), full_scaled(x) - shared, 1e-5)
+
+
+@pytest.mark.parametrize("field, value", [("routed_scaling", float("inf")), ("routed_scaling", 0.0), ("sign_lr", float("nan")),
+                                          ("aux_coef", -1.0), ("init_std", 0.0), ("norm_eps", -1e-6)])
+def test_config_rejects_numbers_out_of_range(field, value):
+    with pytest.raises(ValueError, match=f"MoEConfig.{field} must be a finite number"):
+        _config(**{field: value})

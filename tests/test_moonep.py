@@ -301,3 +301,11 @@ def test_entry_runs_k3lab_moe_grouped_experts(one_rank_group, activation):
     want = (y.view(S, K, d) * w[..., None]).sum(1)
     assert torch.equal(moonep_experts(x, idx, w, experts, one_rank_group), want)
     assert torch.equal(moonep_experts(x, idx, w, experts, one_rank_group, mode="alltoall"), want)
+
+
+@pytest.mark.parametrize("rank", [-1, 2, 1.0, True])
+def test_layout_rejects_a_rank_outside_the_group(rank):
+    counts = torch.tensor([[3, 1], [2, 2]])
+    p = plan(counts, S=4, K=1)
+    with pytest.raises(ValueError, match=r"layout: rank must be an int in \[0, R=2\)"):
+        layout(p, counts, torch.tensor([[0], [1], [0], [0]]), rank)

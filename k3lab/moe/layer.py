@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import math
 import torch
 import torch.nn as nn
 
@@ -44,6 +45,11 @@ class MoEConfig:
         n_layers (int): depth of the model the layer sits in (for the depth-scaled output init).
         init_std (float): std of the input projections.
         norm_eps (float): the latent RMSNorm's eps.
+
+    Raises:
+        ValueError: a size not a positive int, top_k > n_experts, an unknown activation, balance or
+            estimator, bins < 2, routed_scaling or init_std not a finite number > 0, sign_lr, aux_coef or
+            norm_eps not a finite number >= 0, Quantile Balancing with top_k = n_experts.
     """
 
     d_model: int = 256
@@ -83,6 +89,13 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
         if not (isinstance(self.bins, int) and not isinstance(self.bins, bool) and self.bins >= 2):
             raise ValueError(f"MoEConfig.bins must be an int >= 2, got {self.bins!r}")
+        for name, low, strict in (("routed_scaling", 0.0, True), ("sign_lr", 0.0, False), ("aux_coef", 0.0, False),
+                                  ("init_std", 0.0, True), ("norm_eps", 0.0, False)):
+            v = getattr(self, name)
+            ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                  and (v > low if strict else v >= low))
+            if not ok:
+                raise ValueError(f"MoEConfig.{name} must be a finite number {'>' if strict else '>='} {low}, got {v!r}")
         if self.balance == "qb" and self.top_k == self.n_experts:
             raise ValueError(f"MoEConfig: balance='qb' needs top_k < n_experts (Quantile Balancing reads each "
                              f"token's (K+1)-th score), got top_k = n_experts = {self.top_k}; use balance='none'")

@@ -200,8 +200,13 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int) -> 
 
     Returns:
         Layout, on ``counts``' device; no host synchronisation.
+
+    Raises:
+        ValueError: rank not an int in [0, R).
     """
     R, E, L, C = p.R, p.E, p.E // p.R, p.capacity
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < R):
+        raise ValueError(f"layout: rank must be an int in [0, R={R}), got {rank!r}")
     dev = counts.device
     counts = counts.long()
     e = topk_idx.reshape(-1)
