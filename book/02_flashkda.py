@@ -25,7 +25,7 @@
 # 5. The measured result on one H200, with its roofline.
 # 6. Experiments: where the factored sub-tile overflows; the UT inverse by powers or by doubling.
 #
-# Code: `kernels/kda/` (`utils.py`, `chunk_fwd.py`, `chunk_bwd.py`, `flash_kda.py`), the benchmark
+# Code: `kernels/kda/` (`utils.py`, `chunk_fwd.py`, `chunk_bwd.py`, `fused.py`), the benchmark
 # `k3lab/bench/flash_kda.py`, tests `tests/test_flash_kda*.py`; designs that were measured and dropped
 # are in `docs/flash_kda.md`.
 
@@ -57,7 +57,7 @@ import torch
 from k3lab.bench.flash_kda import fwd_bytes, fwd_flops, make_inputs
 from k3lab.kda import chunk_kda, naive_fused_kda, naive_recurrent_kda
 from k3lab.kernels.kda import chunk_fwd, flash_kda
-from k3lab.kernels.kda.flash_kda import MIN_LOWER_BOUND
+from k3lab.kernels.kda.fused import MIN_LOWER_BOUND
 from k3lab.testing import rel_rms_error
 
 result = json.loads(Path(results_path).read_text())
@@ -270,26 +270,32 @@ for name, e in errors.items():
 
 # %% [markdown]
 # The same bad inputs raise the same errors as the PyTorch operator of `k3lab.kda` (both call
-# `check_kda_inputs`), so a layer can swap one for the other:
+# `check_kda_inputs`), each naming its own arguments: `flash_kda` takes the gate pre-activation `z` and
+# `beta_logits` where `chunk_kda` takes the log-decay `g` and the strengths `beta`:
 
 # %%
+# chunk_kda's arguments in place of flash_kda's: the log-decay g (any valid one) for the gate
+# pre-activation z, the strengths beta for the logits.
+as_reference = {"z": "g", "beta_logits": "beta"}
 for label, kwargs in (
     ("duplicate offsets", dict(cu_seqlens=torch.tensor([0, 4, 4, T]))),
-    ("g shape", dict(g=torch.randn(1, T, HV, Kc + 1))),
+    ("z shape", dict(z=torch.randn(1, T, HV, Kc + 1))),
 ):
     args = dict(q=ours[0][:1].detach(), k=ours[1][:1].detach(), v=ours[2][:1].detach(),
-                g=ours[3][:1].detach(), beta=ours[4][:1].detach())
+                z=ours[3][:1].detach(), beta_logits=ours[4][:1].detach())
     args.update({k_: v_.to(device) for k_, v_ in kwargs.items()})
     try:
         flash_kda(A_log=ours[5].detach(), dt_bias=ours[6].detach(), **args)
     except ValueError as e:
         msg_fast = str(e)
+    ref_args = {as_reference.get(k_, k_): v_ for k_, v_ in args.items()}
     try:
-        chunk_kda(**dict(args, g=-args["g"].abs()))
+        chunk_kda(**dict(ref_args, g=-ref_args["g"].abs()))
     except ValueError as e:
         msg_ref = str(e)
     print(f"{label}: {msg_fast}")
-    assert msg_fast == msg_ref
+    # The same check and message, each naming its own op's argument.
+    assert msg_fast == msg_ref.replace("g must", "z must")
 
 # %% [markdown]
 # ## 5. The measured result on one H200
@@ -494,7 +500,7 @@ assert typical < 1e-6 and worst > 100 * worst_sub and worst_dbl < 10 * worst_sub
 # ## Exercises
 #
 # 1. Change `lower_bound` in the check of section 4 to `-10` and then `-10.5`. What does `flash_kda`
-#    do, and which line of `kernels/kda/flash_kda.py` decides it?
+#    do, and which line of `kernels/kda/fused.py` decides it?
 # 2. Print the intensity of section 1 for `K = V = 64` and `K = V = 256`. Which way does the ridge move
 #    relative to KDA, and what would that mean for the state loop?
 # 3. In the factored-sub-tile experiment, put the reference at token 15 (the last). Which gates overflow

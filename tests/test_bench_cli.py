@@ -54,7 +54,7 @@ def test_flash_kda_bench_head_dim_limit_is_the_kernels():
 
     k3lab.setup(verbose=False)
     from k3lab.bench.flash_kda import MAX_K as bench_max_k
-    from k3lab.kernels.kda.flash_kda import MAX_K
+    from k3lab.kernels.kda.fused import MAX_K
 
     assert bench_max_k == MAX_K
 

@@ -153,7 +153,7 @@ def test_loss_on_the_final_state_only(kda_inputs, kda_reference):
 
 
 # The module, not the function that k3lab.kernels.kda exports under the same name.
-flash_module = importlib.import_module("k3lab.kernels.kda.flash_kda")
+flash_module = importlib.import_module("k3lab.kernels.kda.fused")
 
 
 def leaves(inputs, want=NAMES):

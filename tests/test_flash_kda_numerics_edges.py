@@ -66,13 +66,13 @@ def _bad_cases(kda_inputs):
     """(description, kwargs overrides) for inputs both flash_kda and chunk_kda must reject."""
     B, T, H, K = 1, 8, 2, 16
     q, k, v, z, beta, A_log, dt_bias, h0 = (x.float() for x in kda_inputs(B, T, H, H, K, K, seed=8))
-    base = dict(q=q, k=k, v=v, g=z, beta=beta)
+    base = dict(q=q, k=k, v=v, z=z, beta_logits=beta)
     nan_q = q.clone()
     nan_q[0, 3, 1, 2] = float("nan")
     return [
         ("k shape", dict(base, k=k[:, :, :1])),
-        ("GVA", dict(base, v=torch.randn(B, T, 3, K), g=torch.randn(B, T, 3, K), beta=torch.randn(B, T, 3))),
-        ("beta shape", dict(base, beta=beta[..., :1])),
+        ("GVA", dict(base, v=torch.randn(B, T, 3, K), z=torch.randn(B, T, 3, K), beta_logits=torch.randn(B, T, 3))),
+        ("beta shape", dict(base, beta_logits=beta[..., :1])),
         ("NaN", dict(base, q=nan_q)),
         ("duplicate offsets", dict(base, cu_seqlens=torch.tensor([0, 4, 4, 8]))),
         ("offsets end", dict(base, cu_seqlens=torch.tensor([0, 4, 7]))),
@@ -89,11 +89,13 @@ def test_bad_inputs_same_errors_as_k3lab_kda(i, kda_inputs):
     A_log, dt_bias = (x.to(DEVICE) for x in gate_params)
     with pytest.raises(ValueError) as ours:
         flash_kda(A_log=A_log, dt_bias=dt_bias, **kwargs)
-    # chunk_kda takes the log-decay itself: give it a valid one of the same shape.
-    ref_kwargs = dict(kwargs, g=-kwargs["g"].abs())
+    # chunk_kda takes the log-decay g and the strengths beta in their places: give it a valid g of z's shape.
+    ref_kwargs = {{"z": "g", "beta_logits": "beta"}.get(n, n): x for n, x in kwargs.items()}
+    ref_kwargs["g"] = -ref_kwargs["g"].abs()
     with pytest.raises(ValueError) as ref:
         chunk_kda(**ref_kwargs)
-    assert str(ours.value) == str(ref.value)
+    # The same check and message, each naming its own op's arguments.
+    assert str(ours.value) == str(ref.value).replace("g must", "z must").replace("beta must", "beta_logits must")
 
 
 def test_bad_gate_parameters(kda_inputs):
@@ -140,7 +142,7 @@ def test_silently_accepted_arguments_are_refused(kda_inputs):
              (dict(scale=torch.tensor(0.25, requires_grad=True)), "scale must be a number: flash_kda does not "
                                                                   "differentiate it")]
     for change, message in cases:
-        args = dict(q=q, k=k, v=v, g=z, beta=beta, A_log=A_log, dt_bias=dt_bias) | change
+        args = dict(q=q, k=k, v=v, z=z, beta_logits=beta, A_log=A_log, dt_bias=dt_bias) | change
         with pytest.raises(ValueError, match=message):
             flash_kda(**args)
 

@@ -153,12 +153,10 @@ def test_rejects_bad_input_like_flash_kda():
     nan_q[0, 3, 0, 2] = float("nan")
     for bad in (dict(A_log=A_log[None]), dict(dt_bias=dt_bias[:-1]), dict(lower_bound=0.0), dict(lower_bound="-5"),
                 dict(q=nan_q),
-                dict(beta=beta[..., :0]), dict(v=v.double())):
-        args = dict(q=q, k=k, v=v, g=z, beta=beta, A_log=A_log, dt_bias=dt_bias)
-        args.update({("g" if n == "z" else n): x for n, x in bad.items()})
+                dict(beta_logits=beta[..., :0]), dict(v=v.double())):
+        args = dict(q=q, k=k, v=v, z=z, beta_logits=beta, A_log=A_log, dt_bias=dt_bias) | bad
         with pytest.raises(ValueError) as ref:
             flash_kda(**args)
-        args["z"] = args.pop("g")
         with pytest.raises(ValueError) as ours:
             kcp_flash_kda(**args, ctx=ctx)
         assert str(ours.value) == str(ref.value)

@@ -139,13 +139,19 @@ def _check(rank, R, group, device, cfg) -> dict:
     return out
 
 
+def fused_args(x: dict) -> dict:
+    """The workers' input names (``FLASH_SHARDED``, ``FLASH_REPLICATED``) as kcp_flash_kda's keyword arguments:
+    the beta logits are its ``beta_logits``."""
+    return {("beta_logits" if n == "beta" else n): t for n, t in x.items()}
+
+
 def _kcp_vs_one(rank, R, group, device, cfg, full, o1, do) -> dict:
     from k3lab.kcp.flash import kcp_flash_kda  # noqa: PLC0415
 
     ctx = make_context(full["q"].shape[1], None, group)
     sl = slice(ctx.start, ctx.stop)
     loc = {n: (t[:, sl] if n in FLASH_SHARDED else t).detach().clone().requires_grad_() for n, t in full.items()}
-    o2, _ = kcp_flash_kda(**loc, ctx=ctx, lower_bound=LOWER_BOUND)
+    o2, _ = kcp_flash_kda(**fused_args(loc), ctx=ctx, lower_bound=LOWER_BOUND)
     o2.backward(do[:, sl])
     errs = {"o": rel_rms_error(o1[:, sl], o2)}
     errs.update({f"grad_{n}": rel_rms_error(full[n].grad[:, sl], loc[n].grad) for n in FLASH_SHARDED})
@@ -189,7 +195,7 @@ def _case(rank, R, group, device, cfg, T) -> dict:
         torch.cuda.empty_cache()
 
     def kcp(x):
-        return kcp_flash_kda(**x, ctx=ctx, lower_bound=LOWER_BOUND, check_values=False)[0]
+        return kcp_flash_kda(**fused_args(x), ctx=ctx, lower_bound=LOWER_BOUND, check_values=False)[0]
 
     res["two_gpu_fwd_ms"] = _timed(lambda: step(kcp, loc, do[:, sl], False), cfg.reps, device, group)
     ctx.comm.clear()

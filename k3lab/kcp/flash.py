@@ -47,7 +47,7 @@ from k3lab.kcp.kcp import FOLDS
 from k3lab.kda.checks import _shape, check_initial_state, check_kda_inputs
 from k3lab.kernels.kda.chunk_bwd import kda_dqk_bwd, kda_dwv_bwd, kda_intra_bwd, kda_state_bwd
 from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd, kda_intra_replay, kda_state_fwd
-from k3lab.kernels.kda.flash_kda import check_finite, check_gate_args, input_grads, intermediate_dtype
+from k3lab.kernels.kda.fused import check_finite, check_gate_args, input_grads, intermediate_dtype
 from k3lab.kernels.kda.utils import chunk_index
 
 
@@ -251,7 +251,7 @@ def kcp_flash_kda(
     k: torch.Tensor,
     v: torch.Tensor,
     z: torch.Tensor,
-    beta: torch.Tensor,
+    beta_logits: torch.Tensor,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor | None,
     ctx: KCPContext,
@@ -267,14 +267,14 @@ def kcp_flash_kda(
     rank's outputs and gradients equal the single-process ``flash_kda`` on the whole sequence.
 
     Call on every rank of the group with that rank's tokens; every rank must call backward. The raw
-    inputs are flash_kda's: q, k not normalised, z the gate pre-activation, beta logits; the gate is
+    inputs are flash_kda's: q, k not normalised, z the gate pre-activation, beta_logits; the gate is
     lower_bound * sigmoid(exp(A_log) (z + dt_bias)) (K3 report, Eq. 5).
 
     Args:
         q, k (Tensor): [1, T_local, H, K] this rank's queries and keys (T_local = T / R).
         v (Tensor): [1, T_local, HV, V].
         z (Tensor): [1, T_local, HV, K] gate pre-activation.
-        beta (Tensor): [1, T_local, HV] write-strength logits.
+        beta_logits (Tensor): [1, T_local, HV] write-strength logits.
         A_log (Tensor): [HV]; dt_bias (Tensor | None): [HV * K] or [HV, K]. Replicated: their
             gradients on a rank are its contribution (sum over the group, as for any replicated parameter).
         ctx (KCPContext): group, rank and document layout (``make_context``).
@@ -304,20 +304,21 @@ def kcp_flash_kda(
         raise ValueError(f"q must be [1, T_local={ctx.T_local}, H, K] on rank {ctx.rank}, "
                          f"got {_shape(q)}")
     local_cu = torch.tensor(ctx.local_cu_seqlens) if len(ctx.local_docs) > 1 else None
-    check_kda_inputs(q, k, v, z, beta, None, local_cu, check_values=False, scale=scale,
-                     output_final_state=output_final_state)
+    check_kda_inputs(q, k, v, z, beta_logits, None, local_cu, check_values=False, scale=scale,
+                     output_final_state=output_final_state, names=("z", "beta_logits"))
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     check_initial_state(initial_state, (ctx.N, HV, K, V), q.device)
     if fold not in FOLDS:
         raise ValueError(f"fold must be one of {FOLDS}, got {fold!r}")
     check_gate_args(q, k, v, A_log, dt_bias, lower_bound, scale)
     if check_values:
-        check_finite(q=q, k=k, v=v, g=z, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
+        check_finite(q=q, k=k, v=v, z=z, beta_logits=beta_logits, A_log=A_log, dt_bias=dt_bias,
+                     initial_state=initial_state)
     scale = K**-0.5 if scale is None else float(scale)
     lay = make_layout(ctx, q.device)
-    q, k, v, z, beta = (x.contiguous() for x in (q, k, v, z, beta))
+    q, k, v, z, beta_logits = (x.contiguous() for x in (q, k, v, z, beta_logits))
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    o, final = KCPFlashFunction.apply(q, k, v, z, beta, A_log.contiguous(),
+    o, final = KCPFlashFunction.apply(q, k, v, z, beta_logits, A_log.contiguous(),
                                       dt_bias.contiguous() if dt_bias is not None else None, h0, ctx, lay, scale,
                                       float(lower_bound), fold)
     return o, (final if output_final_state else None)

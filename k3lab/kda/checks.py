@@ -89,11 +89,15 @@ def check_kda_inputs(
     check_values: bool = True,
     scale: float | None = None,
     output_final_state: bool = False,
+    *,
+    names: tuple[str, str] = ("g", "beta"),
 ) -> int:
     """Check the shapes and values of KDA inputs; returns N (the number of sequences).
 
     Expected: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (log-decay, <= 0);
-    beta [B, T, HV]; initial_state [N, HV, K, V]; cu_seqlens int [N+1] with B == 1.
+    beta [B, T, HV]; initial_state [N, HV, K, V]; cu_seqlens int [N+1] with B == 1. ``names``: what the
+    messages call g and beta, the caller's own argument names (the fused ops take the gate
+    pre-activation ``z`` and ``beta_logits`` in their places; their value checks are their own).
 
     Raises:
         ValueError: naming the argument, the shape it got and the one expected; a non-float dtype;
@@ -102,7 +106,8 @@ def check_kda_inputs(
             is not a finite positive number; an ``output_final_state`` that is not a bool; g > 0; a NaN or
             inf in any input (when ``check_values``).
     """
-    tensors = dict(q=q, k=k, v=v, g=g, beta=beta)
+    g_name, beta_name = names
+    tensors = {"q": q, "k": k, "v": v, g_name: g, beta_name: beta}
     for name, x in tensors.items():
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -119,18 +124,19 @@ def check_kda_inputs(
     if HV % H != 0:
         raise ValueError(f"v's head count HV={HV} must be a multiple of q/k's H={H} (GVA)")
     if g.shape != (B, T, HV, K):
-        raise ValueError(f"g must be [B, T, HV, K] = {[B, T, HV, K]}, got {_shape(g)}")
+        raise ValueError(f"{g_name} must be [B, T, HV, K] = {[B, T, HV, K]}, got {_shape(g)}")
     if beta.shape != (B, T, HV):
-        raise ValueError(f"beta must be [B, T, HV] = {[B, T, HV]}, got {_shape(beta)}")
+        raise ValueError(f"{beta_name} must be [B, T, HV] = {[B, T, HV]}, got {_shape(beta)}")
     for name, x in tensors.items():
         # An integer q would give an integer (truncated) output; the math needs floats everywhere.
         if not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     devices = {x.device for x in tensors.values()}
     if len(devices) > 1:
-        raise ValueError(f"q, k, v, g, beta must be on one device, got {sorted(map(str, devices))}")
+        raise ValueError(f"q, k, v, {g_name}, {beta_name} must be on one device, got {sorted(map(str, devices))}")
     if q.device.type == "meta":
-        raise ValueError("q, k, v, g, beta are on the meta device: KDA has no meta kernels, use a real device")
+        raise ValueError(f"q, k, v, {g_name}, {beta_name} are on the meta device: KDA has no meta kernels, "
+                         "use a real device")
     if scale is not None:
         try:
             ok = math.isfinite(scale) and scale > 0 and not isinstance(scale, bool)

@@ -114,7 +114,7 @@ def _kda_op(device: torch.device, gate: str, chunk_size: int, cp=None, check_val
     # FlashKDA on CUDA (imported here so CPU sessions never load Triton kernels); the reference for
     # what the fused kernel does not take: float64, K > 256, lower_bound below its -10 limit.
     from k3lab.kernels.kda import flash_kda
-    from k3lab.kernels.kda.flash_kda import MAX_K, MIN_LOWER_BOUND
+    from k3lab.kernels.kda.fused import MAX_K, MIN_LOWER_BOUND
 
     def fused(q, k, v, z, beta, A_log, dt_bias, scale=None, initial_state=None, output_final_state=False,
               cu_seqlens=None, lower_bound=-5.0):

@@ -566,7 +566,7 @@ def kda_intra_fwd(q, k, v, z, beta, A_log, dt_bias, scale, lower_bound, cu_seqle
                   keep_t=True):
     """Launch the intra stage (``kda_gate_fwd``, ``kda_scores_fwd_kernel``, then ``kda_inverse_fwd_kernel``
     and ``kda_wu_fwd_kernel``); inputs flattened to [T, heads, D]; ``dtype`` is the intermediates'
-    (``flash_kda.intermediate_dtype``). ``keep_t``: also return T (a backward needs it). When T is not
+    (``fused.intermediate_dtype``). ``keep_t``: also return T (a backward needs it). When T is not
     kept and the intermediates are 16-bit (an inference forward), the gate is packed and
     ``kda_inverse_wu_fwd_kernel`` runs in place of the last two.
 

@@ -104,8 +104,8 @@ def raise_value_errors(flags: dict[str, torch.Tensor], K: int, o: torch.Tensor, 
         if maxima["A_log"] > 88.0:
             raise NonFiniteError("A_log", (
                 f"A_log is too large: exp(A_log) overflows float32 beyond 88 and the gate came out NaN where "
-                f"g + dt_bias = 0, got max |A_log| = {maxima['A_log']:.3g}"))
-        # Keys are normalised and b = sigmoid(beta) in the kernels: the state cannot grow geometrically,
+                f"z + dt_bias = 0, got max |A_log| = {maxima['A_log']:.3g}"))
+        # Keys are normalised and beta = sigmoid(beta_logits) in the kernels: the state cannot grow geometrically,
         # so only the sizes of v and initial_state are left to blame.
         raise overflow_error(torch.float32, v, initial_state, remedy="use k3lab.kda.chunk_kda in float64")
 
@@ -187,8 +187,8 @@ def flash_kda(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    z: torch.Tensor,
+    beta_logits: torch.Tensor,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor | None,
     scale: float | None = None,
@@ -204,12 +204,12 @@ def flash_kda(
 
     Computes, per value head (K3 report, Eq. 3-5):
         q_hat, k_hat = q / ||q||, k / ||k||           (eps 1e-6 under the root, as fla's l2norm)
-        gate   = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))     (log-decay in (lower_bound, 0))
-        b      = sigmoid(beta)
-        S_t = (I - b_t k_hat_t k_hat_t^T) Diag(exp(gate_t)) S_{t-1} + b_t k_hat_t v_t^T,
+        g      = lower_bound * sigmoid(exp(A_log) * (z + dt_bias))     (log-decay in (lower_bound, 0))
+        beta   = sigmoid(beta_logits)
+        S_t = (I - beta_t k_hat_t k_hat_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_hat_t v_t^T,
         o_t = S_t^T (scale q_hat_t)
-    i.e. ``k3lab.kda.chunk_kda(l2norm(q), l2norm(k), v, lower_bounded_gate(g, A_log, dt_bias, lower_bound),
-    sigmoid(beta), ...)``, and fla-core's ``chunk_kda(..., use_qk_l2norm_in_kernel=True,
+    i.e. ``k3lab.kda.chunk_kda(l2norm(q), l2norm(k), v, lower_bounded_gate(z, A_log, dt_bias, lower_bound),
+    sigmoid(beta_logits), ...)`` (``k3lab.kda.naive_fused_kda`` is its reference), and fla-core's ``chunk_kda(..., use_qk_l2norm_in_kernel=True,
     use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=...)``.
 
     Dimensions: B batch, T tokens, H q/k heads, HV value heads (a multiple of H: GVA), K key dim
@@ -220,9 +220,9 @@ def flash_kda(
             float32 intermediates: the Triton interpreter has no bf16 arithmetic).
         k (Tensor): [B, T, H, K] keys (not normalised), q's dtype.
         v (Tensor): [B, T, HV, V] values, q's dtype.
-        g (Tensor): [B, T, HV, K] the gate pre-activation z (the decay projection's output), any
+        z (Tensor): [B, T, HV, K] the gate pre-activation (the decay projection's output), any
             floating dtype (read into float32).
-        beta (Tensor): [B, T, HV] write-strength logits, any floating dtype (read into float32).
+        beta_logits (Tensor): [B, T, HV] write-strength logits, any floating dtype (read into float32).
         A_log (Tensor): [HV] per-head log scale of the gate (float32 recommended; K3 inits 0).
         dt_bias (Tensor | None): [HV * K] or [HV, K] gate bias.
         scale (float | None): query scale, default K ** -0.5.
@@ -245,7 +245,7 @@ def flash_kda(
     Memory: when autograd records, the forward keeps for the backward, besides its inputs, G (float32,
     [T, HV, K]) and, in the intermediates' dtype, the UT inverse and Aqk [T, HV, 64], W, KG, QG
     [T, HV, K], the pseudo-values [T, HV, V] and the chunk states [T / 64, HV, K, V]: the last five
-    alone, at K = V = 128 with bf16 inputs and H = HV, 1.5x the bytes of q, k, v, g together, held per
+    alone, at K = V = 128 with bf16 inputs and H = HV, 1.5x the bytes of q, k, v, z together, held per
     layer until its backward returns (which then skips recomputing them). They are saved tensors: saved-tensor hooks see them,
     so under non-reentrant activation checkpointing they live only while the layer is recomputed, and
     ``save_on_cpu`` offloads them.
@@ -274,19 +274,20 @@ def flash_kda(
         >>> o.shape, s.shape
         (torch.Size([1, 20, 1, 16]), torch.Size([1, 1, 16, 16]))
     """
-    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, check_values=False, scale=scale,
-                     output_final_state=output_final_state)
+    check_kda_inputs(q, k, v, z, beta_logits, initial_state, cu_seqlens, check_values=False, scale=scale,
+                     output_final_state=output_final_state, names=("z", "beta_logits"))
     check_gate_args(q, k, v, A_log, dt_bias, lower_bound, scale)
-    flags = (value_flags(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
+    flags = (value_flags(q=q, k=k, v=v, z=z, beta_logits=beta_logits, A_log=A_log, dt_bias=dt_bias,
+                         initial_state=initial_state)
              if check_values else None)
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else float(scale)
     lengths = [T] * B if cu_seqlens is None else cu_seqlens.diff().tolist()
     cu, chunk_indices, chunk_offsets = chunk_index(lengths, q.device)
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, v, z, beta_logits = (x.contiguous() for x in (q, k, v, z, beta_logits))
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     dt_bias = dt_bias.contiguous() if dt_bias is not None else None
-    inputs = (q, k, v, g, beta, A_log.contiguous(), dt_bias, h0)
+    inputs = (q, k, v, z, beta_logits, A_log.contiguous(), dt_bias, h0)
     for_backward = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
     o, final_state = FlashKDAFunction.apply(*inputs, scale, float(lower_bound), cu, chunk_indices, chunk_offsets,
                                             output_final_state, for_backward)
