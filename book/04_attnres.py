@@ -369,8 +369,8 @@ with torch.no_grad():
 # Phase 1 forward: with the logits at hand, the softmax over depth is per-token scalars, so a program
 # owns a few token rows and one tile of $d$ for **all** $S$ queries, reads each of the $n$ blocks once and
 # writes its tile of $h_0$, the $o_k$ and the lse. (Without the table the logits need whole rows before
-# any weighted sum can start: the kernel this replaced held whole rows of a group of queries in
-# registers and re-read the blocks once per group.) Phase 1 backward reads each block once more, a
+# any weighted sum can start, so a kernel would hold whole rows of a group of queries in registers
+# and re-read the blocks once per group.) Phase 1 backward reads each block once more, a
 # whole row at a time, with the $S$ gradients $\partial o_k$ of the block's queries held in registers:
 # the logits and $r_i$ come from the tables the stores filled, so the only sum over $d$ per block is
 # $\partial o_k^\top b_i$; then $\partial s_{k,i} = a_{k,i}(\partial o_k^\top b_i - \delta_k)$, with the

@@ -111,7 +111,7 @@ def _kda_op(device: torch.device, gate: str, chunk_size: int, cp=None, check_val
     reference = functools.partial(reference_kda_op, gate=gate, chunk_size=chunk_size, cp=cp)
     if device.type != "cuda" or gate != "lower_bounded":
         return reference
-    # FlashKDA on CUDA (imported here so CPU sessions never load Triton kernels); the reference for
+    # FlashKDA on CUDA (imported here so a CPU process never loads Triton kernels); the reference for
     # what the fused kernel does not take: float64, K > 256, lower_bound below its -10 limit.
     from k3lab.kernels.kda import flash_kda
     from k3lab.kernels.kda.fused import MAX_K, MIN_LOWER_BOUND
