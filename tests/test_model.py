@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from k3lab.kda import KDALayer
 from k3lab.mla import GatedMLA
@@ -150,7 +151,9 @@ def test_validation():
     with pytest.raises(ValueError, match="full_attn_layers"):
         K3Config(full_attn_layers=[0, 4])
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
-        K3Config(num_nextn_predict_layers=1)
+        K3Config(num_nextn_predict_layers=-1)
+    with pytest.raises(ValueError, match="mtp_loss_weight"):
+        K3Config(mtp_loss_weight=float("nan"))
     with pytest.raises(ValueError, match="hidden_size"):
         K3Config(hidden_size=0)
     with pytest.raises(ValueError, match="num_experts_per_tok"):
@@ -182,3 +185,31 @@ def test_trains_under_bf16_autocast_with_value_checks_off():
     loss.backward()
     assert torch.isfinite(loss) and 4 < loss.item() < 7
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
+def test_mtp_loss_equals_the_depths_run_on_truncated_sequences():
+    # The model shifts and pads (position t of depth k reads x_{t+k}, predicts x_{t+k+1}); the reference
+    # truncates each depth to the positions that have a target. Causal mixers and per-token FFNs make
+    # the two agree wherever a target exists.
+    torch.manual_seed(0)
+    c = K3Config.preset("k3-tiny", num_nextn_predict_layers=2, mtp_loss_weight=0.5)
+    model = K3Model(c).double()
+    idx = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    _, loss = model(idx, targets=idx)
+    h = model.residual(model.embed(idx), model.sublayers)
+    main = F.cross_entropy(model.head(model.norm(h)).flatten(0, 1), idx.flatten())
+    state, depth_losses = h, []
+    for k, module in enumerate(model.mtp, start=1):
+        n = idx.shape[1] - k
+        state, normed = module(state[:, :n], model.embed(idx[:, k - 1:k - 1 + n]))
+        depth_losses.append(F.cross_entropy(model.head(normed).flatten(0, 1), idx[:, k:k + n].flatten()))
+    want = main + 0.5 * sum(depth_losses) / 2
+    assert_close("mtp loss", want.detach(), loss.detach(), 1e-12)
+    loss.backward()
+    assert all(p.grad is not None for p in model.mtp.parameters())
+    # One token: no depth has a target; the loss is the main loss, not NaN.
+    _, short = model(idx[:, :1], targets=idx[:, :1])
+    assert torch.isfinite(short)
+    # Decoding ignores the MTP modules; the counts put them under "mtp", and the released config has none.
+    assert model.generate(idx[:, :4], 3, temperature=0).shape == (2, 7)
+    assert count_params(c)["mtp"][0] > 0 and count_params("k3-tiny")["mtp"] == (0, 0)

@@ -40,7 +40,9 @@ BASE = dict(preset="k3-tiny", steps=8, batch_size=4, seq_len=32, lr=3e-3, progre
     (["--activations", "sublayers.*"], "--activations expected PATTERN=POLICY"),
     (["--log-every", "0"], "--log-every must be an int >= 1"),
     (["--cp", "0"], "--cp must be an int >= 1"),
-], ids=["preset", "steps", "ep-mode", "ckpt-every", "resume", "lr", "kill", "policy", "rule", "log-every", "cp"])
+    (["--mtp", "1", "--cp", "2"], "--mtp does not combine with --cp > 1"),
+], ids=["preset", "steps", "ep-mode", "ckpt-every", "resume", "lr", "kill", "policy", "rule", "log-every", "cp",
+        "mtp-cp"])
 def test_bad_flags_exit_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
@@ -81,6 +83,9 @@ def test_metrics_read_every_n_steps_and_activation_policies_keep_the_losses():
         assert rel.max() < tol, (rules, got, _losses(plain))
     with pytest.raises(ValueError, match="--activations: patterns .* match no module"):
         train(TrainConfig(**cfg, activations="nothing.here=recompute"))
+    # An MTP depth adds its weighted loss: a different, finite curve from the same start.
+    mtp = _losses(train(TrainConfig(**cfg, mtp=1)))
+    assert np.isfinite(mtp).all() and mtp[0] > _losses(plain)[0]
 
 
 def test_lr_schedule_warms_up_then_decays_to_a_tenth():

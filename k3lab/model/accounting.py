@@ -9,7 +9,9 @@ Conventions (stated once, used by both):
 - KDA's output gate is low rank (rank 128, Kimi Linear's W_g2 W_g1 + bias); its decay projection is
   full rank (K3 report). With these, the meta build of ``k3-full`` counts 2.7795T total and 104.19B
   activated against K3's 2.78T / 104.2B. A full-rank KDA output gate would give 2.785T / 110.1B, and
-  counting the input embedding too adds 1.17B; the released config has no MTP layer (none is built).
+  counting the input embedding too adds 1.17B. The released config has no MTP layer; with
+  ``num_nextn_predict_layers`` > 0 the MTP modules are counted under "mtp" (their routed experts K of E),
+  and their Gated MLA layers join the attention term of ``flops_per_token``.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 from k3lab.model.config import K3Config
 
 COMPONENTS = ("embedding", "head", "kda", "mla", "dense ffn", "moe routed experts", "moe shared experts",
-              "moe latent projections", "moe router", "norms", "attnres queries")
+              "moe latent projections", "moe router", "norms", "attnres queries", "mtp")
 
 # Dense bf16 tensor-core peak (FLOP/s, no sparsity) of the GPUs the book runs on.
 PEAK_FLOPS = {"h100": 989.4e12, "h200": 989.4e12}
@@ -68,6 +70,11 @@ def param_table(model: torch.nn.Module) -> "OrderedDict[str, tuple[int, int]]":
         for module, comp, share in parts:
             for p in module.parameters():
                 where.setdefault(id(p), (comp, share))
+    for m in model.mtp:
+        for p in m.ffn.fn.experts.parameters():
+            where.setdefault(id(p), ("mtp", routed_share))
+        for p in m.parameters():
+            where.setdefault(id(p), ("mtp", 1.0))
     table = OrderedDict((k, [0, 0.0]) for k in COMPONENTS)
     seen = set()
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -147,7 +154,7 @@ def flops_per_token(config: K3Config | str, seq_len: int, causal: bool = False) 
     active = count_params(config)["total"][1]
     c = config
     attn = 6 * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * seq_len
-    return 6 * active + c.num_mla_layers * attn * (0.5 if causal else 1.0)
+    return 6 * active + (c.num_mla_layers + c.num_nextn_predict_layers) * attn * (0.5 if causal else 1.0)
 
 
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float | str = "h100", n_gpus: int = 1) -> float:

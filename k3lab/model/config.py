@@ -52,7 +52,8 @@ class K3Config:
         attn_res_block_size (int): layers per Block AttnRes block, 12.
         rms_norm_eps (float): 1e-6.
         tie_word_embeddings (bool): False.
-        num_nextn_predict_layers (int): MTP layers, 0 (the released config has none; only 0 is built).
+        num_nextn_predict_layers (int): MTP depth D, 0 (the released config has none; K3's Table 1 lists
+            one): D sequential multi-token-prediction modules (``k3lab.model.MTPModule``).
 
     Attributes (k3lab names):
         moe_latent_size (int | None): LatentMoE's routed width l, 3584 (None: a full-width MoE).
@@ -63,11 +64,13 @@ class K3Config:
         kda_conv_size (int): KDA's short-convolution width, 4.
         kda_chunk_size (int): chunk C of the PyTorch chunkwise KDA, 64.
         init_std (float): std of the normal init of linear and embedding weights, 0.02.
+        mtp_loss_weight (float): lambda of the MTP loss, loss = main + lambda * mean over depths (0.3,
+            DeepSeek-V3's weight for the first part of training).
 
     Raises:
         ValueError: a non-positive size, full_attn_layers not sorted distinct ints in [1, L],
             first_k_dense_replace outside [0, L], top-k > experts, SiTU betas other than 4 and 25 (the
-            ``k3lab.moe`` activation has them fixed), an MTP depth other than 0, an unknown balancer,
+            ``k3lab.moe`` activation has them fixed), mtp_loss_weight not a finite number >= 0, an unknown balancer,
             qk_rope_head_dim or kv_lora_rank < 1, a bad KDA gate bound or chunk size.
     """
 
@@ -103,6 +106,7 @@ class K3Config:
     kda_conv_size: int = 4
     kda_chunk_size: int = 64
     init_std: float = 0.02
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self):
         optional = {"q_lora_rank", "moe_latent_size", "kda_gate_rank"}
@@ -131,9 +135,9 @@ class K3Config:
                                ("activation_situ_linear_beta", self.activation_situ_linear_beta, BETA2)):
             if v != fixed:
                 raise ValueError(f"K3Config.{name} must be {fixed} (k3lab.moe's SiTU-GLU fixes it), got {v!r}")
-        if self.num_nextn_predict_layers != 0:
-            raise ValueError(f"K3Config.num_nextn_predict_layers must be 0 (no MTP head is built), "
-                             f"got {self.num_nextn_predict_layers}")
+        w = self.mtp_loss_weight
+        if not (isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0):
+            raise ValueError(f"K3Config.mtp_loss_weight must be a finite number >= 0, got {w!r}")
         if self.moe_balance not in BALANCERS:
             raise ValueError(f"K3Config.moe_balance must be one of {BALANCERS}, got {self.moe_balance!r}")
         for name in ("moe_renormalize", "tie_word_embeddings"):

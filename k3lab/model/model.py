@@ -6,6 +6,15 @@
     h      = BlockAttnRes(h0, [norm -> mixer_0, norm -> ffn_0, norm -> mixer_1, ...])
     logits = Head(RMSNorm(h))                                             [B, T, vocab]
 
+With ``num_nextn_predict_layers`` = D > 0, D multi-token-prediction modules (DeepSeek-V3, Sec. 2.2) follow
+in sequence, module k predicting token t+k+1 at position t from the previous depth's state and the
+embedding of token t+k:
+
+    h^k_t  = MTP_k(h^{k-1}_t, Embed(x_{t+k}))     (h^0 = h, the main stack's output)
+    loss   = CE(logits, x_{t+1}) + lambda / D * sum_k CE(Head(RMSNorm_k(h^k_t)), x_{t+k+1})
+
+sharing the embedding and the head; positions whose target lies past the sequence are ignored.
+
 Each sublayer is pre-normed and returns its output without adding it; Block AttnRes (``k3lab.attnres``)
 combines the outputs. The token mixers take per-call context (packed-document offsets, decoding
 caches) that the residual interface ``f(h)`` does not pass: ``K3Model`` hands it to them through one
@@ -94,6 +103,39 @@ def moe_config(config: K3Config) -> MoEConfig:
                      n_layers=c.num_hidden_layers, init_std=c.init_std, norm_eps=c.rms_norm_eps)
 
 
+class MTPModule(nn.Module):
+    """One multi-token-prediction depth (DeepSeek-V3, Sec. 2.2) in K3's parts: the previous depth's
+    state and the next token's embedding, each RMS-normed, concatenated and projected back to d, then
+    one Gated MLA layer and one Stable LatentMoE with pre-norm residuals, and the depth's final norm.
+
+    ``forward(h [B, T, d], emb [B, T, d], cu_seqlens, mask) -> (state [B, T, d], RMSNorm(state) for the
+    head)``; ``mask`` [B, T] bool marks the positions with a target, the only ones the MoE's balancing
+    statistics count.
+    """
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        c, d = config, config.hidden_size
+        self.norm_h = nn.RMSNorm(d, eps=c.rms_norm_eps)
+        self.norm_emb = nn.RMSNorm(d, eps=c.rms_norm_eps)
+        self.proj = nn.Linear(2 * d, d, bias=False)
+        self.mixer = RMSNormSublayer(d, build_mixer(c, "mla"), c.rms_norm_eps)
+        self.ffn = RMSNormSublayer(d, MoE(moe_config(c)), c.rms_norm_eps)
+        self.norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None):
+        x = self.proj(torch.cat([self.norm_h(h), self.norm_emb(emb)], dim=-1))
+        x = x + self.mixer.fn(self.mixer.norm(x), cu_seqlens=cu_seqlens)[0]
+        x = x + self.ffn.fn(self.ffn.norm(x), mask=mask)
+        return x, self.norm(x)
+
+
+def _shift_left(t: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """[B, T] -> [B, T]: t[:, k:] then k columns of ``fill``."""
+    return torch.cat([t[:, k:], t.new_full((t.shape[0], min(k, t.shape[1])), fill)], dim=1)[:, :t.shape[1]]
+
+
 class K3Model(nn.Module):
     """The K3 language model (K3 report, Sec. 2, Table 1): KDA / Gated MLA hybrid, dense first FFN then
     Stable LatentMoE, Block AttnRes residual, untied head.
@@ -105,7 +147,8 @@ class K3Model(nn.Module):
 
     Attributes:
         embed (nn.Embedding), sublayers (nn.ModuleList of 2L: mixer, ffn, mixer, ...), residual
-        (BlockAttnRes), norm (nn.RMSNorm), head (nn.Linear [vocab, d]).
+        (BlockAttnRes), norm (nn.RMSNorm), head (nn.Linear [vocab, d]), mtp (nn.ModuleList of D
+        ``MTPModule``, empty without MTP).
 
     ``forward(idx, targets=None, cu_seqlens=None) -> (logits, loss)`` as ``k3lab.lm.LM``;
     ``generate`` decodes with the KDA states and MLA latent caches.
@@ -140,6 +183,7 @@ class K3Model(nn.Module):
         self.residual = BlockAttnRes(d, 2 * L, c.attn_res_sizes(), eps=c.rms_norm_eps, path=attn_res_path)
         self.norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
         self.head = nn.Linear(d, c.vocab_size, bias=False)
+        self.mtp = nn.ModuleList([MTPModule(c) for _ in range(c.num_nextn_predict_layers)])
         # Token-id range checks (one host sync per call); ``value_checks`` turns them off.
         self.check_values = True
         self._init_weights()
@@ -150,7 +194,8 @@ class K3Model(nn.Module):
     def _init_weights(self) -> None:
         c = self.config
         # The FFNs (GatedFFN, MoE) initialise themselves, output projections depth-scaled.
-        own = {id(m) for s in self.sublayers[1::2] for m in s.fn.modules()}
+        ffns = list(self.sublayers[1::2]) + [m.ffn for m in self.mtp]
+        own = {id(m) for s in ffns for m in s.fn.modules()}
         for m in self.modules():
             if id(m) in own:
                 continue
@@ -159,7 +204,7 @@ class K3Model(nn.Module):
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
         # Each mixer's projection into the residual stream, GPT-2's 1/sqrt(2L) scaling.
-        for s in self.sublayers[0::2]:
+        for s in list(self.sublayers[0::2]) + [m.mixer for m in self.mtp]:
             nn.init.normal_(s.fn.o_proj.weight, std=depth_scaled_std(c.init_std, c.num_hidden_layers))
 
     def mixers(self) -> list[nn.Module]:
@@ -184,7 +229,8 @@ class K3Model(nn.Module):
         Args:
             idx (Tensor): [B, T] integer token ids in [0, vocab_size).
             targets (Tensor | None): [B, T] integer ids (or -100, ignored); the loss is their mean
-                cross-entropy in nats.
+                cross-entropy in nats, plus ``mtp_loss_weight`` times the MTP depths' mean loss when the
+                config has MTP modules (module docstring).
             cu_seqlens (Tensor | None): int [N+1] offsets of N documents packed into B = 1: every mixer
                 keeps them apart (KDA restarts its state and convolution, MLA masks across documents).
             caches (list | None): per layer KDACache / MLACache from an earlier call with use_cache=True.
@@ -216,6 +262,8 @@ class K3Model(nn.Module):
                                  f"{list(targets.shape) if isinstance(targets, torch.Tensor) else targets!r}")
             if self.check_values:
                 _check_ids("targets", targets, c.vocab_size, ignore_index=-100)
+        if self.mtp and cp is not None:
+            raise ValueError("MTP with cp is not supported: a position's later tokens may live on the next rank")
         if cu_seqlens is not None:
             if idx.shape[0] != 1:
                 raise ValueError(f"with cu_seqlens the documents must be packed into B=1, got B={idx.shape[0]}")
@@ -241,7 +289,26 @@ class K3Model(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten().long())
+            if self.mtp:
+                loss = loss + c.mtp_loss_weight * self.mtp_loss(h, targets.long(), cu_seqlens)
         return (logits, loss, new_caches) if use_cache else (logits, loss)
+
+    def mtp_loss(self, h: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean over the D MTP depths of their cross-entropy (module docstring), from the main stack's
+        output h [B, T, d] and targets [B, T] (targets[:, t] = x_{t+1}; -100 ignored). Depth k reads the
+        embedding of targets[:, t+k-1] and predicts targets[:, t+k]; positions past the end are ignored
+        (a sequence of T <= k contributes nothing, and an all-ignored depth counts 0, not NaN)."""
+        state, total = h, 0.0
+        for k, module in enumerate(self.mtp, start=1):
+            emb = self.embed(_shift_left(targets, k - 1, 0).clamp(min=0))
+            tgt = _shift_left(targets, k, -100)
+            state, normed = module(state, emb, cu_seqlens, mask=tgt != -100)
+            logits = self.head(normed)
+            logits = logits if logits.dtype == torch.float64 else logits.float()
+            tgt = tgt.flatten()
+            ce = F.cross_entropy(logits.flatten(0, 1), tgt, ignore_index=-100, reduction="sum")
+            total = total + ce / (tgt != -100).sum().clamp(min=1)
+        return total / len(self.mtp)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -28,6 +28,7 @@ class TrainConfig:
         lr (float): peak learning rate (Muon's per-block RMS matching makes one lr serve both groups).
         dp (int | None): data-parallel ranks (None: world size / (ep * cp)). ep (int): expert-parallel ranks.
         cp (int): context-parallel ranks (KCP for the KDA layers, a latent all-gather for MLA).
+        mtp (int): multi-token-prediction depth D (``K3Config.num_nextn_predict_layers``; 0: none).
         ep_mode (str): "moonep" or "alltoall".
         ckpt_dir (str | None): where checkpoints go (None: never saved).
         ckpt_every (int): save every this many steps (0: only at the end); needs ckpt_dir.
@@ -59,6 +60,7 @@ class TrainConfig:
     dp: int | None = None
     ep: int = 1
     cp: int = 1
+    mtp: int = 0
     ep_mode: str = "moonep"
     ckpt_dir: str | None = None
     ckpt_every: int = 0
@@ -81,7 +83,7 @@ class TrainConfig:
 
         if self.preset not in TRAIN_PRESETS:
             bad("preset", f"must be one of {TRAIN_PRESETS}")
-        for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("ep", 1), ("cp", 1), ("ckpt_every", 0),
+        for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("ep", 1), ("cp", 1), ("mtp", 0), ("ckpt_every", 0),
                           ("seed", 0), ("log_every", 1)):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
@@ -96,6 +98,8 @@ class TrainConfig:
             bad("warmup", "must be in [0, 1)")
         if self.ep_mode not in MODES:
             bad("ep_mode", f"must be one of {MODES}")
+        if self.mtp and self.cp > 1:
+            bad("mtp", "does not combine with --cp > 1 (a position's later tokens may live on the next rank)")
         if self.ckpt_every and not self.ckpt_dir:
             bad("ckpt_every", "needs --ckpt-dir")
         if self.resume and not self.ckpt_dir:
@@ -137,6 +141,7 @@ HELP = {
     "ep": "expert-parallel ranks; routed experts are split over them (must divide the expert count)",
     "cp": "context-parallel ranks: a row's packed tokens are split into cp contiguous pieces (KCP for KDA, "
           "an all-gather of the MLA latents)",
+    "mtp": "multi-token-prediction depth: D MTP modules after the stack, their loss weighted by 0.3 (0: none)",
     "ep_mode": "expert-parallel exchange: moonep (static, balanced, K3 App. E) or alltoall (dynamic baseline)",
     "ckpt_dir": "folder for checkpoints (step_NNNNNNNN/, written atomically); none: no checkpoints",
     "ckpt_every": "save every N steps and at the end (0: only at the end); needs --ckpt-dir",

@@ -87,7 +87,8 @@ def build_model(config: TrainConfig, device: torch.device) -> K3Model:
     """The run's ``K3Model`` (preset, the data's vocabulary), initialised from ``config.seed``; the same
     weights on every rank before sharding; ``config.activations``' policies attached (``k3lab.memory``)."""
     torch.manual_seed(config.seed)
-    cfg = K3Config.preset(config.preset, vocab_size=vocab_size(resolve_data_dir(config.data_dir)))
+    cfg = K3Config.preset(config.preset, vocab_size=vocab_size(resolve_data_dir(config.data_dir)),
+                          num_nextn_predict_layers=config.mtp)
     model = K3Model(cfg).to(device)
     rules = config.activation_rules()
     if rules:
