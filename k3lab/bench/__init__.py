@@ -82,6 +82,22 @@ def run_info(device) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "versions": versions}
 
 
+def write_result(bench: str, result: dict, out: str | None, small: bool = False) -> str | None:
+    """Write ``result`` as JSON where ``out`` says ('' writes nothing; None: ``result_path`` of its device,
+    except for a ``small`` check run, whose tiny shapes must never replace a committed result) and say so.
+
+    Returns:
+        the path written, or None.
+    """
+    from k3lab.files import write_json  # noqa: PLC0415
+
+    path = (None if small else result_path(bench, result["device"])) if out is None else out
+    if path:
+        write_json(path, result, indent=1)
+        print(f"wrote {path}")
+    return path or None
+
+
 def result_path(bench: str, device_name: str) -> str:
     """``data/results/<bench>_<card>.json``: one file per benchmark and device (card h100, h200, or
     the device name's last word in lower case)."""

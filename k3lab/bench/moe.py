@@ -21,8 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from k3lab.bench import positive_int, result_path, run_info
-from k3lab.files import write_json
+from k3lab.bench import positive_int, run_info, write_result
 from k3lab.moe import MoE, MoEConfig, expert_ffn
 from k3lab.testing import rel_rms_error
 
@@ -288,11 +287,7 @@ def main(argv=None) -> dict:
         result["cases"].append(time_case(name, c, tokens, device, with_tt, args.rep))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    # --small writes only where --out says: its tiny shapes must never replace a committed result.
-    out = (None if args.small else result_path("moe", result["device"])) if args.out is None else args.out
-    if out:
-        write_json(out, result, indent=1)
-        print(f"wrote {out}")
+    write_result("moe", result, args.out, args.small)
     print("\n" + table(result))
     return result
 

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from k3lab.bench import positive_int, result_path, run_info
+from k3lab.bench import positive_int, run_info, write_result
 from k3lab.testing import SYNC_METHODS, forbid_host_sync
 
 COMM_SOURCE = ("NCCL all_to_all_single between two H200s over NVLink: ~143 GB/s out per rank at 16 MiB "
@@ -460,12 +460,7 @@ def main(argv=None) -> dict:
                                 all_to_alls_per_step=4, overlap=False)
     result["floors"] = floors(result)
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
-    out = args.out if args.out is not None else (None if args.small else result_path("moonep", result["device"]))
-    if out:
-        from k3lab.files import write_json  # noqa: PLC0415
-
-        write_json(out, result, indent=1)
-        print(f"wrote {out}")
+    write_result("moonep", result, args.out, args.small)
     print("\n" + table(result))
     return result
 

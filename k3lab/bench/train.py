@@ -38,9 +38,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from k3lab.bench import positive_float, positive_int, result_path, run_info
+from k3lab.bench import positive_float, positive_int, run_info, write_result
 from k3lab.data import load_split, resolve_data_dir
-from k3lab.files import write_json
 from k3lab.lm import PreNormResidual
 from k3lab.model import K3Config, count_params, flops_per_token, mfu
 from k3lab.moe import update_biases
@@ -572,10 +571,7 @@ def main(argv=None) -> dict:
         if result["peer_tokens_per_s"]:
             result["vs_peer"] = result["tokens_per_s"] / result["peer_tokens_per_s"]
             result["vs_peer_bare_step"] = result["attnres"]["step_tokens_per_s"] / result["peer_tokens_per_s"]
-    out = (None if small else result_path("train", result["device"])) if args.out is None else args.out
-    if out:
-        write_json(out, result, indent=1)
-        print(f"wrote {out}")
+    write_result("train", result, args.out, small)
     print("\n" + table(result))
     return result
 
