@@ -19,6 +19,7 @@ from k3lab.kcp import make_context
 from k3lab.model import K3Config, K3Model, flops_per_token, mfu
 from k3lab.moe import maxvio, update_biases
 from k3lab.optim import per_head_muon
+from k3lab.testing import forbid_host_sync
 from k3lab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from k3lab.train.config import ConfigError, TrainConfig, build_parser, parse_args
 from k3lab.train.loader import TokenLoader, pack_documents
@@ -28,19 +29,6 @@ from k3lab.train.parallel import Parallel, build_parallel, parallelize
 PG_TIMEOUT = datetime.timedelta(minutes=10)
 # <|endoftext|>'s id in the book's tokenizer (k3lab.data trains it as special token 0).
 EOT_ID = 0
-
-
-@contextlib.contextmanager
-def _sync_debug(enabled: bool):
-    """``torch.cuda.set_sync_debug_mode("error")`` inside the block when ``enabled``: a host sync raises."""
-    if not enabled:
-        yield
-        return
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 def lr_at(step: int, total: int, peak: float, warmup: float, floor: float = 0.1) -> float:
@@ -210,7 +198,8 @@ def train(config: TrainConfig) -> list[dict]:
         pending, loads, t_window = [], [], time.perf_counter()
         for step in range(start + 1, config.steps + 1):
             # The run's first step is exempt: it compiles kernels and copies their index tables to the device.
-            with _sync_debug(config.sync_debug and device.type == "cuda" and step > start + 1):
+            check = config.sync_debug and device.type == "cuda" and step > start + 1
+            with forbid_host_sync(device) if check else contextlib.nullcontext():
                 x, y = loader.next_batch(device)
                 with autocast:
                     _, loss = forward(model, x, y, config.doc_mask, par)
