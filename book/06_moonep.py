@@ -378,6 +378,17 @@ if bench is not None and bench["skew"]:
     print(f"communication priced from: {bench['skew'][0]['comm_source']}")
 
 # %% [markdown]
+# **What limits it.** The planner is a sequence: up to R − 1 fills, each depending on the last, and each
+# a handful of small kernels (a sort of the donor's experts, prefix sums, a scatter). Captured as one CUDA
+# graph, the launch cost goes but the chain stays: its time grows with R, not with E or K (compare the
+# rows above), and at R = 64 it is far above the 200 µs a planner must stay under to hide behind one MoE
+# layer's compute. A single kernel running the fills in shared memory (sketched in `docs/moonep.md`) is
+# the way down. Under skew, MoonEP's busiest rank always holds exactly S·K pairs, so its growth comes
+# from the grouped GEMM instead: with the hot experts packed on one home rank, the replicas split the
+# pairs into more, smaller expert groups, and a grouped GEMM over many small groups runs below its
+# large-group rate (the "gemm" column); the all-to-all baseline's busiest rank simply holds more pairs.
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. In the explorer, find a load for which the fill needs all R − 1 steps. Which loads need none?

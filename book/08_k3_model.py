@@ -281,6 +281,22 @@ print(f"sources of a read in the last block: the embedding + {n_blk - 1} complet
 # 12 is a multiple of the pattern's period 4, the seven full blocks are alike (three KDA, one MLA, three
 # times); the partial last block ends with the two final MLA layers.
 #
+# **Multi-token prediction.** K3's Table 1 lists one MTP layer; the released config has none. With
+# `num_nextn_predict_layers` = D, `K3Model` appends D modules in sequence (DeepSeek-V3's form): module k
+# takes the previous depth's state and the embedding of the token k ahead, projects their normed
+# concatenation back to d, runs one Gated MLA and one LatentMoE, and predicts the token k + 1 ahead
+# through the shared head; the loss adds `mtp_loss_weight` times the depths' mean. The tests check it
+# against the same depths run on truncated sequences. Counted at full size:
+
+# %%
+with torch.device("meta"):
+    full_mtp = K3Model(K3Config.preset("k3-full", num_nextn_predict_layers=1))
+mtp_total, mtp_active = param_table(full_mtp)["mtp"]
+print(f"one MTP module: {mtp_total / 1e9:.2f}B parameters, {mtp_active / 1e9:.2f}B activated; "
+      f"with it K3 would count {param_table(full_mtp)['total'][0] / 1e12:.4f}T: Table 1's 2.78T leaves it out")
+del full_mtp
+
+# %% [markdown]
 # ## 4. Per-Head Muon
 #
 # Muon (Moonlight; `torch.optim.Muon`) replaces a matrix's momentum $U$ by its orthogonalisation
