@@ -1,4 +1,5 @@
-"""Benchmarks run on a GPU as ``python -m k3lab.bench.<name>``; each writes data/results/<name>_<card>.json (``result_path``)."""
+"""Benchmarks run on a GPU as ``python -m k3lab.bench.<name>``; each writes
+data/results/<name>_<card>.json (``result_path``)."""
 from __future__ import annotations
 
 import argparse
