@@ -274,3 +274,19 @@ def test_a_cp_layout_that_does_not_fit_the_world_is_a_usage_error(capsys):
         main(["--dp", "1", "--cp", "2", "--no-progress"])
     assert e.value.code == 2
     assert "--dp 1 x --cp 2 x --ep 1 = 2 ranks, but 1 were launched" in capsys.readouterr().err
+
+
+def test_a_nan_loss_stops_the_run_before_its_checkpoint(tmp_path, monkeypatch):
+    # With the per-call value checks off, the read-back loss is where a NaN must show: no checkpoint of it.
+    from k3lab.train import loop
+
+    real = loop.forward
+
+    def poisoned(model, x, y, doc_mask, par=None):
+        logits, loss = real(model, x, y, doc_mask, par)
+        return logits, loss * float("nan")
+
+    monkeypatch.setattr(loop, "forward", poisoned)
+    with pytest.raises(FloatingPointError, match="the loss is nan at step 1"):
+        train(TrainConfig(**dict(BASE, steps=2, batch_size=2, ckpt_dir=str(tmp_path), ckpt_every=1)))
+    assert latest_checkpoint(tmp_path) is None

@@ -156,6 +156,8 @@ def train(config: TrainConfig) -> list[dict]:
             batch is not divisible by the data ranks, or a resumed checkpoint's loader differs or its step is
             past ``steps``.
         FileNotFoundError: no token shards (``k3lab.data``).
+        FloatingPointError: a NaN or inf loss (found when the window's losses are read back, before any
+            checkpoint of that window is written).
     """
     device = _device()
     # Muon orthogonalises each expert stack as its full logical tensor; the 2-step all-gather of a
@@ -219,6 +221,11 @@ def train(config: TrainConfig) -> list[dict]:
             if step % config.log_every == 0 or step == config.steps or save or config.kill_at_step == step:
                 # The step's host sync: the window's losses read back at once (it also closes its timing).
                 values = torch.stack([v for _, _, v in pending]).tolist()
+                bad = next(((s_, v) for (s_, _, _), v in zip(pending, values) if not math.isfinite(v)), None)
+                if bad is not None:
+                    # The per-call value checks are off in the step: the loss is where a NaN shows.
+                    raise FloatingPointError(f"the loss is {bad[1]} at step {bad[0]}: stopping before it reaches "
+                                             f"a checkpoint (lower --lr, or check the data)")
                 dt = (time.perf_counter() - t_window) / len(pending)
                 tok_s = config.batch_size * config.seq_len / dt
                 mem, mem_kind = peak_memory_gib(device)
