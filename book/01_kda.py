@@ -40,11 +40,11 @@ naive_max_T: int = 2048
 lm_d_model: int = 128
 lm_layers: int = 2
 lm_heads: int = 2
-lm_steps: int = 120
+lm_steps: int = 60
 lm_batch_size: int = 8
 lm_seq_len: int = 128
 lm_lr: float = 3e-3
-lm_max_seconds: float = 150.0
+lm_max_seconds: float | None = None
 
 # %% tags=["nbval-ignore-output"]
 import k3lab
@@ -573,8 +573,9 @@ for mixer, h in histories.items():
     print(f"{mixer:9s}: {h['step'][-1]} steps, val loss {h['val_loss'][0]:.3f} -> {h['val_loss'][-1]:.3f} "
           f"(uniform: {ln_vocab:.2f}), {np.median(h['tokens_per_s']):,.0f} tokens/s")
     assert all(np.isfinite(h["val_loss"])) and h["val_loss"][-1] < ln_vocab
-    # Bounds for a run that finished its steps (lm_max_seconds only cuts runs on a crowded machine).
-    if h["step"][-1] == lm_steps >= 100:
+    # The CPU profile is budgeted by steps (no time cap), so a loaded machine changes how long this
+    # takes, not what it shows; the bound holds from about 50 steps on.
+    if h["step"][-1] == lm_steps >= 50:
         assert h["val_loss"][-1] < ln_vocab - 1.5, h["val_loss"]
 final = {mixer: h["val_loss"][-1] for mixer, h in histories.items()}
 print(f"final validation loss: kda {final['kda']:.2f}, attention {final['attention']:.2f} nats "
@@ -584,7 +585,7 @@ print(f"final validation loss: kda {final['kda']:.2f}, attention {final['attenti
 # %% [markdown]
 # Reading the run (the last line above): per step the two models learn at a similar pace, and the
 # final validation losses differ by a fraction of a nat (KDA's short convolutions give it cheap local
-# n-gram features, which matter early in training). This is one seed and a few seconds of data, so
+# n-gram features, which matter early in training). This is one seed and a few tens of thousands of tokens, so
 # read it as "KDA is a working token mixer", not as a ranking. A KDA step costs several attention steps
 # here because `chunk_kda` is plain PyTorch with a Python loop over chunks, while attention is one fused
 # kernel; chapter 02's Triton kernels are the fix.
