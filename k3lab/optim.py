@@ -137,7 +137,14 @@ def newton_schulz_blocks(blocks: list[torch.Tensor], ns_coefficients=NS_COEFFICI
         list[Tensor]: bf16 [A_i, B_i], in the order of ``blocks``. A single block goes through torch's
         own ``_zeropower_via_newtonschulz``; batched blocks agree with it to bf16 rounding (the batched
         GEMMs may round differently).
+
+    Raises:
+        ValueError: ns_steps not an int in [0, 100), ns_coefficients not three numbers.
     """
+    if not (isinstance(ns_steps, int) and not isinstance(ns_steps, bool) and 0 <= ns_steps < 100):
+        raise ValueError(f"ns_steps must be an int in [0, 100), got {ns_steps!r}")
+    if len(ns_coefficients) != 3:
+        raise ValueError(f"ns_coefficients must be the quintic's 3 numbers (a, b, c), got {ns_coefficients!r}")
     if len(blocks) == 1:
         return [_zeropower_via_newtonschulz(blocks[0], ns_coefficients, ns_steps, eps)]
     a, b, c = ns_coefficients

@@ -1,5 +1,5 @@
 """The comparison helpers every fast path in k3lab is checked with, and the guard against host syncs that
-the benchmarks and the trainer's --sync-debug use."""
+the benchmarks and the trainer's --sync-debug (on CUDA) use."""
 from __future__ import annotations
 
 import contextlib

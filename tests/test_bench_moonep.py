@@ -64,6 +64,7 @@ def test_priced_traffic_is_the_layouts():
     (["--comm-gbps", "0"], "--comm-gbps: expected a float > 0"),
     (["--reps", "0"], "--reps: expected a positive int, got 0"),
     (["--placement", "random"], "--placement: invalid choice: 'random'"),
+    ([], "--device cpu needs --small"),
 ])
 def test_bad_flags_stop_at_parsing(argv, match, capsys):
     with pytest.raises(SystemExit) as exc:

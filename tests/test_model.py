@@ -213,3 +213,12 @@ def test_mtp_loss_equals_the_depths_run_on_truncated_sequences():
     # Decoding ignores the MTP modules; the counts put them under "mtp", and the released config has none.
     assert model.generate(idx[:, :4], 3, temperature=0).shape == (2, 7)
     assert count_params(c)["mtp"][0] > 0 and count_params("k3-tiny")["mtp"] == (0, 0)
+
+
+def test_value_checks_and_cp_reject_wrong_types():
+    model = K3Model(K3Config.preset("k3-tiny"))
+    with pytest.raises(ValueError, match="enabled must be a bool"):
+        model.value_checks("no")
+    idx = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="cp must be a k3lab.kcp.KCPContext"):
+        model(idx, targets=idx, cp="abc")

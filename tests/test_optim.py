@@ -217,3 +217,14 @@ def test_sharded_parameter_is_orthogonalised_as_the_full_matrix():
     for rank_out in launch(sharded_step_worker, 2, w, grads, options, timeout_s=120):
         for blocks, out in zip(options, rank_out):
             assert torch.allclose(out, per_head_steps(w, blocks, grads, lr=0.01, weight_decay=0.1), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(ns_steps=100), "ns_steps must be an int in"),
+                                           (dict(ns_steps=-1), "ns_steps must be an int in"),
+                                           (dict(ns_coefficients=(1.0, 2.0)), "ns_coefficients must be")])
+def test_newton_schulz_blocks_rejects_bad_settings_for_one_block_or_many(kwargs, match):
+    from k3lab.optim import newton_schulz_blocks
+
+    for n in (1, 3):
+        with pytest.raises(ValueError, match=match):
+            newton_schulz_blocks([torch.randn(4, 6) for _ in range(n)], **kwargs)

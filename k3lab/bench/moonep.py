@@ -425,6 +425,8 @@ def main(argv=None) -> dict:
             if (1 + m) * args.sim_K > args.sim_E:
                 p.error(f"--maxvio {m}: (1 + maxvio) * K / E = {(1 + m) * args.sim_K / args.sim_E:.2f} > 1 "
                         "(the hottest expert would need more pairs than tokens)")
+    if args.device == "cpu" and not args.small:
+        p.error("--device cpu needs --small (the full shapes are GPU work)")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --device cpu --small for a CPU check of the script")

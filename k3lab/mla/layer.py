@@ -96,7 +96,14 @@ def context_mask(cp, device: torch.device | str | None = None) -> torch.Tensor:
 
     Returns:
         Tensor [T_local, T] bool (True = may attend).
+
+    Raises:
+        ValueError: cp not a KCPContext.
     """
+    from k3lab.kcp import KCPContext  # noqa: PLC0415  (k3lab.kcp imports k3lab.kda, not this package)
+
+    if not isinstance(cp, KCPContext):
+        raise ValueError(f"cp must be a k3lab.kcp.KCPContext (make_context), got {type(cp).__name__}")
     T = cp.T
     j = torch.arange(T, device=device)
     i = j[cp.start:cp.stop, None]

@@ -213,10 +213,16 @@ class K3Model(nn.Module):
 
     def value_checks(self, enabled: bool) -> None:
         """Turn the per-call value checks on or off: the token-id range of ``forward``, the NaN/inf checks of
-        the KDA kernels, the routers and Block AttnRes's training path (each one host sync per call). A trainer that checks its token
+        the KDA kernels, the routers and Block AttnRes's training path (each one host sync per call). The
+        CPU's PyTorch KDA (``chunk_kda``) always checks its inputs: off is for the GPU path.
+
+        Raises:
+            ValueError: ``enabled`` not a bool. A trainer that checks its token
         split once turns them off so a step never waits on the host; a NaN then shows in the loss."""
         from k3lab.moe.router import Router  # noqa: PLC0415
 
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enabled must be a bool, got {enabled!r}")
         for m in self.modules():
             if isinstance(m, (K3Model, KDALayer, Router, BlockAttnRes)):
                 m.check_values = bool(enabled)
@@ -274,10 +280,16 @@ class K3Model(nn.Module):
                                        and all(isinstance(x, (KDACache, MLACache)) for x in caches)):
             raise ValueError(f"caches must be a list of {c.num_hidden_layers} KDACache/MLACache from a call with "
                              f"use_cache=True, got {type(caches).__name__}")
-        if cp is not None and (cu_seqlens is not None or caches is not None or use_cache
-                               or tuple(idx.shape) != (1, cp.T_local)):
-            raise ValueError(f"with cp, idx must be this rank's slice [1, T_local={cp.T_local}] with no cu_seqlens "
-                             f"(cp places the documents), caches or use_cache, got idx {list(idx.shape)}")
+        if cp is not None:
+            from k3lab.kcp import KCPContext  # noqa: PLC0415
+
+            if not isinstance(cp, KCPContext):
+                raise ValueError(f"cp must be a k3lab.kcp.KCPContext (make_context) or None, got {type(cp).__name__}")
+            if cu_seqlens is not None or caches is not None or use_cache:
+                raise ValueError("with cp, pass no cu_seqlens (cp places the documents), caches or use_cache")
+            if tuple(idx.shape) != (1, cp.T_local):
+                raise ValueError(f"with cp, idx must be this rank's slice [1, T_local={cp.T_local}], "
+                                 f"got {list(idx.shape)}")
         self.context.reset(cu_seqlens, caches, use_cache, c.num_hidden_layers, cp)
         try:
             h = self.residual(self.embed(idx.long()), self.sublayers)

@@ -108,7 +108,7 @@ class TrainConfig:
             try:
                 self.activation_rules()
             except ValueError as e:
-                bad("activations", str(e))
+                raise ValueError(f"--activations {e}") from None
         if self.kill_at_step is not None and not (
                 isinstance(self.kill_at_step, int) and 1 <= self.kill_at_step <= self.steps):
             bad("kill_at_step", f"must be an int in [1, --steps={self.steps}]")
@@ -139,8 +139,8 @@ HELP = {
     "lr": "peak learning rate of Per-Head Muon and AdamW (cosine decay to 10%% after a warmup)",
     "dp": "data-parallel ranks, FSDP2 shards over them (default: world size / (ep * cp))",
     "ep": "expert-parallel ranks; routed experts are split over them (must divide the expert count)",
-    "cp": "context-parallel ranks: a row's packed tokens are split into cp contiguous pieces (KCP for KDA, "
-          "an all-gather of the MLA latents)",
+    "cp": "context-parallel ranks: a row's packed tokens (batch / (dp x ep) x seq-len) are split into cp equal "
+          "contiguous pieces of at least 3 tokens (KCP for KDA, an all-gather of the MLA latents)",
     "mtp": "multi-token-prediction depth: D MTP modules after the stack, their loss weighted by 0.3 (0: none)",
     "ep_mode": "expert-parallel exchange: moonep (static, balanced, K3 App. E) or alltoall (dynamic baseline)",
     "ckpt_dir": "folder for checkpoints (step_NNNNNNNN/, written atomically); none: no checkpoints",
