@@ -55,6 +55,9 @@ from k3lab.train.metrics import FLOPS_CONVENTION, peak_key
 # changes to every token (k3-1b on a CPU: logits off by ~100% RMS, the loss by 0.5%; with every expert
 # selected, 8% and 0.01%).
 BF16_LOSS_BOUND = 2e-2
+# With the float32 run's experts replayed, the logits differ by bf16 arithmetic alone; a broken bf16 path
+# (a wrong cast, a kernel on the wrong inputs) moves them by ~100% RMS.
+BF16_LOGITS_BOUND = 0.25
 PEER = "torchtitan 0.3.0 deepseek_v3 DeepSeekV3Model (MLA + MoE), built from its model class"
 
 
@@ -85,30 +88,53 @@ def check_bf16(config: TrainConfig, device: torch.device, batch_size: int = 2) -
 
     Returns:
         {"loss_fp32", "loss_bf16", "loss_rel_err" (|l16 - l32| / l32), "loss_bound", "logits_rel_rms_err"
-        (recorded, see ``BF16_LOSS_BOUND``), "ok"}.
+        (routed freely: recorded, see ``BF16_LOSS_BOUND``), "logits_rel_rms_err_same_routing" (the float32
+        run's experts replayed), "logits_bound_same_routing", "ok"}.
 
     Raises:
-        AssertionError: the loss's relative error above ``BF16_LOSS_BOUND``, or not finite.
+        AssertionError: the loss's relative error above ``BF16_LOSS_BOUND``, the same-routing logits' above
+            ``BF16_LOGITS_BOUND``, or either not finite.
     """
+    from k3lab.moe.router import Router, Routing  # noqa: PLC0415
+
     x, y = real_batch(config, batch_size, device)
     model = build_model(config, device)
     model.train()
+    chosen = {}
+
+    def record(router, args, routing):
+        chosen[id(router)] = routing.topk_idx
+
+    def replay(router, args, routing):
+        # The float32 run's experts, weighted by this run's scores: only the arithmetic differs.
+        w = routing.scores.gather(1, chosen[id(router)])
+        w = w / w.sum(-1, keepdim=True) if router.renormalize else w
+        return Routing(routing.scores, chosen[id(router)], w * router.routed_scaling, routing.cutoff)
+
     out = {}
-    for name, autocast in (("fp32", False), ("bf16", True)):
+    for name, autocast, hook in (("fp32", False, None), ("bf16", True, None), ("fp32_rec", False, record),
+                                 ("bf16_same_routing", True, replay)):
+        handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, Router)] if hook else []
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             logits, loss = model(x, y)
+        for h in handles:
+            h.remove()
         out[name] = (logits.detach().float(), float(loss.detach()))
         del logits, loss
     (logits32, loss32), (logits16, loss16) = out["fp32"], out["bf16"]
     err = abs(loss16 - loss32) / abs(loss32)
+    same = rel_rms_error(out["fp32_rec"][0], out["bf16_same_routing"][0])
     result = dict(loss_fp32=loss32, loss_bf16=loss16, loss_rel_err=err, loss_bound=BF16_LOSS_BOUND,
-                  logits_rel_rms_err=rel_rms_error(logits32, logits16), ok=err <= BF16_LOSS_BOUND)
+                  logits_rel_rms_err=rel_rms_error(logits32, logits16), logits_rel_rms_err_same_routing=same,
+                  logits_bound_same_routing=BF16_LOGITS_BOUND,
+                  ok=err <= BF16_LOSS_BOUND and same <= BF16_LOGITS_BOUND)
     print(f"check bf16 vs float32: loss {loss16:.5f} vs {loss32:.5f}, rel err {err:.2e} (bound {BF16_LOSS_BOUND:.0e}); "
-          f"logits rel RMS err {result['logits_rel_rms_err']:.2e} (routing near ties, not bounded)", flush=True)
+          f"logits rel RMS err {same:.2e} with the float32 routing (bound {BF16_LOGITS_BOUND:.0e}), "
+          f"{result['logits_rel_rms_err']:.2e} routed freely (near ties, not bounded)", flush=True)
     del model, out, logits32, logits16
     _free(device)
     if not result["ok"]:
-        raise AssertionError(f"bf16 autocast loss disagrees with float32 past {BF16_LOSS_BOUND}: {result}")
+        raise AssertionError(f"bf16 autocast disagrees with float32 past its bounds: {result}")
     return result
 
 
@@ -457,7 +483,8 @@ def table(r: dict) -> str:
     lines += [f"MFU {num(r['mfu'], '.1f', 100.0)} % (floor 25 %, goal 45 %); AttnRes step overhead "
               f"{100 * r['attnres_overhead']:+.2f}% (goal <= 4%)",
               f"loss {r['loss_curve'][0][1]:.3f} -> {r['final_loss']:.3f}",
-              f"checks: bf16 vs float32 loss rel err {bf16['loss_rel_err']:.1e} (logits "
+              f"checks: bf16 vs float32 loss rel err {bf16['loss_rel_err']:.1e} (logits with the same routing "
+              f"{bf16.get('logits_rel_rms_err_same_routing', float('nan')):.1e}, routed freely "
               f"{bf16['logits_rel_rms_err']:.1e}); sync debug "
               + ("skipped (CPU)" if not sync["enforced"] else "pass" if sync["ok"] else f"FAIL ({sync['error']})")]
     return "\n".join(lines)
