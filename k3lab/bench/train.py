@@ -129,7 +129,7 @@ def check_bf16(config: TrainConfig, device: torch.device, batch_size: int = 2) -
                   logits_bound_same_routing=BF16_LOGITS_BOUND,
                   ok=err <= BF16_LOSS_BOUND and same <= BF16_LOGITS_BOUND)
     print(f"check bf16 vs float32: loss {loss16:.5f} vs {loss32:.5f}, rel err {err:.2e} (bound {BF16_LOSS_BOUND:.0e}); "
-          f"logits rel RMS err {same:.2e} with the float32 routing (bound {BF16_LOGITS_BOUND:.0e}), "
+          f"logits rel RMS err {same:.2e} with the float32 routing (bound {BF16_LOGITS_BOUND:.2g}), "
           f"{result['logits_rel_rms_err']:.2e} routed freely (near ties, not bounded)", flush=True)
     del model, out, logits32, logits16
     _free(device)
