@@ -286,3 +286,16 @@ def test_low_rank_output_gate():
     assert_close("low-rank gate", full(x)[0], low(x)[0], TOL)
     with pytest.raises(ValueError, match="gate_rank"):
         KDALayer(24, 2, 8, gate_rank=0)
+
+
+@pytest.mark.parametrize("scale", [1e19, 1e30])
+def test_huge_inputs_give_the_scale_free_result_not_zeros(scale):
+    # q, k are L2-normalised and the head output RMS-normed, so the layer is nearly scale-free; in float32
+    # their squares overflow past ~1e19 and used to normalise them to zero (a finite, wrong output).
+    torch.manual_seed(0)
+    layer = KDALayer(64, 2, 32)
+    x = torch.randn(1, 10, 64)
+    ref, _ = layer.double()(x.double() * scale)
+    out, _ = layer.float()(x * scale)
+    assert torch.isfinite(out).all()
+    assert_close(f"x * {scale:g}", ref, out, 1e-3)

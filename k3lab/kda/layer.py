@@ -376,7 +376,12 @@ class KDALayer(nn.Module):
                               output_final_state=use_cache, cu_seqlens=cu_seqlens, lower_bound=self.lower_bound)
             except NonFiniteError as err:
                 raise self._blame(err, x, c) from err
-        o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).unflatten(-1, (self.HV, self.V))
+        o = o.to(x.dtype)
+        if self.check_values:
+            # RMSNorm is scale-free too: a head output whose squares would overflow is brought into range
+            # first (ordinary outputs are divided by exactly 1), or it would come out as zeros.
+            o = o / _unsquarable(_wide(o)).to(o.dtype)
+        o = self.o_norm(o) * torch.sigmoid(self.g_proj(x)).unflatten(-1, (self.HV, self.V))
         y = self.o_proj(o.flatten(-2))
         return y, (KDACache(cq, ck, cv, state) if use_cache else None)
 
@@ -422,7 +427,19 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
+def _unsquarable(x: torch.Tensor) -> torch.Tensor:
+    """Per row of the last dim: max |x| where squaring and summing it could overflow x's dtype, else 1.
+    Dividing by it leaves ordinary rows bit for bit unchanged and brings huge ones into range."""
+    big = x.abs().amax(-1, keepdim=True)
+    limit = torch.finfo(x.dtype).max ** 0.5 / (4 * x.shape[-1])
+    return torch.where(big > limit, big, torch.ones_like(big))
+
+
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum x^2 + eps) over the last dim (computed in float32 or wider)."""
+    """x / sqrt(sum x^2 + eps) over the last dim (computed in float32 or wider). Scale-free, so a row whose
+    squares would overflow is divided by its max |x| first (eps / s^2 keeps the formula) rather than
+    normalised to zero."""
     xf = _wide(x)
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+    s = _unsquarable(xf)
+    xs = xf / s
+    return (xs * torch.rsqrt(xs.pow(2).sum(-1, keepdim=True) + eps / s.pow(2))).to(x.dtype)
