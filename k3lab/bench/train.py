@@ -289,6 +289,7 @@ def peer_model_config(cfg: K3Config, seq_len: int, moe_hidden: int):
         ValueError: ``cfg`` has no shared experts (torchtitan sizes them from ``moe_hidden``).
         ImportError: torchtitan is not installed.
     """
+    _torch_compat()
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     # DeepSeek-V3's own initialisers, as its preset configs pass them.
     from torchtitan.models.deepseek_v3 import (_EMBEDDING_INIT, _LINEAR_INIT, _NORM_INIT, DeepSeekV3Model,
@@ -490,12 +491,23 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _torch_compat() -> None:
+    """torchtitan 0.3.0's deepseek_v3 imports ``torch.distributed.fsdp.DataParallelMeshDims`` (torch >= 2.12) only
+    to annotate its parallelize helpers, which the peer never calls; on an older torch a placeholder class lets
+    the model classes import."""
+    import torch.distributed.fsdp as fsdp  # noqa: PLC0415
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+
+
 def _peer_importable(required: bool) -> bool:
     """Whether torchtitan's deepseek_v3 imports (tried before any work, so a GPU run fails in seconds).
 
     Raises:
         SystemExit: it does not import and ``required``.
     """
+    _torch_compat()
     try:
         import torchtitan.models.deepseek_v3  # noqa: F401
     except Exception as e:  # noqa: BLE001  (torchtitan pulls in much of torch: any failure means no peer)
