@@ -8,6 +8,8 @@ replaces the residual stream.
 - ``train``: the memory-efficient training path built from them (``block_attnres_train``).
 - ``block``: the residual modules ``BlockAttnRes`` and ``AttnRes``.
 - ``inference``: the two-phase inference path (``block_attnres_inference``).
+- ``stage``: one pipeline stage's sublayers from the carried blocks (``block_attnres_stage``,
+  ``carried_sources``).
 - ``memory``: ``retained_bytes``, the activation memory a forward leaves for backward.
 - ``traffic``: the bytes the mixing moves per training step (``bytes_model``) and the floor under
   any fused implementation (``bytes_floor``).
@@ -16,9 +18,10 @@ from k3lab.attnres.block import AttnRes, BlockAttnRes
 from k3lab.attnres.inference import block_attnres_inference
 from k3lab.attnres.memory import retained_bytes
 from k3lab.attnres.naive import block_sizes, depth_attention, naive_attnres, naive_block_attnres
+from k3lab.attnres.stage import block_attnres_stage, carried_sources
 from k3lab.attnres.train import block_attnres_train
 
 __all__ = [
-    "AttnRes", "BlockAttnRes", "block_attnres_inference", "block_attnres_train", "block_sizes",
-    "depth_attention", "naive_attnres", "naive_block_attnres", "retained_bytes",
+    "AttnRes", "BlockAttnRes", "block_attnres_inference", "block_attnres_stage", "block_attnres_train",
+    "block_sizes", "carried_sources", "depth_attention", "naive_attnres", "naive_block_attnres", "retained_bytes",
 ]
