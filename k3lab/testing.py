@@ -1,5 +1,5 @@
-"""The comparison helpers every fast path in k3lab is checked with, and the guard against host syncs that
-the benchmarks and the trainer's --sync-debug (on CUDA) use."""
+"""The comparison helpers every fast path in k3lab is checked with, the device and tolerances the kernel tests
+share, and the guard against host syncs that the benchmarks and the trainer's --sync-debug (on CUDA) use."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +9,17 @@ import torch
 
 # The tensor methods that read a value back to the host; the CPU form of ``forbid_host_sync`` patches them.
 SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+# Where the kernel tests run: the GPU when there is one, else the CPU, with the Triton kernels under the
+# interpreter (tests/conftest.py sets TRITON_INTERPRET=1 there).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The fused KDA op's tensor inputs in the order of ``k3lab.kernels.kda.flash_kda``'s arguments (the initial
+# state, a keyword there, last), as the tests build them and name their gradients (``dz``, ``dbeta_logits``).
+FLASH_KDA_ARGS = ("q", "k", "v", "z", "beta_logits", "A_log", "dt_bias", "initial_state")
+# Bounds on RMS(out - ref) / RMS(ref) of flash_kda's float32 kernels against the float64 reference: about
+# 1e-6 on a CPU; tf32 dots on a GPU need the slack.
+FLASH_KDA_TOL_OUT = 1e-4 if DEVICE == "cpu" else 5e-3
+FLASH_KDA_TOL_GRAD = 1e-4 if DEVICE == "cpu" else 1e-2
 
 
 def rel_rms_error(ref: torch.Tensor, out: torch.Tensor) -> float:

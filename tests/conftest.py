@@ -15,12 +15,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# FlashKDA's argument names in order, as the gradients are reported.
-KDA_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
-# float32 kernels (tf32 dots on a GPU) vs float64: outputs ~1e-6 on CPU; GPU tf32 needs the slack.
-KDA_TOL_OUT = 1e-4 if DEVICE == "cpu" else 5e-3
-KDA_TOL_GRAD = 1e-4 if DEVICE == "cpu" else 1e-2
+# The device, FlashKDA's argument names and its tolerances, shared with the test files.
+from k3lab.testing import DEVICE, FLASH_KDA_ARGS, FLASH_KDA_TOL_GRAD, FLASH_KDA_TOL_OUT  # noqa: E402
 
 
 def pytest_configure(config):
@@ -57,7 +53,7 @@ def _kda_inputs(B, T, H, HV, K, V, N=None, seed=0):
             0.5 * r(HV), 0.5 * r(HV * K), r(N or B, HV, K, V)]
 
 
-def _kda_check(inputs, cu_seqlens=None, lower_bound=-5.0, vanishing=(), gate_tol=KDA_TOL_GRAD):
+def _kda_check(inputs, cu_seqlens=None, lower_bound=-5.0, vanishing=(), gate_tol=FLASH_KDA_TOL_GRAD):
     """Forward (with autograd recording, and without: only the first stores the chunk states), final
     state and every gradient of flash_kda (float32) vs ``naive_fused_kda`` in float64; gradients named in
     ``vanishing`` are ~0 in the reference and must be ~0 (< 1e-30) here too."""
@@ -73,25 +69,25 @@ def _kda_check(inputs, cu_seqlens=None, lower_bound=-5.0, vanishing=(), gate_tol
     o_ref, s_ref = naive_fused_kda(*ref[:7], initial_state=ref[7], cu_seqlens=cu_seqlens, lower_bound=lower_bound)
     with torch.no_grad():
         o, s = run()
-    assert_close("o (no autograd)", o_ref, o.cpu(), KDA_TOL_OUT)
-    assert_close("final_state (no autograd)", s_ref, s.cpu(), KDA_TOL_OUT)
+    assert_close("o (no autograd)", o_ref, o.cpu(), FLASH_KDA_TOL_OUT)
+    assert_close("final_state (no autograd)", s_ref, s.cpu(), FLASH_KDA_TOL_OUT)
     o, s = run()
-    assert_close("o", o_ref, o.cpu(), KDA_TOL_OUT)
-    assert_close("final_state", s_ref, s.cpu(), KDA_TOL_OUT)
+    assert_close("o", o_ref, o.cpu(), FLASH_KDA_TOL_OUT)
+    assert_close("final_state", s_ref, s.cpu(), FLASH_KDA_TOL_OUT)
     gen = torch.Generator().manual_seed(1)
     do = torch.randn(o_ref.shape, generator=gen, dtype=torch.float64)
     ds = torch.randn(s_ref.shape, generator=gen, dtype=torch.float64)
     ((o.double().cpu() * do).sum() + (s.double().cpu() * ds).sum()).backward()
     ((o_ref * do).sum() + (s_ref * ds).sum()).backward()
-    for name, a, b in zip(KDA_NAMES, ref, ours):
+    for name, a, b in zip(FLASH_KDA_ARGS, ref, ours):
         if name in vanishing:
             assert a.grad.abs().max() < 1e-30 and b.grad.abs().max() < 1e-30, name
         else:
-            tol = gate_tol if name in ("g", "A_log", "dt_bias") else KDA_TOL_GRAD
+            tol = gate_tol if name in ("z", "A_log", "dt_bias") else FLASH_KDA_TOL_GRAD
             assert_close(f"d{name}", a.grad, b.grad.cpu(), tol)
 
 
-def _kda_run_both(inputs, want=KDA_NAMES, cu_seqlens=None, lower_bound=-5.0, scale=None, ref_dtype=torch.float64):
+def _kda_run_both(inputs, want=FLASH_KDA_ARGS, cu_seqlens=None, lower_bound=-5.0, scale=None, ref_dtype=torch.float64):
     """flash_kda (float32) and ``naive_fused_kda`` (``ref_dtype``) on the same inputs (None entries skipped),
     the loss <o, do> + <final state, ds> backpropagated through both. Returns (ours, ref): each a dict of o,
     final state and the gradients of the inputs named in ``want``."""
@@ -103,7 +99,7 @@ def _kda_run_both(inputs, want=KDA_NAMES, cu_seqlens=None, lower_bound=-5.0, sca
     out = []
     for fn, dtype, device in ((flash_kda, torch.float32, DEVICE), (naive_fused_kda, ref_dtype, "cpu")):
         xs = [None if x is None else x.detach().to(device, dtype, copy=True).requires_grad_(n in want)
-              for n, x in zip(KDA_NAMES, inputs)]
+              for n, x in zip(FLASH_KDA_ARGS, inputs)]
         cu = None if cu_seqlens is None else cu_seqlens.to(device)
         o, s = fn(*xs[:7], scale=scale, initial_state=xs[7], output_final_state=True, cu_seqlens=cu,
                   lower_bound=lower_bound)
@@ -112,7 +108,7 @@ def _kda_run_both(inputs, want=KDA_NAMES, cu_seqlens=None, lower_bound=-5.0, sca
             ds = torch.randn(s.shape, generator=gen, dtype=torch.float64)
         ((o.double().cpu() * do).sum() + (s.double().cpu() * ds).sum()).backward()
         res = {"o": o.detach().cpu(), "final_state": s.detach().cpu()}
-        res.update({f"d{n}": x.grad.cpu() for n, x in zip(KDA_NAMES, xs) if n in want and x is not None})
+        res.update({f"d{n}": x.grad.cpu() for n, x in zip(FLASH_KDA_ARGS, xs) if n in want and x is not None})
         out.append(res)
     return out
 
@@ -186,7 +182,7 @@ def uniform_block_average():
     return _uniform_block_average
 
 
-def _assert_all_close(ours, ref, tol=KDA_TOL_GRAD, skip=()):
+def _assert_all_close(ours, ref, tol=FLASH_KDA_TOL_GRAD, skip=()):
     """Every entry of ``ref`` (a ``kda_run_both`` dict) against ``ours`` within ``tol``, except ``skip``."""
     from k3lab.testing import assert_close
 

@@ -17,13 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from k3lab.kernels.kda import flash_kda
 from k3lab.kernels.kda.chunk_bwd import kda_gate_bwd_kernel, kda_qk_norm_bwd_kernel
 from k3lab.kernels.kda.utils import chunk_index
-from k3lab.testing import assert_close
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
-# float32 kernels (tf32 dots on a GPU) vs float64: outputs ~1e-6 on CPU; GPU tf32 needs the slack.
-TOL_OUT = 1e-4 if DEVICE == "cpu" else 5e-3
-TOL_GRAD = 1e-4 if DEVICE == "cpu" else 1e-2
+from k3lab.testing import DEVICE, FLASH_KDA_ARGS, FLASH_KDA_TOL_GRAD, assert_close
 
 
 @pytest.mark.timeout(300)
@@ -40,8 +34,8 @@ def test_second_backward_through_a_retained_graph(kda_inputs, kda_reference):
     second = torch.autograd.grad(loss, ours)
     o_ref, _ = kda_reference(*ref[:7], initial_state=ref[7])
     expected = torch.autograd.grad((o_ref * do).sum(), ref)
-    for name, a, b, c in zip(NAMES, expected, first, second):
-        assert_close(f"d{name} (first)", a, b.cpu(), TOL_GRAD)
+    for name, a, b, c in zip(FLASH_KDA_ARGS, expected, first, second):
+        assert_close(f"d{name} (first)", a, b.cpu(), FLASH_KDA_TOL_GRAD)
         assert_close(f"d{name} (second vs first)", b.double().cpu(), c.cpu(), 1e-12)
 
 
@@ -67,7 +61,7 @@ def test_second_derivative_is_refused_for_constant_incoming_gradients(kda_inputs
     loss = (o * w).sum()
     (dv,) = torch.autograd.grad(loss, v, create_graph=True)
     assert_close("dv with create_graph", torch.autograd.grad((kda_reference(q, k, v, z, beta, A_log, dt_bias)[0] * w)
-                                                             .sum(), v)[0], dv.detach(), TOL_GRAD)
+                                                             .sum(), v)[0], dv.detach(), FLASH_KDA_TOL_GRAD)
     with pytest.raises(RuntimeError, match="differentiate twice FlashKDAFunction"):
         torch.autograd.grad(loss + (dv**2).sum(), v)
 
@@ -132,7 +126,7 @@ def test_backward_twice_with_retain_graph(kda_inputs):
     loss = o.pow(2).sum() + s.pow(2).sum()
     first = torch.autograd.grad(loss, inputs, retain_graph=True)
     second = torch.autograd.grad(loss, inputs)
-    for name, a, b in zip(NAMES, first, second):
+    for name, a, b in zip(FLASH_KDA_ARGS, first, second):
         assert torch.equal(a, b), name
 
 
@@ -148,7 +142,7 @@ def test_loss_on_the_final_state_only(kda_inputs, kda_reference):
     s.double().pow(2).sum().backward()
     s_ref.pow(2).sum().backward()
     assert ref[0].grad is None and torch.count_nonzero(ours[0].grad) == 0
-    for name, a, b in list(zip(NAMES, ref, ours))[1:]:
+    for name, a, b in list(zip(FLASH_KDA_ARGS, ref, ours))[1:]:
         assert_close(f"d{name}", a.grad, b.grad.cpu(), 1e-4)
 
 
@@ -156,8 +150,9 @@ def test_loss_on_the_final_state_only(kda_inputs, kda_reference):
 flash_module = importlib.import_module("k3lab.kernels.kda.fused")
 
 
-def leaves(inputs, want=NAMES):
-    return [x.detach().to(DEVICE, torch.float32, copy=True).requires_grad_(n in want) for n, x in zip(NAMES, inputs)]
+def leaves(inputs, want=FLASH_KDA_ARGS):
+    return [x.detach().to(DEVICE, torch.float32, copy=True).requires_grad_(n in want)
+            for n, x in zip(FLASH_KDA_ARGS, inputs)]
 
 
 def call(*xs, cu_seqlens=None):
@@ -206,7 +201,7 @@ def test_checkpoint_gives_the_plain_gradients(reentrant, kda_inputs):
     do, ds = upstream(o, s, seed=42)
     loss(o, s, do, ds).backward()
     loss(*checkpoint(call, *ckpt, use_reentrant=reentrant), do, ds).backward()
-    for name, a, b in zip(NAMES, plain, ckpt):
+    for name, a, b in zip(FLASH_KDA_ARGS, plain, ckpt):
         assert torch.equal(a.grad, b.grad), name
 
 
@@ -262,12 +257,12 @@ def test_two_forwards_one_loss_then_varlen_second_backward_with_new_upstream(kda
         expected = torch.autograd.grad(sum(loss(*o, *u) for o, u in zip(outs_ref, ups)), refs[0] + refs[1],
                                        retain_graph=True)
         for i, (a, b) in enumerate(zip(expected, grads)):
-            assert_close(f"call {i // 8} d{NAMES[i % 8]} (upstream {seed})", a, b.cpu(), TOL_GRAD)
+            assert_close(f"call {i // 8} d{FLASH_KDA_ARGS[i % 8]} (upstream {seed})", a, b.cpu(), FLASH_KDA_TOL_GRAD)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("want", [("q", "g"), ("k", "beta"), ("initial_state",), ("A_log", "dt_bias")],
-                         ids=["q-g", "k-beta", "h0", "A_log-dt_bias"])
+@pytest.mark.parametrize("want", [("q", "z"), ("k", "beta_logits"), ("initial_state",), ("A_log", "dt_bias")],
+                         ids=["q-z", "k-beta_logits", "h0", "A_log-dt_bias"])
 def test_gradients_of_a_subset(want, kda_inputs, kda_run_both, assert_all_close):
     """requires_grad on some inputs only: exactly those get gradients, and they match."""
     inputs = kda_inputs(1, 40, 1, 2, 40, 16, seed=103)
@@ -294,5 +289,5 @@ def test_strided_inputs_and_expanded_output_gradients(kda_inputs, kda_reference)
         o, s = fn(q, k, v, z, beta, *xs[5:7], initial_state=xs[7], output_final_state=True)
         (o.double().sum() + s.double().sum()).backward()
         grads.append([x.grad.cpu() for x in xs])
-    for name, a, b in zip(NAMES, grads[1], grads[0]):
-        print(f"d{name}: {assert_close(f'd{name}', a, b, TOL_GRAD):.1e}")
+    for name, a, b in zip(FLASH_KDA_ARGS, grads[1], grads[0]):
+        print(f"d{name}: {assert_close(f'd{name}', a, b, FLASH_KDA_TOL_GRAD):.1e}")

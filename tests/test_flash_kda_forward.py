@@ -12,13 +12,7 @@ import triton
 from k3lab.kernels.kda import chunk_bwd, chunk_fwd, flash_kda
 from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd
 from k3lab.kernels.kda.utils import chunk_index, launch_fitting
-from k3lab.testing import assert_close
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
-# float32 kernels (tf32 dots on a GPU) vs float64: outputs ~1e-6 on CPU; GPU tf32 needs the slack.
-TOL_OUT = 1e-4 if DEVICE == "cpu" else 5e-3
-TOL_GRAD = 1e-4 if DEVICE == "cpu" else 1e-2
+from k3lab.testing import DEVICE, FLASH_KDA_ARGS, FLASH_KDA_TOL_OUT, assert_close
 
 
 @pytest.mark.timeout(300)
@@ -53,7 +47,7 @@ def test_no_grad_matches_and_no_state(kda_inputs, kda_reference):
         o, s = flash_kda(*(x.float().to(DEVICE) for x in (q, k, v, z, beta, A_log, dt_bias)))
     assert s is None
     o_ref, _ = kda_reference(q, k, v, z, beta, A_log, dt_bias)
-    assert_close("o", o_ref, o.cpu(), TOL_OUT)
+    assert_close("o", o_ref, o.cpu(), FLASH_KDA_TOL_OUT)
 
 
 @pytest.mark.timeout(300)
@@ -66,8 +60,8 @@ def test_same_results_as_kdalayer_reference_op(kda_inputs):
     with torch.no_grad():
         o, s = flash_kda(*(x.to(DEVICE) for x in (q, k, v, z, beta, A_log, dt_bias)),
                          initial_state=h0.to(DEVICE), output_final_state=True)
-    assert_close("o", o_ref, o.cpu(), TOL_OUT)
-    assert_close("final_state", s_ref, s.cpu(), TOL_OUT)
+    assert_close("o", o_ref, o.cpu(), FLASH_KDA_TOL_OUT)
+    assert_close("final_state", s_ref, s.cpu(), FLASH_KDA_TOL_OUT)
 
 
 @pytest.mark.timeout(300)
@@ -105,7 +99,7 @@ def test_bfloat16_forward_and_backward(kda_inputs, kda_reference):
     do = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     (o.double().cpu() * do).sum().backward()
     (o_ref * do).sum().backward()
-    for name, a, b in zip(NAMES, ref, ours):
+    for name, a, b in zip(FLASH_KDA_ARGS, ref, ours):
         assert_close(f"d{name}", a.grad, b.grad.cpu(), 2e-2)
 
 
@@ -121,7 +115,7 @@ def test_layer_dispatch_takes_numpy_lower_bounds(kda_inputs):
     for lb in (np.float32(-12.0), np.float64(-3.0)):
         o, _ = op(q, k, v, z, beta, A_log, dt_bias, lower_bound=lb)
         o_ref, _ = reference_kda_op(q, k, v, z, beta, A_log, dt_bias, lower_bound=float(lb), chunk_size=16)
-        print(f"lower_bound {lb!r}: {assert_close('o', o_ref, o, TOL_OUT):.1e}")
+        print(f"lower_bound {lb!r}: {assert_close('o', o_ref, o, FLASH_KDA_TOL_OUT):.1e}")
 
 
 def test_bench_flash_kda_help_names_the_module(capsys):

@@ -18,13 +18,7 @@ from k3lab.kda import chunk_kda, lower_bounded_gate
 from k3lab.kernels.kda import chunk_bwd, flash_kda
 from k3lab.kernels.kda.chunk_fwd import inverse_precisions, kda_intra_fwd, unit_lower_inverse
 from k3lab.kernels.kda.utils import chunk_index
-from k3lab.testing import assert_close, rel_rms_error
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
-# float32 kernels (tf32 dots on a GPU) vs float64: outputs ~1e-6 on CPU; GPU tf32 needs the slack.
-TOL_OUT = 1e-4 if DEVICE == "cpu" else 5e-3
-TOL_GRAD = 1e-4 if DEVICE == "cpu" else 1e-2
+from k3lab.testing import DEVICE, FLASH_KDA_ARGS, FLASH_KDA_TOL_GRAD, assert_close, rel_rms_error
 
 
 def test_identical_consecutive_keys(kda_check, kda_inputs):
@@ -45,7 +39,7 @@ def test_gate_exactly_zero(kda_check, kda_inputs):
     inputs[6][:] = 0.0
     inputs[3][:] = -1.0
     assert (lower_bounded_gate(inputs[3].float(), inputs[5].float(), inputs[6].float()) == 0).all()
-    kda_check(inputs, vanishing=("g", "A_log", "dt_bias"))
+    kda_check(inputs, vanishing=("z", "A_log", "dt_bias"))
 
 
 @pytest.mark.timeout(300)
@@ -207,7 +201,7 @@ def test_q_k_beyond_the_float32_norm_raise(name, kda_inputs):
     """max |k| = 3e20: ||k||^2 overflowed float32 in the kernels' norm and k came out as 0, a finite
     and wrong output (0.09 where the reference has 0.14). check_values=False still skips the check."""
     ours, _ = flash_inputs(kda_inputs)
-    i = NAMES.index(name)
+    i = FLASH_KDA_ARGS.index(name)
     ours[i] = ours[i] * 1e20
     with pytest.raises(ValueError, match=rf"^{name} is too large for flash_kda's L2 norm: max \|{name}\| = .*K=16"):
         flash_kda(*ours[:7], initial_state=ours[7])
@@ -283,13 +277,13 @@ def test_ut_inverse_of_strongly_coupled_subtiles(kda_inputs):
 @pytest.mark.timeout(120)
 def test_outputs_and_gradients_of_strongly_coupled_subtiles(kda_inputs, kda_run_both):
     """The same chunk end to end: o, final state and every gradient within the float32
-    tolerance (dbeta = sigmoid'(20) ~ 2e-9 of its terms is 0 in float32, as in torch's autograd: skipped).
+    tolerance (dbeta_logits = sigmoid'(20) ~ 2e-9 of its terms is 0 in float32, as in torch's autograd: skipped).
     The power form alone gives dv 3.3e-4, dk 1.5e-4, final state 9.8e-5; with a Newton step (as with
     forward substitution) all <= 1.8e-6; by recursive doubling all <= 1.2e-6."""
     ours, ref = kda_run_both(coupled_inputs(kda_inputs))
     for name in ref:
-        if name != "dbeta":
-            print(f"{name}: {assert_close(name, ref[name], ours[name], TOL_GRAD):.1e}")
+        if name != "dbeta_logits":
+            print(f"{name}: {assert_close(name, ref[name], ours[name], FLASH_KDA_TOL_GRAD):.1e}")
 
 
 @pytest.mark.timeout(300)
@@ -309,8 +303,8 @@ def test_strong_decay_then_open_gates_in_one_chunk(kda_check, kda_inputs):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lower_bound, gate_tol", [
-    (-10.0, {"dg": 1e-2, "dA_log": 0.2, "ddt_bias": 1e-2}),
-    (-7.0, {"dg": 4e-4, "dA_log": 6e-3, "ddt_bias": 4e-4}),
+    (-10.0, {"dz": 1e-2, "dA_log": 0.2, "ddt_bias": 1e-2}),
+    (-7.0, {"dz": 4e-4, "dA_log": 6e-3, "ddt_bias": 4e-4}),
 ])
 def test_gate_saturated_at_a_strong_bound(lower_bound, gate_tol, kda_inputs, kda_run_both, assert_all_close):
     """z + 8 with A_log = 0: every log-decay sits next to lower_bound (at -10: -9.997, e^-150 over a
@@ -318,9 +312,9 @@ def test_gate_saturated_at_a_strong_bound(lower_bound, gate_tol, kda_inputs, kda
     and the backward's kernels compute no inf/NaN anywhere (numpy reports overflow/invalid in the
     interpreter's dots; the forward's masked upper triangle does, the backward, whose factors are all
     <= 1, must not). The gate's own gradients are ~e^-10 of the O(1) terms whose differences the chunkwise
-    form takes (cumulative G, reverse cumsum of dG), so their error grows like e^|lb|: at -10 measured dg
+    form takes (cumulative G, reverse cumsum of dG), so their error grows like e^|lb|: at -10 measured dz
     4.8e-3, ddt_bias 5.1e-3, dA_log 8.6e-2, better than the PyTorch chunk_kda in float32 (2.2e-2,
-    9.1e-2, 2.0); at -7 dg 1.6e-4,
+    9.1e-2, 2.0); at -7 dz 1.6e-4,
     dA_log 2.6e-3, already past the 1e-4 float32 tolerance. torch's float32 autograd through the naive
     recurrence gets ~3e-5 / 2e-4 at both."""
     inputs = kda_inputs(1, 40, 1, 2, 40, 16, seed=105)
@@ -359,18 +353,19 @@ def test_saturated_gates(kda_check, kda_inputs):
 
 @pytest.mark.timeout(300)
 def test_saturated_beta_and_repeated_keys(kda_inputs, kda_run_both, assert_all_close):
-    """beta logits +-30 and every pair of consecutive keys equal: all gradients but dbeta at float32
-    accuracy; dbeta = sigmoid'(+-30) ~ 1e-13 times the upstream term, which torch's float32 autograd (s (1 - s)
+    """beta logits +-30 and every pair of consecutive keys equal: all gradients but dbeta_logits at float32
+    accuracy; dbeta_logits = sigmoid'(+-30) ~ 1e-13 times the upstream term, which torch's float32 autograd (s (1 - s)
     with s = 1) gives as 0 (0.95 relative); ours (``sigmoid_grad``) 9.7e-4, held to at most torch's."""
     inputs = kda_inputs(1, 40, 1, 2, 24, 16, seed=106)
     inputs[4] = 30.0 * inputs[4].sign()
     inputs[1][:, 1::2] = inputs[1][:, 0::2]
     ours, ref = kda_run_both(inputs)
-    assert_all_close(ours, ref, skip=("dbeta",))
+    assert_all_close(ours, ref, skip=("dbeta_logits",))
     _, ref32 = kda_run_both(inputs, ref_dtype=torch.float32)
-    mine, torch32 = rel_rms_error(ref["dbeta"], ours["dbeta"]), rel_rms_error(ref["dbeta"], ref32["dbeta"])
-    print(f"dbeta: {mine:.1e} (torch float32 autograd {torch32:.1e})")
-    assert mine <= 1.5 * torch32 + TOL_GRAD
+    mine = rel_rms_error(ref["dbeta_logits"], ours["dbeta_logits"])
+    torch32 = rel_rms_error(ref["dbeta_logits"], ref32["dbeta_logits"])
+    print(f"dbeta_logits: {mine:.1e} (torch float32 autograd {torch32:.1e})")
+    assert mine <= 1.5 * torch32 + FLASH_KDA_TOL_GRAD
 
 
 @pytest.mark.timeout(300)
