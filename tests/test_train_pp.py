@@ -102,3 +102,64 @@ def test_stage_errors_name_the_argument():
         block_attnres_stage(bad, subs[5:7], queries, sizes, 5, 7)
     with pytest.raises(ValueError, match="sublayer 5 must return a tensor of its input's shape"):
         block_attnres_stage(bad.nan_to_num(), [lambda h: h[:, :1]] * 2, queries, sizes, 5, 7)
+
+
+# ---------------------------------------------------------------- a K3Model split into stages
+
+def _tiny(dtype=torch.float64, **overrides):
+    from k3lab.model import K3Config, K3Model
+
+    torch.manual_seed(0)
+    return K3Model(K3Config.preset("k3-tiny", **overrides)).to(dtype)
+
+
+@pytest.mark.parametrize("cuts", [[0, 5, 10], [0, 3, 10], [0, 1, 4, 7, 10], 2],
+                         ids=["at-layer", "inside-block", "four-stages", "balanced"])
+def test_split_stages_equal_the_whole_model(cuts):
+    import torch.nn.functional as F
+
+    from k3lab.model import split_model, sum_queries_grad
+
+    whole = _tiny()
+    ref = copy.deepcopy(whole)
+    stages = split_model(whole, cuts)
+    # Parameter names are the whole model's, each on exactly one stage but the queries on all.
+    names = [n for s in stages for n, _ in s.named_parameters() if n != "residual.queries"]
+    assert sorted(names + ["residual.queries"]) == sorted(n for n, _ in ref.named_parameters())
+    assert sorted({k for s in stages for k in s.state_dict()}) == sorted(ref.state_dict())
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 256, (2, 24), generator=g)
+    tgt = torch.randint(0, 256, (2, 24), generator=g)
+    logits_ref, loss_ref = ref(idx, tgt)
+    loss_ref.backward()
+    x = idx
+    for s in stages:
+        x = s(x)
+    loss = F.cross_entropy(x.flatten(0, 1), tgt.flatten())
+    loss.backward()
+    sum_queries_grad(stages)
+    errs = [assert_close("logits", logits_ref, x, 1e-10)]
+    grads = dict(ref.named_parameters())
+    for s in stages:
+        for n, p in s.named_parameters():
+            errs.append(assert_close(f"grad {n}", grads[n].grad, p.grad, 1e-10))
+    print(f"cuts {[s.start for s in stages] + [stages[-1].stop]}: max rel RMS error of logits and gradients "
+          f"{max(errs):.1e} (float64)")
+
+
+def test_split_refuses_what_does_not_compose():
+    from k3lab.model import balanced_cuts, split_model
+
+    with pytest.raises(ValueError, match="tie_word_embeddings=True does not combine with pipeline stages"):
+        split_model(_tiny(tie_word_embeddings=True), 2)
+    with pytest.raises(ValueError, match="--mtp \\(num_nextn_predict_layers=1\\) does not combine"):
+        split_model(_tiny(num_nextn_predict_layers=1), 2)
+    with pytest.raises(ValueError, match="cuts must be increasing sublayer indices from 0 to 2L=10"):
+        split_model(_tiny(), [0, 5, 5, 10])
+    with pytest.raises(ValueError, match="n_stages must be an int in \\[1, 10\\]"):
+        split_model(_tiny(), 11)
+    # The largest stage is as small as it can be: equal costs split evenly, the head's cost moves cuts up.
+    assert balanced_cuts([1.0] * 8, 4) == [0, 2, 4, 6, 8]
+    assert balanced_cuts([1.0] * 8, 2, last_extra=2.0) == [0, 5, 8]
+    with pytest.raises(RuntimeError, match="sublayer 9 runs on another pipeline stage"):
+        split_model(_tiny(), [0, 5, 10])[0].sublayers[9](torch.zeros(1))
