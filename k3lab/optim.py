@@ -243,42 +243,54 @@ class PerHeadMuon(torch.optim.Optimizer):
             grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             if grads:
                 torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
-        jobs = []
+        muon = []
         for group in self.param_groups:
             if group["algorithm"] == "muon":
-                jobs += self._muon(group)
+                muon += [(p, group) for p in group["params"] if p.grad is not None]
             else:
                 self._adamw(group)
+        jobs = self._momentum(muon)
         # Newton-Schulz once for every block of every Muon parameter: blocks of one shape (the heads of
         # all layers' projections, the experts of all MoE layers) become one batched matmul per iteration.
         settings = {}
         for job in jobs:
             g = job[1]
             settings.setdefault((g["ns_coefficients"], g["ns_steps"], g["eps"]), []).append(job)
+        # Then W <- (1 - lr wd) W - s U, one foreach call per (lr, wd, s) over all parameters: a per-parameter
+        # loop would launch two small kernels per parameter (thousands per step on a K3 model).
+        apply: dict[tuple, tuple[list, list]] = {}
         for (coefficients, steps, eps), group_jobs in settings.items():
             split = [self._blocks(p, update, group) for p, group, update in group_jobs]
             ns = newton_schulz_blocks([b for _, _, blocks in split for b in blocks], coefficients, steps, eps)
             for (p, group, _), (sharded, full, blocks) in zip(group_jobs, split):
                 mine, ns = ns[:len(blocks)], ns[len(blocks):]
-                self._apply(p, full, mine, sharded, group["lr"], group["weight_decay"])
+                target, update, scale = self._update(p, full, mine, sharded, group["lr"])
+                targets, updates = apply.setdefault((group["lr"], group["weight_decay"], scale), ([], []))
+                targets.append(target)
+                updates.append(update)
+        for (lr, wd, scale), (targets, updates) in apply.items():
+            torch._foreach_mul_(targets, 1 - lr * wd)
+            torch._foreach_add_(targets, updates, alpha=-scale)
         return loss
 
-    def _muon(self, group) -> list:
-        """Momentum for the group's parameters; returns (p, group, update) for each one with a gradient."""
-        mu = group["momentum"]
-        jobs = []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+    def _momentum(self, muon: list) -> list:
+        """Momentum for every (parameter, group) with a gradient, as foreach calls per (mu, nesterov, mesh);
+        returns (p, group, update) jobs (``torch.optim.Muon``'s lerp form, module docstring)."""
+        buckets: dict[tuple, list] = {}
+        for p, group in muon:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 wide = torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
                 state["momentum_buffer"] = torch.zeros_like(p, dtype=wide)
-            buf = state["momentum_buffer"]
+            buckets.setdefault((group["momentum"], group["nesterov"], _mesh_key(p)), []).append((p, group))
+        jobs = []
+        for (mu, nesterov, _), members in buckets.items():
+            bufs = [self.state[p]["momentum_buffer"] for p, _ in members]
             # A restored buffer may differ in dtype from the gradient (float32 momentum, bf16 grads).
-            grad = p.grad.to(buf.dtype)
-            buf.lerp_(grad, 1 - mu)
-            jobs.append((p, group, grad.lerp(buf, mu) if group["nesterov"] else buf))
+            grads = [p.grad.to(b.dtype) for (p, _), b in zip(members, bufs)]
+            torch._foreach_lerp_(bufs, grads, 1 - mu)
+            updates = torch._foreach_lerp(grads, bufs, mu) if nesterov else bufs
+            jobs += [(p, group, u) for (p, group), u in zip(members, updates)]
         return jobs
 
     @staticmethod
@@ -298,31 +310,32 @@ class PerHeadMuon(torch.optim.Optimizer):
         return sharded, full, [full]
 
     @staticmethod
-    def _apply(p, full, ns, sharded, lr, wd) -> None:
-        """p <- (1 - lr wd) p - adjusted_lr(block) NS(block), block by block over the full logical matrix
-        (``ns``: the orthogonalised blocks of ``_blocks``, in order)."""
-        if len(ns) == 1 and not sharded:
-            # One block: exactly torch.optim.Muon's in-place update.
-            p.mul_(1 - lr * wd)
-            p.add_(ns[0].view_as(p), alpha=-adjusted_lr(lr, ns[0].shape))
-            return
-        scaled = [o.to(full.dtype) * adjusted_lr(lr, o.shape) for o in ns]
-        step_full = torch.stack(scaled) if p.ndim == 3 else torch.cat(scaled, dim=0)
+    def _update(p, full, ns, sharded, lr) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(target, U, s) for W <- (1 - lr wd) W - s U on the tensor this rank holds: the orthogonalised
+        blocks ``ns`` of ``_blocks`` reassembled over the full logical matrix with each block's
+        ``adjusted_lr`` (factored out as s when the blocks share a shape, as heads and experts do; one
+        block is exactly ``torch.optim.Muon``'s ``add_(O, alpha=-adjusted_lr)``), in the target's dtype."""
+        shapes = {tuple(o.shape) for o in ns}
+        if len(shapes) == 1:
+            scale = adjusted_lr(lr, ns[0].shape)
+            parts = ns
+        else:
+            scale = 1.0
+            parts = [o.to(full.dtype) * adjusted_lr(lr, o.shape) for o in ns]
+        step = parts[0].view_as(full) if len(parts) == 1 else (torch.stack(parts) if p.ndim == 3 else torch.cat(parts))
         if not sharded:
-            p.mul_(1 - lr * wd)
-            p.sub_(step_full.to(p.dtype))
-            return
+            return p, step.to(p.dtype), scale
         from torch.distributed.tensor import DTensor, Replicate  # noqa: PLC0415
 
         # Replicate -> the parameter's placements is a local slice (no communication).
-        local = DTensor.from_local(step_full, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
+        local = DTensor.from_local(step, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
                                    run_check=False).redistribute(p.device_mesh, p.placements).to_local()
         p_local = p.to_local()
-        p_local.mul_(1 - lr * wd)
-        p_local.sub_(local.to(p_local.dtype))
+        return p_local, local.to(p_local.dtype), scale
 
     def _adamw(self, group) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        # One foreach call per device mesh (DTensor foreach ops take tensors of one mesh).
+        buckets: dict = {}
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -331,17 +344,21 @@ class PerHeadMuon(torch.optim.Optimizer):
                 state["step"] = torch.tensor(0.0)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
-            params.append(p)
-            grads.append(p.grad.to(state["exp_avg"].dtype))
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        if not params:
-            return
+            b = buckets.setdefault(_mesh_key(p), ([], [], [], [], []))
+            for lst, t in zip(b, (p, p.grad.to(state["exp_avg"].dtype), state["exp_avg"], state["exp_avg_sq"],
+                                  state["step"])):
+                lst.append(t)
         beta1, beta2 = group["betas"]
-        _adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, decoupled_weight_decay=True,
-              amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-              eps=group["adamw_eps"], maximize=False)
+        for params, grads, exp_avgs, exp_avg_sqs, steps in buckets.values():
+            _adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, decoupled_weight_decay=True,
+                  amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                  eps=group["adamw_eps"], maximize=False)
+
+
+def _mesh_key(p: torch.Tensor):
+    """What foreach calls must not mix: a DTensor's device mesh (and placements), or a plain tensor's device."""
+    mesh = getattr(p, "device_mesh", None)
+    return (id(mesh), tuple(p.placements)) if mesh is not None else p.device
 
 
 def per_head_muon(model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.1, **kwargs) -> PerHeadMuon:

@@ -67,7 +67,7 @@ def test_adamw_groups_equal_torch_adamw():
     grads = _grads(w.shape, 3, seed=4)
     a, b = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
     mine = PerHeadMuon([dict(params=[a], algorithm="adamw")], lr=0.01, weight_decay=0.1, betas=(0.9, 0.95))
-    ref = torch.optim.AdamW([b], lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), foreach=False)
+    ref = torch.optim.AdamW([b], lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
     for g in grads:
         a.grad, b.grad = g.clone(), g.clone()
         mine.step()
