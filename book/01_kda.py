@@ -17,17 +17,12 @@
 # **delta rule** (the state is a memory trained online by one gradient step per token) with a
 # **channel-wise forget gate** (every key channel forgets at its own rate).
 #
-# This chapter:
-# 1. derives the delta rule as online regression and checks it with autograd;
-# 2. adds the channel-wise gate, and K3's lower-bounded version of it (an explorer widget);
-# 3. derives the chunkwise form (the UT/WY transform) that makes training parallel, and shows why it
-#    never forms `1/Γ`;
-# 4. checks `chunk_kda` against the recurrence, measures error vs chunk size and time vs length;
-# 5. builds the full `KDALayer` (short convolutions, gates, output gate, decoding cache);
-# 6. trains a tiny language model with KDA layers vs softmax-attention layers on real Python code.
-#
-# All code lives in `k3lab.kda` (`naive.py`, `chunk.py`, `gate.py`, `layer.py`) and `k3lab.lm`; this
-# notebook imports it.
+# This chapter: (1) the delta rule as online regression, and its simplest code, the recurrence;
+# (2) the channel-wise gate and K3's lower-bounded version of it; (3) the chunkwise form (UT/WY
+# transform) that makes training parallel, and its code; (4) the check that the two agree, error
+# against chunk size and time against length; (5) the full `KDALayer`; (6) an experiment: a tiny
+# language model with KDA against softmax attention on real Python code. All code lives in `k3lab.kda`
+# (`naive.py`, `chunk.py`, `gate.py`, `layer.py`) and `k3lab.lm`; this notebook imports it.
 
 # %% tags=["parameters"]
 profile: str = "cpu"
@@ -168,16 +163,15 @@ plt.show()
 #   \qquad o_t = S_t^\top q_t .$$
 #
 # Row $c$ of $S$ holds what the memory associates with key channel $c$, so a per-channel decay lets
-# some channels keep facts for thousands of tokens while others are refreshed every few tokens —
-# within one head. A scalar gate must choose one timescale for the whole head: remembering long means
-# the fast-changing channels keep stale content, forgetting fast erases the long-term channels. The
-# gate is data-dependent ($\alpha_t$ is computed from $x_t$), so the model can also decide *when* to
-# forget. Computations use the log-decay $g_t = \log \alpha_t \le 0$.
+# some channels keep facts for thousands of tokens while others are refreshed every few tokens, within
+# one head; a scalar gate must choose one timescale for the whole head. The gate is data-dependent
+# ($\alpha_t$ is computed from $x_t$), so the model also decides *when* to forget. Computations use the
+# log-decay $g_t = \log \alpha_t \le 0$.
 #
-# **The state norm over time.** Keys from real model layers are L2-normalised and $\beta < 1$, so
-# $\lVert I - \beta k k^\top \rVert \le 1$: the delta rule cannot blow up. Plain linear attention has no
-# such bound. Below, 2000 random tokens: linear attention's state grows like $\sqrt t$; the delta rule
-# levels off; the channel-wise decay (K3's gate on random pre-activations) keeps it lower still.
+# **The state norm over time.** With L2-normalised keys and $\beta < 1$,
+# $\lVert I - \beta k k^\top \rVert \le 1$: the delta rule cannot blow up; plain linear attention has no
+# such bound. Over `T_norm` random tokens: linear attention's state grows like $\sqrt t$, the delta rule
+# levels off, and the channel-wise decay (K3's gate on random pre-activations) keeps it lower still.
 
 # %% tags=["nbval-ignore-output"]
 T_norm, d_k, d_v = 2000, 32, 32
@@ -224,7 +218,7 @@ assert norms["KDA, channel-wise lower-bounded gate"][-1] < norms["delta rule, no
 # %% [markdown]
 # **Per-channel retention.** How much of what channel $c$ held at token 0 survives to token $t$ is
 # $\prod_{s \le t} \alpha_{s,c} = \exp(\sum_{s\le t} g_{s,c})$. With the channel biases above, the
-# same head keeps some channels for hundreds of tokens and flushes others within a few:
+# same head keeps some channels orders of magnitude longer than others (the half-lives, printed below):
 
 # %%
 G_cum = gates["KDA, channel-wise lower-bounded gate"][0, :300, 0].cumsum(0)
@@ -249,9 +243,8 @@ assert half_life.max() > 50 * half_life.min()
 #   including $\alpha \approx 0$ (forget everything at once).
 # - **K3, lower-bounded** (Eq. 5): $g = g_{\min}\,\sigma(e^{A} z)$ with $g_{\min} = -5$, $A$
 #   initialised to 0. Every $\alpha_t > e^{-5} \approx 0.0067$: still a near-total reset in one
-#   token, but bounded. The bound is what makes the fast kernel simpler: over a 16-token sub-tile the
-#   cumulative log-decay is $> -80$, so $1/\Gamma < e^{80} \approx 5.5\cdot10^{34}$ fits in bf16
-#   (max $3.4\cdot10^{38}$) and the diagonal tiles can run on tensor cores (section 3).
+#   token, but bounded, which lets chapter 02's kernel run its diagonal tiles on tensor cores in bf16
+#   (section 3 and `docs/kda.md`).
 #
 # Move the sliders: $A$ sets the slope, `lower_bound` the floor of the K3 gate.
 
@@ -262,9 +255,7 @@ z_grid = torch.linspace(-8, 8, 401)
 
 
 def plot_gates(A_log: float = 0.0, lower_bound: float = -5.0, dt_bias: float = 0.0):
-    z = z_grid.view(1, -1, 1, 1)
-    A = torch.tensor([A_log])
-    b = torch.tensor([dt_bias])
+    z, A, b = z_grid.view(1, -1, 1, 1), torch.tensor([A_log]), torch.tensor([dt_bias])
     alpha_k3 = lower_bounded_gate(z, A, b, lower_bound=lower_bound).exp().flatten()
     alpha_kl = kimi_linear_gate(z, A, b).exp().flatten()
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
@@ -280,9 +271,7 @@ def plot_gates(A_log: float = 0.0, lower_bound: float = -5.0, dt_bias: float = 0
 plot_gates()
 
 # %% [markdown]
-# The explorer: sliders in JupyterLab. A headless run (papermill, nbval, the book runner) has no front
-# end to draw them, so `explore` builds no widget there and prints one line; the figure above is the
-# static copy.
+# The explorer: sliders in JupyterLab (a headless run builds no widget and prints one line).
 
 # %% tags=["nbval-ignore-output"]
 explorer = explore(plot_gates, A_log=(-3.0, 3.0, 0.25), lower_bound=(-10.0, -0.5, 0.5),
@@ -363,7 +352,7 @@ assert not torch.isfinite(factorised).all()
 # Fresh random inputs (never zeros) with the awkward features of real use: a length that is not a
 # multiple of the chunk, more value heads than query/key heads (GVA: value head $i$ reads q/k head
 # $i \cdot H / H_V$), an initial state, and packed variable-length sequences (`cu_seqlens`), some
-# shorter than a chunk. In float64 the two agree to round-off; in float32 to ~1e-6. The test suite
+# shorter than a chunk. Each line prints the error and the bound it is held to. The test suite
 # (`tests/test_kda.py`) covers many more cases: $T \in \{1, 7, 63, 64, 65, 500, 1000\}$, head dims
 # 64/100/128, $g = 0$ exactly, 20 identical keys in a row, un-normalised fp16 keys, and gradients.
 
@@ -428,27 +417,27 @@ plt.show()
 
 # %% [markdown]
 # **Time vs sequence length** (forward, B = 1, K = V = 64, on this machine): the recurrence is $T$
-# sequential steps; the chunkwise form does $T/C$ sequential steps of matmuls, $O(T C d)$ work; causal
-# softmax attention (`F.scaled_dot_product_attention`, a fused kernel) does $O(T^2 d)$ work. On a CPU
-# and at these lengths the fused attention kernel is still fastest — the chunkwise form here is
-# plain PyTorch — but the slopes tell the story: attention's cost grows quadratically, KDA's
-# linearly, and KDA's decoding step is $O(1)$ in $T$. Chapter 02 replaces `chunk_kda` with a Triton
-# kernel.
+# sequential steps; the chunkwise form $T/C$ sequential steps of matmuls, $O(T C d)$ work; causal
+# softmax attention (`F.scaled_dot_product_attention`, one fused kernel) $O(T^2 d)$. At these lengths
+# on a CPU the fused kernel can still win against plain-PyTorch `chunk_kda`; the slopes are what
+# carries over: attention's cost grows quadratically, KDA's linearly (chapter 02 has the Triton kernel).
 
 # %% tags=["nbval-ignore-output"]
 # On CPU, count this process's CPU time (all threads): a shared machine's wall clock is too noisy.
 clock = time.perf_counter if device.type == "cuda" else time.process_time
 
 
+sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
 def best_time(fn, repeats=timing_repeats):
+    """The best of ``repeats`` calls of ``fn``, in seconds of ``clock``."""
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         t0 = clock()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         times.append(clock() - t0)
     return min(times)
 
@@ -487,15 +476,11 @@ assert all(np.isfinite(timings["chunk_kda (C=64)"]))
 #   g = \mathrm{gate}(W_f x)$$
 # $$y = W_o\big[\sigma(W_g x) \odot \mathrm{RMSNorm}_{\text{head}}(\mathrm{KDA}(q, k, v, g, \beta))\big].$$
 #
-# - The **short convolutions** (depthwise, causal, kernel 4) give each token a little local context
-#   before it is written to the memory.
-# - **L2-normalised keys** keep $\lVert I - \beta k k^\top\rVert \le 1$ (stability, section 2).
-# - The **decay projection** and the **output gate** are full rank in K3.
-# - With **GVA**, several value heads share one q/k head.
-#
-# For decoding, the layer's cache holds the last 3 inputs of each convolution (zero-padded at a
-# sequence start) and the state $S$, so generating token by token gives exactly the full-sequence
-# output, at a cost that does not depend on how many tokens came before.
+# The **short convolutions** (depthwise, causal, kernel 4) give each token a little local context before
+# it is written to the memory; **L2-normalised keys** keep $\lVert I - \beta k k^\top\rVert \le 1$
+# (section 2); the decay projection and output gate are full rank in K3; with **GVA** several value heads
+# share one q/k head. For decoding, the cache holds the last 3 inputs of each convolution and the state
+# $S$, so token-by-token generation gives exactly the full-sequence output at a cost independent of $T$.
 
 # %% tags=["nbval-ignore-output"]
 torch.manual_seed(seed)
@@ -521,8 +506,8 @@ print("parameters:", {n: list(p.shape) for n, p in layer.named_parameters()})
 #
 # Two models identical except for the token mixer (`k3lab.lm.LM`: embedding, [mixer, SwiGLU] blocks
 # with pre-RMSNorm, tied head), trained with the same seed, batches, schedule and step count on the
-# CPython-stdlib corpus of chapter 00. On the CPU defaults this is a short run (a few thousand
-# sequences): a sanity check that KDA learns language as readily as attention at this scale, not a
+# CPython-stdlib corpus of chapter 00. On the CPU defaults this is a short run (the cell prints its
+# token count): a sanity check that KDA learns language as readily as attention at this scale, not a
 # benchmark. The GPU profile (`params/h200.yaml`) trains a larger model for longer.
 
 # %% tags=["nbval-ignore-output"]
@@ -530,6 +515,8 @@ from k3lab import data
 from k3lab.lm import LM, LMConfig, count_params, train
 
 histories, models = {}, {}
+print(f"{lm_steps} steps of {lm_batch_size} x {lm_seq_len} tokens: {lm_steps * lm_batch_size * lm_seq_len:,} "
+      "training tokens per model")
 for mixer in ("attention", "kda"):
     torch.manual_seed(seed)
     config = LMConfig.tiny(vocab_size=data.vocab_size(), d_model=lm_d_model, n_layers=lm_layers,
@@ -585,9 +572,9 @@ print(f"final validation loss: kda {final['kda']:.2f}, attention {final['attenti
 # %% [markdown]
 # Reading the run (the last line above): per step the two models learn at a similar pace, and the
 # final validation losses differ by a fraction of a nat (KDA's short convolutions give it cheap local
-# n-gram features, which matter early in training). This is one seed and a few tens of thousands of tokens, so
-# read it as "KDA is a working token mixer", not as a ranking. A KDA step costs several attention steps
-# here because `chunk_kda` is plain PyTorch with a Python loop over chunks, while attention is one fused
+# n-gram features, which matter early in training). One seed and the token count printed above: read it
+# as "KDA is a working token mixer", not as a ranking. A KDA step costs more than an attention step here
+# because `chunk_kda` is plain PyTorch with a Python loop over chunks, while attention is one fused
 # kernel; chapter 02's Triton kernels are the fix.
 
 # %% [markdown]
@@ -630,6 +617,19 @@ for i, (before, after) in enumerate(zip(channel_half_lives(untrained), channel_h
           f"at init {np.median(before):.1f}); median change x{10 ** np.median(moved):.2f}, max x{10 ** moved.max():.1f}")
     assert np.isfinite(after).all() and after.min() >= math.log(2) / 5
 plt.show()
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. Section 1 stores pairs at $\beta = 1$. Rerun the recall experiment with $\beta = 0.5$: which pairs
+#    are recalled worse, the old or the recent ones, and why?
+# 2. Give the delta rule of section 2 a *scalar* gate (one $g$ per head, the mean of the channel-wise one).
+#    Where does its state norm end, and what happens to the spread of half-lives?
+# 3. In section 3, run `decayed_scores` with `g_value = -20`. Does it stay finite in float32, and what is
+#    the largest chunk over which the factorised form still is?
+# 4. Time `chunk_kda` at $C = 16, 64, 256$ for $T = 2048$. Which term of $O(TCd)$ work against $T/C$
+#    sequential steps wins on this machine?
+# 5. Train the LM experiment with `lm_steps = 200`. Does the gap between the two final losses shrink?
 
 # %% [markdown]
 # ## References
