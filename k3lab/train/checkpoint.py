@@ -14,6 +14,12 @@ What is saved: the model (``get_model_state_dict``: FSDP / EP shards as DTensors
 under their global ids and a checkpoint loads at another (dp, ep) layout), the optimizer
 (``get_optimizer_state_dict``: Muon momentum, AdamW moments and step counts), the router biases of
 Quantile Balancing (buffers of the model state), the step and the loader position.
+
+Pipeline stages (``k3lab.model.K3Stage``) keep the whole model's parameter names, so a rank's parts are
+saved as one state dict, the union of theirs; the pseudo-queries every stage holds are one key, written
+once (DCP keeps one copy of identical shards). The optimizer state is flattened to one key per parameter
+(``flatten_optimizer_state_dict``), so it does not depend on how parameters were grouped on the saving
+layout; the groups' parameter-name lists (``"names"``) are the loading layout's own.
 """
 from __future__ import annotations
 
@@ -26,10 +32,40 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _parts(model, optimizer) -> tuple[list, list]:
+    """(modules, optimizers) as lists: one module or a rank's pipeline parts, each with its optimizer."""
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    opts = None if optimizer is None else (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
+    if opts is not None and len(opts) != len(models):
+        raise ValueError(f"one optimizer per model part: got {len(models)} parts and {len(opts)} optimizers")
+    return models, opts
+
+
+def _model_states(models) -> list[dict]:
+    return [get_model_state_dict(m) for m in models]
+
+
+def _optim_states(models, opts) -> list[dict]:
+    return [get_optimizer_state_dict(m, o, options=_FLAT) for m, o in zip(models, opts)]
+
+
+def _is_names(key: str) -> bool:
+    return key.startswith("param_groups.") and key.endswith(".names")
+
+
+def _union(states: list[dict]) -> dict:
+    out = {}
+    for sd in states:
+        for k, v in sd.items():
+            out.setdefault(k, v)
+    return out
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -60,18 +96,23 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    train_state: dict) -> Path:
+def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, train_state: dict) -> Path:
     """Save model, optimizer and ``train_state`` (picklable values, the same on every rank) as ``step_N``.
 
     Collective: every rank of the default group calls it with the same ``root`` and ``step``.
+
+    Args:
+        model (nn.Module | list[nn.Module]): the model, or this rank's pipeline parts.
+        optimizer (Optimizer | list[Optimizer]): its optimizer, or one per part.
 
     Returns:
         Path of the complete checkpoint.
 
     Raises:
         OSError: the folder cannot be written.
+        ValueError: not one optimizer per part.
     """
+    models, opts = _parts(model, optimizer)
     root = Path(root)
     tmp, final = root / f".tmp-step_{step:08d}", step_dir(root, step)
     if _is_rank0():
@@ -79,7 +120,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, 
         for stale in root.glob(".tmp-step_*"):
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
+    state = {"model": _union(_model_states(models)), "optim": _union(_optim_states(models, opts)),
              "train": dict(train_state)}
     dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     _barrier()
@@ -97,30 +138,42 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, 
     return final
 
 
-def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                    train_state: dict) -> dict:
+def load_checkpoint(path: str | os.PathLike, model, optimizer, train_state: dict) -> dict:
     """Load ``path`` into ``model`` (and ``optimizer``) in place; returns the saved train state.
 
     ``train_state`` gives the keys (and placeholder values) to read. Collective like ``save_checkpoint``;
-    a model built and sharded for any layout reads a checkpoint of any other (DCP reshards). With
-    ``optimizer`` None only the model is read (e.g. one process sampling text from a trained run).
+    a model built and sharded for any layout reads a checkpoint of any other (DCP reshards), pipeline
+    stages included. With ``optimizer`` None only the model is read (e.g. one process sampling text from a
+    trained run).
+
+    Args:
+        model (nn.Module | list[nn.Module]), optimizer (Optimizer | list[Optimizer] | None): as
+            ``save_checkpoint``'s.
 
     Raises:
         FileNotFoundError: ``path`` is not a complete checkpoint.
         RuntimeError: the checkpoint lacks a key the model or optimizer has (DCP's message).
+        ValueError: not one optimizer per part.
     """
+    models, opts = _parts(model, optimizer)
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
-    state = {"model": get_model_state_dict(model), "train": dict(train_state)}
-    if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    model_sds = _model_states(models)
+    state = {"model": _union(model_sds), "train": dict(train_state)}
+    if opts is not None:
+        optim_sds = _optim_states(models, opts)
+        # Each layout groups parameters its own way: the groups' name lists are not read back.
+        state["optim"] = {k: v for k, v in _union(optim_sds).items() if not _is_names(k)}
     # One process without a group (e.g. sampling from a trained run) reads the whole checkpoint itself;
     # DCP warns that it assumes exactly that.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    set_model_state_dict(model, state["model"])
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+    for m, sd in zip(models, model_sds):
+        set_model_state_dict(m, {k: state["model"][k] for k in sd})
+    if opts is not None:
+        for m, o, sd in zip(models, opts, optim_sds):
+            own = {k: v if _is_names(k) else state["optim"][k] for k, v in sd.items()}
+            set_optimizer_state_dict(m, o, own, options=_FLAT)
     return state["train"]

@@ -9,6 +9,8 @@ from k3lab.memory import check_policy
 from k3lab.moonep import MODES
 
 TRAIN_PRESETS = ("k3-tiny", "k3-1b")
+# torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B (two stages per rank), ScheduleGPipe.
+PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 
 
 class ConfigError(ValueError):
@@ -26,8 +28,13 @@ class TrainConfig:
             ranks of a row share its sequences, each holding a contiguous 1/cp of them).
         seq_len (int): T, tokens per sequence.
         lr (float): peak learning rate (Muon's per-block RMS matching makes one lr serve both groups).
-        dp (int | None): data-parallel ranks (None: world size / (ep * cp)). ep (int): expert-parallel ranks.
+        dp (int | None): data-parallel ranks (None: world size / (pp * ep * cp)). ep (int): expert-parallel ranks.
         cp (int): context-parallel ranks (KCP for the KDA layers, a latent all-gather for MLA).
+        pp (int): pipeline-parallel ranks (the outermost mesh axis; ``k3lab.model.split_model``'s stages).
+        microbatches (int): M, micro-batches per step: each data row's sequences are cut into M equal parts,
+            their gradients accumulated (loss / M each) before the one optimizer step; with pp > 1 the
+            schedule's micro-batches.
+        pp_schedule (str): "1f1b", "interleaved-1f1b" (two stages per rank) or "gpipe".
         mtp (int): multi-token-prediction depth D (``K3Config.num_nextn_predict_layers``; 0: none).
         ep_mode (str): "moonep" or "alltoall".
         ckpt_dir (str | None): where checkpoints go (None: never saved).
@@ -60,6 +67,9 @@ class TrainConfig:
     dp: int | None = None
     ep: int = 1
     cp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+    pp_schedule: str = "1f1b"
     mtp: int = 0
     ep_mode: str = "moonep"
     ckpt_dir: str | None = None
@@ -83,7 +93,8 @@ class TrainConfig:
 
         if self.preset not in TRAIN_PRESETS:
             bad("preset", f"must be one of {TRAIN_PRESETS}")
-        for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("ep", 1), ("cp", 1), ("mtp", 0), ("ckpt_every", 0),
+        for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("ep", 1), ("cp", 1), ("pp", 1),
+                          ("microbatches", 1), ("mtp", 0), ("ckpt_every", 0),
                           ("seed", 0), ("log_every", 1)):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
@@ -98,6 +109,13 @@ class TrainConfig:
             bad("warmup", "must be in [0, 1)")
         if self.ep_mode not in MODES:
             bad("ep_mode", f"must be one of {MODES}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            bad("pp_schedule", f"must be one of {PP_SCHEDULES}")
+        if self.pp > 1 and self.mtp:
+            bad("mtp", "does not combine with --pp > 1 (the MTP modules read the embedding, which lives on stage 0)")
+        if self.pp > 1 and self.doc_mask:
+            bad("doc_mask", "does not combine with --pp > 1 (a schedule's micro-batches are equal tensor chunks; "
+                            "each would need its own cu_seqlens)")
         if self.mtp and self.cp > 1:
             bad("mtp", "does not combine with --cp > 1 (a position's later tokens may live on the next rank)")
         if self.ckpt_every and not self.ckpt_dir:
@@ -137,10 +155,16 @@ HELP = {
     "batch_size": "global batch in sequences, split equally over the dp x ep data rows (cp ranks share a row's)",
     "seq_len": "tokens per sequence (T)",
     "lr": "peak learning rate of Per-Head Muon and AdamW (cosine decay to 10%% after a warmup)",
-    "dp": "data-parallel ranks, FSDP2 shards over them (default: world size / (ep * cp))",
+    "dp": "data-parallel ranks, FSDP2 shards over them (default: world size / (pp * ep * cp))",
     "ep": "expert-parallel ranks; routed experts are split over them (must divide the expert count)",
     "cp": "context-parallel ranks: a row's packed tokens (batch / (dp x ep) x seq-len) are split into cp equal "
           "contiguous pieces of at least 3 tokens (KCP for KDA, an all-gather of the MLA latents)",
+    "pp": "pipeline-parallel ranks (outermost mesh axis): the model's sublayers cut into balanced stages, Block "
+          "AttnRes's completed blocks carried between them",
+    "microbatches": "micro-batches per step (gradient accumulation; with --pp the schedule's): must divide the "
+                    "sequences of a data row",
+    "pp_schedule": "pipeline schedule (torch.distributed.pipelining): 1f1b, interleaved-1f1b (two stages per "
+                   "rank) or gpipe",
     "mtp": "multi-token-prediction depth: D MTP modules after the stack, their loss weighted by 0.3 (0: none)",
     "ep_mode": "expert-parallel exchange: moonep (static, balanced, K3 App. E) or alltoall (dynamic baseline)",
     "ckpt_dir": "folder for checkpoints (step_NNNNNNNN/, written atomically); none: no checkpoints",
@@ -178,9 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
         if f.name in ("resume", "doc_mask", "sync_debug"):
             p.add_argument(flag, action="store_true", help=HELP[f.name])
             continue
-        kind = {"preset": str, "ep_mode": str, "ckpt_dir": str, "log_jsonl": str, "data_dir": str, "activations": str,
+        kind = {"preset": str, "ep_mode": str, "pp_schedule": str, "ckpt_dir": str, "log_jsonl": str, "data_dir": str,
+                "activations": str,
                 "lr": float, "weight_decay": float, "warmup": float}.get(f.name, int)
-        choices = {"preset": TRAIN_PRESETS, "ep_mode": MODES}.get(f.name)
+        choices = {"preset": TRAIN_PRESETS, "ep_mode": MODES, "pp_schedule": PP_SCHEDULES}.get(f.name)
         default = getattr(defaults, f.name)
         p.add_argument(flag, type=kind, default=default, choices=choices,
                        help=HELP[f.name] + ("" if default is None else f" (default {default})"))

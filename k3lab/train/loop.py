@@ -25,6 +25,7 @@ from k3lab.train.config import ConfigError, TrainConfig, build_parser, parse_arg
 from k3lab.train.loader import TokenLoader, pack_documents
 from k3lab.train.metrics import FLOPS_CONVENTION, MetricsLog, peak_key, peak_memory_gib
 from k3lab.train.parallel import Parallel, build_parallel, parallelize
+from k3lab.train.pipeline import PipelineRun, all_loads, build_pipeline
 
 PG_TIMEOUT = datetime.timedelta(minutes=10)
 # <|endoftext|>'s id in the book's tokenizer (k3lab.data trains it as special token 0).
@@ -112,17 +113,22 @@ def forward(model: K3Model, x: torch.Tensor, y: torch.Tensor, doc_mask: bool, pa
     return model(x[:, ctx.start:ctx.stop], y[:, ctx.start:ctx.stop], cp=ctx)
 
 
-def build_run(config: TrainConfig, device: torch.device) -> tuple[Parallel, TokenLoader, K3Model]:
+def build_run(config: TrainConfig, device: torch.device) -> tuple[Parallel, TokenLoader, list, PipelineRun | None]:
     """This rank's layout, loader and sharded model for ``config`` (the default process group initialised).
 
+    Returns:
+        (par, loader, parts, pipe): ``parts`` is [the K3Model] without pipeline parallelism, else this rank's
+        ``K3Stage``s, which ``pipe`` (None without pp) runs.
+
     Raises:
-        ConfigError: the layout does not match the world, or the batch is not divisible by the data ranks.
+        ConfigError: the layout does not match the world, the batch is not divisible by the data ranks and
+            micro-batches, a cp piece is too short, or the model does not split into the pipeline's stages.
         FileNotFoundError: no token shards.
     """
-    ep, cp = config.ep, config.cp
-    dp = config.dp if config.dp is not None else max(dist.get_world_size() // (ep * cp), 1)
+    ep, cp, pp, M = config.ep, config.cp, config.pp, config.microbatches
+    dp = config.dp if config.dp is not None else max(dist.get_world_size() // (pp * ep * cp), 1)
     try:
-        par = build_parallel(dp, ep, device.type, cp=cp)
+        par = build_parallel(dp, ep, device.type, cp=cp, pp=pp)
         tokens = load_split("train", resolve_data_dir(config.data_dir) / "shards")
         loader = TokenLoader(tokens, config.batch_size, config.seq_len, par.row, par.rows, config.seed)
     except ValueError as e:
@@ -131,29 +137,80 @@ def build_run(config: TrainConfig, device: torch.device) -> tuple[Parallel, Toke
     if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < V:
         raise ConfigError(f"the token split holds ids outside [0, {V}) (min {tokens.min()}, max {tokens.max()}): "
                           f"rebuild the shards with python -m k3lab.data build")
-    row_tokens = config.batch_size // par.rows * config.seq_len
+    row = config.batch_size // par.rows
+    if row % M:
+        raise ConfigError(f"--microbatches {M} must divide the {row} sequences of a data row (--batch-size "
+                          f"{config.batch_size} / {par.rows} rows)")
+    piece_tokens = row // M * config.seq_len
     # KDA's short convolution reads conv_size - 1 tokens of the previous piece (the KCP halo).
     min_piece = max(1, K3Config.preset(config.preset).kda_conv_size - 1)
-    if cp > 1 and (row_tokens % cp or row_tokens // cp < min_piece):
-        raise ConfigError(f"--cp {cp} must divide the {row_tokens} tokens of a data row (--batch-size "
-                          f"{config.batch_size} / {par.rows} rows x --seq-len {config.seq_len}) into pieces of at "
-                          f"least {min_piece} tokens")
-    return par, loader, parallelize(build_model(config, device), par, config.ep_mode)
+    if cp > 1 and (piece_tokens % cp or piece_tokens // cp < min_piece):
+        raise ConfigError(f"--cp {cp} must divide the {piece_tokens} tokens of a data row's micro-batch (--batch-size "
+                          f"{config.batch_size} / {par.rows} rows / --microbatches {M} x --seq-len {config.seq_len}) "
+                          f"into pieces of at least {min_piece} tokens")
+    model = build_model(config, device)
+    if pp == 1:
+        return par, loader, [parallelize(model, par, config.ep_mode)], None
+    # Without --doc-mask a micro-batch's KCP layout depends on its shape only: one context serves every step.
+    ctx = None if par.cp_group is None else make_context(
+        piece_tokens, list(range(0, piece_tokens + 1, config.seq_len)), group=par.cp_group)
+    micro_shape = (row // M, config.seq_len) if ctx is None else (1, ctx.T_local)
+    pipe = build_pipeline(model, par, config.pp_schedule, M, config.ep_mode, device, micro_shape, ctx)
+    return par, loader, pipe.parts, pipe
+
+
+def _autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def forward_backward(parts: list, pipe: PipelineRun | None, x: torch.Tensor, y: torch.Tensor, config: TrainConfig,
+                     par: Parallel) -> torch.Tensor:
+    """One step's forward and backward over ``config.microbatches`` = M micro-batches of this data row's
+    x, y [B_row, T]: each micro-batch's loss / M backpropagated in turn (FSDP reduces only after the last),
+    or with pipeline parallelism the schedule's micro-batches (under cp, micro-batch m's packed piece is row
+    m of the schedule's input). Leaves the gradient of the mean loss; bf16 autocast on CUDA.
+
+    Returns:
+        Tensor: scalar float32 on the device, this data rank's mean loss (0 on a pipeline rank without the
+        last stage).
+    """
+    M = config.microbatches
+    if pipe is not None:
+        ctx = parts[0].cp
+        if ctx is not None:
+            b = x.shape[0] // M
+            x, y = (t.reshape(M, b * t.shape[1])[:, ctx.start:ctx.stop] for t in (x, y))
+        with _autocast(x.device):
+            return pipe.step(x, y)
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
+
+    model, total = parts[0], 0.0
+    for m, (xm, ym) in enumerate(zip(x.chunk(M), y.chunk(M))):
+        if M > 1 and isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(m == M - 1)
+        with _autocast(x.device):
+            _, loss = forward(model, xm, ym, config.doc_mask, par)
+        (loss / M if M > 1 else loss).backward()
+        total = total + loss.detach().float() / M
+    return total
 
 
 def train(config: TrainConfig) -> list[dict]:
     """Run ``config`` on this rank (every rank of the world calls it); returns rank 0's step records
     (the JSONL "step" objects, see ``k3lab.train.metrics``), [] on the other ranks.
 
-    Steps: batch from the loader -> forward (bf16 autocast on GPU, float32 on CPU) -> backward (FSDP
-    reduce-scatters) -> lr of the schedule -> Per-Head Muon step -> Quantile Balancing's bias update with
-    the histogram summed over the data ranks -> loss averaged over the data ranks (kept on the device) ->
+    Steps: batch from the loader -> forward and backward over the micro-batches (bf16 autocast on GPU,
+    float32 on CPU; FSDP reduce-scatters; with pp the pipeline schedule, then the queries' gradient summed
+    over the stages) -> lr of the schedule -> Per-Head Muon step (per stage) -> Quantile Balancing's bias
+    update with the histogram summed over the data ranks -> loss averaged over the data ranks (kept on the
+    device; with pp summed over the world from the last stage's ranks, so rank 0 holds it too) ->
     every ``log_every`` steps (and before a checkpoint) the window's losses read back, the step's one host
     sync -> checkpoint every ``ckpt_every`` steps and at the end.
 
     Raises:
         ConfigError (a ValueError): the layout does not match the world (``build_parallel``), the global
-            batch is not divisible by the data ranks, or a resumed checkpoint's loader differs or its step is
+            batch is not divisible by the data ranks and micro-batches, the pipeline does not fit the model
+            (``build_pipeline``), or a resumed checkpoint's loader differs or its step is
             past ``steps``.
         FileNotFoundError: no token shards (``k3lab.data``).
         FloatingPointError: a NaN or inf loss (found when the window's losses are read back, before any
@@ -165,14 +222,15 @@ def train(config: TrainConfig) -> list[dict]:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     with process_group(device):
         world = dist.get_world_size()
-        par, loader, model = build_run(config, device)
+        par, loader, parts, pipe = build_run(config, device)
         rank0 = dist.get_rank() == 0
-        opt = per_head_muon(model, lr=config.lr, weight_decay=config.weight_decay)
+        # One optimizer per pipeline stage (the queries of each stage get identical gradients and updates).
+        opts = [per_head_muon(p, lr=config.lr, weight_decay=config.weight_decay) for p in parts]
         start = 0
         if config.resume:
             path = latest_checkpoint(config.ckpt_dir)
             if path is not None:
-                state = load_checkpoint(path, model, opt, {"step": 0, "loader": loader.state_dict()})
+                state = load_checkpoint(path, parts, opts, {"step": 0, "loader": loader.state_dict()})
                 start = int(state["step"])
                 if start > config.steps:
                     raise ConfigError(f"{path}: the checkpoint is at step {start}, past --steps {config.steps} (the "
@@ -181,39 +239,42 @@ def train(config: TrainConfig) -> list[dict]:
                     loader.load_state_dict(state["loader"])
                 except ValueError as e:
                     raise ConfigError(f"{path}: {e}") from e
-        mcfg = model.config
+        mcfg = parts[0].config
         fpt = flops_per_token(mcfg, config.seq_len)
         peak = peak_key(device)
         log = MetricsLog(config.log_jsonl, config.steps, start, config.progress, enabled=rank0)
-        log.write(dict(event="start", preset=config.preset, world=world, dp=par.dp, ep=par.ep, cp=par.cp,
+        log.write(dict(event="start", preset=config.preset, world=world, dp=par.dp, ep=par.ep, cp=par.cp, pp=par.pp,
+                       microbatches=config.microbatches, pp_schedule=config.pp_schedule if par.pp > 1 else None,
                        ep_mode=config.ep_mode, device=str(device), global_batch=config.batch_size,
                        seq_len=config.seq_len, doc_mask=config.doc_mask, vocab_size=mcfg.vocab_size,
                        resumed_from=start, steps=config.steps, log_every=config.log_every,
                        activations=config.activation_rules(), flops_per_token=fpt,
                        flops_convention=FLOPS_CONVENTION, peak=peak))
-        autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                    else contextlib.nullcontext())
         # The token split was checked against the vocabulary once (build_run): no per-call range or
         # NaN checks, so nothing in a step reads a value back to the host.
-        model.value_checks(False)
-        model.train()
+        for part in parts:
+            part.value_checks(False)
+            part.train()
         pending, loads, t_window = [], [], time.perf_counter()
         for step in range(start + 1, config.steps + 1):
             # The run's first step is exempt: it compiles kernels and copies their index tables to the device.
             check = config.sync_debug and device.type == "cuda" and step > start + 1
             with forbid_host_sync(device) if check else contextlib.nullcontext():
                 x, y = loader.next_batch(device)
-                with autocast:
-                    _, loss = forward(model, x, y, config.doc_mask, par)
-                loss.backward()
+                loss = forward_backward(parts, pipe, x, y, config, par)
                 lr = lr_at(step, config.steps, config.lr, config.warmup)
-                for g in opt.param_groups:
-                    g["lr"] = lr
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                loads = update_biases(model, par.batch_group)
-                loss = loss.detach().float()
-                if par.batch_group is not None:
+                for opt in opts:
+                    for g in opt.param_groups:
+                        g["lr"] = lr
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                loads = [load for part in parts for load in update_biases(part, par.batch_group)]
+                if pipe is not None:
+                    # Only the last stage's ranks hold a loss (the others 0): the world's sum over the data
+                    # ranks' count is the global mean, on every rank.
+                    dist.all_reduce(loss)
+                    loss = loss / par.data_size
+                elif par.batch_group is not None:
                     dist.all_reduce(loss, group=par.batch_group)
                     loss = loss / par.data_size
                 pending.append((step, lr, loss))
@@ -229,6 +290,8 @@ def train(config: TrainConfig) -> list[dict]:
                 dt = (time.perf_counter() - t_window) / len(pending)
                 tok_s = config.batch_size * config.seq_len / dt
                 mem, mem_kind = peak_memory_gib(device)
+                if pipe is not None:
+                    loads = all_loads(parts, loads, par.pp_group)
                 vio = [maxvio(l) for l in loads]
                 for (s_, lr_, _), v in zip(pending, values):
                     log.write(dict(event="step", step=s_, loss=v, lr=lr_, step_s=dt, tokens_per_s=tok_s,
@@ -236,12 +299,13 @@ def train(config: TrainConfig) -> list[dict]:
                                    maxvio=vio if s_ == step else None, peak_mem_GiB=mem, peak_mem_kind=mem_kind))
                 pending = []
                 if save:
-                    save_checkpoint(config.ckpt_dir, step, model, opt, {"step": step, "loader": loader.state_dict()})
+                    save_checkpoint(config.ckpt_dir, step, parts, opts, {"step": step, "loader": loader.state_dict()})
                 if config.kill_at_step == step:
                     dist.barrier()
                     os.kill(os.getpid(), signal.SIGKILL)
                 t_window = time.perf_counter()
-        log.summary(dict(preset=config.preset, dp=par.dp, ep=par.ep, cp=par.cp, ep_mode=config.ep_mode, world=world,
+        log.summary(dict(preset=config.preset, dp=par.dp, ep=par.ep, cp=par.cp, pp=par.pp, ep_mode=config.ep_mode,
+                         world=world, microbatches=config.microbatches,
                          device=str(device), flops_per_token=fpt, flops_convention=FLOPS_CONVENTION))
         return list(log.records)
 

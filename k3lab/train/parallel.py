@@ -11,6 +11,9 @@ expert parallelism are applied to a ``K3Model`` from it.
                  shards them over dp x cp (each such group holds the whole set of experts once).
     the rest     FSDP2 ``fully_shard`` over the batch axis (ZeRO-3: parameters, gradients and optimizer
                  state sharded, parameters all-gathered for forward and backward).
+    stages       with pp > 1 the outermost axis: each pp coordinate holds its own pipeline stages of the model
+                 (``k3lab.train.pipeline``), and everything above applies to each stage within its own
+                 dp x cp x ep sub-mesh; the same data rows run through every stage.
 
 Gradient scale: every rank's loss is the mean over its own tokens (the same count on every rank), so the
 global mean loss is the average over the B = dp*cp*ep data ranks. Under cp a rank's tokens feed the other
@@ -39,7 +42,7 @@ class Parallel:
 
     Attributes:
         mesh: the (pp, dp, cp, ep) ``DeviceMesh``, or None in a one-rank world (no sharding at all).
-        dp, ep, cp (int): axis sizes. world (int): dp * cp * ep.
+        dp, ep, cp (int): axis sizes. world (int): pp * dp * cp * ep.
         row (int), rows (int): this rank's data row (dp_rank * ep + ep_rank) and dp * ep: the global batch
             is cut into ``rows`` equal slices of sequences in that order.
         cp_rank (int): this rank's index on the cp axis; cp_group: its process group (None when cp == 1).
@@ -48,6 +51,10 @@ class Parallel:
         batch_group: its process group (None in a one-rank world): loss average and Quantile Balancing's
             histogram sum.
         ep_group: the process group of the "ep" axis (None when ep == 1).
+        pp (int): pipeline-parallel ranks; pp_rank (int): this rank's index on the pp axis; pp_group: its
+            process group (None when pp == 1).
+        expert_mesh: the ranks that hold the same experts, every dp row and cp piece of them (FSDP's mesh of
+            the expert weights).
     """
 
     mesh: object
@@ -63,35 +70,44 @@ class Parallel:
     batch_group: object
     ep_group: object
     cp_group: object
+    pp: int = 1
+    pp_rank: int = 0
+    pp_group: object = None
+    expert_mesh: object = None
 
 
-def build_parallel(dp: int, ep: int, device_type: str = "cpu", cp: int = 1) -> Parallel:
-    """The mesh and groups for ``dp`` x ``cp`` x ``ep`` ranks over the initialised default process group.
+def build_parallel(dp: int, ep: int, device_type: str = "cpu", cp: int = 1, pp: int = 1) -> Parallel:
+    """The mesh and groups for ``pp`` x ``dp`` x ``cp`` x ``ep`` ranks over the initialised default process group.
 
     Raises:
-        ValueError: dp * cp * ep differs from the world size (the message gives both), or a size < 1.
+        ValueError: pp * dp * cp * ep differs from the world size (the message gives both), or a size < 1.
         RuntimeError: no default process group.
     """
     if not dist.is_initialized():
         raise RuntimeError("build_parallel needs an initialised default process group")
     world = dist.get_world_size()
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (dp, ep, cp)):
-        raise ValueError(f"--dp, --ep and --cp must be ints >= 1, got dp={dp!r}, ep={ep!r}, cp={cp!r}")
-    if dp * cp * ep != world:
-        raise ValueError(f"--dp {dp} x --cp {cp} x --ep {ep} = {dp * cp * ep} ranks, but {world} were launched "
-                         f"(torchrun --nproc-per-node {dp * cp * ep})")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (dp, ep, cp, pp)):
+        raise ValueError(f"--dp, --ep, --cp and --pp must be ints >= 1, got dp={dp!r}, ep={ep!r}, cp={cp!r}, pp={pp!r}")
+    n = pp * dp * cp * ep
+    if n != world:
+        lead = f"--pp {pp} x " if pp > 1 else ""
+        raise ValueError(f"{lead}--dp {dp} x --cp {cp} x --ep {ep} = {n} ranks, but {world} were launched "
+                         f"(torchrun --nproc-per-node {n})")
     if world == 1:
         return Parallel(None, 1, 1, 1, 1, 0, 1, 0, 1, None, None, None, None)
-    mesh = make_mesh(dp=dp, cp=cp, ep=ep, device_type=device_type)
+    mesh = make_mesh(pp=pp, dp=dp, cp=cp, ep=ep, device_type=device_type)
     batch = mesh["dp", "cp", "ep"]._flatten("batch")
-    dp_rank, cp_rank, ep_rank = (mesh[a].get_local_rank() for a in ("dp", "cp", "ep"))
+    dp_rank, cp_rank, ep_rank, pp_rank = (mesh[a].get_local_rank() for a in ("dp", "cp", "ep", "pp"))
     return Parallel(mesh, dp, ep, cp, world, dp_rank * ep + ep_rank, dp * ep, cp_rank, batch.size(), batch,
                     batch.get_group(), mesh["ep"].get_group() if ep > 1 else None,
-                    mesh["cp"].get_group() if cp > 1 else None)
+                    mesh["cp"].get_group() if cp > 1 else None, pp, pp_rank,
+                    mesh["pp"].get_group() if pp > 1 else None,
+                    mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else mesh["dp"])
 
 
 def parallelize(model: nn.Module, par: Parallel, ep_mode: str = "moonep") -> nn.Module:
-    """Shard ``model`` (a ``K3Model`` built identically on every rank) in place for ``par``.
+    """Shard ``model`` (a ``K3Model`` built identically on every rank, or one pipeline stage of it) in place
+    for ``par``.
 
     With ep > 1 each MoE layer keeps its E/ep home experts (DTensor shards of the same global weights)
     and routes through ``moonep_experts`` in ``ep_mode``; then FSDP2 as in the module docstring. A
@@ -110,8 +126,7 @@ def parallelize(model: nn.Module, par: Parallel, ep_mode: str = "moonep") -> nn.
     moes = moe_layers(model)
     if par.ep > 1:
         ep_mesh = par.mesh["ep"]
-        # The ranks that hold the same experts: every dp row and every cp piece of it.
-        expert_mesh = par.mesh["dp", "cp"]._flatten("dp_cp") if par.cp > 1 else par.mesh["dp"]
+        expert_mesh = par.expert_mesh
         r = ep_mesh.get_local_rank()
         for m in moes:
             E = m.config.n_experts

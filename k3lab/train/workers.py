@@ -4,21 +4,21 @@ from __future__ import annotations
 import torch
 
 from k3lab.train.config import TrainConfig
-from k3lab.train.loop import build_run, forward, process_group, train
+from k3lab.train.loop import build_run, forward_backward, process_group, train
 
 
 def first_step_grads(config: TrainConfig) -> dict[str, torch.Tensor]:
-    """The gradients of the first step's loss for ``config``'s layout, each as its full logical tensor
-    (DTensor shards gathered: experts [E, l, h] in global id order), keyed by parameter name; float32 on CPU.
-    A one-rank world builds its own group. Every rank returns the same dict."""
+    """The gradients of the first step's loss for ``config``'s layout (its micro-batches and pipeline
+    included), each as its full logical tensor (DTensor shards gathered: experts [E, l, h] in global id
+    order), keyed by parameter name; float32 on CPU. A one-rank world builds its own group. Every rank returns
+    the parameters of its model or pipeline stages (the union over a pp group's ranks is the whole model)."""
     device = torch.device("cpu")
     with process_group(device):
-        par, loader, model = build_run(config, device)
+        par, loader, parts, pipe = build_run(config, device)
         x, y = loader.next_batch(device)
-        _, loss = forward(model, x, y, config.doc_mask, par)
-        loss.backward()
+        forward_backward(parts, pipe, x, y, config, par)
         return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-                for n, p in model.named_parameters() if p.grad is not None}
+                for part in parts for n, p in part.named_parameters() if p.grad is not None}
 
 
 def train_worker(rank: int, world_size: int, group, configs: list[dict], grad_configs: list[dict] = ()) -> dict:
