@@ -105,3 +105,48 @@ def result_path(bench: str, device_name: str) -> str:
     low = device_name.lower()
     card = next((c for c in ("h200", "h100", "b200", "a100") if c in low), low.split()[-1] if low else "cpu")
     return f"data/results/{bench}_{card}.json"
+
+
+class RoutingReplay:
+    """Pins every MoE router of a model to the experts of its first call, for comparisons that must not
+    depend on near ties: at initialisation a router's biased scores nearly tie, and a difference in the last
+    bit (bf16 rounding, CUDA's reordered float sums) sends some tokens to other experts, which moves gradients
+    by tens of percent.
+
+    Inside the ``with`` block, the first call of each ``k3lab.moe.Router`` records its topk_idx [N, K]; every
+    later call (another run, a recompute replay in backward) routes to those experts with its own scores
+    (weights renormalised as the router does). Hooks are removed on exit.
+
+    Raises:
+        ValueError: a later call with another number of tokens N than the recorded one.
+    """
+
+    def __init__(self, model):
+        from k3lab.moe.router import Router  # noqa: PLC0415
+
+        self.routers = [m for m in model.modules() if isinstance(m, Router)]
+        self.chosen: dict[int, object] = {}
+        self._handles = []
+
+    def _hook(self, router, args, routing):
+        from k3lab.moe.router import Routing  # noqa: PLC0415
+
+        idx = self.chosen.get(id(router))
+        if idx is None:
+            self.chosen[id(router)] = routing.topk_idx
+            return None
+        if idx.shape[0] != routing.scores.shape[0]:
+            raise ValueError(f"RoutingReplay: recorded {idx.shape[0]} tokens, this call routes "
+                             f"{routing.scores.shape[0]}")
+        w = routing.scores.gather(1, idx)
+        w = w / w.sum(-1, keepdim=True) if router.renormalize else w
+        return Routing(routing.scores, idx, w * router.routed_scaling, routing.cutoff)
+
+    def __enter__(self):
+        self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
