@@ -163,3 +163,118 @@ def test_split_refuses_what_does_not_compose():
     assert balanced_cuts([1.0] * 8, 2, last_extra=2.0) == [0, 5, 8]
     with pytest.raises(RuntimeError, match="sublayer 9 runs on another pipeline stage"):
         split_model(_tiny(), [0, 5, 10])[0].sublayers[9](torch.zeros(1))
+
+
+# ---------------------------------------------------------------- the trainer
+
+# k3-tiny on the corpus's vocabulary, 4 x 32 tokens a step (as tests/test_train.py): fast on 2 shared cores.
+BASE = dict(preset="k3-tiny", steps=5, batch_size=4, seq_len=32, lr=3e-3, progress=False, seed=0)
+
+
+def _losses(records):
+    return np.array([r["loss"] for r in records])
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, one batch a step: BASE's losses over 5 steps and its first-step gradients."""
+    from k3lab.train import TrainConfig, train
+    from k3lab.train.workers import first_step_grads
+
+    return _one_process(lambda: (_losses(train(TrainConfig(**BASE))), first_step_grads(TrainConfig(**BASE))))
+
+
+def _one_process(fn):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _merged(per_rank: list[dict]) -> dict:
+    # Each pipeline rank returns its own stages' parameters; the union is the whole model.
+    return {k: v for grads in per_rank for k, v in grads.items()}
+
+
+def _check_grads(label, want: dict, got: dict, tol=1e-4) -> float:
+    assert got.keys() == want.keys(), f"{label}: {sorted(set(want) ^ set(got))}"
+    worst = max(assert_close(f"{label} grad {name}", want[name], g, tol) for name, g in got.items())
+    print(f"{label}: first-step gradients, max rel RMS error {worst:.1e} over {len(got)} parameters")
+    return worst
+
+
+def _check_losses(label, want, got, tol=1e-4) -> None:
+    rel = np.abs(got - want) / np.abs(want)
+    print(f"{label}: max relative loss difference {rel.max():.1e} over {len(got)} steps")
+    assert rel.max() < tol, f"{label}: losses {got} vs one process {want}"
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    from k3lab.train import TrainConfig
+    from k3lab.train.workers import first_step_grads
+
+    big, acc = _one_process(lambda: [first_step_grads(TrainConfig(**BASE, microbatches=m)) for m in (1, 4)])
+    _check_grads("--microbatches 4 vs one batch", big, acc, 1e-5)
+
+
+def test_two_ranks_pipeline_matches_one_process_and_resumes_at_pp1(tmp_path, reference):
+    from k3lab.dist import launch
+    from k3lab.train import TrainConfig, train
+    from k3lab.train.workers import train_worker
+
+    ref, ref_grads = reference
+    pp = dict(BASE, pp=2, microbatches=2)
+    runs = [dict(pp, ckpt_dir=str(tmp_path / "pp2"), ckpt_every=3), dict(pp, pp_schedule="interleaved-1f1b")]
+    grads = [pp, dict(BASE, dp=2, microbatches=2)]
+    out = launch(train_worker, 2, runs, grads, timeout_s=300)
+    one_f, interleaved = (_losses(r) for r in out[0]["runs"])
+    _check_losses("pp=2, 1f1b, 2 micro-batches", ref, one_f)
+    _check_losses("pp=2, interleaved 1f1b (4 stages)", ref, interleaved)
+    np.testing.assert_allclose(interleaved, one_f, rtol=1e-5)
+    # Rank 0 (stage 0) logs every MoE layer's balance, the last stage's included.
+    assert all(len(r["maxvio"]) == 4 for r in out[0]["runs"][0])
+    _check_grads("pp=2 x 2 micro-batches", ref_grads, _merged([o["grads"][0] for o in out]))
+    _check_grads("dp=2 x 2 micro-batches (FSDP reduces once)", ref_grads, out[0]["grads"][1])
+
+    # The pp=2 checkpoint of step 3 (model, optimizer state, loader) resumed by one process: steps 4 and 5
+    # give the pipeline run's losses.
+    relaid = tmp_path / "pp1"
+    relaid.mkdir()
+    shutil.copytree(tmp_path / "pp2" / "step_00000003", relaid / "step_00000003")
+    resumed = _one_process(lambda: _losses(train(TrainConfig(**BASE, ckpt_dir=str(relaid), resume=True))))
+    _check_losses("pp=2 checkpoint resumed at pp=1", one_f[3:], resumed)
+
+
+def test_four_ranks_pipeline_composes_with_dp_ep_cp(reference):
+    # pp=2 x dp=2: FSDP shards each stage over its dp pair, the schedule reduces once after the last
+    # micro-batch. pp=2 x ep=2 and pp=2 x cp=2 (first-step gradients): MoonEP and KCP inside the stages.
+    from k3lab.dist import launch
+    from k3lab.train.workers import train_worker
+
+    ref, ref_grads = reference
+    pp = dict(BASE, pp=2, microbatches=2)
+    layouts = {"dp=2": dict(pp, dp=2), "ep=2": dict(pp, ep=2), "cp=2": dict(pp, cp=2)}
+    out = launch(train_worker, 4, [layouts["dp=2"]], list(layouts.values()), timeout_s=600)
+    _check_losses("pp=2 x dp=2, 2 micro-batches", ref, _losses(out[0]["runs"][0]))
+    for i, name in enumerate(layouts):
+        _check_grads(f"pp=2 x {name}, 2 micro-batches", ref_grads, _merged([o["grads"][i] for o in out]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pp", "2", "--doc-mask"], "--doc-mask does not combine with --pp > 1"),
+    (["--pp", "2", "--mtp", "1"], "--mtp does not combine with --pp > 1"),
+    (["--pp-schedule", "zb"], "invalid choice"),
+    (["--microbatches", "0"], "--microbatches must be an int >= 1"),
+    (["--pp", "2"], "--pp 2 x --dp 1 x --cp 1 x --ep 1 = 2 ranks, but 1 were launched"),
+    (["--microbatches", "3"], "--microbatches 3 must divide the 4 sequences of a data row"),
+], ids=["doc-mask", "mtp", "schedule", "microbatches", "world", "divide"])
+def test_layouts_that_do_not_compose_are_usage_errors(argv, message, capsys):
+    from k3lab.train import main
+
+    argv = ["--batch-size", "4", "--seq-len", "16", "--no-progress", *argv]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
