@@ -371,7 +371,7 @@ def describe_peer(pcfg, cfg: K3Config, hidden: int, batch: int, T: int, device: 
                 num_shared_experts=cfg.n_shared_experts,
                 router="sigmoid scores, top-k renormalised" if cfg.moe_renormalize else "sigmoid scores, top-k",
                 experts="SwiGLU at full width", vocab_size=pcfg.vocab_size, seq_len=T, batch_size=batch,
-                attention="MLA in every layer, flex attention (causal block mask built once)",
+                attention="MLA in every layer, flex attention (causal block mask built once by torch's create_block_mask)",
                 rope=f"ComplexRoPE over the {attn.qk_rope_head_dim} rope channels, theta 1e4",
                 precision="float32 parameters, bf16 autocast" if device.type == "cuda" else "float32",
                 optimizer="torch.optim.AdamW (fused on CUDA), lr 3e-4, weight decay 0.1",
@@ -418,6 +418,15 @@ def time_peer(cfg: K3Config, config: TrainConfig, device: torch.device, steps: i
     return out
 
 
+def _causal_block_mask(T: int, device: torch.device):
+    """The causal ``BlockMask`` [T, T] for flex attention, built by torch directly. With positions 0..T-1 in every
+    row it is the document mask torchtitan builds (``get_attention_masks``), whose builder passes an argument
+    (``separate_full_blocks``) that torch before 2.12 lacks."""
+    from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415
+
+    return create_block_mask(lambda b, h, q, kv: kv <= q, None, None, T, T, device=device)
+
+
 def _time_peer_step(pcfg, vocab: int, batch: int, T: int, device: torch.device, steps: int,
                     warmup: int) -> tuple[float, float, float | None]:
     """(median step ms, last loss, peak GiB) of the peer's training step at [batch, T]."""
@@ -430,7 +439,7 @@ def _time_peer_step(pcfg, vocab: int, batch: int, T: int, device: torch.device, 
     g = torch.Generator(device="cpu").manual_seed(1)
     x, y = (torch.randint(0, vocab, (batch, T), generator=g).to(device) for _ in range(2))
     positions = torch.arange(T, device=device).expand(batch, T)
-    masks = model.get_attention_masks(positions)
+    masks = _causal_block_mask(T, device)
 
     def step():
         with _autocast(device):
