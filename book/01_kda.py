@@ -120,11 +120,10 @@ print(f"state after one SGD step vs KDA recurrence: rel error {err_sgd:.1e}; out
 assert err_sgd < 1e-14 and err_read < 1e-14
 
 # %% [markdown]
-# With $\beta = 1$ and a unit key, one step solves the regression for that pair exactly: reading at
-# $k_t$ right after the write returns $v_t$. With orthonormal keys nothing interferes, so a $d_k$-wide
-# state stores $d_k$ pairs perfectly; beyond that, keys must overlap and recall degrades gracefully
-# (the delta rule keeps the *most recent* pairs best, because every write corrects its own key's
-# direction). Store $n$ random pairs one after another and read each key back (queries = keys,
+# With $\beta = 1$ and a unit key, one step solves the regression for that pair exactly. With
+# orthonormal keys nothing interferes, so a $d_k$-wide state stores $d_k$ pairs perfectly; beyond that,
+# keys overlap and recall degrades gracefully, the *most recent* pairs best (every write corrects its
+# own key's direction). Store $n$ random pairs one after another and read each key back (queries = keys,
 # $g = 0$, scale 1):
 
 # %%
@@ -320,15 +319,13 @@ show_source(chunk_kda_fwd, "    B, HV, T, K = k.shape")
 
 # %% [markdown]
 #
-# **Why $1/\Gamma$ is never formed.** The factorised form $(\Gamma\odot K)(K/\Gamma)^\top$ is how
-# the math reads, but $1/\Gamma_j = e^{-G_j}$ explodes: 64 tokens of strong decay give
-# $G = -320$ and $e^{320}$ overflows float32 (max $\approx e^{88.7}$), and $0 \cdot \infty$ gives NaN.
-# Every entry actually needed is $\exp(G_i - G_j)$ with $j \le i$, a number in $(0, 1]$.
-# `decayed_scores` computes exactly those: pairwise differences inside each 16-token diagonal
-# sub-tile, and for the blocks left of the diagonal a reference point $r$ at the sub-tile's start,
-# $e^{G_i - G_j} = e^{G_i - r}\, e^{r - G_j}$, both factors $\le 1$. (K3's lower bound makes the
-# factorised form safe *within* a 16-token sub-tile in bf16, which is what the Triton kernel of
-# chapter 02 exploits.)
+# **Why $1/\Gamma$ is never formed.** The factorised form $(\Gamma\odot K)(K/\Gamma)^\top$ is how the
+# math reads, but $1/\Gamma_j = e^{-G_j}$ overflows float32 (max $\approx e^{88.7}$) after a few dozen
+# tokens of strong decay, and $0 \cdot \infty$ gives NaN. Every entry needed is $\exp(G_i - G_j)$,
+# $j \le i$, a number in $(0, 1]$: `decayed_scores` takes pairwise differences inside each 16-token
+# diagonal sub-tile, and left of the diagonal a reference point $r$ at the sub-tile's start,
+# $e^{G_i - G_j} = e^{G_i - r}\, e^{r - G_j}$, both factors $\le 1$ (`docs/kda.md` has what K3's bound
+# allows the Triton kernel instead).
 
 # %% tags=["nbval-ignore-output"]
 C, d_k = 64, 16
@@ -458,8 +455,8 @@ with torch.no_grad():
 fig, ax = plt.subplots(figsize=(6, 3.5))
 for name, ts in timings.items():
     ax.loglog(timing_lengths, np.array(ts) * 1e3, "o-", label=name)
-ax.loglog(timing_lengths, timings["chunk_kda (C=64)"][0] * 1e3 * np.array(timing_lengths) / timing_lengths[0],
-          "k:", lw=1, label="slope 1 (linear)")
+lengths_np = np.array(timing_lengths)
+ax.loglog(lengths_np, timings["chunk_kda (C=64)"][0] * 1e3 * lengths_np / lengths_np[0], "k:", lw=1, label="slope 1")
 ax.set(xlabel="sequence length T", ylabel="forward time (ms)" + (" of CPU" if device.type == "cpu" else ""),
        title=f"KDA vs attention on {device.type}")
 ax.legend(fontsize=8)
@@ -625,8 +622,8 @@ plt.show()
 #    are recalled worse, the old or the recent ones, and why?
 # 2. Give the delta rule of section 2 a *scalar* gate (one $g$ per head, the mean of the channel-wise one).
 #    Where does its state norm end, and what happens to the spread of half-lives?
-# 3. In section 3, run `decayed_scores` with `g_value = -20`. Does it stay finite in float32, and what is
-#    the largest chunk over which the factorised form still is?
+# 3. In section 3, add `g_value = -20`. Does `decayed_scores` stay finite in float32, and for how many
+#    tokens of that gate does the factorised form?
 # 4. Time `chunk_kda` at $C = 16, 64, 256$ for $T = 2048$. Which term of $O(TCd)$ work against $T/C$
 #    sequential steps wins on this machine?
 # 5. Train the LM experiment with `lm_steps = 200`. Does the gap between the two final losses shrink?
