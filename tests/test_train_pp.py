@@ -263,13 +263,15 @@ def test_four_ranks_pipeline_composes_with_dp_ep_cp(reference):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--pp", "2", "--doc-mask"], "--doc-mask does not combine with --pp > 1"),
-    (["--pp", "2", "--mtp", "1"], "--mtp does not combine with --pp > 1"),
+    (["--pp", "2", "--microbatches", "2", "--doc-mask"], "--doc-mask does not combine with --pp > 1"),
+    (["--pp", "2", "--microbatches", "2", "--mtp", "1"], "--mtp does not combine with --pp > 1"),
     (["--pp-schedule", "zb"], "invalid choice"),
     (["--microbatches", "0"], "--microbatches must be an int >= 1"),
-    (["--pp", "2"], "--pp 2 x --dp 1 x --cp 1 x --ep 1 = 2 ranks, but 1 were launched"),
+    (["--pp", "2", "--microbatches", "2"], "--pp 2 x --dp 1 x --cp 1 x --ep 1 = 2 ranks, but 1 were launched"),
     (["--microbatches", "3"], "--microbatches 3 must divide the 4 sequences of a data row"),
-], ids=["doc-mask", "mtp", "schedule", "microbatches", "world", "divide"])
+    (["--pp", "2", "--microbatches", "1"], "--microbatches must be >= --pp 2 for --pp-schedule 1f1b"),
+    (["--pp", "2", "--pp-schedule", "gpipe"], "--pp 2 x --dp 1 x --cp 1 x --ep 1 = 2 ranks"),
+], ids=["doc-mask", "mtp", "schedule", "microbatches", "world", "divide", "in-flight", "gpipe-any-count"])
 def test_layouts_that_do_not_compose_are_usage_errors(argv, message, capsys):
     from k3lab.train import main
 

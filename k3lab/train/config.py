@@ -111,6 +111,9 @@ class TrainConfig:
             bad("ep_mode", f"must be one of {MODES}")
         if self.pp_schedule not in PP_SCHEDULES:
             bad("pp_schedule", f"must be one of {PP_SCHEDULES}")
+        if self.pp > 1 and self.pp_schedule != "gpipe" and self.microbatches < self.pp:
+            bad("microbatches", f"must be >= --pp {self.pp} for --pp-schedule {self.pp_schedule} (each stage needs a "
+                                f"micro-batch in flight; gpipe takes any count)")
         if self.pp > 1 and self.mtp:
             bad("mtp", "does not combine with --pp > 1 (the MTP modules read the embedding, which lives on stage 0)")
         if self.pp > 1 and self.doc_mask:
