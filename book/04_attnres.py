@@ -1,11 +1,5 @@
 # ---
 # jupyter:
-#   jupytext:
-#     text_representation:
-#       extension: .py
-#       format_name: percent
-#       format_version: '1.3'
-#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -23,12 +17,11 @@
 # that AttnRes matches the baseline's loss with about **1.25x less compute**, at **< 2%** inference
 # and **< 4%** training overhead.
 #
-# This chapter: (1) the problem AttnRes fixes — *dilution* of the residual stream; (2) the formula
-# and the simplest code; (3) the memory-efficient training path (recompute in backward) and its
-# measured activation memory; (4) the two-phase inference path; (5) the Triton kernels and the checks
-# that every path computes the same function; (6) the H200 result; (7) an experiment on the real
-# corpus: the same tiny LM with the standard residual, full AttnRes and Block AttnRes ($N$ = 2, 4, 8) at
-# equal compute, with the learned depth weights.
+# This chapter: (1) the problem, *dilution* of the residual stream; (2) the formula and the simplest
+# code; (3) the memory-efficient training path and (4) the two-phase inference path, each checked
+# against the formula; (5) the Triton kernels and their check; (6) the H200 result against a bytes
+# floor; (7) an experiment: the same tiny LM under each residual at equal compute, and what the depth
+# weights learn.
 
 # %% tags=["parameters"]
 profile: str = "cpu"
@@ -77,13 +70,10 @@ from k3lab.testing import rel_rms_error
 # shrinking fraction ($\approx 1/\sqrt l$) of the stream it is added to. Deep layers must produce ever
 # larger outputs to be heard, and every earlier output reaches layer $l$ with the same fixed weight 1
 # — no layer can choose *which* earlier layers to read. That is the dilution the AttnRes paper
-# starts from (Sec. 2), the same weakness that PreNorm's growing hidden-state norms show in large
-# models.
-#
-# Below: 48 random pre-norm linear sublayers $v = W\,\mathrm{RMSNorm}(h)$ with $W_{ij} \sim
-# \mathcal N(0, 1/d)$ (`k3lab.lm.RMSNormSublayer`), so every output has RMS about 1, like the
-# embedding. Forward hooks record the RMS of each sublayer's input $h_l$ and output $v_l$ under the
-# standard residual and under AttnRes at its zero initialisation.
+# starts from (Sec. 2). Below: `L_demo` random pre-norm linear sublayers $v = W\,\mathrm{RMSNorm}(h)$,
+# $W_{ij} \sim \mathcal N(0, 1/d)$, so every output has RMS about 1, like the embedding; forward hooks
+# record the RMS of each sublayer's input $h_l$ and output $v_l$ under the standard residual and under
+# AttnRes at its zero initialisation.
 
 # %%
 torch.manual_seed(seed)
@@ -114,18 +104,16 @@ def depth_profile(residual, sublayers, h0):
 profiles = {"standard residual": depth_profile(lm.PreNormResidual(), demo_subs, demo_h0),
             "AttnRes (zero init)": depth_profile(AttnRes(d_demo, L_demo), demo_subs, demo_h0),
             "Block AttnRes N=8 (zero init)": depth_profile(BlockAttnRes(d_demo, L_demo, 8), demo_subs, demo_h0)}
-fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.2), layout="tight")
 for name, (rin, rout) in profiles.items():
     axes[0].plot(rin, label=name)
 std_in, std_out = profiles["standard residual"]
-layers = np.arange(L_demo)
-axes[1].plot(layers, std_out / std_in, label="standard residual")
-axes[1].plot(layers, 1 / np.sqrt(layers + 1), "k--", lw=1, label="1 / sqrt(l + 1)")
+axes[1].plot(std_out / std_in, label="standard residual")
+axes[1].plot(1 / np.sqrt(np.arange(L_demo) + 1), "k--", lw=1, label="1 / sqrt(l + 1)")
 axes[0].set(xlabel="sublayer l", ylabel="RMS of input h_l", title="Hidden-state norm vs depth")
 axes[1].set(xlabel="sublayer l", ylabel="||v_l|| / ||h_l||", title="Standard residual: each new output's share")
-axes[0].legend(fontsize=8)
-axes[1].legend(fontsize=8)
-plt.tight_layout()
+for ax in axes:
+    ax.legend(fontsize=8)
 plt.show()
 attn_in, attn_out = profiles["AttnRes (zero init)"]
 print(f"standard residual: RMS(h) grows {std_in[-1] / std_in[0]:.1f}x over {L_demo} sublayers, and the last "
@@ -150,12 +138,11 @@ assert attn_in.max() <= max(attn_out.max(), std_in[0]) * (1 + 1e-6)
 # $$\alpha_{l,i} = \operatorname{softmax}_i\!\big(w_l^\top \mathrm{RMSNorm}(v_i)\big), \qquad
 #   h_l = \sum_{i=0}^{l} \alpha_{l,i}\, v_i, \qquad v_{l+1} = f_l(h_l).$$
 #
-# Keys are normalised (so a large output cannot win the softmax by its size alone), values are not
-# (the mixture keeps the sources' scale); the softmax is computed in float32. $w_l$ starts at zero,
-# so training starts from the **uniform average** of the sources — a well-conditioned start that
-# the gradients then sharpen. A last query $w_L$ aggregates all sources into the final output
-# (before the final norm and the head). The RMSNorm has no gain: $w^\top(g \odot k) = (w\odot g)^\top k$,
-# so a gain would only reparametrise $w$.
+# Keys are normalised (a large output cannot win the softmax by its size alone), values are not (the
+# mixture keeps the sources' scale); the softmax is computed in float32. $w_l$ starts at zero, so
+# training starts from the **uniform average** of the sources, which the gradients then sharpen. A last
+# query $w_L$ aggregates all sources into the final output. The RMSNorm has no gain: a gain would only
+# reparametrise $w$, as $w^\top(g \odot k) = (w\odot g)^\top k$.
 #
 # **Block AttnRes.** Full AttnRes keeps all $L+1$ sources alive: $O(Ld)$ memory per token and $O(L^2
 # d)$ reads. Block AttnRes cuts the $L$ sublayers into $N$ blocks; a block's representation
@@ -215,40 +202,28 @@ assert err_uniform < 1e-14 and err_full < 1e-14
 # sublayer (the input $h_l$, which the sublayer's norm saves). `BlockAttnRes`'s training path
 # ("memory") matches that:
 #
-# 1. **Blocks once.** Completed block representations are written once into one buffer
-#    $[N+1, B, T, d]$ that every later read shares.
+# 1. **Blocks once.** Completed blocks are written once into one buffer $[N+1, B, T, d]$ that every
+#    later read shares.
 # 2. **One pass over the blocks per block, not per sublayer.** The pseudo-queries are parameters, so
-#    the logits $s_{l,i} = r_i w_l^\top b_i$ of every query against a block can be formed the moment the
-#    block is stored, in the same pass that writes it (`store_block_torch`: a $[\text{tokens}, d] \times
-#    [d, L+1]$ product into a small table). At the start of block $n$ one pass over $b_0..b_{n-1}$
-#    then computes, for all $S$ sublayers $k$ of the block, the inter-block part
-#    $o_k = \sum_i a_{k,i} b_i$ and its log-sum-exp $\mathrm{lse}_k$, the weights coming from the
-#    table (phase 1, `k3lab.attnres.mix.phase1_fwd_torch`). Sublayer $k$ then only merges
-#    it with its partial sum $p_k$, whose logit is $s = r_p w_k^\top p_k$ (phase 2, the online-softmax
-#    rule of section 4): $h_k = (1-\beta) o_k + \beta p_k$, $\beta = \sigma(s - \mathrm{lse}_k)$,
-#    two vectors read and one written. The $o_k$ are dropped at the block's end and recomputed by
-#    one more phase-1 pass when backward reaches the block. Backward, with $g = \partial\mathcal
-#    L/\partial h_k$, $r_i = (\overline{b_i^2}+\epsilon)^{-1/2}$, $s_{k,i} = r_i w_k^\top b_i$: the
-#    merge gives $\partial o_k = (1-\beta) g$, $\partial s = \beta(1-\beta)\, g^\top(p_k - o_k)
-#    = -\partial\,\mathrm{lse}_k$ and $\partial p_k = \beta g + r_p\,\partial s\,(w_k - \tfrac{s r_p}{d} p_k)$;
-#    then **one batched pass per block** over the blocks does the softmax backward of all $S$ reads,
+#    the logits $s_{l,i} = r_i w_l^\top b_i$ of every query against a block are formed when the block is
+#    stored (`store_block_torch`: a $[\text{tokens}, d] \times [d, L+1]$ product into a table of
+#    $(L+1)(N+1)$ floats per token). At the start of block $n$ one pass over $b_0..b_{n-1}$ computes, for
+#    all $S$ sublayers $k$ of the block, the inter-block part $o_k = \sum_i a_{k,i} b_i$ and its
+#    log-sum-exp $\mathrm{lse}_k$ (phase 1, `phase1_fwd_torch`). Sublayer $k$ then merges it with its
+#    partial sum $p_k$, whose logit is $s = r_p w_k^\top p_k$ (phase 2, the online-softmax rule of
+#    section 4): $h_k = (1-\beta) o_k + \beta p_k$, $\beta = \sigma(s - \mathrm{lse}_k)$.
+# 3. **Recompute, do not keep.** The $o_k$ are dropped at the block's end and rebuilt by one more
+#    phase-1 pass when backward reaches the block; a saved-tensor hook swaps the sublayer's saved input
+#    $h_k$ for a recipe ($o_k$, $\mathrm{lse}_k$, $p_k$). (K3's activation manager gives every saved
+#    tensor such a policy — keep, recompute, offload — outside model code; this is "recompute".)
 #
-#    $$\partial s_{k,i} = a_{k,i}\big(\partial o_k^\top b_i - \partial o_k^\top o_k + \partial\,\mathrm{lse}_k\big),\qquad
-#      \partial b_i = \sum_k \Big[a_{k,i}\,\partial o_k + r_i\,\partial s_{k,i}\Big(w_k - \tfrac{s_{k,i} r_i}{d} b_i\Big)\Big],$$
-#
-#    adding the $\partial b_i$ into one shared accumulator (each block hands its summed gradient to
-#    autograd once, after its last read's backward), with $\partial w_k = \sum_{\text{tokens}}\sum_i
-#    \partial s_{k,i} r_i b_i$ (plus the merge's $\partial s\, r_p p_k$).
-# 3. **The reads' outputs are not kept either.** The sublayer saves its input $h_k$ for its own
-#    backward; a saved-tensor hook swaps that tensor for a recipe and rebuilds it from $o_k$,
-#    $\mathrm{lse}_k$ and $p_k$ when backward needs it. (K3's activation manager gives every saved
-#    tensor such a policy — keep, recompute, offload — outside model code; this is the "recompute" policy.)
-#
-# Per sublayer the training path thus keeps the partial sum where the standard residual keeps $h_k$,
-# plus the shared buffer, the 4-byte lse, the logits table ($(L+1)(N+1)$ floats per token: 1.7 KB
-# for $L = 48$, $N = 8$, a fifth of one $d = 2048$ float32 vector) and each block's $r_i$ ($N + 1$
-# floats). The closed forms (phase 1 for a block of $S = 3$
-# sublayers over 4 blocks, the two merges, both backwards) against autograd through the formula, in float64:
+# Backward runs the same passes in reverse: the merge's backward gives $\partial o_k$, $\partial p_k$ and
+# $\partial\,\mathrm{lse}_k$, then **one batched pass per block** does the softmax backward of all $S$ reads
+# and adds the blocks' gradients into one shared accumulator (the closed forms are in `docs/attnres.md`;
+# `k3lab.attnres.mix` implements them). Per sublayer the path thus keeps the partial sum where the
+# standard residual keeps $h_k$, plus the shared buffer, the lse, the logits table and each block's
+# $r_i$. The closed forms (phase 1 for a block of $S = 3$ sublayers over 4 blocks, the two merges, both
+# backwards) against autograd through the formula, in float64:
 
 # %% tags=["nbval-ignore-output"]
 gen = torch.Generator().manual_seed(seed)
@@ -303,13 +278,11 @@ for (name, b) in mem_rows[1:]:
         assert b > 1.2 * std_bytes, name
 
 # %% [markdown]
-# The naive path's cost grows with $N$ (each read stacks up to $N+1$ sources) by tens to hundreds of
-# vectors per token. The training path stays within a few vectors per token of the standard residual
-# (the last column): what it adds is the block buffer's $N+1$ vectors, so the extra grows with $N$ but
-# stays within that allowance (the cell checks it), while the partial sums it keeps replace the inputs
-# $h_l$ the standard residual keeps. Keeping the $o_k$ instead of recomputing them would add about one
-# vector per token per sublayer, beyond the $N+1$-vector allowance as soon as $L \gg N$. Does recompute
-# change the function? Output and every gradient against autograd through the formula:
+# The naive path's extra grows with $N$ (each read stacks up to $N+1$ sources, for every sublayer). The
+# training path adds only the block buffer's $N+1$ vectors per token (the cell checks that allowance),
+# its partial sums replacing the inputs $h_l$ the standard residual keeps; keeping the $o_k$ instead of
+# recomputing them would add about one vector per token per sublayer. Does recompute change the
+# function? Output and every gradient against autograd through the formula:
 
 # %% tags=["nbval-ignore-output"]
 g_out = torch.randn(chk_h0.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
@@ -340,9 +313,8 @@ for N in (2, 3, L_chk):
 #
 # $$m' = \max(m, s_p), \qquad h = \frac{e^{m-m'} o + e^{s_p - m'} p}{e^{m-m'}\ell + e^{s_p - m'}} .$$
 #
-# Equal to the naive path: exactly in float64 (up to round-off), and in float32 to about the
-# round-off that either path makes against a float64 truth (a token whose mixture nearly cancels
-# amplifies round-off through the following sublayers, in both paths alike).
+# Equal to the naive path in float64 up to round-off, and in float32 to about the round-off either
+# path makes against a float64 truth (a nearly cancelling mixture amplifies it in both alike).
 
 # %% tags=["nbval-ignore-output"]
 torch.manual_seed(seed + 1)
@@ -364,23 +336,18 @@ with torch.no_grad():
 # ## 5. The Triton kernels
 #
 # Each pass is memory-bound: per token it touches a few $d$-vectors and does $O(d)$ flops per vector.
-# `k3lab.kernels.attnres` has one kernel per closed form. The store writes a block and its logits in one
-# pass (the row's sum of squares and a small float32 product with the queries, chunk by chunk of $d$).
-# Phase 1 forward: with the logits at hand, the softmax over depth is per-token scalars, so a program
-# owns a few token rows and one tile of $d$ for **all** $S$ queries, reads each of the $n$ blocks once and
-# writes its tile of $h_0$, the $o_k$ and the lse. (Without the table the logits need whole rows before
-# any weighted sum can start, so a kernel would hold whole rows of a group of queries in registers
-# and re-read the blocks once per group.) Phase 1 backward reads each block once more, a
-# whole row at a time, with the $S$ gradients $\partial o_k$ of the block's queries held in registers:
-# the logits and $r_i$ come from the tables the stores filled, so the only sum over $d$ per block is
-# $\partial o_k^\top b_i$; then $\partial s_{k,i} = a_{k,i}(\partial o_k^\top b_i - \delta_k)$, with the
-# softmax's offset $\delta_k = \partial o_k^\top o_k - \partial\,\mathrm{lse}_k$ (FlashAttention's $D$)
-# left by the merge's backward, which has $o_k$ and $\partial o_k$ at hand ($\delta_0 = \partial h_0^\top h_0$),
-# and block $i$'s gradient is added into the accumulator. Its programs are persistent over token rows so
-# that $\partial w$ is summed in registers. The merge kernels read and write whole rows (the logit
-# needs all of $d$). Here is the merge forward as it is in `kernels/attnres/mix.py`: each program owns
-# `BM` token rows, forms the partial sum's logit $s = r_p w^\top p$ (`_score`), and merges it with the
-# inter-block part by the online-softmax rule of section 4, with `lse` in place of $m + \log \ell$:
+# `k3lab.kernels.attnres` has one kernel per closed form. The **store** writes a block and its logits
+# in one pass. **Phase 1 forward**: with the logits at hand the softmax over depth is per-token scalars,
+# so a program owns a few token rows and one tile of $d$ for all $S$ queries, reads each of the $n$
+# blocks once and writes its tile of $h_0$, the $o_k$ and the lse. **Phase 1 backward** reads each block
+# once more, a whole row at a time, with the $S$ gradients $\partial o_k$ in registers: the only sum
+# over $d$ per block is $\partial o_k^\top b_i$, then $\partial s_{k,i} = a_{k,i}(\partial o_k^\top b_i -
+# \delta_k)$ with $\delta_k = \partial o_k^\top o_k - \partial\,\mathrm{lse}_k$ (FlashAttention's $D$),
+# left by the merge's backward; its programs are persistent over token rows, so $\partial w$ is summed
+# in registers. The **merge** kernels read and write whole rows (the logit needs all of $d$). Here is
+# the merge forward as it is in `kernels/attnres/mix.py`: each program owns `BM` token rows, forms the
+# partial sum's logit $s = r_p w^\top p$ (`_score`), and merges it with the inter-block part by the
+# online-softmax rule of section 4, with `lse` in place of $m + \log \ell$:
 
 # %%
 from k3lab.kernels.attnres import mix as attnres_kernels
@@ -422,10 +389,9 @@ assert max(errs) < 1e-5
 #
 # `python -m k3lab.bench.attnres` checks the kernels on the GPU first, then times the Triton mixing
 # kernels against the same closed form in eager PyTorch and under `torch.compile`, and the training
-# step (forward, backward, AdamW; bf16 autocast) of a 24-layer, $d = 2048$ `k3lab.lm.LM` with
-# softmax-attention mixers (48 sublayers, 4 x 2048 tokens) under each residual. With `--lm-steps` it
-# also runs this chapter's experiment at GPU size (the GPU profile's parameters: $d = 512$, 16
-# sublayers, 300 steps of 32 x 512 tokens). Its stored result:
+# step (forward, backward, AdamW) of a `k3lab.lm.LM` with softmax-attention mixers under each residual
+# (the model line below); with `--lm-steps` it also runs section 7's experiment at GPU size. Its
+# stored result:
 
 # %% tags=["nbval-ignore-output"]
 result_path = Path("..") / "data" / "results" / "attnres_h200.json"
@@ -435,6 +401,7 @@ bench = json.loads(result_path.read_text()) if result_path.exists() else None
 if bench is not None:
     from k3lab.bench.attnres import table
 
+    print(bench["hardware"], "|", bench["date"], "| torch", bench["torch"], "|", bench["step"]["model"], "\n")
     print(table(bench))
     print(f"\nBlock AttnRes (N = 8) training-step overhead: {100 * bench['step_overhead_block']:.1f}% "
           f"({bench.get('step_overhead_block_precision', 'autocast')})")
@@ -442,10 +409,12 @@ else:
     print("no stored H200 result (run `python -m k3lab.bench.attnres --lm-steps 300` on a GPU)")
 
 # %% [markdown]
-# The overhead a reader can take away, from the same JSON: the Block AttnRes step against the
-# standard-residual step timed in alternation with it, for each precision the benchmark ran (the
-# `autocast_compiled` row puts each sublayer under `torch.compile`, the tuned case; `fsdp_bf16` on one
-# GPU is bound by the CPU that launches the step, so it measures launch overhead, not the mixing):
+# The overhead a reader can take away: the Block AttnRes step against the standard step timed in
+# alternation with it, per precision (`autocast_compiled` puts each sublayer under `torch.compile`, the
+# tuned case; `fsdp_bf16` on one GPU is bound by the CPU that launches it, not by the mixing). Then the
+# kernels against the same closed form in eager PyTorch and under `torch.compile`, and the two-phase
+# path's float32 error against float64 beside the formula's own (the softmax over depth cancels, so
+# both are far from float32's rounding):
 
 # %%
 if bench is not None:
@@ -459,22 +428,27 @@ if bench is not None:
     # What a reader relies on: the two-phase path checked on the GPU, the overhead measured in the same run.
     assert bench["step_overhead_block"] == headline["overhead"] and 0 < headline["overhead"] < 0.2
     assert max(bench["correctness"].values()) < 1e-3
+    eager = [r["torch_ms"] / r["ours_ms"] for r in bench["kernel_cases"]]
+    compiled = [r["compile_ms"] / r["ours_ms"] for r in bench["kernel_cases"] if r["compile_ms"]]
+    print(f"Triton kernels: {min(eager):.1f}-{max(eager):.1f}x eager PyTorch, "
+          f"{min(compiled):.1f}-{max(compiled):.1f}x torch.compile, over {len(eager)} cases")
+    acc = bench["correctness"]
+    ratios = {k: acc[k] / acc[k + "_formula_fp32"] for k in acc if k.startswith("module") and k + "_formula_fp32" in acc}
+    print(f"two-phase path / formula, float32 error against float64: {min(ratios.values()):.2f}-"
+          f"{max(ratios.values()):.2f}x (largest error {max(acc[k] for k in ratios):.1e})")
+    assert min(eager) > 1 and max(ratios.values()) < 1.5
 
 # %% [markdown]
-# The mixing sits well above the issue's 2% goal at this width. Designs of phase 1's backward that were
-# timed and lost are in `docs/attnres.md`.
-#
-# How low can it go? The mixing is memory-bound, so the bytes it must move set a floor.
-# `k3lab.attnres.traffic` counts them, per token-channel per sublayer (`bytes_model`: the two-phase
-# path as built against the standard residual, the table the benchmark cell printed above). Its floor (`bytes_floor`) grants an implementation every fusion we (and a reviewer) could find: the
-# merge fused with the partial sum's add and the sublayer's RMSNorm (and the standard residual's add
-# with its RMSNorm, to stay fair), each block stored by the kernel that runs the next phase 1, the
-# inter-block parts $o_k$ rebuilt in backward by the kernel that reads the blocks anyway, every tensor
-# moved once per kernel, free per-token scalars, the cheaper data flow per block. What is left: each
-# block is read in the forward and twice in the backward; each $o_k$ and its gradient is written and
-# read; and every block's gradient sum is read and written by every later block's backward. Under the
-# issue's memory bound (nothing kept per sublayer beyond the standard's), the floor by storage
-# precision, as a share of the eager and of the compiled standard step:
+# At this width the mixing sits well above a 2% target (designs of phase 1's backward that were timed
+# and lost are in `docs/attnres.md`). How low can it go? The mixing is memory-bound, so the bytes it
+# must move set a floor. `k3lab.attnres.traffic` counts them per token-channel per sublayer
+# (`bytes_model`, the table above); its floor (`bytes_floor`) grants every fusion listed in its
+# docstring (the merge fused with the partial sum's add and the next RMSNorm, as the standard's add is
+# with its own; blocks stored by the next phase 1; the $o_k$ rebuilt by the kernel that reads the blocks
+# anyway; every tensor moved once per kernel). What is left: each block is read once forward and twice
+# backward, each $o_k$ and its gradient written and read, and every block's gradient sum read and
+# written by every later block's backward. With nothing kept per sublayer beyond the standard's, the
+# floor by storage precision, at the bandwidth ceiling, as a share of the eager and compiled standard step:
 
 # %%
 from k3lab.attnres.traffic import bytes_floor, step_ms
@@ -483,6 +457,9 @@ standard = {r["precision"]: r["standard_ms"] for r in bench["step"]["rows"] if r
     if bench is not None else {}
 shares = {p: name for p, name in (("autocast", "% eager step"), ("autocast_compiled", "% compiled step"))
           if p in standard}
+if bench is not None:
+    print(f"measured on this H200: copy {bench['bandwidth']['copy_TBps']:.2f} TB/s, add "
+          f"{bench['bandwidth']['add_TBps']:.2f} TB/s; the ceiling used: 4 TB/s")
 print(f"{'blocks / o_k / stream':<26}{'floor B':>7}{'ms @ 4 TB/s':>13}" + "".join(f"{n:>17}" for n in shares.values()))
 for label, kw in [("fp32 / fp32 / fp32", dict(buf=4, o=4, h=4, v=4)), ("fp32 / bf16 / fp32 (built)", dict(buf=4)),
                   ("bf16 / bf16 / fp32", dict(buf=2)), ("bf16 / bf16 / bf16", dict(buf=2, h=2))]:
@@ -491,17 +468,16 @@ for label, kw in [("fp32 / fp32 / fp32", dict(buf=4, o=4, h=4, v=4)), ("fp32 / b
     print(f"{label:<26}{extra:>7.1f}{ms:>13.2f}" + "".join(f"{100 * ms / standard[p]:>16.2f}%" for p in shares))
 
 # %% [markdown]
-# At 4 TB/s, about the best streaming rate measured on this H200 (the kernel table's GB/s column and
-# the copy bandwidth above), the table shows how much of the step the bytes alone must cost: 2% over a
-# tuned step is not ruled out by the bytes, but it needs bf16 blocks and an implementation close to
-# perfect streaming, launch gaps included. The kernels as built are not there: phase 1's backward, the
-# slowest, streams well below the copy bandwidth (its row in the kernel table) because it is
-# latency-bound, not bytes-bound (`docs/attnres.md` has the layouts that were tried).
+# The ceiling, 4 TB/s, is a little above the best streaming rates measured on this H200 (the line
+# above and the kernel table's GB/s column), so the table is how much of the step the bytes alone must
+# cost: 2% over a tuned step is not ruled out, but it needs bf16 blocks and near-perfect streaming,
+# launch gaps included. Phase 1's backward, the slowest kernel, streams well below the copy bandwidth
+# (its row in the kernel table): it is latency-bound, not bytes-bound.
 #
-# **Against width.** The mixing moves bytes in proportion to $d$ per token, while the sublayers' GEMMs
+# **Against width.** The mixing moves bytes in proportion to $d$ per token while the sublayers' GEMMs
 # grow as $d^2$, so the overhead should fall about as $1/d$. `python -m k3lab.bench.attnres_width`
-# measures it on a 4-layer model (8 sublayers, $N = 4$: two K3-wide models and their AdamW state must
-# fit on one GPU) at $d$ = 2048, 4096 and K3's 7168, same tokens, same kernels:
+# measures it up to K3's width on a small model (two K3-wide models and their AdamW state must fit on
+# one GPU), same tokens, same kernels:
 
 # %% tags=["nbval-ignore-output"]
 width_path = result_path.with_name("attnres_width_h200.json")
@@ -523,8 +499,8 @@ if width_path.exists():
     plt.show()
 
 # %% [markdown]
-# The overhead falls with width, a little more slowly than $1/d$: attention's cost per token grows as
-# $d$ only, like the mixing's. At K3's width it is where the paper's < 4% sits:
+# The overhead falls with width, a little more slowly than $1/d$ (attention's cost per token also grows
+# only as $d$). At K3's width it is where the paper's < 4% sits:
 
 # %%
 if width_path.exists():
@@ -535,37 +511,17 @@ if width_path.exists():
     assert all(r["overhead"] < 0.04 for r in width["rows"] if r["d"] == widest)
 
 # %% [markdown]
-# Against the same closed form in eager PyTorch and under `torch.compile`, each kernel case of the
-# benchmark, and the accuracy of the two-phase path in float32 against float64 autograd beside the
-# formula's own float32 error (the softmax over depth cancels, so both are far from float32's rounding):
-
-# %%
-if bench is not None:
-    eager = [r["torch_ms"] / r["ours_ms"] for r in bench["kernel_cases"]]
-    compiled = [r["compile_ms"] / r["ours_ms"] for r in bench["kernel_cases"] if r["compile_ms"]]
-    print(f"Triton kernels: {min(eager):.1f}-{max(eager):.1f}x eager PyTorch, "
-          f"{min(compiled):.1f}-{max(compiled):.1f}x torch.compile, over {len(eager)} cases")
-    acc = bench["correctness"]
-    ratios = {k: acc[k] / acc[k + "_formula_fp32"] for k in acc if k.startswith("module") and k + "_formula_fp32" in acc}
-    print(f"two-phase path / formula, float32 error against float64: {min(ratios.values()):.2f}-"
-          f"{max(ratios.values()):.2f}x (largest error {max(acc[k] for k in ratios):.1e})")
-    assert min(eager) > 1 and max(ratios.values()) < 1.5
-
-# %% [markdown]
 # ## 7. Experiment: does attention over depth train better at equal compute?
 #
 # The same tiny LM (`k3lab.lm.LM`, softmax-attention mixers, $L = 2 \times$ `n_layers` sublayers) on
-# the real corpus (`k3lab.data`), same seed, same batches, same steps and learning-rate schedule;
-# only the residual differs: standard, Block AttnRes with $N$ in `block_counts`, and full AttnRes
-# ($N = L$). AttnRes adds $(L+1) d$ parameters (the queries) and $O(Nd)$ flops per token per
-# sublayer, negligible next to the sublayers, so equal steps are equal compute. On the CPU profile
-# the model is tiny and the run short, so differences are small and partly noise; the GPU-sized run
-# follows. The last column is each model's forward + backward time, timed in
-# alternation after training (best of several, so other processes on a shared CPU do not decide the
-# order). On this CPU the AttnRes variants are several times slower per step, more so as $N$ grows:
-# at $d = 64$ their mixing (eager PyTorch, several small operations per read, more reads to recompute
-# in backward) costs more than the tiny sublayers themselves. Section 6 measures the overhead where it
-# matters, with Triton kernels and $d = 2048$.
+# the real corpus, same seed, batches, steps and schedule; only the residual differs: standard, Block
+# AttnRes with $N$ in `block_counts`, and full AttnRes ($N = L$). AttnRes adds $(L+1) d$ parameters and
+# $O(Nd)$ flops per token per sublayer, negligible next to the sublayers, so equal steps are equal
+# compute. On the CPU profile the run is short and differences are partly noise; the GPU-sized run
+# follows. The last column is each model's forward + backward time, timed in alternation after
+# training. On this CPU, at this $d$, the AttnRes mixing (eager PyTorch, several small operations per
+# read) can cost more than the tiny sublayers themselves; section 6 measures the overhead where it
+# matters, with Triton kernels at K3-like widths.
 
 # %% tags=["nbval-ignore-output"]
 L = 2 * n_layers
@@ -608,11 +564,11 @@ for name, hist in histories.items():
     print(f"{name:<16}{hist['loss'][-1]:>17.3f}{hist['val_loss'][-1]:>16.3f}{min(costs[name]):>21.1f}")
 
 # %%
-# The five curves lie within a few hundredths of a nat of each other on this run, so the right panel
-# plots each one's difference from the standard residual's validation loss.
+# The curves lie close together, so the right panel plots each one's difference from the standard
+# residual's validation loss.
 styles = dict(zip(histories, [("k", "-", "o"), ("C0", "--", "s"), ("C1", "-.", "^"), ("C2", ":", "D"),
                               ("C3", (0, (5, 1, 1, 1)), "v"), ("C4", "-", "x")]))
-fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), layout="tight")
 base = np.array(histories["standard"]["val_loss"])
 for name, hist in histories.items():
     color, ls, marker = styles[name]
@@ -622,7 +578,6 @@ for name, hist in histories.items():
 axes[0].set(xlabel="step", ylabel="train loss (nats)", title="Training loss")
 axes[1].set(xlabel="step", ylabel="val loss - standard's (nats)", title="Validation loss against the standard residual")
 axes[1].legend(fontsize=8)
-plt.tight_layout()
 plt.show()
 
 # %% [markdown]
@@ -632,23 +587,23 @@ plt.show()
 # the reader's own block in the last column. At initialisation every row is uniform.
 
 # %%
+def plot_depth_weights(weights: dict):
+    """One heat map per model: rows are reads (sublayers, the final aggregation last), columns sources."""
+    fig, axes = plt.subplots(1, len(weights), figsize=(3.4 * len(weights), 4.2), layout="constrained", squeeze=False)
+    for ax, (name, W) in zip(axes[0], weights.items()):
+        im = ax.imshow(np.asarray(W, dtype=float), vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set(title=name, xlabel="source (b0 .. bN, partial)")
+    axes[0, 0].set_ylabel("read (sublayer; last = final aggregation)")
+    fig.colorbar(im, ax=axes, shrink=0.8, label="mean depth weight")
+    plt.show()
+
+
 val_x, _ = kdata.get_batch(kdata.load_split("val"), 8, seq_len, torch.Generator().manual_seed(seed + 7), "cpu")
-shown = [n for n in histories if n != "standard"]
-fig, axes = plt.subplots(1, len(shown), figsize=(3.4 * len(shown), 4.2), layout="constrained")
 weights = {}
-for ax, name in zip(np.atleast_1d(axes), shown):
-    model = models[name]
+for name in (n for n in histories if n != "standard"):
     with torch.no_grad():
-        weights[name] = model.residual.depth_weights(model.embed(val_x), model.sublayers)
-    W = weights[name].numpy()
-    N_w = model.residual.n_blocks
-    im = ax.imshow(W, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-    ax.set_xticks(range(N_w + 2), [f"b{i}" for i in range(N_w + 1)] + ["part."], fontsize=6, rotation=90)
-    ax.set_yticks(range(L + 1), [str(i) for i in range(L)] + ["out"], fontsize=6)
-    ax.set(title=name, xlabel="source")
-np.atleast_1d(axes)[0].set_ylabel("read (sublayer; out = final aggregation)")
-fig.colorbar(im, ax=axes, shrink=0.8, label="mean depth weight")
-plt.show()
+        weights[name] = models[name].residual.depth_weights(models[name].embed(val_x), models[name].sublayers)
+plot_depth_weights(weights)
 for name, W in weights.items():
     rows = torch.nan_to_num(W).sum(1)
     assert torch.allclose(rows, torch.ones_like(rows), atol=1e-4), name  # each read's weights sum to 1
@@ -671,39 +626,32 @@ plt.show()
 assert all(np.isfinite(r).all() for r in trained.values())
 
 # %% [markdown]
-# The same experiment at GPU size, from the benchmark's `--lm-steps` run (the GPU profile's parameters:
-# $d = 512$, 16 sublayers, 300 steps of 32 x 512 tokens), committed in `data/results/attnres_h200.json`:
+# The same experiment at GPU size, from the benchmark's `--lm-steps` run committed in
+# `data/results/attnres_h200.json` (its configuration is the cell's first line):
 
 # %%
 if bench is not None and "lm_experiment" in bench:
     exp = bench["lm_experiment"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
+    print(", ".join(f"{k} {v}" for k, v in exp["config"].items()))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), layout="tight")
     for name, hist in exp["runs"].items():
         axes[0].plot(hist["step"], hist["loss"], label=name)
         axes[1].plot(hist["step"], hist["val_loss"], label=name)
     axes[0].set(xlabel="step", ylabel="train loss (nats)", title=f"H200, d={exp['config']['d_model']}: training loss")
     axes[1].set(xlabel="step", ylabel="validation loss (nats)", title="validation loss")
     axes[1].legend(fontsize=8)
-    plt.tight_layout()
     plt.show()
-    fig, axes = plt.subplots(1, len(exp["depth_weights"]), figsize=(3.4 * len(exp["depth_weights"]), 4.2),
-                             layout="constrained")
-    for ax, (name, W) in zip(np.atleast_1d(axes), exp["depth_weights"].items()):
-        im = ax.imshow(np.array(W, dtype=float), vmin=0, vmax=1, cmap="viridis", aspect="auto")
-        ax.set(title=name, xlabel="source (b0 .. bN, partial)")
-    np.atleast_1d(axes)[0].set_ylabel("read (sublayer; last = final aggregation)")
-    fig.colorbar(im, ax=axes, shrink=0.8, label="mean depth weight")
-    plt.show()
+    plot_depth_weights(exp["depth_weights"])
     final = {name: hist["val_loss"][-1] for name, hist in exp["runs"].items()}
     print(f"after {exp['config']['steps']} steps, validation loss: "
           + ", ".join(f"{name} {v:.3f}" for name, v in final.items()))
     assert all(v < final["standard"] for name, v in final.items() if name != "standard")
 
 # %% [markdown]
-# In that run every AttnRes variant ends below the standard residual (the cell prints the final
-# validation losses). One seed, one learning rate (3e-3, which may suit the normalised depth mixing better
-# than the plain sum) and a short horizon: this shows the direction of the paper's result, not
-# its 1.25x compute-equivalence figure, which needs a scaling-law sweep.
+# In that run every AttnRes variant ends below the standard residual (the cell asserts it). One seed,
+# one learning rate (`lr` above, which may suit the normalised depth mixing better than the plain sum)
+# and a short horizon: this shows the direction of the paper's result, not its compute-equivalence
+# figure, which needs a scaling-law sweep.
 
 # %% [markdown]
 # ## Exercises
