@@ -271,7 +271,10 @@ def test_four_ranks_pipeline_composes_with_dp_ep_cp(reference):
     (["--microbatches", "3"], "--microbatches 3 must divide the 4 sequences of a data row"),
     (["--pp", "2", "--microbatches", "1"], "--microbatches must be >= --pp 2 for --pp-schedule 1f1b"),
     (["--pp", "2", "--pp-schedule", "gpipe"], "--pp 2 x --dp 1 x --cp 1 x --ep 1 = 2 ranks"),
-], ids=["doc-mask", "mtp", "schedule", "microbatches", "world", "divide", "in-flight", "gpipe-any-count"])
+    # --microbatches defaults to --pp: the layout check is the first to refuse.
+    (["--pp", "2"], "--pp 2 x --dp 1 x --cp 1 x --ep 1 = 2 ranks"),
+], ids=["doc-mask", "mtp", "schedule", "microbatches", "world", "divide", "in-flight", "gpipe-any-count",
+        "default-microbatches"])
 def test_layouts_that_do_not_compose_are_usage_errors(argv, message, capsys):
     from k3lab.train import main
 

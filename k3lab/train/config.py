@@ -31,9 +31,9 @@ class TrainConfig:
         dp (int | None): data-parallel ranks (None: world size / (pp * ep * cp)). ep (int): expert-parallel ranks.
         cp (int): context-parallel ranks (KCP for the KDA layers, a latent all-gather for MLA).
         pp (int): pipeline-parallel ranks (the outermost mesh axis; ``k3lab.model.split_model``'s stages).
-        microbatches (int): M, micro-batches per step: each data row's sequences are cut into M equal parts,
-            their gradients accumulated (loss / M each) before the one optimizer step; with pp > 1 the
-            schedule's micro-batches.
+        microbatches (int | None): M, micro-batches per step: each data row's sequences are cut into M equal
+            parts, their gradients accumulated (loss / M each) before the one optimizer step; with pp > 1 the
+            schedule's micro-batches. None: pp (one micro-batch in flight per stage; 1 without pp).
         pp_schedule (str): "1f1b", "interleaved-1f1b" (two stages per rank) or "gpipe".
         mtp (int): multi-token-prediction depth D (``K3Config.num_nextn_predict_layers``; 0: none).
         ep_mode (str): "moonep" or "alltoall".
@@ -68,7 +68,7 @@ class TrainConfig:
     ep: int = 1
     cp: int = 1
     pp: int = 1
-    microbatches: int = 1
+    microbatches: int | None = None
     pp_schedule: str = "1f1b"
     mtp: int = 0
     ep_mode: str = "moonep"
@@ -91,6 +91,8 @@ class TrainConfig:
         def bad(flag, msg):
             raise ValueError(f"--{flag.replace('_', '-')} {msg}, got {getattr(self, flag)!r}")
 
+        if self.microbatches is None and isinstance(self.pp, int):
+            self.microbatches = self.pp
         if self.preset not in TRAIN_PRESETS:
             bad("preset", f"must be one of {TRAIN_PRESETS}")
         for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("ep", 1), ("cp", 1), ("pp", 1),
@@ -165,7 +167,7 @@ HELP = {
     "pp": "pipeline-parallel ranks (outermost mesh axis): the model's sublayers cut into balanced stages, Block "
           "AttnRes's completed blocks carried between them",
     "microbatches": "micro-batches per step (gradient accumulation; with --pp the schedule's): must divide the "
-                    "sequences of a data row",
+                    "sequences of a data row (default: --pp)",
     "pp_schedule": "pipeline schedule (torch.distributed.pipelining): 1f1b, interleaved-1f1b (two stages per "
                    "rank) or gpipe",
     "mtp": "multi-token-prediction depth: D MTP modules after the stack, their loss weighted by 0.3 (0: none)",
@@ -195,7 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
     parts = doc.split("\n\n")
     p = argparse.ArgumentParser(prog="python -m k3lab.train", description=parts[0],
                                 epilog=parts[1] + "\n\n" + parts[2], formatter_class=argparse.RawDescriptionHelpFormatter)
-    defaults = TrainConfig()
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "progress":
@@ -209,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "activations": str,
                 "lr": float, "weight_decay": float, "warmup": float}.get(f.name, int)
         choices = {"preset": TRAIN_PRESETS, "ep_mode": MODES, "pp_schedule": PP_SCHEDULES}.get(f.name)
-        default = getattr(defaults, f.name)
+        default = f.default
         p.add_argument(flag, type=kind, default=default, choices=choices,
                        help=HELP[f.name] + ("" if default is None else f" (default {default})"))
     return p
