@@ -22,7 +22,9 @@ declares are passed to it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import importlib.util
 import math
 import os
 import sys
@@ -320,6 +322,7 @@ def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None
     Raises:
         ValueError: bad ``profile``, ``only`` matches no chapter, a bad parameter file, a timeout that is
             not a positive number (0 or less would turn papermill's cell timeout off).
+        ModuleNotFoundError: papermill, nbconvert or jupytext missing (checked before any chapter runs).
     """
     from tqdm.auto import tqdm
 
@@ -333,6 +336,10 @@ def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout}")
     if params_file is not None:
         read_params_file(params_file)  # once, before any chapter runs
+    missing = [m for m in ("papermill", "nbconvert", "jupytext") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModuleNotFoundError(f"k3lab.book run needs {', '.join(missing)}: pip install {' '.join(missing)} "
+                                  f"(or carry the wheels)")
     paths = chapters(only, book_dir)
     results, used = [], set()
     bar = tqdm(paths, desc="book", unit="notebook", position=0)
@@ -348,9 +355,14 @@ def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None
             executed = Path(build_dir) / "notebooks" / ipynb.name
             try:
                 execute(ipynb, executed, params, timeout)
-            finally:
+            except Exception:
+                # The page of a failed run still shows where it stopped, but the chapter's error is what
+                # gets reported: a failure to render must not replace it.
                 if executed.exists():
-                    render_html(executed, Path(build_dir) / "html" / f"{py.stem}.html")
+                    with contextlib.suppress(Exception):
+                        render_html(executed, Path(build_dir) / "html" / f"{py.stem}.html")
+                raise
+            render_html(executed, Path(build_dir) / "html" / f"{py.stem}.html")
             results.append(Result(py.stem, "ok", time.perf_counter() - start))
         except Exception as exc:  # a failed chapter must not stop the others
             results.append(Result(py.stem, "FAILED", time.perf_counter() - start, _error_detail(exc)))

@@ -120,6 +120,26 @@ def test_run_executes_renders_and_reports_failures(tiny_book, tmp_path, monkeypa
     assert book.main(["run", "--only", "01", "--build-dir", str(out)]) == 0
 
 
+def test_run_needs_its_tools_before_any_chapter(tiny_book, tmp_path, monkeypatch):
+    """A GPU node without nbconvert executed every chapter and then failed each one at rendering."""
+    real = book.importlib.util.find_spec
+    monkeypatch.setattr(book.importlib.util, "find_spec", lambda name, *a: None if name == "nbconvert" else real(name, *a))
+    with pytest.raises(ModuleNotFoundError, match="needs nbconvert: pip install nbconvert"):
+        book.run(build_dir=tmp_path / "build", book_dir=tiny_book)
+    assert not (tmp_path / "build").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_render_does_not_hide_the_chapters_error(tiny_book, tmp_path, monkeypatch):
+    """Rendering the page of a failed run raised in a finally block and replaced the cell's error."""
+    def broken(executed, out):
+        raise RuntimeError("renderer broken")
+
+    monkeypatch.setattr(book, "render_html", broken)
+    [bad] = book.run(only=["02"], build_dir=tmp_path / "build", book_dir=tiny_book)
+    assert bad.status == "FAILED" and "ZeroDivisionError" in bad.detail
+
+
 SLEEPY_NB = BAD_NB.replace('raise ZeroDivisionError("chapter 02 is broken")', "import time\ntime.sleep(60)")
 
 
