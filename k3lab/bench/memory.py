@@ -115,6 +115,7 @@ def _step(model: K3Model, idx: torch.Tensor, autocast: bool, manager: Activation
     stats = manager.stats() if manager is not None else None
     held = torch.cuda.memory_allocated(dev) - before if dev.type == "cuda" else None
     loss.backward()
+    # Read back after backward: a read between forward and backward would stall the GPU inside the step.
     return float(loss.detach()), stats, held
 
 
