@@ -291,7 +291,11 @@ def test_eval_forwards_count_nothing_and_train_eval_choose_the_same_experts():
 def test_checkpoint_recompute_counts_each_token_once(reentrant):
     m = MoE(_config())
     x = torch.randn(3, 5, 16, generator=_gen(11), requires_grad=True)
-    checkpoint(m, x, use_reentrant=reentrant).sum().backward()
+    y = checkpoint(m, x, use_reentrant=reentrant)
+    routing = m.last_routing
+    y.sum().backward()
+    # The replay is not a new forward: its routing, holding the replayed graph, is not kept.
+    assert m.last_routing is routing
     assert m.balance.counts.sum() == 3 * 5 * 2
     assert m.balance.hist.sum() == 3 * 5 * 8
     assert x.grad is not None

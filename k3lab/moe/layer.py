@@ -180,7 +180,10 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: mask must be a bool tensor (False for padding), got {mask.dtype}")
         x2 = x.reshape(-1, c.d_model)
         routing = self.router(x2)
-        self.last_routing = routing
+        # A recompute replay in backward (activation checkpointing) is not a new forward: stored, its
+        # routing would hold the replayed graph, and every tensor that graph saved, until the next step.
+        if not in_backward():
+            self.last_routing = routing
         if self.training and not in_backward():
             self.balance.record(routing, self.router.bias, mask)
         z = x2 if self.down is None else self.down(x2)
