@@ -57,14 +57,24 @@ def test_layout_that_does_not_fit_the_world_is_a_usage_error(capsys):
     assert "--dp 2 x --cp 1 x --ep 1 = 2 ranks, but 1 were launched" in capsys.readouterr().err
 
 
-def test_resuming_past_steps_is_a_usage_error_not_a_silent_no_op(tmp_path, capsys):
+def test_resuming_with_another_schedule_or_a_damaged_checkpoint_is_a_usage_error(tmp_path, capsys):
+    """A resume with other --steps or --lr was taken silently (the schedule jumped); a truncated shard file
+    ended in DCP's traceback."""
     flags = ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--ckpt-dir", str(tmp_path)]
     assert main(["--steps", "2", *flags]) == 0
     capsys.readouterr()
+    for argv, message in ((["--steps", "1"], "--steps 1 (saved: 2) differ"),
+                          (["--steps", "2", "--lr", "0.001"], "--lr 0.001 (saved: 0.003) differ")):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--resume", *flags])
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
+    shard = max((tmp_path / "step_00000002").glob("*.distcp"), key=lambda f: f.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:1000])
     with pytest.raises(SystemExit) as e:
-        main(["--steps", "1", "--resume", *flags])
+        main(["--steps", "2", "--resume", *flags])
     assert e.value.code == 2
-    assert "the checkpoint is at step 2, past --steps 1" in capsys.readouterr().err
+    assert "step_00000002 cannot be read (EOFError): remove it" in capsys.readouterr().err
 
 
 def test_metrics_read_every_n_steps_and_activation_policies_keep_the_losses():
@@ -152,6 +162,13 @@ def _model_from(path):
     model = build_model(TrainConfig(**BASE), torch.device("cpu"))
     load_checkpoint(path, model, None, {"step": 0})
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_usage_error_under_torchrun_is_printed_once():
+    """Every rank meets the same layout error; each printed the usage text and the message."""
+    run = _torchrun(dict(BASE, dp=3), timeout=90)
+    assert run.returncode != 0
+    assert run.stderr.count("--dp 3 x --cp 1 x --ep 1 = 3 ranks, but 2 were launched") == 1, run.stderr[-2000:]
 
 
 def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path):

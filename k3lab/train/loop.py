@@ -12,6 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from k3lab.data import load_split, resolve_data_dir, vocab_size
 from k3lab.memory import apply_policies
@@ -40,6 +41,27 @@ def lr_at(step: int, total: int, peak: float, warmup: float, floor: float = 0.1)
         return peak * step / w
     t = (step - w) / max(total - w, 1)
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+# What a resumed run must share with the saved one: the model and the learning-rate schedule. (The batch,
+# sequence length and seed are the loader's state, checked by ``TokenLoader.load_state_dict``; the layout,
+# logging and checkpoint cadence may change.)
+RUN_SETTINGS = ("preset", "mtp", "steps", "lr", "warmup", "weight_decay")
+
+
+def _first_failure(e: BaseException) -> str:
+    """One line for a failed checkpoint read: DCP's CheckpointException holds each rank's (exception,
+    stack) pair."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        e = next(iter(failures.values()))
+        e = e[0] if isinstance(e, tuple) else e
+    return f"{type(e).__name__}: {str(e).strip()[:200]}".rstrip(": ")
+
+
+def run_settings(config: TrainConfig) -> dict:
+    """The ``RUN_SETTINGS`` of ``config``, saved with every checkpoint and compared on resume."""
+    return {k: getattr(config, k) for k in RUN_SETTINGS}
 
 
 def _device() -> torch.device:
@@ -210,8 +232,8 @@ def train(config: TrainConfig) -> list[dict]:
     Raises:
         ConfigError (a ValueError): the layout does not match the world (``build_parallel``), the global
             batch is not divisible by the data ranks and micro-batches, the pipeline does not fit the model
-            (``build_pipeline``), or a resumed checkpoint's loader differs or its step is
-            past ``steps``.
+            (``build_pipeline``), or a resumed checkpoint cannot be read, or its loader or ``RUN_SETTINGS``
+            differ from ``config``'s.
         FileNotFoundError: no token shards (``k3lab.data``).
         FloatingPointError: a NaN or inf loss (found when the window's losses are read back, before any
             checkpoint of that window is written).
@@ -230,11 +252,18 @@ def train(config: TrainConfig) -> list[dict]:
         if config.resume:
             path = latest_checkpoint(config.ckpt_dir)
             if path is not None:
-                state = load_checkpoint(path, parts, opts, {"step": 0, "loader": loader.state_dict()})
+                try:
+                    state = load_checkpoint(path, parts, opts, {"step": 0, "loader": loader.state_dict(),
+                                                                "run": run_settings(config)})
+                except (CheckpointException, RuntimeError, ValueError, OSError, EOFError) as e:
+                    raise ConfigError(f"{path} cannot be read ({_first_failure(e)}): remove it to "
+                                      f"resume from the checkpoint before it, or start without --resume") from e
                 start = int(state["step"])
-                if start > config.steps:
-                    raise ConfigError(f"{path}: the checkpoint is at step {start}, past --steps {config.steps} (the "
-                                      f"schedule's length); resume with --steps >= {start}")
+                changed = [f"--{k.replace('_', '-')} {getattr(config, k)} (saved: {v})"
+                           for k, v in state["run"].items() if getattr(config, k) != v]
+                if changed:
+                    raise ConfigError(f"{path}: a resumed run continues the saved run's model and schedule, but "
+                                      f"{', '.join(changed)} differ; pass the saved values, or start a new --ckpt-dir")
                 try:
                     loader.load_state_dict(state["loader"])
                 except ValueError as e:
@@ -299,7 +328,8 @@ def train(config: TrainConfig) -> list[dict]:
                                    maxvio=vio if s_ == step else None, peak_mem_GiB=mem, peak_mem_kind=mem_kind))
                 pending = []
                 if save:
-                    save_checkpoint(config.ckpt_dir, step, parts, opts, {"step": step, "loader": loader.state_dict()})
+                    save_checkpoint(config.ckpt_dir, step, parts, opts, {"step": step, "loader": loader.state_dict(),
+                                                                          "run": run_settings(config)})
                 if config.kill_at_step == step:
                     dist.barrier()
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -320,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(config)
     except (ConfigError, FileNotFoundError) as e:
-        # A layout that does not fit, or no token shards: the message says what to run.
+        # A layout that does not fit, or no token shards: the message says what to run. Every rank of a
+        # torchrun world meets the same error; rank 0 prints it.
+        if os.environ.get("RANK", "0") != "0":
+            raise SystemExit(2) from e
         build_parser().error(str(e))
     return 0
