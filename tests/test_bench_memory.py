@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import k3lab.memory
-from k3lab.bench.memory import EXACT_BOUND, FP8_BOUND, SETS, check_policies, main, policy_sets
+from k3lab.bench.memory import EXACT_BOUND, FP8_BOUND, SETS, check_policies, main, policy_sets, table
 from k3lab.memory import ActivationManager, apply_policies
 from k3lab.model import K3Config, K3Model
 
@@ -86,6 +86,20 @@ def test_check_compares_every_set_with_keep(small_run):
         else:
             # Same values in the same order on a CPU: bitwise.
             assert c["bound"] == EXACT_BOUND and c["grad_rel_err"] == 0.0, (name, c)
+
+
+def test_table_of_a_gpu_result_has_peak_and_start_gib(small_run):
+    r = json.loads(json.dumps(small_run[1]))
+    r["peak_kind"] = "cuda_max_memory_allocated"
+    for i, s in enumerate(r["sets"].values()):
+        s.update(peak_bytes=(10 + i) * 2**30, base_bytes=4 * 2**30)
+    r["sets"]["offload"] = {"rules": {}, "oom": "CUDA out of memory"}
+    lines = table(r).splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in lines[3:]}
+    assert "peak GiB" in lines[2] and "start GiB" in lines[2]
+    saved_mib = f"{r['sets']['keep']['saved_total_bytes'] / 2**20:.1f}"
+    assert rows["keep"][:4] == [saved_mib, "0.0", "11.00", "4.00"]
+    assert rows["offload"] == ["out", "of", "memory"]
 
 
 def test_policy_sets_name_every_sublayer(tiny):

@@ -256,23 +256,25 @@ def table(r: dict) -> str:
              f"peak: {r['peak_kind']}; saved: the manager's bytes held for backward at the end of forward "
              f"(host: offloaded copies); check: float32 {r['check']['shape'][0]} x {r['check']['shape'][1]}, "
              f"worst gradient's rel RMS error against keep (keep run twice: "
-             f"{r['check']['keep_repeat']['grad_rel_err']:.1e})",
-             f"{'set':<15}{'saved MiB':>11}{'host MiB':>10}{peak_head:>16}{'step ms':>10}{'vs keep':>9}"
-             f"{'grad err':>10}{'bound':>8}"]
+             f"{r['check']['keep_repeat']['grad_rel_err']:.1e})"
+             + ("; start: allocated when a step begins (weights, and what the last step left)" if cuda else ""),
+             f"{'set':<15}{'saved MiB':>11}{'host MiB':>10}{peak_head:>16}" + (f"{'start GiB':>11}" if cuda else "")
+             + f"{'step ms':>10}{'vs keep':>9}{'grad err':>10}{'bound':>8}"]
     keep = r["sets"].get("keep", {}).get("step_ms")
     for name, s in r["sets"].items():
         chk = r["check"]["sets"].get(name, {"grad_rel_err": 0.0, "bound": 0.0})
         if "oom" in s or "error" in s:
-            lines.append(f"{name:<15}{'out of memory' if 'oom' in s else s['error'][:60]:>55}")
+            what = "out of memory" if "oom" in s else s["error"][:60]
+            lines.append(f"{name:<15}{what:>{66 if cuda else 55}}")
             continue
         peak = s["peak_bytes"] / 2**30 if cuda else s["peak_bytes"] / 2**20
         rel = f"{s['step_ms'] / keep:.2f}x" if keep else "n/a"
         # Without policies the manager sees nothing: "plain" has no counters.
         saved, host = ((f"{s['saved_total_bytes'] / 2**20:.1f}", f"{s['host_bytes'] / 2**20:.1f}") if s["rules"]
                        else ("n/a", "n/a"))
-        lines.append(f"{name:<15}{saved:>11}{host:>10}"
-                     f"{peak:>16.2f}{s['step_ms']:>10.1f}{rel:>9}{chk['grad_rel_err']:>10.1e}"
-                     f"{chk['bound'] if name != 'keep' else 0:>8.0e}")
+        start = f"{s['base_bytes'] / 2**30:>11.2f}" if cuda else ""
+        lines.append(f"{name:<15}{saved:>11}{host:>10}{peak:>16.2f}{start}{s['step_ms']:>10.1f}{rel:>9}"
+                     f"{chk['grad_rel_err']:>10.1e}{chk['bound'] if name != 'keep' else 0:>8.0e}")
     return "\n".join(lines)
 
 
