@@ -166,11 +166,11 @@ plt.show()
 
 # %% [markdown]
 # **Balance.** maxvio is the busiest expert's load over the mean, minus 1, for a step's routing
-# summed over both data ranks; the trainer reads it back with the losses, on the last step of each
-# `log_every` window (and at a checkpoint), so the other steps carry none. Quantile Balancing sets each router bias from the previous step's score
-# histogram (chapter 05), so it corrects with one step of lag: while the routers move fast early in
-# training (lr 1e-2 here) the balance slips, then settles near the noise floor of k3-tiny's 8 experts
-# top-2 at 512 tokens a step (a few tenths).
+# summed over both data ranks. The trainer reads it back with the losses, on the last step of each
+# `log_every` window (and at a checkpoint), so the steps in between carry none. Quantile Balancing sets
+# each router bias from the previous step's score histogram (chapter 05), so it corrects with one step
+# of lag: while the routers move fast early in training (lr 1e-2 here) the balance slips, then settles
+# near the noise floor of k3-tiny's 8 experts top-2 at 512 tokens a step (a few tenths).
 #
 # ## Throughput, MFU and memory
 #
@@ -278,10 +278,11 @@ assert worst < 1e-4
 #
 # ## Pipeline parallel: the layers over several ranks
 #
-# K3's training system pipelines the model's depth across nodes as well. With `--pp P` the trainer cuts
-# the 2L sublayers (each layer's mixer and its FFN) into P stages, one per rank of the pp axis (2P with
-# `--pp-schedule interleaved-1f1b`, rank p holding stages p and p + P), and `torch.distributed.pipelining`
-# runs them over `--microbatches M` micro-batches of each data row (1F1B, interleaved 1F1B or GPipe).
+# K3 also cuts the model's depth across ranks: an interleaved-1F1B pipeline, each rank holding several
+# virtual stages (K3 report, training system). With `--pp P` the trainer cuts the 2L sublayers (each
+# layer's mixer and its FFN) into P stages, one per rank of the pp axis (2P with `--pp-schedule
+# interleaved-1f1b`, rank p holding stages p and p + P), and `torch.distributed.pipelining` runs them over
+# `--microbatches M` micro-batches of each data row (1F1B, interleaved 1F1B or GPipe).
 #
 # **What crosses a cut.** With the standard residual a stage boundary carries one hidden state. Block
 # AttnRes (chapter 04) lets every sublayer read all completed blocks, so the boundary at sublayer c
@@ -368,8 +369,8 @@ assert worst < 1e-4
 
 # %% [markdown]
 # The pipeline runs follow the one-process losses to float32 rounding (the micro-batches sum their
-# gradients in another order). The tests check more: pp = 2 with dp, ep or cp = 2 on 4 ranks, first-step
-# gradients to 2e-6, and a pp = 2 checkpoint resumed by one process. Pipeline parallel does not combine
+# gradients in another order). The tests check more: pp = 2 with dp, ep or cp = 2 on 4 ranks, the
+# first step's gradients of every parameter to 1e-4, and a pp = 2 checkpoint resumed by one process. Pipeline parallel does not combine
 # with `--mtp` (the MTP modules read the embedding on stage 0), tied embeddings or `--doc-mask`; the
 # trainer refuses them by name.
 #
