@@ -25,7 +25,8 @@
 # its latent cache and the absorbed decoding form, checked in float64, and why a wrong softmax scale
 # hides at $T = 1$; (3) the 93-layer layout drawn; (4) Per-Head Muon; (5) FLOPs per token and MFU;
 # (6) an experiment: the same architecture at a tiny size trained on the corpus with Per-Head Muon and
-# with AdamW, then sampled from its caches.
+# with AdamW, then sampled from its caches; (7) where the parameters go; (8) the activation manager's
+# memory policies and what each costs.
 
 # %% tags=["parameters"]
 profile: str = "cpu"
@@ -46,6 +47,8 @@ device = k3lab.setup(seed=seed, profile=profile)
 
 # %%
 import inspect
+import json
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -55,6 +58,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 import k3lab.data as kdata
 import k3lab.lm as lm
+from k3lab.bench.memory import SET_DOCS, check_policies, measure, policy_sets
 from k3lab.mla import GatedMLA, absorbed_attention, naive_gated_mla
 from k3lab.model import K3Config, K3Model, count_params, flops_per_token, format_table, mfu, param_table
 from k3lab.model.accounting import PEAK_FLOPS
@@ -310,14 +314,16 @@ del full_mtp
 # the rest. K3 (Sec. 2.5) splits the momentum along heads and runs Newton-Schulz on each head's row
 # block; each block is then scaled for its own shape. k3lab's `PerHeadMuon` takes the row blocks from
 # the layers (`head_blocks`): $K$ rows per KDA head; $D_n + D_r$ per MLA query head; $D_n$ key rows and
-# $D_v$ value rows per head of MLA's `kv_b_proj`. The block step, and the Newton-Schulz it runs: blocks of
-# one shape (all heads of a projection, all experts of a stack) go through it together as batched matmuls,
-# one launch per iteration instead of one per head (a per-head Python loop over k3-1b's 17 layers and 64
-# experts a layer issues tens of thousands of small GEMMs a step):
+# $D_v$ value rows per head of MLA's `kv_b_proj`. The split into blocks, the Newton-Schulz they go
+# through, and the reassembly with each block's scale: blocks of one shape (all heads of a projection, all
+# experts of a stack, across every layer) go through Newton-Schulz together as batched matmuls, one launch
+# per iteration instead of one per head (a per-head Python loop over k3-1b's 17 layers and 64 experts a
+# layer issues tens of thousands of small GEMMs a step):
 
 # %%
-show(PerHeadMuon._apply)
+show(PerHeadMuon._blocks)
 show(newton_schulz_blocks)
+show(PerHeadMuon._update)
 
 # %% [markdown]
 # **The check**: per head equals a loop over heads, each head's rows a separate `torch.optim.Muon`
@@ -528,6 +534,145 @@ explorer = explore(plot_counts, n_routed_experts=[128, 256, 384, 512, 896, 1024]
                    moe_latent_size=[1792, 3584, 7168])
 
 # %% [markdown]
+# ## 8. Memory policies: what each costs
+#
+# Training holds every tensor that backward will read until backward reads it; at K3's width that, not
+# the weights, decides how many tokens fit on a card. K3's *unified activation manager* gives each saved
+# tensor a storage policy, declared by module name outside the model code (K3 report, "Training
+# system"). `k3lab.memory` implements four:
+#
+# | policy | what stays on the device until backward | what backward pays |
+# |---|---|---|
+# | keep | every saved tensor | nothing |
+# | recompute | the region's inputs | the region's forward, run again |
+# | offload | nothing (a copy in host memory) | the copy back (PCIe on a GPU) |
+# | fp8 | 1 byte per value and a float32 scale per 128 values | dequantising; ~$2^{-4}$ relative error per value |
+#
+# K3 saves only the MoE's dispatch input and recomputes the dispatch, keeps Block AttnRes fully
+# checkpointed and recomputes element-wise ops. `k3lab.bench.memory.policy_sets` names the sets compared
+# here, as rules on `K3Model`'s module names; `k3_mix` is the K3-like one (MoE FFNs recomputed, the dense
+# FFN in fp8, the mixers kept). Every set but `plain` names every sublayer: Block AttnRes calls the
+# sublayers under saved-tensor hooks of its own (they rebuild each sublayer's input in backward), and the
+# innermost hooks win, so a policy on the root alone would not see what the sublayers save.
+
+# %%
+torch.manual_seed(seed)
+mem_model = K3Model(K3Config.preset("k3-tiny", vocab_size=kdata.vocab_size())).to(device).train()
+sets = policy_sets(mem_model)
+print("sublayers 0, 2, 4, ... are the mixers, 1 the dense FFN, 3, 5, ... the MoE FFNs")
+for name, rules in sets.items():
+    groups = {}
+    for module, policy in sorted(rules.items(), key=lambda kv: int(kv[0].rpartition(".")[2] or -1)):
+        groups.setdefault(policy, []).append(module.removeprefix("sublayers.") or "root")
+    print(f"{name:<14}{SET_DOCS[name]}\n{'':<14}" + ("; ".join(f"{p}: {' '.join(m)}" for p, m in groups.items())
+                                                   or "(no rules)"))
+
+# %% [markdown]
+# First the check: one float32 step of each set on the same weights and tokens against `keep`, every run
+# routed to the keep run's experts. Recompute and offload store the same values, so their gradients must
+# be equal (on a CPU bitwise); fp8 changes what backward reads, never the forward, so the loss is equal and
+# the gradients are within fp8's error.
+
+# %% tags=["nbval-ignore-output"]
+mem_idx = torch.randint(0, mem_model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(seed))
+mem_idx = mem_idx.to(device)
+mem_check = check_policies(mem_model, mem_idx, sets)
+
+# %%
+exact = [n for n, c in mem_check["sets"].items() if c["bound"] == mem_check["exact_bound"]]
+fp8_sets = [n for n in mem_check["sets"] if n not in exact]
+assert all(c["ok"] for c in mem_check["sets"].values())
+print(f"loss and gradients equal to keep's within {mem_check['exact_bound']:.0e}: {', '.join(exact)}")
+print(f"within fp8's bound {mem_check['fp8_bound']:.0e}: {', '.join(fp8_sets)}")
+if device.type == "cpu":
+    assert all(mem_check["sets"][n]["grad_rel_err"] == 0 for n in exact)
+    print("on this CPU the exact sets are bitwise equal to keep")
+
+# %% [markdown]
+# Then what each set holds at the end of forward, as the manager counts it (bytes on the device per
+# policy, and the host copies of offload), and what a forward + backward step takes, on `k3-tiny` with the
+# 2 x 64 tokens above:
+
+# %% tags=["nbval-ignore-output"]
+mem_runs = {}
+# Two rounds over the sets, each set's fastest step kept: a load spike on a shared CPU then slows one
+# round of a set, not its figure.
+for _ in range(2):
+    for name, rules in sets.items():
+        r = measure(mem_model, mem_idx, rules, steps=3, warmup=1)
+        if name not in mem_runs or r["step_ms_min"] < mem_runs[name]["step_ms_min"]:
+            mem_runs[name] = r
+
+# %%
+keep_bytes = mem_runs["keep"]["saved_total_bytes"]
+print(f"{'set':<15}{'saved KiB':>10}{'host KiB':>10}{'vs keep':>9}   by policy (KiB)")
+for name, r in mem_runs.items():
+    if not sets[name]:
+        print(f"{name:<15}{'n/a':>10}{'n/a':>10}{'':>9}   no policies: the manager sees nothing")
+        continue
+    by = ", ".join(f"{p} {b / 2**10:.0f}" for p, b in r["saved_bytes"].items())
+    print(f"{name:<15}{r['saved_total_bytes'] / 2**10:>10.0f}{r['host_bytes'] / 2**10:>10.0f}"
+          f"{r['saved_total_bytes'] / keep_bytes:>9.2f}   {by}")
+assert mem_runs["recompute"]["saved_total_bytes"] < keep_bytes / 3
+assert mem_runs["offload"]["host_bytes"] > 0
+
+# %% tags=["nbval-ignore-output"]
+names = [n for n in mem_runs if sets[n]]
+fig, ax = plt.subplots(1, 2, figsize=(11, 3.2))
+ax[0].barh(names, [mem_runs[n]["saved_total_bytes"] / 2**10 for n in names], label="device")
+ax[0].barh(names, [mem_runs[n]["host_bytes"] / 2**10 for n in names],
+           left=[mem_runs[n]["saved_total_bytes"] / 2**10 for n in names], label="host (offload)")
+ax[0].set(xlabel="KiB held for backward at the end of forward")
+ax[0].legend()
+ax[1].barh(list(mem_runs), [mem_runs[n]["step_ms_min"] for n in mem_runs])
+ax[1].set(xlabel="ms per forward + backward (fastest of 6)")
+ax[1].set_yticks([])
+plt.tight_layout()
+plt.show()
+for name, r in mem_runs.items():
+    print(f"{name:<15}{r['step_ms_min']:.1f} ms ({r['step_ms_min'] / mem_runs['keep']['step_ms_min']:.2f}x keep)")
+
+# %% [markdown]
+# On a CPU at this size the times say little: the step is dominated by Python overhead, offload's
+# "host copy" is a copy within the same memory, and fp8 is quantised by plain PyTorch ops. The trade-off
+# that matters is on the GPU: peak memory of a training step (`torch.cuda.max_memory_allocated`, weights
+# and gradients included) against step time, for `k3-1b` in bf16 autocast. `python -m k3lab.bench.memory`
+# measures it (after the same check in float32) and writes `data/results/memory_<card>.json`:
+
+# %% tags=["nbval-ignore-output"]
+found = sorted(Path("../data/results").glob("memory_h*.json"))
+mem_gpu = json.loads(found[-1].read_text()) if found else None
+if mem_gpu is None:
+    print("no GPU result recorded yet: python -m k3lab.bench.memory on a GPU writes data/results/memory_<card>.json")
+else:
+    from k3lab.bench.memory import table as memory_table
+
+    print(memory_table(mem_gpu))
+    done = {n: r for n, r in mem_gpu["sets"].items() if "step_ms" in r}
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for n, r in done.items():
+        ax.scatter(r["step_ms"], r["peak_bytes"] / 2**30)
+        ax.annotate(n, (r["step_ms"], r["peak_bytes"] / 2**30), textcoords="offset points", xytext=(5, 3))
+    ax.set(xlabel="ms per forward + backward", ylabel="peak GiB of a step",
+           title=f"{mem_gpu['preset']}, {mem_gpu['batch_size']} x {mem_gpu['seq_len']}, {mem_gpu['device']}")
+    plt.tight_layout()
+    plt.show()
+    base = done["plain"]
+    for n, r in done.items():
+        print(f"{n:<14} peak {r['peak_bytes'] / 2**30:5.1f} GiB ({r['peak_bytes'] / base['peak_bytes'] - 1:+.0%}), "
+              f"step {r['step_ms']:5.0f} ms ({r['step_ms'] / base['step_ms'] - 1:+.0%}) against plain")
+    frontier = [n for n, r in done.items() if not any(
+        o is not r and o["peak_bytes"] <= r["peak_bytes"] and o["step_ms"] <= r["step_ms"] for o in done.values())]
+    print("no other set both smaller and faster:", ", ".join(frontier))
+
+# %% [markdown]
+# Read the plot as a frontier: a set earns its place only if no other set is both smaller and faster
+# (the last line names them for the stored run). `start` in the table is what is allocated when a step
+# begins, the weights and whatever the previous step left behind: a set whose `start` exceeds plain's keeps
+# something of its last step alive. The fp8 sets pay for quantising with plain PyTorch ops (several
+# kernels per saved tensor); offload pays for copies the backward waits on.
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. Count `k3-full` with a full-rank KDA output gate (`kda_gate_rank=None`) and with the input
@@ -542,6 +687,8 @@ explorer = explore(plot_counts, n_routed_experts=[128, 256, 384, 512, 896, 1024]
 #    Does Per-Head Muon's position against AdamW change?
 # 6. With the cache sizes of Section 2, how many 1M-token sequences fit in the memory of one H200
 #    (141 GB) beside nothing else, and which layer kind's cache dominates?
+# 7. Put fp8 on the KDA mixers (`sublayers.0`, `sublayers.2`, ...) and run `check_policies`. Which
+#    gradient leaves fp8's bound, and why does a decay's cumulative sum amplify a 2^-4 error?
 #
 # ## References
 #
