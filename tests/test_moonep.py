@@ -1,6 +1,7 @@
 """MoonEP: planner properties (hypothesis) against the App. E reference over random and adversarial loads,
-the layout by a simulated all-to-all, no host sync while planning, input errors, EP = 1 bitwise against
-the dense MoE, and 2- and 4-rank gloo runs (MoonEP and the all-to-all baseline) against one process."""
+the one-kernel Triton fill equal to both (on CPU under TRITON_INTERPRET=1, small sizes), the layout by a
+simulated all-to-all, no host sync while planning, input errors, EP = 1 bitwise against the dense MoE, and
+2- and 4-rank gloo runs (MoonEP and the all-to-all baseline) against one process."""
 from __future__ import annotations
 
 import datetime
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from k3lab.dist import launch
 from k3lab.moonep import layout, moonep_experts, plan, plan_reference
 from k3lab.moonep.workers import ROUTINGS, Case, check_worker, gather_ranks, make_inputs, make_routing, reference
-from k3lab.testing import assert_close
+from k3lab.testing import DEVICE, assert_close
 
 LOADS = ("multinomial", "one_expert", "one_rank_idle", "zipf", "identical", "one_rank_hot")
 
@@ -42,6 +43,16 @@ def make_counts(kind: str, R: int, L: int, S: int, K: int, seed: int) -> torch.T
         w = torch.rand(E, generator=gen, dtype=torch.float64) ** 3 + 1e-3
     rows = [torch.multinomial(w.float().expand(1, E), C, replacement=True, generator=gen)[0] for _ in range(R)]
     return torch.stack([torch.zeros(E, dtype=torch.int64).scatter_add_(0, r, torch.ones_like(r)) for r in rows])
+
+
+PLAN_FIELDS = ("keep", "give", "donor", "assign", "slot_experts", "slot_counts", "offsets")
+
+
+def assert_same_plan(got, want, tag=""):
+    """Every field equal (integers: equal, not close), compared on the CPU."""
+    for name in PLAN_FIELDS:
+        a, b = getattr(got, name).cpu(), getattr(want, name).cpu()
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{tag} plan.{name}:\n{a}\n!=\n{b}"
 
 
 def check_plan(p, counts, S, K):
@@ -76,9 +87,7 @@ def test_planner_properties_and_reference(R, L, S, K, kind, seed):
     """Exact S*K balance, the E/R bound, one donor per rank, no double replica; equal to App. E's reference."""
     counts = make_counts(kind, R, L, S, K, seed)
     p = plan(counts, S, K)
-    ref = plan_reference(counts, S, K)
-    for name in ("keep", "give", "donor", "assign", "slot_experts", "offsets"):
-        assert torch.equal(getattr(p, name), getattr(ref, name)), name
+    assert_same_plan(p, plan_reference(counts, S, K))
     check_plan(p, counts, S, K)
 
 
@@ -125,6 +134,98 @@ def test_layout_by_simulated_all_to_all(R, L, S, K, kind, seed):
         src, pair = owner[v] // C, owner[v] % C
         assert torch.equal(lay.src_rank, src)
         assert torch.equal(lay.slot_experts[slot], idx.view(R, C)[src, pair])
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(R=st.sampled_from([1, 2, 3, 5, 8]), L=st.integers(1, 6), S=st.integers(1, 24), K=st.integers(1, 4),
+       kind=st.sampled_from(LOADS), seed=st.integers(0, 2**16), int32=st.booleans())
+def test_triton_fill_equals_torch_and_reference(R, L, S, K, kind, seed, int32):
+    """The one-kernel fill gives the torch planner's plan and App. E's reference, field for field, on random
+    and adversarial loads, odd R and L (padded tiles), int64 and int32 counts."""
+    counts = make_counts(kind, R, L, S, K, seed)
+    got = plan((counts.int() if int32 else counts).to(DEVICE), S, K, backend="triton")
+    assert_same_plan(got, plan(counts, S, K, backend="torch"), "triton vs torch")
+    assert_same_plan(got, plan_reference(counts, S, K), "triton vs reference")
+    check_plan(got, counts, S, K)
+
+
+def _one_expert_everywhere(R, L, S, K):
+    return torch.zeros(R, R * L, dtype=torch.int64).index_fill_(1, torch.tensor([R * L - 1]), S * K)
+
+
+def _idle_rank(R, L, S, K):
+    """Rank 0's experts idle, every other expert even (the tightness case, R - 1 fills)."""
+    counts = torch.zeros(R, R * L, dtype=torch.int64)
+    counts[:, L:] = S * K // (L * (R - 1))
+    return counts
+
+
+def _ties(R, L, S, K):
+    """Every expert of every rank at the same count except rank 1's, all tied at a higher one: the greedy
+    take must break each tie by the lower expert index, as the torch planner's stable sort does."""
+    counts = torch.full((R, R * L), S * K // (R * L), dtype=torch.int64)
+    counts[:, L:2 * L] += S * K // (R * L)
+    counts[:, 2 * L:3 * L] -= S * K // (R * L)
+    return counts
+
+
+@pytest.mark.parametrize("case, R, L, S, K", [
+    (_one_expert_everywhere, 4, 3, 6, 2),
+    (_one_expert_everywhere, 7, 1, 5, 1),
+    (_idle_rank, 5, 4, 16, 3),
+    (_idle_rank, 16, 2, 30, 1),
+    (_ties, 4, 5, 20, 4),
+    (_ties, 6, 6, 36, 3),
+    (lambda R, L, S, K: make_counts("zipf", R, L, S, K, 1), 1, 9, 4, 2),
+    (lambda R, L, S, K: make_counts("multinomial", R, L, S, K, 2), 16, 1, 9, 2),
+    (lambda R, L, S, K: make_counts("zipf", R, L, S, K, 3), 64, 14, 256, 8),
+    (lambda R, L, S, K: make_counts("one_rank_hot", R, L, S, K, 4), 8, 112, 256, 8),
+], ids=["one-expert", "one-expert-R=E", "idle-rank", "idle-rank-R16", "ties", "ties-6x6", "R=1", "R=E",
+        "E896-R64", "E896-R8"])
+def test_triton_fill_on_adversarial_loads(case, R, L, S, K):
+    """All pairs on one expert, an idle rank, ties, R = 1, R = E, and the benchmark's E = 896 at R = 64 and 8
+    (every rank's experts in one tile row, padded to 16 and 128): the same plan as the torch planner and
+    the reference, every rank at exactly S*K, at most L redundant experts."""
+    counts = case(R, L, S, K)
+    assert torch.equal(counts.sum(1), torch.full((R,), S * K))
+    got = plan(counts.to(DEVICE), S, K, backend="triton")
+    assert_same_plan(got, plan(counts, S, K, backend="torch"), "triton vs torch")
+    assert_same_plan(got, plan_reference(counts, S, K), "triton vs reference")
+    assert check_plan(got, counts, S, K) <= L
+
+
+@pytest.mark.parametrize("num_warps", [1, 8])
+def test_triton_fill_at_other_launch_widths(num_warps):
+    """The rows of counts summed per iteration follow the launch width; R = 7 leaves a partial last group."""
+    from k3lab.kernels.moonep import plan_fill
+    from k3lab.moonep.planner import finish_plan
+
+    counts = make_counts("zipf", 7, 3, 12, 2, 5)
+    got = finish_plan(*plan_fill(counts.to(DEVICE), 12, 2, num_warps=num_warps), 12, 2)
+    assert_same_plan(got, plan_reference(counts, 12, 2))
+
+
+def test_plan_backend_choice_and_refusals(monkeypatch):
+    """None picks Triton only for CUDA counts within the tile; an explicit "triton" outside the tile, or on
+    CPU counts without the interpreter, and an unknown backend are ValueErrors naming what was expected."""
+    from k3lab.moonep.planner import choose_backend
+
+    assert choose_backend(torch.zeros(2, 4, dtype=torch.int64), None) == "torch"
+    assert choose_backend(torch.zeros(2, 4, dtype=torch.int64), "triton") == "triton"
+    if torch.cuda.is_available():
+        assert choose_backend(torch.zeros(64, 896, dtype=torch.int64, device="cuda"), None) == "triton"
+        assert choose_backend(torch.zeros(1, 896, dtype=torch.int64, device="cuda"), None) == "torch"
+    with pytest.raises(ValueError, match=r"next_pow2\(L\) <= 128 .* got R = 1, E = 256, L = 256"):
+        plan(torch.full((1, 256), 1, dtype=torch.int64), 64, 4, backend="triton")
+    with pytest.raises(ValueError, match=r"<= 2048 \(L = E/R\), got R = 64, E = 4096, L = 64"):
+        plan(torch.zeros(64, 4096, dtype=torch.int64), 1, 1, backend="triton")
+    with pytest.raises(ValueError, match=r"backend must be one of \('torch', 'triton'\) or None, got 'cuda'"):
+        plan(torch.zeros(2, 4, dtype=torch.int64), 1, 1, backend="cuda")
+    import k3lab.kernels
+
+    monkeypatch.setattr(k3lab.kernels, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="needs counts on a CUDA device, or TRITON_INTERPRET=1"):
+        plan(torch.zeros(2, 4, dtype=torch.int64), 1, 1, backend="triton")
 
 
 def test_planner_and_layout_never_sync(monkeypatch):

@@ -14,7 +14,9 @@ ceil(E(R-1)/R^2) of them.
 
 Every step is a fixed number of tensor ops on the counts' device (R-1 fill steps, each a no-op once the
 load is even): no ``.item()``, no ``.tolist()``, no data-dependent shapes, so it can run inside a CUDA
-graph. ``naive.plan_reference`` is the same fill in plain Python, the reference this is tested against.
+graph. On a GPU the same fill runs as one Triton kernel launch (``k3lab.kernels.moonep``, the default
+where its tile fits) instead of about 37 launches a step. ``naive.plan_reference`` is the same fill in
+plain Python, the reference both are tested against.
 """
 from __future__ import annotations
 
@@ -110,21 +112,34 @@ def finish_plan(keep: torch.Tensor, give: torch.Tensor, donor: torch.Tensor, S: 
                 slot_counts=slot_counts, offsets=offsets, S=S, K=K)
 
 
-def plan(counts: torch.Tensor, S: int, K: int) -> Plan:
+BACKENDS = ("torch", "triton")
+
+
+def plan(counts: torch.Tensor, S: int, K: int, backend: str | None = None) -> Plan:
     """The MoonEP plan for one micro-batch (K3 report, App. E, constructive proof of Theorem 1).
+
+    Two backends run the same fill and give the same plan, field for field: ``"torch"``, R - 1 steps of
+    small tensor ops on ``counts``' device (any R, E), and ``"triton"``, the whole fill in one kernel
+    launch (``k3lab.kernels.moonep``), for CUDA counts (or CPU counts under TRITON_INTERPRET=1) whose
+    tile fits one program: next_pow2(L) <= 128 and next_pow2(R) * next_pow2(L) <= 2048, L = E/R (every
+    E <= 1024 with L <= 128, e.g. E = 896 from R = 7 on; at most E = 2048).
 
     Args:
         counts (Tensor): [R, E] int64 (or int32), ``counts[r, e]`` = pairs on rank r routed to expert e;
             every row must sum to S*K (not checked: that would read the counts back to the host).
         S (int): tokens per rank.
         K (int): experts per token.
+        backend (str | None): ``"torch"``, ``"triton"``, or None: ``"triton"`` for CUDA counts within the
+            kernel's tile limits, ``"torch"`` otherwise.
 
     Returns:
         Plan: every rank processes exactly S*K pairs, at most E/R of them redundant experts, all from one
-        home rank; tensors on ``counts``' device.
+        home rank; tensors on ``counts``' device. No host synchronisation on either backend.
 
     Raises:
-        ValueError: ``counts`` is not [R, E] integer with E a multiple of R, or S, K not positive ints.
+        ValueError: ``counts`` is not [R, E] integer with E a multiple of R, or S, K not positive ints; an
+            unknown backend; ``backend="triton"`` for R, E outside the tile limits, or for CPU counts
+            without TRITON_INTERPRET=1.
 
     Example:
         >>> p = plan(torch.tensor([[4, 0, 0, 0], [4, 0, 0, 0]]), S=2, K=2)   # R=2, E=4: all to expert 0
@@ -132,6 +147,10 @@ def plan(counts: torch.Tensor, S: int, K: int) -> Plan:
         [[4, 4, 4, 4], [0, 0, 4, 4]]
     """
     R, E, L = check_counts(counts, S, K)
+    if choose_backend(counts, backend) == "triton":
+        from k3lab.kernels.moonep import plan_fill  # noqa: PLC0415 (a CPU process never loads Triton)
+
+        return finish_plan(*plan_fill(counts, S, K), S, K)
     C = S * K
     dev = counts.device
     counts = counts.long()
@@ -163,6 +182,36 @@ def plan(counts: torch.Tensor, S: int, K: int) -> Plan:
         load = load + need * ((ranks == u).long() - (ranks == d).long())
     # 7. slots, offsets and the expert -> rank table.
     return finish_plan(keep, give, donor, S, K)
+
+
+def choose_backend(counts: torch.Tensor, backend: str | None) -> str:
+    """The planner backend for ``counts`` [R, E] (shape already checked): ``backend`` when given and
+    possible, else "triton" for CUDA counts within the kernel's tile limits and "torch" otherwise.
+
+    Raises:
+        ValueError: an unknown backend; "triton" outside the tile limits or on CPU counts without the
+            Triton interpreter.
+    """
+    if backend not in (*BACKENDS, None):
+        raise ValueError(f"plan: backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "torch" or (backend is None and not counts.is_cuda):
+        return "torch"
+    from k3lab.kernels.moonep import MAX_BLOCK_L, MAX_TILE, fill_fits  # noqa: PLC0415
+
+    R, E = counts.shape
+    if backend is None:
+        return "triton" if fill_fits(R, E) else "torch"
+    if not fill_fits(R, E):
+        raise ValueError(f"plan: backend='triton' needs next_pow2(L) <= {MAX_BLOCK_L} and next_pow2(R) * "
+                         f"next_pow2(L) <= {MAX_TILE} (L = E/R), got R = {R}, E = {E}, L = {E // R}; "
+                         "use backend='torch' or None")
+    if not counts.is_cuda:
+        from k3lab.kernels import interpreting  # noqa: PLC0415
+
+        if not interpreting():
+            raise ValueError(f"plan: backend='triton' needs counts on a CUDA device, or TRITON_INTERPRET=1 "
+                             f"(k3lab.setup()) on the CPU; got counts on {counts.device}")
+    return "triton"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,131 @@
+"""App. E's constructive fill (``k3lab.moonep.plan``, steps 1-6) as one Triton program.
+
+The torch planner runs the fill as R - 1 dependent steps of about 37 small tensor ops each: on a GPU that
+is one kernel after another, thousands at R = 64, even inside a CUDA graph. The fill's whole state is
+small (E pair counts, R loads, R donors), so one program holds it in registers and runs every step as a
+few block reductions, with no launch between steps:
+
+    keep  [BLOCK_R, BLOCK_L]  pairs of expert r*L + l still on its home rank r (padded with zeros)
+    give  [BLOCK_R, BLOCK_L]  pairs of expert donor[v]*L + l processed on rank v
+    load  [BLOCK_R]           pairs rank r processes now;  donor [BLOCK_R]
+
+    per fill:  u = argmin(load), d = argmax(load)      (first index on ties, as torch)
+               need = C - load[u]                       (C = S*K; the loop ends once need <= 0)
+               vals = keep[d, :]
+               key_l = vals_l * BLOCK_L + (BLOCK_L - 1 - l)          (unique: most pairs first, then
+                                                                    the lower expert index)
+               before_l = sum_j vals_j [key_j > key_l]               (an [L, L] tile, no sort)
+               take_l = min(max(need - before_l, 0), vals_l)
+               keep[d] -= take, give[u] += take, donor[u] = d, load[u] += need, load[d] -= need
+
+``take`` is the torch planner's greedy take (its stable descending sort, then a cumulative sum) written
+without a sort, so every field is equal, not close. The loop stops at R - 1 fills or once no rank is under
+C, whichever comes first: the torch planner's remaining steps are no-ops (need = 0).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# The tile limits: the [L, L] comparison tile and the [R, L] state tiles stay in one program's registers
+# (compiled for sm_90 at ``default_num_warps``: at most 248 registers a thread, no spill).
+MAX_BLOCK_L = 128
+MAX_TILE = 2048
+# Outside any load the fill sees (at most R*S*K): a padded rank's load for argmin / argmax.
+BIG = 2**62
+
+
+@triton.jit
+def moonep_fill_kernel(counts, keep, give, donor, R, L, C, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
+                       BLOCK_RC: tl.constexpr, BIG: tl.constexpr):
+    # counts: [R, E] int32/int64, contiguous; keep: [E] int64; give: [R, L] int64; donor: [R] int64.
+    # R, L: ranks and experts per rank (E = R*L); C = S*K. BLOCK_R, BLOCK_L: powers of two >= R, L.
+    # BLOCK_RC: rows of counts loaded per loop iteration.
+    o_r = tl.arange(0, BLOCK_R)
+    o_l = tl.arange(0, BLOCK_L)
+    m_r = o_r < R
+    m_rl = m_r[:, None] & (o_l < L)[None, :]
+    o_rl = o_r[:, None] * L + o_l[None, :]
+    # 1. global load per expert, as the [R, L] tile of home rank x local index, and per home rank. BLOCK_RC
+    #    rows per iteration, unrolled so their loads are in flight together; 2-D loads, so that the state
+    #    tiles take the loads' layout (a 3-D load tile would leave them replicated across threads).
+    b_keep = tl.zeros([BLOCK_R, BLOCK_L], dtype=tl.int64)
+    for r0 in range(0, R, BLOCK_RC):
+        for i in tl.static_range(BLOCK_RC):
+            b_keep += tl.load(counts + (r0 + i) * (R * L) + o_rl, mask=m_rl & (r0 + i < R), other=0).to(tl.int64)
+    b_load = tl.sum(b_keep, axis=1)
+    b_give = tl.zeros([BLOCK_R, BLOCK_L], dtype=tl.int64)
+    b_donor = o_r.to(tl.int64)
+    # The greedy order's tie-break: a lower expert index ranks first among equal counts.
+    b_rank_l = (BLOCK_L - 1 - o_l).to(tl.int64)
+    # 2. at most R - 1 fills; 3. the least-loaded receiver u (first index on ties).
+    lo, u = tl.min(tl.where(m_r, b_load, BIG), axis=0, return_indices=True)
+    n_fill = 0
+    while (n_fill < R - 1) & (lo < C):
+        # 3. the most-loaded donor d (first index on ties) and what u lacks.
+        d = tl.argmax(tl.where(m_r, b_load, -BIG), axis=0)
+        need = C - lo
+        # 4. the donor's experts; before_l: pairs of the experts the greedy order takes before l.
+        b_vals = tl.sum(tl.where(o_r[:, None] == d, b_keep, 0), axis=0)
+        b_key = b_vals * BLOCK_L + b_rank_l
+        b_before = tl.sum(tl.where(b_key[None, :] > b_key[:, None], b_vals[None, :], 0), axis=1)
+        # 5. the greedy take up to `need`.
+        b_take = tl.minimum(tl.maximum(need - b_before, 0), b_vals)
+        # 6. move them: the donor keeps fewer, the receiver's redundant slots hold them.
+        b_keep -= tl.where(o_r[:, None] == d, b_take[None, :], 0)
+        b_give += tl.where(o_r[:, None] == u, b_take[None, :], 0)
+        b_donor = tl.where(o_r == u, d.to(tl.int64), b_donor)
+        b_load += tl.where(o_r == u, need, 0) - tl.where(o_r == d, need, 0)
+        lo, u = tl.min(tl.where(m_r, b_load, BIG), axis=0, return_indices=True)
+        n_fill += 1
+    tl.store(keep + o_rl, b_keep, mask=m_rl)
+    tl.store(give + o_rl, b_give, mask=m_rl)
+    tl.store(donor + o_r, b_donor, mask=m_r)
+
+
+def _blocks(R: int, L: int) -> tuple[int, int]:
+    return triton.next_power_of_2(R), triton.next_power_of_2(L)
+
+
+def fill_fits(R: int, E: int) -> bool:
+    """Whether ``plan_fill`` takes R ranks and E experts (E a multiple of R, L = E/R): next_pow2(L) <=
+    MAX_BLOCK_L = 128 and next_pow2(R) * next_pow2(L) <= MAX_TILE = 2048: so E <= 2048, and every E <= 1024
+    with L <= 128 fits (E = 896 from R = 7 ranks on)."""
+    BLOCK_R, BLOCK_L = _blocks(R, E // R)
+    return BLOCK_L <= MAX_BLOCK_L and BLOCK_R * BLOCK_L <= MAX_TILE
+
+
+def default_num_warps(R: int, L: int) -> int:
+    """Warps for the fill: the fewest with at most 8 values of an [R, L] tile and 64 of the [L, L] tile per
+    thread (about 150-250 registers, no spill on sm_90); a small tile stays in one warp, where every
+    reduction is shuffles, without shared memory or a barrier."""
+    BLOCK_R, BLOCK_L = _blocks(R, L)
+    return max(1, min(8, max(BLOCK_R * BLOCK_L // 256, BLOCK_L * BLOCK_L // 2048)))
+
+
+def plan_fill(counts: torch.Tensor, S: int, K: int, num_warps: int | None = None):
+    """The fill of ``k3lab.moonep.plan`` (steps 1-6) in one launch of one program; no host read.
+
+    Args:
+        counts (Tensor): [R, E] int64 or int32 on the GPU (or the CPU under TRITON_INTERPRET=1), already
+            checked by the caller (``planner.check_counts``) and within ``fill_fits(R, E)``.
+        S, K (int): tokens per rank, top-k; C = S*K.
+        num_warps (int | None): launch width; None: ``default_num_warps``.
+
+    Returns:
+        (keep [E] int64, give [R, L] int64, donor [R] int64), the inputs of ``planner.finish_plan``.
+    """
+    R, E = counts.shape
+    L = E // R
+    BLOCK_R, BLOCK_L = _blocks(R, L)
+    num_warps = num_warps or default_num_warps(R, L)
+    # Rows of counts per loop iteration: up to 4, about 16 values per thread in flight.
+    BLOCK_RC = max(1, min(4, BLOCK_R, 512 * num_warps // (BLOCK_R * BLOCK_L)))
+    counts = counts.contiguous()
+    keep = torch.empty(E, dtype=torch.int64, device=counts.device)
+    give = torch.empty(R, L, dtype=torch.int64, device=counts.device)
+    donor = torch.empty(R, dtype=torch.int64, device=counts.device)
+    moonep_fill_kernel[(1,)](counts, keep, give, donor, R, L, S * K, BLOCK_R=BLOCK_R, BLOCK_L=BLOCK_L,
+                             BLOCK_RC=BLOCK_RC, BIG=BIG, num_warps=num_warps)
+    return keep, give, donor
