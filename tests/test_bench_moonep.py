@@ -18,8 +18,10 @@ def test_small_cpu_run_writes_the_json_shape(tmp_path):
     assert data["sync_check"]["passed"] is True
     assert len(data["planner"]) == 4
     for row in data["planner"]:
-        assert {"E", "R", "S", "K", "us", "graph_us"} <= row.keys()
+        assert {"E", "R", "S", "K", "us", "graph_us", "triton_us", "triton_graph_us"} <= row.keys()
         assert row["us"] > 0 and row["graph_us"] is None and row["max_redundant"] <= row["bound"]
+        # The Triton planner beside the torch one (here under the interpreter that conftest switches on).
+        assert row["triton_us"] > 0 and row["triton_graph_us"] is None and "triton_skipped" not in row
     # Both placements of the hot experts; maxvio 4 needs E >= 5K.
     assert [(r["placement"], r["maxvio"]) for r in data["skew"]] == [
         (p, m) for p in ("scattered", "packed") for m in (0.0, 0.5, 1.0, 2.0)]
@@ -76,10 +78,14 @@ def test_bad_flags_stop_at_parsing(argv, match, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_planner_has_no_host_sync_and_replays_as_a_cuda_graph():
     """On a GPU: plan + layout under set_sync_debug_mode("error"), then captured and replayed in a CUDA graph
-    with the eager plan's result."""
+    with the eager plan's result; both planner backends, and the Triton fill kernel alone at every width."""
     device = torch.device("cuda")
     counts, idx = bench.routing_counts(64, 8, 256, 4, device)
-    check = bench.sync_check(counts, idx, 256, 4)
-    assert check["passed"], check["error"]
+    for backend in ("torch", "triton"):
+        check = bench.sync_check(counts, idx, 256, 4, backend)
+        assert check["passed"], (backend, check["error"])
     row = bench.planner_row(64, 8, 256, 4, device, reps=2, graph=True, seed=0)
     assert row["graph_us"] is not None, row.get("graph_error")
+    assert row["triton_graph_us"] is not None, row.get("triton_graph_error")
+    assert row["plan_graph_us"] is not None and row["triton_plan_graph_us"] is not None
+    assert all(row["triton_fill_graph_us"][str(w)] is not None for w in bench.FILL_WARPS)

@@ -410,3 +410,30 @@ def test_layout_rejects_a_rank_outside_the_group(rank):
     p = plan(counts, S=4, K=1)
     with pytest.raises(ValueError, match=r"layout: rank must be an int in \[0, R=2\)"):
         layout(p, counts, torch.tensor([[0], [1], [0], [0]]), rank)
+
+
+COMPILE_FILL = """
+from sm90_compile import compile_sm90
+from k3lab.kernels.moonep import fill
+for R, E in ((64, 896), (8, 896), (7, 21), (16, 2048)):
+    const = dict(fill.launch_config(R, E // R), BIG=fill.BIG)
+    num_warps = const.pop("num_warps")
+    io = dict(counts="*i64", keep="*i64", give="*i64", donor="*i64", R="i32", L="i32", C="i32")
+    print(compile_sm90(fill.moonep_fill_kernel, io, const, num_warps=num_warps))
+"""
+
+
+def test_fill_kernel_compiles_for_sm90_without_spills():
+    """The interpreter accepts code the GPU compiler refuses: compile the fill for sm_90 (Triton's front end
+    and the wheel's ptxas, no GPU needed) at the benchmark's shapes and the tile limit, each at the
+    launcher's width, in a process without TRITON_INTERPRET; no register spills (STACK:0)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", COMPILE_FILL], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert len(lines) == 4 and all("STACK:0" in line for line in lines), run.stdout

@@ -4,12 +4,16 @@
     python -m k3lab.bench.moonep --device cpu --small     # tiny sizes, no CUDA graph: checks the script
     python -m k3lab.bench.moonep --skip-planner --maxvio 0 4 --out /tmp/skew.json
 
-Order: (1) correctness: the planner on the device equals App. E's reference (``plan_reference``) at every
-planner shape, each rank-0 layout puts its S*K pairs on distinct rows, the traffic this script prices
-equals the rows the layouts move, and the expert GEMMs agree with the loop reference; (2) no host
-synchronisation in ``plan`` + ``layout`` (on a GPU under ``torch.cuda.set_sync_debug_mode("error")``; on
-the CPU with ``.item()``/``.tolist()``/``bool()``... patched to raise); (3) planner latency, plan + layout
-for rank 0, timed eagerly and as a CUDA-graph replay of the same two calls; (4) the simulated EP step.
+Order: (1) correctness: the planner on the device, both backends (the torch fill and the one-kernel Triton
+fill), equals App. E's reference (``plan_reference``) at every planner shape, each rank-0 layout puts its
+S*K pairs on distinct rows, the traffic this script prices equals the rows the layouts move, and the
+expert GEMMs agree with the loop reference; (2) no host synchronisation in ``plan`` + ``layout`` (on a GPU
+under ``torch.cuda.set_sync_debug_mode("error")``, each backend; on the CPU with
+``.item()``/``.tolist()``/``bool()``... patched to raise, the torch backend); (3) planner latency, plan +
+layout for rank 0, timed eagerly and as a CUDA-graph replay of the same two calls, for each backend in the
+same run, plus the plan alone and the Triton fill kernel alone at 1, 2, 4 and 8 warps (replayed); (4) the
+simulated EP step. The Triton backend runs where ``plan`` can take it: CUDA counts within its tile limits
+(on the CPU only under TRITON_INTERPRET=1, where its times measure the interpreter).
 
 The EP step is a simulation on one GPU, labelled so in the JSON and the table. By default E = 64 experts
 over R = 8 ranks, top-8, S = 8192 tokens a rank, experts of width d = 1024 and hidden h = 1024
@@ -183,32 +187,51 @@ def time_ms(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def sync_check(counts: torch.Tensor, idx: torch.Tensor, S: int, K: int) -> dict:
-    """plan + layout under ``forbid_host_sync``: {"passed": bool, "how": ..., "error": str | None}."""
+def sync_check(counts: torch.Tensor, idx: torch.Tensor, S: int, K: int, backend: str | None = None) -> dict:
+    """plan (``backend``, as ``plan`` takes it) + layout under ``forbid_host_sync``: {"passed": bool, "how":
+    ..., "error": str | None}. A Triton backend is compiled by one call before the check (compiling is not
+    the path being checked)."""
     from k3lab.moonep import layout, plan  # noqa: PLC0415
 
     how = ('torch.cuda.set_sync_debug_mode("error")' if counts.is_cuda else
            f"CPU: Tensor.{', .'.join(SYNC_METHODS)} patched to raise")
+    if backend == "triton":
+        plan(counts, S, K, backend=backend)
     try:
         with forbid_host_sync(counts.device):
-            layout(plan(counts, S, K), counts, idx, 0)
+            layout(plan(counts, S, K, backend=backend), counts, idx, 0)
     except RuntimeError as exc:
         return dict(passed=False, how=how, error=str(exc).splitlines()[0][:300])
     return dict(passed=True, how=how, error=None)
 
 
-def check_planner(counts: torch.Tensor, idx: torch.Tensor, S: int, K: int) -> dict:
-    """The device plan equals ``plan_reference`` (every field) and rank 0's layout fills distinct rows.
+def triton_planner_ok(counts: torch.Tensor) -> str | None:
+    """None when ``plan(counts, backend="triton")`` can run here, else why not (CPU counts without the
+    Triton interpreter, or R, E outside the kernel's tile limits)."""
+    from k3lab.moonep.planner import choose_backend  # noqa: PLC0415
+
+    try:
+        choose_backend(counts, "triton")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def check_planner(counts: torch.Tensor, idx: torch.Tensor, S: int, K: int, backends=("torch",)) -> dict:
+    """The device plan of every backend in ``backends`` equals ``plan_reference`` (every field) and rank 0's
+    layout fills distinct rows.
 
     Raises:
         AssertionError: a field differs, or a layout row is used twice or lies outside [0, S*K).
     """
     from k3lab.moonep import layout, plan, plan_reference  # noqa: PLC0415
 
-    p = plan(counts, S, K)
     ref = plan_reference(counts.cpu(), S, K)
-    for name in ("keep", "give", "donor", "assign", "slot_experts", "offsets"):
-        assert torch.equal(getattr(p, name).cpu(), getattr(ref, name)), f"plan.{name} differs from plan_reference"
+    for backend in backends:
+        p = plan(counts, S, K, backend=backend)
+        for name in ("keep", "give", "donor", "assign", "slot_experts", "slot_counts", "offsets"):
+            assert torch.equal(getattr(p, name).cpu(), getattr(ref, name)), \
+                f"plan.{name} ({backend}) differs from plan_reference"
     lay = layout(p, counts, idx, 0)
     C = S * K
     rows = lay.dest_rank * C + lay.dest_row
@@ -282,28 +305,69 @@ def capture_graph(fn):
     return graph, out
 
 
-def planner_row(E: int, R: int, S: int, K: int, device: torch.device, reps: int, graph: bool, seed: int) -> dict:
-    """Correctness, then plan + layout (rank 0) eagerly and, with ``graph``, as a CUDA-graph replay."""
+def timed_us(fn, device: torch.device, reps: int, graph: bool, check=None) -> tuple[float, float | None, str | None]:
+    """(eager us, CUDA-graph replay us or None, the capture's error or None) of ``fn``; ``check(replayed,
+    eager)`` compares the replay's outputs with a fresh eager call's (AssertionError when they differ)."""
+    eager = 1e3 * time_ms(fn, device, reps)
+    if not graph:
+        return eager, None, None
+    try:
+        g, out_g = capture_graph(fn)
+        g.replay()
+        if check is not None:
+            check(out_g, fn())
+        return eager, 1e3 * time_ms(g.replay, device, 5 * reps, warmup=3), None
+    except (RuntimeError, AssertionError) as exc:
+        return eager, None, str(exc).splitlines()[0][:300]
+
+
+FILL_WARPS = (1, 2, 4, 8)
+
+
+def planner_row(E: int, R: int, S: int, K: int, device: torch.device, reps: int, graph: bool, seed: int,
+                triton_graph: bool | None = None) -> dict:
+    """Correctness, then plan + layout (rank 0) eagerly and, with ``graph``, as a CUDA-graph replay, for the
+    torch planner (``us``, ``graph_us``) and the one-kernel Triton fill (``triton_us``, ``triton_graph_us``;
+    None with ``triton_skipped`` where it cannot run here). With graphs also the plan alone
+    (``plan_graph_us``, ``triton_plan_graph_us``) and the fill kernel alone at each launch width
+    (``triton_fill_graph_us``: {warps: us}; ``triton_num_warps`` is the launcher's default).
+    ``triton_graph`` (default ``graph``) gates the Triton captures separately (its sync check)."""
     from k3lab.moonep import layout, plan  # noqa: PLC0415
 
     counts, idx = routing_counts(E, R, S, K, device, seed)
-    check = check_planner(counts, idx, S, K)
+    triton_graph = graph if triton_graph is None else triton_graph
+    skipped = triton_planner_ok(counts)
+    check = check_planner(counts, idx, S, K, ("torch",) if skipped else ("torch", "triton"))
+    row = dict(E=E, R=R, S=S, K=K, **check)
 
-    def step():
-        p = plan(counts, S, K)
-        return p, layout(p, counts, idx, 0)
+    def same(replayed, eager):
+        (p_g, lay_g), (p, lay) = replayed, eager
+        assert torch.equal(p_g.offsets, p.offsets) and torch.equal(lay_g.dest_row, lay.dest_row), \
+            "the replayed graph's plan differs from the eager one"
 
-    row = dict(E=E, R=R, S=S, K=K, us=1e3 * time_ms(step, device, reps), graph_us=None, **check)
-    if graph:
-        try:
-            g, (p_g, lay_g) = capture_graph(step)
-            g.replay()
-            p, lay = step()
-            assert torch.equal(p_g.offsets, p.offsets) and torch.equal(lay_g.dest_row, lay.dest_row), \
-                "the replayed graph's plan differs from the eager one"
-            row["graph_us"] = 1e3 * time_ms(g.replay, device, 5 * reps, warmup=3)
-        except (RuntimeError, AssertionError) as exc:
-            row["graph_error"] = str(exc).splitlines()[0][:300]
+    for backend, prefix, use_graph in (("torch", "", graph), ("triton", "triton_", triton_graph)):
+        keys = (f"{prefix}us", f"{prefix}graph_us", f"{prefix}plan_graph_us")
+        if backend == "triton" and skipped:
+            row.update(dict.fromkeys(keys), triton_skipped=skipped)
+            continue
+
+        def step(backend=backend):
+            p = plan(counts, S, K, backend=backend)
+            return p, layout(p, counts, idx, 0)
+
+        row[keys[0]], row[keys[1]], error = timed_us(step, device, reps, use_graph, same)
+        if error:
+            row[f"{prefix}graph_error"] = error
+        row[keys[2]] = timed_us(lambda backend=backend: plan(counts, S, K, backend=backend), device, reps,
+                                use_graph)[1] if use_graph and not error else None
+    if not skipped and triton_graph:
+        from k3lab.kernels.moonep import plan_fill  # noqa: PLC0415
+        from k3lab.kernels.moonep.fill import default_num_warps  # noqa: PLC0415
+
+        row["triton_num_warps"] = default_num_warps(R, E // R)
+        row["triton_fill_graph_us"] = {
+            str(w): timed_us(lambda w=w: plan_fill(counts, S, K, num_warps=w), device, reps, True)[1]
+            for w in FILL_WARPS}
     return row
 
 
@@ -443,15 +507,21 @@ def main(argv=None) -> dict:
                                         dtype=str(dtype).removeprefix("torch."), placements=args.placement)),
                   check=dict(expert_ffn_rel_err=check_experts(device, dtype, args.d, args.h),
                              traffic_matches_layout=True))
-    # (2) no host sync while planning, at the largest planner shape.
+    # (2) no host sync while planning, at the largest planner shape, for each backend (Triton's on the GPU
+    #     only: its CPU interpreter copies tensors to numpy by design).
     if not args.skip_planner:
         E, R, K = max(shapes, key=lambda s: (s[1], s[0], s[2]))
         counts, idx = routing_counts(E, R, args.S, K, device, args.seed)
-        result["sync_check"] = dict(E=E, R=R, S=args.S, K=K, **sync_check(counts, idx, args.S, K))
+        result["sync_check"] = dict(E=E, R=R, S=args.S, K=K, **sync_check(counts, idx, args.S, K, "torch"))
+        if device.type == "cuda" and triton_planner_ok(counts) is None:
+            result["sync_check_triton"] = dict(E=E, R=R, S=args.S, K=K,
+                                               **sync_check(counts, idx, args.S, K, "triton"))
     # (3) planner latency; no capture when the path syncs (capture would fail, possibly mid-graph).
-    graph = graph and result.get("sync_check", {}).get("passed", False)
+    torch_graph = graph and result.get("sync_check", {}).get("passed", False)
+    triton_graph = graph and result.get("sync_check_triton", {}).get("passed", False)
     result["planner"] = [] if args.skip_planner else [
-        planner_row(E, R, args.S, K, device, args.reps, graph, args.seed) for E, R, K in shapes]
+        planner_row(E, R, args.S, K, device, args.reps, torch_graph, args.seed, triton_graph)
+        for E, R, K in shapes]
     # (4) the simulated EP step.
     result["skew"] = [] if args.skip_skew else [
         dict(skew_row(m, args.sim_E, args.sim_R, args.S, args.sim_K, args.d, args.h, device, dtype, args.reps,
@@ -468,14 +538,18 @@ def main(argv=None) -> dict:
 
 
 def floors(result: dict) -> dict:
-    """The targets, where the run measured them: the planner at E = 896, R = 64 (best of eager and
-    graph, over K) <= 200 us, and MoonEP's simulated step growing <= 10% from the smallest to the largest
-    maxvio (per placement: {"moonep_step_growth": {placement: ...}})."""
+    """The targets, where the run measured them: the planner at E = 896, R = 64 (best of eager and graph,
+    torch and Triton, over K; ``best_of`` names it) <= 200 us, and MoonEP's simulated step growing <= 10% from
+    the smallest to the largest maxvio (per placement: {"moonep_step_growth": {placement: ...}})."""
     out = {}
-    big = [r for r in result["planner"] if r["E"] == 896 and r["R"] == 64]
+    big = [(r.get(key), backend) for r in result["planner"] if r["E"] == 896 and r["R"] == 64
+           for key, backend in (("us", "torch"), ("graph_us", "torch graph"), ("triton_us", "triton"),
+                                ("triton_graph_us", "triton graph"))]
+    big = [x for x in big if x[0] is not None]
     if big:
-        best = min(min(x for x in (r["us"], r["graph_us"]) if x is not None) for r in big)
-        out["planner_us_E896_R64"] = dict(best_us=best, floor_us=PLANNER_FLOOR_US, met=best <= PLANNER_FLOOR_US)
+        best, how = min(big)
+        out["planner_us_E896_R64"] = dict(best_us=best, best_of=how, floor_us=PLANNER_FLOOR_US,
+                                          met=best <= PLANNER_FLOOR_US)
     for placement in dict.fromkeys(r.get("placement", "scattered") for r in result["skew"]):
         skew = sorted((r for r in result["skew"] if r.get("placement", "scattered") == placement),
                       key=lambda r: r["maxvio"])
@@ -490,16 +564,29 @@ def floors(result: dict) -> dict:
 
 def table(result: dict) -> str:
     lines = [f"MoonEP on {result['device']} ({result['date']}, commit {str(result['commit'])[:10]})"]
-    sc = result.get("sync_check")
-    if sc:
-        lines.append(f"no host sync in plan + layout (E={sc['E']}, R={sc['R']}, K={sc['K']}; {sc['how']}): "
-                     + ("passed" if sc["passed"] else f"FAILED: {sc['error']}"))
+    for key, name in (("sync_check", "torch"), ("sync_check_triton", "triton")):
+        sc = result.get(key)
+        if sc:
+            lines.append(f"no host sync in plan ({name}) + layout (E={sc['E']}, R={sc['R']}, K={sc['K']}; "
+                         f"{sc['how']}): " + ("passed" if sc["passed"] else f"FAILED: {sc['error']}"))
     if result["planner"]:
-        lines += ["", f"planner latency, plan + layout of rank 0, S = {result['planner'][0]['S']}",
-                  f"{'E':>5}{'R':>5}{'K':>4}{'eager us':>11}{'graph us':>11}{'redundant':>11}{'E/R':>5}"]
+
+        def us(r, key, width):
+            return f"{r[key]:>{width}.0f}" if r.get(key) is not None else f"{'-':>{width}}"
+
+        lines += ["", f"planner latency (us), S = {result['planner'][0]['S']}: plan + layout of rank 0, eager and as a "
+                  "CUDA-graph replay; the plan alone and the Triton fill kernel alone (best launch width), replayed",
+                  f"{'E':>5}{'R':>5}{'K':>4}{'torch':>8}{'graph':>8}{'triton':>8}{'graph':>8}"
+                  f"{'plan: torch':>13}{'triton':>8}{'fill kernel':>13}{'redundant':>11}{'E/R':>5}"]
         for r in result["planner"]:
-            g = f"{r['graph_us']:>11.0f}" if r["graph_us"] is not None else f"{'-':>11}"
-            lines.append(f"{r['E']:>5}{r['R']:>5}{r['K']:>4}{r['us']:>11.0f}{g}{r['max_redundant']:>11}{r['bound']:>5}")
+            fill = {w: t for w, t in (r.get("triton_fill_graph_us") or {}).items() if t is not None}
+            best = min(fill, key=fill.get) if fill else None
+            fill_text = f"{fill[best]:>7.0f} ({best}w)" if best else f"{'-':>13}"
+            lines.append(f"{r['E']:>5}{r['R']:>5}{r['K']:>4}{us(r, 'us', 8)}{us(r, 'graph_us', 8)}"
+                         f"{us(r, 'triton_us', 8)}{us(r, 'triton_graph_us', 8)}{us(r, 'plan_graph_us', 13)}"
+                         f"{us(r, 'triton_plan_graph_us', 8)}{fill_text:>13}{r['max_redundant']:>11}{r['bound']:>5}")
+        skipped = {r["triton_skipped"] for r in result["planner"] if r.get("triton_skipped")}
+        lines += [f"triton not run: {why}" for why in sorted(skipped)]
     if result["skew"]:
         s, m = result["shapes"]["skew"], result["comm_model"]
         lines += ["", f"SIMULATED EP step (timed on one {result['device']}): E={s['E']}, R={s['R']}, K={s['K']}, "
@@ -516,7 +603,8 @@ def table(result: dict) -> str:
     f = result["floors"]
     if "planner_us_E896_R64" in f:
         x = f["planner_us_E896_R64"]
-        lines.append(f"\nfloor: planner at E=896, R=64 {x['best_us']:.0f} us (<= {x['floor_us']:.0f}): "
+        best_of = f", {x['best_of']}" if "best_of" in x else ""
+        lines.append(f"\nfloor: planner at E=896, R=64 {x['best_us']:.0f} us{best_of} (<= {x['floor_us']:.0f}): "
                      + ("met" if x["met"] else "NOT met"))
     for placement, x in f.get("moonep_step_growth", {}).items():
         lines.append(f"floor (simulated, hot experts {placement}): MoonEP step {100 * x['growth']:+.1f}% from maxvio "

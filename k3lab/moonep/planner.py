@@ -196,6 +196,12 @@ def choose_backend(counts: torch.Tensor, backend: str | None) -> str:
         raise ValueError(f"plan: backend must be one of {BACKENDS} or None, got {backend!r}")
     if backend == "torch" or (backend is None and not counts.is_cuda):
         return "torch"
+    if not counts.is_cuda:
+        from k3lab.kernels import interpreting  # noqa: PLC0415
+
+        if not interpreting():
+            raise ValueError(f"plan: backend='triton' needs counts on a CUDA device, or TRITON_INTERPRET=1 "
+                             f"(k3lab.setup()) on the CPU; got counts on {counts.device}")
     from k3lab.kernels.moonep import MAX_BLOCK_L, MAX_TILE, fill_fits  # noqa: PLC0415
 
     R, E = counts.shape
@@ -205,12 +211,6 @@ def choose_backend(counts: torch.Tensor, backend: str | None) -> str:
         raise ValueError(f"plan: backend='triton' needs next_pow2(L) <= {MAX_BLOCK_L} and next_pow2(R) * "
                          f"next_pow2(L) <= {MAX_TILE} (L = E/R), got R = {R}, E = {E}, L = {E // R}; "
                          "use backend='torch' or None")
-    if not counts.is_cuda:
-        from k3lab.kernels import interpreting  # noqa: PLC0415
-
-        if not interpreting():
-            raise ValueError(f"plan: backend='triton' needs counts on a CUDA device, or TRITON_INTERPRET=1 "
-                             f"(k3lab.setup()) on the CPU; got counts on {counts.device}")
     return "triton"
 
 

@@ -104,6 +104,16 @@ def default_num_warps(R: int, L: int) -> int:
     return max(1, min(8, max(BLOCK_R * BLOCK_L // 256, BLOCK_L * BLOCK_L // 2048)))
 
 
+def launch_config(R: int, L: int, num_warps: int | None = None) -> dict:
+    """The fill's constexprs and launch width for R ranks of L experts: BLOCK_R, BLOCK_L, BLOCK_RC (rows of
+    counts loaded per iteration: up to 4, about 16 values per thread in flight) and num_warps (None:
+    ``default_num_warps``)."""
+    BLOCK_R, BLOCK_L = _blocks(R, L)
+    num_warps = num_warps or default_num_warps(R, L)
+    BLOCK_RC = max(1, min(4, BLOCK_R, 512 * num_warps // (BLOCK_R * BLOCK_L)))
+    return dict(BLOCK_R=BLOCK_R, BLOCK_L=BLOCK_L, BLOCK_RC=BLOCK_RC, num_warps=num_warps)
+
+
 def plan_fill(counts: torch.Tensor, S: int, K: int, num_warps: int | None = None):
     """The fill of ``k3lab.moonep.plan`` (steps 1-6) in one launch of one program; no host read.
 
@@ -118,14 +128,9 @@ def plan_fill(counts: torch.Tensor, S: int, K: int, num_warps: int | None = None
     """
     R, E = counts.shape
     L = E // R
-    BLOCK_R, BLOCK_L = _blocks(R, L)
-    num_warps = num_warps or default_num_warps(R, L)
-    # Rows of counts per loop iteration: up to 4, about 16 values per thread in flight.
-    BLOCK_RC = max(1, min(4, BLOCK_R, 512 * num_warps // (BLOCK_R * BLOCK_L)))
     counts = counts.contiguous()
     keep = torch.empty(E, dtype=torch.int64, device=counts.device)
     give = torch.empty(R, L, dtype=torch.int64, device=counts.device)
     donor = torch.empty(R, dtype=torch.int64, device=counts.device)
-    moonep_fill_kernel[(1,)](counts, keep, give, donor, R, L, S * K, BLOCK_R=BLOCK_R, BLOCK_L=BLOCK_L,
-                             BLOCK_RC=BLOCK_RC, BIG=BIG, num_warps=num_warps)
+    moonep_fill_kernel[(1,)](counts, keep, give, donor, R, L, S * K, BIG=BIG, **launch_config(R, L, num_warps))
     return keep, give, donor
