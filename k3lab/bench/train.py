@@ -27,6 +27,7 @@ printed last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import statistics
@@ -38,7 +39,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from k3lab.bench import positive_float, positive_int, run_info, write_result
+from k3lab.bench import RoutingReplay, positive_float, positive_int, run_info, write_result
 from k3lab.data import load_split, resolve_data_dir
 from k3lab.lm import PreNormResidual
 from k3lab.model import K3Config, count_params, flops_per_token, mfu
@@ -95,30 +96,17 @@ def check_bf16(config: TrainConfig, device: torch.device, batch_size: int = 2) -
         AssertionError: the loss's relative error above ``BF16_LOSS_BOUND``, the same-routing logits' above
             ``BF16_LOGITS_BOUND``, or either not finite.
     """
-    from k3lab.moe.router import Router, Routing  # noqa: PLC0415
-
     x, y = real_batch(config, batch_size, device)
     model = build_model(config, device)
     model.train()
-    chosen = {}
-
-    def record(router, args, routing):
-        chosen[id(router)] = routing.topk_idx
-
-    def replay(router, args, routing):
-        # The float32 run's experts, weighted by this run's scores: only the arithmetic differs.
-        w = routing.scores.gather(1, chosen[id(router)])
-        w = w / w.sum(-1, keepdim=True) if router.renormalize else w
-        return Routing(routing.scores, chosen[id(router)], w * router.routed_scaling, routing.cutoff)
-
+    # The float32 run with routing recorded, then bf16 replaying its experts: only the arithmetic differs.
+    replay = RoutingReplay(model)
     out = {}
-    for name, autocast, hook in (("fp32", False, None), ("bf16", True, None), ("fp32_rec", False, record),
-                                 ("bf16_same_routing", True, replay)):
-        handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, Router)] if hook else []
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+    for name, autocast, pinned in (("fp32", False, False), ("bf16", True, False), ("fp32_rec", False, True),
+                                   ("bf16_same_routing", True, True)):
+        with replay if pinned else contextlib.nullcontext(), \
+                torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             logits, loss = model(x, y)
-        for h in handles:
-            h.remove()
         out[name] = (logits.detach().float(), float(loss.detach()))
         del logits, loss
     (logits32, loss32), (logits16, loss16) = out["fp32"], out["bf16"]
