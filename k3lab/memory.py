@@ -5,7 +5,8 @@ Policies (``POLICIES``):
 
     keep        the tensor stays where autograd put it (the default of plain PyTorch)
     recompute   the region is activation-checkpointed (``torch.utils.checkpoint``, non-reentrant):
-                only its inputs are kept, everything inside is recomputed in backward
+                only its inputs are kept, everything inside is recomputed in backward except the
+                outputs of top-k (``SAVED_IN_RECOMPUTE``): a replay routes to the forward's experts
     offload     a copy goes to host memory (pinned, copied on a side stream on CUDA; a plain copy on
                 CPU, which only simulates the saving) and comes back when backward needs it
     fp8         block-wise FP8: float8_e4m3fn with one float32 scale per block of 128 values along
@@ -45,12 +46,27 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 POLICIES = ("keep", "recompute", "offload", "fp8")
 FP8_BLOCK = 128
 # Largest finite float8_e4m3fn value: the block's absolute maximum is mapped onto it.
 FP8_MAX = 448.0
+
+
+# Ops a recompute region keeps the forward's outputs of instead of recomputing them: top-k makes the MoE
+# routers' discrete choice. On a GPU a replay's router logits can differ from the forward's in the last bit
+# (reductions in another order), and a flipped near-tie would send the replayed tokens to other experts:
+# the backward would differentiate another function (silently, or with a shape error in the dispatch).
+SAVED_IN_RECOMPUTE = (torch.ops.aten.topk.default,)
+
+
+def _recompute_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_IN_RECOMPUTE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recompute_contexts():
+    return create_selective_checkpoint_contexts(_recompute_policy)
 
 
 def check_policy(policy: str) -> str:
@@ -293,7 +309,7 @@ class ActivationManager:
         # checkpoint stores the region's inputs through a Function that saves them before it pushes
         # its own hooks, so these hooks see (and count) exactly what recompute keeps.
         with self.hooks("recompute"):
-            return checkpoint(region, *args, use_reentrant=False, **kwargs)
+            return checkpoint(region, *args, use_reentrant=False, context_fn=_recompute_contexts, **kwargs)
 
 
 @contextlib.contextmanager

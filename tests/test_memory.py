@@ -274,3 +274,27 @@ def test_unused_graph_freed_without_gc(policy):
         assert mgr.live_tensors() == 0 and mgr.live_bytes() == 0
     finally:
         gc.enable()
+
+
+def test_recompute_replays_the_forwards_expert_choice():
+    """On a GPU a replay's router logits can differ from the forward's in the last bit, and a flipped near-tie
+    would route the replayed tokens to other experts. Here the replay's router input is negated, which
+    reverses every choice: under the recompute policy top-k still returns the forward's experts."""
+    from torch.utils.checkpoint import checkpoint
+
+    from k3lab.moe import MoE, MoEConfig
+    from k3lab.moe.balance import in_backward
+
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(d_model=16, n_experts=8, top_k=2, expert_hidden=8, latent_dim=8, n_shared=1))
+    chosen = []
+    # The same ops in the forward and the replay (a selective checkpoint matches them one to one).
+    moe.router.register_forward_pre_hook(lambda m, args: (args[0] * (-1.0 if in_backward() else 1.0),))
+    moe.router.register_forward_hook(lambda m, args, out: chosen.append(out.topk_idx.clone()))
+    x = torch.randn(1, 12, 16, requires_grad=True)
+    ActivationManager().run("recompute", moe, x).square().sum().backward()
+    assert len(chosen) == 2 and torch.equal(chosen[0], chosen[1])
+    # The check can fail: a plain checkpoint replays the negated input's own choice.
+    chosen.clear()
+    checkpoint(moe, x, use_reentrant=False).square().sum().backward()
+    assert len(chosen) == 2 and not torch.equal(chosen[0], chosen[1])
