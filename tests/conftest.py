@@ -195,3 +195,24 @@ def _assert_all_close(ours, ref, tol=FLASH_KDA_TOL_GRAD, skip=()):
 def assert_all_close():
     """``assert_all_close(ours, ref, tol=..., skip=())`` over two ``kda_run_both`` dicts."""
     return _assert_all_close
+
+
+def _compile_sm90_lines(script: str, timeout: float = 600) -> list[str]:
+    """Run ``script`` (which prints ``sm90_compile.compile_sm90`` lines) in a fresh process without
+    TRITON_INTERPRET, where the interpreter's leniency cannot hide what the GPU compiler refuses; its stdout
+    lines. Fails the test with the script's stderr when it does not exit 0."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.splitlines()
+
+
+@pytest.fixture
+def compile_sm90_lines():
+    """``_compile_sm90_lines``: compile kernels for sm_90 in a subprocess (no GPU needed)."""
+    return _compile_sm90_lines

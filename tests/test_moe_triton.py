@@ -51,17 +51,8 @@ for situ in (True, False):
 """
 
 
-def test_glu_kernels_compile_for_sm90():
+def test_glu_kernels_compile_for_sm90(compile_sm90_lines):
     """The interpreter accepts code the GPU compiler refuses: compile both kernels for the H200 (Triton's
     front end and the wheel's ptxas, no GPU needed) in a process without TRITON_INTERPRET."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", COMPILE_GLU], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.splitlines()
-    assert len(lines) == 8 and all("STACK:0" in line for line in lines), run.stdout
+    lines = compile_sm90_lines(COMPILE_GLU)
+    assert len(lines) == 8 and all("STACK:0" in line for line in lines), lines

@@ -423,17 +423,9 @@ for R, E in ((64, 896), (8, 896), (7, 21), (16, 2048)):
 """
 
 
-def test_fill_kernel_compiles_for_sm90_without_spills():
+def test_fill_kernel_compiles_for_sm90_without_spills(compile_sm90_lines):
     """The interpreter accepts code the GPU compiler refuses: compile the fill for sm_90 (Triton's front end
     and the wheel's ptxas, no GPU needed) at the benchmark's shapes and the tile limit, each at the
     launcher's width, in a process without TRITON_INTERPRET; no register spills (STACK:0)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", COMPILE_FILL], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.splitlines()
-    assert len(lines) == 4 and all("STACK:0" in line for line in lines), run.stdout
+    lines = compile_sm90_lines(COMPILE_FILL)
+    assert len(lines) == 4 and all("STACK:0" in line for line in lines), lines
