@@ -231,6 +231,18 @@ class PerHeadMuon(torch.optim.Optimizer):
                         raise ValueError(f"param group {i}: row_blocks must be positive ints summing to the "
                                          f"parameter's {rows} rows, got {blocks!r}")
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, keeping Muon's momentum in the dtype it was saved in:
+        torch casts restored floating state to the parameter's dtype, and the momentum of a low-precision
+        parameter is float32 (``_momentum``)."""
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, saved in state_dict["state"].items():
+            buf = saved.get("momentum_buffer") if isinstance(saved, dict) else None
+            p = params[index] if isinstance(index, int) and index < len(params) else None
+            if p is not None and isinstance(buf, torch.Tensor) and buf.dtype != p.dtype:
+                self.state[p]["momentum_buffer"] = buf.to(device=p.device, copy=True)
+
     @torch.no_grad()
     def step(self, closure=None):
         """One step: clip the raw gradients (``max_grad_norm``), then Muon / AdamW per group.

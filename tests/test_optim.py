@@ -185,7 +185,11 @@ def test_bf16_grads_with_float32_momentum():
     p.grad = torch.randn_like(p)
     opt.step()
     assert opt.state[p]["momentum_buffer"].dtype == torch.float32
-    opt.load_state_dict(opt.state_dict())
+    saved = opt.state_dict()
+    opt.load_state_dict(saved)
+    # torch's load_state_dict casts floating state to the parameter's dtype: the momentum must stay float32.
+    assert opt.state[p]["momentum_buffer"].dtype == torch.float32
+    assert torch.equal(opt.state[p]["momentum_buffer"], saved["state"][0]["momentum_buffer"])
     p.grad = torch.randn_like(p)
     opt.step()
     assert torch.isfinite(p.float()).all()
