@@ -142,12 +142,33 @@ assert device.type == ("cuda" if profile == "gpu" else "cpu")
 # - **Papermill / the runner**: `python -m k3lab.book run --only 00` executes chapter 00 into
 #   `build/notebooks/` and `build/html/`; `-p seq_len 128` overrides a parameter; on a GPU node
 #   `python -m k3lab.book run --profile gpu` uses `params/h200.yaml`. Plain papermill works too:
-#   `cd book && papermill -k python3 00_introduction.ipynb out.ipynb -p profile gpu`.
+#   `cd book && papermill -k python3 --execution-timeout 1800 00_introduction.ipynb out.ipynb -p profile gpu`
+#   (keep the per-cell timeout: papermill has none of its own).
 # - **CI**: `make test` (what `.ci/run` runs) checks that every `.py`/`.ipynb` pair agrees, then runs
 #   the package tests and re-executes every notebook with `pytest --nbval`, comparing the text outputs
 #   stored in `book/*.ipynb` (cells whose numbers depend on timing or hardware are tagged
 #   `nbval-ignore-output`). After editing a chapter, `python -m k3lab.book store NN` refreshes its
 #   stored outputs.
+
+# %% [markdown]
+# ### The GPU profile, chapter by chapter
+#
+# `python -m k3lab.book run --profile gpu --record` adds each chapter's outcome on the GPU profile to
+# `data/results/book_gpu_<card>.json` (a chapter run again replaces its row, with the commit it ran at and
+# any `-p` overrides, which make a row a trimmed run rather than the profile). The rows recorded so far:
+
+# %%
+from k3lab.book import ROOT
+
+tables = sorted((ROOT / "data" / "results").glob("book_gpu_*.json"))
+if not tables:
+    print("no GPU-profile run recorded yet: python -m k3lab.book run --profile gpu --record on a GPU node")
+for path in tables:
+    table = json.loads(path.read_text())
+    print(f"{path.name}: {table['device']}")
+    for r in table["chapters"]:
+        trimmed = f"  overrides {r['overrides']}" if r["overrides"] else ""
+        print(f"  {r['name']:<16}{r['status']:<8}{r['seconds']:>8.1f} s  {str(r['commit'])[:10]}  {r['detail']}{trimmed}")
 
 # %% [markdown]
 # ## The data: real Python source

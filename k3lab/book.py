@@ -384,6 +384,40 @@ def _write_index(results: list[Result], path: Path) -> None:
                             f"<table><tr><th>notebook</th><th>status</th><th>seconds</th></tr>\n{rows}\n</table>\n")
 
 
+def record(results: list[Result], path: str | os.PathLike | None = None, profile: str = "gpu",
+           overrides: dict | None = None) -> Path:
+    """Merge a run's rows into its table, ``data/results/book_<profile>_<card>.json`` by default:
+    ``{"device", "profile", "commit", "date", "versions", "chapters": [{"chapter": "01", "name", "status",
+    "seconds", "commit", "date", "detail", "overrides"}]}``. A chapter run again replaces its row, so a profile
+    longer than one sitting on a GPU node is completed chapter by chapter; each row keeps the commit it ran
+    at and the ``-p`` overrides it ran with (a trimmed run is not the profile). Written atomically.
+
+    Raises:
+        ValueError: ``path`` holds a table of another device or profile.
+    """
+    import json  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from k3lab.bench import result_path, run_info  # noqa: PLC0415
+    from k3lab.files import write_json  # noqa: PLC0415
+
+    info = run_info("cuda" if torch.cuda.is_available() else "cpu")
+    path = Path(path) if path else ROOT / result_path(f"book_{profile}", info["device"])
+    table = json.loads(path.read_text()) if path.exists() else {"chapters": []}
+    for key, want in (("device", info["device"]), ("profile", profile)):
+        if table.get(key, want) != want:
+            raise ValueError(f"{path} records {key} {table[key]!r}, this run is {want!r}: pass another --record path")
+    rows = {r["name"]: r for r in table["chapters"]}
+    for r in results:
+        rows[r.name] = dict(chapter=r.name[:2], name=r.name, status=r.status, seconds=round(r.seconds, 1),
+                            commit=info["commit"], date=info["date"], detail=r.detail, overrides=dict(overrides or {}))
+    table.update(device=info["device"], profile=profile, commit=info["commit"], date=info["date"],
+                 versions=info["versions"], chapters=[rows[k] for k in sorted(rows)])
+    write_json(path, table, indent=1)
+    return path
+
+
 def format_table(results: list[Result]) -> str:
     """The run's summary: notebook, status, seconds (and the error of a failed one)."""
     width = max([len("notebook")] + [len(r.name) for r in results])
@@ -437,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"per-cell timeout in seconds (default: {CPU_CELL_TIMEOUT:.0f} on the cpu profile, "
                         f"{GPU_CELL_TIMEOUT:.0f} on gpu)")
     p.add_argument("--build-dir", type=Path, default=BUILD_DIR, help="where notebooks/ and html/ go")
+    p.add_argument("--record", nargs="?", const="", default=None, metavar="PATH",
+                   help="merge the rows into the run table (default path data/results/book_<profile>_<card>.json)")
     p = sub.add_parser("store", help="execute on CPU defaults and store outputs in book/NN_*.ipynb")
     p.add_argument("chapters", nargs="+", metavar="NN", help="chapter prefixes or names")
     p.add_argument("--timeout", type=float, default=CPU_CELL_TIMEOUT, help="per-cell timeout in seconds")
@@ -465,6 +501,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(format_table(results))
     print(f"executed notebooks: {args.build_dir / 'notebooks'}  html: {args.build_dir / 'html' / 'index.html'}")
+    if args.record is not None:
+        try:
+            print(f"recorded in {record(results, args.record or None, args.profile, overrides)}")
+        except (ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     return 1 if any(r.status != "ok" for r in results) else 0
 
 

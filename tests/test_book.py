@@ -140,6 +140,23 @@ def test_a_failed_render_does_not_hide_the_chapters_error(tiny_book, tmp_path, m
     assert bad.status == "FAILED" and "ZeroDivisionError" in bad.detail
 
 
+def test_record_merges_rows_chapter_by_chapter(tmp_path):
+    """A GPU profile longer than one sitting is completed over several runs: a chapter run again replaces
+    its row, the others stay, each with its commit and overrides."""
+    import json
+
+    path = tmp_path / "book_gpu.json"
+    book.record([book.Result("01_kda", "FAILED", 3.0, "ValueError: x"), book.Result("02_flashkda", "ok", 5.0)],
+                path, "gpu", {"steps": 60})
+    book.record([book.Result("01_kda", "ok", 4.26)], path, "gpu")
+    table = json.loads(path.read_text())
+    assert [(r["chapter"], r["status"], r["seconds"], r["overrides"]) for r in table["chapters"]] == [
+        ("01", "ok", 4.3, {}), ("02", "ok", 5.0, {"steps": 60})]
+    assert table["profile"] == "gpu" and {"device", "commit", "date", "versions"} <= table.keys()
+    with pytest.raises(ValueError, match="records profile 'gpu', this run is 'cpu'"):
+        book.record([book.Result("01_kda", "ok", 1.0)], path, "cpu")
+
+
 SLEEPY_NB = BAD_NB.replace('raise ZeroDivisionError("chapter 02 is broken")', "import time\ntime.sleep(60)")
 
 
