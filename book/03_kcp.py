@@ -18,14 +18,10 @@
 # in a fixed `d_k × d_v` state per head, so a rank needs only the state entering its slice. **KCP**
 # (K3 report, Sec. 4) gets that state with one all-gather of a fixed-size summary per rank, whatever T is.
 #
-# This chapter: (1) the math — why adding up per-rank states fails for the delta rule, the affine-map
-# view that works, and a backward that is one local backward per rank; (2) the simplest correct code,
-# gathering everything; (3) the fast code, `kcp_flash_kda` on FlashKDA's stages; (4) the check that
-# they agree, rank by rank, with ranks on this CPU; (5) the 2 × H200 result against perfect scaling and
-# ring attention's traffic; (6) an experiment: the sequential fold against a log-depth scan.
-#
-# All code is in `k3lab.kcp` (`affine.py`, `context.py`, `kcp.py`, `flash.py`, `conv.py`, `naive.py`,
-# `workers.py`; ranks start with `k3lab.dist.launch`); this notebook imports it.
+# Sections: (1) the math: why summing per-rank states fails for the delta rule, the affine maps that
+# work, a backward of one local backward per rank; (2) the simplest code, gathering everything; (3) the
+# fast code, `kcp_flash_kda`; (4) the check, rank by rank, ranks on this CPU; (5) the 2 × H200 result;
+# (6) an experiment: sequential fold vs log-depth scan. The code is `k3lab.kcp`; this notebook imports it.
 
 # %% tags=["parameters"]
 profile: str = "cpu"
@@ -51,6 +47,7 @@ import inspect
 import json
 import os
 import time
+import timeit
 from pathlib import Path
 from unittest import mock
 
@@ -58,17 +55,18 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import torch.nn.functional as F
-from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from k3lab.dist import launch
 from k3lab.kcp import make_context, naive_kcp_kda
 from k3lab.kcp.affine import apply_map, compose, fold_scan, fold_sequential, segment_map
+from k3lab.kcp.layout import draw_layout, folded_ranks, sent_map
 from k3lab.kcp.workers import (
     FLASH_REPLICATED, FLASH_SHARDED, Case, FlashCase, check_worker, errors_vs_reference, flash_check_worker,
     reference,
 )
 from k3lab.kda import chunk_kda, naive_recurrent_kda
 from k3lab.testing import rel_rms_error
+from k3lab.widgets import explore
 
 gpu = json.loads(Path("../data/results/kcp_h200x2.json").read_text())
 longest = max((c for c in gpu["cases"] if "skipped" not in c), key=lambda c: c["T"])
@@ -77,8 +75,7 @@ print(f"one KDA layer, T = {longest['T'] // 1024}K, H = {longest['H']}, K = V = 
 
 
 def show_source(fn, start=None, end=None):
-    """Print the source of ``fn`` (a function, or a file not to import) from the line containing ``start``
-    up to the line containing ``end``."""
+    """Print ``fn``'s source (a function, or a file not to import) from the line holding start to end's."""
     src = fn.read_text() if isinstance(fn, Path) else inspect.getsource(fn)
     i = src.index(start) if start else 0
     j = src.index(end, i) if end else len(src)
@@ -256,58 +253,17 @@ show_source(fold_sequential, "    K = ")
 show_source(Path(k3lab.__file__).with_name("kcp") / "flash.py", "        # 1. intra", "        fctx.save_for_backward")
 
 # %% [markdown]
-# The drawing below is computed from `KCPContext` for a layout with a document that crosses three
-# ranks, one that ends on a boundary, one that starts on one, and one that starts mid-rank. Above each
-# rank: the map it sends; red: the maps a rank folds in the forward; blue: the state gradients `b_r`
-# a rank folds in the backward.
+# `k3lab.kcp.layout.draw_layout` reads `KCPContext` for a layout with a document across three ranks,
+# one ending on a boundary, one starting on one, one starting mid-rank. Above each rank: the map it
+# sends; red: the maps a rank folds forward; blue: the state gradients `b_r` it folds backward.
 
 # %%
-def sent_map(ctx):
-    """The map ctx's rank sends in kcp_flash_kda's all-gather (flash.py, forward step 2)."""
-    if not ctx.last_continues:
-        return "[0|0] unused"
-    if ctx.first_continues and len(ctx.pieces()) == 1:
-        return "[M|S̃] width K+V"
-    return "[0|S_end]"
-
-
-def draw_layout(T, cu_seqlens, R, ax):
-    """Ranks as rows of boxes, documents as colours; arrows: the maps (red) and state gradients (blue)
-    each rank folds."""
-    colours = plt.cm.tab10.colors
-    for r in range(R):
-        ctx = make_context(T, cu_seqlens, rank=r, world_size=R)
-        for n, a, b in ctx.pieces():
-            ax.add_patch(Rectangle((a, 0), b - a, 1, facecolor=colours[n % 10], edgecolor="k", alpha=0.75))
-            ax.text((a + b) / 2, 0.5, f"doc {n}", ha="center", va="center", fontsize=8)
-        ax.axvline(ctx.start, color="k", lw=2)
-        _, a, b = ctx.pieces()[-1]
-        ax.text((ctx.start + ctx.stop) / 2, 1.62, f"rank {r}", ha="center", fontsize=9, weight="bold")
-        ax.annotate("", xy=(a, 1.06), xytext=(b, 1.06), arrowprops=dict(arrowstyle="|-|", lw=1))
-        ax.text((a + b) / 2, 1.15, sent_map(ctx), ha="center", fontsize=7)
-        if ctx.first_continues:
-            for j in range(ctx.fold_from, r):
-                src = (make_context(T, cu_seqlens, rank=j, world_size=R).pieces()[-1][2] + ctx.rank_bounds[j]) / 2
-                ax.add_patch(FancyArrowPatch((src, -0.05), (ctx.start + 2, -0.05), connectionstyle="arc3,rad=0.35",
-                                             arrowstyle="-|>", mutation_scale=10, color="crimson"))
-        if ctx.last_continues:
-            for j in range(r + 1, ctx.end_rank + 1):
-                src = (ctx.rank_bounds[j] + ctx.rank_bounds[j + 1]) / 2
-                ax.add_patch(FancyArrowPatch((src, -0.1), (ctx.stop - 2, -0.1), connectionstyle="arc3,rad=-0.25",
-                                             arrowstyle="-|>", mutation_scale=10, color="royalblue"))
-    ax.axvline(T, color="k", lw=2)
-    ax.set(xlim=(-2, T + 2), ylim=(-1.5, 1.9), yticks=[], xlabel="global token")
-    ax.set_title("kcp_flash_kda: maps folded forward (red), state gradients folded backward (blue)", fontsize=10)
-
-
 fig, ax = plt.subplots(figsize=(10, 3.2))
 draw_layout(128, (0, 10, 80, 96, 100, 128), 4, ax)
 plt.show()
 for r in range(4):
     c = make_context(128, (0, 10, 80, 96, 100, 128), rank=r, world_size=4)
-    back = list(range(r + 1, c.end_rank + 1)) if c.last_continues else []
-    print(f"rank {r}: pieces {[(n, a, b) for n, a, b in c.pieces()]}, sends {sent_map(c)}, "
-          f"folds maps of ranks {list(range(c.fold_from, r))}, folds b of ranks {back}")
+    print(f"rank {r}: pieces {c.pieces()}, sends {sent_map(c)}, folds maps, b of ranks {folded_ranks(c)}")
 
 # %% [markdown]
 # Rank 0 starts document 1 mid-rank, knows its entering state (document 1's initial state) and sends
@@ -315,22 +271,16 @@ for r in range(4):
 # identity-state trick. Rank 2 folds both, `S_in = M_1 S_end(0) + S̃_1`; rank 3's first document
 # starts on its boundary, so it folds nothing. In the backward, document 1 ends on rank 2: rank 1 folds
 # `b_2`, rank 0 folds `b_2` and `b_1` (`D_0 = b_1 + M_1ᵀ b_2`). On 2 ranks every map sent is thus a
-# constant map and costs nothing extra; with R > 2 a middle rank pays one state pass at width K+V.
-#
-# The explorer: drag the boundaries in JupyterLab (a headless run builds no widget and prints one line).
+# constant map and costs nothing extra; with R > 2 a middle rank pays one state pass at width K+V. The
+# explorer: drag the boundaries in JupyterLab (a headless run builds no widget and prints one line).
 
-# %%
-from k3lab.widgets import explore
-
-
+# %% tags=["nbval-ignore-output"]
 def plot_layout(R=4, b1=10, b2=80, b3=100):
-    bounds = sorted({0, b1, b2, b3, 128})
     fig, ax = plt.subplots(figsize=(10, 3))
-    draw_layout(128, tuple(bounds), R, ax)
+    draw_layout(128, tuple(sorted({0, b1, b2, b3, 128})), R, ax)
     plt.show()
 
 
-# %% tags=["nbval-ignore-output"]
 explorer = explore(plot_layout, R=[1, 2, 4, 8], b1=(1, 126), b2=(2, 126), b3=(3, 127))
 
 # %% [markdown]
@@ -432,8 +382,7 @@ assert all(sum(n for _, n in res["comm"]) == expected for res in flash_out)
 # these 2 H200s (NVLink), bytes/s: the ceiling that puts the collectives' bytes in milliseconds.
 GOAL, ALL_GATHER_BPS = 1.8, 254e9
 print(gpu["hardware"], "|", gpu["date"], "| torch", gpu["versions"]["torch"], "| triton", gpu["versions"]["triton"])
-print("kernels:", gpu["settings"]["local_kda"])
-print("timed:", gpu["settings"]["fwd"])
+print("kernels:", gpu["settings"]["local_kda"], "\ntimed:", gpu["settings"]["fwd"])
 print(f"checks: float32 varlen max rel err {gpu['check']['float32_varlen_max_rel_err']:.1e} "
       f"(bound {gpu['check']['float32_tol']:g}), bf16 vs 1 GPU {gpu['check']['bfloat16_vs_1gpu_max_rel_err']:.1e}")
 done = [c for c in gpu["cases"] if "skipped" not in c]
@@ -486,8 +435,8 @@ for c, gf, gfb, a in zip(done, gap_f, gap_fb, alone):
     if c["T"] >= 131072:
         need = c["one_gpu_fwd_bwd_ms"] / GOAL
         slack = need - c["two_gpu_fwd_bwd_ms"]
-        margin = f"{slack:.1f} ms to spare" if slack >= 0 else f"{-slack:.1f} ms too slow"
-        print(f"  {GOAL}x needs 2 GPUs <= {need:.1f} ms, measured {c['two_gpu_fwd_bwd_ms']:.1f} ms: {margin}")
+        print(f"  {GOAL}x needs 2 GPUs <= {need:.1f} ms, measured {c['two_gpu_fwd_bwd_ms']:.1f} ms: "
+              f"{abs(slack):.1f} ms {'to spare' if slack >= 0 else 'too slow'}")
 goal_cases = [c for c in done if c["T"] >= 131072]
 met = all(c["speedup_fwd_bwd"] >= GOAL for c in goal_cases)
 print(f"target {GOAL}x f+b at T >= 128K: {'met' if met else 'NOT met'} ("
@@ -517,14 +466,12 @@ print(f"ring attention would pass {min(ring) / 1e9:.2f} to {max(ring) / 1e9:.1f}
 #   slower at every length: `docs/kcp.md`.)
 # * **backward**, mirrored: rank 0's reverse state stage for its last piece needs `D_0` — rank 1's
 #   intra and reverse state pass, then the gather. Rank 0 recomputes its forward chunk states while
-#   it waits, so only the part of rank 1's reverse pass that outlasts that recompute shows. A bar below
-#   zero is two separately timed medians ("local alone" runs its tokens as chained slabs like the
-#   1-GPU baseline, a KCP rank in one call); a wait cannot be negative, so read it as "none measurable".
+#   it waits, so only what outlasts that recompute shows. A bar below zero is the difference of two
+#   separate medians (alone runs chained slabs, a KCP rank one call): read it as "no wait measurable".
 #
-# The state stage is FlashKDA's one sequential stage (a loop over chunks), so it cannot be split along
-# T: whatever comes off the state kernel comes off that wait. With R > 2 ranks on one document (not
-# measured here) the middle ranks send identity-state maps, a K+V-wide state pass every later rank
-# waits for: by this model about two state passes of overhead, the bytes still independent of T.
+# The state stage is FlashKDA's one sequential stage, so it cannot be split along T: whatever comes
+# off the state kernel comes off that wait. With R > 2 ranks on one document (not measured here) the
+# middle ranks send identity-state maps, a K+V-wide state pass every later rank waits for.
 #
 # ### Communication per layer against T
 #
@@ -532,8 +479,7 @@ print(f"ring attention would pass {min(ring) / 1e9:.2f} to {max(ring) / 1e9:.1f}
 #
 # * **KCP** (`kcp_flash_kda`): the maps, `R · H · K · (K+V) · 4` bytes gathered forward; the state
 #   gradients, `R · H · K · V · 4` gathered backward; three short-conv halos of `R · (W−1) · H·K` bf16
-#   values, gathered forward and reduce-scattered backward: independent of T (the tests assert it by
-#   counting the collectives' buffers at two lengths). The formula reproduces the benchmark's count.
+#   values, gathered forward and reduce-scattered backward: independent of T (tests count the buffers).
 # * **Ring attention** (softmax attention): every rank's K and V blocks travel the ring,
 #   `(R−1) · T/R · H · (K+V)` bf16 values forward; backward passes K, V and their gradients
 #   (3× the forward in all).
@@ -586,13 +532,9 @@ plt.show()
 fold_gen = torch.Generator().manual_seed(seed + 1)
 rows = []
 for R in fold_ranks:
-    Kf = fold_dim
-    M = 0.9 * torch.eye(Kf) + 0.05 * torch.randn(R, fold_heads, Kf, Kf, generator=fold_gen)
-    maps = torch.cat([M, torch.randn(R, fold_heads, Kf, Kf, generator=fold_gen)], -1)
-    resets = torch.zeros(R, dtype=torch.bool)
-    resets[0] = True
-    seq = fold_sequential(maps, 0, R)
-    scan = fold_scan(maps, resets, 0, R)
+    M = 0.9 * torch.eye(fold_dim) + 0.05 * torch.randn(R, fold_heads, fold_dim, fold_dim, generator=fold_gen)
+    maps = torch.cat([M, torch.randn(R, fold_heads, fold_dim, fold_dim, generator=fold_gen)], -1)
+    seq, scan = fold_sequential(maps, 0, R), fold_scan(maps, torch.arange(R) == 0, 0, R)
     assert rel_rms_error(seq, scan) < 1e-5
     rows.append((R, seq, scan))
 print(f"sequential fold == scan for R in {fold_ranks}: max rel err "
@@ -600,27 +542,20 @@ print(f"sequential fold == scan for R in {fold_ranks}: max rel err "
 
 # %% tags=["nbval-ignore-output"]
 def best_ms(fn, reps=3):
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return min(times)
+    return min(timeit.repeat(fn, number=1, repeat=reps)) * 1e3
 
 
 timing = []
 for R, _, _ in rows:
     maps = torch.randn(R, fold_heads, fold_dim, 2 * fold_dim, generator=fold_gen) * 0.1
-    resets = torch.zeros(R, dtype=torch.bool)
-    resets[0] = True
+    resets = torch.arange(R) == 0
     timing.append((R, best_ms(lambda: fold_sequential(maps, 0, R)), best_ms(lambda: fold_scan(maps, resets, 0, R))))
 fig, ax = plt.subplots(figsize=(6, 3.2))
 ax.loglog([t[0] for t in timing], [t[1] for t in timing], "o-", label="sequential fold (CPU)")
 ax.loglog([t[0] for t in timing], [t[2] for t in timing], "s-", label="scan (CPU)")
-ax.loglog([r["R"] for r in gpu["fold_vs_scan"]], [r["sequential_ms"] for r in gpu["fold_vs_scan"]], "o--",
-          label="sequential fold (H200, H=32, K=128)")
-ax.loglog([r["R"] for r in gpu["fold_vs_scan"]], [r["scan_ms"] for r in gpu["fold_vs_scan"]], "s--",
-          label="scan (H200)")
+gpu_R = [r["R"] for r in gpu["fold_vs_scan"]]
+ax.loglog(gpu_R, [r["sequential_ms"] for r in gpu["fold_vs_scan"]], "o--", label="sequential fold (H200, H=32, K=128)")
+ax.loglog(gpu_R, [r["scan_ms"] for r in gpu["fold_vs_scan"]], "s--", label="scan (H200)")
 ax.set(xlabel="ranks R", ylabel="ms", title=f"Fold vs scan (CPU: H={fold_heads}, K={fold_dim})")
 ax.legend(fontsize=7)
 plt.show()
@@ -659,6 +594,6 @@ assert all(ts > 0 and tc > 0 for _, ts, tc in timing)
 # - H. Liu, M. Zaharia, P. Abbeel, *Ring Attention with Blockwise Transformers for Near-Infinite
 #   Context*, ICLR 2024 — the K/V ring KCP is compared with.
 # - W. D. Hillis, G. L. Steele, *Data Parallel Algorithms*, CACM 1986 — the prefix scan; G. Blelloch,
-#   *Prefix Sums and Their Applications*, 1990 — scans of associative operators (here affine maps).
+#   *Prefix Sums and Their Applications*, 1990 — scans of associative operators.
 # - fla-org/flash-linear-attention — context-parallel KDA/GDN (`cp_context`), whose gradient bug on
 #   all ranks but the last motivates the rank-by-rank test.

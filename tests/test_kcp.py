@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from k3lab.kcp import kcp_kda, kcp_short_conv, make_context, naive_kcp_kda, short_conv_reference
 from k3lab.kcp.affine import compose, fold_scan, fold_sequential, scan_maps, segment_map
+from k3lab.kcp.layout import draw_layout, folded_ranks, sent_map
 from k3lab.dist import launch
 from k3lab.kcp.workers import Case, check_worker, errors_vs_reference, reference
 from k3lab.kda import chunk_kda
@@ -78,6 +79,25 @@ def test_context_layout():
         make_context(128, (0, 10, 10, 128), rank=0, world_size=4)
     with pytest.raises(ValueError, match="rank must be"):
         make_context(128, None, rank=4, world_size=4)
+
+
+def test_layout_labels_and_drawing():
+    """sent_map / folded_ranks on VARLEN over 4 ranks (the book's worked layout), and one drawing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ctxs = [make_context(128, VARLEN, rank=r, world_size=4) for r in range(4)]
+    assert [sent_map(c) for c in ctxs] == ["[0|S_end]", "[M|S̃] width K+V", "[0|0] unused", "[0|0] unused"]
+    assert [folded_ranks(c) for c in ctxs] == [([], [1, 2]), ([0], [2]), ([0, 1], []), ([], [])]
+    fig, ax = plt.subplots()
+    draw_layout(128, VARLEN, 4, ax)
+    # 7 document pieces; 3 forward + 3 backward fold arrows
+    assert len(ax.patches) == 7 + 6
+    plt.close(fig)
+    with pytest.raises(ValueError, match="multiple of the world size"):
+        draw_layout(130, None, 4, ax)
 
 
 def test_one_process_matches_chunk_kda_and_rejects_bad_input():
