@@ -74,7 +74,7 @@ def test_resuming_with_another_schedule_or_a_damaged_checkpoint_is_a_usage_error
     with pytest.raises(SystemExit) as e:
         main(["--steps", "2", "--resume", *flags])
     assert e.value.code == 2
-    assert "step_00000002 cannot be read (EOFError): remove it" in capsys.readouterr().err
+    assert "step_00000002 cannot be read (EOFError" in capsys.readouterr().err
 
 
 def test_metrics_read_every_n_steps_and_activation_policies_keep_the_losses():
@@ -165,10 +165,15 @@ def _model_from(path):
 
 
 def test_a_usage_error_under_torchrun_is_printed_once():
-    """Every rank meets the same layout error; each printed the usage text and the message."""
+    """Every rank meets the same error, of the layout or of a flag; each printed the usage text and the message."""
     run = _torchrun(dict(BASE, dp=3), timeout=90)
     assert run.returncode != 0
     assert run.stderr.count("--dp 3 x --cp 1 x --ep 1 = 3 ranks, but 2 were launched") == 1, run.stderr[-2000:]
+    cmd = torchrun_command(2, **dict(BASE, pp=2)) + ["--microbatches", "1"]
+    run = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=90)
+    assert run.returncode != 0
+    assert run.stderr.count("--microbatches must be >= --pp 2") == 1, run.stderr[-2000:]
 
 
 def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path):
@@ -307,3 +312,46 @@ def test_a_nan_loss_stops_the_run_before_its_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(FloatingPointError, match="the loss is nan at step 1"):
         train(TrainConfig(**dict(BASE, steps=2, batch_size=2, ckpt_dir=str(tmp_path), ckpt_every=1)))
     assert latest_checkpoint(tmp_path) is None
+
+
+class _NanGrad(torch.autograd.Function):
+    """Identity forward, NaN gradient: a bf16 backward that overflows under a finite loss."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
+def test_nan_gradients_under_a_finite_loss_write_no_checkpoint(tmp_path, monkeypatch):
+    """The loss check passed, Muon wrote the NaN gradients into the weights, and they were saved as the latest
+    checkpoint (113 of the 117 tensors non-finite)."""
+    from k3lab.train import loop
+
+    real = loop.forward
+    monkeypatch.setattr(loop, "forward", lambda *a, **k: (lambda out: (out[0], _NanGrad.apply(out[1])))(real(*a, **k)))
+    with pytest.raises(FloatingPointError, match="the weights hold NaN or inf after step 1"):
+        train(TrainConfig(**dict(BASE, steps=2, batch_size=2, ckpt_dir=str(tmp_path), ckpt_every=1)))
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_paths_and_model_settings_are_checked_before_training(tmp_path, capsys):
+    """A --ckpt-dir that is a file failed after the last step (the run lost); a resume at another --preset or
+    --mtp called the checkpoint damaged and advised deleting it."""
+    (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "logs").mkdir()
+    for argv, message in ((["--ckpt-dir", str(tmp_path / "file")], "--ckpt-dir must be a folder"),
+                          (["--ckpt-dir", str(tmp_path / "step_00000002")], "not one of them"),
+                          (["--log-jsonl", str(tmp_path / "logs")], "--log-jsonl must be a file path")):
+        with pytest.raises(SystemExit):
+            main([*argv, "--no-progress"])
+        assert message in capsys.readouterr().err
+    flags = ["--batch-size", "2", "--seq-len", "16", "--steps", "2", "--no-progress", "--ckpt-dir", str(tmp_path / "c")]
+    assert main(flags) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*flags, "--resume", "--mtp", "1"])
+    assert "--mtp 1 (saved: 0) differ" in capsys.readouterr().err

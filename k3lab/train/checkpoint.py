@@ -138,6 +138,24 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, train_
     return final
 
 
+def read_train_state(path: str | os.PathLike, train_state: dict) -> dict:
+    """The train state saved in ``path`` (the keys of ``train_state``, their values as placeholders), read
+    without the model or optimizer: what a resume checks before building its model into the checkpoint.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a complete checkpoint.
+        RuntimeError: a key is missing (DCP's message).
+    """
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
+    state = {"train": dict(train_state)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    return state["train"]
+
+
 def load_checkpoint(path: str | os.PathLike, model, optimizer, train_state: dict) -> dict:
     """Load ``path`` into ``model`` (and ``optimizer``) in place; returns the saved train state.
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 from dataclasses import dataclass, fields
 
 from k3lab.memory import check_policy
@@ -123,6 +125,12 @@ class TrainConfig:
                             "each would need its own cu_seqlens)")
         if self.mtp and self.cp > 1:
             bad("mtp", "does not combine with --cp > 1 (a position's later tokens may live on the next rank)")
+        if self.ckpt_dir is not None and os.path.exists(self.ckpt_dir) and not os.path.isdir(self.ckpt_dir):
+            bad("ckpt_dir", "must be a folder (or not exist yet), not a file")
+        if self.ckpt_dir is not None and re.match(r"^step_\d{8}$", os.path.basename(os.path.normpath(self.ckpt_dir))):
+            bad("ckpt_dir", "must be the folder that holds the step_NNNNNNNN checkpoints, not one of them")
+        if self.log_jsonl is not None and os.path.isdir(self.log_jsonl):
+            bad("log_jsonl", "must be a file path, not a folder")
         if self.ckpt_every and not self.ckpt_dir:
             bad("ckpt_every", "needs --ckpt-dir")
         if self.resume and not self.ckpt_dir:
@@ -216,13 +224,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    """``TrainConfig`` from the command line; a bad value exits with argparse's usage and the reason.
+def parse_args(argv: list[str] | None = None, quiet: bool = False) -> TrainConfig:
+    """``TrainConfig`` from the command line; a bad value exits with argparse's usage and the reason
+    (``quiet``: without printing them, for the ranks of a torchrun world other than 0).
 
     Raises:
         SystemExit: status 2 on a bad flag (argparse's convention).
     """
     parser = build_parser()
+    if quiet:
+        def error(message):
+            raise SystemExit(2)
+
+        parser.error = error
     ns = parser.parse_args(argv)
     try:
         return TrainConfig(**vars(ns))

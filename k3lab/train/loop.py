@@ -21,7 +21,7 @@ from k3lab.model import K3Config, K3Model, flops_per_token, mfu
 from k3lab.moe import maxvio, update_biases
 from k3lab.optim import per_head_muon
 from k3lab.testing import forbid_host_sync
-from k3lab.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from k3lab.train.checkpoint import latest_checkpoint, load_checkpoint, read_train_state, save_checkpoint
 from k3lab.train.config import ConfigError, TrainConfig, build_parser, parse_args
 from k3lab.train.loader import TokenLoader, pack_documents
 from k3lab.train.metrics import FLOPS_CONVENTION, MetricsLog, peak_key, peak_memory_gib
@@ -47,6 +47,16 @@ def lr_at(step: int, total: int, peak: float, warmup: float, floor: float = 0.1)
 # sequence length and seed are the loader's state, checked by ``TokenLoader.load_state_dict``; the layout,
 # logging and checkpoint cadence may change.)
 RUN_SETTINGS = ("preset", "mtp", "steps", "lr", "warmup", "weight_decay")
+
+
+def weights_finite(parts) -> bool:
+    """Whether every parameter of this rank's model parts (their local shards) and of every other rank is
+    finite: one all-reduce and one host read, made only before a checkpoint."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for m in parts for p in m.parameters()]
+    ok = torch.stack([t.detach().isfinite().all() for t in local]).all().to(torch.int32).reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
 
 
 def _first_failure(e: BaseException) -> str:
@@ -252,18 +262,24 @@ def train(config: TrainConfig) -> list[dict]:
         if config.resume:
             path = latest_checkpoint(config.ckpt_dir)
             if path is not None:
+                wanted = {"step": 0, "loader": loader.state_dict(), "run": run_settings(config)}
                 try:
-                    state = load_checkpoint(path, parts, opts, {"step": 0, "loader": loader.state_dict(),
-                                                                "run": run_settings(config)})
+                    # The settings first: a model of another preset or MTP depth would fail to load, and the
+                    # message must name the flag rather than call the checkpoint damaged.
+                    saved = read_train_state(path, wanted)
+                    changed = [f"--{k.replace('_', '-')} {getattr(config, k)} (saved: {v})"
+                               for k, v in saved["run"].items() if getattr(config, k) != v]
+                    if changed:
+                        raise ConfigError(f"{path}: a resumed run continues the saved run's model and schedule, but "
+                                          f"{', '.join(changed)} differ; pass the saved values, or start a new "
+                                          f"--ckpt-dir")
+                    state = load_checkpoint(path, parts, opts, wanted)
+                except ConfigError:
+                    raise
                 except (CheckpointException, RuntimeError, ValueError, OSError, EOFError) as e:
                     raise ConfigError(f"{path} cannot be read ({_first_failure(e)}): remove it to "
                                       f"resume from the checkpoint before it, or start without --resume") from e
                 start = int(state["step"])
-                changed = [f"--{k.replace('_', '-')} {getattr(config, k)} (saved: {v})"
-                           for k, v in state["run"].items() if getattr(config, k) != v]
-                if changed:
-                    raise ConfigError(f"{path}: a resumed run continues the saved run's model and schedule, but "
-                                      f"{', '.join(changed)} differ; pass the saved values, or start a new --ckpt-dir")
                 try:
                     loader.load_state_dict(state["loader"])
                 except ValueError as e:
@@ -328,6 +344,11 @@ def train(config: TrainConfig) -> list[dict]:
                                    maxvio=vio if s_ == step else None, peak_mem_GiB=mem, peak_mem_kind=mem_kind))
                 pending = []
                 if save:
+                    # A finite loss can still come with non-finite gradients (a bf16 backward overflowing),
+                    # which the optimizer writes into the weights: never save those as the latest checkpoint.
+                    if not weights_finite(parts):
+                        raise FloatingPointError(f"the weights hold NaN or inf after step {step} (non-finite "
+                                                 f"gradients): stopping before writing its checkpoint (lower --lr)")
                     save_checkpoint(config.ckpt_dir, step, parts, opts, {"step": step, "loader": loader.state_dict(),
                                                                           "run": run_settings(config)})
                 if config.kill_at_step == step:
@@ -346,13 +367,14 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         SystemExit: 2 on a bad flag, a layout that does not match the launched world, or missing token shards.
     """
-    config = parse_args(argv)
+    # Every rank of a torchrun world meets the same error; rank 0 prints it (argparse's usage and message).
+    quiet = os.environ.get("RANK", "0") != "0"
+    config = parse_args(argv, quiet=quiet)
     try:
         train(config)
     except (ConfigError, FileNotFoundError) as e:
-        # A layout that does not fit, or no token shards: the message says what to run. Every rank of a
-        # torchrun world meets the same error; rank 0 prints it.
-        if os.environ.get("RANK", "0") != "0":
+        # A layout that does not fit, or no token shards: the message says what to run.
+        if quiet:
             raise SystemExit(2) from e
         build_parser().error(str(e))
     return 0
