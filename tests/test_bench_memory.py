@@ -159,9 +159,17 @@ def test_coarse_fp8_is_caught(monkeypatch, tiny, one_thread):
     (["--steps", "0"], "--steps: expected a positive int, got 0"),
     (["--sets", "keep,fp16"], "--sets: expected set names from"),
     (["--preset", "k3-full"], "--preset: invalid choice"),
+    # A one-token vocabulary has zero loss: the check's relative error divided by it.
+    (["--vocab-size", "1"], "--vocab-size: expected an int >= 2"),
 ])
 def test_bad_flags_stop_at_parsing(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--device", "cpu"] + argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_out_folder_stops_before_the_run(tmp_path):
+    """The JSON is written last: a folder given as --out failed only after the whole run."""
+    with pytest.raises(SystemExit, match="is a folder"):
+        main(["--device", "cpu", "--out", str(tmp_path)])

@@ -83,6 +83,19 @@ def run_info(device) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "versions": versions}
 
 
+def check_out(out: str | None) -> None:
+    """Stop before any work when ``--out`` names a folder: the JSON is written at the end of a run that may
+    take minutes of GPU time.
+
+    Raises:
+        SystemExit: ``out`` is an existing directory.
+    """
+    import os  # noqa: PLC0415
+
+    if out and os.path.isdir(out):
+        raise SystemExit(f"--out {out} is a folder: give the JSON's file path")
+
+
 def write_result(bench: str, result: dict, out: str | None, small: bool = False) -> str | None:
     """Write ``result`` as JSON where ``out`` says ('' writes nothing; None: ``result_path`` of its device,
     except for a ``small`` check run, whose tiny shapes must never replace a committed result) and say so.

@@ -36,7 +36,7 @@ import time
 import torch
 from torch.utils.checkpoint import CheckpointError
 
-from k3lab.bench import RoutingReplay, positive_int, run_info, write_result
+from k3lab.bench import RoutingReplay, _int_at_least, check_out, positive_int, run_info, write_result
 from k3lab.memory import ActivationManager, apply_policies
 from k3lab.model import K3Config, K3Model
 from k3lab.model.accounting import param_table
@@ -304,7 +304,8 @@ def main(argv=None) -> dict:
     p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence T (default 2048; cpu 64)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="timed steps per set, after warm-up (default 5; cpu 2)")
-    p.add_argument("--vocab-size", type=positive_int, default=None,
+    p.add_argument("--vocab-size", type=lambda t: _int_at_least(t, 2, "an int >= 2 (a one-token vocabulary has "
+                                                                   "zero loss)"), default=None,
                    help="vocabulary (default: the corpus tokenizer's, the model k3lab.train trains)")
     p.add_argument("--sets", type=_sets_arg, default=list(SETS),
                    help=f"policy sets to run, comma-separated, keep always included (default: all of {','.join(SETS)})")
@@ -312,6 +313,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default "
                    "data/results/memory_<card>.json after the device (a k3-tiny run writes nothing by default)")
     args = p.parse_args(argv)
+    check_out(args.out)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --device cpu to check the script")

@@ -39,7 +39,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from k3lab.bench import RoutingReplay, positive_float, positive_int, run_info, write_result
+from k3lab.bench import RoutingReplay, check_out, positive_float, positive_int, run_info, write_result
 from k3lab.data import load_split, resolve_data_dir
 from k3lab.lm import PreNormResidual
 from k3lab.model import K3Config, count_params, flops_per_token, mfu
@@ -549,6 +549,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default data/results/train_<card>.json "
                    "after the device (with --small: nothing)")
     args = p.parse_args(argv)
+    check_out(args.out)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --device cpu --small to check the script")
