@@ -98,8 +98,11 @@ def test_stage_errors_name_the_argument():
         block_attnres_stage(h0, subs[:2], queries[0], sizes, 0, 2)
     bad = torch.randn(3, 2, 3, d, dtype=torch.float64)
     bad[2, 0, 0, 0] = float("nan")
-    with pytest.raises(ValueError, match="state \\(the sources carried to sublayer 5\\): h0 contains NaN"):
+    # The entry is named (here the cut block's partial sum), not "h0".
+    with pytest.raises(ValueError, match=r"^state\[2\] \(the partial sum\) contains NaN or inf$"):
         block_attnres_stage(bad, subs[5:7], queries, sizes, 5, 7)
+    with pytest.raises(ValueError, match=r"^state's width d = 4 differs from the queries' \[L \+ 1, d\] = \[11, 8\]"):
+        block_attnres_stage(h0[..., :4], subs[:2], queries, sizes, 0, 2)
     with pytest.raises(ValueError, match="sublayer 5 must return a tensor of its input's shape"):
         block_attnres_stage(bad.nan_to_num(), [lambda h: h[:, :1]] * 2, queries, sizes, 5, 7)
 

@@ -174,7 +174,7 @@ def check_eps(eps: float) -> None:
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
 
 
-def check_input_values(h0: torch.Tensor, queries: torch.Tensor) -> None:
+def check_input_values(h0: torch.Tensor, queries: torch.Tensor, name: str = "h0") -> None:
     """ValueError naming h0 or queries when it holds a NaN or inf, or when h0 is so large that RMSNorm's
     mean square overflows the compute dtype (max |h0| > sqrt(finfo.max / d), ~3.3e18 in float32 at
     d = 32: the key would come out 0 and the depth softmax uniform, silently). One host sync."""
@@ -182,12 +182,12 @@ def check_input_values(h0: torch.Tensor, queries: torch.Tensor) -> None:
     d = h0.shape[-1]
     limit = (torch.finfo(dt).max / d) ** 0.5
     maxima = torch.stack([torch.linalg.vector_norm(x, float("inf")).double() for x in (h0, queries)]).tolist()
-    for name, m in zip(("h0", "queries"), maxima):
+    for what, m in zip((name, "queries"), maxima):
         if m != m or m == float("inf"):
-            raise ValueError(f"{name} contains NaN or inf")
+            raise ValueError(f"{what} contains NaN or inf")
     if maxima[0] > limit:
-        raise ValueError(f"h0 is too large: max |h0| = {maxima[0]:.3g}, but RMSNorm's mean square overflows "
-                         f"{str(dt)[6:]} beyond sqrt(finfo.max / d) = {limit:.3g} (d={d}); scale h0 down")
+        raise ValueError(f"{name} is too large: max |{name}| = {maxima[0]:.3g}, but RMSNorm's mean square overflows "
+                         f"{str(dt)[6:]} beyond sqrt(finfo.max / d) = {limit:.3g} (d={d}); scale it down")
 
 
 def _check_inputs(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float, values: bool = True) -> list:

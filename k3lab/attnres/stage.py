@@ -105,13 +105,20 @@ def block_attnres_stage(state: torch.Tensor, sublayers, queries: torch.Tensor, n
         got = list(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
         raise ValueError(f"state at sublayer {start} must be [{n + partial}, B, T, d] ({n} completed source(s)"
                          f"{' and a partial sum' if partial else ''}), got {got}")
+    if state.shape[-1] != queries.shape[1]:
+        raise ValueError(f"state's width d = {state.shape[-1]} differs from the queries' [L + 1, d] = "
+                         f"{list(queries.shape)}")
     # The shared checks of every path on the first source; the sublayers come back shape-checked.
     fs = _check_inputs(state[0], [None] * start + list(sublayers) + [None] * (L - stop), queries, eps, False)
     if check_values:
         try:
-            check_input_values(state.flatten(0, 1), queries)
-        except ValueError as e:
-            raise ValueError(f"state (the sources carried to sublayer {start}): {e}") from None
+            check_input_values(state.flatten(0, 1), queries, name="state")
+        except ValueError:
+            # Name the entry (a second pass, only on failure).
+            names = [f"state[{i}] (b_{i})" for i in range(n)] + ([f"state[{n}] (the partial sum)"] if partial else [])
+            for name, entry in zip(names, state.unbind(0)):
+                check_input_values(entry, queries, name=name)
+            raise
     entries = list(state.unbind(0))
     blocks, run = entries[:n], entries[n] if partial else None
     ends = set(itertools.accumulate(sizes))
