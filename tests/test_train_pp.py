@@ -161,6 +161,12 @@ def test_split_refuses_what_does_not_compose():
         split_model(_tiny(), [0, 5, 5, 10])
     with pytest.raises(ValueError, match="n_stages must be an int in \\[1, 10\\]"):
         split_model(_tiny(), 11)
+    for cuts in (True, 2.0):
+        with pytest.raises(ValueError, match="cuts must be a stage count S \\(int\\) or the sublayer cuts"):
+            split_model(_tiny(), cuts)
+    # Two stages from one model would share its modules.
+    with pytest.raises(ValueError, match="stages must be distinct indices in \\[0, 2\\), got \\[0, 0\\]"):
+        split_model(_tiny(), 2, [0, 0])
     # The largest stage is as small as it can be: equal costs split evenly, the head's cost moves cuts up.
     assert balanced_cuts([1.0] * 8, 4) == [0, 2, 4, 6, 8]
     assert balanced_cuts([1.0] * 8, 2, last_extra=2.0) == [0, 5, 8]

@@ -51,10 +51,10 @@ def block_attnres_stage(state: torch.Tensor, sublayers, queries: torch.Tensor, n
                         eps: float = 1e-6, *, check_values: bool = True) -> torch.Tensor:
     """Sublayers [start, stop) of Block AttnRes from the carried state, by the formula (autograd through it).
 
-    Sublayer l (start <= l < stop) in block m reads softmax_i(w_l^T RMSNorm(v_i)) over the completed blocks
-    b_0..b_{m-1} and, after the block's first sublayer, its partial sum; its output joins the partial sum,
-    which becomes b_{m+1}... at the block's end (``naive_block_attnres``). The state layout is the module
-    docstring's.
+    Sublayer l (start <= l < stop) in block m (1-based: b_0 = h0, block m's sum is b_m) reads
+    softmax_i(w_l^T RMSNorm(v_i)) over b_0..b_{m-1} and, after the block's first sublayer, its partial sum;
+    its output joins the partial sum, which becomes b_m at the block's end (``naive_block_attnres``). The state
+    layout is the module docstring's.
 
     Args:
         state (Tensor): [n + p, B, T, d] = ``carried_sources(n_blocks, L, start)``'s entries stacked; for

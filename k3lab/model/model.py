@@ -216,9 +216,11 @@ class K3Model(nn.Module):
         the KDA kernels, the routers and Block AttnRes's training path (each one host sync per call). The
         CPU's PyTorch KDA (``chunk_kda``) always checks its inputs: off is for the GPU path.
 
+        A trainer that checks its token split once turns them off so a step never waits on the host; a NaN
+        then shows in the loss.
+
         Raises:
-            ValueError: ``enabled`` not a bool. A trainer that checks its token
-        split once turns them off so a step never waits on the host; a NaN then shows in the loss."""
+            ValueError: ``enabled`` not a bool."""
         from k3lab.moe.router import Router  # noqa: PLC0415
 
         if not isinstance(enabled, bool):

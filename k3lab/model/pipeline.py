@@ -213,18 +213,23 @@ def split_model(model: K3Model, cuts: Sequence[int] | int, stages: Sequence[int]
         list[K3Stage], in the order of ``stages``.
 
     Raises:
-        ValueError: ``check_pipeline_config``'s (tied embeddings, MTP), bad cuts or S, a stage index out of range.
+        ValueError: ``check_pipeline_config``'s (tied embeddings, MTP), bad cuts or S, a stage index out of range
+            or repeated.
     """
     check_pipeline_config(model)
     n = len(model.sublayers)
     if isinstance(cuts, int) and not isinstance(cuts, bool):
         costs, head = sublayer_costs(model)
         cuts = balanced_cuts(costs, cuts, head)
+    elif not isinstance(cuts, Sequence):
+        raise ValueError(f"cuts must be a stage count S (int) or the sublayer cuts [0, ..., 2L], got {cuts!r}")
     cuts = check_cuts(cuts, n)
     S = len(cuts) - 1
     stages = list(range(S)) if stages is None else list(stages)
-    if not all(isinstance(s, int) and 0 <= s < S for s in stages):
-        raise ValueError(f"stages must be indices in [0, {S}), got {stages!r}")
+    # Two stages built from one model would share its modules: one stage per index.
+    if not (all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < S for s in stages)
+            and len(set(stages)) == len(stages)):
+        raise ValueError(f"stages must be distinct indices in [0, {S}), got {stages!r}")
     return [K3Stage(model, cuts[s], cuts[s + 1]) for s in stages]
 
 
