@@ -71,7 +71,7 @@ def chapters(only: list[str] | None = None, book_dir: Path = BOOK_DIR) -> list[P
         match = [p for p in paths if p.stem == key or p.stem.split("_", 1)[0] == key]
         if not match:
             names = ", ".join(p.stem for p in paths) or "none"
-            raise ValueError(f"--only {key!r} matches no chapter in {book_dir} (have: {names})")
+            raise ValueError(f"{key!r} names no chapter in {book_dir} (have: {names})")
         chosen += [p for p in match if p not in chosen]
     return sorted(chosen)
 
@@ -301,7 +301,7 @@ def _error_detail(exc: BaseException) -> str:
     value = str(getattr(exc, "evalue", exc)).strip().splitlines()
     # papermill's error names the execution count of the failing cell: In [n] in the executed notebook
     cell = f" in cell In [{exc.exec_count}]" if getattr(exc, "exec_count", None) is not None else ""
-    return f"{name}{cell}: {value[0] if value else ''}"[:120]
+    return f"{name}{cell}: {value[0] if value else ''}"[:400]
 
 
 # Per-cell limits (s). nbclient can wait for a reply until the limit runs out (jupyter/nbclient#312,
@@ -480,7 +480,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.cmd == "check-sync":
-        problems = check_sync(BOOK_DIR)
+        try:
+            problems = check_sync(BOOK_DIR)
+        except ModuleNotFoundError as exc:
+            print(f"error: check-sync needs {exc.name}: pip install {exc.name}", file=sys.stderr)
+            return 1
         for line in problems:
             print(f"out of sync: {line}", file=sys.stderr)
         n = len(list(BOOK_DIR.glob("[0-9][0-9]_*.py")))

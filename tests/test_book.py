@@ -39,7 +39,7 @@ def tiny_book(tmp_path):
 def test_chapters_order_and_only(tiny_book):
     assert [p.stem for p in book.chapters(None, tiny_book)] == ["01_ok", "02_bad"]
     assert [p.stem for p in book.chapters(["02", "01_ok"], tiny_book)] == ["01_ok", "02_bad"]
-    with pytest.raises(ValueError, match="'07' matches no chapter"):
+    with pytest.raises(ValueError, match="'07' names no chapter"):
         book.chapters(["07"], tiny_book)
 
 
