@@ -333,7 +333,7 @@ def test_nan_gradients_under_a_finite_loss_write_no_checkpoint(tmp_path, monkeyp
 
     real = loop.forward
     monkeypatch.setattr(loop, "forward", lambda *a, **k: (lambda out: (out[0], _NanGrad.apply(out[1])))(real(*a, **k)))
-    with pytest.raises(FloatingPointError, match="the weights hold NaN or inf after step 1"):
+    with pytest.raises(FloatingPointError, match="the weights or optimizer state hold NaN or inf after step 1"):
         train(TrainConfig(**dict(BASE, steps=2, batch_size=2, ckpt_dir=str(tmp_path), ckpt_every=1)))
     assert latest_checkpoint(tmp_path) is None
 
@@ -355,3 +355,21 @@ def test_paths_and_model_settings_are_checked_before_training(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*flags, "--resume", "--mtp", "1"])
     assert "--mtp 1 (saved: 0) differ" in capsys.readouterr().err
+
+
+def test_resume_reports_a_missing_or_damaged_checkpoint(tmp_path, capsys):
+    """An empty --ckpt-dir started afresh without a word; bytes damaged inside a shard loaded as NaN weights
+    (DCP keeps no checksums) and failed steps later in a kernel's input check."""
+    flags = ["--batch-size", "2", "--seq-len", "16", "--steps", "2", "--no-progress", "--ckpt-dir", str(tmp_path)]
+    assert main([*flags, "--resume"]) == 0
+    assert "--resume: no complete checkpoint in" in capsys.readouterr().err
+    shard = max((tmp_path / "step_00000002").glob("*.distcp"), key=lambda f: f.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2 // 4 * 4
+    data[middle:middle + 4096] = b"\xff" * 4096
+    shard.write_bytes(bytes(data))
+    with pytest.raises(SystemExit):
+        main([*flags, "--resume"])
+    # Bytes of a tensor load as NaN; (with another layout of the file) bytes of a pickled value fail to load.
+    err = capsys.readouterr().err
+    assert "holds NaN or inf weights or optimizer state (a damaged file)" in err or "cannot be read" in err, err[-500:]

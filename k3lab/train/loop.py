@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import socket
+import sys
 import time
 
 import torch
@@ -49,10 +50,13 @@ def lr_at(step: int, total: int, peak: float, warmup: float, floor: float = 0.1)
 RUN_SETTINGS = ("preset", "mtp", "steps", "lr", "warmup", "weight_decay")
 
 
-def weights_finite(parts) -> bool:
-    """Whether every parameter of this rank's model parts (their local shards) and of every other rank is
-    finite: one all-reduce and one host read, made only before a checkpoint."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for m in parts for p in m.parameters()]
+def state_finite(parts, opts) -> bool:
+    """Whether every parameter of this rank's model parts and every tensor of their optimizers' state (local
+    shards) is finite here and on every other rank: one all-reduce and one host read, made only around a
+    checkpoint."""
+    tensors = [p for m in parts for p in m.parameters()]
+    tensors += [v for o in opts for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     ok = torch.stack([t.detach().isfinite().all() for t in local]).all().to(torch.int32).reshape(1)
     if dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
@@ -284,6 +288,12 @@ def train(config: TrainConfig) -> list[dict]:
                     loader.load_state_dict(state["loader"])
                 except ValueError as e:
                     raise ConfigError(f"{path}: {e}") from e
+                # DCP keeps no checksums: damaged bytes load as values, and would surface steps later.
+                if not state_finite(parts, opts):
+                    raise ConfigError(f"{path} holds NaN or inf weights or optimizer state (a damaged file): remove "
+                                      f"it to resume from the checkpoint before it")
+            elif rank0:
+                print(f"--resume: no complete checkpoint in {config.ckpt_dir}; starting at step 1", file=sys.stderr)
         mcfg = parts[0].config
         fpt = flops_per_token(mcfg, config.seq_len)
         peak = peak_key(device)
@@ -346,9 +356,10 @@ def train(config: TrainConfig) -> list[dict]:
                 if save:
                     # A finite loss can still come with non-finite gradients (a bf16 backward overflowing),
                     # which the optimizer writes into the weights: never save those as the latest checkpoint.
-                    if not weights_finite(parts):
-                        raise FloatingPointError(f"the weights hold NaN or inf after step {step} (non-finite "
-                                                 f"gradients): stopping before writing its checkpoint (lower --lr)")
+                    if not state_finite(parts, opts):
+                        raise FloatingPointError(f"the weights or optimizer state hold NaN or inf after step {step} "
+                                                 f"(non-finite gradients): stopping before writing its checkpoint "
+                                                 f"(lower --lr)")
                     save_checkpoint(config.ckpt_dir, step, parts, opts, {"step": step, "loader": loader.state_dict(),
                                                                           "run": run_settings(config)})
                 if config.kill_at_step == step:
