@@ -12,17 +12,14 @@
 # **Why.** 69 of K3's 93 layers are KDA layers (K3 report, Table 1). A KDA layer replaces softmax
 # attention's KV cache, which grows with every token, by a fixed-size state: per head a
 # `d_k × d_v = 128 × 128` matrix, i.e. 96 × 128 × 128 = 1.57M numbers per layer whether the context is
-# 8K or 1M tokens, and its cost per token is constant instead of growing with the context. What makes
-# it good enough to carry three quarters of a frontier model is *how* that state is written: the
-# **delta rule** (the state is a memory trained online by one gradient step per token) with a
-# **channel-wise forget gate** (every key channel forgets at its own rate).
+# 8K or 1M tokens, at a constant cost per token. What lets it carry three quarters of a frontier model
+# is *how* that state is written: the **delta rule** (a memory trained online by one gradient step per
+# token) with a **channel-wise forget gate** (every key channel forgets at its own rate).
 #
-# This chapter: (1) the delta rule as online regression, and its simplest code, the recurrence;
-# (2) the channel-wise gate and K3's lower-bounded version of it; (3) the chunkwise form (UT/WY
-# transform) that makes training parallel, and its code; (4) the check that the two agree, error
-# against chunk size and time against length; (5) the full `KDALayer`; (6) an experiment: a tiny
-# language model with KDA against softmax attention on real Python code. All code lives in `k3lab.kda`
-# (`naive.py`, `chunk.py`, `gate.py`, `layer.py`) and `k3lab.lm`; this notebook imports it.
+# Sections: (1) the delta rule as online regression, and the recurrence; (2) the channel-wise gate and
+# K3's lower-bounded one; (3) the chunkwise (UT/WY) form and its code; (4) the check that they agree,
+# error vs chunk size, time vs length; (5) `KDALayer`; (6) an experiment: a tiny LM with KDA vs softmax
+# attention on Python code. The code is `k3lab.kda` and `k3lab.lm`; this notebook imports it.
 
 # %% tags=["parameters"]
 profile: str = "cpu"
@@ -50,6 +47,7 @@ device = k3lab.setup(seed=seed, profile=profile)
 import inspect
 import math
 import time
+import timeit
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -59,6 +57,7 @@ import torch.nn.functional as F
 from k3lab.kda import KDALayer, chunk_kda, kimi_linear_gate, lower_bounded_gate, naive_recurrent_kda
 from k3lab.kda.chunk import chunk_kda_fwd, decayed_scores
 from k3lab.testing import rel_rms_error
+from k3lab.widgets import explore
 
 
 def show_source(fn, start=None, end=None):
@@ -85,10 +84,8 @@ def show_source(fn, start=None, end=None):
 # *fast-weight memory* whose write is "store $v_t$ at $k_t$, minus what is already stored there".
 # Plain linear attention ($S_t = S_{t-1} + k_t v_t^\top$) only adds, so old associations pile up;
 # the delta rule corrects them. The output is a read with the query: $o_t = S_t^\top q_t$ (scaled by
-# $d_k^{-1/2}$).
-#
-# `k3lab.kda.naive_recurrent_kda` is this rule with the decay of section 2 in front of it, one token
-# at a time; its loop (after the input checks) reads:
+# $d_k^{-1/2}$). `k3lab.kda.naive_recurrent_kda` is this rule with the decay of section 2 in front of
+# it, one token at a time; its loop (after the input checks) reads:
 
 # %%
 show_source(naive_recurrent_kda, "    bounds = ", "    o = torch.stack")
@@ -135,8 +132,7 @@ for n in (8, 16, 32, 64, 128):
     if n <= d_k:
         keys = torch.linalg.qr(keys[0, :, 0].T)[0].T.reshape(1, n, 1, d_k)  # orthonormal keys
     vals = torch.randn(1, n, 1, d_v, generator=gen, dtype=torch.float64)
-    zeros = torch.zeros(1, n, 1, d_k, dtype=torch.float64)
-    _, S_n = naive_recurrent_kda(keys, keys, vals, zeros, torch.ones(1, n, 1, dtype=torch.float64),
+    _, S_n = naive_recurrent_kda(keys, keys, vals, torch.zeros_like(keys), torch.ones(1, n, 1, dtype=torch.float64),
                                  output_final_state=True)
     read = keys[0, :, 0] @ S_n[0, 0]  # [n, d_v]: read every key from the final state
     recall[n] = [rel_rms_error(vals[0, i, 0], read[i]) for i in range(n)]
@@ -161,16 +157,19 @@ plt.show()
 # $$S_t = (I - \beta_t k_t k_t^\top)\,\mathrm{Diag}(\alpha_t)\, S_{t-1} + \beta_t k_t v_t^\top,
 #   \qquad o_t = S_t^\top q_t .$$
 #
-# Row $c$ of $S$ holds what the memory associates with key channel $c$, so a per-channel decay lets
-# some channels keep facts for thousands of tokens while others are refreshed every few tokens, within
-# one head; a scalar gate must choose one timescale for the whole head. The gate is data-dependent
-# ($\alpha_t$ is computed from $x_t$), so the model also decides *when* to forget. Computations use the
-# log-decay $g_t = \log \alpha_t \le 0$.
+# Row $c$ of $S$ holds what the memory associates with key channel $c$: a per-channel decay lets some
+# channels of one head keep facts for thousands of tokens while others refresh every few; a scalar gate
+# picks one timescale per head. The gate is data-dependent ($\alpha_t$ from $x_t$): the model decides
+# *when* to forget. Computations use the log-decay $g_t = \log \alpha_t \le 0$.
 #
 # **The state norm over time.** With L2-normalised keys and $\beta < 1$,
 # $\lVert I - \beta k k^\top \rVert \le 1$: the delta rule cannot blow up; plain linear attention has no
 # such bound. Over `T_norm` random tokens: linear attention's state grows like $\sqrt t$, the delta rule
 # levels off, and the channel-wise decay (K3's gate on random pre-activations) keeps it lower still.
+#
+# **Per-channel retention** (right): what channel $c$ held at token 0 survives to token $t$ as
+# $\prod_{s \le t} \alpha_{s,c} = \exp(\sum_{s\le t} g_{s,c})$. With the channel biases below, one head
+# keeps some channels orders of magnitude longer than others (the half-lives are printed after).
 
 # %% tags=["nbval-ignore-output"]
 T_norm, d_k, d_v = 2000, 32, 32
@@ -181,17 +180,14 @@ beta_seq = torch.sigmoid(torch.randn(1, T_norm, 1, generator=gen))
 z_seq = torch.randn(1, T_norm, 1, d_k, generator=gen)
 # Per-channel biases spread over timescales (as KDALayer's init does), K3's gate with A_log = 0.
 dt_bias = torch.linspace(-7, 0, d_k)
-gates = {
-    "delta rule, no decay (g = 0)": torch.zeros(1, T_norm, 1, d_k),
-    "KDA, channel-wise lower-bounded gate": lower_bounded_gate(z_seq, torch.zeros(1), dt_bias),
-}
+gates = {"delta rule, no decay (g = 0)": torch.zeros(1, T_norm, 1, d_k),
+         "KDA, channel-wise lower-bounded gate": lower_bounded_gate(z_seq, torch.zeros(1), dt_bias)}
 
 
 def state_norms(g, every=20):
     """||S_t||_F every `every` tokens, by carrying the state from chunk_kda call to call."""
     S, norms = None, []
-    for t0 in range(0, T_norm, every):
-        sl = slice(t0, t0 + every)
+    for sl in (slice(t0, t0 + every) for t0 in range(0, T_norm, every)):
         _, S = chunk_kda(k_seq[:, sl], k_seq[:, sl], v_seq[:, sl], g[:, sl], beta_seq[:, sl],
                          initial_state=S, output_final_state=True)
         norms.append(S.norm().item())
@@ -199,7 +195,7 @@ def state_norms(g, every=20):
 
 
 steps = np.arange(20, T_norm + 1, 20)
-fig, ax = plt.subplots(figsize=(6.5, 3.2))
+fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(12, 3.2))
 lin = torch.cumsum(k_seq[0, :, 0, :, None] * v_seq[0, :, 0, None, :], dim=0).flatten(1).norm(dim=1)
 ax.plot(steps, lin[19::20], label="linear attention (S += k v^T)")
 norms = {}
@@ -208,26 +204,19 @@ for name, g in gates.items():
     ax.plot(steps, norms[name], label=name)
 ax.set(xlabel="token t", ylabel="||S_t||_F", yscale="log", title="State norm over time")
 ax.legend(fontsize=8)
+G_cum = gates["KDA, channel-wise lower-bounded gate"][0, :300, 0].cumsum(0)
+for c in range(0, d_k, 4):
+    ax_r.plot(G_cum[:, c].exp(), color=plt.cm.viridis(c / d_k), label=f"channel {c}")
+ax_r.set(xlabel="tokens since write", ylabel="retention", yscale="log", ylim=(1e-6, 1.5),
+         title="Per-channel retention in one head (K3 gate)")
+ax_r.legend(fontsize=7, ncol=2)
 plt.show()
 print(f"at t = {T_norm}: linear attention {lin[-1]:.1f}, "
       + ", ".join(f"{n.split(',')[0]} {v[-1]:.1f}" for n, v in norms.items()))
 assert lin[-1] > 3 * max(v[-1] for v in norms.values())
 assert norms["KDA, channel-wise lower-bounded gate"][-1] < norms["delta rule, no decay (g = 0)"][-1]
 
-# %% [markdown]
-# **Per-channel retention.** How much of what channel $c$ held at token 0 survives to token $t$ is
-# $\prod_{s \le t} \alpha_{s,c} = \exp(\sum_{s\le t} g_{s,c})$. With the channel biases above, the
-# same head keeps some channels orders of magnitude longer than others (the half-lives, printed below):
-
 # %%
-G_cum = gates["KDA, channel-wise lower-bounded gate"][0, :300, 0].cumsum(0)
-fig, ax = plt.subplots(figsize=(6.5, 3.2))
-for c in range(0, d_k, 4):
-    ax.plot(G_cum[:, c].exp(), color=plt.cm.viridis(c / d_k), label=f"channel {c}")
-ax.set(xlabel="tokens since write", ylabel="retention", yscale="log", ylim=(1e-6, 1.5),
-       title="Per-channel retention in one head (K3 gate)")
-ax.legend(fontsize=7, ncol=2)
-plt.show()
 half_life = math.log(2) / -gates["KDA, channel-wise lower-bounded gate"][0, :, 0].mean(0)
 print(f"half-lives across channels: {half_life.min():.1f} to {half_life.max():.0f} tokens")
 assert half_life.max() > 50 * half_life.min()
@@ -235,31 +224,23 @@ assert half_life.max() > 50 * half_life.min()
 # %% [markdown]
 # ### Two gate parameterisations
 #
-# The gate maps a pre-activation $z = W_f x$ (one per value head and key channel; K3's decay projection
-# is full rank) to $g$:
+# The gate maps a pre-activation $z = W_f x$ (per value head and key channel; full rank in K3) to $g$:
 #
 # - **Kimi Linear**: $g = -e^{A}\,\mathrm{softplus}(z + b)$. Any decay in $(0, 1]$ is reachable,
 #   including $\alpha \approx 0$ (forget everything at once).
 # - **K3, lower-bounded** (Eq. 5): $g = g_{\min}\,\sigma(e^{A} z)$ with $g_{\min} = -5$, $A$
 #   initialised to 0. Every $\alpha_t > e^{-5} \approx 0.0067$: still a near-total reset in one
 #   token, but bounded, which lets chapter 02's kernel run its diagonal tiles on tensor cores in bf16
-#   (section 3 and `docs/kda.md`).
-#
-# Move the sliders: $A$ sets the slope, `lower_bound` the floor of the K3 gate.
+#   (section 3 and `docs/kda.md`). $A$ sets the slope, `lower_bound` the floor of the K3 gate; below
+#   the figure, sliders for them in JupyterLab (a headless run builds no widget and prints one line).
 
 # %%
-from k3lab.widgets import explore
-
-z_grid = torch.linspace(-8, 8, 401)
-
-
 def plot_gates(A_log: float = 0.0, lower_bound: float = -5.0, dt_bias: float = 0.0):
-    z, A, b = z_grid.view(1, -1, 1, 1), torch.tensor([A_log]), torch.tensor([dt_bias])
-    alpha_k3 = lower_bounded_gate(z, A, b, lower_bound=lower_bound).exp().flatten()
-    alpha_kl = kimi_linear_gate(z, A, b).exp().flatten()
+    z, A, b = torch.linspace(-8, 8, 401).view(1, -1, 1, 1), torch.tensor([A_log]), torch.tensor([dt_bias])
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
-    ax.plot(z_grid, alpha_k3, label=f"K3 lower-bounded (floor e^{lower_bound:g} = {math.exp(lower_bound):.2g})")
-    ax.plot(z_grid, alpha_kl, label="Kimi Linear")
+    ax.plot(z.flatten(), lower_bounded_gate(z, A, b, lower_bound=lower_bound).exp().flatten(),
+            label=f"K3 lower-bounded (floor e^{lower_bound:g} = {math.exp(lower_bound):.2g})")
+    ax.plot(z.flatten(), kimi_linear_gate(z, A, b).exp().flatten(), label="Kimi Linear")
     ax.axhline(math.exp(lower_bound), color="gray", ls=":", lw=1)
     ax.set(xlabel="pre-activation z", ylabel="retention alpha = exp(g)", yscale="log", ylim=(1e-6, 2),
            title=f"alpha vs z (A_log = {A_log:g}, dt_bias = {dt_bias:g})")
@@ -268,9 +249,6 @@ def plot_gates(A_log: float = 0.0, lower_bound: float = -5.0, dt_bias: float = 0
 
 
 plot_gates()
-
-# %% [markdown]
-# The explorer: sliders in JupyterLab (a headless run builds no widget and prints one line).
 
 # %% tags=["nbval-ignore-output"]
 explorer = explore(plot_gates, A_log=(-3.0, 3.0, 0.25), lower_bound=(-10.0, -0.5, 0.5),
@@ -318,7 +296,6 @@ explorer = explore(plot_gates, A_log=(-3.0, 3.0, 0.25), lower_bound=(-10.0, -0.5
 show_source(chunk_kda_fwd, "    B, HV, T, K = k.shape")
 
 # %% [markdown]
-#
 # **Why $1/\Gamma$ is never formed.** The factorised form $(\Gamma\odot K)(K/\Gamma)^\top$ is how the
 # math reads, but $1/\Gamma_j = e^{-G_j}$ overflows float32 (max $\approx e^{88.7}$) after a few dozen
 # tokens of strong decay, and $0 \cdot \infty$ gives NaN. Every entry needed is $\exp(G_i - G_j)$,
@@ -336,10 +313,9 @@ for g_value in (-0.5, -2.0, -5.0):
     factorised = ((k_c * G.exp()) @ (k_c * (-G).exp()).T).tril()
     stable = decayed_scores(k_c, k_c, G, inclusive=True)
     exact = decayed_scores(k_c.double(), k_c.double(), G.double(), inclusive=True)
-    fact_err = rel_rms_error(exact, factorised)
     print(f"g = {g_value:4.1f} per token (G down to {G.min().item():6.0f}): factorised (Gamma K)(K/Gamma)^T "
-          f"{'finite' if torch.isfinite(factorised).all() else 'has inf/NaN'}, rel err {fact_err:.1e}; "
-          f"decayed_scores rel err {rel_rms_error(exact, stable):.1e}")
+          f"{'finite' if torch.isfinite(factorised).all() else 'has inf/NaN'}, rel err "
+          f"{rel_rms_error(exact, factorised):.1e}; decayed_scores rel err {rel_rms_error(exact, stable):.1e}")
     assert rel_rms_error(exact, stable) < 1e-6
 assert not torch.isfinite(factorised).all()
 
@@ -349,9 +325,9 @@ assert not torch.isfinite(factorised).all()
 # Fresh random inputs (never zeros) with the awkward features of real use: a length that is not a
 # multiple of the chunk, more value heads than query/key heads (GVA: value head $i$ reads q/k head
 # $i \cdot H / H_V$), an initial state, and packed variable-length sequences (`cu_seqlens`), some
-# shorter than a chunk. Each line prints the error and the bound it is held to. The test suite
-# (`tests/test_kda.py`) covers many more cases: $T \in \{1, 7, 63, 64, 65, 500, 1000\}$, head dims
-# 64/100/128, $g = 0$ exactly, 20 identical keys in a row, un-normalised fp16 keys, and gradients.
+# shorter than a chunk. Each line prints the error and its bound. `tests/test_kda.py` covers more:
+# $T \in \{1, 7, 63, 64, 65, 500, 1000\}$, head dims 64/100/128, $g = 0$, 20 identical keys in a row,
+# un-normalised fp16 keys, and gradients.
 
 # %% tags=["nbval-ignore-output"]
 def kda_inputs(T, H, HV, K, V, N=1, dtype=torch.float64, seed=0):
@@ -403,8 +379,7 @@ o_ref, _ = naive_recurrent_kda(**inputs64)
 inputs32 = {key: x.float() for key, x in inputs64.items()}
 chunk_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 errors = [rel_rms_error(o_ref, chunk_kda(**inputs32, chunk_size=c)[0]) for c in chunk_sizes]
-for c, e in zip(chunk_sizes, errors):
-    print(f"C = {c:3d}: rel error {e:.2e}")
+print("\n".join(f"C = {c:3d}: rel error {e:.2e}" for c, e in zip(chunk_sizes, errors)))
 assert max(errors) < 1e-5
 fig, ax = plt.subplots(figsize=(5.5, 3))
 ax.loglog(chunk_sizes, errors, "o-", base=2)
@@ -415,28 +390,19 @@ plt.show()
 # %% [markdown]
 # **Time vs sequence length** (forward, B = 1, K = V = 64, on this machine): the recurrence is $T$
 # sequential steps; the chunkwise form $T/C$ sequential steps of matmuls, $O(T C d)$ work; causal
-# softmax attention (`F.scaled_dot_product_attention`, one fused kernel) $O(T^2 d)$. At these lengths
-# on a CPU the fused kernel can still win against plain-PyTorch `chunk_kda`; the slopes are what
-# carries over: attention's cost grows quadratically, KDA's linearly (chapter 02 has the Triton kernel).
+# softmax attention (`F.scaled_dot_product_attention`, one fused kernel) $O(T^2 d)$. At these lengths on
+# a CPU the fused kernel can beat plain-PyTorch `chunk_kda`; the slopes carry over (chapter 02 has the
+# Triton kernel).
 
 # %% tags=["nbval-ignore-output"]
-# On CPU, count this process's CPU time (all threads): a shared machine's wall clock is too noisy.
-clock = time.perf_counter if device.type == "cuda" else time.process_time
-
-
 sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
 def best_time(fn, repeats=timing_repeats):
-    """The best of ``repeats`` calls of ``fn``, in seconds of ``clock``."""
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = clock()
-        fn()
-        sync()
-        times.append(clock() - t0)
-    return min(times)
+    """The best of ``repeats`` calls of ``fn`` in seconds: wall time on GPU; on CPU this process's CPU
+    time (all threads), since a shared machine's wall clock is too noisy."""
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
+    return min(timeit.repeat(lambda: (sync(), fn(), sync()), timer=clock, number=1, repeat=repeats))
 
 
 timings = {"naive recurrence": [], "chunk_kda (C=64)": [], "softmax attention (SDPA)": []}
@@ -446,17 +412,15 @@ with torch.no_grad():
         x.pop("initial_state")
         qa, ka, va = (x[n].transpose(1, 2) for n in ("q", "k", "v"))
         chunk_kda(**x)  # warm-up
-        timings["naive recurrence"].append(
-            best_time(lambda: naive_recurrent_kda(**x)) if T <= naive_max_T else float("nan"))
-        timings["chunk_kda (C=64)"].append(best_time(lambda: chunk_kda(**x)))
-        timings["softmax attention (SDPA)"].append(
-            best_time(lambda: F.scaled_dot_product_attention(qa, ka, va, is_causal=True)))
+        for name, fn in zip(timings, (lambda: naive_recurrent_kda(**x), lambda: chunk_kda(**x),
+                                      lambda: F.scaled_dot_product_attention(qa, ka, va, is_causal=True))):
+            timings[name].append(float("nan") if name == "naive recurrence" and T > naive_max_T else best_time(fn))
         print(f"T = {T:5d}: " + ", ".join(f"{n} {v[-1] * 1e3:8.2f} ms" for n, v in timings.items()))
 fig, ax = plt.subplots(figsize=(6, 3.5))
 for name, ts in timings.items():
     ax.loglog(timing_lengths, np.array(ts) * 1e3, "o-", label=name)
-lengths_np = np.array(timing_lengths)
-ax.loglog(lengths_np, timings["chunk_kda (C=64)"][0] * 1e3 * lengths_np / lengths_np[0], "k:", lw=1, label="slope 1")
+ax.loglog(timing_lengths, timings["chunk_kda (C=64)"][0] * 1e3 * np.array(timing_lengths) / timing_lengths[0], "k:",
+          lw=1, label="slope 1")
 ax.set(xlabel="sequence length T", ylabel="forward time (ms)" + (" of CPU" if device.type == "cpu" else ""),
        title=f"KDA vs attention on {device.type}")
 ax.legend(fontsize=8)
@@ -473,11 +437,11 @@ assert all(np.isfinite(timings["chunk_kda (C=64)"]))
 #   g = \mathrm{gate}(W_f x)$$
 # $$y = W_o\big[\sigma(W_g x) \odot \mathrm{RMSNorm}_{\text{head}}(\mathrm{KDA}(q, k, v, g, \beta))\big].$$
 #
-# The **short convolutions** (depthwise, causal, kernel 4) give each token a little local context before
-# it is written to the memory; **L2-normalised keys** keep $\lVert I - \beta k k^\top\rVert \le 1$
-# (section 2); the decay projection and output gate are full rank in K3; with **GVA** several value heads
-# share one q/k head. For decoding, the cache holds the last 3 inputs of each convolution and the state
-# $S$, so token-by-token generation gives exactly the full-sequence output at a cost independent of $T$.
+# **Short convolutions** (depthwise, causal, kernel 4) give each token local context before it is
+# written; **L2-normalised keys** keep $\lVert I - \beta k k^\top\rVert \le 1$ (section 2); the decay
+# projection and output gate are full rank in K3; with **GVA** several value heads share a q/k head. For
+# decoding, the cache holds each convolution's last 3 inputs and $S$: token-by-token generation gives
+# the full-sequence output exactly, at a cost per token independent of $T$.
 
 # %% tags=["nbval-ignore-output"]
 torch.manual_seed(seed)
@@ -501,11 +465,10 @@ print("parameters:", {n: list(p.shape) for n, p in layer.named_parameters()})
 # %% [markdown]
 # ## 6. Experiment: a tiny LM with KDA vs softmax attention, on real Python
 #
-# Two models identical except for the token mixer (`k3lab.lm.LM`: embedding, [mixer, SwiGLU] blocks
-# with pre-RMSNorm, tied head), trained with the same seed, batches, schedule and step count on the
-# CPython-stdlib corpus of chapter 00. On the CPU defaults this is a short run (the cell prints its
-# token count): a sanity check that KDA learns language as readily as attention at this scale, not a
-# benchmark. The GPU profile (`params/h200.yaml`) trains a larger model for longer.
+# Two models identical but for the token mixer (`k3lab.lm.LM`: embedding, [mixer, SwiGLU] blocks with
+# pre-RMSNorm, tied head), same seed, batches, schedule and steps, on chapter 00's CPython-stdlib corpus.
+# On CPU a short run (the cell prints its tokens): a sanity check that KDA learns language as readily
+# as attention at this scale, not a benchmark. `params/h200.yaml` trains a larger model for longer.
 
 # %% tags=["nbval-ignore-output"]
 from k3lab import data
@@ -516,18 +479,16 @@ print(f"{lm_steps} steps of {lm_batch_size} x {lm_seq_len} tokens: {lm_steps * l
       "training tokens per model")
 for mixer in ("attention", "kda"):
     torch.manual_seed(seed)
-    config = LMConfig.tiny(vocab_size=data.vocab_size(), d_model=lm_d_model, n_layers=lm_layers,
-                           n_heads=lm_heads, head_dim=lm_d_model // lm_heads, mixer=mixer,
-                           max_seq_len=lm_seq_len)
-    models[mixer] = LM(config)
+    models[mixer] = LM(LMConfig.tiny(vocab_size=data.vocab_size(), d_model=lm_d_model, n_layers=lm_layers,
+                                     n_heads=lm_heads, head_dim=lm_d_model // lm_heads, mixer=mixer,
+                                     max_seq_len=lm_seq_len))
     print(f"{mixer}: {count_params(models[mixer], exclude_embedding=True):,} non-embedding parameters")
     histories[mixer] = train(models[mixer], steps=lm_steps, batch_size=lm_batch_size, seq_len=lm_seq_len,
                              lr=lm_lr, device=device, seed=seed, log_every=max(1, lm_steps // 15),
                              max_seconds=lm_max_seconds)
 
 # %% tags=["nbval-ignore-output"]
-# Cost of one training step (forward + backward), timed after training: CPU time on CPU (robust on
-# a shared machine), wall time on GPU.
+# Cost of one training step (forward + backward), timed after training with best_time.
 x_step, y_step = data.get_batch(data.load_split("train"), lm_batch_size, lm_seq_len,
                                 torch.Generator().manual_seed(seed), device)
 
@@ -557,28 +518,25 @@ for mixer, h in histories.items():
     print(f"{mixer:9s}: {h['step'][-1]} steps, val loss {h['val_loss'][0]:.3f} -> {h['val_loss'][-1]:.3f} "
           f"(uniform: {ln_vocab:.2f}), {np.median(h['tokens_per_s']):,.0f} tokens/s")
     assert all(np.isfinite(h["val_loss"])) and h["val_loss"][-1] < ln_vocab
-    # The CPU profile is budgeted by steps (no time cap), so a loaded machine changes how long this
-    # takes, not what it shows; the bound holds from about 50 steps on.
+    # Budgeted by steps, so a loaded machine changes the time, not the result; holds from ~50 steps on.
     if h["step"][-1] == lm_steps >= 50:
         assert h["val_loss"][-1] < ln_vocab - 1.5, h["val_loss"]
 final = {mixer: h["val_loss"][-1] for mixer, h in histories.items()}
-print(f"final validation loss: kda {final['kda']:.2f}, attention {final['attention']:.2f} nats "
-      f"({final['kda'] - final['attention']:+.2f}); a KDA step costs "
-      f"{step_cost['kda'] / step_cost['attention']:.1f}x an attention step")
+gap, ratio = final["kda"] - final["attention"], step_cost["kda"] / step_cost["attention"]
+print(f"final validation loss: kda {final['kda']:.2f}, attention {final['attention']:.2f} nats ({gap:+.2f}); "
+      f"a KDA step costs {ratio:.1f}x an attention step")
 
 # %% [markdown]
-# Reading the run (the last line above): per step the two models learn at a similar pace, and the
-# final validation losses differ by a fraction of a nat (KDA's short convolutions give it cheap local
-# n-gram features, which matter early in training). One seed and the token count printed above: read it
-# as "KDA is a working token mixer", not as a ranking. A KDA step costs more than an attention step here
-# because `chunk_kda` is plain PyTorch with a Python loop over chunks, while attention is one fused
+# Reading the run (the last line above): the two models learn at a similar pace per step, and the
+# final losses differ by a fraction of a nat (KDA's short convolutions give it cheap local n-gram
+# features). One seed and a few tokens: "KDA is a working token mixer", not a ranking. A KDA step costs
+# more here because `chunk_kda` is plain PyTorch looping over chunks, against one fused attention
 # kernel; chapter 02's Triton kernels are the fix.
 
 # %% [markdown]
 # What did the KDA model's gates learn? Per key channel, the mean log-decay on validation text gives a
-# half-life $\ln 2 / (-\bar g)$. The spread of timescales is partly built in (the `dt_bias`
-# initialisation spans them on purpose), so the untrained model with the same seed is drawn in grey:
-# the difference is what training on real code did to the gates.
+# half-life $\ln 2 / (-\bar g)$. The `dt_bias` initialisation spreads them on purpose, so the untrained
+# model (same seed) is drawn in grey: the difference is what training on real code did to the gates.
 
 # %% tags=["nbval-ignore-output"]
 x_val, _ = data.get_batch(data.load_split("val"), 4, lm_seq_len, torch.Generator().manual_seed(seed), device)
@@ -587,19 +545,18 @@ untrained = LM(models["kda"].config).to(device)
 
 
 def channel_half_lives(model):
-    """Per KDA layer, ln 2 / -mean(g) per (value head, key channel) on x_val, via forward hooks that
-    capture each layer's (pre-normed) input."""
+    """Per KDA layer, ln 2 / -mean(g) per (value head, key channel) on x_val, from each layer's
+    (pre-normed) input captured by a forward hook."""
     layers = [m for m in model.modules() if isinstance(m, KDALayer)]
     seen = {}
     hooks = [m.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, args[0]))
              for i, m in enumerate(layers)]
     with torch.no_grad():
         model.eval()(x_val)
-        out = [(math.log(2) / -m.log_decay(seen[i]).mean(dim=(0, 1)).flatten()).cpu().numpy()
-               for i, m in enumerate(layers)]
-    for hook in hooks:
-        hook.remove()
-    return out
+        for hook in hooks:
+            hook.remove()
+        return [(math.log(2) / -m.log_decay(seen[i]).mean(dim=(0, 1)).flatten()).cpu().numpy()
+                for i, m in enumerate(layers)]
 
 
 fig, axes = plt.subplots(1, lm_layers, figsize=(5 * lm_layers, 3), squeeze=False)
@@ -622,8 +579,8 @@ plt.show()
 #    are recalled worse, the old or the recent ones, and why?
 # 2. Give the delta rule of section 2 a *scalar* gate (one $g$ per head, the mean of the channel-wise one).
 #    Where does its state norm end, and what happens to the spread of half-lives?
-# 3. In section 3, add `g_value = -20`. Does `decayed_scores` stay finite in float32, and for how many
-#    tokens of that gate does the factorised form?
+# 3. In section 3, add `g_value = -20`. Does `decayed_scores` stay finite in float32, and after how
+#    many tokens of that gate does the factorised form overflow?
 # 4. Time `chunk_kda` at $C = 16, 64, 256$ for $T = 2048$. Which term of $O(TCd)$ work against $T/C$
 #    sequential steps wins on this machine?
 # 5. Train the LM experiment with `lm_steps = 200`. Does the gap between the two final losses shrink?
