@@ -10,18 +10,16 @@
 # # 04 · Attention Residuals: attention over depth instead of a residual sum
 #
 # Every Transformer since 2017 adds each sublayer's output to one running sum, $h \leftarrow h + f(h)$.
-# Kimi K3 replaces that sum with **Block Attention Residuals** (AttnRes paper, Kimi Team, arXiv
-# 2603.15031; K3 report, Sec. 2): each sublayer *reads* a learned, input-dependent softmax mixture of
-# earlier representations. K3 groups its 93 layers into blocks of 12 (8 blocks, the last partial),
-# so a sublayer attends over at most 9 block summaries (the embedding included). The paper reports
-# that AttnRes matches the baseline's loss with about **1.25x less compute**, at **< 2%** inference
-# and **< 4%** training overhead.
+# Kimi K3 replaces it with **Block Attention Residuals** (AttnRes, arXiv 2603.15031; K3 report, Sec. 2):
+# each sublayer *reads* a learned, input-dependent softmax mixture of earlier representations. K3's 93
+# layers form blocks of 12 (8 blocks, the last partial): a sublayer attends over at most 9 block
+# summaries, the embedding included. The paper reports AttnRes matches the baseline's loss with about
+# **1.25x less compute**, at **< 2%** inference and **< 4%** training overhead.
 #
-# This chapter: (1) the problem, *dilution* of the residual stream; (2) the formula and the simplest
-# code; (3) the memory-efficient training path and (4) the two-phase inference path, each checked
-# against the formula; (5) the Triton kernels and their check; (6) the H200 result against a bytes
-# floor; (7) an experiment: the same tiny LM under each residual at equal compute, and what the depth
-# weights learn.
+# Sections: (1) the problem, *dilution*; (2) the formula and the simplest code; (3) the training path
+# and (4) the inference path, each checked against the formula; (5) the Triton kernels and their check;
+# (6) the H200 result against a bytes floor; (7) an experiment: a tiny LM under each residual at equal
+# compute, and what the depth weights learn.
 
 # %% tags=["parameters"]
 profile: str = "cpu"
@@ -45,7 +43,7 @@ device = k3lab.setup(seed=seed, profile=profile)
 # %%
 import inspect
 import json
-import time
+import timeit
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -65,15 +63,13 @@ from k3lab.testing import rel_rms_error
 # ## 1. The problem: dilution
 #
 # With pre-norm, sublayer $l$ sees $\mathrm{RMSNorm}(h_l)$ where $h_l = h_0 + \sum_{i<l} v_i$ and
-# $v_i = f_i(\cdot)$ is sublayer $i$'s output. The sum only grows: if the outputs were independent
-# with RMS $\sigma$, $\lVert h_l \rVert$ would grow like $\sigma\sqrt{l}$, so each new output is a
-# shrinking fraction ($\approx 1/\sqrt l$) of the stream it is added to. Deep layers must produce ever
-# larger outputs to be heard, and every earlier output reaches layer $l$ with the same fixed weight 1
-# — no layer can choose *which* earlier layers to read. That is the dilution the AttnRes paper
-# starts from (Sec. 2). Below: `L_demo` random pre-norm linear sublayers $v = W\,\mathrm{RMSNorm}(h)$,
-# $W_{ij} \sim \mathcal N(0, 1/d)$, so every output has RMS about 1, like the embedding; forward hooks
-# record the RMS of each sublayer's input $h_l$ and output $v_l$ under the standard residual and under
-# AttnRes at its zero initialisation.
+# $v_i = f_i(\cdot)$ is sublayer $i$'s output. The sum only grows: for independent outputs of RMS
+# $\sigma$, $\lVert h_l \rVert \sim \sigma\sqrt{l}$, so each new output is a shrinking fraction
+# ($\approx 1/\sqrt l$) of its stream. Deep layers must produce ever larger outputs to be heard, and
+# every earlier output reaches layer $l$ with weight 1: no layer chooses *which* earlier layers to read
+# (the paper's Sec. 2). Below: `L_demo` random pre-norm linear sublayers $v = W\,\mathrm{RMSNorm}(h)$,
+# $W_{ij} \sim \mathcal N(0, 1/d)$ (outputs of RMS about 1, like the embedding); hooks record each
+# sublayer's input and output RMS under the standard residual and AttnRes at its zero initialisation.
 
 # %%
 torch.manual_seed(seed)
@@ -123,11 +119,10 @@ assert std_in[-1] > 4 * std_in[0] and std_out[-1] / std_in[-1] < 0.25
 assert attn_in.max() <= max(attn_out.max(), std_in[0]) * (1 + 1e-6)
 
 # %% [markdown]
-# Under AttnRes the input of every sublayer is a *convex combination* of earlier representations, so
-# its scale cannot run away (it even shrinks here: averaging nearly independent vectors; the next
-# pre-norm undoes the scale). At zero initialisation the weights are uniform, as diluted as the
-# sum; the difference is that they are *learned and input-dependent*: a query can give any earlier
-# output a weight near 1 (section 7 shows what the queries learn).
+# Under AttnRes every sublayer's input is a *convex combination* of earlier representations, so its
+# scale cannot run away (it shrinks here, averaging nearly independent vectors; the next pre-norm undoes
+# that). At zero init the weights are uniform, as diluted as the sum, but they are *learned and
+# input-dependent*: a query can give any earlier output a weight near 1 (section 7 shows what they learn).
 #
 # ## 2. The formulation
 #
@@ -139,47 +134,42 @@ assert attn_in.max() <= max(attn_out.max(), std_in[0]) * (1 + 1e-6)
 #   h_l = \sum_{i=0}^{l} \alpha_{l,i}\, v_i, \qquad v_{l+1} = f_l(h_l).$$
 #
 # Keys are normalised (a large output cannot win the softmax by its size alone), values are not (the
-# mixture keeps the sources' scale); the softmax is computed in float32. $w_l$ starts at zero, so
-# training starts from the **uniform average** of the sources, which the gradients then sharpen. A last
-# query $w_L$ aggregates all sources into the final output. The RMSNorm has no gain: a gain would only
-# reparametrise $w$, as $w^\top(g \odot k) = (w\odot g)^\top k$.
+# mixture keeps the sources' scale); the softmax runs in float32. $w_l$ starts at zero: training starts
+# from the **uniform average**, which the gradients sharpen. A last query $w_L$ aggregates all sources
+# into the output. The RMSNorm has no gain, which would only reparametrise $w$: $w^\top(g \odot k) = (w\odot g)^\top k$.
 #
-# **Block AttnRes.** Full AttnRes keeps all $L+1$ sources alive: $O(Ld)$ memory per token and $O(L^2
-# d)$ reads. Block AttnRes cuts the $L$ sublayers into $N$ blocks; a block's representation
-# $b_n$ is the **sum** of its sublayers' outputs ($b_0 = h_0$). Sublayer $l$ in block $n$ reads
+# **Block AttnRes.** Full AttnRes keeps all $L+1$ sources alive: $O(Ld)$ memory per token, $O(L^2 d)$
+# reads. Block AttnRes cuts the $L$ sublayers into $N$ blocks; block $b_n$ is the **sum** of its
+# sublayers' outputs ($b_0 = h_0$). Sublayer $l$ in block $n$ reads
 #
 # $$[\,b_0, b_1, \dots, b_{n-1},\ p_l\,], \qquad p_l = \textstyle\sum_{\text{earlier sublayers } j \text{ of block } n} v_j$$
 #
-# (the partial sum $p_l$ is absent for the block's first sublayer), and the output aggregates
-# $[b_0, \dots, b_N]$. At most $N + 1$ sources per read, $O(Nd)$ memory. Inside a block it is a
-# plain residual sum; across blocks it is attention. $N = L$ recovers full AttnRes; $N = 1$ is a
-# two-source mixture of the embedding and the residual sum. The simplest code, from `k3lab.attnres.naive`:
+# ($p_l$ absent for the block's first sublayer); the output aggregates $[b_0, \dots, b_N]$. At most
+# $N + 1$ sources per read, $O(Nd)$ memory: a residual sum inside a block, attention across blocks.
+# $N = L$ is full AttnRes; $N = 1$ mixes the embedding and the residual sum. The simplest code
+# (`k3lab.attnres.naive`):
 
 # %%
 for fn in (depth_attention, naive_block_attnres):
-    src = inspect.getsource(fn)
-    head, _, body = src.partition('"""')
+    head, _, body = inspect.getsource(fn).partition('"""')
     print(head + "..." + body.partition('"""')[2])
 
 # %% [markdown]
-# Who reads what, for $L = 10$ sublayers and $N = 4$ blocks (given a count, `block_sizes` splits as
-# evenly as possible; given a list of sizes it uses them, as `k3lab.model` does for K3's fixed
-# 12-layer blocks with a partial last one):
+# Who reads what, $L = 10$ sublayers, $N = 4$ blocks (`block_sizes` splits a count evenly, or takes a
+# list of sizes, as `k3lab.model` does for K3's 12-layer blocks with a partial last one):
 
 # %%
 L_ex, N_ex = 10, 4
-sizes = block_sizes(L_ex, N_ex)
-layer = 0
-for n, size in enumerate(sizes, start=1):
-    for k in range(size):
-        srcs = [f"b{i}" for i in range(n)] + ([f"p(block {n}, {k} outputs)"] if k else [])
-        print(f"sublayer {layer} (block {n}): reads {', '.join(srcs)}")
-        layer += 1
+block_of = [n for n, size in enumerate(block_sizes(L_ex, N_ex), start=1) for _ in range(size)]
+for layer, n in enumerate(block_of):
+    k = block_of[:layer].count(n)  # earlier sublayers of the same block
+    srcs = [f"b{i}" for i in range(n)] + ([f"p(block {n}, {k} outputs)"] if k else [])
+    print(f"sublayer {layer} (block {n}): reads {', '.join(srcs)}")
 print(f"final aggregation: reads {', '.join(f'b{i}' for i in range(N_ex + 1))}")
 
 # %% [markdown]
-# Two checks of the definitions: at zero initialisation every read is the plain mean of its sources,
-# and with $N = L$ Block AttnRes is full AttnRes (computed by two separately written loops).
+# Two checks: at zero init every read is the plain mean of its sources; with $N = L$ Block AttnRes is
+# full AttnRes (two separately written loops).
 
 # %% tags=["nbval-ignore-output"]
 torch.manual_seed(seed)
@@ -187,7 +177,6 @@ L_chk, d_chk = 6, 32
 chk_subs = nn.ModuleList([lm.RMSNormSublayer(d_chk, lm.SwiGLU(d_chk, 64), 1e-6) for _ in range(L_chk)]).double()
 chk_h0 = torch.randn(2, 7, d_chk, dtype=torch.float64)
 queries = torch.randn(L_chk + 1, d_chk, dtype=torch.float64)
-
 srcs = [torch.randn(2, 7, d_chk, dtype=torch.float64) for _ in range(4)]
 err_uniform = rel_rms_error(sum(srcs) / 4, depth_attention(srcs, torch.zeros(d_chk, dtype=torch.float64))[0])
 err_full = rel_rms_error(naive_attnres(chk_h0, chk_subs, queries), naive_block_attnres(chk_h0, chk_subs, queries, L_chk))
@@ -197,33 +186,29 @@ assert err_uniform < 1e-14 and err_full < 1e-14
 # %% [markdown]
 # ## 3. Training memory: compute the blocks once, recompute the mixing
 #
-# Autograd through the formula keeps, for every read, the stacked sources, their normalised copies
-# and the weights: $O(N d)$ per token *per sublayer*. The standard residual keeps one vector per
-# sublayer (the input $h_l$, which the sublayer's norm saves). `BlockAttnRes`'s training path
-# ("memory") matches that:
+# Autograd through the formula keeps, for every read, the stacked sources, their normalised copies and
+# the weights: $O(N d)$ per token *per sublayer*; the standard residual keeps one vector per sublayer
+# (the input $h_l$ its norm saves). `BlockAttnRes`'s training path ("memory") matches that:
 #
-# 1. **Blocks once.** Completed blocks are written once into one buffer $[N+1, B, T, d]$ that every
-#    later read shares.
+# 1. **Blocks once.** Completed blocks go once into one buffer $[N+1, B, T, d]$ every later read shares.
 # 2. **One pass over the blocks per block, not per sublayer.** The pseudo-queries are parameters, so
-#    the logits $s_{l,i} = r_i w_l^\top b_i$ of every query against a block are formed when the block is
-#    stored (`store_block_torch`: a $[\text{tokens}, d] \times [d, L+1]$ product into a table of
-#    $(L+1)(N+1)$ floats per token). At the start of block $n$ one pass over $b_0..b_{n-1}$ computes, for
-#    all $S$ sublayers $k$ of the block, the inter-block part $o_k = \sum_i a_{k,i} b_i$ and its
-#    log-sum-exp $\mathrm{lse}_k$ (phase 1, `phase1_fwd_torch`). Sublayer $k$ then merges it with its
-#    partial sum $p_k$, whose logit is $s = r_p w_k^\top p_k$ (phase 2, the online-softmax rule of
-#    section 4): $h_k = (1-\beta) o_k + \beta p_k$, $\beta = \sigma(s - \mathrm{lse}_k)$.
+#    every query's logits $s_{l,i} = r_i w_l^\top b_i$ against a block are formed when it is stored
+#    (`store_block_torch`, a $[\text{tokens}, d] \times [d, L+1]$ product). At block $n$'s start one pass
+#    over $b_0..b_{n-1}$ gives, for all $S$ sublayers $k$ of the block, $o_k = \sum_i a_{k,i} b_i$ and
+#    its log-sum-exp $\mathrm{lse}_k$ (phase 1, `phase1_fwd_torch`). Sublayer $k$ merges it with its
+#    partial sum $p_k$, logit $s = r_p w_k^\top p_k$ (phase 2, section 4's online softmax):
+#    $h_k = (1-\beta) o_k + \beta p_k$, $\beta = \sigma(s - \mathrm{lse}_k)$.
 # 3. **Recompute, do not keep.** The $o_k$ are dropped at the block's end and rebuilt by one more
 #    phase-1 pass when backward reaches the block; a saved-tensor hook swaps the sublayer's saved input
-#    $h_k$ for a recipe ($o_k$, $\mathrm{lse}_k$, $p_k$). (K3's activation manager gives every saved
-#    tensor such a policy — keep, recompute, offload — outside model code; this is "recompute".)
+#    $h_k$ for a recipe ($o_k$, $\mathrm{lse}_k$, $p_k$): "recompute" among the policies (keep,
+#    recompute, offload) K3's activation manager gives saved tensors outside model code.
 #
-# Backward runs the same passes in reverse: the merge's backward gives $\partial o_k$, $\partial p_k$ and
-# $\partial\,\mathrm{lse}_k$, then **one batched pass per block** does the softmax backward of all $S$ reads
-# and adds the blocks' gradients into one shared accumulator (the closed forms are in `docs/attnres.md`;
-# `k3lab.attnres.mix` implements them). Per sublayer the path thus keeps the partial sum where the
-# standard residual keeps $h_k$, plus the shared buffer, the lse, the logits table and each block's
-# $r_i$. The closed forms (phase 1 for a block of $S = 3$ sublayers over 4 blocks, the two merges, both
-# backwards) against autograd through the formula, in float64:
+# Backward runs the same passes in reverse: the merge's backward gives $\partial o_k$, $\partial p_k$,
+# $\partial\,\mathrm{lse}_k$; then **one batched pass per block** does the softmax backward of all $S$
+# reads into one shared gradient accumulator (closed forms: `docs/attnres.md`, `k3lab.attnres.mix`).
+# Per sublayer the path keeps the partial sum where the standard keeps $h_k$, plus the shared buffer,
+# lse, logits table and each block's $r_i$. The closed forms (phase 1 for $S = 3$ sublayers over 4
+# blocks, the two merges, both backwards) against autograd through the formula, in float64:
 
 # %% tags=["nbval-ignore-output"]
 gen = torch.Generator().manual_seed(seed)
@@ -250,8 +235,7 @@ assert max(errs) < 1e-12
 
 # %% [markdown]
 # Activation memory, measured: `retained_bytes` counts the tensor storages a forward pass leaves
-# alive for backward. 16 pre-norm SwiGLU
-# sublayers, $d = 64$, 2 x 64 tokens, float32:
+# alive for backward. 16 pre-norm SwiGLU sublayers, $d = 64$, 2 x 64 tokens, float32:
 
 # %% tags=["nbval-ignore-output"]
 torch.manual_seed(seed)
@@ -264,25 +248,20 @@ mem_rows = [("standard residual", std_bytes)]
 for N in (2, 8, L_mem):
     for path in ("naive", "memory"):
         res = BlockAttnRes(d_mem, L_mem, N, path=path)
-        _, b = retained_bytes(lambda: res(x_mem, mem_subs).sum())
-        mem_rows.append((f"N={N} {path}", b))
+        mem_rows.append((f"N={N} {path}", retained_bytes(lambda: res(x_mem, mem_subs).sum())[1]))
 print(f"{'residual':<22}{'saved MiB':>10}{'vs standard':>13}{'(d-vectors/token)':>19}{'buffer N+1':>12}")
 for name, b in mem_rows:
     buffer = f"{int(name.split()[0][2:]) + 1:>12d}" if "memory" in name else ""
     print(f"{name:<22}{b / 2**20:>10.2f}{b / std_bytes:>12.2f}x{(b - std_bytes) / unit:>+19.1f}{buffer}")
-for (name, b) in mem_rows[1:]:
+for name, b in mem_rows[1:]:  # the training path's allowance: the buffer's N + 1 vectors per token
     N = int(name.split()[0][2:])
-    if "memory" in name:
-        assert b <= 1.05 * std_bytes + (N + 1) * unit, name  # the buffer: N + 1 vectors per token
-    else:
-        assert b > 1.2 * std_bytes, name
+    assert (b <= 1.05 * std_bytes + (N + 1) * unit) if "memory" in name else (b > 1.2 * std_bytes), name
 
 # %% [markdown]
-# The naive path's extra grows with $N$ (each read stacks up to $N+1$ sources, for every sublayer). The
-# training path adds only the block buffer's $N+1$ vectors per token (the cell checks that allowance),
-# its partial sums replacing the inputs $h_l$ the standard residual keeps; keeping the $o_k$ instead of
-# recomputing them would add about one vector per token per sublayer. Does recompute change the
-# function? Output and every gradient against autograd through the formula:
+# The naive path's extra grows with $N$ (each read stacks up to $N+1$ sources, every sublayer). The
+# training path adds only the buffer's $N+1$ vectors per token (checked), its partial sums replacing the
+# standard's $h_l$; keeping the $o_k$ would add about one vector per token per sublayer. Does recompute
+# change the function? Output and every gradient against autograd through the formula:
 
 # %% tags=["nbval-ignore-output"]
 g_out = torch.randn(chk_h0.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
@@ -304,12 +283,11 @@ for N in (2, 3, L_chk):
 # %% [markdown]
 # ## 4. Inference: batched inter-block attention + online softmax
 #
-# Inside block $n$, every sublayer reads the same completed blocks $b_0..b_{n-1}$; only the queries
-# differ. So the paper's inference path works in two phases (Sec. 4.2). **Phase 1**, once per block:
-# normalise the $n$ block keys once, and for all $S$ queries of the block compute the logits $[S, n]$
-# per token, their max $m$, sum-exp $\ell$ and the un-normalised mixtures $o$ — one batched read of
-# the blocks instead of $S$. **Phase 2**, per sublayer: one more logit $s_p$ for the partial sum,
-# merged by the online-softmax rule
+# Inside block $n$ every sublayer reads the same blocks $b_0..b_{n-1}$; only the queries differ. So the
+# paper's inference path has two phases (Sec. 4.2). **Phase 1**, once per block: normalise the $n$
+# block keys once; for all $S$ queries compute the logits $[S, n]$ per token, their max $m$, sum-exp
+# $\ell$ and un-normalised mixtures $o$: one batched read of the blocks instead of $S$. **Phase 2**, per
+# sublayer: one more logit $s_p$ for the partial sum, merged by the online-softmax rule
 #
 # $$m' = \max(m, s_p), \qquad h = \frac{e^{m-m'} o + e^{s_p - m'} p}{e^{m-m'}\ell + e^{s_p - m'}} .$$
 #
@@ -335,18 +313,16 @@ with torch.no_grad():
 # %% [markdown]
 # ## 5. The Triton kernels
 #
-# Each pass is memory-bound: per token it touches a few $d$-vectors and does $O(d)$ flops per vector.
-# `k3lab.kernels.attnres` has one kernel per closed form. The **store** writes a block and its logits
-# in one pass. **Phase 1 forward**: with the logits at hand the softmax over depth is per-token scalars,
-# so a program owns a few token rows and one tile of $d$ for all $S$ queries, reads each of the $n$
-# blocks once and writes its tile of $h_0$, the $o_k$ and the lse. **Phase 1 backward** reads each block
-# once more, a whole row at a time, with the $S$ gradients $\partial o_k$ in registers: the only sum
-# over $d$ per block is $\partial o_k^\top b_i$, then $\partial s_{k,i} = a_{k,i}(\partial o_k^\top b_i -
-# \delta_k)$ with $\delta_k = \partial o_k^\top o_k - \partial\,\mathrm{lse}_k$ (FlashAttention's $D$),
-# left by the merge's backward; its programs are persistent over token rows, so $\partial w$ is summed
-# in registers. The **merge** kernels read and write whole rows (the logit needs all of $d$). Here is
-# the merge forward as it is in `kernels/attnres/mix.py`: each program owns `BM` token rows, forms the
-# partial sum's logit $s = r_p w^\top p$ (`_score`), and merges it with the inter-block part by the
+# Each pass is memory-bound ($O(d)$ flops per $d$-vector touched); `k3lab.kernels.attnres` has one
+# kernel per closed form of section 3. The **store** writes a block and its logits in one pass. **Phase
+# 1 forward**: a program owns a few token rows and one tile of $d$ for all $S$ queries (the logits are
+# at hand, so the softmax is per-token scalars). **Phase 1 backward** reads each block once more, a
+# whole row at a time, with the $S$ gradients $\partial o_k$ in registers: the only sum over $d$ is
+# $\partial o_k^\top b_i$, then $\partial s_{k,i} = a_{k,i}(\partial o_k^\top b_i - \delta_k)$ with
+# $\delta_k = \partial o_k^\top o_k - \partial\,\mathrm{lse}_k$ (FlashAttention's $D$); its programs are
+# persistent over token rows, so $\partial w$ is summed in registers. The **merge** kernels read whole
+# rows (the logit needs all of $d$). The merge forward from `kernels/attnres/mix.py`: a program owns
+# `BM` token rows, forms the partial sum's logit $s = r_p w^\top p$ (`_score`) and merges it by the
 # online-softmax rule of section 4, with `lse` in place of $m + \log \ell$:
 
 # %%
@@ -356,8 +332,7 @@ for kernel in (attnres_kernels._score, attnres_kernels.attnres_merge_fwd_kernel)
     print(inspect.getsource(kernel.fn))
 
 # %% [markdown]
-# On the CPU the kernels run under Triton's interpreter; here they are checked against the PyTorch closed
-# forms:
+# On the CPU the kernels run under Triton's interpreter, checked here against the PyTorch closed forms:
 
 # %% tags=["nbval-ignore-output"]
 gen = torch.Generator().manual_seed(seed)
@@ -387,79 +362,61 @@ assert max(errs) < 1e-5
 # %% [markdown]
 # ## 6. The measured result on an H200
 #
-# `python -m k3lab.bench.attnres` checks the kernels on the GPU first, then times the Triton mixing
-# kernels against the same closed form in eager PyTorch and under `torch.compile`, and the training
-# step (forward, backward, AdamW) of a `k3lab.lm.LM` with softmax-attention mixers under each residual
-# (the model line below); with `--lm-steps` it also runs section 7's experiment at GPU size. Its
-# stored result:
+# `python -m k3lab.bench.attnres` checks the kernels on the GPU, times them against the same closed
+# form in eager PyTorch and `torch.compile`, and times the training step (forward, backward, AdamW) of
+# a `k3lab.lm.LM` under each residual (model line below); `--lm-steps` adds section 7 at GPU size. The
+# overhead is the Block AttnRes step against the standard step timed in alternation, per precision
+# (`autocast_compiled`: sublayers under `torch.compile`, the tuned case; `fsdp_bf16` on one GPU is bound
+# by its launching CPU). Last, the two-phase path's float32 error against float64 beside the formula's
+# (the softmax over depth cancels, so both are far from float32's rounding).
 
 # %% tags=["nbval-ignore-output"]
-result_path = Path("..") / "data" / "results" / "attnres_h200.json"
-if not result_path.exists():
-    result_path = Path("data") / "results" / "attnres_h200.json"
-bench = json.loads(result_path.read_text()) if result_path.exists() else None
-if bench is not None:
-    from k3lab.bench.attnres import table
+from k3lab.bench.attnres import table
 
-    print(bench["hardware"], "|", bench["date"], "| torch", bench["torch"], "|", bench["step"]["model"], "\n")
-    print(table(bench))
-    print(f"\nBlock AttnRes (N = 8) training-step overhead: {100 * bench['step_overhead_block']:.1f}% "
-          f"({bench.get('step_overhead_block_precision', 'autocast')})")
-else:
-    print("no stored H200 result (run `python -m k3lab.bench.attnres --lm-steps 300` on a GPU)")
-
-# %% [markdown]
-# The overhead a reader can take away: the Block AttnRes step against the standard step timed in
-# alternation with it, per precision (`autocast_compiled` puts each sublayer under `torch.compile`, the
-# tuned case; `fsdp_bf16` on one GPU is bound by the CPU that launches it, not by the mixing). Then the
-# kernels against the same closed form in eager PyTorch and under `torch.compile`, and the two-phase
-# path's float32 error against float64 beside the formula's own (the softmax over depth cancels, so
-# both are far from float32's rounding):
+result_path = Path("../data/results/attnres_h200.json")
+bench = json.loads(result_path.read_text())
+print(bench["hardware"], "|", bench["date"], "| torch", bench["torch"], "|", bench["step"]["model"], "\n")
+print(table(bench))
 
 # %%
-if bench is not None:
-    rows = {r["precision"]: r for r in bench["step"]["rows"] if r["variant"] == "block_N8"}
-    for precision, r in rows.items():
-        print(f"{precision:<18} standard {r['standard_ms']:6.1f} ms, Block N=8 {r['step_ms']:6.1f} ms: "
-              f"+{r['step_ms'] - r['standard_ms']:.1f} ms, overhead {100 * r['overhead']:.1f}%")
-    headline = rows[bench["step_overhead_block_precision"]]
-    print(f"headline ({bench['step_overhead_block_precision']}): {100 * bench['step_overhead_block']:.1f}% "
-          f"of the step; the paper reports < 4% with K3-sized layers")
-    # What a reader relies on: the two-phase path checked on the GPU, the overhead measured in the same run.
-    assert bench["step_overhead_block"] == headline["overhead"] and 0 < headline["overhead"] < 0.2
-    assert max(bench["correctness"].values()) < 1e-3
-    eager = [r["torch_ms"] / r["ours_ms"] for r in bench["kernel_cases"]]
-    compiled = [r["compile_ms"] / r["ours_ms"] for r in bench["kernel_cases"] if r["compile_ms"]]
-    print(f"Triton kernels: {min(eager):.1f}-{max(eager):.1f}x eager PyTorch, "
-          f"{min(compiled):.1f}-{max(compiled):.1f}x torch.compile, over {len(eager)} cases")
-    acc = bench["correctness"]
-    ratios = {k: acc[k] / acc[k + "_formula_fp32"] for k in acc if k.startswith("module") and k + "_formula_fp32" in acc}
-    print(f"two-phase path / formula, float32 error against float64: {min(ratios.values()):.2f}-"
-          f"{max(ratios.values()):.2f}x (largest error {max(acc[k] for k in ratios):.1e})")
-    assert min(eager) > 1 and max(ratios.values()) < 1.5
+rows = {r["precision"]: r for r in bench["step"]["rows"] if r["variant"] == "block_N8"}
+for precision, r in rows.items():
+    print(f"{precision:<18} standard {r['standard_ms']:6.1f} ms, Block N=8 {r['step_ms']:6.1f} ms: "
+          f"+{r['step_ms'] - r['standard_ms']:.1f} ms, overhead {100 * r['overhead']:.1f}%")
+headline = rows[bench["step_overhead_block_precision"]]
+print(f"headline ({bench['step_overhead_block_precision']}): {100 * bench['step_overhead_block']:.1f}% "
+      f"of the step; the paper reports < 4% with K3-sized layers")
+# What a reader relies on: the two-phase path checked on the GPU, the overhead measured in the same run.
+assert bench["step_overhead_block"] == headline["overhead"] and 0 < headline["overhead"] < 0.2
+assert max(bench["correctness"].values()) < 1e-3
+eager = [r["torch_ms"] / r["ours_ms"] for r in bench["kernel_cases"]]
+compiled = [r["compile_ms"] / r["ours_ms"] for r in bench["kernel_cases"] if r["compile_ms"]]
+print(f"Triton kernels: {min(eager):.1f}-{max(eager):.1f}x eager PyTorch, "
+      f"{min(compiled):.1f}-{max(compiled):.1f}x torch.compile, over {len(eager)} cases")
+acc = bench["correctness"]
+ratios = {k: acc[k] / acc[k + "_formula_fp32"] for k in acc if k.startswith("module") and k + "_formula_fp32" in acc}
+print(f"two-phase path / formula, float32 error against float64: {min(ratios.values()):.2f}-"
+      f"{max(ratios.values()):.2f}x (largest error {max(acc[k] for k in ratios):.1e})")
+assert min(eager) > 1 and max(ratios.values()) < 1.5
 
 # %% [markdown]
-# At this width the mixing sits well above a 2% target (designs of phase 1's backward that were timed
-# and lost are in `docs/attnres.md`). How low can it go? The mixing is memory-bound, so the bytes it
-# must move set a floor. `k3lab.attnres.traffic` counts them per token-channel per sublayer
-# (`bytes_model`, the table above); its floor (`bytes_floor`) grants every fusion listed in its
-# docstring (the merge fused with the partial sum's add and the next RMSNorm, as the standard's add is
-# with its own; blocks stored by the next phase 1; the $o_k$ rebuilt by the kernel that reads the blocks
-# anyway; every tensor moved once per kernel). What is left: each block is read once forward and twice
-# backward, each $o_k$ and its gradient written and read, and every block's gradient sum read and
-# written by every later block's backward. With nothing kept per sublayer beyond the standard's, the
-# floor by storage precision, at the bandwidth ceiling, as a share of the eager and compiled standard step:
+# At this width the mixing sits well above a 2% target (phase-1 backward designs timed and lost:
+# `docs/attnres.md`). Being memory-bound, its bytes set a floor: `k3lab.attnres.traffic` counts them per
+# token-channel per sublayer (`bytes_model`, the table above); `bytes_floor` grants every fusion in its
+# docstring (merge fused with the partial sum's add and the next RMSNorm; blocks stored by the next phase
+# 1; $o_k$ rebuilt by the kernel reading the blocks; each tensor moved once per kernel). Left: each block
+# read once forward and twice backward, each $o_k$ and its gradient written and read, each block's
+# gradient sum read and written by every later block's backward. The floor by storage precision at the
+# bandwidth ceiling, as a share of the eager and compiled standard step:
 
 # %%
 from k3lab.attnres.traffic import bytes_floor, step_ms
 
-standard = {r["precision"]: r["standard_ms"] for r in bench["step"]["rows"] if r["variant"] == "block_N8"} \
-    if bench is not None else {}
+standard = {p: r["standard_ms"] for p, r in rows.items()}
 shares = {p: name for p, name in (("autocast", "% eager step"), ("autocast_compiled", "% compiled step"))
           if p in standard}
-if bench is not None:
-    print(f"measured on this H200: copy {bench['bandwidth']['copy_TBps']:.2f} TB/s, add "
-          f"{bench['bandwidth']['add_TBps']:.2f} TB/s; the ceiling used: 4 TB/s")
+print(f"measured on this H200: copy {bench['bandwidth']['copy_TBps']:.2f} TB/s, add "
+      f"{bench['bandwidth']['add_TBps']:.2f} TB/s; the ceiling used: 4 TB/s")
 print(f"{'blocks / o_k / stream':<26}{'floor B':>7}{'ms @ 4 TB/s':>13}" + "".join(f"{n:>17}" for n in shares.values()))
 for label, kw in [("fp32 / fp32 / fp32", dict(buf=4, o=4, h=4, v=4)), ("fp32 / bf16 / fp32 (built)", dict(buf=4)),
                   ("bf16 / bf16 / fp32", dict(buf=2)), ("bf16 / bf16 / bf16", dict(buf=2, h=2))]:
@@ -468,47 +425,40 @@ for label, kw in [("fp32 / fp32 / fp32", dict(buf=4, o=4, h=4, v=4)), ("fp32 / b
     print(f"{label:<26}{extra:>7.1f}{ms:>13.2f}" + "".join(f"{100 * ms / standard[p]:>16.2f}%" for p in shares))
 
 # %% [markdown]
-# The ceiling, 4 TB/s, is a little above the best streaming rates measured on this H200 (the line
-# above and the kernel table's GB/s column), so the table is how much of the step the bytes alone must
-# cost: 2% over a tuned step is not ruled out, but it needs bf16 blocks and near-perfect streaming,
-# launch gaps included. Phase 1's backward, the slowest kernel, streams well below the copy bandwidth
-# (its row in the kernel table): it is latency-bound, not bytes-bound.
+# The 4 TB/s ceiling is a little above the best streaming rates measured on this H200 (the line above,
+# the kernel table's GB/s column): the table is what the bytes alone must cost. 2% over a tuned step
+# needs bf16 blocks and near-perfect streaming, launch gaps included. Phase 1's backward, the slowest
+# kernel, streams well below copy bandwidth (its kernel-table row): latency-bound, not bytes-bound.
 #
-# **Against width.** The mixing moves bytes in proportion to $d$ per token while the sublayers' GEMMs
-# grow as $d^2$, so the overhead should fall about as $1/d$. `python -m k3lab.bench.attnres_width`
-# measures it up to K3's width on a small model (two K3-wide models and their AdamW state must fit on
-# one GPU), same tokens, same kernels:
+# **Against width.** The mixing's bytes grow as $d$ per token, the sublayers' GEMMs as $d^2$: the
+# overhead should fall about as $1/d$. `python -m k3lab.bench.attnres_width` measures it up to K3's
+# width on a small model (two K3-wide models and their AdamW state must fit one GPU), same kernels:
 
 # %% tags=["nbval-ignore-output"]
-width_path = result_path.with_name("attnres_width_h200.json")
-if width_path.exists():
-    from k3lab.bench.attnres_width import table as width_table
+from k3lab.bench.attnres_width import table as width_table
 
-    width = json.loads(width_path.read_text())
-    print(width_table(width))
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    for precision in width["precisions"]:
-        rows = [r for r in width["rows"] if r["precision"] == precision]
-        ds = np.array([r["d"] for r in rows])
-        measured = ax.plot(ds, [100 * r["overhead"] for r in rows], "o-", label=f"{precision}")[0]
-        ax.plot(ds, 100 * rows[0]["overhead"] * ds[0] / ds, ":", color=measured.get_color(),
-                label=f"1/d from d={ds[0]}")
-    ax.axhline(2, color="gray", lw=0.8)
-    ax.set(xlabel="d", ylabel="step overhead (%)", xticks=ds, title="Block AttnRes N=4 over the standard residual")
-    ax.legend(fontsize=8)
-    plt.show()
+width = json.loads(result_path.with_name("attnres_width_h200.json").read_text())
+print(width_table(width))
+fig, ax = plt.subplots(figsize=(6, 3.2))
+for precision in width["precisions"]:
+    prec_rows = [r for r in width["rows"] if r["precision"] == precision]
+    ds = np.array([r["d"] for r in prec_rows])
+    measured = ax.plot(ds, [100 * r["overhead"] for r in prec_rows], "o-", label=f"{precision}")[0]
+    ax.plot(ds, 100 * prec_rows[0]["overhead"] * ds[0] / ds, ":", color=measured.get_color(),
+            label=f"1/d from d={ds[0]}")
+ax.axhline(2, color="gray", lw=0.8)
+ax.set(xlabel="d", ylabel="step overhead (%)", xticks=ds, title="Block AttnRes N=4 over the standard residual")
+ax.legend(fontsize=8)
+plt.show()
 
 # %% [markdown]
 # The overhead falls with width, a little more slowly than $1/d$ (attention's cost per token also grows
 # only as $d$). At K3's width it is where the paper's < 4% sits:
 
 # %%
-if width_path.exists():
-    widest = max(r["d"] for r in width["rows"])
-    for r in width["rows"]:
-        if r["d"] == widest:
-            print(f"d = {widest}, {r['precision']}: overhead {100 * r['overhead']:.1f}%")
-    assert all(r["overhead"] < 0.04 for r in width["rows"] if r["d"] == widest)
+widest = [r for r in width["rows"] if r["d"] == max(q["d"] for q in width["rows"])]
+print("\n".join(f"d = {r['d']}, {r['precision']}: overhead {100 * r['overhead']:.1f}%" for r in widest))
+assert all(r["overhead"] < 0.04 for r in widest)
 
 # %% [markdown]
 # ## 7. Experiment: does attention over depth train better at equal compute?
@@ -516,12 +466,9 @@ if width_path.exists():
 # The same tiny LM (`k3lab.lm.LM`, softmax-attention mixers, $L = 2 \times$ `n_layers` sublayers) on
 # the real corpus, same seed, batches, steps and schedule; only the residual differs: standard, Block
 # AttnRes with $N$ in `block_counts`, and full AttnRes ($N = L$). AttnRes adds $(L+1) d$ parameters and
-# $O(Nd)$ flops per token per sublayer, negligible next to the sublayers, so equal steps are equal
-# compute. On the CPU profile the run is short and differences are partly noise; the GPU-sized run
-# follows. The last column is each model's forward + backward time, timed in alternation after
-# training. On this CPU, at this $d$, the AttnRes mixing (eager PyTorch, several small operations per
-# read) can cost more than the tiny sublayers themselves; section 6 measures the overhead where it
-# matters, with Triton kernels at K3-like widths.
+# $O(Nd)$ flops per token per sublayer: equal steps are equal compute. On CPU the run is short and
+# differences partly noise (the GPU-sized run follows). The last column, forward + backward timed in
+# alternation after training, is eager PyTorch at a tiny $d$; section 6 is the overhead that matters.
 
 # %% tags=["nbval-ignore-output"]
 L = 2 * n_layers
@@ -531,60 +478,46 @@ variants = [("standard", None)] + [(f"block N={N}", N) for N in block_counts if 
 histories, models = {}, {}
 for name, N in variants:
     torch.manual_seed(seed)
-    residual = None if N is None else BlockAttnRes(d_model, L, N)
-    model = lm.LM(config, residual=residual)
+    model = lm.LM(config, residual=None if N is None else BlockAttnRes(d_model, L, N))
     histories[name] = lm.train(model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, device=device,
                                seed=seed, log_every=log_every)
     models[name] = model.cpu()
-for hist in histories.values():
-    assert np.isfinite(hist["val_loss"]).all() and hist["val_loss"][-1] < hist["val_loss"][0]
+assert all(np.isfinite(h["val_loss"]).all() and h["val_loss"][-1] < h["val_loss"][0] for h in histories.values())
 
-
-def fwd_bwd_ms(model, x, y, repeats=5):
-    """Best-of-``repeats`` wall time of one forward + backward on (x, y), in ms."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        model(x, y)[1].backward()
-        times.append(time.perf_counter() - t0)
-    model.zero_grad()
-    return 1e3 * min(times)
-
-
-# The residuals' cost per step, timed in alternation (round-robin over the models, best of each): the
-# training loop's tokens/s is wall time over whole log windows, which other processes on a shared CPU
-# can stretch for whichever model happens to be running.
+# The cost per step, best of 15 forward + backward per model timed round-robin (the training loop's
+# tokens/s spans whole log windows, which other processes on a shared CPU stretch for one model).
 x_t, y_t = kdata.get_batch(kdata.load_split("train"), batch_size, seq_len, torch.Generator().manual_seed(seed), "cpu")
 costs = {name: [] for name in models}
-for _ in range(3):
+for _ in range(15):
     for name, model in models.items():
-        costs[name].append(fwd_bwd_ms(model, x_t, y_t))
+        costs[name] += timeit.repeat(lambda: model(x_t, y_t)[1].backward(), number=1, repeat=1)
+        model.zero_grad()
 print(f"{'residual':<16}{'final train loss':>17}{'final val loss':>16}{'ms / step (fwd+bwd)':>21}")
 for name, hist in histories.items():
-    print(f"{name:<16}{hist['loss'][-1]:>17.3f}{hist['val_loss'][-1]:>16.3f}{min(costs[name]):>21.1f}")
+    print(f"{name:<16}{hist['loss'][-1]:>17.3f}{hist['val_loss'][-1]:>16.3f}{1e3 * min(costs[name]):>21.1f}")
 
 # %%
-# The curves lie close together, so the right panel plots each one's difference from the standard
-# residual's validation loss.
-styles = dict(zip(histories, [("k", "-", "o"), ("C0", "--", "s"), ("C1", "-.", "^"), ("C2", ":", "D"),
-                              ("C3", (0, (5, 1, 1, 1)), "v"), ("C4", "-", "x")]))
-fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), layout="tight")
-base = np.array(histories["standard"]["val_loss"])
-for name, hist in histories.items():
-    color, ls, marker = styles[name]
-    axes[0].plot(hist["step"], hist["loss"], color=color, ls=ls, marker=marker, ms=4, label=name)
-    axes[1].plot(hist["step"], np.array(hist["val_loss"]) - base, color=color, ls=ls, marker=marker, ms=4,
-                 label=name)
-axes[0].set(xlabel="step", ylabel="train loss (nats)", title="Training loss")
-axes[1].set(xlabel="step", ylabel="val loss - standard's (nats)", title="Validation loss against the standard residual")
-axes[1].legend(fontsize=8)
-plt.show()
+def plot_runs(runs, title):
+    """Training loss, and each run's validation loss minus the standard residual's (the curves lie close)."""
+    styles = [("k", "-", "o"), ("C0", "--", "s"), ("C1", "-.", "^"), ("C2", ":", "D"), ("C3", (0, (5, 1, 1, 1)), "v"),
+              ("C4", "-", "x")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), layout="tight")
+    for (name, hist), (color, ls, marker) in zip(runs.items(), styles):
+        axes[0].plot(hist["step"], hist["loss"], color=color, ls=ls, marker=marker, ms=4, label=name)
+        axes[1].plot(hist["step"], np.array(hist["val_loss"]) - runs["standard"]["val_loss"], color=color, ls=ls,
+                     marker=marker, ms=4, label=name)
+    axes[0].set(xlabel="step", ylabel="train loss (nats)", title=title)
+    axes[1].set(xlabel="step", ylabel="val loss - standard's (nats)", title="Validation loss against the standard residual")
+    axes[1].legend(fontsize=8)
+    plt.show()
+
+
+plot_runs(histories, "Training loss")
 
 # %% [markdown]
-# **The learned depth weights.** `BlockAttnRes.depth_weights` runs the formula on a validation batch
-# and averages each read's softmax weights over tokens. Rows are reads (sublayer $l$, and the final
-# aggregation last), columns the sources: $b_0$ (embedding), completed blocks, and the partial sum of
-# the reader's own block in the last column. At initialisation every row is uniform.
+# **The learned depth weights.** `BlockAttnRes.depth_weights` averages each read's softmax weights over
+# a validation batch's tokens. Rows are reads (sublayer $l$, the final aggregation last), columns the
+# sources: $b_0$ (embedding), completed blocks, the reader's own partial sum last. At init rows are uniform.
 
 # %%
 def plot_depth_weights(weights: dict):
@@ -599,26 +532,23 @@ def plot_depth_weights(weights: dict):
 
 
 val_x, _ = kdata.get_batch(kdata.load_split("val"), 8, seq_len, torch.Generator().manual_seed(seed + 7), "cpu")
-weights = {}
-for name in (n for n in histories if n != "standard"):
-    with torch.no_grad():
-        weights[name] = models[name].residual.depth_weights(models[name].embed(val_x), models[name].sublayers)
+with torch.no_grad():
+    weights = {name: models[name].residual.depth_weights(models[name].embed(val_x), models[name].sublayers)
+               for name in histories if name != "standard"}
 plot_depth_weights(weights)
 for name, W in weights.items():
     rows = torch.nan_to_num(W).sum(1)
     assert torch.allclose(rows, torch.ones_like(rows), atol=1e-4), name  # each read's weights sum to 1
 
 # %% [markdown]
-# Uniform rows would mean the queries learned nothing; the pattern after training shows which
-# earlier blocks each sublayer chose to read. Finally, dilution after training: the RMS of each
-# sublayer's input in the trained models.
+# Uniform rows would mean the queries learned nothing; the pattern shows which earlier blocks each
+# sublayer chose to read. Finally, dilution after training: each sublayer's input RMS, trained models.
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3.2))
 trained = {}
 for name, model in models.items():
-    rin, _ = depth_profile(model.residual, model.sublayers, model.embed(val_x).detach())
-    trained[name] = rin
+    trained[name] = rin = depth_profile(model.residual, model.sublayers, model.embed(val_x).detach())[0]
     ax.plot(rin, marker=".", label=name)
 ax.set(xlabel="sublayer l", ylabel="RMS of input h_l", yscale="log", title="Trained models: hidden-state norm vs depth")
 ax.legend(fontsize=8)
@@ -626,32 +556,21 @@ plt.show()
 assert all(np.isfinite(r).all() for r in trained.values())
 
 # %% [markdown]
-# The same experiment at GPU size, from the benchmark's `--lm-steps` run committed in
-# `data/results/attnres_h200.json` (its configuration is the cell's first line):
+# The same experiment at GPU size, from `data/results/attnres_h200.json` (`--lm-steps`; config first):
 
 # %%
-if bench is not None and "lm_experiment" in bench:
-    exp = bench["lm_experiment"]
-    print(", ".join(f"{k} {v}" for k, v in exp["config"].items()))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), layout="tight")
-    for name, hist in exp["runs"].items():
-        axes[0].plot(hist["step"], hist["loss"], label=name)
-        axes[1].plot(hist["step"], hist["val_loss"], label=name)
-    axes[0].set(xlabel="step", ylabel="train loss (nats)", title=f"H200, d={exp['config']['d_model']}: training loss")
-    axes[1].set(xlabel="step", ylabel="validation loss (nats)", title="validation loss")
-    axes[1].legend(fontsize=8)
-    plt.show()
-    plot_depth_weights(exp["depth_weights"])
-    final = {name: hist["val_loss"][-1] for name, hist in exp["runs"].items()}
-    print(f"after {exp['config']['steps']} steps, validation loss: "
-          + ", ".join(f"{name} {v:.3f}" for name, v in final.items()))
-    assert all(v < final["standard"] for name, v in final.items() if name != "standard")
+exp = bench["lm_experiment"]
+print(", ".join(f"{k} {v}" for k, v in exp["config"].items()))
+plot_runs(exp["runs"], f"H200, d={exp['config']['d_model']}: training loss")
+plot_depth_weights(exp["depth_weights"])
+final = {name: hist["val_loss"][-1] for name, hist in exp["runs"].items()}
+print(f"after {exp['config']['steps']} steps, validation loss: " + ", ".join(f"{n} {v:.3f}" for n, v in final.items()))
+assert all(v < final["standard"] for name, v in final.items() if name != "standard")
 
 # %% [markdown]
 # In that run every AttnRes variant ends below the standard residual (the cell asserts it). One seed,
-# one learning rate (`lr` above, which may suit the normalised depth mixing better than the plain sum)
-# and a short horizon: this shows the direction of the paper's result, not its compute-equivalence
-# figure, which needs a scaling-law sweep.
+# one learning rate (which may suit the normalised depth mixing better than the plain sum), a short
+# horizon: the direction of the paper's result, not its compute-equivalence figure (a scaling-law sweep).
 
 # %% [markdown]
 # ## Exercises
