@@ -23,7 +23,8 @@
 # 1. measures the imbalance a router produces, at K3's E and K;
 # 2. states the E/R theorem, its proof idea and the example that shows the bound is nearly tight;
 # 3. runs the planner (App. E's constructive fill: the plain-Python reference and the tensor version
-#    with no host sync) and draws the plan as a rank × expert grid, with an explorer;
+#    with no host sync), shows the fill as one Triton kernel, and draws the plan as a rank × expert
+#    grid, with an explorer;
 # 4. runs dispatch, experts and combine on 2 CPU ranks (gloo) and checks them against one process;
 # 5. reads the planner latency and the simulated step time under routing skew from the GPU benchmark.
 #
@@ -51,6 +52,7 @@ import k3lab
 device = k3lab.setup(seed=seed, profile=profile)
 
 # %%
+import importlib.util
 import json
 import math
 import time
@@ -163,8 +165,8 @@ print(f"K3 at R = {k3_ranks}: room for {E3 // k3_ranks} redundant experts per ra
 # ## 3. The planner
 #
 # `plan_reference` (`naive.py`) is the fill exactly as the proof states it, over Python lists: a
-# `while` loop, the donor's experts sorted each time. `plan` (`planner.py`) is the same fill on
-# tensors, as a model step needs it: always R − 1 steps (a step with no rank below C moves nothing),
+# `while` loop, the donor's experts sorted each time. `plan` (`planner.py`, its torch backend, which a
+# CPU runs) is the same fill on tensors, as a model step needs it: always R − 1 steps (a step with no rank below C moves nothing),
 # `argmin`/`argmax`/`sort`/`cumsum` on the device, no `.item()`, no `.tolist()`, no shape that depends
 # on the data, so it can run inside a CUDA graph. The two must agree on every field:
 
@@ -201,6 +203,29 @@ for _ in range(20):
 t_ref = (time.perf_counter() - t0) / 20
 print(f"E={demo_E}, R={demo_R} on this CPU: plan {1e3 * t_plan:.2f} ms, plan_reference {1e3 * t_ref:.2f} ms "
       f"(the tensor version pays a fixed R-1 steps of small ops; its point is the GPU, no sync)")
+
+# %% [markdown]
+# ### The fill as one Triton kernel
+#
+# On a GPU each of the torch path's R − 1 steps is a chain of small kernels. The fill's whole state is
+# small, so `plan` (with `backend=None` or `"triton"`) runs it in one launch of one program,
+# `k3lab.kernels.moonep.plan_fill`, whenever the tiles fit (next_pow2(L) ≤ 128 and next_pow2(R) ·
+# next_pow2(L) ≤ 2048, so every E ≤ 1024 with L ≤ 128; else the torch path, or a `ValueError` for an
+# explicit `"triton"`). **In registers:** the pairs still on each home rank (`keep`) and those given to
+# each receiver (`give`) as two `[R, L]` tiles, the loads and donors as `[R]` vectors. A fill is a few
+# block reductions: `min` with its index gives the receiver u and its load, `argmax` the donor d (first
+# index on ties, as torch). **The greedy take without a sort:** with the unique key
+# `vals_l · BLOCK_L + (BLOCK_L − 1 − l)` (most pairs first, the lower expert index on ties), the pairs
+# taken before expert l are one `[L, L]` compare-and-sum, `before_l = Σ_j vals_j [key_j > key_l]`, and
+# `take_l = min(max(need − before_l, 0), vals_l)` is the torch path's cumsum formula: every field equals
+# the torch planner's, not merely close (`tests/test_moonep.py`, under the interpreter and on a GPU). The
+# loop ends after R − 1 fills or once no rank is under C. Its core, read from `kernels/moonep/fill.py`
+# as text (this CPU process does not import Triton for it); its GPU time is not measured yet (section 5):
+
+# %%
+fill_py = Path(importlib.util.find_spec("k3lab.kernels").origin).parent / "moonep" / "fill.py"
+fill_src = fill_py.read_text()
+print(fill_src[fill_src.index("    b_give = tl.zeros"):fill_src.index("    tl.store(keep")].rstrip())
 
 # %% [markdown]
 # ### The plan, drawn
@@ -353,6 +378,8 @@ else:
     from k3lab.bench.moonep import table
 
     print(f"{found[0].name}:\n{table(bench)}")
+    timed = sorted({"torch"} | {"triton" for r in bench["planner"] if "triton_us" in r})
+    print(f"planner backends timed in this result: {', '.join(timed)}")
 
 # %% tags=["nbval-ignore-output"]
 if bench is not None and bench["skew"]:
@@ -378,12 +405,13 @@ if bench is not None and bench["skew"]:
     print(f"communication priced from: {bench['skew'][0]['comm_source']}")
 
 # %% [markdown]
-# **What limits it.** The planner is a sequence: up to R − 1 fills, each depending on the last, and each
-# a handful of small kernels (a sort of the donor's experts, prefix sums, a scatter). Captured as one CUDA
-# graph, the launch cost goes but the chain stays: its time grows with R, not with E or K (compare the
-# rows above), and at R = 64 it is far above the 200 µs a planner must stay under to hide behind one MoE
-# layer's compute. A single kernel running the fills in shared memory (sketched in `docs/moonep.md`) is
-# the way down. Under skew, MoonEP's busiest rank always holds exactly S·K pairs, so its growth comes
+# **What limits it.** The planner rows above time the torch path (the line below the table says which
+# backends the result holds): up to R − 1 fills, each depending on the last, and each a handful of small
+# kernels (a sort of the donor's experts, prefix sums, a scatter). Captured as one CUDA graph, the launch
+# cost goes but the chain stays: its time grows with R, not with E or K, and at R = 64 it is far above
+# the 200 µs a planner must stay under to hide behind one MoE layer's compute. Section 3's one-kernel
+# fill removes that chain (the fills run inside one program; `finish_plan` and `layout` still launch
+# about 14 and 57 small kernels, `docs/moonep.md`); its GPU time is not measured yet. Under skew, MoonEP's busiest rank always holds exactly S·K pairs, so its growth comes
 # from the grouped GEMM instead: with the hot experts packed on one home rank, the replicas split the
 # pairs into more, smaller expert groups, and a grouped GEMM over many small groups runs below its
 # large-group rate (the "gemm" column); the all-to-all baseline's busiest rank simply holds more pairs.
