@@ -136,6 +136,23 @@ def _shift_left(t: torch.Tensor, k: int, fill: int) -> torch.Tensor:
     return torch.cat([t[:, k:], t.new_full((t.shape[0], min(k, t.shape[1])), fill)], dim=1)[:, :t.shape[1]]
 
 
+def set_value_checks(root: nn.Module, enabled: bool) -> None:
+    """Set ``check_values`` on ``root`` (a ``K3Model`` or one of its pipeline stages) and on every module
+    inside it that checks values per call: KDA layers, routers, Block AttnRes (``K3Model.value_checks``).
+
+    Raises:
+        ValueError: ``enabled`` not a bool.
+    """
+    from k3lab.moe.router import Router  # noqa: PLC0415
+
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enabled must be a bool, got {enabled!r}")
+    root.check_values = enabled
+    for m in root.modules():
+        if isinstance(m, (KDALayer, Router, BlockAttnRes)):
+            m.check_values = enabled
+
+
 class K3Model(nn.Module):
     """The K3 language model (K3 report, Sec. 2, Table 1): KDA / Gated MLA hybrid, dense first FFN then
     Stable LatentMoE, Block AttnRes residual, untied head.
@@ -221,13 +238,7 @@ class K3Model(nn.Module):
 
         Raises:
             ValueError: ``enabled`` not a bool."""
-        from k3lab.moe.router import Router  # noqa: PLC0415
-
-        if not isinstance(enabled, bool):
-            raise ValueError(f"enabled must be a bool, got {enabled!r}")
-        for m in self.modules():
-            if isinstance(m, (K3Model, KDALayer, Router, BlockAttnRes)):
-                m.check_values = bool(enabled)
+        set_value_checks(self, enabled)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, caches: list | None = None,

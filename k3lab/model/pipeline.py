@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from k3lab.attnres import BlockAttnRes, block_attnres_stage
-from k3lab.kda import KDALayer
+from k3lab.attnres import block_attnres_stage
 from k3lab.lm import _check_ids
-from k3lab.model.model import K3Model
+from k3lab.model.model import K3Model, set_value_checks
 
 
 class _OnAnotherStage(nn.Module):
@@ -168,13 +167,7 @@ class K3Stage(nn.Module):
         Raises:
             ValueError: ``enabled`` not a bool.
         """
-        from k3lab.moe.router import Router  # noqa: PLC0415
-
-        if not isinstance(enabled, bool):
-            raise ValueError(f"enabled must be a bool, got {enabled!r}")
-        for m in self.modules():
-            if isinstance(m, (K3Stage, KDALayer, Router, BlockAttnRes)):
-                m.check_values = enabled
+        set_value_checks(self, enabled)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, res = self.config, self.residual
