@@ -47,7 +47,7 @@ from k3lab.moe import update_biases
 from k3lab.optim import per_head_muon
 from k3lab.testing import rel_rms_error
 from k3lab.train import TokenLoader, TrainConfig, train
-from k3lab.train.loop import build_model
+from k3lab.train.loop import build_model, train_autocast
 from k3lab.train.metrics import FLOPS_CONVENTION, peak_key
 
 # bf16 autocast against float32, same weights and batch: bound on the loss's relative error. The logits'
@@ -66,11 +66,6 @@ def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _autocast(device: torch.device):
-    # What k3lab.train.train runs: bf16 autocast on the GPU, float32 on the CPU.
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 def real_batch(config: TrainConfig, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,7 +229,7 @@ def attnres_overhead(config: TrainConfig, device: torch.device, steps: int, warm
         # ``residual`` holds (forward(h0, sublayers)). Block AttnRes' queries get no gradient from the
         # standard steps, and the optimizer skips parameters without one.
         model.residual = residuals[name]
-        with _autocast(device):
+        with train_autocast(device):
             _, loss = model(x, y)
         loss.backward()
         opt.step()
@@ -430,7 +425,7 @@ def _time_peer_step(pcfg, vocab: int, batch: int, T: int, device: torch.device, 
     masks = _causal_block_mask(T, device)
 
     def step():
-        with _autocast(device):
+        with train_autocast(device):
             logits = model(x, positions, masks)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()

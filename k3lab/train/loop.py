@@ -195,7 +195,9 @@ def build_run(config: TrainConfig, device: torch.device) -> tuple[Parallel, Toke
     return par, loader, pipe.parts, pipe
 
 
-def _autocast(device: torch.device):
+def train_autocast(device: torch.device):
+    """The precision a training step runs in on ``device``: bf16 autocast on CUDA (float32 weights), plain
+    float32 on a CPU."""
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
@@ -216,7 +218,7 @@ def forward_backward(parts: list, pipe: PipelineRun | None, x: torch.Tensor, y: 
         if ctx is not None:
             b = x.shape[0] // M
             x, y = (t.reshape(M, b * t.shape[1])[:, ctx.start:ctx.stop] for t in (x, y))
-        with _autocast(x.device):
+        with train_autocast(x.device):
             return pipe.step(x, y)
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
 
@@ -224,7 +226,7 @@ def forward_backward(parts: list, pipe: PipelineRun | None, x: torch.Tensor, y: 
     for m, (xm, ym) in enumerate(zip(x.chunk(M), y.chunk(M))):
         if M > 1 and isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(m == M - 1)
-        with _autocast(x.device):
+        with train_autocast(x.device):
             _, loss = forward(model, xm, ym, config.doc_mask, par)
         (loss / M if M > 1 else loss).backward()
         total = total + loss.detach().float() / M
