@@ -10,7 +10,6 @@ import torch
 import triton
 
 from k3lab.kernels.kda import chunk_bwd, chunk_fwd, flash_kda
-from k3lab.kernels.kda.chunk_fwd import kda_intra_fwd
 from k3lab.kernels.kda.utils import chunk_index, launch_fitting
 from k3lab.testing import DEVICE, FLASH_KDA_ARGS, FLASH_KDA_TOL_OUT, assert_close
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from k3lab.kda import chunk_kda, lower_bounded_gate
-from k3lab.kernels.kda import chunk_bwd, flash_kda
+from k3lab.kernels.kda import flash_kda
 from k3lab.kernels.kda.chunk_fwd import inverse_precisions, kda_intra_fwd, unit_lower_inverse
 from k3lab.kernels.kda.utils import chunk_index
 from k3lab.testing import DEVICE, FLASH_KDA_ARGS, FLASH_KDA_TOL_GRAD, assert_close, rel_rms_error

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from k3lab.memory import (FP8_BLOCK, POLICIES, ActivationManager, activation_policy, apply_policies,
+from k3lab.memory import (POLICIES, ActivationManager, activation_policy, apply_policies,
                           fp8_dequantize, fp8_quantize)
 from k3lab.testing import rel_rms_error
 

@@ -5,7 +5,6 @@ gradients), a pp=2 checkpoint resumes at pp=1; layouts that do not compose are r
 from __future__ import annotations
 
 import copy
-import json
 import shutil
 
 import numpy as np
