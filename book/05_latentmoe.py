@@ -390,13 +390,17 @@ for name, hist_m in pair.items():
 # (d 7168, latent 3584, hidden 3072, 64 experts, top-8, 2 shared, 16K tokens) and a small shape:
 # k3lab's LatentMoE, its full-width MoE (SiTU-GLU and SwiGLU) and `torchtitan`'s MoE layer at the same
 # full-width config, all in one run, then the grouped expert GEMMs alone against the bf16 matmul
-# ceiling measured in the same run. The committed result:
+# ceiling measured in the same run. The committed result, or on the GPU profile a live run (written to
+# `build/`; torchtitan's column only where `torchtitan` is installed):
 
 # %% tags=["nbval-ignore-output"]
 if run_bench and device.type == "cuda":
+    import importlib.util
+
     from k3lab.bench.moe import main as bench_main
 
-    bench = bench_main([])
+    bench = bench_main(["--out", "../build/moe_live.json"]
+                       + ([] if importlib.util.find_spec("torchtitan") else ["--no-torchtitan"]))
 else:
     found = sorted(Path("../data/results").glob("moe_h*.json"))
     bench = json.loads(found[-1].read_text()) if found else None
