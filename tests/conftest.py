@@ -7,6 +7,7 @@ Triton reads when a kernel is defined: this file is imported before any test mod
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -216,3 +217,21 @@ def _compile_sm90_lines(script: str, timeout: float = 600) -> list[str]:
 def compile_sm90_lines():
     """``_compile_sm90_lines``: compile kernels for sm_90 in a subprocess (no GPU needed)."""
     return _compile_sm90_lines
+
+
+@contextlib.contextmanager
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def one_thread():
+    """``with one_thread(): ...`` runs torch on one thread inside the block and restores the count after: on
+    two shared cores one thread keeps a k3-tiny training step short (two threads contend). Session-scoped, so
+    module fixtures can use it."""
+    return _one_thread

@@ -13,25 +13,12 @@ from k3lab.model import K3Config, K3Model
 SMALL = ["--device", "cpu", "--batch-size", "2", "--seq-len", "32", "--steps", "1"]
 
 
-@pytest.fixture
-def one_thread():
-    # Two shared cores: one thread keeps a k3-tiny step short (two threads contend).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def small_run(tmp_path_factory):
+def small_run(tmp_path_factory, one_thread):
     """(returned dict, written JSON) of one small CPU run over every set."""
     out = tmp_path_factory.mktemp("bench_memory") / "memory.json"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         result = main(SMALL + ["--out", str(out)])
-    finally:
-        torch.set_num_threads(threads)
     return result, json.loads(out.read_text())
 
 
@@ -134,7 +121,7 @@ def _broken_offload(monkeypatch):
 def test_broken_offload_stops_the_run_and_writes_nothing(monkeypatch, tmp_path, one_thread):
     _broken_offload(monkeypatch)
     out = tmp_path / "memory.json"
-    with pytest.raises(AssertionError, match="policy set 'offload' disagrees with keep"):
+    with one_thread(), pytest.raises(AssertionError, match="policy set 'offload' disagrees with keep"):
         main(SMALL + ["--sets", "offload", "--out", str(out)])
     assert not out.exists()
 
@@ -149,10 +136,11 @@ def test_coarse_fp8_is_caught(monkeypatch, tiny, one_thread):
         return (x.sign() * 2.0 ** x.abs().clamp_min(1e-30).log2().round()).to(dtype)
 
     sets = {k: v for k, v in policy_sets(model).items() if k in ("keep", "fp8_ffn")}
-    check_policies(model, idx, sets)
-    monkeypatch.setattr(k3lab.memory, "fp8_dequantize", two_levels)
-    with pytest.raises(AssertionError, match="policy set 'fp8_ffn' disagrees with keep"):
+    with one_thread():
         check_policies(model, idx, sets)
+        monkeypatch.setattr(k3lab.memory, "fp8_dequantize", two_levels)
+        with pytest.raises(AssertionError, match="policy set 'fp8_ffn' disagrees with keep"):
+            check_policies(model, idx, sets)
 
 
 @pytest.mark.parametrize("argv, message", [

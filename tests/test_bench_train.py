@@ -15,16 +15,12 @@ FIELDS = ("device", "commit", "date", "versions", "preset", "flops_convention", 
 
 
 @pytest.fixture(scope="module")
-def small_run(tmp_path_factory):
+def small_run(tmp_path_factory, one_thread):
     """(returned dict, written JSON) of one small CPU run."""
     out = tmp_path_factory.mktemp("bench_train") / "train.json"
-    threads = torch.get_num_threads()
-    # Two shared cores: one thread each keeps a k3-tiny step near 0.1 s (two threads contend).
-    torch.set_num_threads(1)
-    try:
+    # A k3-tiny step near 0.1 s.
+    with one_thread():
         result = main(["--small", "--device", "cpu", "--out", str(out)])
-    finally:
-        torch.set_num_threads(threads)
     return result, json.loads(out.read_text())
 
 

@@ -176,14 +176,10 @@ def test_a_usage_error_under_torchrun_is_printed_once():
     assert run.stderr.count("--microbatches must be >= --pp 2") == 1, run.stderr[-2000:]
 
 
-def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path, one_thread):
+    with one_thread():
         ref = _losses(train(TrainConfig(**BASE)))
         ref_doc = _losses(train(TrainConfig(**BASE, doc_mask=True)))
-    finally:
-        torch.set_num_threads(threads)
     layouts = [dict(dp=2, ckpt_dir=str(tmp_path / "dp2")), dict(ep=2, ep_mode="moonep", ckpt_dir=str(tmp_path / "ep2")),
                dict(ep=2, ep_mode="alltoall"), dict(ep=2, doc_mask=True), dict(cp=2), dict(cp=2, doc_mask=True)]
     grad_layouts = [dict(dp=2), dict(ep=2, ep_mode="moonep"), dict(cp=2)]
@@ -258,18 +254,14 @@ def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path):
     assert (np.abs(got - uninterrupted[3:]) / uninterrupted[3:]).max() < 1e-4, (got, uninterrupted[3:])
 
 
-def test_four_ranks_dp_ep_cp_layouts_match_one_process():
+def test_four_ranks_dp_ep_cp_layouts_match_one_process(one_thread):
     # dp=2 x ep=2: experts are DTensors over ep whose FSDP shards and gradient reduction run over dp.
     # cp=2 x ep=2: the experts' FSDP group is dp x cp; each row's packed tokens are cut in two (KCP, the
     # MLA latents gathered). dp=2 x cp=2 with --doc-mask: documents cross the cut.
     cfg = dict(BASE, steps=5)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         ref = _losses(train(TrainConfig(**cfg)))
         ref_grads = first_step_grads(TrainConfig(**cfg))
-    finally:
-        torch.set_num_threads(threads)
     layouts = [dict(dp=2, ep=2), dict(cp=2, ep=2), dict(dp=2, cp=2, doc_mask=True)]
     out = launch(train_worker, 4, [dict(cfg, **lay) for lay in layouts[:2]],
                  [dict(cfg, **lay) for lay in layouts], timeout_s=600)[0]

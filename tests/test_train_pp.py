@@ -184,21 +184,13 @@ def _losses(records):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(one_thread):
     """One process, one batch a step: BASE's losses over 5 steps and its first-step gradients."""
     from k3lab.train import TrainConfig, train
     from k3lab.train.workers import first_step_grads
 
-    return _one_process(lambda: (_losses(train(TrainConfig(**BASE))), first_step_grads(TrainConfig(**BASE))))
-
-
-def _one_process(fn):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread():
+        return _losses(train(TrainConfig(**BASE))), first_step_grads(TrainConfig(**BASE))
 
 
 def _merged(per_rank: list[dict]) -> dict:
@@ -219,15 +211,16 @@ def _check_losses(label, want, got, tol=1e-4) -> None:
     assert rel.max() < tol, f"{label}: losses {got} vs one process {want}"
 
 
-def test_gradient_accumulation_equals_one_big_batch():
+def test_gradient_accumulation_equals_one_big_batch(one_thread):
     from k3lab.train import TrainConfig
     from k3lab.train.workers import first_step_grads
 
-    big, acc = _one_process(lambda: [first_step_grads(TrainConfig(**BASE, microbatches=m)) for m in (1, 4)])
+    with one_thread():
+        big, acc = [first_step_grads(TrainConfig(**BASE, microbatches=m)) for m in (1, 4)]
     _check_grads("--microbatches 4 vs one batch", big, acc, 1e-5)
 
 
-def test_two_ranks_pipeline_matches_one_process_and_resumes_at_pp1(tmp_path, reference):
+def test_two_ranks_pipeline_matches_one_process_and_resumes_at_pp1(tmp_path, reference, one_thread):
     from k3lab.dist import launch
     from k3lab.train import TrainConfig, train
     from k3lab.train.workers import train_worker
@@ -251,7 +244,8 @@ def test_two_ranks_pipeline_matches_one_process_and_resumes_at_pp1(tmp_path, ref
     relaid = tmp_path / "pp1"
     relaid.mkdir()
     shutil.copytree(tmp_path / "pp2" / "step_00000003", relaid / "step_00000003")
-    resumed = _one_process(lambda: _losses(train(TrainConfig(**BASE, ckpt_dir=str(relaid), resume=True))))
+    with one_thread():
+        resumed = _losses(train(TrainConfig(**BASE, ckpt_dir=str(relaid), resume=True)))
     _check_losses("pp=2 checkpoint resumed at pp=1", one_f[3:], resumed)
 
 
