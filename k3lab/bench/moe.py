@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from k3lab.bench import positive_int, run_info, write_result
+from k3lab.bench import check_out, positive_int, run_info, write_result
 from k3lab.moe import MoE, MoEConfig, expert_ffn
 from k3lab.testing import rel_rms_error
 
@@ -257,6 +257,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default "
                    "data/results/moe_<h100|h200>.json after the device")
     args = p.parse_args(argv)
+    check_out(args.out)
     if args.rep is None:
         args.rep = 2 if args.small else 20
     try:

@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from k3lab.bench import positive_int, run_info, write_result
+from k3lab.bench import check_out, positive_int, run_info, write_result
 from k3lab.testing import SYNC_METHODS, forbid_host_sync
 
 COMM_SOURCE = ("NCCL all_to_all_single between two H200s over NVLink: ~143 GB/s out per rank at 16 MiB "
@@ -474,6 +474,7 @@ def main(argv=None) -> dict:
     p.add_argument("--skip-planner", action="store_true", help="only the simulated step")
     p.add_argument("--skip-skew", action="store_true", help="only the planner")
     args = p.parse_args(argv)
+    check_out(args.out)
     if args.small:
         args.planner_E, args.planner_R, args.planner_K, args.S = [8, 16], [2, 4], [2], 32
         args.sim_E, args.sim_R, args.sim_K, args.d, args.h, args.reps = 8, 4, 2, 16, 16, 3
