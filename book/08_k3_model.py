@@ -600,6 +600,8 @@ mem_runs = {}
 for _ in range(2):
     for name, rules in sets.items():
         r = measure(mem_model, mem_idx, rules, steps=3, warmup=1)
+        # measure reports a CUDA out-of-memory or a recompute replay that routed elsewhere instead of timings.
+        assert "step_ms" in r, f"{name}: {r.get('oom') or r.get('error')}"
         if name not in mem_runs or r["step_ms_min"] < mem_runs[name]["step_ms_min"]:
             mem_runs[name] = r
 
