@@ -21,12 +21,8 @@
 # **Gated MLA**, the softmax-attention layer K3 places after every three KDA layers, and **Per-Head
 # Muon**, the optimizer it trains with.
 #
-# The order: (1) build K3 at full size on the meta device and count it against Table 1; (2) Gated MLA,
-# its latent cache and the absorbed decoding form, checked in float64, and why a wrong softmax scale
-# hides at $T = 1$; (3) the 93-layer layout drawn; (4) Per-Head Muon; (5) FLOPs per token and MFU;
-# (6) an experiment: the same architecture at a tiny size trained on the corpus with Per-Head Muon and
-# with AdamW, then sampled from its caches; (7) where the parameters go; (8) the activation manager's
-# memory policies and what each costs.
+# Sections: (1) the full-size count; (2) Gated MLA; (3) the layout; (4) Per-Head Muon; (5) FLOPs and MFU;
+# (6) K3 at a tiny size trained and decoded; (7) where the parameters go; (8) memory policies.
 
 # %% tags=["parameters"]
 profile: str = "cpu"
@@ -50,6 +46,7 @@ import inspect
 import json
 from pathlib import Path
 
+import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
@@ -59,6 +56,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 import k3lab.data as kdata
 import k3lab.lm as lm
 from k3lab.bench.memory import SET_DOCS, check_policies, measure, policy_sets
+from k3lab.bench.memory import table as memory_table
 from k3lab.mla import GatedMLA, absorbed_attention, naive_gated_mla
 from k3lab.model import K3Config, K3Model, count_params, flops_per_token, format_table, mfu, param_table
 from k3lab.model.accounting import PEAK_FLOPS
@@ -80,15 +78,19 @@ def show(fn):
 #
 # `K3Config()` holds K3's shape under the released config's field names; `"k3-full"` is that default.
 # Built under `torch.device("meta")`, every parameter has a shape and no storage, so the full model
-# takes no memory and can be counted exactly:
+# takes no memory and can be counted exactly. "Activated" needs a convention, and the two numbers match
+# Table 1 only under one; k3lab's (`k3lab.model.accounting`): a token activates every parameter it is
+# multiplied by, so all but the routed experts it does not visit (16 of 896 per MoE layer) and the **input
+# embedding** (a lookup, not a matmul); the LM head (a $[d, V]$ matmul) and the router (all 896 scores are
+# computed) count in full. **KDA's output gate is low rank** (rank 128, Kimi Linear's $W_{g2} W_{g1}$), its
+# decay projection full rank. The count, then the other readings:
 
 # %%
 k3 = K3Config.preset("k3-full")
-print({f: getattr(k3, f) for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                                   "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                                   "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
-                                   "moe_intermediate_size", "moe_latent_size", "first_k_dense_replace",
-                                   "intermediate_size", "attn_res_block_size", "vocab_size")})
+print({f: getattr(k3, f) for f in ("hidden_size num_hidden_layers num_attention_heads head_dim q_lora_rank "
+                                   "kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim n_routed_experts "
+                                   "num_experts_per_tok n_shared_experts moe_intermediate_size moe_latent_size "
+                                   "first_k_dense_replace intermediate_size attn_res_block_size vocab_size").split()})
 with torch.device("meta"):
     full = K3Model(k3)
 table = param_table(full)
@@ -97,25 +99,8 @@ total, active = table["total"]
 print(f"\ntotal  {total / 1e12:.4f}T against K3's 2.78T   ({100 * (total / 2.78e12 - 1):+.2f}%)")
 print(f"active {active / 1e9:.2f}B against K3's 104.2B ({100 * (active / 104.2e9 - 1):+.2f}%)")
 assert abs(total / 2.78e12 - 1) < 0.01 and abs(active / 104.2e9 - 1) < 0.02
-
-# %% [markdown]
-# "Activated" needs a convention, and the two numbers only match Table 1 under one. k3lab's, from
-# `k3lab.model.accounting`:
-#
-# - a token activates every parameter it is multiplied by: all of them except the routed experts it
-#   does not visit (16 of 896 per MoE layer) and the **input embedding** (a table lookup, not a
-#   matmul). The LM head is a real $[d, V]$ matmul and counts; the router counts in full (all 896 scores
-#   are computed).
-# - **KDA's output gate is low rank** (rank 128, Kimi Linear's $W_{g2} W_{g1}$), its decay projection
-#   full rank.
-#
-# The same count under the other readings:
-
-# %%
-variants = {"full-rank KDA output gate": K3Config.preset("k3-full", kda_gate_rank=None)}
-for name, cfg in variants.items():
-    t_, a_ = count_params(cfg)["total"]
-    print(f"{name:<28} total {t_ / 1e12:.4f}T, active {a_ / 1e9:.2f}B")
+t_, a_ = count_params(K3Config.preset("k3-full", kda_gate_rank=None))["total"]
+print(f"{'full-rank KDA output gate':<28} total {t_ / 1e12:.4f}T, active {a_ / 1e9:.2f}B")
 emb = table["embedding"][0]
 print(f"{'input embedding counted':<28} total {total / 1e12:.4f}T, active {(active + emb) / 1e9:.2f}B")
 routed = table["moe routed experts"]
@@ -138,50 +123,38 @@ print(f"routed experts: {100 * routed[0] / total:.1f}% of the total, "
 #   o_h = \mathrm{softmax}\Big(\frac{q_h k_h^\top}{\sqrt{D_n + D_r}} + M\Big) v_h,$$
 # $$y = W_o\big[\sigma(W_g x) \odot o\big].$$
 #
-# Three things differ from DeepSeek-V2's MLA:
+# Three things differ from DeepSeek-V2's MLA. **NoPE**: the $D_r = 64$ channels DeepSeek rotates stay
+# unrotated; position reaches the model only through the KDA layers' recurrence and short convolutions.
+# **The scale** is $1/\sqrt{D_n + D_r} = 1/\sqrt{192}$, from the width that $q_h \cdot k_h$ sums over.
+# **The output gate** $\sigma(W_g x)$, full rank ($W_g$ is $[H D_v, d]$), multiplies the attention output
+# channel by channel before $W_o$ (KDA's gate also normalises per head first; MLA's does not).
 #
-# - **NoPE**: no rotary embedding on any MLA layer. The $D_r = 64$ channels DeepSeek rotates stay
-#   unrotated; position reaches the model only through the KDA layers' recurrence and short convolutions.
-# - **The scale** is $1/\sqrt{D_n + D_r} = 1/\sqrt{192}$, from the width that $q_h \cdot k_h$ sums over.
-# - **The output gate**: $\sigma(W_g x)$, full rank ($W_g$ is $[H D_v, d]$), multiplies the attention
-#   output channel by channel before $W_o$. (KDA's gate also normalises per head first; MLA's does not.)
-#
-# The simplest code is the formula in float64 with loops over documents, heads and positions:
-
-# %%
-show(naive_gated_mla)
-
-# %% [markdown]
 # **Decoding** caches only $c$ and $k^s$, $R + D_r = 576$ numbers per token and layer, instead of the
 # $H(D_n + D_r + D_v) = 30720$ of materialised keys and values. Reading them needs the **absorbed** form:
 # $q^n_h \cdot (W_{uk,h} c_j) = (W_{uk,h}^\top q^n_h) \cdot c_j$, so each head's score against token $j$
 # is one dot product of width 576, $[W_{uk,h}^\top q^n_h \,|\, q^s_h] \cdot [c_j \,|\, k^s_j]$, and
-# $o_h = W_{uv,h} \sum_j p_{hj}\, c_j$ applies $W_{uv}$ once, after the weighted sum. All heads share the
-# same 576-wide keys (one key-value head: multi-query attention over the latent). The scores are the
-# same numbers as before, so the scale is still $1/\sqrt{192}$; SDPA's default for a 576-wide dot
-# product would be $1/\sqrt{576}$. The fast code:
+# $o_h = W_{uv,h} \sum_j p_{hj}\, c_j$ applies $W_{uv}$ once, after the weighted sum: multi-query attention
+# over the latent, with the scale still $1/\sqrt{192}$, not SDPA's default $1/\sqrt{576}$ for that width.
+# The simplest code (the formula in float64, looping over documents, heads and positions), then the fast:
 
 # %%
+show(naive_gated_mla)
 show(absorbed_attention)
 
 # %% [markdown]
-# ### The checks, in float64
-#
-# The layer (SDPA, materialised) against the loop reference; the absorbed form against the materialised
-# one on the same tokens; and decoding, a prefill followed by one token at a time from the latent cache,
-# against one forward over the whole sequence. All at $T \ge 2$.
+# **The checks**, in float64 at $T \ge 2$: the layer (SDPA, materialised) against the loop reference; the
+# absorbed form against the materialised one; decoding (a prefill, then one token at a time from the latent
+# cache) against one forward over the whole sequence.
 
 # %%
 torch.manual_seed(seed)
 mla = GatedMLA(d_model=64, num_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
                v_head_dim=8).double()
 x = torch.randn(2, 11, 64, dtype=torch.float64)
-y_mat, _ = mla(x)
-y_abs, _ = mla(x, absorbed=True)
-prefill = 5
-y_pre, cache = mla(x[:, :prefill], use_cache=True)
+(y_mat, _), (y_abs, _) = mla(x), mla(x, absorbed=True)
+y_pre, cache = mla(x[:, :5], use_cache=True)
 steps_out = [y_pre]
-for t in range(prefill, x.shape[1]):
+for t in range(5, x.shape[1]):
     y_t, cache = mla(x[:, t : t + 1], cache=cache, use_cache=True)
     steps_out.append(y_t)
 errors = {"materialised vs reference": rel_rms_error(naive_gated_mla(mla, x), y_mat),
@@ -193,20 +166,17 @@ print(f"cache after decoding: latent {list(cache.latent.shape)}, k_shared {list(
 assert max(errors.values()) < 1e-12
 
 # %% [markdown]
-# ### Why the check must use $T \ge 2$
-#
-# Give the absorbed path SDPA's default scale for its width, $1/\sqrt{R + D_r}$, and compare it with the
-# materialised layer. With one token the softmax has one key, its weight is 1 whatever the scale, and
-# the wrong code agrees exactly; with two tokens it does not:
+# **Why $T \ge 2$**: give the absorbed path SDPA's default scale for its width, $1/\sqrt{R + D_r}$. With one
+# token the softmax has one key whose weight is 1 whatever the scale, so the wrong code agrees exactly; with
+# two it does not. A suite that checks decoding only on one-token prompts passes this bug:
 
 # %%
 right = mla.scale
 for T in (1, 2):
-    xt = x[:, :T]
-    ref, _ = mla(xt)
+    ref, _ = mla(x[:, :T])
     mla.scale = (mla.R + mla.Dr) ** -0.5
     try:
-        bad, _ = mla(xt, absorbed=True)
+        bad, _ = mla(x[:, :T], absorbed=True)
     finally:
         mla.scale = right
     print(f"T = {T}: absorbed with scale 1/sqrt({mla.R + mla.Dr}) vs materialised with 1/sqrt({mla.Dn + mla.Dr}): "
@@ -214,8 +184,7 @@ for T in (1, 2):
     assert (rel_rms_error(ref, bad) < 1e-12) == (T == 1)
 
 # %% [markdown]
-# A test suite that checks decoding only on one-token prompts passes this bug. What the cache saves
-# at K3's size, per layer kind, for one sequence (bf16 latents; KDA's state in float32):
+# What the cache saves at K3's size, per layer kind, for one sequence (bf16 latents; KDA's state in float32):
 
 # %%
 mla_per_token = k3.kv_lora_rank + k3.qk_rope_head_dim
@@ -233,66 +202,48 @@ for T in (8192, 1 << 20):
 #
 # `full_attn_layers` = [4, 8, ..., 92, 93]: 23 groups of three KDA layers and one Gated MLA, plus a
 # final Gated MLA (69 KDA, 24 MLA). Layer 1's FFN is dense (SiTU-GLU, hidden 33792); the other 92 are
-# Stable LatentMoE. Block AttnRes groups the layers into blocks of 12, the last one partial. Each row
-# below is one AttnRes block of the model built above, read from its `residual.sizes` (sublayers per
-# block: a layer is a mixer and an FFN sublayer):
+# Stable LatentMoE. Block AttnRes groups the layers into blocks of 12, the last one partial; a layer's
+# mixer and FFN always share a block, and as 12 is a multiple of the period 4 the full blocks are alike.
+# Each row below is one AttnRes block of the model built above, read from its `residual.sizes` (a layer is
+# a mixer and an FFN sublayer). **Multi-token prediction**: Table 1 lists one MTP layer, the released
+# config none; `num_nextn_predict_layers` = D appends D DeepSeek-V3-style modules (docs/model.md), counted
+# last here.
 
 # %%
 def layer_blocks(model):
-    """Layer indices (0-based) of each Block AttnRes block of a K3Model (a mixer and an FFN sublayer per
-    layer, so every block holds an even number of sublayers)."""
-    out, start = [], 0
-    for size in model.residual.sizes:
-        assert size % 2 == 0, model.residual.sizes
-        out.append(list(range(start // 2, (start + size) // 2)))
-        start += size
-    return out
+    """Layer indices (0-based) of each Block AttnRes block of a K3Model (two sublayers per layer)."""
+    sizes = model.residual.sizes
+    assert all(n % 2 == 0 for n in sizes), sizes
+    starts = [sum(sizes[:i]) // 2 for i in range(len(sizes))]
+    return [list(range(start, start + n // 2)) for start, n in zip(starts, sizes)]
 
 
 def draw_layout(model):
-    c = model.config
-    kinds, ffns = c.layer_types(), c.ffn_types()
-    rows = layer_blocks(model)
-    width = max(len(r) for r in rows)
+    """Print and draw each Block AttnRes block's layers: KDA, Gated MLA, dense FFN (*)."""
+    c, rows = model.config, layer_blocks(model)
+    kinds, ffns, width = c.layer_types(), c.ffn_types(), max(len(r) for r in rows)
+    grid = np.full((len(rows), width), np.nan)
     fig, ax = plt.subplots(figsize=(0.55 * width + 2, 0.45 * len(rows) + 1))
     for r, layers in enumerate(rows):
+        print(f"block {r + 1}: layers {layers[0] + 1:>2}-{layers[-1] + 1:<2} "
+              + "".join("M" if kinds[i] == "mla" else "k" for i in layers))
+        grid[r, : len(layers)] = [kinds[i] == "mla" for i in layers]
         for col, i in enumerate(layers):
-            color = "tab:orange" if kinds[i] == "mla" else "tab:blue"
-            dense = ffns[i] == "dense"
-            ax.add_patch(plt.Rectangle((col, -r), 0.9, 0.8, facecolor=color, hatch="//" if dense else None,
-                                       edgecolor="k" if dense else color))
-            ax.text(col + 0.45, -r + 0.4, str(i + 1), ha="center", va="center", fontsize=7, color="white")
-    ax.set(xlim=(-0.2, width + 0.2), ylim=(-len(rows) + 0.8, 1), xticks=[], yticks=[-r + 0.4 for r in range(len(rows))],
-           yticklabels=[f"block {r + 1}" for r in range(len(rows))],
-           title=f"{c.num_hidden_layers} layers: KDA (blue), Gated MLA (orange), dense FFN (hatched)")
+            ax.text(col, r, f"{i + 1}{'*' if ffns[i] == 'dense' else ''}", ha="center", va="center", fontsize=7,
+                    color="white")
+    ax.imshow(grid, cmap=matplotlib.colors.ListedColormap(["tab:blue", "tab:orange"]))
+    ax.set(xticks=[], yticks=range(len(rows)), yticklabels=[f"block {r + 1}" for r in range(len(rows))],
+           title=f"{c.num_hidden_layers} layers: KDA (blue), Gated MLA (orange), dense FFN (*)")
     plt.show()
 
 
 draw_layout(full)
-for r, layers in enumerate(layer_blocks(full)):
-    kinds = full.config.layer_types()
-    print(f"block {r + 1}: layers {layers[0] + 1:>2}-{layers[-1] + 1:<2} "
-          + "".join("M" if kinds[i] == "mla" else "k" for i in layers))
 k3_blocks = [list(range(s, min(s + 12, 93))) for s in range(0, 93, 12)]
 print(f"K3's blocks of 12 layers: {[len(b) for b in k3_blocks]}; this model's: {[len(b) for b in layer_blocks(full)]}")
 assert layer_blocks(full) == k3_blocks
 n_blk = len(full.residual.sizes)
 print(f"sources of a read in the last block: the embedding + {n_blk - 1} completed blocks + its partial sum = "
       f"{n_blk + 1}; of the output's aggregation: the embedding + {n_blk} blocks = {n_blk + 1}")
-
-# %% [markdown]
-# A block boundary always falls between layers, so a layer's mixer and FFN sit in the same block. As
-# 12 is a multiple of the pattern's period 4, the seven full blocks are alike (three KDA, one MLA, three
-# times); the partial last block ends with the two final MLA layers.
-#
-# **Multi-token prediction.** K3's Table 1 lists one MTP layer; the released config has none. With
-# `num_nextn_predict_layers` = D, `K3Model` appends D modules in sequence (DeepSeek-V3's form): module k
-# takes the previous depth's state and the embedding of the token k ahead, projects their normed
-# concatenation back to d, runs one Gated MLA and one LatentMoE, and predicts the token k + 1 ahead
-# through the shared head; the loss adds `mtp_loss_weight` times the depths' mean. The tests check it
-# against the same depths run on truncated sequences. Counted at full size:
-
-# %%
 with torch.device("meta"):
     full_mtp = K3Model(K3Config.preset("k3-full", num_nextn_predict_layers=1))
 mtp_total, mtp_active = param_table(full_mtp)["mtp"]
@@ -306,40 +257,27 @@ del full_mtp
 # Muon (Moonlight; `torch.optim.Muon`) replaces a matrix's momentum $U$ by its orthogonalisation
 # $\mathrm{NS}(U) \approx U (U^\top U)^{-1/2}$ (five quintic Newton-Schulz steps), scaled so its RMS
 # matches AdamW's: $W \leftarrow (1 - \eta\lambda) W - \eta \cdot 0.2\sqrt{\max(A, B)}\,\mathrm{NS}(U)$
-# for an $A \times B$ matrix.
-#
-# A Q, K or V projection is $H$ independent maps stacked by rows, one per head. Orthogonalised as one
-# matrix, the heads are coupled: $\mathrm{NS}$ equalises the singular values of the whole stack, so a
-# head whose gradient is small gets a small share of the update, and one with a large gradient takes
-# the rest. K3 (Sec. 2.5) splits the momentum along heads and runs Newton-Schulz on each head's row
-# block; each block is then scaled for its own shape. k3lab's `PerHeadMuon` takes the row blocks from
-# the layers (`head_blocks`): $K$ rows per KDA head; $D_n + D_r$ per MLA query head; $D_n$ key rows and
-# $D_v$ value rows per head of MLA's `kv_b_proj`. The split into blocks, the Newton-Schulz they go
-# through, and the reassembly with each block's scale: blocks of one shape (all heads of a projection, all
-# experts of a stack, across every layer) go through Newton-Schulz together as batched matmuls, one launch
-# per iteration instead of one per head (a per-head Python loop over k3-1b's 17 layers and 64 experts a
-# layer issues tens of thousands of small GEMMs a step):
+# for an $A \times B$ matrix. A Q, K or V projection is $H$ maps stacked by rows, one per head; as one
+# matrix, $\mathrm{NS}$ equalises the singular values of the whole stack, so a head with a small gradient
+# gets a small share of the update. K3 (Sec. 2.5) runs Newton-Schulz on each head's row block, scaled for
+# its own shape. `head_blocks` gives the blocks: $K$ rows per KDA head; $D_n + D_r$ per MLA query head;
+# $D_n$ key and $D_v$ value rows per head of MLA's `kv_b_proj`. Blocks of one shape, across every layer, go
+# through Newton-Schulz as one batched matmul (docs/model.md says why). Split, Newton-Schulz, reassembly:
 
 # %%
-show(PerHeadMuon._blocks)
-show(newton_schulz_blocks)
-show(PerHeadMuon._update)
+for fn in (PerHeadMuon._blocks, newton_schulz_blocks, PerHeadMuon._update):
+    show(fn)
 
 # %% [markdown]
-# **The check**: per head equals a loop over heads, each head's rows a separate `torch.optim.Muon`
-# parameter, on the projections of one KDA and one Gated MLA layer of `k3-tiny`, three steps. Both run
-# Newton-Schulz in bf16 as torch does; batched GEMMs may round differently from one GEMM per head, so the
-# updates are compared to bf16 rounding (the full-matrix update, the thing per-head Muon replaces, is
-# 30-50% away):
+# **The check**: three steps of per-head Muon equal a loop of `torch.optim.Muon`, one parameter per head, on
+# one KDA and one Gated MLA layer of `k3-tiny`, to bf16 rounding (both run Newton-Schulz in bf16; batched
+# GEMMs may round differently; the full-matrix update, which per-head Muon replaces, is 30-50% away):
 
 # %%
 show(muon_loop_reference)
-
-# %%
 torch.manual_seed(seed)
 tiny = K3Model(K3Config.preset("k3-tiny"))
-blocks_of = head_blocks(tiny)
-names = {p: n for n, p in tiny.named_parameters()}
+blocks_of, names = head_blocks(tiny), {p: n for n, p in tiny.named_parameters()}
 g = torch.Generator().manual_seed(seed)
 for p, blocks in list(blocks_of.items())[:3] + list(blocks_of.items())[-2:]:
     grads = [torch.randn(p.shape, generator=g) for _ in range(3)]
@@ -349,16 +287,15 @@ for p, blocks in list(blocks_of.items())[:3] + list(blocks_of.items())[-2:]:
     assert err < 1e-2
 
 # %% [markdown]
-# **Update RMS per block.** A query projection whose heads get gradients of different sizes (head $h$'s
-# rows scaled by $10^{-h}$), one step at $\eta = 1$ without decay: the RMS of each head's block of the
-# update, per head and as one matrix. AdamW-matched Muon aims at RMS 0.2 per orthogonalised block:
+# **Update RMS per block.** A query projection whose head $h$ has its gradient rows scaled by $10^{-h}$,
+# one step at $\eta = 1$ without decay: the RMS of each head's block of the update, per head and as one
+# matrix. AdamW-matched Muon aims at RMS 0.2 per orthogonalised block:
 
 # %%
 def update_rms(shape, blocks, grad):
     p = torch.nn.Parameter(torch.zeros(shape))
-    o = PerHeadMuon([dict(params=[p], algorithm="muon", row_blocks=blocks)], lr=1.0, weight_decay=0.0)
     p.grad = grad
-    o.step()
+    PerHeadMuon([dict(params=[p], algorithm="muon", row_blocks=blocks)], lr=1.0, weight_decay=0.0).step()
     return [float(b.pow(2).mean().sqrt()) for b in (-p.detach()).split([shape[0] // 4] * 4)]
 
 
@@ -374,16 +311,12 @@ print(f"singular values of one head's NS(G): {sv.min():.2f} .. {sv.max():.2f} (e
 
 # %% [markdown]
 # Per head, every head moves by about the same RMS whatever its gradient's scale; as one matrix, the
-# heads with the smallest gradients barely move. The per-head RMS sits under 0.2 because five quintic
-# Newton-Schulz steps bring the singular values near 1, not onto it (last line).
-#
-# What is not a hidden matrix (embedding, LM head, norms, router, KDA's $\beta$ projection and gate
-# vectors, convolution taps, AttnRes queries) goes to AdamW in the same optimizer, with the same
-# learning rate and weight decay (`per_head_muon(model)` sorts them):
+# smallest barely move. It sits under 0.2 because five quintic steps bring the singular values near 1, not
+# onto it. What is not a hidden matrix (embedding, LM head, norms, router, KDA's $\beta$ and gate vectors,
+# convolution taps, AttnRes queries) goes to AdamW in the same optimizer, same learning rate and decay:
 
 # %%
-opt_demo = per_head_muon(tiny)
-for grp in opt_demo.param_groups:
+for grp in per_head_muon(tiny).param_groups:
     rb = f", {len(grp['row_blocks'])} blocks" if grp.get("row_blocks") else ""
     print(f"{grp['algorithm']:<6} wd {grp['weight_decay']:<4} {len(grp['params']):>3} tensors{rb}: "
           f"{', '.join(grp['names'][:2])}{', ...' if len(grp['names']) > 2 else ''}")
@@ -399,8 +332,9 @@ for grp in opt_demo.param_groups:
 # $N_\text{active}$ the activated parameters of Section 1 (no input embedding; routed experts at the
 # **latent** width 3584 they run at; the LM head in), and for each of the 24 MLA layers the score and
 # weighted-sum matmuls, forward $2H(D_n + D_r)T + 2H D_v T$ and backward twice that, not halved for the
-# causal mask. KDA's chunkwise state work, linear in $T$, is not counted (its projections are in
-# $6N$), nor are norms, element-wise ops and the AttnRes mixing. The hand count against the function:
+# causal mask; KDA's state work, norms, element-wise ops and AttnRes mixing are left out. The hand count
+# against the function; then, as K3's report gives no MFU, the tokens/s per GPU an MFU needs at 8K context
+# on an H100's dense bf16 peak (989.4 TFLOP/s, `PEAK_FLOPS`), at MegaScale's 55.2% and at 40%:
 
 # %%
 routed_latent = k3.num_experts_per_tok * 3 * k3.moe_latent_size * k3.moe_intermediate_size
@@ -413,13 +347,6 @@ for T in (8192, 65536, 1 << 20):
     f = flops_per_token(k3, T)
     assert f == 6 * active + attn
     print(f"{T:>8}{6 * active / 1e9:>20.1f}{attn / 1e9:>23.1f}{f / 1e9:>15.1f}")
-
-# %% [markdown]
-# K3's report gives no throughput, MFU or parallel sizes. What the convention implies is the throughput
-# a given MFU needs: tokens/s per GPU at 8K context, dense bf16 peak of an H100 / H200
-# (989.4 TFLOP/s, `PEAK_FLOPS`), at MegaScale's published 55.2% and at 40%:
-
-# %%
 f8k = flops_per_token(k3, 8192)
 for u in (0.552, 0.40):
     tps = u * PEAK_FLOPS["h100"] / f8k
@@ -432,9 +359,8 @@ for u in (0.552, 0.40):
 #
 # `k3-tiny` is K3's architecture at $d = 64$: 5 layers (KDA, KDA, KDA, MLA, MLA), the first FFN dense,
 # the rest LatentMoE with Quantile Balancing, Block AttnRes; the vocabulary is the corpus tokenizer's.
-# Two runs from the same initialisation, the same batches, warmup and cosine schedule, learning rate and
-# weight decay (RMS matching lets Muon share AdamW's), gradient clipping at 1; the only difference is
-# the optimizer. `k3lab.lm.train` runs both; the MoE bias update is its `after_step` hook.
+# Two runs share initialisation, batches, schedule, learning rate and weight decay (RMS matching lets Muon
+# share AdamW's) and clipping at 1; only the optimizer differs (`k3lab.lm.train`, MoE bias update as `after_step`).
 
 # %% tags=["nbval-ignore-output"]
 cfg = K3Config.preset(preset, vocab_size=kdata.vocab_size())
@@ -448,14 +374,11 @@ for name, make in optimizers.items():
     runs[name] = lm.train(models[name], steps, batch_size, seq_len, lr, device, seed=seed, log_every=log_every,
                           optimizer=make, after_step=lambda step, m: update_biases(m),
                           max_seconds=max_seconds or None)
-
-# %% tags=["nbval-ignore-output"]
 fig, ax = plt.subplots(1, 2, figsize=(11, 3.4))
-for name, hist in runs.items():
-    ax[0].plot(hist["step"], hist["loss"], marker="o", label=name)
-    ax[1].plot(hist["step"], hist["val_loss"], marker="o", label=name)
-ax[0].set(xlabel="step", ylabel="train loss (mean since last log)")
-ax[1].set(xlabel="step", ylabel="validation loss")
+for a_, key, label in ((ax[0], "loss", "train loss (mean since last log)"), (ax[1], "val_loss", "validation loss")):
+    for name, hist in runs.items():
+        a_.plot(hist["step"], hist[key], marker="o", label=name)
+    a_.set(xlabel="step", ylabel=label)
 ax[0].legend()
 plt.tight_layout()
 plt.show()
@@ -463,20 +386,18 @@ f_tiny = flops_per_token(cfg, seq_len)
 for name, hist in runs.items():
     print(f"{name:<14} val loss {hist['val_loss'][-1]:.3f} after {hist['step'][-1]} steps; "
           f"{np.mean(hist['tokens_per_s']):,.0f} tokens/s = {np.mean(hist['tokens_per_s']) * f_tiny / 1e9:.1f} GFLOP/s")
-assert all(h["val_loss"][-1] < h["val_loss"][0] for h in runs.values())
-assert all(np.isfinite(h["val_loss"]).all() for h in runs.values())
+assert all(np.isfinite(h["val_loss"]).all() and h["val_loss"][-1] < h["val_loss"][0] for h in runs.values())
 
 # %% [markdown]
-# The curves are one seed and one learning rate on a few thousand tokens a step; they show that both
-# optimizers train the full architecture and how far apart they end here, not a tuned comparison
-# (exercise 5).
+# One seed and one learning rate on a few thousand tokens a step: both optimizers train the architecture;
+# it is not a tuned comparison (exercise 4).
 #
 # ### Decoding from the caches
 #
-# `generate()` prefills the prompt once, then feeds one token a step: each KDA layer carries its state
-# and convolution tail, each MLA layer its latent cache, read in the absorbed form. First the check, in
-# float64 on a fresh `k3-tiny`: the logits of a prefill plus one-token steps equal one forward over the
-# whole sequence, up to the MoE router, whose scores are float32 (`k3lab.moe`).
+# `generate()` prefills the prompt once, then feeds one token a step: each KDA layer carries its state and
+# convolution tail, each MLA layer its latent cache, read in the absorbed form. The check, in float64 on a
+# fresh `k3-tiny`: prefill plus one-token steps equal one forward, up to the float32 MoE router scores.
+# Then a greedy continuation from each trained model, on a prompt from the validation split:
 
 # %%
 torch.manual_seed(seed)
@@ -494,17 +415,12 @@ print(f"prefill 5 + 7 single-token steps vs one forward of 12: rel RMS error {er
 print("caches per layer:", [type(c).__name__ for c in caches])
 assert err < 1e-7
 
-# %% [markdown]
-# Then a greedy continuation from each trained model, on a prompt from the validation split:
-
 # %% tags=["nbval-ignore-output"]
 tok = kdata.load_tokenizer()
-val_tokens = kdata.load_split("val")
-prompt = torch.as_tensor(val_tokens[1000:1032].astype(np.int64))[None].to(device)
+prompt = torch.as_tensor(kdata.load_split("val")[1000:1032].astype(np.int64))[None].to(device)
 print("prompt:", repr(tok.decode(prompt[0].tolist())))
 for name, model in models.items():
-    model.eval()
-    out = model.generate(prompt, gen_tokens, temperature=0)
+    out = model.eval().generate(prompt, gen_tokens, temperature=0)
     print(f"{name:<14}", repr(tok.decode(out[0, prompt.shape[1]:].tolist())))
     assert out.shape == (1, prompt.shape[1] + gen_tokens)
 
@@ -512,19 +428,17 @@ for name, model in models.items():
 # ## 7. Explore: where the parameters go
 #
 # The total and activated counts as the MoE's shape changes, on the meta device (other fields at K3's
-# values). The figure below is drawn once for every run; in JupyterLab the explorer redraws it.
+# values). The figure is drawn once for every run; in JupyterLab the explorer redraws it.
 
 # %%
 def plot_counts(n_routed_experts: int = 896, num_experts_per_tok: int = 16, moe_latent_size: int = 3584):
     tab = count_params(K3Config.preset("k3-full", n_routed_experts=n_routed_experts,
                                        num_experts_per_tok=num_experts_per_tok, moe_latent_size=moe_latent_size))
     comps = [k for k in tab if k != "total" and tab[k][0] > 0]
-    fig_, ax_ = plt.subplots(1, 2, figsize=(11, 3.2))
+    fig_, ax_ = plt.subplots(1, 2, figsize=(11, 3.2), sharey=True)
     for a_, col, unit in ((ax_[0], 0, "total"), (ax_[1], 1, "activated")):
         a_.barh(comps, [tab[k][col] / 1e9 for k in comps])
-        a_.set(xscale="log", xlabel="billions of parameters",
-               title=f"{unit}: {tab['total'][col] / 1e9:,.1f}B")
-    ax_[1].set_yticks([])
+        a_.set(xscale="log", xlabel="billions of parameters", title=f"{unit}: {tab['total'][col] / 1e9:,.1f}B")
     plt.tight_layout()
     plt.show()
 
@@ -536,10 +450,10 @@ explorer = explore(plot_counts, n_routed_experts=[128, 256, 384, 512, 896, 1024]
 # %% [markdown]
 # ## 8. Memory policies: what each costs
 #
-# Training holds every tensor that backward will read until backward reads it; at K3's width that, not
-# the weights, decides how many tokens fit on a card. K3's *unified activation manager* gives each saved
-# tensor a storage policy, declared by module name outside the model code (K3 report, "Training
-# system"). `k3lab.memory` implements four:
+# Training holds every tensor backward will read until it reads it; at K3's width that, not the weights,
+# decides how many tokens fit on a card. K3's *unified activation manager* gives each saved tensor a
+# storage policy, declared by module name outside the model code (K3 report, "Training system").
+# `k3lab.memory` implements four:
 #
 # | policy | what stays on the device until backward | what backward pays |
 # |---|---|---|
@@ -550,15 +464,24 @@ explorer = explore(plot_counts, n_routed_experts=[128, 256, 384, 512, 896, 1024]
 #
 # K3 saves only the MoE's dispatch input and recomputes the dispatch, keeps Block AttnRes fully
 # checkpointed and recomputes element-wise ops. `k3lab.bench.memory.policy_sets` names the sets compared
-# here, as rules on `K3Model`'s module names; `k3_mix` is the K3-like one (MoE FFNs recomputed, the dense
-# FFN in fp8, the mixers kept). Every set but `plain` names every sublayer: Block AttnRes calls the
-# sublayers under saved-tensor hooks of its own (they rebuild each sublayer's input in backward), and the
-# innermost hooks win, so a policy on the root alone would not see what the sublayers save.
+# here as rules on `K3Model`'s module names; `k3_mix` is the K3-like one (MoE FFNs recomputed, the dense
+# FFN in fp8, the mixers kept). Every set but `plain` names every sublayer (docs/model.md says why).
+#
+# The check: one float32 step of each set against `keep` on the same weights and tokens, routed to the
+# keep run's experts. Recompute and offload store the same values, so their gradients must be equal (on a
+# CPU bitwise); fp8 changes what backward reads, never the forward: equal loss, gradients within fp8's error.
+# Then what a forward + backward step takes on these 2 x 64 tokens, and what each set holds at the end of
+# forward as the manager counts it (device bytes per policy, and offload's host copies).
 
-# %%
+# %% tags=["nbval-ignore-output"]
 torch.manual_seed(seed)
 mem_model = K3Model(K3Config.preset("k3-tiny", vocab_size=kdata.vocab_size())).to(device).train()
 sets = policy_sets(mem_model)
+mem_idx = torch.randint(0, mem_model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(seed))
+mem_idx = mem_idx.to(device)
+mem_check = check_policies(mem_model, mem_idx, sets)
+
+# %%
 print("sublayers 0, 2, 4, ... are the mixers, 1 the dense FFN, 3, 5, ... the MoE FFNs")
 for name, rules in sets.items():
     groups = {}
@@ -566,19 +489,6 @@ for name, rules in sets.items():
         groups.setdefault(policy, []).append(module.removeprefix("sublayers.") or "root")
     print(f"{name:<14}{SET_DOCS[name]}\n{'':<14}" + ("; ".join(f"{p}: {' '.join(m)}" for p, m in groups.items())
                                                    or "(no rules)"))
-
-# %% [markdown]
-# First the check: one float32 step of each set on the same weights and tokens against `keep`, every run
-# routed to the keep run's experts. Recompute and offload store the same values, so their gradients must
-# be equal (on a CPU bitwise); fp8 changes what backward reads, never the forward, so the loss is equal and
-# the gradients are within fp8's error.
-
-# %% tags=["nbval-ignore-output"]
-mem_idx = torch.randint(0, mem_model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(seed))
-mem_idx = mem_idx.to(device)
-mem_check = check_policies(mem_model, mem_idx, sets)
-
-# %%
 exact = [n for n, c in mem_check["sets"].items() if c["bound"] == mem_check["exact_bound"]]
 fp8_sets = [n for n in mem_check["sets"] if n not in exact]
 assert all(c["ok"] for c in mem_check["sets"].values())
@@ -587,11 +497,6 @@ print(f"within fp8's bound {mem_check['fp8_bound']:.0e}: {', '.join(fp8_sets)}")
 if device.type == "cpu":
     assert all(mem_check["sets"][n]["grad_rel_err"] == 0 for n in exact)
     print("on this CPU the exact sets are bitwise equal to keep")
-
-# %% [markdown]
-# Then what each set holds at the end of forward, as the manager counts it (bytes on the device per
-# policy, and the host copies of offload), and what a forward + backward step takes, on `k3-tiny` with the
-# 2 x 64 tokens above:
 
 # %% tags=["nbval-ignore-output"]
 mem_runs = {}
@@ -604,6 +509,19 @@ for _ in range(2):
         assert "step_ms" in r, f"{name}: {r.get('oom') or r.get('error')}"
         if name not in mem_runs or r["step_ms_min"] < mem_runs[name]["step_ms_min"]:
             mem_runs[name] = r
+for name, r in mem_runs.items():
+    print(f"{name:<15}{r['step_ms_min']:.1f} ms ({r['step_ms_min'] / mem_runs['keep']['step_ms_min']:.2f}x keep)")
+names = [n for n in mem_runs if sets[n]]
+saved_kib = [mem_runs[n]["saved_total_bytes"] / 2**10 for n in names]
+fig, ax = plt.subplots(1, 2, figsize=(11, 3.2))
+ax[0].barh(names, saved_kib, label="device")
+ax[0].barh(names, [mem_runs[n]["host_bytes"] / 2**10 for n in names], left=saved_kib, label="host (offload)")
+ax[0].set(xlabel="KiB held for backward at the end of forward")
+ax[0].legend()
+ax[1].barh(list(mem_runs), [mem_runs[n]["step_ms_min"] for n in mem_runs])
+ax[1].set(xlabel="ms per forward + backward (fastest of 6)")
+plt.tight_layout()
+plt.show()
 
 # %%
 keep_bytes = mem_runs["keep"]["saved_total_bytes"]
@@ -618,28 +536,10 @@ for name, r in mem_runs.items():
 assert mem_runs["recompute"]["saved_total_bytes"] < keep_bytes / 3
 assert mem_runs["offload"]["host_bytes"] > 0
 
-# %% tags=["nbval-ignore-output"]
-names = [n for n in mem_runs if sets[n]]
-fig, ax = plt.subplots(1, 2, figsize=(11, 3.2))
-ax[0].barh(names, [mem_runs[n]["saved_total_bytes"] / 2**10 for n in names], label="device")
-ax[0].barh(names, [mem_runs[n]["host_bytes"] / 2**10 for n in names],
-           left=[mem_runs[n]["saved_total_bytes"] / 2**10 for n in names], label="host (offload)")
-ax[0].set(xlabel="KiB held for backward at the end of forward")
-ax[0].legend()
-ax[1].barh(list(mem_runs), [mem_runs[n]["step_ms_min"] for n in mem_runs])
-ax[1].set(xlabel="ms per forward + backward (fastest of 6)")
-ax[1].set_yticks([])
-plt.tight_layout()
-plt.show()
-for name, r in mem_runs.items():
-    print(f"{name:<15}{r['step_ms_min']:.1f} ms ({r['step_ms_min'] / mem_runs['keep']['step_ms_min']:.2f}x keep)")
-
 # %% [markdown]
-# On a CPU at this size the times say little: the step is dominated by Python overhead, offload's
-# "host copy" is a copy within the same memory, and fp8 is quantised by plain PyTorch ops. The trade-off
-# that matters is on the GPU: peak memory of a training step (`torch.cuda.max_memory_allocated`, weights
-# and gradients included) against step time, for `k3-1b` in bf16 autocast. `python -m k3lab.bench.memory`
-# measures it (after the same check in float32) and writes `data/results/memory_<card>.json`:
+# On a CPU at this size the times say little (Python overhead dominates; offload copies within one memory).
+# What matters is a GPU step's peak memory (`torch.cuda.max_memory_allocated`) against its time, for `k3-1b`
+# in bf16 autocast, as `python -m k3lab.bench.memory` measures it into `data/results/memory_<card>.json`:
 
 # %% tags=["nbval-ignore-output"]
 found = sorted(Path("../data/results").glob("memory_h*.json"))
@@ -647,8 +547,6 @@ mem_gpu = json.loads(found[-1].read_text()) if found else None
 if mem_gpu is None:
     print("no GPU result recorded yet: python -m k3lab.bench.memory on a GPU writes data/results/memory_<card>.json")
 else:
-    from k3lab.bench.memory import table as memory_table
-
     print(memory_table(mem_gpu))
     done = {n: r for n, r in mem_gpu["sets"].items() if "step_ms" in r}
     fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -668,28 +566,22 @@ else:
     print("no other set both smaller and faster:", ", ".join(frontier))
 
 # %% [markdown]
-# Read the plot as a frontier: a set earns its place only if no other set is both smaller and faster
-# (the last line names them for the stored run). `start` in the table is what is allocated when a step
-# begins, the weights and whatever the previous step left behind: a set whose `start` exceeds plain's keeps
-# something of its last step alive. The fp8 sets pay for quantising with plain PyTorch ops (several
-# kernels per saved tensor); offload pays for copies the backward waits on.
+# Read the plot as a frontier: a set earns its place only if no other set is both smaller and faster (the
+# last line). A set whose `start` (allocated as a step begins) exceeds plain's keeps something of its last
+# step alive. fp8 pays for quantising with plain PyTorch ops; offload for copies backward waits on.
 
 # %% [markdown]
 # ## Exercises
 #
-# 1. Count `k3-full` with a full-rank KDA output gate (`kda_gate_rank=None`) and with the input
-#    embedding counted as active. Which conventions could the report have used, given 2.78T / 104.2B?
-# 2. In `k3lab.mla.absorbed_attention`, drop `scale=scale` (SDPA's default) and run
+# 1. In `k3lab.mla.absorbed_attention`, drop `scale=scale` (SDPA's default) and run
 #    `tests/test_mla.py`. Which tests fail, and which would pass if every test used $T = 1$?
-# 3. Take a real gradient of `k3-tiny`'s MLA `kv_b_proj` from the trained model of Section 6 and print
+# 2. Take a real gradient of `k3-tiny`'s MLA `kv_b_proj` from the trained model of Section 6 and print
 #    the per-block update RMS per head and as one matrix. How unequal are the heads' gradients?
-# 4. At which context length does the MLA attention term reach 10% of $6 N_\text{active}$ for K3? For
-#    `k3-1b`? (Use `flops_per_token`.)
-# 5. Tune the learning rate for each optimizer separately (three values each) on the CPU profile.
-#    Does Per-Head Muon's position against AdamW change?
-# 6. With the cache sizes of Section 2, how many 1M-token sequences fit in the memory of one H200
+# 3. At which context does MLA attention reach 10% of $6 N_\text{active}$ (`flops_per_token`), for K3 and `k3-1b`?
+# 4. Tune each optimizer's learning rate (three values each): does Per-Head Muon's place against AdamW change?
+# 5. With the cache sizes of Section 2, how many 1M-token sequences fit in the memory of one H200
 #    (141 GB) beside nothing else, and which layer kind's cache dominates?
-# 7. Put fp8 on the KDA mixers (`sublayers.0`, `sublayers.2`, ...) and run `check_policies`. Which
+# 6. Put fp8 on the KDA mixers (`sublayers.0`, `sublayers.2`, ...) and run `check_policies`. Which
 #    gradient leaves fp8's bound, and why does a decay's cumulative sum amplify a 2^-4 error?
 #
 # ## References
