@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -44,9 +45,18 @@ def _entry(rank, fn, world_size, port, outdir, backend, pg_timeout_s, env, args)
                             world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
     try:
         result = fn(rank, world_size, dist.group.WORLD, *args)
-        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+        path = os.path.join(outdir, f"rank{rank}.pt")
+        torch.save(result, path + ".part")
+        os.replace(path + ".part", path)
+        # No rank tears its group down while another still talks to it (rank 0 hosts the store).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Skip interpreter finalisation: gloo's worker threads can abort the process there ("terminate called
+    # without an active exception") after the result is safely written, failing a finished run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(fn: Callable, world_size: int, *args, timeout_s: float = 180.0, backend: str = "gloo",
