@@ -332,26 +332,32 @@ for kernel in (attnres_kernels._score, attnres_kernels.attnres_merge_fwd_kernel)
     print(inspect.getsource(kernel.fn))
 
 # %% [markdown]
-# On the CPU the kernels run under Triton's interpreter, checked here against the PyTorch closed forms:
+# The kernels (under Triton's interpreter on a CPU, compiled on a GPU) against the PyTorch closed forms:
 
 # %% tags=["nbval-ignore-output"]
 gen = torch.Generator().manual_seed(seed)
+
+
+def rand(*shape):  # drawn on the CPU for the same values on every machine, run where the kernels run
+    return torch.randn(*shape, generator=gen).to(device)
+
+
 for S_q, n_blk, M_tok, D in ((3, 4, 21, 40), (1, 3, 9, 24)):
-    kb, kW = torch.randn(n_blk, M_tok, D, generator=gen) * 2, torch.randn(S_q, D, generator=gen)
-    kg, kdO = torch.randn(M_tok, D, generator=gen), torch.randn(S_q - 1, M_tok, D, generator=gen) if S_q > 1 else None
-    kdelta = torch.randn(S_q, M_tok, generator=gen) if S_q > 1 else None
+    kb, kW = rand(n_blk, M_tok, D) * 2, rand(S_q, D)
+    kg, kdO = rand(M_tok, D), rand(S_q - 1, M_tok, D) if S_q > 1 else None
+    kdelta = rand(S_q, M_tok) if S_q > 1 else None
     out_t, out_r = phase1_fwd(kb, n_blk, kW, 1e-6), phase1_fwd_torch(kb, n_blk, kW, 1e-6)
     errs = [rel_rms_error(a, b) for a, b in zip(out_r, out_t) if a is not None]
-    acc_t, acc_r = torch.zeros(n_blk, M_tok, D), torch.zeros(n_blk, M_tok, D)
+    acc_t, acc_r = (torch.zeros(n_blk, M_tok, D, device=device) for _ in range(2))
     errs.append(rel_rms_error(phase1_bwd_torch(kb, n_blk, kW, out_r[2], out_r[0], kg, kdO, kdelta, 1e-6, acc_r),
                               phase1_bwd(kb, n_blk, kW, out_t[2], out_t[0], kg, kdO, kdelta, 1e-6, acc_t)))
     errs.append(rel_rms_error(acc_r, acc_t))
     print(f"phase 1, {S_q} queries over {n_blk} blocks, {M_tok} tokens, d = {D}: "
           f"Triton vs PyTorch max rel error (h, o, lse, dW, block grads) {max(errs):.0e}")
     assert max(errs) < 1e-5
-kp, ko, kg = (torch.randn(M_tok, D, generator=gen) for _ in range(3))
-klse, kw = torch.randn(M_tok, generator=gen), torch.randn(D, generator=gen)
-slots = [(torch.empty(M_tok, D), torch.empty(M_tok)) for _ in range(2)]
+kp, ko, kg = (rand(M_tok, D) for _ in range(3))
+klse, kw = rand(M_tok), rand(D)
+slots = [(torch.empty(M_tok, D, device=device), torch.empty(M_tok, device=device)) for _ in range(2)]
 merged = [f(kp, ko, klse, kw, 1e-6)[1] for f in (merge_fwd, merge_fwd_torch)]
 grads_t, grads_r = (f(kg, None, kp, ko, klse, kw, 1e-6, *sl) for f, sl in zip((merge_bwd, merge_bwd_torch), slots))
 errs = [rel_rms_error(merged[1], merged[0])] + [rel_rms_error(a, b) for a, b in zip(grads_r, grads_t)]
