@@ -104,6 +104,8 @@ def process_group(device: torch.device):
                                 timeout=PG_TIMEOUT)
     try:
         yield
+        # No rank tears its group down while another still uses it (rank 0 hosts the store).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
