@@ -54,8 +54,9 @@ device = k3lab.setup(seed=seed, profile=profile)
 # perfectly balanced expert parallelism, and the sandboxes that agentic RL runs in.
 
 # %% [markdown]
-# The layer stack, drawn from the table: KDA and MLA in a 3:1 pattern, and the 12-layer blocks over
-# which Attention Residuals attend (8 blocks, the last one partial).
+# The layer stack, drawn from the table: KDA and MLA in a 3:1 pattern (every fourth layer is MLA), and
+# the 12-layer blocks over which Attention Residuals attend (8 blocks, the last one partial). The final
+# MLA layer after the 23 groups makes the whole-model count 69:24, a ratio just under 3.
 
 # %%
 import matplotlib.pyplot as plt
@@ -117,7 +118,8 @@ plt.show()
 # | 09 | training | data x expert parallel training on the corpus, resumable | ready (CPU) |
 #
 # Each chapter follows one order: why (a K3 number), the math, the simplest correct code, the fast
-# code, the check that they agree, a benchmark, an experiment, references.
+# code, the check that they agree, the measured result beside a ceiling for scale, an experiment,
+# exercises, references.
 
 # %% [markdown]
 # ## Which profile you are on
@@ -154,9 +156,9 @@ assert device.type == ("cuda" if profile == "gpu" else "cpu")
 # ### The GPU profile, chapter by chapter
 #
 # `python -m k3lab.book run --profile gpu --record` adds each chapter's outcome on the GPU profile to
-# `data/results/book_gpu_<card>.json` (a chapter run again replaces its row, with the commit it ran at and
-# any `-p` overrides, which make a row a trimmed run rather than the profile). The rows recorded so far (what
-this cell prints changes whenever a table is committed, so CI does not compare it):
+# `data/results/book_gpu_<card>.json` (a chapter run again replaces its row, with any `-p` overrides,
+# which make a row a trimmed run rather than the profile). The rows recorded so far (what this cell
+# prints changes whenever a table is committed, so CI does not compare it):
 
 # %% tags=["nbval-ignore-output"]
 import json
@@ -171,7 +173,7 @@ for path in tables:
     print(f"{path.name}: {table['device']}")
     for r in table["chapters"]:
         trimmed = f"  overrides {r['overrides']}" if r["overrides"] else ""
-        print(f"  {r['name']:<16}{r['status']:<8}{r['seconds']:>8.1f} s  {str(r['commit'])[:10]}  {r['detail']}{trimmed}")
+        print(f"  {r['name']:<16}{r['status']:<8}{r['seconds']:>8.1f} s  {r['detail']}{trimmed}")
 
 # %% [markdown]
 # ## The data: real Python source
@@ -194,6 +196,8 @@ for name, tokens in (("train", train), ("val", val)):
     assert len(tokens) == info["tokens"]
     print(f"{name:5s}: {info['files']:3d} files, {info['bytes']:>9,d} bytes -> {len(tokens):>9,d} tokens "
           f"= {len(tokens) / info['bytes']:.3f} tokens per byte")
+splits = manifest["splits"].values()
+print(f"corpus: {sum(i['files'] for i in splits)} files, {sum(i['bytes'] for i in splits) / 1e6:.1f} MB")
 
 # %% [markdown]
 # A real snippet, its tokens, and the round trip back to the exact text:
@@ -235,6 +239,18 @@ assert torch.equal(x[:, 1:], y[:, :-1])
 print(repr(tok.decode(x[0].tolist())))
 
 # %% [markdown]
+# ## Exercises
+#
+# 1. Redo the decoding-memory table for 93 MLA layers with the latent halved to 256: at which context,
+#    if any, does it use less memory than K3's hybrid? What does that comparison leave out?
+# 2. From the table, count the parameters a K3 token activates in its routed experts alone (16 experts,
+#    three projections of 3584 x 3072 each) and compare with the 104.2B it activates in total: where
+#    does the rest go?
+# 3. Tokenize the validation split's files one by one: which have the most tokens per byte, and what
+#    does a higher rate mean for a loss measured in nats per token?
+# 4. With the GPU profile's `batch_size` = 8 and `seq_len` = 128, how many steps make one pass over the
+#    train split?
+#
 # ## References
 #
 # - Kimi Team, *Kimi K3: Open Frontier Intelligence*, arXiv 2607.24653 (Table 1: the model shape).
