@@ -57,7 +57,7 @@ def quantile_bias(scores: torch.Tensor, cutoff: torch.Tensor, K: int) -> torch.T
 
     Returns:
         Tensor [E] float32: b = b_hat - mean(b_hat), b_hat_j midway between the q-th and (q+1)-th
-        smallest of alpha_i - s_ij over tokens i, q = max(1, floor(m K / E)).
+        smallest of alpha_i - s_ij over tokens i, q = max(1, floor(m K / E)) (with m = 1, that token's r).
 
     Raises:
         ValueError: shapes disagree, K out of range, or no tokens.
@@ -69,7 +69,8 @@ def quantile_bias(scores: torch.Tensor, cutoff: torch.Tensor, K: int) -> torch.T
     _check_qb(E, K, m)
     r = cutoff.float()[:, None] - scores.float()
     q = max(1, balanced_rank(m, K, E))
-    b_hat = 0.5 * (torch.kthvalue(r, q, dim=0).values + torch.kthvalue(r, q + 1, dim=0).values)
+    # One token (q clamped up from 0) has no (q+1)-th r: b_hat is its r, where the histogram reads it too.
+    b_hat = 0.5 * (torch.kthvalue(r, q, dim=0).values + torch.kthvalue(r, min(q + 1, m), dim=0).values)
     return b_hat - b_hat.mean()
 
 

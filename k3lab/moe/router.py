@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 @dataclass
@@ -25,7 +26,7 @@ class Routing:
     Attributes:
         scores (Tensor): [N, E] float32, s = sigmoid(logits) (differentiable).
         topk_idx (Tensor): [N, K] int64 chosen experts, in descending order of ``s + b``.
-        topk_weight (Tensor): [N, K] float32 weights p (differentiable through ``scores``).
+        topk_weight (Tensor): [N, K] float32 weights p (differentiable through the logits, as ``scores``).
         cutoff (Tensor | None): [N] float32, Quantile Balancing's alpha_i: midway between each token's
             K-th and (K+1)-th largest biased scores (no gradient); None when K = E.
     """
@@ -55,15 +56,15 @@ def route(logits: torch.Tensor, bias: torch.Tensor, K: int, renormalize: bool = 
         K (int): top-k, 1 <= K <= E.
         renormalize (bool): divide the selected scores by their sum (K3: True).
         routed_scaling (float): a constant factor on the weights (K3: 1.0).
-        check_values (bool): reject NaN/inf logits (one host sync; a trainer that checks its batch once
-            passes False and sees a NaN in its loss instead).
+        check_values (bool): reject NaN/inf logits or bias (one host sync; a trainer that checks its batch
+            once passes False and sees a NaN in its loss instead).
 
     Returns:
         Routing: see its attributes.
 
     Raises:
-        ValueError: bad shapes, K out of range, or a NaN/inf logit with ``check_values`` (reported before it
-            can spread).
+        ValueError: bad shapes, K out of range, or a NaN/inf logit or bias with ``check_values`` (reported
+            before it can spread).
     """
     if logits.ndim != 2:
         raise ValueError(f"route: logits must be [N, E], got shape {list(logits.shape)}")
@@ -71,8 +72,13 @@ def route(logits: torch.Tensor, bias: torch.Tensor, K: int, renormalize: bool = 
     check_topk(E, K, "route")
     if bias.shape != (E,):
         raise ValueError(f"route: bias must be [E={E}], got shape {list(bias.shape)}")
-    if check_values and not torch.isfinite(logits).all():
-        raise ValueError("route: the router logits hold NaN or inf (check the input x and the router weight)")
+    if check_values:
+        # One host sync for both: a NaN bias would win every top-k (topk ranks NaN highest).
+        finite = torch.stack([torch.isfinite(logits).all(), torch.isfinite(bias).all()]).tolist()
+        if not finite[0]:
+            raise ValueError("route: the router logits hold NaN or inf (check the input x and the router weight)")
+        if not finite[1]:
+            raise ValueError("route: the balancing bias holds NaN or inf (check the bias update)")
     scores = torch.sigmoid(logits.float())
     biased = scores.detach() + bias.detach().float()
     # One top-(K+1) gives the K choices and Quantile Balancing's cutoff alpha_i together.
@@ -83,7 +89,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor, K: int, renormalize: bool = 
     cutoff = 0.5 * (vals[:, K - 1] + vals[:, K]) if K < E else None
     weight = scores.gather(1, topk_idx)
     if renormalize:
-        weight = weight / weight.sum(-1, keepdim=True)
+        total = weight.sum(-1, keepdim=True)
+        # Where every selected s underflows float32 (logits below about -87: the sum is subnormal or 0), the
+        # ratio or its gradient is 0/0 or inf; there the same weights come as a softmax of log s.
+        normal = total >= torch.finfo(torch.float32).tiny
+        stable = torch.softmax(F.logsigmoid(logits.float().gather(1, topk_idx)), dim=-1)
+        weight = torch.where(normal, weight / torch.where(normal, total, 1.0), stable)
     return Routing(scores, topk_idx, weight * routed_scaling, cutoff)
 
 
