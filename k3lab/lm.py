@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from k3lab.kda.checks import check_chunk_size
 from k3lab.kda.layer import GATES, KDALayer
+from k3lab.norm import RMSNorm
 
 MIXERS = ("kda", "attention", "hybrid")
 
@@ -128,7 +129,7 @@ class RMSNormSublayer(nn.Module):
 
     def __init__(self, d_model: int, fn: nn.Module, eps: float):
         super().__init__()
-        self.norm = nn.RMSNorm(d_model, eps=eps)
+        self.norm = RMSNorm(d_model, eps=eps)
         self.fn = fn
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -237,7 +238,7 @@ class LM(nn.Module):
                        RMSNormSublayer(config.d_model, f, config.norm_eps)]
         self.sublayers = nn.ModuleList(layers)
         self.residual = PreNormResidual() if residual is None else residual
-        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         keep = {id(m) for f in custom for m in f.modules()}
         self.apply(lambda m: None if id(m) in keep else self._init_weights(m))

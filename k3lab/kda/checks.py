@@ -138,8 +138,10 @@ def check_kda_inputs(
         raise ValueError(f"q, k, v, {g_name}, {beta_name} are on the meta device: KDA has no meta kernels, "
                          "use a real device")
     if scale is not None:
+        # A learned scale (a grad-tracking 0-d tensor, chunk_kda) is checked by value, outside the graph.
+        value = scale.detach() if isinstance(scale, torch.Tensor) else scale
         try:
-            ok = math.isfinite(scale) and scale > 0 and not isinstance(scale, bool)
+            ok = math.isfinite(value) and value > 0 and not isinstance(value, bool)
         except TypeError:
             ok = False
         if not ok:

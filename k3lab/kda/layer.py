@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from k3lab.kda.checks import NonFiniteError, _shape, check_chunk_size, check_cu_seqlens
 from k3lab.kda.chunk import chunk_kda
 from k3lab.kda.gate import check_lower_bound, kimi_linear_gate, lower_bounded_gate
+from k3lab.norm import RMSNorm
 
 GATES = ("lower_bounded", "kimi_linear")
 
@@ -270,7 +271,7 @@ class KDALayer(nn.Module):
         # Sigmoid output gate (full rank, or Kimi Linear's low rank) and per-head RMSNorm.
         self.g_proj = (nn.Linear(d_model, v_dim, bias=False) if gate_rank is None else
                        nn.Sequential(nn.Linear(d_model, gate_rank, bias=False), nn.Linear(gate_rank, v_dim, bias=True)))
-        self.o_norm = nn.RMSNorm(v_head_dim, eps=norm_eps)
+        self.o_norm = RMSNorm(v_head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(v_dim, d_model, bias=False)
         # The fused kernels' NaN/inf and range checks cost one host sync per call; a trainer that
         # validates its inputs once turns them off (``K3Model.value_checks``).
