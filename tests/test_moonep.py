@@ -342,6 +342,60 @@ def test_entry_rejects_bad_inputs(one_rank_group):
         moonep_experts(x[:, :7], ok, w, experts, one_rank_group)
 
 
+@pytest.mark.parametrize("mode", ["moonep", "alltoall"])
+def test_an_empty_batch_gives_an_empty_output_in_both_modes(one_rank_group, mode):
+    """S = 0 on every rank: MoonEP's planner refused it ("S must be a positive int") and the baseline failed
+    reshaping [0, K, -1]. The output is [0, d], differentiable in x."""
+    g = torch.Generator().manual_seed(0)
+    experts = torch.nn.Module()
+    experts.w_gate, experts.w_up = torch.randn(4, 8, 4, generator=g), torch.randn(4, 8, 4, generator=g)
+    experts.w_down = torch.randn(4, 4, 8, generator=g)
+    x = torch.randn(0, 8, requires_grad=True)
+    out = moonep_experts(x, torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2), experts, one_rank_group,
+                         mode=mode)
+    assert out.shape == (0, 8) and out.dtype == x.dtype
+    out.sum().backward()
+    assert x.grad.shape == (0, 8)
+
+
+def test_entry_names_mismatched_expert_weights_and_dtypes(one_rank_group):
+    """Weights of disagreeing shapes failed deep in the fetch (split_with_sizes), a float64 x with float32
+    experts inside a matmul, K = 0 in the planner as "K must be a positive int"."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 8, generator=g), torch.rand(5, 2, generator=g)
+    idx = torch.randint(0, 4, (5, 2), generator=g)
+
+    def experts(L_up=4, h_down=4, dtype=torch.float32):
+        e = torch.nn.Module()
+        e.w_gate = torch.randn(4, 8, 4, generator=g, dtype=dtype)
+        e.w_up = torch.randn(L_up, 8, 4, generator=g, dtype=dtype)
+        e.w_down = torch.randn(4, h_down, 8, generator=g, dtype=dtype)
+        return e
+
+    for bad in (experts(L_up=3), experts(h_down=5)):
+        with pytest.raises(ValueError, match=r"experts must hold w_gate, w_up \[L, d, h\] and w_down \[L, h, d\]"):
+            moonep_experts(x, idx, w, bad, one_rank_group)
+    with pytest.raises(ValueError, match="x and the expert weights must share one dtype, got x torch.float64"):
+        moonep_experts(x.double(), idx, w, experts(), one_rank_group)
+    with pytest.raises(ValueError, match=r"topk_idx must be \[S=5, K\] int64 with K >= 1, got \[5, 0\]"):
+        moonep_experts(x, idx[:, :0], w[:, :0], experts(), one_rank_group)
+
+
+def test_layout_refuses_a_batch_or_counts_of_another_plan():
+    """layout read topk_idx and counts of any shape: a [3, 2] batch against a plan of S=2 sent the extra pairs
+    to rank 1 rows that collide; counts [3, 6] against a plan of R=2, E=4 named wrong source ranks."""
+    counts = torch.tensor([[4, 0, 0, 0], [4, 0, 0, 0]])
+    p = plan(counts, S=2, K=2)
+    idx = torch.zeros(2, 2, dtype=torch.int64)
+    assert layout(p, counts, idx, 0).dest_row.tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"topk_idx must be the plan's \[S=2, K=2\] int64, got \[3, 2\]"):
+        layout(p, counts, torch.zeros(3, 2, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match=r"topk_idx must be the plan's \[S=2, K=2\] int64, got \[2, 2\] torch.float32"):
+        layout(p, counts, idx.float(), 0)
+    with pytest.raises(ValueError, match=r"counts must be the plan's \[R=2, E=4\], got \[3, 6\]"):
+        layout(p, torch.zeros(3, 6, dtype=torch.int64), idx, 0)
+
+
 CASES = [Case(routing=r, mode=m, padded=(r == "uniform"), seed=i)
          for i, r in enumerate(ROUTINGS) for m in ("moonep", "alltoall")]
 

@@ -33,8 +33,9 @@ def moonep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.T
     ranks' losses, replicas' gradients summed onto the home rank.
 
     Args:
-        x (Tensor): [S, d] float32/bfloat16/float16 (float64 via the loop reference), this rank's tokens.
-        topk_idx (Tensor): [S, K] int64 expert ids in [0, E); S and K must be the same on every rank.
+        x (Tensor): [S, d] float32/bfloat16/float16 (float64 via the loop reference), the experts' dtype, this
+            rank's tokens; S = 0 gives an empty output without communicating.
+        topk_idx (Tensor): [S, K] int64 expert ids in [0, E), K >= 1; S and K must be the same on every rank.
         topk_weight (Tensor): [S, K] float (cast to x's dtype; the router gives float32).
         experts: ``k3lab.moe.experts.GroupedExperts(L, d, h)`` (or any object with ``w_gate``, ``w_up``
             [L, d, h], ``w_down`` [L, h, d] and optionally ``activation``), this rank's home experts.
@@ -50,20 +51,27 @@ def moonep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.T
         Tensor [S, d], x's dtype.
 
     Raises:
-        ValueError: a shape or dtype disagrees, ``mode`` is unknown, E is not R * L, or (``check_ids``) an
-            id outside [0, E) on a token that is not padding.
+        ValueError: a shape or dtype disagrees (x and the three weights share one dtype), ``mode`` is
+            unknown, E is not R * L, or (``check_ids``) an id outside [0, E) on a token that is not padding.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     R, rank = dist.get_world_size(group), dist.get_rank(group)
     w_gate, w_up, w_down = experts.w_gate, experts.w_up, experts.w_down
+    if w_gate.ndim != 3 or w_up.shape != w_gate.shape or w_down.shape != (w_gate.shape[0], w_gate.shape[2],
+                                                                            w_gate.shape[1]):
+        raise ValueError(f"experts must hold w_gate, w_up [L, d, h] and w_down [L, h, d], got {list(w_gate.shape)}, "
+                         f"{list(w_up.shape)}, {list(w_down.shape)}")
     L = w_gate.shape[0]
     E = R * L
     if x.ndim != 2 or x.shape[1] != w_gate.shape[1]:
         raise ValueError(f"x must be [S, d={w_gate.shape[1]}], got {list(x.shape)}")
+    if not (x.dtype == w_gate.dtype == w_up.dtype == w_down.dtype):
+        raise ValueError(f"x and the expert weights must share one dtype, got x {x.dtype}, weights "
+                         f"{w_gate.dtype}/{w_up.dtype}/{w_down.dtype}")
     S = x.shape[0]
-    if topk_idx.ndim != 2 or topk_idx.shape[0] != S or topk_idx.dtype != torch.int64:
-        raise ValueError(f"topk_idx must be [S={S}, K] int64, got {list(topk_idx.shape)} {topk_idx.dtype}")
+    if topk_idx.ndim != 2 or topk_idx.shape[0] != S or topk_idx.shape[1] < 1 or topk_idx.dtype != torch.int64:
+        raise ValueError(f"topk_idx must be [S={S}, K] int64 with K >= 1, got {list(topk_idx.shape)} {topk_idx.dtype}")
     if topk_weight.shape != topk_idx.shape or not topk_weight.is_floating_point():
         raise ValueError(f"topk_weight must be [S={S}, K={topk_idx.shape[1]}] float, got "
                          f"{list(topk_weight.shape)} {topk_weight.dtype}")
@@ -82,6 +90,9 @@ def moonep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.T
         if bool(bad.any()):
             raise ValueError(f"topk_idx must lie in [0, E={E}) (E = R={R} ranks x L={L} local experts); got "
                              f"{topk_idx[bad][:8].tolist()} at tokens {bad.any(1).nonzero()[:8, 0].tolist()}")
+    if S == 0:
+        # S is the same on every rank, so no rank has a pair to exchange: an empty batch skips the collectives.
+        return x * 0
     step = moonep_step if mode == "moonep" else alltoall_step
     out, _ = step(x, topk_idx, topk_weight, w_gate, w_up, w_down, group, _run_ffn,
                   activation=getattr(experts, "activation", "situ"))

@@ -251,11 +251,17 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int) -> 
         Layout, on ``counts``' device; no host synchronisation.
 
     Raises:
-        ValueError: rank not an int in [0, R).
+        ValueError: rank not an int in [0, R); counts not [R, E] or topk_idx not [S, K] int64 (the plan's).
     """
     R, E, L, C = p.R, p.E, p.E // p.R, p.capacity
     if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < R):
         raise ValueError(f"layout: rank must be an int in [0, R={R}), got {rank!r}")
+    # Shapes only (values would need a host sync): a batch or counts of another plan give rows that collide.
+    if tuple(counts.shape) != (R, E):
+        raise ValueError(f"layout: counts must be the plan's [R={R}, E={E}], got {list(counts.shape)}")
+    if tuple(topk_idx.shape) != (p.S, p.K) or topk_idx.dtype != torch.int64:
+        raise ValueError(f"layout: topk_idx must be the plan's [S={p.S}, K={p.K}] int64, got "
+                         f"{list(topk_idx.shape)} {topk_idx.dtype}")
     dev = counts.device
     counts = counts.long()
     e = topk_idx.reshape(-1)
