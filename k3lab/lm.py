@@ -279,6 +279,8 @@ def _check_ids(name: str, ids: torch.Tensor, vocab_size: int, ignore_index: int 
     """Raise ValueError unless ``ids`` is an integer tensor with values in [0, vocab_size) (or ignore_index)."""
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"{name} must be an integer tensor of token ids, got dtype {ids.dtype}")
+    # Compared in int64: a narrower dtype converts vocab_size to itself (256 is 0 in uint8, and int8 raises).
+    ids = ids.long()
     bad = (ids < 0) | (ids >= vocab_size)
     if ignore_index is not None:
         bad &= ids != ignore_index

@@ -174,6 +174,57 @@ def test_validation():
         model.generate(idx, -1)
 
 
+def test_loss_is_the_mean_over_counted_targets_and_zero_when_none_count():
+    """An all -100 batch (every position padding) gave the mean of nothing, NaN, and NaN gradients.
+    A partly ignored batch keeps the float64 mean cross-entropy over the counted positions."""
+    model = tiny(torch.float64, seed=8)
+    idx = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(9))
+    targets = idx.roll(-1, 1)
+    targets[0, 3:] = -100
+    logits, loss = model(idx, targets=targets)
+    keep = targets != -100
+    ref = -torch.log_softmax(logits.detach(), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0][keep].mean()
+    assert_close("loss over counted targets", ref, loss.detach(), 1e-12)
+    _, loss = model(idx, targets=torch.full_like(idx, -100))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(torch.equal(p.grad, torch.zeros_like(p.grad)) for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32])
+def test_ids_of_any_integer_dtype_are_checked_by_value(dtype):
+    """uint8 ids were compared with vocab_size 256 in uint8 (256 is 0 there): every valid prompt was refused."""
+    model = tiny().eval()
+    idx = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        want, _ = model(idx)
+        got, _ = model(idx.to(dtype))
+    assert torch.equal(got, want)
+    if dtype != torch.uint8:
+        with pytest.raises(ValueError, match=r"idx must be token ids in \[0, vocab_size=256\), got min -1"):
+            model(torch.full((1, 3), -1, dtype=dtype))
+    with pytest.raises(ValueError, match="targets must be token ids"):
+        model(idx.to(dtype), targets=torch.full((2, 6), 300 if dtype != torch.uint8 else 255, dtype=torch.int64) + 1)
+
+
+def test_generate_checks_the_prompt_before_casting_it():
+    """A float prompt was truncated to other ids by ``.long()`` (forward refuses floats), and with
+    max_new_tokens = 0 out-of-range ids came back unchecked; top_k=True failed inside torch.topk."""
+    model = tiny()
+    prompt = torch.tensor([[3, 7, 9]])
+    with pytest.raises(ValueError, match="integer tensor of token ids"):
+        model.generate(prompt.float() + 0.7, 2)
+    with pytest.raises(ValueError, match=r"token ids in \[0, vocab_size=256\)"):
+        model.generate(prompt + 300, 0)
+    with pytest.raises(ValueError, match=r"idx must be \[B, T\]"):
+        model.generate(prompt[0], 1)
+    with pytest.raises(ValueError, match="top_k must be None or an int >= 1, got True"):
+        model.generate(prompt, 1, top_k=True)
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0, got True"):
+        model.generate(prompt, 1, temperature=True)
+    assert torch.equal(model.generate(prompt.to(torch.uint8), 0), prompt)
+
+
 def test_trains_under_bf16_autocast_with_value_checks_off():
     # The trainer's GPU step: bf16 autocast over float32 weights (the stacked experts run grouped_mm,
     # which autocast does not cast: the layer does), no per-call value checks.

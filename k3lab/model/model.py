@@ -248,7 +248,7 @@ class K3Model(nn.Module):
         Args:
             idx (Tensor): [B, T] integer token ids in [0, vocab_size).
             targets (Tensor | None): [B, T] integer ids (or -100, ignored); the loss is their mean
-                cross-entropy in nats, plus ``mtp_loss_weight`` times the MTP depths' mean loss when the
+                cross-entropy in nats (0 when every target is ignored), plus ``mtp_loss_weight`` times the MTP depths' mean loss when the
                 config has MTP modules (module docstring).
             cu_seqlens (Tensor | None): int [N+1] offsets of N documents packed into B = 1: every mixer
                 keeps them apart (KDA restarts its state and convolution, MLA masks across documents).
@@ -270,11 +270,7 @@ class K3Model(nn.Module):
                 cu_seqlens, caches or use_cache, or idx not [1, cp.T_local].
         """
         c = self.config
-        if not isinstance(idx, torch.Tensor) or idx.ndim != 2 or 0 in idx.shape:
-            got = list(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
-            raise ValueError(f"idx must be [B, T] token ids with B, T >= 1, got {got}")
-        if self.check_values:
-            _check_ids("idx", idx, c.vocab_size)
+        self._check_idx(idx)
         if targets is not None:
             if not isinstance(targets, torch.Tensor) or targets.shape != idx.shape:
                 raise ValueError(f"targets must have idx's shape {list(idx.shape)}, got "
@@ -313,10 +309,21 @@ class K3Model(nn.Module):
         logits = logits if logits.dtype == torch.float64 else logits.float()
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten().long())
+            tgt = targets.flatten().long()
+            # The mean over the counted targets (the sum over a count of at least 1): a batch whose targets are
+            # all -100 has loss 0, not 0/0 = NaN.
+            loss = F.cross_entropy(logits.flatten(0, 1), tgt, reduction="sum") / (tgt != -100).sum().clamp(min=1)
             if self.mtp:
                 loss = loss + c.mtp_loss_weight * self.mtp_loss(h, targets.long(), cu_seqlens)
         return (logits, loss, new_caches) if use_cache else (logits, loss)
+
+    def _check_idx(self, idx: torch.Tensor) -> None:
+        """ValueError unless idx is [B, T] with B, T >= 1 (and, with value checks on, ids in [0, vocab_size))."""
+        if not isinstance(idx, torch.Tensor) or idx.ndim != 2 or 0 in idx.shape:
+            got = list(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"idx must be [B, T] token ids with B, T >= 1, got {got}")
+        if self.check_values:
+            _check_ids("idx", idx, self.config.vocab_size)
 
     def mtp_loss(self, h: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Mean over the D MTP depths of their cross-entropy (module docstring), from the main stack's
@@ -356,10 +363,13 @@ class K3Model(nn.Module):
         """
         if not (isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 0):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+                and math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
+        if top_k is not None and not (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1):
             raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        # Before the cast: a float prompt would be truncated to other ids, and max_new_tokens = 0 return it as is.
+        self._check_idx(idx)
         out = idx.long()
         if max_new_tokens == 0:
             return out
