@@ -30,6 +30,7 @@ TP shards) are orthogonalised as their full logical matrix, then the local shard
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn as nn
@@ -186,7 +187,8 @@ class PerHeadMuon(torch.optim.Optimizer):
         max_grad_norm (float | None): clip the global norm of the raw gradients to this before stepping.
 
     Raises:
-        ValueError: lr, weight_decay, momentum, betas, eps or max_grad_norm out of range; a group without a
+        ValueError: lr, weight_decay, momentum, betas, eps, adamw_eps, ns_steps, ns_coefficients or
+            max_grad_norm out of range or not numbers, as defaults or in a param group; a group without a
             known ``"algorithm"``; a Muon parameter that is not 2-D or 3-D; row blocks that do not sum to
             its rows (or set on a 3-D parameter / a group of several parameters).
 
@@ -198,23 +200,18 @@ class PerHeadMuon(torch.optim.Optimizer):
                  nesterov: bool = True, ns_steps: int = 5, ns_coefficients=NS_COEFFICIENTS, eps: float = 1e-7,
                  betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
                  max_grad_norm: float | None = None):
-        for name, v, ok in (("lr", lr, lr >= 0), ("weight_decay", weight_decay, weight_decay >= 0),
-                            ("momentum", momentum, 0 <= momentum < 1), ("eps", eps, eps > 0),
-                            ("adamw_eps", adamw_eps, adamw_eps > 0)):
-            if not (ok and math.isfinite(v)):
-                raise ValueError(f"{name} is out of range or not finite: {v!r}")
-        if not (len(betas) == 2 and all(0 <= b < 1 for b in betas)):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-        if not (isinstance(ns_steps, int) and 1 <= ns_steps < 100):
-            raise ValueError(f"ns_steps must be an int in [1, 100), got {ns_steps!r}")
-        if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+        if max_grad_norm is not None and not (_is_number(max_grad_norm) and max_grad_norm > 0
+                                              and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm must be None or a positive finite number, got {max_grad_norm!r}")
         self.max_grad_norm = max_grad_norm
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                        ns_coefficients=tuple(ns_coefficients), eps=eps, betas=tuple(betas), adamw_eps=adamw_eps,
-                        row_blocks=None)
+                        ns_coefficients=ns_coefficients, eps=eps, betas=betas, adamw_eps=adamw_eps, row_blocks=None)
+        _check_hyperparameters(defaults, "")
+        defaults["ns_coefficients"], defaults["betas"] = tuple(ns_coefficients), tuple(betas)
         super().__init__(params, defaults)
         for i, group in enumerate(self.param_groups):
+            # A group's own values (per_head_muon sets weight_decay per group) get the defaults' checks.
+            _check_hyperparameters(group, f"param group {i}: ")
             if group.get("algorithm") not in ALGORITHMS:
                 raise ValueError(f"param group {i} needs 'algorithm' in {ALGORITHMS}, got {group.get('algorithm')!r}")
             if group["algorithm"] == "muon":
@@ -365,6 +362,31 @@ class PerHeadMuon(torch.optim.Optimizer):
             _adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, decoupled_weight_decay=True,
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                   eps=group["adamw_eps"], maximize=False)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _check_hyperparameters(h: dict, where: str) -> None:
+    """ValueError naming the first of ``h``'s hyperparameters (``PerHeadMuon``'s defaults or one param group)
+    that is out of range, not a finite number, or of the wrong type."""
+    for name, low, high, low_open in (("lr", 0, math.inf, False), ("weight_decay", 0, math.inf, False),
+                                      ("momentum", 0, 1, False), ("eps", 0, math.inf, True),
+                                      ("adamw_eps", 0, math.inf, True)):
+        v = h[name]
+        if not (_is_number(v) and math.isfinite(v) and (v > low if low_open else v >= low) and v < high):
+            bounds = f"{'(' if low_open else '['}{low}, {high})"
+            raise ValueError(f"{where}{name} must be a finite number in {bounds}, got {v!r}")
+    betas = h["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in betas)):
+        raise ValueError(f"{where}betas must be two numbers in [0, 1), got {betas!r}")
+    if not (isinstance(h["ns_steps"], int) and not isinstance(h["ns_steps"], bool) and 1 <= h["ns_steps"] < 100):
+        raise ValueError(f"{where}ns_steps must be an int in [1, 100), got {h['ns_steps']!r}")
+    coefficients = h["ns_coefficients"]
+    if not (isinstance(coefficients, (tuple, list)) and len(coefficients) == 3
+            and all(_is_number(c) and math.isfinite(c) for c in coefficients)):
+        raise ValueError(f"{where}ns_coefficients must be the quintic's 3 finite numbers (a, b, c), got {coefficients!r}")
 
 
 def _mesh_key(p: torch.Tensor):

@@ -209,6 +209,31 @@ def test_validation():
         PerHeadMuon([dict(params=[p], algorithm="muon")], max_grad_norm=0.0)
 
 
+@pytest.mark.parametrize("override, match", [
+    (dict(momentum=1.5), r"param group 0: momentum must be a finite number in \[0, 1\)"),
+    (dict(lr=-1.0), r"param group 0: lr must be"), (dict(weight_decay=float("nan")), "param group 0: weight_decay"),
+    (dict(betas=(0.9, 1.0)), "param group 0: betas"), (dict(ns_steps=True), "param group 0: ns_steps"),
+    (dict(eps=0.0), r"param group 0: eps must be a finite number in \(0, inf\)"),
+])
+def test_a_param_groups_own_hyperparameters_are_checked_like_the_defaults(override, match):
+    """Only the defaults were checked: a group's momentum of 1.5 (a lerp weight of -0.5, a diverging buffer) or
+    negative lr went through to the step."""
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(ValueError, match=match):
+        PerHeadMuon([dict(params=[p], algorithm="muon", **override)])
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(lr=None), "lr must be a finite number"),
+                                           (dict(lr="0.1"), "lr must be a finite number"),
+                                           (dict(momentum=True), "momentum must be"),
+                                           (dict(max_grad_norm="1"), "max_grad_norm")])
+def test_hyperparameters_of_the_wrong_type_are_named(kwargs, match):
+    """lr=None or a string raised TypeError from a comparison, momentum=True passed as 1."""
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(ValueError, match=match):
+        PerHeadMuon([dict(params=[p], algorithm="muon")], **kwargs)
+
+
 def test_sharded_parameter_is_orthogonalised_as_the_full_matrix():
     """An (18, 10) weight sharded by rows over 2 gloo ranks (9 rows each: no shard holds whole heads of 6)
     gets the one-process update."""
