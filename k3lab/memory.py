@@ -104,8 +104,9 @@ def fp8_quantize(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor,
     padded = torch.nn.functional.pad(rows, (0, nb * block - d)) if nb * block != d else rows
     blocks = padded.reshape(*x.shape[:-1], nb, block)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    # An all-zero block keeps scale 1 (any scale gives 0), avoiding 0/0.
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # An all-zero block keeps scale 1 (any scale gives 0), avoiding 0/0; a block whose maximum is below
+    # 448 x the smallest subnormal would get scale 0 (and NaN): the smallest normal float32 is its floor.
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).clamp(min=torch.finfo(torch.float32).tiny)
     q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     q = q.reshape(*x.shape[:-1], nb * block)[..., :d].contiguous()
     return q, scale.squeeze(-1)
@@ -230,7 +231,7 @@ class ActivationManager:
             # keep, recompute (the region's inputs), and what fp8/offload cannot change (ints, scalars).
             # Detached: a saved output holding its own grad_fn is a reference cycle (output -> grad_fn
             # -> saved -> output) that only gc frees when backward never runs on it (pytorch#161186).
-            packed = _Packed(self, policy, _nbytes(t), False, t.detach())
+            packed = _Packed(self, policy, _nbytes(t), False, t.detach(), t._version)
         self._cache[id(t)] = (weakref.ref(t), t._version, weakref.ref(packed))
         if len(self._cache) > 4096:
             self._cache = {k: v for k, v in self._cache.items() if v[0]() is not None and v[2]() is not None}
@@ -266,6 +267,13 @@ class ActivationManager:
                 return packed.data
             done.synchronize()
             return packed.data.to(device, non_blocking=True)
+        # The stored tensor shares its version counter with the saved one (detach): a write in place after the
+        # save would reach backward silently, where plain autograd raises.
+        if packed.data._version != packed.meta:
+            raise RuntimeError(f"a tensor of shape {list(packed.data.shape)} saved for backward under policy "
+                               f"{packed.policy!r} was modified by an in-place operation after it was saved "
+                               f"(version {packed.data._version}, saved at {packed.meta}); clone it before the "
+                               "in-place op")
         return packed.data
 
     def hooks(self, policy: str):

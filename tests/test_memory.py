@@ -109,6 +109,44 @@ def test_fp8_roundtrip_blocks():
     assert torch.equal(fp8_dequantize(*fp8_quantize(torch.zeros(4, 7)), torch.float32), torch.zeros(4, 7))
 
 
+def test_fp8_block_of_subnormal_values_dequantises_finite():
+    """A block whose maximum is below 448 x the smallest subnormal (~6e-43) got scale 0 and came back NaN."""
+    x = torch.zeros(2, 130)
+    x[0, 3], x[1, 129] = 1e-43, -5e-44
+    x[1, 5] = 2.0
+    y = fp8_dequantize(*fp8_quantize(x), torch.float32)
+    assert torch.isfinite(y).all()
+    assert (y - x).abs().max() < 1e-37 + 2.0 * 2 ** -4
+
+
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_a_tensor_written_in_place_after_its_save_is_refused_as_plain_autograd_does(policy):
+    """The keep policy handed backward the modified tensor (a wrong gradient, silently) where plain autograd
+    raises; inside a recompute region the region's saved input is checked the same way."""
+    a = torch.randn(4, 8, requires_grad=True)
+    b = a * 1.0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        c = b.sin()
+        b.add_(1.0)
+        c.sum().backward()
+    mgr = ActivationManager()
+    b = a * 1.0
+    if policy == "keep":
+        with activation_policy("keep", manager=mgr):
+            c = b.sin()
+    else:
+        c = mgr.run("recompute", torch.sin, b)
+    b.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an in-place operation after it was saved"):
+        c.sum().backward()
+    # Untouched, the same region gives plain autograd's gradient.
+    a.grad = None
+    with activation_policy("keep", manager=mgr):
+        c = (a * 1.0).sin()
+    c.sum().backward()
+    assert torch.equal(a.grad, a.detach().cos())
+
+
 def test_counters_show_savings():
     x = torch.randn(64, 48)
     live = {}
