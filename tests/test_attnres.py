@@ -130,6 +130,21 @@ def test_call_errors_name_the_argument():
 
 
 @pytest.mark.parametrize("path", ["naive", "memory", "inference"])
+@pytest.mark.parametrize("shape", [(2, 0, 16), (0, 5, 16)], ids=["T0", "B0"])
+def test_an_empty_batch_gives_an_empty_output_on_every_path(path, shape):
+    """The value check took the inf-norm of an empty h0, which raises ("does not have an identity")."""
+    subs = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+    res = BlockAttnRes(16, 6, 3, path=path)
+    h0 = torch.randn(*shape, requires_grad=path != "inference")
+    with torch.set_grad_enabled(path != "inference"):
+        out = res(h0, subs)
+    assert out.shape == shape
+    if path != "inference":
+        out.sum().backward()
+        assert h0.grad.shape == shape and torch.equal(res.queries.grad, torch.zeros_like(res.queries))
+
+
+@pytest.mark.parametrize("path", ["naive", "memory", "inference"])
 @pytest.mark.parametrize("L,N", [(6, 6), (6, 2), (7, 3)], ids=["full", "N2", "uneven"])
 def test_zero_init_is_uniform_average(path, L, N, uniform_block_average):
     """With w = 0 every read is the plain mean of its sources (written here without softmax)."""

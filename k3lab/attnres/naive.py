@@ -181,7 +181,9 @@ def check_input_values(h0: torch.Tensor, queries: torch.Tensor, name: str = "h0"
     dt = torch.float64 if h0.dtype == torch.float64 else torch.float32
     d = h0.shape[-1]
     limit = (torch.finfo(dt).max / d) ** 0.5
-    maxima = torch.stack([torch.linalg.vector_norm(x, float("inf")).double() for x in (h0, queries)]).tolist()
+    # An empty batch (B or T = 0) has nothing to check; the inf-norm of an empty tensor raises.
+    maxima = torch.stack([torch.linalg.vector_norm(x, float("inf")).double() if x.numel() else
+                          x.new_zeros((), dtype=torch.float64) for x in (h0, queries)]).tolist()
     for what, m in zip((name, "queries"), maxima):
         if m != m or m == float("inf"):
             raise ValueError(f"{what} contains NaN or inf")
