@@ -21,8 +21,8 @@
 # * **snapshot / restore**: periodic saves for recovery.
 #
 # K3 used Firecracker microVMs (hardware isolation; container runtimes gave kernel panics and
-# deadlocks under this load). kvcache-ai/AgentENV, the open-source counterpart, claims resume
-# < 50 ms, pause < 100 ms and incremental snapshots < 100 ms.
+# deadlocks under this load). kvcache-ai/AgentENV, the open-source counterpart, claims boot and
+# resume < 50 ms, pause < 100 ms and incremental snapshots < 100 ms.
 #
 # This chapter builds the same operations with `k3lab.agentenv`: a `Sandbox` API over QEMU's
 # `microvm` machine driven by QMP (on hosts where a firecracker binary and real KVM are found, the
@@ -46,7 +46,6 @@ import signal
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
@@ -56,7 +55,8 @@ from k3lab.agentenv import (Sandbox, SandboxCrashed, SandboxPool, SandboxStateEr
                             build_image, cleanup, detect_host, leftovers)
 from k3lab.agentenv.rl_demo import run_rollout
 from k3lab.agentenv.notebook import skip_vm_cells_if_missing
-from k3lab.bench.agentenv import paused_memory
+from k3lab.bench.agentenv import ANCHORS, paused_memory
+from k3lab.book import ROOT
 
 device = k3lab.setup(seed=seed, profile=profile)
 
@@ -83,8 +83,8 @@ vm_tools = skip_vm_cells_if_missing()
 # It does **not** isolate: CPU time and host memory are shared with no quota on the host (no
 # host-side cgroup limits here; a sandbox's RAM is its VM size); there is no network at all (no
 # network device, so also no network escape); the guest sees the host's CPU model and clock; side
-# channels are out of scope. And on these machines the boundary is weaker than K3's: see the next
-# cell.
+# channels are out of scope. And on the machine that stored these outputs the boundary is weaker than
+# K3's: see the next cell.
 #
 # ## Which backend this host gets
 #
@@ -113,9 +113,9 @@ for k in ("kvm_device", "kvm_pvm", "hw_virt", "qemu_version", "firecracker", "ts
 # or the serial port `/dev/ttyS0` (Firecracker's only console), that answers `exec`, `write`, `read`
 # and `limits` requests, and the unprivileged `user` that commands run as. Payloads go in raw, replies come back as marker-framed base64, both in 32 KiB
 # chunks that wait for the other side's acknowledgement: consoles drop what their buffers cannot
-# take (QEMU's virtio console on a full socket, Firecracker's serial port on a full pipe), which
-# once cost a read on a loaded box the middle of a 150 KB file. md5 sums both ways turn any
-# damage into an error instead of wrong data.
+# take (QEMU's virtio console on a full socket, Firecracker's serial port on a full pipe), so
+# without acknowledgements a large read on a loaded host can lose a piece from its middle. md5 sums
+# both ways turn any damage into an error instead of wrong data.
 
 # %% tags=["nbval-ignore-output"]
 # VM cell
@@ -310,7 +310,7 @@ def outcome(case, ok, what):
 with pool.create() as h:
     lim = h.limits()
     print(f"limits ({lim['mechanism']}): {lim['max_pids']} processes, {lim['memory_mib']:.0f} MiB for all commands")
-    # 1. a background process writes after its command returned (the leak that used to corrupt results)
+    # 1. a background process writes after its command returned (left alive, it would write into a later result)
     h.exec("(sleep 1; echo LATE; exit 9) & echo a", timeout=10)
     r = h.exec("sleep 2; echo b", timeout=10)
     outcome("background writer, killed at return", r.stdout == b"b\n" and r.exit_code == 0,
@@ -405,17 +405,19 @@ assert left == sb.pids()
 # the JSON).
 
 # %% tags=["nbval-ignore-output"]
-res = json.loads(Path("../data/results/agentenv_cpu.json").read_text())
-print(f"{res['backend']} on {res['host']}\n{res['date']}, load average {res['load_avg_1min']}\n")
-anchors = {"cold_boot": 50, "pause": 100, "resume": 49, "hibernate": 133, "wake": 49, "snapshot": 133,
-           "restore_to_first_exec": 50, "fork_to_first_exec": None}
-print(f"{'op':24s} {'min':>8s} {'median':>8s} {'max':>8s}  anchor")
+res = json.loads((ROOT / "data" / "results" / "agentenv_cpu.json").read_text())
+guest = res["guest"]
+print(f"{res['backend']} on {res['host']}\n{res['date']}, load average {res['load_avg_1min']}; guest "
+      f"{guest['memory_mib']} MiB RAM, {guest['vcpus']} vCPU, kernel {guest['kernel']}\n")
+anchors = {op: ms for op, (_, ms) in ANCHORS.items()}
+print(f"{'op':24s} {'min':>8s} {'median':>8s} {'max':>8s}  {'n':>3s}  anchor")
 for k, s in res["ops"].items():
-    anc = f"{anchors[k]} ms" if anchors[k] else "-"
-    print(f"{k:24s} {s['min_ms']:8.1f} {s['median_ms']:8.1f} {s['max_ms']:8.1f}  {anc}")
+    anc = f"{anchors[k]:g} ms ({ANCHORS[k][0]})" if anchors[k] else ANCHORS[k][0]
+    print(f"{k:24s} {s['min_ms']:8.1f} {s['median_ms']:8.1f} {s['max_ms']:8.1f}  {s['n']:3d}  {anc}")
 m = res["paused_mib"]
-print(f"\npaused sandboxes per GiB: {res['paused_per_gib']} ({m['total']:.1f} MiB each = PSS {m['pss']:.1f} + "
-      f"file cache {m['file_cache']:.1f}; RSS {m['rss']:.1f}); hibernated: {res['hibernated_memory_kib']} KiB each")
+print(f"\n{res['n_paused']} paused sandboxes from one snapshot: {res['paused_per_gib']} per GiB ({m['total']:.1f} MiB "
+      f"each = PSS {m['pss']:.1f} + file cache {m['file_cache']:.1f}; RSS {m['rss']:.1f}); hibernated: "
+      f"{res['hibernated_memory_kib']} KiB each")
 
 fig, ax = plt.subplots(figsize=(8, 3.6))
 ops = list(res["ops"])
@@ -438,12 +440,14 @@ plt.show()
 # %% [markdown]
 # What the numbers say. **pause/resume** (QMP stop/cont) are far under the anchors: they only
 # stop and start the vCPU thread. **snapshot** beats K3's 133 ms checkpoint because the RAM is
-# already in a file (copying ~90 MiB with `copy_file_range` keeps holes). **restore**, **wake** and
+# already in a file (the guest's RAM file, copied with `copy_file_range`, which keeps its holes, so
+# pages the guest never touched cost nothing). **restore**, **wake** and
 # **fork** land at a few hundred ms: a fresh QEMU process starting under TCG dominates, where
 # Firecracker on KVM restores in tens of ms. **cold boot** is the TCG extreme: seconds of emulated
 # kernel boot, which is why everything here restores from a snapshot instead. The density number
 # counts QEMU's own overhead (TCG's translation cache, heap) plus each guest's private pages;
-# hibernated sandboxes hold none.
+# hibernated sandboxes hold none. Every anchor is Firecracker on KVM: the right column says whose figure
+# each one is (K3's report or AgentENV's README).
 
 # %% [markdown]
 # ## What hibernation buys: memory-time
@@ -456,7 +460,8 @@ plt.show()
 # $$f(W) = \frac{t_{run} + t_{hib} + t_{wake}}{t_{run} + t_{hib} + t_{wake} + W},$$
 #
 # so the saving grows with the wait: K3's ~98% waiting means $W \approx 49\,t_{run}$. With the
-# measured medians (and $t_{run}$ = one exec, ~0.1 s here under TCG):
+# measured medians, and $t_{run}$ = 0.1 s, about one short exec under TCG (`docs/agentenv.md` measures
+# `exec("true")` at 55-75 ms):
 
 # %% tags=["nbval-ignore-output"]
 t_hib, t_wake = res["ops"]["hibernate"]["median_ms"] / 1e3, res["ops"]["wake"]["median_ms"] / 1e3
@@ -557,6 +562,20 @@ cleanup()  # also removes this session's sandbox folder (exit handlers may not r
 assert not pool.root.exists()
 
 # %% [markdown]
+# ## Exercises
+#
+# 1. Time `sb.exec("true")` twenty times and replace the assumed $t_{run}$ = 0.1 s: how does the resident
+#    fraction at $W$ = 1 s move? At which wait does hibernating stop paying against `pause`, if a paused
+#    sandbox costs its PSS and a hibernated one nothing?
+# 2. Run the density experiment at n = 12 and 20 and compare with the committed benchmark's figure: why
+#    does the copy-on-write cost per sandbox keep falling, and what is its floor?
+# 3. In a fork, write 50 MiB to `/tmp` (a tmpfs, so guest RAM) and measure its PSS before and after:
+#    which pages stop being shared?
+# 4. Add a hostile case: a command that fills `/home/user` (the disk overlay) until the disk is full.
+#    What should the sandbox report, and does a later command still run?
+# 5. The rollout's reward check forks the agent's sandbox. Estimate the cost of grading by restoring the
+#    agent's last snapshot instead, from the committed medians: which is cheaper, and which is correct?
+#
 # ## References
 #
 # * Kimi K3 technical report (arXiv 2607.24653): the AgentEnv section (51,219,741 sandboxes,
