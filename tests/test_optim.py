@@ -234,16 +234,18 @@ def test_hyperparameters_of_the_wrong_type_are_named(kwargs, match):
         PerHeadMuon([dict(params=[p], algorithm="muon")], **kwargs)
 
 
-def test_sharded_parameter_is_orthogonalised_as_the_full_matrix():
-    """An (18, 10) weight sharded by rows over 2 gloo ranks (9 rows each: no shard holds whole heads of 6)
-    gets the one-process update."""
+@pytest.mark.parametrize("rows, ranks, heads", [(18, 2, [6, 6, 6]), (4, 3, [1, 3])], ids=["cut_heads", "empty_shard"])
+def test_sharded_parameter_is_orthogonalised_as_the_full_matrix(rows, ranks, heads):
+    """An (18, 10) weight sharded by rows over 2 gloo ranks (9 rows each: no shard holds whole heads of 6), and
+    a (4, 10) one over 3 ranks (shards of 2, 2 and 0 rows: dion#83's empty shard, heads across shards), get the
+    one-process update."""
     from k3lab.dist import launch
     from k3lab.optim import sharded_step_worker
 
-    w = torch.randn(18, 10, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(rows, 10, generator=torch.Generator().manual_seed(0))
     grads = _grads(w.shape, 2, seed=5)
-    options = [None, [6, 6, 6]]
-    for rank_out in launch(sharded_step_worker, 2, w, grads, options, timeout_s=120):
+    options = [None, heads]
+    for rank_out in launch(sharded_step_worker, ranks, w, grads, options, timeout_s=120):
         for blocks, out in zip(options, rank_out):
             assert torch.allclose(out, per_head_steps(w, blocks, grads, lr=0.01, weight_decay=0.1), rtol=0, atol=1e-6)
 
