@@ -119,8 +119,14 @@ def test_layout_by_simulated_all_to_all(R, L, S, K, kind, seed):
         idx = torch.randint(0, E, (R, S, K), generator=gen)
     else:
         idx = make_routing(kind, R, S, K, E, gen)
+    check_round_trip(idx, R, S, K, E)
+
+
+def check_round_trip(idx, R, S, K, E):
+    """The plan of ``idx`` [R, S, K] and every rank's layout, checked by a simulated all-to-all (see above)."""
     counts = torch.stack([torch.bincount(idx[r].reshape(-1), minlength=E) for r in range(R)])
     p = plan(counts, S, K)
+    check_plan(p, counts, S, K)
     lays = [layout(p, counts, idx[r], r) for r in range(R)]
     C = S * K
     owner = torch.full((R, C), -1)
@@ -134,6 +140,24 @@ def test_layout_by_simulated_all_to_all(R, L, S, K, kind, seed):
         src, pair = owner[v] // C, owner[v] % C
         assert torch.equal(lay.src_rank, src)
         assert torch.equal(lay.slot_experts[slot], idx.view(R, C)[src, pair])
+
+
+@pytest.mark.parametrize("R, E, S, K, kind", [(32, 256, 16, 8, "hot_236"), (16, 256, 144, 8, "identical_after_10"),
+                                              (16, 256, 144, 8, "one_expert")])
+def test_reported_ep_configurations_round_trip(R, E, S, K, kind):
+    """EPLB#22: 256 experts over 32 ranks with expert 236 hot (two replicas landed on one rank there);
+    DeepEP#427: 16 ranks, 2304 tokens, every token after the first 10 with the same scores (its dispatch counts
+    failed), and all of them to one expert. Exact S*K per rank, no replica twice on a rank, every pair back."""
+    gen = torch.Generator().manual_seed(R + S)
+    scores = torch.rand(R * S, E, generator=gen)
+    if kind == "hot_236":
+        scores[:, 236] += 1.0
+    elif kind == "identical_after_10":
+        scores[10:] = scores[10]
+    idx = scores.topk(K, dim=-1).indices.view(R, S, K)
+    if kind == "one_expert":
+        idx = torch.zeros_like(idx)
+    check_round_trip(idx, R, S, K, E)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
