@@ -225,6 +225,24 @@ def test_generate_checks_the_prompt_before_casting_it():
     assert torch.equal(model.generate(prompt.to(torch.uint8), 0), prompt)
 
 
+def test_bias_update_visits_the_mtp_moe_layers_and_a_stage_without_moe_is_a_no_op():
+    """torchtitan#4494 / #1689: MTP MoE layers were skipped by the bias update; a pipeline stage with no MoE
+    layer crashed it."""
+    from k3lab.moe import moe_layers, update_biases
+    from k3lab.model import split_model
+
+    model = tiny(num_nextn_predict_layers=1)
+    layers = moe_layers(model)
+    assert len(layers) == 5 and layers[-1] is model.mtp[0].ffn.fn
+    idx = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(11))
+    model(idx, targets=idx)
+    loads = update_biases(model)
+    assert len(loads) == 5 and all(int(load.sum()) > 0 for load in loads)
+    assert model.mtp[0].ffn.fn.router.bias.abs().sum() > 0
+    first = split_model(tiny(), [0, 2, 10])[0]
+    assert moe_layers(first) == [] and update_biases(first) == []
+
+
 def test_trains_under_bf16_autocast_with_value_checks_off():
     # The trainer's GPU step: bf16 autocast over float32 weights (the stacked experts run grouped_mm,
     # which autocast does not cast: the layer does), no per-call value checks.

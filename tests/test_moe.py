@@ -411,6 +411,27 @@ def test_aux_loss_gradient_reaches_the_router_as_autograd_of_the_total_loss():
     assert abs(uniform.item() - 1.0) < 1e-6
 
 
+def test_aux_loss_equals_its_formula_in_float64():
+    """NeMo Automodel#1408 / Megatron-LM#5047: the aux loss came out 10^5 off. Its value is E * sum_j f_j P_j
+    with f_j the share of pairs sent to j and P_j the mean normalised score, counted tokens only; balance_loss
+    is aux_coef times it."""
+    E, K, N = 8, 2, 30
+    scores = torch.rand(N, E, generator=_gen(16), dtype=torch.float64)
+    idx = torch.stack([torch.randperm(E, generator=_gen(17 + i))[:K] for i in range(N)])
+    keep = torch.rand(N, generator=_gen(18)) < 0.7
+    f = torch.zeros(E, dtype=torch.float64)
+    for i in range(N):
+        if keep[i]:
+            f[idx[i]] += 1
+    f /= f.sum()
+    P = (scores / scores.sum(-1, keepdim=True))[keep].mean(0)
+    assert_close("aux loss", E * (f * P).sum(), aux_loss(scores, idx, keep), 1e-12)
+    m = MoE(_config(balance="aux", aux_coef=0.1, latent_dim=None)).double()
+    m(torch.randn(N, 16, generator=_gen(19), dtype=torch.float64))
+    r = m.last_routing
+    assert_close("balance_loss", 0.1 * aux_loss(r.scores, r.topk_idx), balance_loss(m), 1e-12)
+
+
 def test_latent_layout_router_and_shared_read_full_width_norm_after_the_weighted_sum():
     """Megatron-LM#5225 and others: down-projection before dispatch, RMSNorm and up-projection after the
     weighted top-k sum, router and shared experts on the full-width token."""
