@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from k3lab.kda.checks import check_cu_seqlens
+from k3lab.norm import RMSNorm
 
 
 @dataclass
@@ -207,10 +208,10 @@ class GatedMLA(nn.Module):
             self.q_proj = nn.Linear(d_model, H * self.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(d_model, q_lora_rank, bias=False)
-            self.q_a_norm = nn.RMSNorm(q_lora_rank, eps=norm_eps)
+            self.q_a_norm = RMSNorm(q_lora_rank, eps=norm_eps)
             self.q_b_proj = nn.Linear(q_lora_rank, H * self.qk_head_dim, bias=False)
         self.kv_a_proj = nn.Linear(d_model, kv_lora_rank + qk_rope_head_dim, bias=False)
-        self.kv_a_norm = nn.RMSNorm(kv_lora_rank, eps=norm_eps)
+        self.kv_a_norm = RMSNorm(kv_lora_rank, eps=norm_eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, H * (qk_nope_head_dim + v_head_dim), bias=False)
         self.g_proj = nn.Linear(d_model, H * v_head_dim, bias=False)
         self.o_proj = nn.Linear(H * v_head_dim, d_model, bias=False)

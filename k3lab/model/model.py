@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from k3lab.attnres import BlockAttnRes
 from k3lab.kda import KDACache, KDALayer
 from k3lab.kda.checks import check_cu_seqlens
+from k3lab.norm import RMSNorm
 from k3lab.lm import RMSNormSublayer, _check_ids
 from k3lab.mla import GatedMLA, MLACache
 from k3lab.moe import GatedFFN, MoE, MoEConfig
@@ -60,7 +61,7 @@ class MixerSublayer(nn.Module):
 
     def __init__(self, d_model: int, mixer: nn.Module, eps: float, index: int, context: _MixerContext):
         super().__init__()
-        self.norm = nn.RMSNorm(d_model, eps=eps)
+        self.norm = RMSNorm(d_model, eps=eps)
         self.fn = mixer
         self.index = index
         # Shared by every mixer of the model (a plain object, not a submodule).
@@ -116,12 +117,12 @@ class MTPModule(nn.Module):
     def __init__(self, config: K3Config):
         super().__init__()
         c, d = config, config.hidden_size
-        self.norm_h = nn.RMSNorm(d, eps=c.rms_norm_eps)
-        self.norm_emb = nn.RMSNorm(d, eps=c.rms_norm_eps)
+        self.norm_h = RMSNorm(d, eps=c.rms_norm_eps)
+        self.norm_emb = RMSNorm(d, eps=c.rms_norm_eps)
         self.proj = nn.Linear(2 * d, d, bias=False)
         self.mixer = RMSNormSublayer(d, build_mixer(c, "mla"), c.rms_norm_eps)
         self.ffn = RMSNormSublayer(d, MoE(moe_config(c)), c.rms_norm_eps)
-        self.norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
+        self.norm = RMSNorm(d, eps=c.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None):
@@ -164,7 +165,7 @@ class K3Model(nn.Module):
 
     Attributes:
         embed (nn.Embedding), sublayers (nn.ModuleList of 2L: mixer, ffn, mixer, ...), residual
-        (BlockAttnRes), norm (nn.RMSNorm), head (nn.Linear [vocab, d]), mtp (nn.ModuleList of D
+        (BlockAttnRes), norm (RMSNorm), head (nn.Linear [vocab, d]), mtp (nn.ModuleList of D
         ``MTPModule``, empty without MTP).
 
     ``forward(idx, targets=None, cu_seqlens=None) -> (logits, loss)`` as ``k3lab.lm.LM``;
@@ -198,7 +199,7 @@ class K3Model(nn.Module):
                        RMSNormSublayer(d, ffn, c.rms_norm_eps)]
         self.sublayers = nn.ModuleList(layers)
         self.residual = BlockAttnRes(d, 2 * L, c.attn_res_sizes(), eps=c.rms_norm_eps, path=attn_res_path)
-        self.norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
+        self.norm = RMSNorm(d, eps=c.rms_norm_eps)
         self.head = nn.Linear(d, c.vocab_size, bias=False)
         self.mtp = nn.ModuleList([MTPModule(c) for _ in range(c.num_nextn_predict_layers)])
         # Token-id range checks (one host sync per call); ``value_checks`` turns them off.

@@ -20,6 +20,7 @@ import torch.nn as nn
 from k3lab.moe.activation import ACTIVATIONS
 from k3lab.moe.balance import ESTIMATORS, METHODS, Balancing, in_backward
 from k3lab.moe.experts import GatedFFN, GroupedExperts, depth_scaled_std, group_by_expert, naive_expert_ffn
+from k3lab.norm import RMSNorm
 from k3lab.moe.router import Router, Routing, check_topk
 
 
@@ -151,7 +152,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(c.n_experts, l, c.expert_hidden, c.activation, c.init_std,
                                       c.init_std if latent else out_std)
         self.down = nn.Linear(c.d_model, l, bias=False) if latent else None
-        self.latent_norm = nn.RMSNorm(l, eps=c.norm_eps) if latent else None
+        self.latent_norm = RMSNorm(l, eps=c.norm_eps) if latent else None
         self.up = nn.Linear(l, c.d_model, bias=False) if latent else None
         if latent:
             nn.init.normal_(self.down.weight, std=c.init_std)
