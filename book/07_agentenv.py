@@ -558,7 +558,7 @@ pool.close()
 left = leftovers(pool.root)
 print("files:", len(left["files"]), "processes:", len(left["pids"]))
 assert left == {"files": [], "pids": []}
-cleanup()  # also removes this session's sandbox folder (exit handlers may not run in a kernel)
+cleanup()  # also removes this process's sandbox folder (exit handlers may not run in a kernel)
 assert not pool.root.exists()
 
 # %% [markdown]

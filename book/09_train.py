@@ -418,7 +418,7 @@ print(tok.decode(out[0].tolist()))
 # host synchronisation; `--sync-debug` runs the steps in between under
 # `torch.cuda.set_sync_debug_mode("error")`, so a hidden sync fails loudly.
 #
-# **Not yet here:** a document mask for MLA that scales to long rows (`--doc-mask` builds MLA's mask
+# **Not here:** a document mask for MLA that scales to long rows (`--doc-mask` builds MLA's mask
 # densely), and Block AttnRes's memory-efficient two-phase path inside pipeline stages (they autograd
 # through the formula).
 #
