@@ -220,7 +220,8 @@ class LM(nn.Module):
             Modules it builds keep their own initialisation.
 
     ``forward(idx [B, T] int64, targets [B, T] int64 | None) -> (logits [B, T, vocab] float32,
-    loss scalar | None)``; the loss is the mean next-token cross-entropy (nats). Raises ValueError
+    loss scalar | None)``; the loss is the mean next-token cross-entropy (nats) over the counted targets
+    (0 when every target is -100). Raises ValueError
     for ids outside [0, vocab_size) (targets may also be -100, cross_entropy's ignore index).
     """
 
@@ -272,7 +273,10 @@ class LM(nn.Module):
         logits = self.head(self.norm(h)).float()
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten().long())
+        tgt = targets.flatten().long()
+        # The mean over the counted targets (the sum over a count of at least 1): a batch whose targets are
+        # all -100 has loss 0, not 0/0 = NaN.
+        return logits, F.cross_entropy(logits.flatten(0, 1), tgt, reduction="sum") / (tgt != -100).sum().clamp(min=1)
 
 
 def _check_ids(name: str, ids: torch.Tensor, vocab_size: int, ignore_index: int | None = None) -> None:

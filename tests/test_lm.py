@@ -245,3 +245,23 @@ def test_any_integer_id_dtype_and_evaluate_needs_batches():
         assert torch.equal(got_logits, logits) and torch.equal(got_loss, loss)
     with pytest.raises(ValueError, match="at least one"):
         lm.evaluate(model, [], amp=False)
+
+
+@pytest.mark.parametrize("mixer", ["attention", "kda"])
+def test_loss_is_the_mean_over_counted_targets(mixer):
+    """All targets -100: loss 0 with zero gradients (the mean over no targets was 0/0 = NaN); otherwise the
+    same bits as cross_entropy's mean, with and without some targets ignored."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = lm.LM(tiny(mixer))
+    x, y = torch.randint(0, VOCAB, (3, 17)), torch.randint(0, VOCAB, (3, 17))
+    logits, loss = model(x, torch.full_like(y, -100))
+    assert loss.item() == 0.0
+    loss.backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    y[0, :5] = -100
+    for targets in (y, y.clamp(min=0)):
+        logits, loss = model(x, targets)
+        ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        assert torch.isfinite(loss) and torch.equal(loss, ref), (loss.item(), ref.item())
