@@ -42,6 +42,9 @@ from k3lab.bench import positive_int
 from k3lab.files import write_json
 
 # (anchor text, anchor value in ms or None) per op; K3 report and kvcache-ai/AgentENV README.
+# Public figures each timing is set beside. K3's paused sandbox holds no memory, so its 49 ms resume is
+# set beside both the in-memory resume (AgentENV's kind) and the wake from hibernation (state on disk,
+# like-for-like with K3's); the checkpoint figure beside hibernate and snapshot alike.
 ANCHORS = {
     "cold_boot": ("AgentENV boot < 50 ms (Firecracker, KVM)", 50.0),
     "pause": ("AgentENV pause < 100 ms", 100.0),
