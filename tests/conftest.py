@@ -235,3 +235,27 @@ def one_thread():
     two shared cores one thread keeps a k3-tiny training step short (two threads contend). Session-scoped, so
     module fixtures can use it."""
     return _one_thread
+
+
+def _check_dtype_guard(who: str, name: str, run, x: torch.Tensor) -> None:
+    """A float32 module ``run`` (x -> its output tensor) on ``x`` in other dtypes. Under CPU bf16 autocast a
+    bf16 ``x`` runs (training's normal path) to a finite output; outside autocast a bf16 or float64 ``x``,
+    and under autocast a float64 one (autocast casts no float64), is a ValueError naming ``name``'s dtype,
+    the module's and both remedies, raised before any host read."""
+    from k3lab.testing import forbid_host_sync
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = run(x.bfloat16())
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    for dtype, autocast in ((torch.bfloat16, False), (torch.float64, False), (torch.float64, True)):
+        want = rf"{who}: {name} is {dtype} but the module's parameters are torch.float32; .*autocast.*\.to\("
+        with (torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), forbid_host_sync(x.device),
+              pytest.raises(ValueError, match=want)):
+            run(x.to(dtype))
+
+
+@pytest.fixture
+def check_dtype_guard():
+    """``check_dtype_guard(who, name, run, x)``: a module refuses a mismatched input dtype outside autocast
+    and runs under it (``_check_dtype_guard``)."""
+    return _check_dtype_guard

@@ -706,3 +706,13 @@ def test_h0_beyond_rmsnorm_range_raises(entry):
         reference = ENTRIES["full" if entry == "full" else "naive"]
         ref = reference(h0.double() * 1e15, subs64, queries.double())
         assert_close("h0 * 1e15", ref, ENTRIES[entry](h0 * 1e15, subs, queries).double(), 1e-5)
+
+
+@pytest.mark.parametrize("path", ["naive", "memory", "inference"])
+def test_an_h0_dtype_other_than_the_queries_is_refused_outside_autocast(path, check_dtype_guard):
+    """A bf16 h0 with a float32 model failed in the first sublayer's matmul with torch's "same dtype"
+    error; under autocast it is the training path and runs."""
+    subs, h0, q = make(4, dtype=torch.float32)
+    res = module((16, 4, 2), q, path, dtype=torch.float32)
+    with torch.set_grad_enabled(path != "inference"):
+        check_dtype_guard("BlockAttnRes", "h0", lambda x: res(x, subs), h0)

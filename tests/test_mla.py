@@ -177,3 +177,10 @@ def test_context_parallel_rejects_caches_batches_and_wrong_lengths():
     for kwargs, x in [({}, torch.randn(2, 4, 32)), ({}, torch.randn(1, 5, 32)), ({"use_cache": True}, torch.randn(1, 4, 32))]:
         with pytest.raises(ValueError, match="with cp, x must be this rank's one packed row"):
             mla(x, cp=ctx, **kwargs)
+
+
+def test_an_input_dtype_other_than_the_parameters_is_refused_outside_autocast(check_dtype_guard):
+    """A bf16 x on a float32 layer failed in the first matmul with torch's "same dtype" error; under
+    autocast it is the training path and runs."""
+    layer = GatedMLA(40, 3, 16, 24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    check_dtype_guard("GatedMLA", "x", lambda x: layer(x)[0], x_of(2, 5).float())

@@ -360,6 +360,14 @@ def test_padding_is_not_counted_and_bias_stays_float32_in_bf16():
     assert load.sum() == 26 and m.router.bias.dtype == torch.float32 and m.router.bias.abs().sum() > 0
 
 
+@pytest.mark.parametrize("latent", [8, None], ids=["latent", "full"])
+def test_an_input_dtype_other_than_the_parameters_is_refused_outside_autocast(latent, check_dtype_guard):
+    """A bf16 x on a float32 layer failed in the router's matmul with torch's "same dtype" error; under
+    autocast it is the training path and runs (the experts' weights cast to bf16)."""
+    m = MoE(_config(latent_dim=latent))
+    check_dtype_guard("MoE", "x", m, torch.randn(2, 8, 16, generator=_gen(13)))
+
+
 def test_every_layer_is_updated_disabled_ones_skipped_none_is_a_noop():
     layers = torch.nn.ModuleList([MoE(_config(balance=b)) for b in ("qb", "none", "sign", "qb")])
     x = torch.randn(2, 9, 16, generator=_gen(13))

@@ -22,6 +22,7 @@ from k3lab.attnres.inference import block_attnres_inference
 from k3lab.attnres.mix import BACKENDS
 from k3lab.attnres.naive import block_sizes, check_eps, naive_block_attnres
 from k3lab.attnres.train import block_attnres_train, check_buffer_dtype
+from k3lab.precision import check_input_dtype
 
 PATHS = ("auto", "naive", "memory", "inference")
 
@@ -63,7 +64,8 @@ class BlockAttnRes(nn.Module):
     Raises:
         ValueError: N < 1 or N > L, block sizes that are not positive ints summing to L, bad d/L, unknown path or backend, eps not finite and >= 0,
             recompute_input not a bool, a non-float buffer_dtype; in forward, h0 not a floating-point [B, T, d]
-            with d = d_model, len(sublayers) != L, or a sublayer returning anything but a tensor of
+            with d = d_model, h0 not in the queries' dtype outside autocast
+            (``k3lab.precision.check_input_dtype``), len(sublayers) != L, or a sublayer returning anything but a tensor of
             h0's shape.
         RuntimeError: path="inference" called while autograd records and h0 or the queries require grad
             (that path records no gradients: a model trained through it would learn nothing).
@@ -107,6 +109,9 @@ class BlockAttnRes(nn.Module):
         if not isinstance(h0, torch.Tensor) or h0.ndim != 3 or h0.shape[-1] != self.d_model:
             got = list(h0.shape) if isinstance(h0, torch.Tensor) else type(h0).__name__
             raise ValueError(f"h0 must be a [B, T, d={self.d_model}] tensor, got {got}")
+        # The queries' dtype stands for the model's: outside autocast a mismatched h0 failed in the
+        # first sublayer's matmul.
+        check_input_dtype("BlockAttnRes", "h0", h0, self.queries.dtype)
         if len(sublayers) != self.n_sublayers:
             raise ValueError(f"expected {self.n_sublayers} sublayers, got {len(sublayers)}")
 

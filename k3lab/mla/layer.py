@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from k3lab.kda.checks import check_cu_seqlens
 from k3lab.norm import RMSNorm
+from k3lab.precision import check_input_dtype
 
 
 @dataclass
@@ -267,7 +268,8 @@ class GatedMLA(nn.Module):
             (y [B, T, d] in x's dtype, MLACache | None).
 
         Raises:
-            ValueError: x not a floating [B, T, d_model] tensor with T >= 1; a cache that is not an MLACache
+            ValueError: x not a floating [B, T, d_model] tensor with T >= 1, or not in the parameters' dtype
+                outside autocast (``k3lab.precision.check_input_dtype``); a cache that is not an MLACache
                 or whose batch, widths or dtype disagree; cu_seqlens with B > 1, with a cache, or invalid
                 (``k3lab.kda.checks.check_cu_seqlens``); cp with B > 1, a cache, cu_seqlens or use_cache,
                 or x not holding the context's T_local tokens.
@@ -275,6 +277,7 @@ class GatedMLA(nn.Module):
         if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != self.d_model or not x.is_floating_point():
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"GatedMLA: x must be a floating [B, T, d_model={self.d_model}] tensor, got {got}")
+        check_input_dtype("GatedMLA", "x", x, self.kv_a_proj.weight.dtype)
         B, T, _ = x.shape
         if T == 0:
             raise ValueError("GatedMLA: x must hold at least one token (T >= 1)")

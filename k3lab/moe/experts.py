@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from k3lab.moe.activation import ACTIVATIONS, glu
+from k3lab.precision import autocast_dtype
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The public name arrived after torch 2.11; the private op it wraps is in every supported version.
@@ -200,9 +201,9 @@ class GroupedExperts(nn.Module):
 def _autocast(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The weights in autocast's dtype when autocast is on for x's device (as it casts an nn.Linear's
     weight; grouped_mm is not on its list), else unchanged: bf16 tokens meet bf16 experts."""
-    if not torch.is_autocast_enabled(x.device.type):
+    dtype = autocast_dtype(x.device.type)
+    if dtype is None:
         return weights
-    dtype = torch.get_autocast_dtype(x.device.type)
     return tuple(w.to(dtype) for w in weights)
 
 

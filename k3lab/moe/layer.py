@@ -21,6 +21,7 @@ from k3lab.moe.activation import ACTIVATIONS
 from k3lab.moe.balance import ESTIMATORS, METHODS, Balancing, in_backward
 from k3lab.moe.experts import GatedFFN, GroupedExperts, depth_scaled_std, group_by_expert, naive_expert_ffn
 from k3lab.norm import RMSNorm
+from k3lab.precision import check_input_dtype
 from k3lab.moe.router import Router, Routing, check_topk
 
 
@@ -137,7 +138,8 @@ class MoE(nn.Module):
     zero routed output there. ``None`` (the default): one process.
 
     Raises:
-        ValueError: ``x``'s last dim is not d, ``mask``'s shape is not ``x``'s without d or its dtype
+        ValueError: ``x``'s last dim is not d, ``x``'s dtype is not the parameters' outside autocast
+            (``k3lab.precision.check_input_dtype``), ``mask``'s shape is not ``x``'s without d or its dtype
             not bool, or the router logits are not finite; ``reference`` with ``ep_group`` set.
     """
 
@@ -179,6 +181,7 @@ class MoE(nn.Module):
         if mask is not None and mask.dtype != torch.bool:
             # A 0/1 float or int mask would be read as per-token counts by the balancer (2 counts a token twice).
             raise ValueError(f"MoE: mask must be a bool tensor (False for padding), got {mask.dtype}")
+        check_input_dtype("MoE", "x", x, self.router.weight.dtype)
         x2 = x.reshape(-1, c.d_model)
         routing = self.router(x2)
         # A recompute replay in backward (activation checkpointing) is not a new forward: stored, its
