@@ -184,3 +184,19 @@ def test_an_input_dtype_other_than_the_parameters_is_refused_outside_autocast(ch
     autocast it is the training path and runs."""
     layer = GatedMLA(40, 3, 16, 24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
     check_dtype_guard("GatedMLA", "x", lambda x: layer(x)[0], x_of(2, 5).float())
+
+
+def test_a_cache_of_another_float_dtype_is_cast_and_a_non_float_one_refused():
+    """The docstring said a cache of another dtype raises while the code casts it (as KDALayer does): a
+    bf16 prefill continued in float32 equals decoding from the cache upcast by hand; an integer cache,
+    which the cast would have truncated silently, is refused."""
+    layer = make_layer(seed=8).float()
+    x = x_of(2, 6, seed=9).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, cache = layer(x[:, :4].bfloat16(), use_cache=True)
+    assert cache.latent.dtype == cache.k_shared.dtype == torch.bfloat16
+    y, grown = layer(x[:, 4:], cache=cache, use_cache=True)
+    y_ref, _ = layer(x[:, 4:], cache=MLACache(cache.latent.float(), cache.k_shared.float()))
+    assert torch.equal(y, y_ref) and grown.latent.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"cache.latent and cache.k_shared must be floating point.*torch.int64"):
+        layer(x[:, 4:], cache=MLACache(cache.latent.long(), cache.k_shared.float()))

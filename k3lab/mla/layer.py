@@ -251,7 +251,9 @@ class GatedMLA(nn.Module):
         Args:
             x (Tensor): [B, T, d] float.
             cache (MLACache | None): the previous tokens' latents (S of them); the T new tokens sit at
-                positions S .. S+T-1 and see every cached token.
+                positions S .. S+T-1 and see every cached token. Any floating dtype, cast to the new
+                tokens' latent dtype as ``KDALayer`` casts its cache: ``K3Model.generate`` builds and reads
+                its caches in one dtype, and a prefill under bf16 autocast may be continued in float32.
             cu_seqlens (Tensor | None): int [N+1] offsets of packed documents over T; requires B == 1
                 and no cache (each document attends only to itself).
             use_cache (bool): return the cache extended by these T tokens.
@@ -269,8 +271,9 @@ class GatedMLA(nn.Module):
 
         Raises:
             ValueError: x not a floating [B, T, d_model] tensor with T >= 1, or not in the parameters' dtype
-                outside autocast (``k3lab.precision.check_input_dtype``); a cache that is not an MLACache
-                or whose batch, widths or dtype disagree; cu_seqlens with B > 1, with a cache, or invalid
+                outside autocast (``k3lab.precision.check_input_dtype``); a cache that is not an MLACache, or
+                whose batch or widths disagree, or whose tensors are not floating point (another float dtype
+                is cast, not refused); cu_seqlens with B > 1, with a cache, or invalid
                 (``k3lab.kda.checks.check_cu_seqlens``); cp with B > 1, a cache, cu_seqlens or use_cache,
                 or x not holding the context's T_local tokens.
         """
@@ -288,6 +291,9 @@ class GatedMLA(nn.Module):
             if [tuple(cache.latent.shape), tuple(cache.k_shared.shape)] != want:
                 raise ValueError(f"GatedMLA: cache must hold latent [B={B}, S, R={self.R}] and k_shared "
                                  f"[B, S, Dr={self.Dr}], got {list(cache.latent.shape)} and {list(cache.k_shared.shape)}")
+            if not (cache.latent.is_floating_point() and cache.k_shared.is_floating_point()):
+                raise ValueError(f"GatedMLA: cache.latent and cache.k_shared must be floating point (they are cast "
+                                 f"to the new latents' dtype), got {cache.latent.dtype} and {cache.k_shared.dtype}")
         if cu_seqlens is not None:
             if B != 1:
                 raise ValueError(f"GatedMLA: with cu_seqlens the documents must be packed into B=1, got B={B}")
