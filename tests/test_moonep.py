@@ -222,10 +222,10 @@ def test_triton_fill_on_adversarial_loads(case, R, L, S, K):
 def test_triton_fill_at_other_launch_widths(num_warps):
     """The rows of counts summed per iteration follow the launch width; R = 7 leaves a partial last group."""
     from k3lab.kernels.moonep import plan_fill
-    from k3lab.moonep.planner import finish_plan
+    from k3lab.moonep.planner import Plan
 
     counts = make_counts("zipf", 7, 3, 12, 2, 5)
-    got = finish_plan(*plan_fill(counts.to(DEVICE), 12, 2, num_warps=num_warps), 12, 2)
+    got = Plan(*plan_fill(counts.to(DEVICE), 12, 2, num_warps=num_warps), S=12, K=2)
     assert_same_plan(got, plan_reference(counts, 12, 2))
 
 
@@ -496,7 +496,8 @@ from k3lab.kernels.moonep import fill
 for R, E in ((64, 896), (8, 896), (7, 21), (16, 2048)):
     const = dict(fill.launch_config(R, E // R), BIG=fill.BIG)
     num_warps = const.pop("num_warps")
-    io = dict(counts="*i64", keep="*i64", give="*i64", donor="*i64", R="i32", L="i32", C="i32")
+    io = dict(counts="*i64", keep="*i64", give="*i64", donor="*i64", assign="*i64", slot_experts="*i64",
+              slot_counts="*i64", offsets="*i32", R="i32", L="i32", C="i32")
     print(compile_sm90(fill.moonep_fill_kernel, io, const, num_warps=num_warps))
 """
 

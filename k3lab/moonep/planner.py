@@ -14,8 +14,8 @@ ceil(E(R-1)/R^2) of them.
 
 Every step is a fixed number of tensor ops on the counts' device (R-1 fill steps, each a no-op once the
 load is even): no ``.item()``, no ``.tolist()``, no data-dependent shapes, so it can run inside a CUDA
-graph. On a GPU the same fill runs as one Triton kernel launch (``k3lab.kernels.moonep``, the default
-where its tile fits) instead of about 37 launches a step. ``naive.plan_reference`` is the same fill in
+graph. On a GPU the same fill, and the plan's derived fields, run as one Triton kernel launch
+(``k3lab.kernels.moonep``, the default where its tile fits) instead of about 37 launches a fill step. ``naive.plan_reference`` is the same fill in
 plain Python, the reference both are tested against.
 """
 from __future__ import annotations
@@ -119,7 +119,7 @@ def plan(counts: torch.Tensor, S: int, K: int, backend: str | None = None) -> Pl
     """The MoonEP plan for one micro-batch (K3 report, App. E, constructive proof of Theorem 1).
 
     Two backends run the same fill and give the same plan, field for field: ``"torch"``, R - 1 steps of
-    small tensor ops on ``counts``' device (any R, E), and ``"triton"``, the whole fill in one kernel
+    small tensor ops on ``counts``' device (any R, E), and ``"triton"``, the whole plan in one kernel
     launch (``k3lab.kernels.moonep``), for CUDA counts (or CPU counts under TRITON_INTERPRET=1) whose
     tile fits one program: next_pow2(L) <= 128 and next_pow2(R) * next_pow2(L) <= 2048, L = E/R (every
     E <= 1024 with L <= 128, e.g. E = 896 from R = 7 on; at most E = 2048).
@@ -150,7 +150,7 @@ def plan(counts: torch.Tensor, S: int, K: int, backend: str | None = None) -> Pl
     if choose_backend(counts, backend) == "triton":
         from k3lab.kernels.moonep import plan_fill  # noqa: PLC0415 (a CPU process never loads Triton)
 
-        return finish_plan(*plan_fill(counts, S, K), S, K)
+        return Plan(*plan_fill(counts, S, K), S=S, K=K)
     C = S * K
     dev = counts.device
     counts = counts.long()

@@ -1,4 +1,5 @@
-"""App. E's constructive fill (``k3lab.moonep.plan``, steps 1-6) as one Triton program.
+"""App. E's constructive fill and the plan derived from it (``k3lab.moonep.plan``, steps 1-7) as one Triton
+program.
 
 The torch planner runs the fill as R - 1 dependent steps of about 37 small tensor ops each: on a GPU that
 is one kernel after another, thousands at R = 64, even inside a CUDA graph. The fill's whole state is
@@ -37,9 +38,10 @@ BIG = 2**62
 
 
 @triton.jit
-def moonep_fill_kernel(counts, keep, give, donor, R, L, C, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
-                       BLOCK_RC: tl.constexpr, BIG: tl.constexpr):
-    # counts: [R, E] int32/int64, contiguous; keep: [E] int64; give: [R, L] int64; donor: [R] int64.
+def moonep_fill_kernel(counts, keep, give, donor, assign, slot_experts, slot_counts, offsets, R, L, C,
+                       BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_RC: tl.constexpr, BIG: tl.constexpr):
+    # counts: [R, E] int32/int64, contiguous; keep: [E] int64; give: [R, L] int64; donor: [R] int64;
+    # assign: [E, R] int64; slot_experts, slot_counts: [R, 2L] int64; offsets: [R, 2L] int32.
     # R, L: ranks and experts per rank (E = R*L); C = S*K. BLOCK_R, BLOCK_L: powers of two >= R, L.
     # BLOCK_RC: rows of counts loaded per loop iteration.
     o_r = tl.arange(0, BLOCK_R)
@@ -82,6 +84,24 @@ def moonep_fill_kernel(counts, keep, give, donor, R, L, C, BLOCK_R: tl.constexpr
     tl.store(keep + o_rl, b_keep, mask=m_rl)
     tl.store(give + o_rl, b_give, mask=m_rl)
     tl.store(donor + o_r, b_donor, mask=m_r)
+    # 7. the plan's derived fields (``planner.finish_plan``) from the same tiles. Rank v's buffer: its L
+    #    home experts (keep), then L redundant slots of donor[v]'s experts (give); offsets are slot ends.
+    o_s = o_r[:, None] * (2 * L) + o_l[None, :]
+    b_home_end = tl.cumsum(b_keep, axis=1)
+    b_give_end = tl.sum(b_keep, axis=1)[:, None] + tl.cumsum(b_give, axis=1)
+    tl.store(slot_counts + o_s, b_keep, mask=m_rl)
+    tl.store(slot_counts + o_s + L, b_give, mask=m_rl)
+    tl.store(offsets + o_s, b_home_end.to(tl.int32), mask=m_rl)
+    tl.store(offsets + o_s + L, b_give_end.to(tl.int32), mask=m_rl)
+    tl.store(slot_experts + o_s, o_rl.to(tl.int64), mask=m_rl)
+    tl.store(slot_experts + o_s + L, b_donor[:, None] * L + o_l[None, :], mask=m_rl)
+    #    assign[h*L + l, v]: keep[h, l] on the home column v = h, give[v, l] on every v whose donor is h
+    #    (a rank without a donor has give = 0, so its own column gains nothing).
+    for v in range(0, R):
+        g_v = tl.sum(tl.where(o_r[:, None] == v, b_give, 0), axis=0)
+        d_v = tl.sum(tl.where(o_r == v, b_donor, 0), axis=0)
+        col = tl.where(o_r[:, None] == v, b_keep, 0) + tl.where(o_r[:, None] == d_v, g_v[None, :], 0)
+        tl.store(assign + o_rl * R + v, col, mask=m_rl)
 
 
 def _blocks(R: int, L: int) -> tuple[int, int]:
@@ -115,7 +135,8 @@ def launch_config(R: int, L: int, num_warps: int | None = None) -> dict:
 
 
 def plan_fill(counts: torch.Tensor, S: int, K: int, num_warps: int | None = None):
-    """The fill of ``k3lab.moonep.plan`` (steps 1-6) in one launch of one program; no host read.
+    """The whole plan of ``k3lab.moonep.plan`` (the fill, steps 1-6, and its derived fields, step 7) in one
+    launch of one program; no host read.
 
     Args:
         counts (Tensor): [R, E] int64 or int32 on the GPU (or the CPU under TRITON_INTERPRET=1), already
@@ -124,13 +145,21 @@ def plan_fill(counts: torch.Tensor, S: int, K: int, num_warps: int | None = None
         num_warps (int | None): launch width; None: ``default_num_warps``.
 
     Returns:
-        (keep [E] int64, give [R, L] int64, donor [R] int64), the inputs of ``planner.finish_plan``.
+        (keep [E] int64, give [R, L] int64, donor [R] int64, assign [E, R] int64, slot_experts [R, 2L]
+        int64, slot_counts [R, 2L] int64, offsets [R, 2L] int32): ``Plan``'s tensor fields in its order,
+        equal to ``planner.finish_plan`` of the first three.
     """
     R, E = counts.shape
     L = E // R
     counts = counts.contiguous()
-    keep = torch.empty(E, dtype=torch.int64, device=counts.device)
-    give = torch.empty(R, L, dtype=torch.int64, device=counts.device)
-    donor = torch.empty(R, dtype=torch.int64, device=counts.device)
-    moonep_fill_kernel[(1,)](counts, keep, give, donor, R, L, S * K, BIG=BIG, **launch_config(R, L, num_warps))
-    return keep, give, donor
+    dev = counts.device
+    keep = torch.empty(E, dtype=torch.int64, device=dev)
+    give = torch.empty(R, L, dtype=torch.int64, device=dev)
+    donor = torch.empty(R, dtype=torch.int64, device=dev)
+    assign = torch.empty(E, R, dtype=torch.int64, device=dev)
+    slot_experts = torch.empty(R, 2 * L, dtype=torch.int64, device=dev)
+    slot_counts = torch.empty(R, 2 * L, dtype=torch.int64, device=dev)
+    offsets = torch.empty(R, 2 * L, dtype=torch.int32, device=dev)
+    moonep_fill_kernel[(1,)](counts, keep, give, donor, assign, slot_experts, slot_counts, offsets, R, L, S * K,
+                             BIG=BIG, **launch_config(R, L, num_warps))
+    return keep, give, donor, assign, slot_experts, slot_counts, offsets
