@@ -16,10 +16,10 @@
 # is *how* that state is written: the **delta rule** (a memory trained online by one gradient step per
 # token) with a **channel-wise forget gate** (every key channel forgets at its own rate).
 #
-# Sections: (1) the delta rule as online regression, and the recurrence; (2) the channel-wise gate and
-# K3's lower-bounded one; (3) the chunkwise (UT/WY) form and its code; (4) the check that they agree,
-# error vs chunk size, time vs length; (5) `KDALayer`; (6) an experiment: a tiny LM with KDA vs softmax
-# attention on Python code. The code is `k3lab.kda` and `k3lab.lm`; this notebook imports it.
+# Sections: (1) the delta rule as online regression; (2) the channel-wise gate and K3's lower-bounded
+# one; (3) the chunkwise (UT/WY) form and its code; (4) the check that they agree, error vs chunk size,
+# time vs length; (5) `KDALayer`; (6) an experiment: a tiny LM with KDA vs softmax attention on Python
+# code; exercises. The code is `k3lab.kda` and `k3lab.lm`; this notebook imports it.
 
 # %% tags=["parameters"]
 profile: str = "cpu"
@@ -91,8 +91,7 @@ def show_source(fn, start=None, end=None):
 show_source(naive_recurrent_kda, "    bounds = ", "    o = torch.stack")
 
 # %% [markdown]
-# The check: one step of `torch.optim.SGD` on that loss equals one token of `naive_recurrent_kda`
-# with no decay ($g = 0$).
+# The check: one `torch.optim.SGD` step on that loss equals one undecayed ($g = 0$) token of it.
 
 # %% tags=["nbval-ignore-output"]
 torch.manual_seed(seed)
@@ -158,9 +157,9 @@ plt.show()
 #   \qquad o_t = S_t^\top q_t .$$
 #
 # Row $c$ of $S$ holds what the memory associates with key channel $c$: a per-channel decay lets some
-# channels of one head keep facts for thousands of tokens while others refresh every few; a scalar gate
-# picks one timescale per head. The gate is data-dependent ($\alpha_t$ from $x_t$): the model decides
-# *when* to forget. Computations use the log-decay $g_t = \log \alpha_t \le 0$.
+# channels of one head keep facts far longer than others refresh theirs; a scalar gate picks one
+# timescale per head. The gate is data-dependent ($\alpha_t$ from $x_t$): the model decides *when* to
+# forget. Computations use the log-decay $g_t = \log \alpha_t \le 0$.
 #
 # **The state norm over time.** With L2-normalised keys and $\beta < 1$,
 # $\lVert I - \beta k k^\top \rVert \le 1$: the delta rule cannot blow up; plain linear attention has no
@@ -215,8 +214,6 @@ print(f"at t = {T_norm}: linear attention {lin[-1]:.1f}, "
       + ", ".join(f"{n.split(',')[0]} {v[-1]:.1f}" for n, v in norms.items()))
 assert lin[-1] > 3 * max(v[-1] for v in norms.values())
 assert norms["KDA, channel-wise lower-bounded gate"][-1] < norms["delta rule, no decay (g = 0)"][-1]
-
-# %%
 half_life = math.log(2) / -gates["KDA, channel-wise lower-bounded gate"][0, :, 0].mean(0)
 print(f"half-lives across channels: {half_life.min():.1f} to {half_life.max():.0f} tokens")
 assert half_life.max() > 50 * half_life.min()
@@ -228,7 +225,7 @@ assert half_life.max() > 50 * half_life.min()
 #
 # - **Kimi Linear**: $g = -e^{A}\,\mathrm{softplus}(z + b)$. Any decay in $(0, 1]$ is reachable,
 #   including $\alpha \approx 0$ (forget everything at once).
-# - **K3, lower-bounded** (Eq. 5): $g = g_{\min}\,\sigma(e^{A} z)$ with $g_{\min} = -5$, $A$
+# - **K3, lower-bounded** (Eq. 5): $g = g_{\min}\,\sigma(e^{A} (z + b))$ with $g_{\min} = -5$, $A$
 #   initialised to 0. Every $\alpha_t > e^{-5} \approx 0.0067$: still a near-total reset in one
 #   token, but bounded, which lets chapter 02's kernel run its diagonal tiles on tensor cores in bf16
 #   (section 3 and `docs/kda.md`). $A$ sets the slope, `lower_bound` the floor of the K3 gate; below
@@ -334,8 +331,7 @@ def kda_inputs(T, H, HV, K, V, N=1, dtype=torch.float64, seed=0):
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     # B = 1; N > 1 initial states are for N sequences packed with cu_seqlens.
-    return dict(q=rand(1, T, H, K).to(dtype), k=F.normalize(rand(1, T, H, K), dim=-1).to(dtype),
-                v=rand(1, T, HV, V).to(dtype),
+    return dict(q=rand(1, T, H, K).to(dtype), k=F.normalize(rand(1, T, H, K), dim=-1).to(dtype), v=rand(1, T, HV, V).to(dtype),
                 g=lower_bounded_gate(rand(1, T, HV, K), torch.zeros(HV, dtype=torch.float64)).to(dtype),
                 beta=torch.sigmoid(rand(1, T, HV)).to(dtype), initial_state=rand(N, HV, K, V).to(dtype))
 
@@ -370,8 +366,9 @@ for label, bad in [("HV not a multiple of H", dict(good, v=good["v"][:, :, :3]))
         print(f"{label:30s} -> ValueError: {err}")
 
 # %% [markdown]
-# **Error vs chunk size.** The chunk size changes the order of operations, not the math: float32
-# results stay at round-off for every $C$ (and $C = 1$ *is* the recurrence).
+# **Error vs chunk size.** The chunk size changes the order of operations, not the math ($C = 1$ *is*
+# the recurrence): the float32 error grows with $C$ (longer in-chunk sums and triangular solves) but
+# stays near float32 round-off for every $C$.
 
 # %% tags=["nbval-ignore-output"]
 inputs64 = kda_inputs(512, 1, 2, 64, 64, seed=3)
@@ -390,19 +387,25 @@ plt.show()
 # %% [markdown]
 # **Time vs sequence length** (forward, B = 1, K = V = 64, on this machine): the recurrence is $T$
 # sequential steps; the chunkwise form $T/C$ sequential steps of matmuls, $O(T C d)$ work; causal
-# softmax attention (`F.scaled_dot_product_attention`, one fused kernel) $O(T^2 d)$. At these lengths on
-# a CPU the fused kernel can beat plain-PyTorch `chunk_kda`; the slopes carry over (chapter 02 has the
-# Triton kernel).
+# softmax attention (`F.scaled_dot_product_attention`, one fused kernel) $O(T^2 d)$. At these lengths
+# the fused kernel beats plain-PyTorch `chunk_kda`; what carries over is the slopes. Chapter 02 has the
+# Triton kernel and its H200 times against the roofline.
 
 # %% tags=["nbval-ignore-output"]
 sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
 def best_time(fn, repeats=timing_repeats):
-    """The best of ``repeats`` calls of ``fn`` in seconds: wall time on GPU; on CPU this process's CPU
-    time (all threads), since a shared machine's wall clock is too noisy."""
-    clock = time.perf_counter if device.type == "cuda" else time.process_time
-    return min(timeit.repeat(lambda: (sync(), fn(), sync()), timer=clock, number=1, repeat=repeats))
+    """The best of ``repeats`` calls of ``fn`` in seconds: wall time on GPU; on CPU one thread's CPU time
+    (a shared machine's wall clock, and threads' waits on each other, move with other jobs)."""
+    if device.type == "cuda":
+        return min(timeit.repeat(lambda: (sync(), fn(), sync()), timer=time.perf_counter, number=1, repeat=repeats))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return min(timeit.repeat(fn, timer=time.process_time, number=1, repeat=repeats))
+    finally:
+        torch.set_num_threads(threads)
 
 
 timings = {"naive recurrence": [], "chunk_kda (C=64)": [], "softmax attention (SDPA)": []}
@@ -456,8 +459,6 @@ err_decode = rel_rms_error(y_full, torch.cat(ys, dim=1))
 err_state = rel_rms_error(cache_full.state, cache.state)
 print(f"token-by-token decoding vs full sequence: rel error {err_decode:.1e} (state {err_state:.1e})")
 assert err_decode < 1e-12 and err_state < 1e-12
-
-# %%
 print(f"cache per sequence: conv states {list(cache.conv_q.shape[1:])} (q), {list(cache.conv_k.shape[1:])} (k), "
       f"{list(cache.conv_v.shape[1:])} (v); recurrent state {list(cache.state.shape[1:])}")
 print("parameters:", {n: list(p.shape) for n, p in layer.named_parameters()})
@@ -466,9 +467,9 @@ print("parameters:", {n: list(p.shape) for n, p in layer.named_parameters()})
 # ## 6. Experiment: a tiny LM with KDA vs softmax attention, on real Python
 #
 # Two models identical but for the token mixer (`k3lab.lm.LM`: embedding, [mixer, SwiGLU] blocks with
-# pre-RMSNorm, tied head), same seed, batches, schedule and steps, on chapter 00's CPython-stdlib corpus.
-# On CPU a short run (the cell prints its tokens): a sanity check that KDA learns language as readily
-# as attention at this scale, not a benchmark. `params/h200.yaml` trains a larger model for longer.
+# pre-RMSNorm, tied head), same seed, batches, schedule and steps, on chapter 00's CPython-stdlib corpus:
+# a sanity check that KDA learns language as readily as attention at this scale, not a benchmark (on
+# CPU a short run whose tokens the cell prints; `params/h200.yaml` trains a larger model for longer).
 
 # %% tags=["nbval-ignore-output"]
 from k3lab import data
@@ -529,11 +530,10 @@ print(f"final validation loss: kda {final['kda']:.2f}, attention {final['attenti
 # %% [markdown]
 # Reading the run (the last line above): the two models learn at a similar pace per step, and the
 # final losses differ by a fraction of a nat (KDA's short convolutions give it cheap local n-gram
-# features). One seed and a few tokens: "KDA is a working token mixer", not a ranking. A KDA step costs
+# features). One seed, few tokens: "KDA is a working token mixer", not a ranking. A KDA step costs
 # more here because `chunk_kda` is plain PyTorch looping over chunks, against one fused attention
 # kernel; chapter 02's Triton kernels are the fix.
-
-# %% [markdown]
+#
 # What did the KDA model's gates learn? Per key channel, the mean log-decay on validation text gives a
 # half-life $\ln 2 / (-\bar g)$. The `dt_bias` initialisation spreads them on purpose, so the untrained
 # model (same seed) is drawn in grey: the difference is what training on real code did to the gates.
