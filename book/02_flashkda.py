@@ -36,7 +36,7 @@ check_T: int = 100
 check_heads: int = 2
 check_dim: int = 16
 bench_cases: list = []
-results_path: str = "../data/results/flash_kda_h200.json"
+results_path: str = "data/results/flash_kda_h200.json"  # from the repository root
 
 # %% tags=["nbval-ignore-output"]
 import k3lab
@@ -48,19 +48,19 @@ import inspect
 import itertools
 import json
 import math
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
 from k3lab.bench.flash_kda import fwd_bytes, fwd_flops, make_inputs
+from k3lab.book import ROOT
 from k3lab.kda import chunk_kda, naive_fused_kda, naive_recurrent_kda
 from k3lab.kernels.kda import chunk_fwd, flash_kda
 from k3lab.kernels.kda.fused import MIN_LOWER_BOUND
 from k3lab.testing import rel_rms_error
 
-result = json.loads(Path(results_path).read_text())
+result = json.loads((ROOT / results_path).read_text())
 hw, cases = result["hardware"], result["cases"]
 peak, bw = hw["bf16_matmul_tflops"], hw["copy_gbps"] / 1e3  # TFLOP/s and TB/s, measured by the benchmark
 ridge = peak / bw  # FLOP per byte where the roofline bends
@@ -307,13 +307,13 @@ for label, kwargs in (
 # fixed-length and varlen, T not a multiple of 64, GVA, initial state), measures the ceilings, then times
 # ours and fla's `chunk_kda` with the same settings (bf16, K = V = 128, lower bound −5, gate, norm and
 # sigmoid fused, `safe_gate=True`) by `triton.testing.do_bench`, the forward under `no_grad`. It writes
-# `data/results/flash_kda_<card>.json`, recording the commit, date, versions and, per shape, whether
-# fla was timed in the same run (`fla_same_run`): fla autotunes for minutes per new shape, so a sweep
-# may take its times from earlier live runs of the same benchmark on the same GPU model.
+# `data/results/flash_kda_<card>.json`, recording the date, versions and, per shape, whether fla was
+# timed in the same run (`fla_same_run`): fla autotunes for minutes per new shape, so a sweep may take
+# its times from separate runs of the same benchmark on the same GPU model.
 
 # %%
 ver = result["versions"]
-print(f"{result['device']} | commit {result['commit'][:12]} | {result['date']} | torch {ver['torch']} | "
+print(f"{result['device']} | {result['date']} | torch {ver['torch']} | "
       f"triton {ver['triton']} | fla-core {ver['fla-core']}")
 check = result["check"]
 print(f"bf16 check: o {check['o']:.2e} (tol {check['tol_out']:.0e}), final state {check['final_state']:.2e}, "
@@ -333,7 +333,9 @@ timed = [c for c in cases if c["fla_fwd_ms"] is not None]
 fwd_x, fb_x = [c["speedup_fwd"] for c in timed], [c["speedup_fwd_bwd"] for c in timed]
 print(f"\nat the {len(timed)} shapes fla ran: forward {min(fwd_x):.2f}-{max(fwd_x):.2f}x, forward+backward "
       f"{min(fb_x):.2f}-{max(fb_x):.2f}x; peak memory below fla's at {sum(c['ours_peak_mib'] < c['fla_peak_mib'] for c in timed)}; "
-      f"fla timed in the same run at {sum(c['fla_same_run'] for c in timed)}")
+      f"fla timed in the same run as ours at {sum(c['fla_same_run'] for c in timed)} of them")
+print("no fla time (fla ran out of GPU memory, the JSON's notes): "
+      + ", ".join(f"B{c['B']} T{c['T']} H{c['H']}" for c in cases if c["fla_fwd_ms"] is None))
 # The floors a reader relies on: the targets, the bf16 check, every shape present.
 assert sorted((c["B"], c["T"], c["H"]) for c in cases) == sorted(itertools.product((1, 4, 8), (4096, 8192, 32768), (16, 32, 64)))
 assert min(fwd_x) >= 1.5 and min(fb_x) >= 1.2
@@ -376,8 +378,7 @@ print(f"lowest rate where the GPU bounds the time: {slowest['tflops_fwd']:.0f} T
 # (B1 T32768) the grid has about one program per SM and each chunk step waits on the last. The shapes
 # marked host-bound are too small to measure the GPU: launching the kernels from Python takes about as
 # long as running them, and their times swing between calls (`docs/flash_kda.md`). fla's times in this
-# file come from its own live runs on the same GPU model, not from the same run as ours; a fresh full
-# sweep with fla live would replace them.
+# file come from its own runs of the benchmark on the same GPU model, not from the same run as ours.
 #
 # On the GPU profile (`python -m k3lab.book run --profile gpu --only 02`), the cell below reruns the
 # benchmark (its bf16 check first) on the shapes in `bench_cases` and writes to `build/`, leaving the
@@ -391,7 +392,7 @@ if device.type == "cuda" and bench_cases:
     from k3lab.bench.flash_kda import main as bench_main
 
     with_fla = importlib.util.find_spec("fla") is not None
-    live = bench_main(["--cases", *bench_cases, "--out", "../build/flash_kda_live.json"]
+    live = bench_main(["--cases", *bench_cases, "--out", str(ROOT / "build" / "flash_kda_live.json")]
                       + ([] if with_fla else ["--no-fla"]))
     print(f"live run on {live['hardware']['name']}: {len(live['cases'])} cases"
           + ("" if with_fla else " (fla-core not installed: ours only)"))
