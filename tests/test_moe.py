@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from k3lab.dist import launch
-from k3lab.moe import (MoE, MoEConfig, balance_loss, expert_ffn, group_by_expert, maxvio, naive_expert_ffn,
-                       quantile_bias, route, situ_glu, update_biases)
+from k3lab.moe import (GatedFFN, MoE, MoEConfig, Router, balance_loss, expert_ffn, group_by_expert, maxvio,
+                       naive_expert_ffn, quantile_bias, route, situ_glu, update_biases)
 from k3lab.moe.balance import aux_loss, histogram_bias, histogram_counts, histogram_quantile, histogram_range
 from k3lab.moe.workers import histogram_worker
 from k3lab.testing import assert_close, forbid_host_sync
@@ -126,10 +126,33 @@ def test_a_non_finite_bias_is_refused_not_left_to_win_every_top_k(value):
 @pytest.mark.parametrize("bad, match", [
     (dict(top_k=9), "exceeds"), (dict(top_k=0), "top_k"), (dict(latent_dim=0), "latent_dim"),
     (dict(n_experts=0), "n_experts"), (dict(activation="silu"), "activation"), (dict(balance="aux2"), "balance"),
+    (dict(n_shared=True), r"n_shared must be an int >= 0, got True"),
+    (dict(renormalize="no"), r"renormalize must be a bool, got 'no'"),
 ])
 def test_bad_configs_name_the_argument(bad, match):
     with pytest.raises(ValueError, match=match):
         MoE(_config(**bad))
+
+
+_X = torch.randn(3, 4, generator=_gen(14))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: GatedFFN(16, 0), r"GatedFFN: hidden must be a positive int, got 0"),
+    (lambda: GatedFFN(16, -4), r"GatedFFN: hidden must be a positive int, got -4"),
+    (lambda: GatedFFN(0, 16), r"GatedFFN: d must be a positive int, got 0"),
+    (lambda: situ_glu(_X, _X, beta1=True), r"beta1 must be a positive finite number, got True"),
+    (lambda: situ_glu(_X, _X.double()), r"same shape and dtype.*torch.float32.*torch.float64"),
+    (lambda: route(_X, torch.zeros(4), 2, routed_scaling=-1.0), r"routed_scaling must be a finite number > 0, got -1.0"),
+    (lambda: route(_X, torch.zeros(4), 2, routed_scaling=True), r"routed_scaling must be a finite number > 0, got True"),
+    (lambda: Router(4, 4, 2, routed_scaling=float("nan")), r"Router: routed_scaling must be a finite number > 0"),
+], ids=["ffn_hidden_0", "ffn_hidden_neg", "ffn_d_0", "situ_bool_beta", "situ_dtypes", "route_neg_scaling",
+        "route_bool_scaling", "router_nan_scaling"])
+def test_bad_arguments_of_the_parts_name_the_argument(call, match):
+    """GatedFFN(hidden=0) built an empty FFN and a negative hidden failed inside torch; situ_glu took True
+    for 1 and mixed dtypes; route flipped the weights' sign for a negative routed_scaling."""
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -33,12 +33,14 @@ def situ_glu(a: torch.Tensor, u: torch.Tensor, beta1: float = BETA1, beta2: floa
         Tensor [..., h], ``a``'s dtype; every entry is strictly below ``beta1 * beta2`` in magnitude.
 
     Raises:
-        ValueError: ``a`` and ``u`` differ in shape, or a beta is not a positive finite number.
+        ValueError: ``a`` and ``u`` differ in shape or dtype, or a beta is not a positive finite number
+            (a bool is not one).
     """
-    if a.shape != u.shape:
-        raise ValueError(f"situ_glu: a and u must have the same shape, got {list(a.shape)} and {list(u.shape)}")
+    if a.shape != u.shape or a.dtype != u.dtype:
+        raise ValueError(f"situ_glu: a and u must have the same shape and dtype, got {list(a.shape)} {a.dtype} "
+                         f"and {list(u.shape)} {u.dtype}")
     for name, b in (("beta1", beta1), ("beta2", beta2)):
-        if not (isinstance(b, (int, float)) and 0 < b < float("inf")):
+        if not (isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < float("inf")):
             raise ValueError(f"situ_glu: {name} must be a positive finite number, got {b!r}")
     return (beta1 * torch.tanh(a / beta1) * torch.sigmoid(a)) * (beta2 * torch.tanh(u / beta2))
 

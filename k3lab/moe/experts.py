@@ -225,11 +225,17 @@ class GatedFFN(nn.Module):
 
     K3's shared experts (2 of hidden 3072 each, run as one FFN of hidden 2 x 3072: summing two
     experts equals one FFN with their hidden units side by side) and its first, dense layer.
+
+    Raises:
+        ValueError: d or hidden not a positive int, an unknown activation.
     """
 
     def __init__(self, d: int, hidden: int, activation: str = "situ", init_std: float = 0.02,
                  out_std: float | None = None):
         super().__init__()
+        for name, n in (("d", d), ("hidden", hidden)):
+            if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+                raise ValueError(f"GatedFFN: {name} must be a positive int, got {n!r}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"GatedFFN: activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation = activation

@@ -49,7 +49,8 @@ class MoEConfig:
         norm_eps (float): the latent RMSNorm's eps.
 
     Raises:
-        ValueError: a size not a positive int, top_k > n_experts, an unknown activation, balance or
+        ValueError: a size not a positive int, n_shared not an int >= 0, renormalize not a bool,
+            top_k > n_experts, an unknown activation, balance or
             estimator, bins < 2, routed_scaling or init_std not a finite number > 0, sign_lr, aux_coef or
             norm_eps not a finite number >= 0, Quantile Balancing with top_k = n_experts.
     """
@@ -81,8 +82,10 @@ class MoEConfig:
         if self.latent_dim is not None and not (
                 isinstance(self.latent_dim, int) and not isinstance(self.latent_dim, bool) and self.latent_dim > 0):
             raise ValueError(f"MoEConfig.latent_dim must be a positive int or None (full width), got {self.latent_dim!r}")
-        if not (isinstance(self.n_shared, int) and self.n_shared >= 0):
+        if not (isinstance(self.n_shared, int) and not isinstance(self.n_shared, bool) and self.n_shared >= 0):
             raise ValueError(f"MoEConfig.n_shared must be an int >= 0, got {self.n_shared!r}")
+        if not isinstance(self.renormalize, bool):
+            raise ValueError(f"MoEConfig.renormalize must be a bool, got {self.renormalize!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MoEConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.balance not in METHODS:

@@ -12,6 +12,7 @@ normalisation downstream.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,13 @@ def check_topk(E: int, K: int, who: str = "router") -> None:
         raise ValueError(f"{who}: top-k K={K} exceeds the number of experts E={E}")
 
 
+def check_routed_scaling(routed_scaling: float, who: str = "route") -> None:
+    """ValueError unless routed_scaling is a finite number > 0 (a bool is not one)."""
+    if not (isinstance(routed_scaling, (int, float)) and not isinstance(routed_scaling, bool)
+            and math.isfinite(routed_scaling) and routed_scaling > 0):
+        raise ValueError(f"{who}: routed_scaling must be a finite number > 0, got {routed_scaling!r}")
+
+
 def route(logits: torch.Tensor, bias: torch.Tensor, K: int, renormalize: bool = True,
           routed_scaling: float = 1.0, check_values: bool = True) -> Routing:
     """Route N tokens over E experts from router logits (K3 report, Eq. 13).
@@ -55,7 +63,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, K: int, renormalize: bool = 
         bias (Tensor): [E] balancing bias b, used for the choice only (detached).
         K (int): top-k, 1 <= K <= E.
         renormalize (bool): divide the selected scores by their sum (K3: True).
-        routed_scaling (float): a constant factor on the weights (K3: 1.0).
+        routed_scaling (float): a constant factor > 0 on the weights (K3: 1.0).
         check_values (bool): reject NaN/inf logits or bias (one host sync; a trainer that checks its batch
             once passes False and sees a NaN in its loss instead).
 
@@ -63,13 +71,14 @@ def route(logits: torch.Tensor, bias: torch.Tensor, K: int, renormalize: bool = 
         Routing: see its attributes.
 
     Raises:
-        ValueError: bad shapes, K out of range, or a NaN/inf logit or bias with ``check_values`` (reported
+        ValueError: bad shapes, K out of range, routed_scaling not a finite number > 0, or a NaN/inf logit or bias with ``check_values`` (reported
             before it can spread).
     """
     if logits.ndim != 2:
         raise ValueError(f"route: logits must be [N, E], got shape {list(logits.shape)}")
     N, E = logits.shape
     check_topk(E, K, "route")
+    check_routed_scaling(routed_scaling)
     if bias.shape != (E,):
         raise ValueError(f"route: bias must be [E={E}], got shape {list(bias.shape)}")
     if check_values:
@@ -116,6 +125,7 @@ class Router(nn.Module):
                  init_std: float = 0.02):
         super().__init__()
         check_topk(E, K, "Router")
+        check_routed_scaling(routed_scaling, "Router")
         self.E, self.K, self.renormalize, self.routed_scaling = E, K, renormalize, routed_scaling
         self.weight = nn.Parameter(torch.randn(E, d) * init_std)
         self.register_buffer("bias", torch.zeros(E, dtype=torch.float32))
