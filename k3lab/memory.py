@@ -80,23 +80,29 @@ def check_policy(policy: str) -> str:
     return policy
 
 
+def _check_block(who: str, block: int) -> None:
+    if not (isinstance(block, int) and not isinstance(block, bool) and block >= 1):
+        raise ValueError(f"{who}: block (values per scale) must be a positive int, got {block!r}")
+
+
 def fp8_quantize(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-wise FP8 (e4m3) quantisation along the last dim.
 
     Args:
         x (Tensor): [..., D] floating point, any device; D need not be a multiple of ``block`` (the last
             block of each row is shorter).
-        block (int): values per scale.
+        block (int): values per scale, >= 1.
 
     Returns:
         (q [..., D] float8_e4m3fn, scale [..., ceil(D / block)] float32): value j of a row is
         ``q[j] * scale[j // block]`` (``fp8_dequantize``). 1 byte per value plus 4 per block.
 
     Raises:
-        ValueError: x not floating point or 0-dim.
+        ValueError: x not floating point or 0-dim, block not a positive int.
     """
     if not x.is_floating_point() or x.ndim == 0:
         raise ValueError(f"fp8_quantize needs a floating tensor with ndim >= 1, got {x.dtype} {list(x.shape)}")
+    _check_block("fp8_quantize", block)
     d = x.shape[-1]
     nb = -(-d // block)
     rows = x.detach().float()
@@ -113,7 +119,9 @@ def fp8_quantize(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor,
 
 
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = FP8_BLOCK) -> torch.Tensor:
-    """Inverse of ``fp8_quantize``: q [..., D] float8 and scale [..., nb] float32 -> [..., D] in ``dtype``."""
+    """Inverse of ``fp8_quantize``: q [..., D] float8 and scale [..., nb] float32 -> [..., D] in ``dtype``
+    (ValueError for a block that is not a positive int)."""
+    _check_block("fp8_dequantize", block)
     d = q.shape[-1]
     return (q.float() * scale.repeat_interleave(block, dim=-1)[..., :d]).to(dtype)
 

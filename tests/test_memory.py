@@ -120,6 +120,18 @@ def test_fp8_block_of_subnormal_values_dequantises_finite():
     assert (y - x).abs().max() < 1e-37 + 2.0 * 2 ** -4
 
 
+@pytest.mark.parametrize("block", [0, -128, True, 2.0])
+def test_fp8_block_must_be_a_positive_int(block):
+    """block=0 raised ZeroDivisionError; True passed as 1."""
+    x = torch.randn(2, 130)
+    with pytest.raises(ValueError, match=rf"fp8_quantize: block \(values per scale\) must be a positive int, got {block!r}"):
+        fp8_quantize(x, block=block)
+    q, scale = fp8_quantize(x, block=64)
+    with pytest.raises(ValueError, match=r"fp8_dequantize: block"):
+        fp8_dequantize(q, scale, torch.float32, block=block)
+    assert rel_rms_error(x, fp8_dequantize(q, scale, torch.float32, block=64)) < 0.05
+
+
 @pytest.mark.parametrize("policy", ["keep", "recompute"])
 def test_a_tensor_written_in_place_after_its_save_is_refused_as_plain_autograd_does(policy):
     """The keep policy handed backward the modified tensor (a wrong gradient, silently) where plain autograd
