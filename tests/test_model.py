@@ -174,6 +174,23 @@ def test_validation():
         model.generate(idx, -1)
 
 
+@pytest.mark.parametrize("costs, last_extra, match", [
+    ([1.0, float("inf"), 1.0], 0.0, r"costs\[1\] must be a finite number >= 0, got inf"),
+    ([1.0, float("nan"), 1.0], 0.0, r"costs\[1\] must be a finite number >= 0, got nan"),
+    ([1.0, -2.0, 1.0], 0.0, r"costs\[1\] must be a finite number >= 0, got -2.0"),
+    ([1.0, True, 1.0], 0.0, r"costs\[1\] must be a finite number >= 0, got True"),
+    ([1.0, 1.0, 1.0], -1.0, r"last_extra must be a finite number >= 0, got -1.0"),
+], ids=["inf", "nan", "negative", "bool", "negative_extra"])
+def test_balanced_cuts_refuses_costs_that_are_not_finite_and_non_negative(costs, last_extra, match):
+    """An inf cost gave an empty stage ([0, 0, 3]: every split ties at inf); NaN and negative costs went
+    unchecked. Finite costs still cut as before."""
+    from k3lab.model import balanced_cuts
+
+    with pytest.raises(ValueError, match=match):
+        balanced_cuts(costs, 3, last_extra)
+    assert balanced_cuts([1.0, 5.0, 1.0, 1.0], 2) == [0, 2, 4] and balanced_cuts([0.0] * 3, 3) == [0, 1, 2, 3]
+
+
 def test_loss_is_the_mean_over_counted_targets_and_zero_when_none_count():
     """An all -100 batch (every position padding) gave the mean of nothing, NaN, and NaN gradients.
     A partly ignored batch keeps the float64 mean cross-entropy over the counted positions."""

@@ -18,6 +18,8 @@ updates.
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -88,11 +90,15 @@ def balanced_cuts(costs: Sequence[float], n_stages: int, last_extra: float = 0.0
         list[int]: S + 1 cuts 0 = c_0 < c_1 < ... < c_S = L.
 
     Raises:
-        ValueError: S not an int in [1, L].
+        ValueError: S not an int in [1, L]; a cost or last_extra not a finite number >= 0 (an inf cost left
+            a stage empty, a NaN one compared false everywhere).
     """
     L = len(costs)
     if not (isinstance(n_stages, int) and not isinstance(n_stages, bool) and 1 <= n_stages <= L):
         raise ValueError(f"n_stages must be an int in [1, {L}] (a stage runs at least one sublayer), got {n_stages!r}")
+    for name, v in [*((f"costs[{i}]", c) for i, c in enumerate(costs)), ("last_extra", last_extra)]:
+        if not (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"balanced_cuts: {name} must be a finite number >= 0, got {v!r}")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
