@@ -191,6 +191,25 @@ def test_balanced_cuts_refuses_costs_that_are_not_finite_and_non_negative(costs,
     assert balanced_cuts([1.0, 5.0, 1.0, 1.0], 2) == [0, 2, 4] and balanced_cuts([0.0] * 3, 3) == [0, 1, 2, 3]
 
 
+def test_a_forward_on_the_meta_device_is_one_clear_error():
+    """Chapter 08 builds k3-full on the meta device to count it; a forward there failed deep inside (an
+    .item() in the id check, an autocast lookup in the experts). It reads values (the checks, KDA's kernels,
+    which have no meta versions), so it refuses meta idx or a meta model at its entry and points to the
+    counters. A real model on a real idx still runs."""
+    with torch.device("meta"):
+        meta_model = K3Model(K3Config.preset("k3-tiny"))
+    real_model = tiny()
+    idx = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+    want = r"K3Model.forward: meta tensors carry no values; .*count_params.*flops_per_token"
+    for model, x in ((meta_model, idx.to("meta")), (meta_model, idx), (real_model, idx.to("meta"))):
+        with pytest.raises(ValueError, match=want):
+            model(x, targets=x)
+        with pytest.raises(ValueError, match=want):
+            model.generate(x, 2)
+    logits, loss = real_model(idx, targets=idx)
+    assert logits.shape == (2, 6, real_model.config.vocab_size) and torch.isfinite(loss)
+
+
 def test_loss_is_the_mean_over_counted_targets_and_zero_when_none_count():
     """An all -100 batch (every position padding) gave the mean of nothing, NaN, and NaN gradients.
     A partly ignored batch keeps the float64 mean cross-entropy over the counted positions."""

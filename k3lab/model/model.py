@@ -266,7 +266,9 @@ class K3Model(nn.Module):
             list of L caches as a third element when ``use_cache``.
 
         Raises:
-            ValueError: idx not [B, T] with B, T >= 1, ids out of range, targets of another shape,
+            ValueError: idx or the model on the meta device (no values to run on: count parameters and FLOPs
+                with ``count_params`` and ``flops_per_token``); idx not [B, T] with B, T >= 1, ids out of range,
+                targets of another shape,
                 cu_seqlens with B > 1, with caches, or invalid; caches not a list of L caches; cp with
                 cu_seqlens, caches or use_cache, or idx not [1, cp.T_local].
         """
@@ -319,7 +321,16 @@ class K3Model(nn.Module):
         return (logits, loss, new_caches) if use_cache else (logits, loss)
 
     def _check_idx(self, idx: torch.Tensor) -> None:
-        """ValueError unless idx is [B, T] with B, T >= 1 (and, with value checks on, ids in [0, vocab_size))."""
+        """ValueError unless idx is [B, T] with B, T >= 1 (and, with value checks on, ids in [0, vocab_size)),
+        and neither idx nor the model is on the meta device."""
+        # The forward reads values (the id and NaN checks, KDA's kernels, which have no meta versions): on meta
+        # it failed deep inside with torch's "Tensor.item() cannot be called on meta tensors".
+        if (isinstance(idx, torch.Tensor) and idx.is_meta) or self.head.weight.is_meta:
+            raise ValueError("K3Model.forward: meta tensors carry no values; the forward (id and NaN checks, KDA) "
+                             f"needs idx and the model on a real device, got idx on "
+                             f"{idx.device if isinstance(idx, torch.Tensor) else type(idx).__name__} and the model on "
+                             f"{self.head.weight.device}. For shapes alone, count parameters on meta with "
+                             "k3lab.model.count_params and FLOPs with k3lab.model.flops_per_token")
         if not isinstance(idx, torch.Tensor) or idx.ndim != 2 or 0 in idx.shape:
             got = list(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
             raise ValueError(f"idx must be [B, T] token ids with B, T >= 1, got {got}")
