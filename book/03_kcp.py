@@ -10,18 +10,18 @@
 # # 03 · KCP: context parallelism for Kimi Delta Attention
 #
 # **Why.** K3 trains with a 1M-token context (8K → 64K in pre-training, 256K → 1M in the cooldown;
-# K3 report, Table 1), and 69 of its 93 layers are KDA. One KDA layer over one 512K-token sequence
-# (32 heads, d = 128, bf16) is a long step on one H200 even with this repo's Triton `flash_kda`
-# (chapter 02; the first cell below prints it from `data/results/kcp_h200x2.json`): the sequence has to
-# be split across GPUs, and the recurrence has to cross the split. For softmax attention that means
-# passing K/V blocks around a ring (ring attention), whose traffic grows with T. KDA's whole past fits
-# in a fixed `d_k × d_v` state per head, so a rank needs only the state entering its slice. **KCP**
-# (K3 report, Sec. 4) gets that state with one all-gather of a fixed-size summary per rank, whatever T is.
+# K3 report, Table 1), and 69 of its 93 layers are KDA. A 512K-token sequence through them (32 heads,
+# d = 128, bf16) is a long step on one H200 even with chapter 02's `flash_kda` (the first cell prints it
+# from `data/results/kcp_h200x2.json`): the sequence must be split across GPUs, and the recurrence must
+# cross the split. Softmax attention passes K/V blocks around a ring (ring attention), traffic growing
+# with T. KDA's whole past fits in a fixed `d_k × d_v` state per head, so a rank needs only the state
+# entering its slice: **KCP** (K3 report, Sec. 4) gets it with one all-gather of a fixed-size summary
+# per rank, whatever T is.
 #
-# Sections: (1) the math: why summing per-rank states fails for the delta rule, the affine maps that
-# work, a backward of one local backward per rank; (2) the simplest code, gathering everything; (3) the
-# fast code, `kcp_flash_kda`; (4) the check, rank by rank, ranks on this CPU; (5) the 2 × H200 result;
-# (6) an experiment: sequential fold vs log-depth scan. The code is `k3lab.kcp`; this notebook imports it.
+# Sections: (1) the math: why summing per-rank states fails, the affine maps that work, a backward of
+# one local backward per rank; (2) the simplest code, gathering everything; (3) the fast code,
+# `kcp_flash_kda`; (4) the check, rank by rank, on this CPU; (5) the 2 × H200 result; (6) an
+# experiment: sequential fold vs log-depth scan; exercises. The code is `k3lab.kcp`, imported here.
 
 # %% tags=["parameters"]
 profile: str = "cpu"
@@ -56,23 +56,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from k3lab.book import ROOT
 from k3lab.dist import launch
 from k3lab.kcp import make_context, naive_kcp_kda
 from k3lab.kernels import numpy_supports_interpreter
 from k3lab.kcp.affine import apply_map, compose, fold_scan, fold_sequential, segment_map
 from k3lab.kcp.layout import draw_layout, folded_ranks, sent_map
-from k3lab.kcp.workers import (
-    FLASH_REPLICATED, FLASH_SHARDED, Case, FlashCase, check_worker, errors_vs_reference, flash_check_worker,
-    reference,
-)
+from k3lab.kcp.workers import (FLASH_REPLICATED, FLASH_SHARDED, Case, FlashCase, check_worker, errors_vs_reference,
+                               flash_check_worker, reference)
 from k3lab.kda import chunk_kda, naive_recurrent_kda
 from k3lab.testing import rel_rms_error
 from k3lab.widgets import explore
 
-gpu = json.loads(Path("../data/results/kcp_h200x2.json").read_text())
+gpu = json.loads((ROOT / "data" / "results" / "kcp_h200x2.json").read_text())
 longest = max((c for c in gpu["cases"] if "skipped" not in c), key=lambda c: c["T"])
-print(f"one KDA layer, T = {longest['T'] // 1024}K, H = {longest['H']}, K = V = {gpu['settings']['K']}, bf16, "
-      f"on one GPU of {gpu['hardware']}: forward + backward {longest['one_gpu_fwd_bwd_ms'] / 1e3:.2f} s")
+one_layer_s = longest["one_gpu_fwd_bwd_ms"] / 1e3
+print(f"one KDA layer, T = {longest['T'] // 1024}K, H = {longest['H']}, K = V = {gpu['settings']['K']}, bf16, on one "
+      f"H200: forward + backward {one_layer_s:.2f} s; K3's 69 KDA layers {69 * one_layer_s:.1f} s a sequence")
 
 
 def show_source(fn, start=None, end=None):
@@ -128,14 +128,12 @@ print(f"delta rule:       |S - (S_A + S_B)| / |S| = {err_delta:.2f}")
 assert err_linear < 1e-12 and err_delta > 0.3
 
 # %% [markdown]
-# The summed delta-rule state is off by order one. (The gate makes it worse still: KDA also decays
-# `S_A` channel by channel over all of B's tokens.)
+# The summed delta-rule state is off by order one (the gate would also decay `S_A` over B's tokens).
 #
 # ### The affine-map view
 #
-# One KDA token maps the state by `S_t = A_t S_{t-1} + b_t` with
-# `A_t = (I − β_t k_t k_tᵀ) Diag(α_t)` (`d_k × d_k`) and `b_t = β_t k_t v_tᵀ` (`d_k × d_v`) — affine in
-# the state. So any run of tokens is one affine map
+# One KDA token maps the state by `S_t = A_t S_{t-1} + b_t` with `A_t = (I − β_t k_t k_tᵀ) Diag(α_t)`
+# (`d_k × d_k`) and `b_t = β_t k_t v_tᵀ` (`d_k × d_v`), affine in the state. So any run of tokens is one map
 #
 # $$S_\text{end} = M\,S_\text{start} + \tilde S, \qquad M = A_T \cdots A_1,\quad \tilde S = \text{the state reached from } S_\text{start} = 0,$$
 #
@@ -198,24 +196,22 @@ assert err_M < 1e-10 and err_S < 1e-10
 #
 # $$D_j = b_{j+1} + M_{j+1}^\top\big(b_{j+2} + M_{j+2}^\top(\cdots + M_{e-1}^\top b_e)\big),$$
 #
-# a **reverse fold** `D ← M_rᵀ D + b_r` from e down to j+1 — the forward fold on the maps `[M_rᵀ | b_r]`.
-# The ranks strictly between j and e lie wholly inside the document, so their `M_r` are true maps, the
-# ones gathered in the forward. No map is differentiated: `M` and `S̃` enter the backward only as data.
+# a **reverse fold** `D ← M_rᵀ D + b_r` from e down to j+1, the forward fold on the maps `[M_rᵀ | b_r]`.
+# The ranks between j and e lie inside the document, so their `M_r` are the true maps gathered in the
+# forward. No map is differentiated: `M` and `S̃` enter the backward only as data.
 #
 # ## 2. The simplest correct code: gather everything
 #
-# The reference KCP is checked against, `naive_kcp_kda`, all-gathers every input along T (backward:
-# reduce-scatter) and runs one-process `chunk_kda` on the whole sequence. Its traffic grows with T,
-# which is what KCP avoids; its body after the argument checks:
+# The reference, `naive_kcp_kda`, all-gathers every input along T (backward: reduce-scatter) and runs
+# one-process `chunk_kda` on the whole sequence; its traffic grows with T. Its body after the checks:
 
 # %%
 show_source(naive_kcp_kda, "    full = ")
 
 # %% [markdown]
-# The first KCP, `kcp_kda` (`kcp.py`, local KDA in PyTorch), is the affine view written plainly: every
-# rank computes its map from zero with `segment_map` (about the forward's own work again), the maps are
-# all-gathered and folded, and autograd differentiates through maps and fold (a reduce-scatter of
-# `[R, HV, K, K+V]` backward: twice the bytes of the design below). The map algebra it folds with:
+# `kcp_kda` (`kcp.py`, PyTorch) is the affine view written plainly: each rank computes its map from zero
+# with `segment_map`, the maps are all-gathered and folded, and autograd differentiates through both (a
+# reduce-scatter of `[R, HV, K, K+V]` backward, twice the bytes of the design below). Its map algebra:
 
 # %%
 for fn in (apply_map, compose):
@@ -229,26 +225,24 @@ show_source(fold_sequential, "    K = ")
 #
 # The sequence holds packed documents (`cu_seqlens`), split into R equal rank slices. A rank's tokens
 # fall into *pieces* (parts of documents): only the first, `p_0`, may continue a document from an
-# earlier rank, only the last, `p_{n−1}`, may continue on the next; every other piece's entering state
-# is **known**. `flash_kda`'s stages (chapter 02) are *intra* (gate, norms, UT transform; parallel over
+# earlier rank, only the last, `p_{n−1}`, on the next; every other piece's entering state is **known**. `flash_kda`'s stages (chapter 02) are *intra* (gate, norms, UT transform; parallel over
 # chunks), *state* (the one loop over chunks) and *output*. On every rank at once (`kcp/flash.py`):
 #
 # 1. **intra**, once: the map and the local pass share it.
 # 2. **state** over the pieces whose entering state is known, then the map `[M | S̃]` this rank sends
-#    for its last piece, when that piece continues: the **constant map** `[0 | S_end]` when its entering
-#    state is known (`S_end` comes from this very state stage: no extra work); the identity-state trick
-#    of section 1 (the state stage from `[I | 0]` at width K+V) when the rank lies wholly inside one
-#    document; otherwise `[0 | 0]`, which nobody folds, but every rank joins the collective.
+#    for its last piece if it continues: the **constant map** `[0 | S_end]` when its entering state is
+#    known (`S_end` from this very stage: no extra work); the identity-state trick of section 1 (the
+#    state stage from `[I | 0]` at width K+V) when the rank lies inside one document; else `[0 | 0]`,
+#    which nobody folds, but every rank joins the collective.
 # 3. **one all-gather** of the R maps, `R · HV · K · (K+V) · 4` bytes whatever T, and the **fold**
 #    `S ← M_r S + S̃_r` over the earlier ranks of `p_0`'s document, from zero: the document's first rank
 #    sent a constant map, whose `S_end` carries the initial state and whose `M = 0` discards the rest.
 # 4. **local**: the state stage for `p_0` from the folded state; the output stage over all pieces.
 #
-# The backward mirrors it: intra again; the reverse state stage over the pieces whose end-state
-# gradient is known, which gives `b_j`; **one all-gather** of the `[HV, K, V]` float32 `b_r` (the forward
-# chunk states are recomputed from the saved `S_in` while it is in flight) and the reverse fold of
-# section 1, which gives `D_j`; the reverse state stage of `p_{n−1}` from `D_j`, then the chunk-parallel
-# gradient stages. The forward, as `KCPFlashFunction` runs it (the kernels stay unimported here):
+# The backward mirrors it: intra again; the reverse state stage where the end-state gradient is known
+# (giving `b_j`); **one all-gather** of the float32 `[HV, K, V]` `b_r` (the forward's chunk states are
+# recomputed from the saved `S_in` meanwhile) and section 1's reverse fold (giving `D_j`); the reverse
+# state stage of `p_{n−1}` from `D_j`; the gradient stages. The forward in `KCPFlashFunction`:
 
 # %%
 show_source(Path(k3lab.__file__).with_name("kcp") / "flash.py", "        # 1. intra", "        fctx.save_for_backward")
@@ -267,13 +261,12 @@ for r in range(4):
     print(f"rank {r}: pieces {c.pieces()}, sends {sent_map(c)}, folds maps, b of ranks {folded_ranks(c)}")
 
 # %% [markdown]
-# Rank 0 starts document 1 mid-rank, knows its entering state (document 1's initial state) and sends
-# the constant `[0 | S_end]`. Rank 1 lies inside document 1 and sends its true map, from the
-# identity-state trick. Rank 2 folds both, `S_in = M_1 S_end(0) + S̃_1`; rank 3's first document
-# starts on its boundary, so it folds nothing. In the backward, document 1 ends on rank 2: rank 1 folds
-# `b_2`, rank 0 folds `b_2` and `b_1` (`D_0 = b_1 + M_1ᵀ b_2`). On 2 ranks every map sent is thus a
-# constant map and costs nothing extra; with R > 2 a middle rank pays one state pass at width K+V. The
-# explorer: drag the boundaries in JupyterLab (a headless run builds no widget and prints one line).
+# Rank 0 starts document 1 mid-rank, knows its entering state (the document's initial state) and sends
+# the constant `[0 | S_end]`. Rank 1 lies inside document 1 and sends its true map (identity-state
+# trick). Rank 2 folds both, `S_in = M_1 S_end(0) + S̃_1`; rank 3's first document starts on its
+# boundary: it folds nothing. Backward, document 1 ends on rank 2: rank 1 folds `b_2`, rank 0 `b_2` and
+# `b_1` (`D_0 = b_1 + M_1ᵀ b_2`). On 2 ranks every map sent is constant, free; with R > 2 a middle rank
+# pays one state pass at width K+V. Drag the boundaries in JupyterLab (headless: one line, no widget).
 
 # %% tags=["nbval-ignore-output"]
 def plot_layout(R=4, b1=10, b2=80, b3=100):
@@ -290,14 +283,12 @@ explorer = explore(plot_layout, R=[1, 2, 4, 8], b1=(1, 126), b2=(2, 126), b3=(3,
 # A context-parallel backward can be wrong on every rank but the last and still look right in a summed
 # loss (a public CP implementation once shipped wrong gate offsets that way: ~10% wrong gradients), so
 # every rank's outputs and gradient slices are compared with one process separately.
-#
 # `k3lab.dist.launch` spawns R gloo processes running `k3lab.kcp.workers`: each runs KDA's token mixer
 # without projections (short convs with the W−1 halo from the previous rank, SiLU, L2 norm for q, k;
-# then `kcp_kda`) on its slice with initial and final states, and backpropagates
-# `<o, w_o> + <final state, w_s>`; the parent runs the same mixer on the whole sequence with `chunk_kda`.
-# Replicated parameters (conv weights, initial states) are compared by the sum of the ranks'
-# contributions. Float32, GVA, the 5-document layout above, both folds (section 6) and the
-# gather-everything reference.
+# then `kcp_kda`) on its slice with initial and final states and backpropagates `<o, w_o> + <final
+# state, w_s>`; the parent runs the same on the whole sequence with `chunk_kda`. Replicated parameters
+# (conv weights, initial states) are compared by the sum of the ranks' contributions. Float32, GVA,
+# the 5-document layout above, both folds (section 6) and the gather-everything reference.
 
 # %% tags=["nbval-ignore-output"]
 case = Case(T=128, cu_seqlens=(0, 10, 80, 96, 100, 128), H=1, HV=2, K=8, V=8, seed=seed + 1)
@@ -328,10 +319,9 @@ for R in rank_counts:
 # ### `kcp_flash_kda` on the Triton kernels
 #
 # The same check for `kcp_flash_kda` against one-process `flash_kda`, on FlashKDA's raw inputs (q, k,
-# v, gate pre-activation z, β logits, `A_log`, `dt_bias`, initial states): 3 ranks whose kernels run in
-# Triton's interpreter, float32 and tiny. Every rank has another role: rank 0 sends `[0 | S_end]`, rank
-# 1 (inside document 1) the identity-state map, rank 2 folds both. `tests/test_kcp_flash.py` checks
-# more layouts and, with one rank, `kcp_flash_kda` bit for bit against `flash_kda`.
+# v, gate pre-activation z, β logits, `A_log`, `dt_bias`, initial states): 3 ranks in Triton's
+# interpreter, float32, tiny; rank 0 sends `[0 | S_end]`, rank 1 the identity-state map, rank 2 folds
+# both. `tests/test_kcp_flash.py` checks more layouts, and one rank bit for bit against `flash_kda`.
 
 # %% tags=["nbval-ignore-output"]
 flash_case = FlashCase(T=flash_T, cu_seqlens=(0, 20, flash_T - 24, flash_T), H=1, HV=1, K=flash_dim, V=flash_dim,
@@ -339,15 +329,14 @@ flash_case = FlashCase(T=flash_T, cu_seqlens=(0, 20, flash_T - 24, flash_T), H=1
 for r in range(flash_ranks):
     c = make_context(flash_case.T, flash_case.cu_seqlens, rank=r, world_size=flash_ranks)
     print(f"rank {r}: pieces {[(n, a, b) for n, a, b in c.pieces()]}, sends {sent_map(c)}")
-# Triton 3.6's interpreter needs numpy<2.4: on a node with a newer numpy (the GPU image) the check is
-# skipped here; `tests/test_kcp_flash.py` and `python -m k3lab.bench.kcp` run it on CPUs and GPUs.
+# Triton 3.6's interpreter needs numpy<2.4: a node with a newer numpy (the GPU image) skips the check
+# here; `tests/test_kcp_flash.py` and `python -m k3lab.bench.kcp` run it on CPUs and GPUs.
 interpretable = numpy_supports_interpreter()
 if not interpretable:
     print(f"skipped: the Triton interpreter needs numpy<2.4, this node has numpy {np.__version__}")
 else:
     t0 = time.perf_counter()
-    # The ranks (and the one-process reference, computed on rank 0) run the kernels in the interpreter on
-    # any machine; this process never imports them.
+    # The ranks (and the reference, on rank 0) run the kernels in the interpreter; this process never imports them.
     with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
         flash_results = launch(flash_check_worker, flash_ranks, [flash_case], timeout_s=300)
     flash_ref = flash_results[0]["refs"][0]
@@ -375,10 +364,10 @@ if interpretable:
 # %% [markdown]
 # ## 5. Measured on two H200s
 #
-# `python -m k3lab.bench.kcp` (2 processes, NCCL) first checks float32 varlen outputs, final states
-# and every gradient on each rank against one GPU, and bf16 against the 1-GPU run, then times bf16
-# forward and forward+backward (autograd on, as in training; wall-clock medians of the slower rank),
-# H = 32, K = V = 128, K3's lower-bounded gate, one document of T tokens:
+# `python -m k3lab.bench.kcp` (2 processes, NCCL) checks float32 varlen outputs, final states and every
+# gradient on each rank against one GPU, and bf16 against the 1-GPU run, then times bf16 forward and
+# forward+backward (autograd on; wall-clock medians of the slower rank), H = 32, K = V = 128, K3's gate,
+# one document of T tokens:
 #
 # * **1 GPU**: `flash_kda` over all T tokens (in slabs chained through the state, so 512K fits);
 # * **2 GPUs**: `kcp_flash_kda`, T/2 tokens per GPU, on the same kernel stages;
@@ -386,8 +375,8 @@ if interpretable:
 #   the time of perfect 2-way scaling, and *2 GPUs − local alone* is what KCP itself costs.
 
 # %%
-# The target this design is held to (f+b speedup at T >= 128K), and the all_gather bandwidth measured on
-# these 2 H200s (NVLink), bytes/s: the ceiling that puts the collectives' bytes in milliseconds.
+# The target (f+b speedup at T >= 128K); the all_gather bandwidth measured on these 2 H200s (NVLink;
+# not in the JSON), bytes/s: the ceiling that puts the collectives' bytes in milliseconds.
 GOAL, ALL_GATHER_BPS = 1.8, 254e9
 print(gpu["hardware"], "|", gpu["date"], "| torch", gpu["versions"]["torch"], "| triton", gpu["versions"]["triton"])
 print("kernels:", gpu["settings"]["local_kda"], "\ntimed:", gpu["settings"]["fwd"])
@@ -460,18 +449,17 @@ print(f"ring attention would pass {min(ring) / 1e9:.2f} to {max(ring) / 1e9:.1f}
       f"at T = {done[0]['T'] // 1024}K .. {done[-1]['T'] // 1024}K")
 
 # %% [markdown]
-# **Reading.** KCP is exact on the GPUs too, moves the same bytes per layer at every T (where ring
+# **Reading.** KCP is exact on the GPUs too, moves the same bytes per layer at every T (ring
 # attention's K/V traffic grows with T), and its forward+backward speedup grows with T and meets the
 # 1.8× target at T ≥ 128K (margins above). The ceiling, perfect scaling (dashed), is about 2×, more at
 # the longest T, where the 1-GPU baseline runs chained slabs (`one_gpu_slab_tokens`) and grows more
-# than linearly: so the 2-GPU speedup can pass 2 there. The gap to it is KCP's own overhead (right-hand
-# bars). The collectives are not it (a fraction of a millisecond at the all-gather bandwidth, printed
-# above); the state stages that wait on the other rank are:
+# than linearly, so the 2-GPU speedup can pass 2 there. The gap to it is KCP's own overhead (right-hand
+# bars): not the collectives (a fraction of a millisecond, printed above) but the state stages that
+# wait on the other rank:
 #
 # * **forward**: rank 1 runs its intra stage at once, but its state stage for `p_0` needs the folded
-#   state — rank 0's intra and state pass, then the gather. Rank 1's path is about local + one state
-#   pass of rank 0. This is most of what is left. (Pipelining that wait over head groups was measured
-#   slower at every length: `docs/kcp.md`.)
+#   state — rank 0's intra and state pass, then the gather: most of what is left. (Pipelining that
+#   wait over head groups was measured slower at every length: `docs/kcp.md`.)
 # * **backward**, mirrored: rank 0's reverse state stage for its last piece needs `D_0` — rank 1's
 #   intra and reverse state pass, then the gather. Rank 0 recomputes its forward chunk states while
 #   it waits, so only what outlasts that recompute shows. A bar below zero is the difference of two
@@ -488,9 +476,8 @@ print(f"ring attention would pass {min(ring) / 1e9:.2f} to {max(ring) / 1e9:.1f}
 # * **KCP** (`kcp_flash_kda`): the maps, `R · H · K · (K+V) · 4` bytes gathered forward; the state
 #   gradients, `R · H · K · V · 4` gathered backward; three short-conv halos of `R · (W−1) · H·K` bf16
 #   values, gathered forward and reduce-scattered backward: independent of T (tests count the buffers).
-# * **Ring attention** (softmax attention): every rank's K and V blocks travel the ring,
-#   `(R−1) · T/R · H · (K+V)` bf16 values forward; backward passes K, V and their gradients
-#   (3× the forward in all).
+# * **Ring attention**: every rank's K and V blocks travel the ring, `(R−1) · T/R · H · (K+V)` bf16
+#   values forward; backward passes K, V and their gradients (3× the forward in all).
 # * **Gather everything** (`naive_kcp_kda`): q, k, v, g, β of all T tokens.
 
 # %%
@@ -531,10 +518,9 @@ plt.show()
 # %% [markdown]
 # ## 6. Experiment: sequential fold vs log-depth scan
 #
-# The fold is R − 1 dependent steps at most. Because composition is associative, a (segmented)
-# Hillis–Steele prefix scan gives every rank's entering map in ⌈log₂ R⌉ rounds, at the price of
-# `R log R` compositions of `K × K × (K+V)` instead of R applications of `K × K × V`. Which wins? First
-# the two agree:
+# The fold is up to R − 1 dependent steps. Composition is associative, so a (segmented) Hillis–Steele
+# prefix scan gives every rank's entering map in ⌈log₂ R⌉ rounds, at the price of `R log R` compositions
+# of `K × K × (K+V)` instead of R applications of `K × K × V`. Which wins? First, the two agree:
 
 # %% tags=["nbval-ignore-output"]
 fold_gen = torch.Generator().manual_seed(seed + 1)
@@ -550,7 +536,13 @@ print(f"sequential fold == scan for R in {fold_ranks}: max rel err "
 
 # %% tags=["nbval-ignore-output"]
 def best_ms(fn, reps=3):
-    return min(timeit.repeat(fn, number=1, repeat=reps)) * 1e3
+    """Best of ``reps`` calls in ms of one thread's CPU time (a shared machine's wall clock is noisy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return min(timeit.repeat(fn, timer=time.process_time, number=1, repeat=reps)) * 1e3
+    finally:
+        torch.set_num_threads(threads)
 
 
 timing = []
@@ -568,15 +560,16 @@ ax.set(xlabel="ranks R", ylabel="ms", title=f"Fold vs scan (CPU: H={fold_heads},
 ax.legend(fontsize=7)
 plt.show()
 for R, ts, tc in timing:
-    print(f"R={R:4d}: fold {ts:7.3f} ms   scan {tc:7.3f} ms")
+    print(f"CPU  R={R:4d}: fold {ts:7.3f} ms   scan {tc:7.3f} ms")
+for r in gpu["fold_vs_scan"]:
+    print(f"H200 R={r['R']:4d}: fold {r['sequential_ms']:7.3f} ms   scan {r['scan_ms']:7.3f} ms  (H={r['H']}, K={gpu['settings']['K']})")
 assert all(ts > 0 and tc > 0 for _, ts, tc in timing)
 
 # %% [markdown]
-# On both machines the sequential fold wins at every R measured: each of its steps is a small
-# `K×K · K×V` product, while the scan does `R log R` full compositions, and at these sizes a step
-# costs about a kernel launch (GPU) or a small matmul (CPU), not its depth. The scan would pay off only
-# when a fold step is latency-bound across many more ranks than a node holds. KCP defaults to
-# `fold="sequential"`; `fold="scan"` is exact too and is tested (section 4 runs both).
+# On both machines the sequential fold wins at every R measured: each step is a small `K×K · K×V`
+# product, the scan does `R log R` full compositions, and at these sizes a step costs about a kernel
+# launch (GPU) or a small matmul (CPU), whatever the depth. The scan would pay off only with far more
+# ranks than a node holds. KCP defaults to `fold="sequential"`; `fold="scan"` is exact and tested too.
 #
 # ## Exercises
 #
@@ -587,9 +580,9 @@ assert all(ts > 0 and tc > 0 for _, ts, tc in timing)
 # 3. From `kcp_bytes`, at what R does KCP's traffic per layer at K3's shape reach ring attention's at
 #    T = 1M? What does that say about where KCP stops paying?
 # 4. Time `fold_sequential` and `fold_scan` at `fold_dim = 128` on this machine. Does the crossover move?
-# 5. Section 5 says the forward's overhead is about one state pass of rank 0. From the JSON, compute
-#    `(two_gpu_fwd_ms − local_alone_fwd_ms) / local_alone_fwd_ms` at each T. If the state stage is a
-#    fixed share of the local forward, this should be constant: is it?
+# 5. Section 5 prints the forward's overhead as a share of the local forward at each T. If it were one
+#    state pass of rank 0 and the state stage a fixed share of the local forward, that share would be
+#    constant. It falls as T grows: what fixed cost per call would explain it?
 
 # %% [markdown]
 # ## References
