@@ -195,7 +195,7 @@ def test_a_forward_on_the_meta_device_is_one_clear_error():
     """Chapter 08 builds k3-full on the meta device to count it; a forward there failed deep inside (an
     .item() in the id check, an autocast lookup in the experts). It reads values (the checks, KDA's kernels,
     which have no meta versions), so it refuses meta idx or a meta model at its entry and points to the
-    counters. A real model on a real idx still runs."""
+    counters."""
     with torch.device("meta"):
         meta_model = K3Model(K3Config.preset("k3-tiny"))
     real_model = tiny()
@@ -206,8 +206,6 @@ def test_a_forward_on_the_meta_device_is_one_clear_error():
             model(x, targets=x)
         with pytest.raises(ValueError, match=want):
             model.generate(x, 2)
-    logits, loss = real_model(idx, targets=idx)
-    assert logits.shape == (2, 6, real_model.config.vocab_size) and torch.isfinite(loss)
 
 
 def test_loss_is_the_mean_over_counted_targets_and_zero_when_none_count():
