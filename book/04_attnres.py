@@ -16,10 +16,9 @@
 # summaries, the embedding included. The paper reports AttnRes matches the baseline's loss with about
 # **1.25x less compute**, at **< 2%** inference and **< 4%** training overhead.
 #
-# Sections: (1) the problem, *dilution*; (2) the formula and the simplest code; (3) the training path
-# and (4) the inference path, each checked against the formula; (5) the Triton kernels and their check;
-# (6) the H200 result against a bytes floor; (7) an experiment: a tiny LM under each residual at equal
-# compute, and what the depth weights learn.
+# Sections: (1) the problem, *dilution*; (2) the formula and the simplest code; (3) the training and
+# (4) inference paths, checked against it; (5) the Triton kernels and their check; (6) the H200 result
+# against a bytes floor; (7) an experiment: a tiny LM under each residual, the depth weights learned.
 
 # %% tags=["parameters"]
 profile: str = "cpu"
@@ -44,7 +43,6 @@ device = k3lab.setup(seed=seed, profile=profile)
 import inspect
 import json
 import timeit
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -56,6 +54,7 @@ import k3lab.lm as lm
 from k3lab.attnres import (AttnRes, BlockAttnRes, block_attnres_inference, block_sizes, depth_attention,
                            naive_attnres, naive_block_attnres, retained_bytes)
 from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch
+from k3lab.book import ROOT
 from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd
 from k3lab.testing import rel_rms_error
 
@@ -66,8 +65,7 @@ from k3lab.testing import rel_rms_error
 # $v_i = f_i(\cdot)$ is sublayer $i$'s output. The sum only grows: for independent outputs of RMS
 # $\sigma$, $\lVert h_l \rVert \sim \sigma\sqrt{l}$, so each new output is a shrinking fraction
 # ($\approx 1/\sqrt l$) of its stream. Deep layers must produce ever larger outputs to be heard, and
-# every earlier output reaches layer $l$ with weight 1: no layer chooses *which* earlier layers to read
-# (the paper's Sec. 2). Below: `L_demo` random pre-norm linear sublayers $v = W\,\mathrm{RMSNorm}(h)$,
+# every earlier output reaches layer $l$ with weight 1: no layer chooses *which* to read (paper, Sec. 2). Below: `L_demo` random pre-norm linear sublayers $v = W\,\mathrm{RMSNorm}(h)$,
 # $W_{ij} \sim \mathcal N(0, 1/d)$ (outputs of RMS about 1, like the embedding); hooks record each
 # sublayer's input and output RMS under the standard residual and AttnRes at its zero initialisation.
 
@@ -121,8 +119,8 @@ assert attn_in.max() <= max(attn_out.max(), std_in[0]) * (1 + 1e-6)
 # %% [markdown]
 # Under AttnRes every sublayer's input is a *convex combination* of earlier representations, so its
 # scale cannot run away (it shrinks here, averaging nearly independent vectors; the next pre-norm undoes
-# that). At zero init the weights are uniform, as diluted as the sum, but they are *learned and
-# input-dependent*: a query can give any earlier output a weight near 1 (section 7 shows what they learn).
+# that). At zero init the weights are uniform, as diluted as the sum, but *learned and input-dependent*:
+# a query can give any earlier output a weight near 1 (section 7 shows what they learn).
 #
 # ## 2. The formulation
 #
@@ -200,15 +198,14 @@ assert err_uniform < 1e-14 and err_full < 1e-14
 #    $h_k = (1-\beta) o_k + \beta p_k$, $\beta = \sigma(s - \mathrm{lse}_k)$.
 # 3. **Recompute, do not keep.** The $o_k$ are dropped at the block's end and rebuilt by one more
 #    phase-1 pass when backward reaches the block; a saved-tensor hook swaps the sublayer's saved input
-#    $h_k$ for a recipe ($o_k$, $\mathrm{lse}_k$, $p_k$): "recompute" among the policies (keep,
-#    recompute, offload) K3's activation manager gives saved tensors outside model code.
+#    $h_k$ for a recipe ($o_k$, $\mathrm{lse}_k$, $p_k$): K3's activation manager's "recompute" policy.
 #
 # Backward runs the same passes in reverse: the merge's backward gives $\partial o_k$, $\partial p_k$,
 # $\partial\,\mathrm{lse}_k$; then **one batched pass per block** does the softmax backward of all $S$
 # reads into one shared gradient accumulator (closed forms: `docs/attnres.md`, `k3lab.attnres.mix`).
-# Per sublayer the path keeps the partial sum where the standard keeps $h_k$, plus the shared buffer,
-# lse, logits table and each block's $r_i$. The closed forms (phase 1 for $S = 3$ sublayers over 4
-# blocks, the two merges, both backwards) against autograd through the formula, in float64:
+# Per sublayer it keeps the partial sum where the standard keeps $h_k$, plus the shared buffer, lse,
+# logits table and each block's $r_i$. The closed forms (phase 1 for $S = 3$ sublayers over 4 blocks,
+# the two merges, both backwards) against autograd through the formula, in float64:
 
 # %% tags=["nbval-ignore-output"]
 gen = torch.Generator().manual_seed(seed)
@@ -234,8 +231,8 @@ print(f"closed forms vs autograd (3 reads, 4 block grads, dW, 2 partial grads): 
 assert max(errs) < 1e-12
 
 # %% [markdown]
-# Activation memory, measured: `retained_bytes` counts the tensor storages a forward pass leaves
-# alive for backward. 16 pre-norm SwiGLU sublayers, $d = 64$, 2 x 64 tokens, float32:
+# Activation memory, measured: `retained_bytes` counts the storages a forward leaves alive for backward
+# (16 pre-norm SwiGLU sublayers, $d = 64$, 2 x 64 tokens, float32):
 
 # %% tags=["nbval-ignore-output"]
 torch.manual_seed(seed)
@@ -371,15 +368,15 @@ assert max(errs) < 1e-5
 # `python -m k3lab.bench.attnres` checks the kernels on the GPU, times them against the same closed
 # form in eager PyTorch and `torch.compile`, and times the training step (forward, backward, AdamW) of
 # a `k3lab.lm.LM` under each residual (model line below); `--lm-steps` adds section 7 at GPU size. The
-# overhead is the Block AttnRes step against the standard step timed in alternation, per precision
-# (`autocast_compiled`: sublayers under `torch.compile`, the tuned case; `fsdp_bf16` on one GPU is bound
-# by its launching CPU). Last, the two-phase path's float32 error against float64 beside the formula's
-# (the softmax over depth cancels, so both are far from float32's rounding).
+# overhead: the Block AttnRes step against the standard one timed in alternation, per precision
+# (`autocast_compiled`: sublayers compiled, the tuned case; `fsdp_bf16` on one GPU is CPU-bound). Last,
+# the two-phase path's float32 error beside the formula's (both far from float32's rounding: the depth
+# softmax cancels).
 
 # %% tags=["nbval-ignore-output"]
 from k3lab.bench.attnres import table
 
-result_path = Path("../data/results/attnres_h200.json")
+result_path = ROOT / "data" / "results" / "attnres_h200.json"
 bench = json.loads(result_path.read_text())
 print(bench["hardware"], "|", bench["date"], "| torch", bench["torch"], "|", bench["step"]["model"], "\n")
 print(table(bench))
@@ -406,7 +403,7 @@ print(f"two-phase path / formula, float32 error against float64: {min(ratios.val
 assert min(eager) > 1 and max(ratios.values()) < 1.5
 
 # %% [markdown]
-# At this width the mixing sits well above a 2% target (phase-1 backward designs timed and lost:
+# At d = 2048 the mixing costs more than the paper's < 4% (phase-1 backward designs timed and lost:
 # `docs/attnres.md`). Being memory-bound, its bytes set a floor: `k3lab.attnres.traffic` counts them per
 # token-channel per sublayer (`bytes_model`, the table above); `bytes_floor` grants every fusion in its
 # docstring (merge fused with the partial sum's add and the next RMSNorm; blocks stored by the next phase
@@ -421,7 +418,7 @@ from k3lab.attnres.traffic import bytes_floor, step_ms
 standard = {p: r["standard_ms"] for p, r in rows.items()}
 shares = {p: name for p, name in (("autocast", "% eager step"), ("autocast_compiled", "% compiled step"))
           if p in standard}
-print(f"measured on this H200: copy {bench['bandwidth']['copy_TBps']:.2f} TB/s, add "
+print(f"measured on the benchmark's H200: copy {bench['bandwidth']['copy_TBps']:.2f} TB/s, add "
       f"{bench['bandwidth']['add_TBps']:.2f} TB/s; the ceiling used: 4 TB/s")
 print(f"{'blocks / o_k / stream':<26}{'floor B':>7}{'ms @ 4 TB/s':>13}" + "".join(f"{n:>17}" for n in shares.values()))
 for label, kw in [("fp32 / fp32 / fp32", dict(buf=4, o=4, h=4, v=4)), ("fp32 / bf16 / fp32 (built)", dict(buf=4)),
@@ -431,10 +428,10 @@ for label, kw in [("fp32 / fp32 / fp32", dict(buf=4, o=4, h=4, v=4)), ("fp32 / b
     print(f"{label:<26}{extra:>7.1f}{ms:>13.2f}" + "".join(f"{100 * ms / standard[p]:>16.2f}%" for p in shares))
 
 # %% [markdown]
-# The 4 TB/s ceiling is a little above the best streaming rates measured on this H200 (the line above,
-# the kernel table's GB/s column): the table is what the bytes alone must cost. 2% over a tuned step
-# needs bf16 blocks and near-perfect streaming, launch gaps included. Phase 1's backward, the slowest
-# kernel, streams well below copy bandwidth (its kernel-table row): latency-bound, not bytes-bound.
+# The 4 TB/s ceiling is a little above the best streaming rates measured on that H200 (the line above,
+# the kernel table's GB/s column): the table is what the bytes alone must cost. Under 2% of a compiled
+# step needs bf16 blocks and near-perfect streaming, launch gaps included. Phase 1's backward with six
+# queries (the `_S6` rows) streams at 1.4-1.7 TB/s, under half the copy rate: latency-bound.
 #
 # **Against width.** The mixing's bytes grow as $d$ per token, the sublayers' GEMMs as $d^2$: the
 # overhead should fall about as $1/d$. `python -m k3lab.bench.attnres_width` measures it up to K3's
@@ -473,8 +470,8 @@ assert all(r["overhead"] < 0.04 for r in widest)
 # the real corpus, same seed, batches, steps and schedule; only the residual differs: standard, Block
 # AttnRes with $N$ in `block_counts`, and full AttnRes ($N = L$). AttnRes adds $(L+1) d$ parameters and
 # $O(Nd)$ flops per token per sublayer: equal steps are equal compute. On CPU the run is short and
-# differences partly noise (the GPU-sized run follows). The last column, forward + backward timed in
-# alternation after training, is eager PyTorch at a tiny $d$; section 6 is the overhead that matters.
+# its differences noise (the GPU-sized run follows). The last column, forward + backward timed in
+# alternation after training, is eager float32 PyTorch at a small $d$; section 6 is the overhead that matters.
 
 # %% tags=["nbval-ignore-output"]
 L = 2 * n_layers
@@ -487,17 +484,19 @@ for name, N in variants:
     model = lm.LM(config, residual=None if N is None else BlockAttnRes(d_model, L, N))
     histories[name] = lm.train(model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, device=device,
                                seed=seed, log_every=log_every)
-    models[name] = model.cpu()
+    models[name] = model
 assert all(np.isfinite(h["val_loss"]).all() and h["val_loss"][-1] < h["val_loss"][0] for h in histories.values())
 
 # The cost per step, best of 15 forward + backward per model timed round-robin (the training loop's
 # tokens/s spans whole log windows, which other processes on a shared CPU stretch for one model).
-x_t, y_t = kdata.get_batch(kdata.load_split("train"), batch_size, seq_len, torch.Generator().manual_seed(seed), "cpu")
+x_t, y_t = kdata.get_batch(kdata.load_split("train"), batch_size, seq_len, torch.Generator().manual_seed(seed), device)
+sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 costs = {name: [] for name in models}
 for _ in range(15):
     for name, model in models.items():
-        costs[name] += timeit.repeat(lambda: model(x_t, y_t)[1].backward(), number=1, repeat=1)
+        costs[name] += timeit.repeat(lambda: (model(x_t, y_t)[1].backward(), sync()), number=1, repeat=1)
         model.zero_grad()
+models = {name: model.cpu() for name, model in models.items()}
 print(f"{'residual':<16}{'final train loss':>17}{'final val loss':>16}{'ms / step (fwd+bwd)':>21}")
 for name, hist in histories.items():
     print(f"{name:<16}{hist['loss'][-1]:>17.3f}{hist['val_loss'][-1]:>16.3f}{1e3 * min(costs[name]):>21.1f}")
@@ -523,7 +522,9 @@ plot_runs(histories, "Training loss")
 # %% [markdown]
 # **The learned depth weights.** `BlockAttnRes.depth_weights` averages each read's softmax weights over
 # a validation batch's tokens. Rows are reads (sublayer $l$, the final aggregation last), columns the
-# sources: $b_0$ (embedding), completed blocks, the reader's own partial sum last. At init rows are uniform.
+# sources: $b_0$ (embedding), completed blocks, the reader's own partial sum last. At init rows are uniform;
+# after training, the pattern shows which earlier blocks each sublayer chose to read. Below them, dilution
+# after training: each sublayer's input RMS in the trained models.
 
 # %%
 def plot_depth_weights(weights: dict):
@@ -543,14 +544,9 @@ with torch.no_grad():
                for name in histories if name != "standard"}
 plot_depth_weights(weights)
 for name, W in weights.items():
-    rows = torch.nan_to_num(W).sum(1)
-    assert torch.allclose(rows, torch.ones_like(rows), atol=1e-4), name  # each read's weights sum to 1
+    row_sums = torch.nan_to_num(W).sum(1)
+    assert torch.allclose(row_sums, torch.ones_like(row_sums), atol=1e-4), name  # each read's weights sum to 1
 
-# %% [markdown]
-# Uniform rows would mean the queries learned nothing; the pattern shows which earlier blocks each
-# sublayer chose to read. Finally, dilution after training: each sublayer's input RMS, trained models.
-
-# %%
 fig, ax = plt.subplots(figsize=(6, 3.2))
 trained = {}
 for name, model in models.items():
@@ -577,8 +573,7 @@ assert all(v < final["standard"] for name, v in final.items() if name != "standa
 # In that run every AttnRes variant ends below the standard residual (the cell asserts it). One seed,
 # one learning rate (which may suit the normalised depth mixing better than the plain sum), a short
 # horizon: the direction of the paper's result, not its compute-equivalence figure (a scaling-law sweep).
-
-# %% [markdown]
+#
 # ## Exercises
 #
 # 1. In section 1, replace the random sublayers' weights with `std = 2 * d_demo**-0.5`. How do the two
@@ -591,8 +586,7 @@ assert all(v < final["standard"] for name, v in final.items() if name != "standa
 #    sublayer. Count both for K3's layout ($L = 186$ sublayers, $N = 8$).
 # 5. Rerun the experiment with `steps = 200`. Does the ranking of the residuals hold, and by more than
 #    the spread between the three Block AttnRes variants?
-
-# %% [markdown]
+#
 # ## References
 #
 # - Kimi Team, *Attention Residuals*, arXiv 2603.15031 (2026): full and Block AttnRes, the memory
