@@ -12,6 +12,7 @@ import k3lab.lm as lm
 from k3lab.attnres import (AttnRes, BlockAttnRes, block_attnres_inference, block_attnres_train, block_sizes,
                            depth_attention, naive_attnres, naive_block_attnres, retained_bytes)
 from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch
+from k3lab.norm import RMSNorm
 from k3lab.testing import assert_close, rel_rms_error
 
 
@@ -21,7 +22,7 @@ class MLP(nn.Module):
 
     def __init__(self, d: int, hidden: int):
         super().__init__()
-        self.norm, self.up, self.down = nn.RMSNorm(d), nn.Linear(d, hidden), nn.Linear(hidden, d)
+        self.norm, self.up, self.down = RMSNorm(d), nn.Linear(d, hidden), nn.Linear(hidden, d)
 
     def forward(self, h):
         return self.down(torch.tanh(self.up(self.norm(h))))
@@ -322,7 +323,7 @@ def test_two_phase_under_autocast_stores_o_in_bf16():
     difference from the float32 run: visible, and within bf16's precision."""
     torch.manual_seed(41)
     L, d = 6, 32
-    subs = nn.ModuleList([nn.Sequential(nn.RMSNorm(d), nn.Tanh()) for _ in range(L)])
+    subs = nn.ModuleList([nn.Sequential(RMSNorm(d), nn.Tanh()) for _ in range(L)])
     h0, q = torch.randn(2, 8, d), torch.randn(L + 1, d)
     g_out = torch.randn(h0.shape, generator=torch.Generator().manual_seed(4))
     ref = grads_of(subs, h0, q, 2, "memory", g_out)

@@ -14,6 +14,7 @@ from k3lab.attnres import BlockAttnRes, naive_block_attnres  # noqa: E402
 from k3lab.attnres.mix import (block_scores, merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch,  # noqa: E402
                                phase1_fwd_torch, store_block_torch)
 from k3lab.kernels.attnres import merge_bwd, merge_fwd, phase1_bwd, phase1_fwd, store_block  # noqa: E402
+from k3lab.norm import RMSNorm  # noqa: E402
 from k3lab.testing import assert_close  # noqa: E402
 
 
@@ -186,7 +187,7 @@ def test_phase1_bf16_storage():
 
 def sublayers(L, d, seed):
     torch.manual_seed(seed)
-    return nn.ModuleList([nn.Sequential(nn.RMSNorm(d), nn.Linear(d, 2 * d), nn.Tanh(), nn.Linear(2 * d, d))
+    return nn.ModuleList([nn.Sequential(RMSNorm(d), nn.Linear(d, 2 * d), nn.Tanh(), nn.Linear(2 * d, d))
                           for _ in range(L)]).to(DEVICE)
 
 
@@ -340,7 +341,7 @@ def test_module_bf16_buffer_close_to_float32():
     """buffer_dtype=bfloat16: same function up to bf16 rounding of the stored blocks."""
     L, N, d = 4, 2, 32
     torch.manual_seed(12)
-    subs = nn.ModuleList([nn.Sequential(nn.RMSNorm(d), nn.Linear(d, d), nn.Tanh()) for _ in range(L)]).to(DEVICE)
+    subs = nn.ModuleList([nn.Sequential(RMSNorm(d), nn.Linear(d, d), nn.Tanh()) for _ in range(L)]).to(DEVICE)
     # Drawn on the CPU: the same inputs on every device (CUDA's generator draws other numbers).
     h0 = randn(2, 5, d, g=torch.Generator().manual_seed(12))
     out = {}

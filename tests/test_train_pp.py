@@ -13,12 +13,13 @@ import torch
 import torch.nn as nn
 
 from k3lab.attnres import BlockAttnRes, block_attnres_stage, carried_sources, naive_block_attnres
+from k3lab.norm import RMSNorm
 from k3lab.testing import assert_close
 
 
 def _sublayers(L: int, d: int, seed: int) -> nn.ModuleList:
     torch.manual_seed(seed)
-    return nn.ModuleList(nn.Sequential(nn.RMSNorm(d), nn.Linear(d, 2 * d), nn.Tanh(), nn.Linear(2 * d, d))
+    return nn.ModuleList(nn.Sequential(RMSNorm(d), nn.Linear(d, 2 * d), nn.Tanh(), nn.Linear(2 * d, d))
                          for _ in range(L)).double()
 
 

@@ -37,6 +37,7 @@ import k3lab
 from k3lab.attnres.traffic import bytes_model, bytes_table, step_ms
 from k3lab.bench import nonnegative_int, positive_int, run_info
 from k3lab.files import write_json
+from k3lab.norm import RMSNorm
 
 PHASE1_CASES = [  # (tokens M, width d, blocks read n, queries S, buffer dtype)
     (8192, 2048, 8, 6, torch.float32),  # the last block of the 48-sublayer N = 8 model
@@ -99,7 +100,7 @@ def check_correctness(device, M=1000, d_check=320, T=300) -> dict:
     # cancel, so neither float32 path gets near 1e-6 of the truth; 1e-5 floor).
     d, L = d_check, 7
     torch.manual_seed(0)
-    subs = nn.ModuleList([nn.Sequential(nn.RMSNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+    subs = nn.ModuleList([nn.Sequential(RMSNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
                           for _ in range(L)]).to(device)
     x0, q = torch.randn(2, T, d, device=device), torch.randn(L + 1, d, device=device)
     for N in (3, L):
