@@ -124,9 +124,11 @@ class BlockAttnRes(nn.Module):
             raise RuntimeError("path='inference' records no gradients: run it under torch.no_grad() or "
                                "torch.inference_mode(), or train with path='auto' or 'memory'")
         if path == "naive":
-            return naive_block_attnres(h0, sublayers, self.queries, self.sizes, self.eps)
+            return naive_block_attnres(h0, sublayers, self.queries, self.sizes, self.eps,
+                                       check_values=self.check_values)
         if path == "inference":
-            return block_attnres_inference(h0, sublayers, self.queries, self.sizes, self.eps)
+            return block_attnres_inference(h0, sublayers, self.queries, self.sizes, self.eps,
+                                           check_values=self.check_values)
         return block_attnres_train(h0, sublayers, self.queries, self.sizes, self.eps,
                                    self.backend or ("triton" if h0.is_cuda else "torch"), self.recompute_input,
                                    self.buffer_dtype, check_values=self.check_values)
