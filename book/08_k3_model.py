@@ -44,7 +44,6 @@ device = k3lab.setup(seed=seed, profile=profile)
 # %%
 import inspect
 import json
-from pathlib import Path
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -57,6 +56,7 @@ import k3lab.data as kdata
 import k3lab.lm as lm
 from k3lab.bench.memory import SET_DOCS, check_policies, measure, policy_sets
 from k3lab.bench.memory import table as memory_table
+from k3lab.book import ROOT
 from k3lab.mla import GatedMLA, absorbed_attention, naive_gated_mla
 from k3lab.model import K3Config, K3Model, count_params, flops_per_token, format_table, mfu, param_table
 from k3lab.model.accounting import PEAK_FLOPS
@@ -77,13 +77,13 @@ def show(fn):
 # ## 1. K3 at full size, on the meta device
 #
 # `K3Config()` holds K3's shape under the released config's field names; `"k3-full"` is that default.
-# Built under `torch.device("meta")`, every parameter has a shape and no storage, so the full model
-# takes no memory and can be counted exactly. "Activated" needs a convention, and the two numbers match
-# Table 1 only under one; k3lab's (`k3lab.model.accounting`): a token activates every parameter it is
-# multiplied by, so all but the routed experts it does not visit (16 of 896 per MoE layer) and the **input
-# embedding** (a lookup, not a matmul); the LM head (a $[d, V]$ matmul) and the router (all 896 scores are
-# computed) count in full. **KDA's output gate is low rank** (rank 128, Kimi Linear's $W_{g2} W_{g1}$), its
-# decay projection full rank. The count, then the other readings:
+# Built under `torch.device("meta")`, every parameter has a shape and no storage: the full model takes no
+# memory and is counted exactly. "Activated" needs a convention; Table 1's numbers match only k3lab's
+# (`k3lab.model.accounting`): a token activates every parameter it is multiplied by, so all but the routed
+# experts it does not visit (16 of 896 per MoE layer) and the **input embedding** (a lookup, not a matmul);
+# the LM head (a $[d, V]$ matmul) and the router (all 896 scores are computed) count in full. **KDA's
+# output gate is low rank** (rank 128, Kimi Linear's $W_{g2} W_{g1}$), its decay projection full rank. The
+# count, then the other readings:
 
 # %%
 k3 = K3Config.preset("k3-full")
@@ -108,8 +108,8 @@ print(f"routed experts: {100 * routed[0] / total:.1f}% of the total, "
       f"{100 * routed[1] / active:.1f}% of the active count")
 
 # %% [markdown]
-# The routed experts hold almost all of the total and under half of what a token touches; of the
-# rest, KDA is the largest part (table above).
+# The routed experts hold almost all of the total and under half of what a token touches; of the rest,
+# KDA is the largest part (table above).
 #
 # ## 2. Gated MLA (K3 Eq. 7)
 #
@@ -125,9 +125,8 @@ print(f"routed experts: {100 * routed[0] / total:.1f}% of the total, "
 #
 # Three things differ from DeepSeek-V2's MLA. **NoPE**: the $D_r = 64$ channels DeepSeek rotates stay
 # unrotated; position reaches the model only through the KDA layers' recurrence and short convolutions.
-# **The scale** is $1/\sqrt{D_n + D_r} = 1/\sqrt{192}$, from the width that $q_h \cdot k_h$ sums over.
-# **The output gate** $\sigma(W_g x)$, full rank ($W_g$ is $[H D_v, d]$), multiplies the attention output
-# channel by channel before $W_o$ (KDA's gate also normalises per head first; MLA's does not).
+# **The scale** is $1/\sqrt{D_n + D_r} = 1/\sqrt{192}$, the width $q_h \cdot k_h$ sums over. **The output
+# gate** $\sigma(W_g x)$, full rank, multiplies the attention output channel by channel before $W_o$.
 #
 # **Decoding** caches only $c$ and $k^s$, $R + D_r = 576$ numbers per token and layer, instead of the
 # $H(D_n + D_r + D_v) = 30720$ of materialised keys and values. Reading them needs the **absorbed** form:
@@ -183,12 +182,11 @@ for T in (1, 2):
           f"rel RMS error {rel_rms_error(ref, bad):.1e}")
     assert (rel_rms_error(ref, bad) < 1e-12) == (T == 1)
 
-# %% [markdown]
-# What the cache saves at K3's size, per layer kind, for one sequence (bf16 latents; KDA's state in float32):
-
 # %%
+# What the cache saves at K3's size, per layer kind, for one sequence (bf16 latents; KDA's state in float32).
 mla_per_token = k3.kv_lora_rank + k3.qk_rope_head_dim
 mat_per_token = k3.num_attention_heads * (k3.qk_nope_head_dim + k3.qk_rope_head_dim + k3.v_head_dim)
+print(f"numbers per token and MLA layer: latent cache {mla_per_token}, materialised K/V {mat_per_token}")
 H, Kd = k3.num_attention_heads, k3.head_dim
 kda_layers = k3.num_hidden_layers - k3.num_mla_layers
 kda_state = kda_layers * (H * Kd * Kd * 4 + 3 * (k3.kda_conv_size - 1) * H * Kd * 2)
@@ -205,9 +203,8 @@ for T in (8192, 1 << 20):
 # Stable LatentMoE. Block AttnRes groups the layers into blocks of 12, the last one partial; a layer's
 # mixer and FFN always share a block, and as 12 is a multiple of the period 4 the full blocks are alike.
 # Each row below is one AttnRes block of the model built above, read from its `residual.sizes` (a layer is
-# a mixer and an FFN sublayer). **Multi-token prediction**: Table 1 lists one MTP layer, the released
-# config none; `num_nextn_predict_layers` = D appends D DeepSeek-V3-style modules (docs/model.md), counted
-# last here.
+# a mixer and an FFN sublayer). **Multi-token prediction**: Table 1 lists one MTP layer, the released config
+# none; `num_nextn_predict_layers` = D appends D DeepSeek-V3-style modules (docs/model.md), counted last.
 
 # %%
 def layer_blocks(model):
@@ -260,9 +257,9 @@ del full_mtp
 # for an $A \times B$ matrix. A Q, K or V projection is $H$ maps stacked by rows, one per head; as one
 # matrix, $\mathrm{NS}$ equalises the singular values of the whole stack, so a head with a small gradient
 # gets a small share of the update. K3 (Sec. 2.5) runs Newton-Schulz on each head's row block, scaled for
-# its own shape. `head_blocks` gives the blocks: $K$ rows per KDA head; $D_n + D_r$ per MLA query head;
-# $D_n$ key and $D_v$ value rows per head of MLA's `kv_b_proj`. Blocks of one shape, across every layer, go
-# through Newton-Schulz as one batched matmul (docs/model.md says why). Split, Newton-Schulz, reassembly:
+# its own shape. `head_blocks` gives them: $K$ rows per KDA head; $D_n + D_r$ per MLA query head; $D_n$ key
+# and $D_v$ value rows per head of `kv_b_proj`; blocks of one shape, across all layers, go through one
+# batched Newton-Schulz (docs/model.md). Split, Newton-Schulz, reassembly:
 
 # %%
 for fn in (PerHeadMuon._blocks, newton_schulz_blocks, PerHeadMuon._update):
@@ -271,7 +268,7 @@ for fn in (PerHeadMuon._blocks, newton_schulz_blocks, PerHeadMuon._update):
 # %% [markdown]
 # **The check**: three steps of per-head Muon equal a loop of `torch.optim.Muon`, one parameter per head, on
 # one KDA and one Gated MLA layer of `k3-tiny`, to bf16 rounding (both run Newton-Schulz in bf16; batched
-# GEMMs may round differently; the full-matrix update, which per-head Muon replaces, is 30-50% away):
+# GEMMs may round differently); last, how far the full-matrix update that per-head Muon replaces lies:
 
 # %%
 show(muon_loop_reference)
@@ -282,9 +279,11 @@ g = torch.Generator().manual_seed(seed)
 for p, blocks in list(blocks_of.items())[:3] + list(blocks_of.items())[-2:]:
     grads = [torch.randn(p.shape, generator=g) for _ in range(3)]
     w = p.detach()
-    err = rel_rms_error(muon_loop_reference(p, blocks, grads, 0.02, 0.1) - w, per_head_steps(p, blocks, grads, 0.02, 0.1) - w)
-    print(f"{names[p]:<28} {list(p.shape)} in blocks {blocks}: update vs the loop, rel error {err:.1e}")
-    assert err < 1e-2
+    ours = per_head_steps(p, blocks, grads, 0.02, 0.1) - w
+    err = rel_rms_error(muon_loop_reference(p, blocks, grads, 0.02, 0.1) - w, ours)
+    err_matrix = rel_rms_error(muon_loop_reference(p, None, grads, 0.02, 0.1) - w, ours)
+    print(f"{names[p]:<28} {list(p.shape)} in blocks {blocks}: vs the loop {err:.1e}; vs one matrix {err_matrix:.0%}")
+    assert err < 1e-2 and err_matrix > 0.1
 
 # %% [markdown]
 # **Update RMS per block.** A query projection whose head $h$ has its gradient rows scaled by $10^{-h}$,
@@ -311,9 +310,9 @@ print(f"singular values of one head's NS(G): {sv.min():.2f} .. {sv.max():.2f} (e
 
 # %% [markdown]
 # Per head, every head moves by about the same RMS whatever its gradient's scale; as one matrix, the
-# smallest barely move. It sits under 0.2 because five quintic steps bring the singular values near 1, not
-# onto it. What is not a hidden matrix (embedding, LM head, norms, router, KDA's $\beta$ and gate vectors,
-# convolution taps, AttnRes queries) goes to AdamW in the same optimizer, same learning rate and decay:
+# smallest barely move. Under 0.2: five quintic steps bring the singular values near 1, not onto it. What
+# is not a hidden matrix (embedding, LM head, norms, router, KDA's $\beta$ and gate vectors, conv taps,
+# AttnRes queries) goes to AdamW in the same optimizer, same learning rate and decay:
 
 # %%
 for grp in per_head_muon(tiny).param_groups:
@@ -333,8 +332,8 @@ for grp in per_head_muon(tiny).param_groups:
 # **latent** width 3584 they run at; the LM head in), and for each of the 24 MLA layers the score and
 # weighted-sum matmuls, forward $2H(D_n + D_r)T + 2H D_v T$ and backward twice that, not halved for the
 # causal mask; KDA's state work, norms, element-wise ops and AttnRes mixing are left out. The hand count
-# against the function; then, as K3's report gives no MFU, the tokens/s per GPU an MFU needs at 8K context
-# on an H100's dense bf16 peak (989.4 TFLOP/s, `PEAK_FLOPS`), at MegaScale's 55.2% and at 40%:
+# against the function; as K3's report gives no MFU, the tokens/s per GPU an MFU needs at 8K context on an
+# H100's dense bf16 peak, at MegaScale's 55.2% and at 40%; and the MFU chapter 09 measured (`train_h100.json`):
 
 # %%
 routed_latent = k3.num_experts_per_tok * 3 * k3.moe_latent_size * k3.moe_intermediate_size
@@ -348,19 +347,25 @@ for T in (8192, 65536, 1 << 20):
     assert f == 6 * active + attn
     print(f"{T:>8}{6 * active / 1e9:>20.1f}{attn / 1e9:>23.1f}{f / 1e9:>15.1f}")
 f8k = flops_per_token(k3, 8192)
+print(f"H100 dense bf16 peak: {PEAK_FLOPS['h100'] / 1e12:.1f} TFLOP/s")
 for u in (0.552, 0.40):
     tps = u * PEAK_FLOPS["h100"] / f8k
     assert abs(mfu(tps, f8k, "h100") - u) < 1e-12
     print(f"MFU {100 * u:.1f}%: {tps:,.0f} tokens/s per GPU; 1T tokens on 4096 GPUs in "
           f"{1e12 / (tps * 4096) / 86400:.1f} days")
+run = json.loads((ROOT / "data" / "results" / "train_h100.json").read_text())
+assert abs(mfu(run["tokens_per_s"], run["flops_per_token"], run["peak_flops_key"]) - run["mfu"]) < 1e-9
+print(f"measured: {run['preset']}, {run['batch_size']} x {run['seq_len']} tokens a step on one {run['device']}: "
+      f"{run['tokens_per_s']:,.0f} tokens/s x {run['flops_per_token'] / 1e9:.2f} GFLOP = MFU {100 * run['mfu']:.1f}%")
 
 # %% [markdown]
 # ## 6. Experiment: the architecture at a tiny size, Per-Head Muon against AdamW
 #
-# `k3-tiny` is K3's architecture at $d = 64$: 5 layers (KDA, KDA, KDA, MLA, MLA), the first FFN dense,
-# the rest LatentMoE with Quantile Balancing, Block AttnRes; the vocabulary is the corpus tokenizer's.
-# Two runs share initialisation, batches, schedule, learning rate and weight decay (RMS matching lets Muon
-# share AdamW's) and clipping at 1; only the optimizer differs (`k3lab.lm.train`, MoE bias update as `after_step`).
+# `preset` is `k3-tiny` on the CPU (`k3-1b` on the GPU profile): K3's architecture at $d = 64$, 5 layers
+# (KDA, KDA, KDA, MLA, MLA), the first FFN dense, the rest LatentMoE with Quantile Balancing, Block
+# AttnRes; the vocabulary is the corpus tokenizer's.
+# Two runs share initialisation, batches, schedule, learning rate, weight decay (RMS matching lets Muon
+# share AdamW's) and clipping; only the optimizer differs (`k3lab.lm.train`, MoE bias update `after_step`).
 
 # %% tags=["nbval-ignore-output"]
 cfg = K3Config.preset(preset, vocab_size=kdata.vocab_size())
@@ -389,15 +394,15 @@ for name, hist in runs.items():
 assert all(np.isfinite(h["val_loss"]).all() and h["val_loss"][-1] < h["val_loss"][0] for h in runs.values())
 
 # %% [markdown]
-# One seed and one learning rate on a few thousand tokens a step: both optimizers train the architecture;
-# it is not a tuned comparison (exercise 4).
+# One seed, one learning rate, a short run (its tokens a step printed above): both optimizers train the
+# architecture; it is not a tuned comparison (exercise 4).
 #
 # ### Decoding from the caches
 #
 # `generate()` prefills the prompt once, then feeds one token a step: each KDA layer carries its state and
 # convolution tail, each MLA layer its latent cache, read in the absorbed form. The check, in float64 on a
-# fresh `k3-tiny`: prefill plus one-token steps equal one forward, up to the float32 MoE router scores.
-# Then a greedy continuation from each trained model, on a prompt from the validation split:
+# fresh `k3-tiny`: prefill plus one-token steps equal one forward, up to the float32 MoE router scores;
+# then a greedy continuation from each trained model, on a validation prompt:
 
 # %%
 torch.manual_seed(seed)
@@ -427,8 +432,7 @@ for name, model in models.items():
 # %% [markdown]
 # ## 7. Explore: where the parameters go
 #
-# The total and activated counts as the MoE's shape changes, on the meta device (other fields at K3's
-# values). The figure is drawn once for every run; in JupyterLab the explorer redraws it.
+# The counts as the MoE's shape changes (meta device, other fields at K3's); JupyterLab's explorer redraws.
 
 # %%
 def plot_counts(n_routed_experts: int = 896, num_experts_per_tok: int = 16, moe_latent_size: int = 3584):
@@ -452,8 +456,7 @@ explorer = explore(plot_counts, n_routed_experts=[128, 256, 384, 512, 896, 1024]
 #
 # Training holds every tensor backward will read until it reads it; at K3's width that, not the weights,
 # decides how many tokens fit on a card. K3's *unified activation manager* gives each saved tensor a
-# storage policy, declared by module name outside the model code (K3 report, "Training system").
-# `k3lab.memory` implements four:
+# storage policy by module name, outside the model code (K3 report, "Training system"); `k3lab.memory` has four:
 #
 # | policy | what stays on the device until backward | what backward pays |
 # |---|---|---|
@@ -463,22 +466,21 @@ explorer = explore(plot_counts, n_routed_experts=[128, 256, 384, 512, 896, 1024]
 # | fp8 | 1 byte per value and a float32 scale per 128 values | dequantising; ~$2^{-4}$ relative error per value |
 #
 # K3 saves only the MoE's dispatch input and recomputes the dispatch, keeps Block AttnRes fully
-# checkpointed and recomputes element-wise ops. `k3lab.bench.memory.policy_sets` names the sets compared
-# here as rules on `K3Model`'s module names; `k3_mix` is the K3-like one (MoE FFNs recomputed, the dense
-# FFN in fp8, the mixers kept). Every set but `plain` names every sublayer (docs/model.md says why).
+# checkpointed and recomputes element-wise ops. `k3lab.bench.memory.policy_sets` names the sets as rules on
+# `K3Model`'s module names; `k3_mix` is the K3-like one (MoE FFNs recomputed, the dense FFN in fp8, the
+# mixers kept); every set but `plain` names every sublayer (docs/model.md).
 #
 # The check: one float32 step of each set against `keep` on the same weights and tokens, routed to the
 # keep run's experts. Recompute and offload store the same values, so their gradients must be equal (on a
 # CPU bitwise); fp8 changes what backward reads, never the forward: equal loss, gradients within fp8's error.
-# Then what a forward + backward step takes on these 2 x 64 tokens, and what each set holds at the end of
-# forward as the manager counts it (device bytes per policy, and offload's host copies).
+# Then each set's step time on these 2 x 64 tokens, and what it holds at the end of forward (device bytes
+# per policy as the manager counts them, offload's host copies).
 
 # %% tags=["nbval-ignore-output"]
 torch.manual_seed(seed)
 mem_model = K3Model(K3Config.preset("k3-tiny", vocab_size=kdata.vocab_size())).to(device).train()
 sets = policy_sets(mem_model)
-mem_idx = torch.randint(0, mem_model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(seed))
-mem_idx = mem_idx.to(device)
+mem_idx = torch.randint(0, mem_model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(seed)).to(device)
 mem_check = check_policies(mem_model, mem_idx, sets)
 
 # %%
@@ -500,8 +502,7 @@ if device.type == "cpu":
 
 # %% tags=["nbval-ignore-output"]
 mem_runs = {}
-# Two rounds over the sets, each set's fastest step kept: a load spike on a shared CPU then slows one
-# round of a set, not its figure.
+# Two rounds, each set's fastest step kept: a load spike on a shared CPU slows one round, not the figure.
 for _ in range(2):
     for name, rules in sets.items():
         r = measure(mem_model, mem_idx, rules, steps=3, warmup=1)
@@ -542,7 +543,7 @@ assert mem_runs["offload"]["host_bytes"] > 0
 # in bf16 autocast, as `python -m k3lab.bench.memory` measures it into `data/results/memory_<card>.json`:
 
 # %% tags=["nbval-ignore-output"]
-found = sorted(Path("../data/results").glob("memory_h*.json"))
+found = sorted((ROOT / "data" / "results").glob("memory_h*.json"))
 mem_gpu = json.loads(found[-1].read_text()) if found else None
 if mem_gpu is None:
     print("no GPU result recorded yet: python -m k3lab.bench.memory on a GPU writes data/results/memory_<card>.json")
@@ -564,13 +565,14 @@ else:
     frontier = [n for n, r in done.items() if not any(
         o is not r and o["peak_bytes"] <= r["peak_bytes"] and o["step_ms"] <= r["step_ms"] for o in done.values())]
     print("no other set both smaller and faster:", ", ".join(frontier))
+    above = [f"{n} {r['base_bytes'] / 2**30:.2f}" for n, r in done.items() if r["base_bytes"] > base["base_bytes"] + 2**30 / 100]
+    print(f"allocated as a step begins, over 0.01 GiB above plain's {base['base_bytes'] / 2**30:.2f} GiB: {', '.join(above) or 'none'}")
 
 # %% [markdown]
 # Read the plot as a frontier: a set earns its place only if no other set is both smaller and faster (the
-# last line). A set whose `start` (allocated as a step begins) exceeds plain's keeps something of its last
-# step alive. fp8 pays for quantising with plain PyTorch ops; offload for copies backward waits on.
-
-# %% [markdown]
+# second last line). A set whose `start` exceeds plain's (the last line) keeps something of its last step
+# alive. fp8 pays for quantising with plain PyTorch ops; offload for copies backward waits on.
+#
 # ## Exercises
 #
 # 1. In `k3lab.mla.absorbed_attention`, drop `scale=scale` (SDPA's default) and run
