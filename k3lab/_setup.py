@@ -21,7 +21,7 @@ def _checkout_root(start: Path) -> Path | None:
 
 
 def setup(seed: int = 0, profile: str | None = None, verbose: bool = True):
-    """Prepare a session: seeds, device, Triton interpreter, versions.
+    """Prepare a session: seeds, device, Triton interpreter (whenever the session runs on the CPU), versions.
 
     Args:
         seed (int): in [0, 2**32); seeds Python's, NumPy's and torch's generators.
@@ -35,7 +35,8 @@ def setup(seed: int = 0, profile: str | None = None, verbose: bool = True):
         TypeError: ``seed`` is not an int (a bool is refused too).
         ValueError: ``seed`` not in [0, 2**32) (NumPy's range); ``profile`` is not "cpu", "gpu" or None.
         RuntimeError: ``profile="gpu"`` without CUDA; triton or a k3lab kernel module was imported
-            before ``setup()`` on a CPU-only machine (the interpreter flag would come too late); or the
+            before ``setup()`` when the session runs on the CPU (no CUDA, or ``profile="cpu"``: the
+            interpreter flag would come too late); or the
             imported k3lab is not the one in the checkout the session runs from.
     """
     # Checked before any generator is seeded: NumPy refuses what Python's random.seed accepts.
@@ -52,7 +53,8 @@ def setup(seed: int = 0, profile: str | None = None, verbose: bool = True):
     use_cuda = torch.cuda.is_available() and profile != "cpu"
     if profile == "gpu" and not use_cuda:
         raise RuntimeError("profile='gpu' but torch.cuda.is_available() is False")
-    if not torch.cuda.is_available():
+    if not use_cuda:
+        # The CPU profile runs the kernels on CPU tensors, under the interpreter, on a GPU machine too.
         # Triton reads TRITON_INTERPRET when a @triton.jit function is defined, so it must be set
         # before any kernel module is imported.
         # Triton's own jit helpers are defined when triton is imported (by the user, or through e.g.
@@ -61,7 +63,7 @@ def setup(seed: int = 0, profile: str | None = None, verbose: bool = True):
         # Triton is imported by then, so asking it how it reads TRITON_INTERPRET costs nothing.
         if early and not importlib.import_module("k3lab.kernels").interpreting():
             raise RuntimeError(
-                f"{early} was imported before k3lab.setup() on a machine without CUDA: restart the "
+                f"{early} was imported before k3lab.setup() on the CPU: restart the "
                 "kernel and call k3lab.setup() first (or set TRITON_INTERPRET=1 before importing it) "
                 "so Triton's interpreter is on before any kernel is defined"
             )
