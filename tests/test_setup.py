@@ -54,6 +54,17 @@ def test_triton_imported_before_setup_is_refused(first, named):
     assert f"{named} was imported before k3lab.setup()" in run.stdout, run.stdout
 
 
+def test_the_cpu_profile_interprets_the_kernels_on_a_gpu_machine_too():
+    """Where CUDA is present, the CPU profile's kernel cells still hand CPU tensors to the kernels: the
+    interpreter must be on for it (CUDA faked present here; before, only a machine without CUDA got it)."""
+    run = run_fresh("import os, torch\n"
+                    "torch.cuda.is_available = lambda: True\n"
+                    "import k3lab\n"
+                    "print(k3lab.setup(profile='cpu', verbose=False), os.environ.get('TRITON_INTERPRET'))\n")
+    assert run.returncode == 0, run.stderr[-600:]
+    assert run.stdout.split() == ["cpu", "1"], run.stdout
+
+
 @pytest.mark.parametrize("version, refused", [("2.4.0", True), ("2.3.5", False)])
 def test_kernels_under_the_interpreter_refuse_a_numpy_it_cannot_run(version, refused):
     """Triton 3.6's interpreter fails inside runtime-bound loops from numpy 2.4 on ("only 0-dimensional
