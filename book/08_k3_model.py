@@ -570,8 +570,9 @@ else:
 
 # %% [markdown]
 # Read the plot as a frontier: a set earns its place only if no other set is both smaller and faster (the
-# second last line). A set whose `start` exceeds plain's (the last line) keeps something of its last step
-# alive. fp8 pays for quantising with plain PyTorch ops; offload for copies backward waits on.
+# second last line). A `start` above plain's (the last line) is a step's leftovers: here the MoE recompute
+# replay `MoE.last_routing` held (fixed and tested since, not yet re-measured). fp8 pays for quantising with
+# plain PyTorch ops; offload for copies backward waits on.
 #
 # ## Exercises
 #
