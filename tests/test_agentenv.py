@@ -262,9 +262,11 @@ def test_snapshot_restore_in_place(pool):
 @pytest.mark.parametrize("cow_parent", [False, True], ids=["own-ram-parent", "cow-parent"])
 def test_fork_isolation_disk_and_memory(pool, cow_parent):
     with pool.create(cow=cow_parent) as parent:
-        # memory: a tmpfs file and a live shell process holding a value; disk: an ext4 file
+        # memory: a tmpfs file and a live shell process holding a value; disk: an ext4 file. The loop renames
+        # a finished file into place: `echo > /tmp/live` truncates first, and a read in between sees nothing.
         parent.exec("echo parent > /tmp/m; echo parent > /home/user/d; sync;"
-                    " (v=parent; while true; do echo $v > /tmp/live; sleep 0.2; done) >/dev/null 2>&1 &",
+                    " (v=parent; while true; do echo $v > /tmp/live.new; mv /tmp/live.new /tmp/live; sleep 0.2;"
+                    " done) >/dev/null 2>&1 &",
                     timeout=10, keep_background=True)
         a, b = parent.fork(2)
         try:
