@@ -386,8 +386,40 @@ for name, hist_m in pair.items():
     print(f"{name:<11} val loss {hist_m['val_loss'][-1]:.3f}")
 
 # %% [markdown]
-# A CPU run this short shows that both train, not which is better: the comparison of quality needs the
-# GPU profile's longer run. The systems side, the bytes and FLOPs of Section 1, is measured next.
+# A run this short shows that both train, not which is better. `python -m k3lab.bench.moe_quality` runs the
+# same pair longer, on several seeds (model initialisation and batch order), and commits the curves:
+
+# %% tags=["nbval-ignore-output"]
+fig, ax = plt.subplots(figsize=(6, 3.2))
+for path in sorted((ROOT / "data" / "results").glob("moe_quality_*.json")):
+    qual = json.loads(path.read_text())
+    for name, color in (("full width", "C0"), ("latent", "C1")):
+        runs = [r for r in qual["runs"] if r["name"] == name]
+        curves = np.array([r["val_loss"] for r in runs])
+        ax.plot(runs[0]["step"], curves.mean(0), color=color, label=f"{name} ({qual['device']}, mean of {len(runs)})")
+        ax.fill_between(runs[0]["step"], curves.min(0), curves.max(0), color=color, alpha=0.2)
+        s = qual["summary"][name]
+        print(f"{path.name}: {name:<10} E={qual['configs'][name]['n_experts']:<3} top-{qual['configs'][name]['top_k']:<2} "
+              f"width {qual['configs'][name]['width']:<4} final val loss {s['mean']:.3f} [{s['min']:.3f}, {s['max']:.3f}]")
+    diff, st = qual["summary"]["latent_minus_full"], qual["settings"]
+    print(f"{path.name}: latent - full width on the same seed {diff['mean']:+.3f} [{diff['min']:+.3f}, {diff['max']:+.3f}] "
+          f"after {st['steps']} steps of {st['batch_size']} x {st['seq_len']} tokens (d = {st['d_model']})")
+    by_seed = {(r["name"], r["seed"]): r["val_loss"] for r in qual["runs"]}
+    pairs = [(a, b) for seed in st["seeds"] for a, b in zip(by_seed["latent", seed], by_seed["full width", seed])]
+    flops = {n: c["forward_flops_per_token"] for n, c in qual["configs"].items()}
+    print(f"{path.name}: latent lower at {sum(a < b for a, b in pairs)} of {len(pairs)} evaluations (same seed, same "
+          f"batches); its forward FLOPs per MoE layer and token {flops['latent'] / flops['full width']:.2f}x full width's")
+ax.set(xlabel="step", ylabel="validation loss", title="LatentMoE vs full width, same routed expert FLOPs")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# Each seed draws its own initialisation, batches and validation batches, so compare runs of one seed (the
+# printed difference), not the bands. At this size the latent layer is ahead at most evaluations and ends
+# a little lower on average, by less than the spread between seeds: three seeds are weak evidence, and
+# here its projections cost extra forward FLOPs (the printed ratio; at K3's width far less, Section 1). The GPU
+# profile trains a larger pair (`params/h200.yaml`).
+# The systems side, the bytes and FLOPs of Section 1, is measured next.
 #
 # ## 8. Speed of one layer
 #

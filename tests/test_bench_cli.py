@@ -19,6 +19,9 @@ from k3lab.bench import shape_bth
     ("agentenv", ["--n", "0"], "--n: expected a positive int"),
     ("moe", ["--rep", "0"], "--rep: expected a positive int, got 0"),
     ("moe", ["--cases", "k3"], "--cases: invalid choice"),
+    ("moe_quality", ["--steps", "0"], "--steps: expected a positive int, got 0"),
+    ("moe_quality", ["--top-k", "3"], "top_k must be even (the full-width model uses half of it), got 3"),
+    ("moe_quality", ["--seeds", "-1"], "--seeds: expected"),
 ])
 def test_bad_numbers_stop_at_parsing(module, argv, match, capsys):
     main = importlib.import_module(f"k3lab.bench.{module}").main

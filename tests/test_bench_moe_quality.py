@@ -1,0 +1,30 @@
+"""k3lab.bench.moe_quality: the latent / full-width pair has equal routed expert compute, and a small run
+writes every field the chapter reads."""
+import json
+import math
+
+from k3lab.bench.moe_quality import main, pair, routed_cost
+
+
+def test_the_pair_routes_the_same_expert_compute_at_half_width():
+    configs = pair(d_model=128, n_layers=2, n_experts=64, top_k=4, expert_hidden=64)
+    full, latent = configs["full width"], configs["latent"]
+    assert (full.n_experts, full.top_k, full.routed_dim) == (32, 2, 128)
+    assert (latent.n_experts, latent.top_k, latent.routed_dim) == (64, 4, 64)
+    assert routed_cost(full) == routed_cost(latent) == (2 * 2 * 3 * 128 * 64, 2 * 3 * 128 * 64)
+    # The latent layer pays for its projections on top: 4 d l more forward FLOPs per token, and twice the router.
+    assert latent.flops_per_token() - full.flops_per_token() == 4 * 128 * 64 + 2 * 128 * 32
+
+
+def test_small_run_writes_curves_and_summary(tmp_path):
+    out = tmp_path / "q.json"
+    result = main(["--small", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["summary"] == json.loads(json.dumps(result["summary"]))
+    assert [r["name"] for r in saved["runs"]] == ["full width", "latent"]
+    for r in saved["runs"]:
+        assert r["step"] == saved["runs"][0]["step"] and len(r["val_loss"]) == len(r["step"])
+        assert all(math.isfinite(v) and 0 < v < 20 for v in r["val_loss"])
+    diff = saved["summary"]["latent_minus_full"]["mean"]
+    assert math.isclose(diff, saved["runs"][1]["val_loss"][-1] - saved["runs"][0]["val_loss"][-1], rel_tol=1e-12)
+    assert saved["configs"]["latent"]["routed_flops_per_token"] == saved["configs"]["full width"]["routed_flops_per_token"]
