@@ -397,13 +397,14 @@ assert worst < 1e-4
 # plain `K3Model` and decodes with the KDA states and MLA latent caches (`generate`, chapter 08).
 
 # %% tags=["nbval-ignore-output"]
-model = build_model(TrainConfig(preset=preset, seed=seed), torch.device("cpu")).eval()
+# On the chapter's device (the training processes have exited): k3-1b decodes far faster on the GPU.
+model = build_model(TrainConfig(preset=preset, seed=seed), device).eval()
 final = latest_checkpoint(run / "ckpt")
 load_checkpoint(final, model, None, {"step": 0})
 tok = load_tokenizer()
-prompt = torch.tensor([tok.encode("def ").ids])
+prompt = torch.tensor([tok.encode("def ").ids], device=device)
 out = model.generate(prompt, max_new_tokens=48, temperature=0.8, top_k=40,
-                     generator=torch.Generator().manual_seed(seed))
+                     generator=torch.Generator(device).manual_seed(seed))
 print(f"from {final.name}:")
 print(tok.decode(out[0].tolist()))
 
