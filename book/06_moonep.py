@@ -435,8 +435,8 @@ if bench is not None and bench["skew"]:
 # kernels (a sort of the donor's experts, prefix sums, a scatter). Captured as one CUDA graph, the launch
 # cost goes but the chain stays: its time grows with R, not with E or K, and at R = 64 it is far above
 # the 200 µs a planner must stay under to hide behind one MoE layer's compute. Section 3's one-kernel
-# fill removes that chain (the fills and the plan's derived fields in one program; `layout` still launches
-# about 57 small kernels, `docs/moonep.md`); its GPU time is not in this result.
+# fill removes that chain (the fills and the plan's derived fields in one program; `layout`'s ~57 small
+# kernels become about ten, `docs/moonep.md`); their GPU time is not in this result.
 #
 # Under skew, MoonEP's busiest rank always holds exactly S·K pairs, so its step grows from two other
 # places: the grouped GEMM (with the hot experts packed on one home rank, the replicas split the pairs

@@ -122,6 +122,43 @@ def test_layout_by_simulated_all_to_all(R, L, S, K, kind, seed):
     check_round_trip(idx, R, S, K, E)
 
 
+LAYOUT_FIELDS = ("dest_rank", "dest_row", "src_rank", "offsets", "slot_experts")
+
+
+def assert_same_layouts(idx, R, S, K, E):
+    """Every rank's Triton layout equals its torch layout, field for field (integers: equal)."""
+    counts = torch.stack([torch.bincount(idx[r].reshape(-1), minlength=E) for r in range(R)])
+    p, p_dev = plan(counts, S, K), plan(counts.to(DEVICE), S, K)
+    for r in range(R):
+        want = layout(p, counts, idx[r], r, backend="torch")
+        got = layout(p_dev, counts.to(DEVICE), idx[r].to(DEVICE), r, backend="triton")
+        for name in LAYOUT_FIELDS:
+            a, b = getattr(got, name).cpu(), getattr(want, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), f"rank {r} layout.{name}:\n{a}\n!=\n{b}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(R=st.sampled_from([1, 2, 3, 4]), L=st.integers(1, 3), S=st.integers(1, 12), K=st.integers(1, 3),
+       kind=st.sampled_from(ROUTINGS + ("random",)), seed=st.integers(0, 2**16))
+def test_triton_layout_equals_torch(R, L, S, K, kind, seed):
+    E = R * L
+    K = min(K, E)
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "random" or (kind == "idle_rank" and E - L < K):
+        idx = torch.randint(0, E, (R, S, K), generator=gen)
+    else:
+        idx = make_routing(kind, R, S, K, E, gen)
+    assert_same_layouts(idx, R, S, K, E)
+
+
+@pytest.mark.parametrize("kind, R, E, S, K", [("zipf", 64, 896, 40, 8), ("one_expert", 8, 896, 48, 8),
+                                              ("idle_rank", 16, 256, 100, 4)])
+def test_triton_layout_at_benchmark_widths(kind, R, E, S, K):
+    """E = 896 over 64 and 8 ranks (pairs across several blocks, 2L and R loops of 28-224), every pair to
+    one expert, an idle rank."""
+    assert_same_layouts(make_routing(kind, R, S, K, E, torch.Generator().manual_seed(R)), R, S, K, E)
+
+
 def check_round_trip(idx, R, S, K, E):
     """The plan of ``idx`` [R, S, K] and every rank's layout, checked by a simulated all-to-all (see above)."""
     counts = torch.stack([torch.bincount(idx[r].reshape(-1), minlength=E) for r in range(R)])
@@ -500,6 +537,22 @@ for R, E in ((64, 896), (8, 896), (7, 21), (16, 2048)):
               slot_counts="*i64", offsets="*i32", R="i32", L="i32", C="i32")
     print(compile_sm90(fill.moonep_fill_kernel, io, const, num_warps=num_warps))
 """
+
+
+COMPILE_LAYOUT = """
+from sm90_compile import compile_sm90
+from k3lab.kernels.moonep import layout
+ptrs = ("e_ids", "pos", "base", "assign", "cum_assign", "starts", "slot_experts", "counts_cum", "dest_rank",
+        "dest_row", "src_rank")
+io = {n: "*i64" for n in ptrs} | dict(offsets="*i32", N="i32", C="i32", R="i32", L="i32", rank="i32",
+                                      n_pair_blocks="i32")
+print(compile_sm90(layout.moonep_layout_kernel, io, dict(BLOCK=layout.BLOCK), num_warps=4))
+"""
+
+
+def test_layout_kernel_compiles_for_sm90_without_spills(compile_sm90_lines):
+    lines = compile_sm90_lines(COMPILE_LAYOUT)
+    assert len(lines) == 1 and "STACK:0" in lines[0], lines
 
 
 def test_fill_kernel_compiles_for_sm90_without_spills(compile_sm90_lines):

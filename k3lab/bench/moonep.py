@@ -5,7 +5,7 @@
     python -m k3lab.bench.moonep --skip-planner --maxvio 0 4 --out /tmp/skew.json
 
 Order: (1) correctness: the planner on the device, both backends (the torch fill and the one-kernel Triton
-fill), equals App. E's reference (``plan_reference``) at every planner shape, each rank-0 layout puts its
+plan; ``layout`` runs on the same backend), equals App. E's reference (``plan_reference``) at every planner shape, each rank-0 layout puts its
 S*K pairs on distinct rows, the traffic this script prices equals the rows the layouts move, and the
 expert GEMMs agree with the loop reference; (2) no host synchronisation in ``plan`` + ``layout`` (on a GPU
 under ``torch.cuda.set_sync_debug_mode("error")``, each backend; on the CPU with
@@ -188,7 +188,7 @@ def time_ms(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
 
 
 def sync_check(counts: torch.Tensor, idx: torch.Tensor, S: int, K: int, backend: str | None = None) -> dict:
-    """plan (``backend``, as ``plan`` takes it) + layout under ``forbid_host_sync``: {"passed": bool, "how":
+    """plan and layout (both on ``backend``, as ``plan`` takes it) under ``forbid_host_sync``: {"passed": bool, "how":
     ..., "error": str | None}. A Triton backend is compiled by one call before the check (compiling is not
     the path being checked)."""
     from k3lab.moonep import layout, plan  # noqa: PLC0415
@@ -196,10 +196,10 @@ def sync_check(counts: torch.Tensor, idx: torch.Tensor, S: int, K: int, backend:
     how = ('torch.cuda.set_sync_debug_mode("error")' if counts.is_cuda else
            f"CPU: Tensor.{', .'.join(SYNC_METHODS)} patched to raise")
     if backend == "triton":
-        plan(counts, S, K, backend=backend)
+        layout(plan(counts, S, K, backend=backend), counts, idx, 0, backend=backend)
     try:
         with forbid_host_sync(counts.device):
-            layout(plan(counts, S, K, backend=backend), counts, idx, 0)
+            layout(plan(counts, S, K, backend=backend), counts, idx, 0, backend=backend)
     except RuntimeError as exc:
         return dict(passed=False, how=how, error=str(exc).splitlines()[0][:300])
     return dict(passed=True, how=how, error=None)
@@ -353,7 +353,7 @@ def planner_row(E: int, R: int, S: int, K: int, device: torch.device, reps: int,
 
         def step(backend=backend):
             p = plan(counts, S, K, backend=backend)
-            return p, layout(p, counts, idx, 0)
+            return p, layout(p, counts, idx, 0, backend=backend)
 
         row[keys[0]], row[keys[1]], error = timed_us(step, device, reps, use_graph, same)
         if error:

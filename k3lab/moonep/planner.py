@@ -15,7 +15,8 @@ ceil(E(R-1)/R^2) of them.
 Every step is a fixed number of tensor ops on the counts' device (R-1 fill steps, each a no-op once the
 load is even): no ``.item()``, no ``.tolist()``, no data-dependent shapes, so it can run inside a CUDA
 graph. On a GPU the same fill, and the plan's derived fields, run as one Triton kernel launch
-(``k3lab.kernels.moonep``, the default where its tile fits) instead of about 37 launches a fill step. ``naive.plan_reference`` is the same fill in
+(``k3lab.kernels.moonep``, the default where its tile fits) instead of about 37 launches a fill step, and
+``layout``'s per-pair and per-row steps as one more. ``naive.plan_reference`` is the same fill in
 plain Python, the reference both are tested against.
 """
 from __future__ import annotations
@@ -184,24 +185,27 @@ def plan(counts: torch.Tensor, S: int, K: int, backend: str | None = None) -> Pl
     return finish_plan(keep, give, donor, S, K)
 
 
-def choose_backend(counts: torch.Tensor, backend: str | None) -> str:
-    """The planner backend for ``counts`` [R, E] (shape already checked): ``backend`` when given and
-    possible, else "triton" for CUDA counts within the kernel's tile limits and "torch" otherwise.
+def choose_backend(counts: torch.Tensor, backend: str | None, fill: bool = True) -> str:
+    """The planner's (``fill``) or the layout's backend for ``counts`` [R, E] (shape already checked):
+    ``backend`` when given and possible, else "triton" for CUDA counts (within the fill kernel's tile limits,
+    for the planner; the layout kernel has none) and "torch" otherwise.
 
     Raises:
         ValueError: an unknown backend; "triton" outside the tile limits or on CPU counts without the
             Triton interpreter.
     """
     if backend not in (*BACKENDS, None):
-        raise ValueError(f"plan: backend must be one of {BACKENDS} or None, got {backend!r}")
+        raise ValueError(f"{'plan' if fill else 'layout'}: backend must be one of {BACKENDS} or None, got {backend!r}")
     if backend == "torch" or (backend is None and not counts.is_cuda):
         return "torch"
     if not counts.is_cuda:
         from k3lab.kernels import interpreting  # noqa: PLC0415
 
         if not interpreting():
-            raise ValueError(f"plan: backend='triton' needs counts on a CUDA device, or TRITON_INTERPRET=1 "
-                             f"(k3lab.setup()) on the CPU; got counts on {counts.device}")
+            raise ValueError(f"{'plan' if fill else 'layout'}: backend='triton' needs counts on a CUDA device, "
+                             f"or TRITON_INTERPRET=1 (k3lab.setup()) on the CPU; got counts on {counts.device}")
+    if not fill:
+        return "triton"
     from k3lab.kernels.moonep import MAX_BLOCK_L, MAX_TILE, fill_fits  # noqa: PLC0415
 
     R, E = counts.shape
@@ -233,7 +237,7 @@ class Layout:
     slot_experts: torch.Tensor
 
 
-def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int) -> Layout:
+def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, backend: str | None = None) -> Layout:
     """Destinations of rank ``rank``'s pairs and the sources of its buffer rows, from the plan.
 
     Expert e's pairs are numbered globally, rank by rank in source order and in pair order inside a rank
@@ -246,12 +250,17 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int) -> 
         counts (Tensor): [R, E] int64, the counts the plan was made from.
         topk_idx (Tensor): [S, K] int64 expert ids of this rank's tokens, all in [0, E).
         rank (int): this rank.
+        backend (str | None): ``"torch"`` (about 57 small tensor ops), ``"triton"`` (the sort and four
+            prefix sums in torch, then steps 3-5 in one launch, ``k3lab.kernels.moonep.layout_rows``; CUDA
+            counts, or CPU counts under TRITON_INTERPRET=1), or None: ``"triton"`` for CUDA counts. The same
+            integers either way.
 
     Returns:
         Layout, on ``counts``' device; no host synchronisation.
 
     Raises:
-        ValueError: rank not an int in [0, R); counts not [R, E] or topk_idx not [S, K] int64 (the plan's).
+        ValueError: rank not an int in [0, R); counts not [R, E] or topk_idx not [S, K] int64 (the plan's);
+            an unknown backend, or ``"triton"`` on CPU counts without the interpreter.
     """
     R, E, L, C = p.R, p.E, p.E // p.R, p.capacity
     if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < R):
@@ -269,6 +278,16 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int) -> 
     order = torch.argsort(e, stable=True)
     pos = torch.empty_like(order)
     pos[order] = torch.arange(e.numel(), device=dev)
+    if choose_backend(counts, backend, fill=False) == "triton":
+        from k3lab.kernels.moonep import layout_rows  # noqa: PLC0415 (a CPU process never loads Triton)
+
+        counts_cum = counts.cumsum(0)
+        # 2-5 in one launch: g = pairs of e on earlier ranks + position among this rank's pairs of e.
+        dest_rank, dest_row, src_rank = layout_rows(
+            e.contiguous(), pos, counts_cum[rank] - counts[rank].cumsum(0), p.assign, p.assign.cumsum(1),
+            p.offsets - p.slot_counts, p.offsets, p.slot_experts, counts_cum, rank)
+        return Layout(dest_rank=dest_rank, dest_row=dest_row, src_rank=src_rank, offsets=p.offsets[rank],
+                      slot_experts=p.slot_experts[rank])
     mine = counts[rank]
     local_idx = pos - (mine.cumsum(0) - mine)[e]
     # 2. its global number within expert e.

@@ -1,4 +1,6 @@
-"""Triton kernels for MoonEP: App. E's constructive fill in one kernel launch."""
+"""Triton kernels for MoonEP: the plan (App. E's constructive fill and its derived fields) and the layout's
+per-pair and per-row steps, one launch each."""
 from k3lab.kernels.moonep.fill import MAX_BLOCK_L, MAX_TILE, fill_fits, plan_fill
+from k3lab.kernels.moonep.layout import layout_rows
 
-__all__ = ["plan_fill", "fill_fits", "MAX_BLOCK_L", "MAX_TILE"]
+__all__ = ["plan_fill", "fill_fits", "layout_rows", "MAX_BLOCK_L", "MAX_TILE"]
