@@ -111,7 +111,8 @@ def test_tightness_case(R, L, t, K):
        kind=st.sampled_from(ROUTINGS + ("random",)), seed=st.integers(0, 2**16))
 def test_layout_by_simulated_all_to_all(R, L, S, K, kind, seed):
     """Every pair lands on a distinct row of its destination's buffer, inside a slot of its own expert,
-    and that row names the pair's rank as its source: the layout each rank computes alone agrees."""
+    and that row names the pair's rank as its source: the layout each rank computes alone agrees. The
+    Triton layout equals the torch one."""
     E = R * L
     K = min(K, E)
     gen = torch.Generator().manual_seed(seed)
@@ -120,6 +121,7 @@ def test_layout_by_simulated_all_to_all(R, L, S, K, kind, seed):
     else:
         idx = make_routing(kind, R, S, K, E, gen)
     check_round_trip(idx, R, S, K, E)
+    assert_same_layouts(idx, R, S, K, E)
 
 
 LAYOUT_FIELDS = ("dest_rank", "dest_row", "src_rank", "offsets", "slot_experts")
@@ -135,20 +137,6 @@ def assert_same_layouts(idx, R, S, K, E):
         for name in LAYOUT_FIELDS:
             a, b = getattr(got, name).cpu(), getattr(want, name)
             assert a.dtype == b.dtype and torch.equal(a, b), f"rank {r} layout.{name}:\n{a}\n!=\n{b}"
-
-
-@settings(max_examples=40, deadline=None)
-@given(R=st.sampled_from([1, 2, 3, 4]), L=st.integers(1, 3), S=st.integers(1, 12), K=st.integers(1, 3),
-       kind=st.sampled_from(ROUTINGS + ("random",)), seed=st.integers(0, 2**16))
-def test_triton_layout_equals_torch(R, L, S, K, kind, seed):
-    E = R * L
-    K = min(K, E)
-    gen = torch.Generator().manual_seed(seed)
-    if kind == "random" or (kind == "idle_rank" and E - L < K):
-        idx = torch.randint(0, E, (R, S, K), generator=gen)
-    else:
-        idx = make_routing(kind, R, S, K, E, gen)
-    assert_same_layouts(idx, R, S, K, E)
 
 
 @pytest.mark.parametrize("kind, R, E, S, K", [("zipf", 64, 896, 40, 8), ("one_expert", 8, 896, 48, 8),
