@@ -251,7 +251,7 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, bac
         topk_idx (Tensor): [S, K] int64 expert ids of this rank's tokens, all in [0, E).
         rank (int): this rank.
         backend (str | None): ``"torch"`` (about 57 small tensor ops), ``"triton"`` (the sort and four
-            prefix sums in torch, then steps 3-5 in one launch, ``k3lab.kernels.moonep.layout_rows``; CUDA
+            prefix sums in torch, then steps 2-5 in one launch, ``k3lab.kernels.moonep.layout_rows``; CUDA
             counts, or CPU counts under TRITON_INTERPRET=1), or None: ``"triton"`` for CUDA counts. The same
             integers either way.
 

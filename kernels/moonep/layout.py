@@ -1,4 +1,4 @@
-"""``k3lab.moonep.layout``'s per-pair and per-row steps (3-5) as one Triton launch.
+"""``k3lab.moonep.layout``'s per-pair and per-row steps (2-5) as one Triton launch.
 
 The torch ``layout`` is about 57 small kernels. After a stable sort of the pairs by expert and four prefix
 sums in torch, everything left is per pair or per buffer row, with small gathers (R or 2L values each), so
@@ -64,7 +64,7 @@ def moonep_layout_kernel(e_ids, pos, base, assign, cum_assign, starts, offsets, 
 def layout_rows(e_ids: torch.Tensor, pos: torch.Tensor, base: torch.Tensor, assign: torch.Tensor,
                 cum_assign: torch.Tensor, starts: torch.Tensor, offsets: torch.Tensor, slot_experts: torch.Tensor,
                 counts_cum: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Steps 3-5 of ``k3lab.moonep.layout`` in one launch, from its sort and prefix sums.
+    """Steps 2-5 of ``k3lab.moonep.layout`` in one launch, from its sort and prefix sums.
 
     Args:
         e_ids, pos (Tensor): [N] int64, N = S*K: each pair's expert and its place among this rank's pairs
