@@ -441,8 +441,25 @@ def test_layout_refuses_a_batch_or_counts_of_another_plan():
         layout(p, counts, torch.zeros(3, 2, dtype=torch.int64), 0)
     with pytest.raises(ValueError, match=r"topk_idx must be the plan's \[S=2, K=2\] int64, got \[2, 2\] torch.float32"):
         layout(p, counts, idx.float(), 0)
-    with pytest.raises(ValueError, match=r"counts must be the plan's \[R=2, E=4\], got \[3, 6\]"):
+    with pytest.raises(ValueError, match=r"counts must be the plan's \[R=2, E=4\] int64 \(or int32\), got \[3, 6\]"):
         layout(p, torch.zeros(3, 6, dtype=torch.int64), idx, 0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_layout_refuses_counts_that_are_not_integers(backend):
+    """layout took float or bool counts the planner refuses: bool counts (read as 0/1) gave an IndexError on
+    the torch backend and rows far outside the buffer on the Triton one; int32 counts stay accepted."""
+    counts = torch.tensor([[3, 1, 0, 0], [0, 2, 1, 1]])
+    p = plan(counts, S=2, K=2)
+    idx = torch.tensor([[0, 1], [0, 0]])
+    want = layout(p, counts, idx, 0, backend="torch")
+    got = layout(p, counts.int(), idx, 0, backend=backend)
+    assert all(torch.equal(getattr(got, f), getattr(want, f)) for f in ("dest_rank", "dest_row", "src_rank"))
+    for bad in (counts.bool(), counts.float(), counts.tolist()):
+        with pytest.raises(ValueError, match=r"layout: counts must be the plan's \[R=2, E=4\] int64 \(or int32\)"):
+            layout(p, bad, idx, 0, backend=backend)
+    with pytest.raises(ValueError, match=r"layout: topk_idx must be the plan's \[S=2, K=2\] int64, got list"):
+        layout(p, counts, idx.tolist(), 0, backend=backend)
 
 
 CASES = [Case(routing=r, mode=m, padded=(r == "uniform"), seed=i)

@@ -85,7 +85,7 @@ def check_counts(counts: torch.Tensor, S: int, K: int) -> tuple[int, int, int]:
     """
     if not isinstance(counts, torch.Tensor) or counts.ndim != 2 or counts.dtype not in (torch.int32, torch.int64):
         got = f"{tuple(counts.shape)} {counts.dtype}" if isinstance(counts, torch.Tensor) else type(counts).__name__
-        raise ValueError(f"counts must be a [R, E] int64 tensor, got {got}")
+        raise ValueError(f"counts must be a [R, E] int64 (or int32) tensor, got {got}")
     for name, v in (("S", S), ("K", K)):
         if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
             raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -247,7 +247,7 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, bac
 
     Args:
         p (Plan): from ``plan(counts, S, K)``.
-        counts (Tensor): [R, E] int64, the counts the plan was made from.
+        counts (Tensor): [R, E] int64 (or int32), the counts the plan was made from.
         topk_idx (Tensor): [S, K] int64 expert ids of this rank's tokens, all in [0, E).
         rank (int): this rank.
         backend (str | None): ``"torch"`` (about 57 small tensor ops), ``"triton"`` (the sort and four
@@ -259,15 +259,19 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, bac
         Layout, on ``counts``' device; no host synchronisation.
 
     Raises:
-        ValueError: rank not an int in [0, R); counts not [R, E] or topk_idx not [S, K] int64 (the plan's);
-            an unknown backend, or ``"triton"`` on CPU counts without the interpreter.
+        ValueError: rank not an int in [0, R); counts not [R, E] int64 or int32, or topk_idx not [S, K] int64
+            (the plan's); an unknown backend, or ``"triton"`` on CPU counts without the interpreter.
     """
     R, E, L, C = p.R, p.E, p.E // p.R, p.capacity
     if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < R):
         raise ValueError(f"layout: rank must be an int in [0, R={R}), got {rank!r}")
     # Shapes only (values would need a host sync): a batch or counts of another plan give rows that collide.
-    if tuple(counts.shape) != (R, E):
-        raise ValueError(f"layout: counts must be the plan's [R={R}, E={E}], got {list(counts.shape)}")
+    if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != (R, E) or counts.dtype not in (torch.int32,
+                                                                                                   torch.int64):
+        got = f"{list(counts.shape)} {counts.dtype}" if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise ValueError(f"layout: counts must be the plan's [R={R}, E={E}] int64 (or int32), got {got}")
+    if not isinstance(topk_idx, torch.Tensor):
+        raise ValueError(f"layout: topk_idx must be the plan's [S={p.S}, K={p.K}] int64, got {type(topk_idx).__name__}")
     if tuple(topk_idx.shape) != (p.S, p.K) or topk_idx.dtype != torch.int64:
         raise ValueError(f"layout: topk_idx must be the plan's [S={p.S}, K={p.K}] int64, got "
                          f"{list(topk_idx.shape)} {topk_idx.dtype}")
