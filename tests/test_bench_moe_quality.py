@@ -3,6 +3,8 @@ writes every field the chapter reads."""
 import json
 import math
 
+import pytest
+
 from k3lab.bench.moe_quality import main, pair, routed_cost
 
 
@@ -28,3 +30,33 @@ def test_small_run_writes_curves_and_summary(tmp_path):
     diff = saved["summary"]["latent_minus_full"]["mean"]
     assert math.isclose(diff, saved["runs"][1]["val_loss"][-1] - saved["runs"][0]["val_loss"][-1], rel_tol=1e-12)
     assert saved["configs"]["latent"]["routed_flops_per_token"] == saved["configs"]["full width"]["routed_flops_per_token"]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--seeds", "0", "0"], "--seeds: each seed once"),
+    (["--lr", "-1"], "--lr: expected a positive number"),
+    (["--lr", "nan"], "--lr: expected a positive number"),
+    (["--device", "gpu0"], "--device: expected cpu, cuda or cuda:N"),
+    (["--d-model", "24"], "d_model must be a multiple of 16"),
+    (["--expert-hidden", "12"], "expert_hidden of 8"),
+], ids=["duplicate-seeds", "negative-lr", "nan-lr", "bad-device", "d-model-24", "hidden-12"])
+def test_bad_flags_stop_before_training(argv, match, capsys):
+    """Duplicate seeds were run twice and counted twice in the paired summary; a negative or NaN --lr, an
+    unknown --device or a d_model the grouped expert matmul cannot take stopped with a traceback."""
+    with pytest.raises(SystemExit) as e:
+        main(["--small", "--out", "", *argv])
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_out_under_a_file_stops_before_training(tmp_path):
+    """--out below an existing file failed only when the JSON was written, after every run."""
+    (tmp_path / "a").write_text("")
+    with pytest.raises(SystemExit, match="is a file, not a folder"):
+        main(["--small", "--out", str(tmp_path / "a" / "q.json")])
+
+
+def test_small_keeps_the_flags_given(tmp_path):
+    """--small replaced every size, so --small --seeds 3 ran seed 0."""
+    result = main(["--small", "--seeds", "3", "--steps", "2", "--out", str(tmp_path / "new" / "q.json")])
+    assert [r["seed"] for r in result["runs"]] == [3, 3] and result["settings"]["steps"] == 2
+    assert result["settings"]["d_model"] == 32 and (tmp_path / "new" / "q.json").is_file()

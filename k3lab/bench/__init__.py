@@ -84,16 +84,25 @@ def run_info(device) -> dict:
 
 
 def check_out(out: str | None) -> None:
-    """Stop before any work when ``--out`` names a folder: the JSON is written at the end of a run that may
-    take minutes of GPU time.
+    """Stop before any work when ``--out`` cannot be written: the JSON is written at the end of a run that may
+    take minutes of GPU time. Missing parent folders are fine (they are created).
 
     Raises:
-        SystemExit: ``out`` is an existing directory.
+        SystemExit: ``out`` is an existing directory, or its nearest existing parent is a file or not writable.
     """
     import os  # noqa: PLC0415
 
-    if out and os.path.isdir(out):
+    if not out:
+        return
+    if os.path.isdir(out):
         raise SystemExit(f"--out {out} is a folder: give the JSON's file path")
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise SystemExit(f"--out {out}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK):
+        raise SystemExit(f"--out {out}: folder {parent} is not writable")
 
 
 def write_result(bench: str, result: dict, out: str | None, small: bool = False) -> str | None:

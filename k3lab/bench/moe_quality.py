@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 import k3lab.lm as lm
-from k3lab.bench import check_out, nonnegative_int, positive_int, run_info, write_result
+from k3lab.bench import check_out, nonnegative_int, positive_float, positive_int, run_info, write_result
 from k3lab.data import vocab_size
 from k3lab.moe import MoEConfig
 from k3lab.moe.experiment import build_moe_lm, train_moe_lm
@@ -35,11 +35,16 @@ def pair(d_model: int, n_layers: int, n_experts: int, top_k: int, expert_hidden:
     """The full-width and latent configurations of chapter 05, Section 7 (QB-balanced, one shared expert).
 
     Raises:
-        ValueError: top_k or n_experts odd, or d_model odd (the pair halves each).
+        ValueError: top_k or n_experts odd (the full-width model uses half of each); d_model not a multiple of
+            16 or expert_hidden not of 8 (the grouped expert matmul needs 16-byte rows in bfloat16 at both
+            widths, d_model and d_model/2).
     """
-    for name, v in (("top_k", top_k), ("n_experts", n_experts), ("d_model", d_model)):
+    for name, v in (("top_k", top_k), ("n_experts", n_experts)):
         if v % 2:
             raise ValueError(f"{name} must be even (the full-width model uses half of it), got {v}")
+    if d_model % 16 or expert_hidden % 8:
+        raise ValueError(f"d_model must be a multiple of 16 and expert_hidden of 8 (16-byte rows of the grouped "
+                         f"expert matmul in bfloat16, at widths d_model and d_model/2), got {d_model}, {expert_hidden}")
     base = MoEConfig(d_model=d_model, n_layers=n_layers, n_experts=n_experts, top_k=top_k,
                      expert_hidden=expert_hidden, n_shared=1, balance="qb")
     return {"full width": replace(base, n_experts=n_experts // 2, top_k=top_k // 2, latent_dim=None),
@@ -64,17 +69,27 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=positive_int, default=300)
     p.add_argument("--batch-size", type=positive_int, default=16)
     p.add_argument("--seq-len", type=positive_int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--seeds", type=nonnegative_int, nargs="+", default=[0, 1, 2])
     p.add_argument("--log-every", type=positive_int, default=25)
-    p.add_argument("--small", action="store_true", help="a few steps at tiny sizes; writes nothing by default")
+    p.add_argument("--small", action="store_true",
+                   help="a few steps at tiny sizes (flags given explicitly still apply); writes nothing by default")
     p.add_argument("--out", default=None, help="JSON path ('' writes nothing; default data/results/moe_quality_<card>.json)")
     args = p.parse_args(argv)
-    check_out(args.out)
     if args.small:
-        args.steps, args.seeds, args.log_every, args.batch_size, args.seq_len = 4, [0], 2, 2, 32
-        args.d_model, args.n_experts, args.expert_hidden = 32, 8, 16
-    device = torch.device(args.device)
+        # The tiny sizes are defaults, so --small --seeds 3 4 runs seeds 3 and 4.
+        p.set_defaults(steps=4, seeds=[0], log_every=2, batch_size=2, seq_len=32, d_model=32, n_experts=8,
+                       expert_hidden=16)
+        args = p.parse_args(argv)
+    check_out(args.out)
+    if len(set(args.seeds)) != len(args.seeds):
+        p.error(f"argument --seeds: each seed once (the summary pairs runs by seed), got {args.seeds}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"argument --device: expected cpu, cuda or cuda:N, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --device cpu")
     try:
         configs = pair(args.d_model, args.n_layers, args.n_experts, args.top_k, args.expert_hidden)
     except ValueError as e:
