@@ -391,6 +391,31 @@ def test_an_input_dtype_other_than_the_parameters_is_refused_outside_autocast(la
     check_dtype_guard("MoE", "x", m, torch.randn(2, 8, 16, generator=_gen(13)))
 
 
+@pytest.mark.parametrize("latent", [8, None], ids=["latent", "full"])
+def test_float32_input_under_bf16_autocast_matches_float64(latent):
+    """Under autocast a full-width layer gets the float32 norm output (a latent layer's down projection
+    makes it bf16): the experts cast their weights to bf16 but not the tokens, and grouped_mm refused the
+    pair. Now tokens and weights are cast together; output and gradients match float64."""
+    torch.manual_seed(21)  # weights whose bf16 router logits pick the float64 experts (checked below)
+    m = MoE(_config(latent_dim=latent))
+    x = torch.randn(3, 7, 16, generator=_gen(21), requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+    idx = m.last_routing.topk_idx
+    m64 = MoE(_config(latent_dim=latent)).double()
+    m64.load_state_dict(m.state_dict())
+    x64 = x.detach().double().requires_grad_()
+    y64 = m64(x64)
+    assert torch.equal(m64.last_routing.topk_idx, idx)  # the same experts, so the outputs are comparable
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    assert_close("autocast MoE vs float64", y64, y, 3e-2)
+    g = torch.randn(y64.shape, generator=_gen(22), dtype=torch.float64)
+    (y.double() * g).sum().backward()
+    (y64 * g).sum().backward()
+    assert_close("its input gradient", x64.grad, x.grad, 3e-2)
+    assert_close("w_gate gradient", m64.experts.w_gate.grad, m.experts.w_gate.grad, 3e-2)
+
+
 def test_every_layer_is_updated_disabled_ones_skipped_none_is_a_noop():
     layers = torch.nn.ModuleList([MoE(_config(balance=b)) for b in ("qb", "none", "sign", "qb")])
     x = torch.randn(2, 9, 16, generator=_gen(13))

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from k3lab.moe.activation import ACTIVATIONS, glu
-from k3lab.precision import autocast_dtype
+from k3lab.precision import AUTOCAST_DTYPES, autocast_dtype
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The public name arrived after torch 2.11; the private op it wraps is in every supported version.
@@ -158,7 +158,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float64:
             return naive_expert_ffn(x, offsets, self.w_gate, self.w_up, self.w_down, self.activation)
-        return expert_ffn(x, offsets, *_autocast(x, self.w_gate, self.w_up, self.w_down), self.activation)
+        return expert_ffn(*_autocast(x, offsets, self.w_gate, self.w_up, self.w_down), self.activation)
 
     def ep_forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, group,
                    mode: str = "moonep", pad_mask: torch.Tensor | None = None, grad_scale: float = 1.0) -> torch.Tensor:
@@ -188,7 +188,7 @@ class GroupedExperts(nn.Module):
             w = w.to_local() if hasattr(w, "to_local") else w
             return w if grad_scale == 1.0 else _ScaleGrad.apply(w, grad_scale)
 
-        w_gate, w_up, w_down = _autocast(x, local(self.w_gate), local(self.w_up), local(self.w_down))
+        x, w_gate, w_up, w_down = _autocast(x, local(self.w_gate), local(self.w_up), local(self.w_down))
         weights = SimpleNamespace(w_gate=w_gate, w_up=w_up, w_down=w_down, activation=self.activation)
         # The ids come from a router (in [0, E) by construction): skip moonep's host-side check, a sync per layer.
         return moonep_experts(x, topk_idx, topk_weight, weights, group, mode=mode, pad_mask=pad_mask,
@@ -198,13 +198,15 @@ class GroupedExperts(nn.Module):
         return f"E={self.E}, d={self.d}, h={self.h}, activation={self.activation}"
 
 
-def _autocast(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The weights in autocast's dtype when autocast is on for x's device (as it casts an nn.Linear's
-    weight; grouped_mm is not on its list), else unchanged: bf16 tokens meet bf16 experts."""
+def _autocast(x: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(x, *tensors)`` with every float32/bfloat16/float16 one in autocast's dtype when autocast is on for
+    x's device, as autocast casts an nn.Linear's input and weight (grouped_mm is not on its list); else
+    unchanged. The tokens are cast too: a full-width MoE gets the float32 norm output, not a projection's
+    bf16 one. Integer tensors (offsets) and float64 pass through, as under autocast."""
     dtype = autocast_dtype(x.device.type)
     if dtype is None:
-        return weights
-    return tuple(w.to(dtype) for w in weights)
+        return (x, *tensors)
+    return tuple(t.to(dtype) if t.dtype in AUTOCAST_DTYPES else t for t in (x, *tensors))
 
 
 class _ScaleGrad(torch.autograd.Function):

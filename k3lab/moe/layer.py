@@ -205,7 +205,8 @@ class MoE(nn.Module):
             else:
                 y = e(z[token], offsets)
             y = y * routing.topk_weight.reshape(-1)[order, None].to(y.dtype)
-            routed = torch.zeros_like(z).index_add_(0, token, y)
+            # y's dtype, not z's: under autocast a full-width layer's float32 z meets bf16 expert outputs.
+            routed = y.new_zeros(z.shape).index_add_(0, token, y)
         if self.up is not None:
             routed = self.up(self.latent_norm(routed))
         if self.shared is not None:
