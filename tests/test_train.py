@@ -176,6 +176,13 @@ def test_a_usage_error_under_torchrun_is_printed_once():
     assert run.stderr.count("--microbatches must be >= --pp 2") == 1, run.stderr[-2000:]
 
 
+def test_a_batch_the_data_rows_do_not_divide_names_the_flag():
+    run = _torchrun(dict(BASE, ep=2, batch_size=3), timeout=90)
+    assert run.returncode != 0
+    assert run.stderr.count("--batch-size 3 must be divisible by the 2 data rows (--dp 1 x --ep 2)") == 1, \
+        run.stderr[-2000:]
+
+
 def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path, one_thread):
     with one_thread():
         ref = _losses(train(TrainConfig(**BASE)))
@@ -347,6 +354,46 @@ def test_paths_and_model_settings_are_checked_before_training(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*flags, "--resume", "--mtp", "1"])
     assert "--mtp 1 (saved: 0) differ" in capsys.readouterr().err
+
+
+def test_a_path_that_cannot_be_written_is_a_usage_error_before_training(tmp_path, capsys, monkeypatch):
+    """A --ckpt-dir or --log-jsonl below a file, or in a folder this process may not write, stops at the flag
+    (the checkpoint is first written after the last step) and leaves nothing behind."""
+    (tmp_path / "file").write_text("not a folder")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    real_access = os.access
+    # Root writes into a chmod 555 folder anyway: the folder is made read-only for os.access instead.
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == read_only else real_access(p, mode))
+    for flag, path, message in (("--ckpt-dir", tmp_path / "file" / "ckpt", f"{tmp_path / 'file'} is a file"),
+                                ("--log-jsonl", tmp_path / "file" / "a" / "log.jsonl", f"{tmp_path / 'file'} is a file"),
+                                ("--ckpt-dir", read_only / "ckpt", f"folder {read_only} is not writable"),
+                                ("--log-jsonl", read_only / "log.jsonl", f"folder {read_only} is not writable"),
+                                ("--ckpt-dir", read_only, "is not writable")):
+        with pytest.raises(SystemExit) as e:
+            parse_args([flag, str(path), "--no-progress"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"{flag} cannot be created: {message}" in err or f"{flag} {message}" in err, err[-500:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "read_only"]
+    assert not any(read_only.iterdir())
+
+
+def test_a_damaged_checkpoint_metadata_is_one_usage_error_line(tmp_path, capsys):
+    """A .metadata that does not unpickle is named in the error; DCP's fallback tracebacks are not printed."""
+    flags = ["--batch-size", "2", "--seq-len", "16", "--steps", "1", "--no-progress", "--ckpt-dir", str(tmp_path)]
+    assert main(flags) == 0
+    capsys.readouterr()
+    meta = tmp_path / "step_00000001" / ".metadata"
+    data = bytearray(meta.read_bytes())
+    data[:64] = b"\0" * 64
+    meta.write_bytes(bytes(data))
+    with pytest.raises(SystemExit) as e:
+        main([*flags, "--resume"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "step_00000001/.metadata is damaged (UnpicklingError" in err, err[-1000:]
+    assert "Traceback" not in err, err[-2000:]
 
 
 def test_resume_reports_a_missing_or_damaged_checkpoint(tmp_path, capsys):

@@ -137,17 +137,35 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, train_
     return final
 
 
+def _check_complete(path: Path) -> None:
+    """Read ``path``'s ``.metadata`` once before DCP does: DCP answers an unreadable one by logging each of
+    its fallbacks' tracebacks on the root logger before its own error.
+
+    Raises:
+        FileNotFoundError: no ``.metadata``.
+        ValueError: a ``.metadata`` that does not unpickle (truncated or damaged bytes).
+    """
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
+    try:
+        dcp.FileSystemReader(str(path)).read_metadata()
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - unpickling damaged bytes raises whatever the bytes lead to
+        raise ValueError(f"{path}/.metadata is damaged ({type(e).__name__}: {e})") from e
+
+
 def read_train_state(path: str | os.PathLike, train_state: dict) -> dict:
     """The train state saved in ``path`` (the keys of ``train_state``, their values as placeholders), read
     without the model or optimizer: what a resume checks before building its model into the checkpoint.
 
     Raises:
         FileNotFoundError: ``path`` is not a complete checkpoint.
+        ValueError: its ``.metadata`` is damaged.
         RuntimeError: a key is missing (DCP's message).
     """
     path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
+    _check_complete(path)
     state = {"train": dict(train_state)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -170,12 +188,11 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, train_state: dict
     Raises:
         FileNotFoundError: ``path`` is not a complete checkpoint.
         RuntimeError: the checkpoint lacks a key the model or optimizer has (DCP's message).
-        ValueError: not one optimizer per part.
+        ValueError: not one optimizer per part, or a damaged ``.metadata``.
     """
     models, opts = _parts(model, optimizer)
     path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
+    _check_complete(path)
     model_sds = _model_states(models)
     state = {"model": _union(model_sds), "train": dict(train_state)}
     if opts is not None:

@@ -58,7 +58,8 @@ class TrainConfig:
             synchronisation there raises.
 
     Raises:
-        ValueError: any field out of range; the message names the flag.
+        ValueError: any field out of range, or a --ckpt-dir / --log-jsonl that cannot be created or written
+            (its nearest existing folder is a file or read-only); the message names the flag.
     """
 
     preset: str = "k3-tiny"
@@ -131,6 +132,12 @@ class TrainConfig:
             bad("ckpt_dir", "must be the folder that holds the step_NNNNNNNN checkpoints, not one of them")
         if self.log_jsonl is not None and os.path.isdir(self.log_jsonl):
             bad("log_jsonl", "must be a file path, not a folder")
+        # Both are first written after the first step (the log) or the last (the checkpoint): a path that
+        # cannot be made stops here instead of losing the run.
+        for name in ("ckpt_dir", "log_jsonl"):
+            reason = _unwritable(getattr(self, name))
+            if reason:
+                bad(name, reason)
         if self.ckpt_every and not self.ckpt_dir:
             bad("ckpt_every", "needs --ckpt-dir")
         if self.resume and not self.ckpt_dir:
@@ -160,6 +167,23 @@ class TrainConfig:
                 raise ValueError(f"expected PATTERN=POLICY entries separated by commas, got {item!r}")
             rules[pattern.strip()] = check_policy(policy.strip())
         return rules
+
+
+def _unwritable(path: str | None) -> str | None:
+    """Why ``path`` (a file or folder to create or write; missing parent folders are made) cannot be
+    written, or None: its nearest existing ancestor is a file, or a folder this process may not write."""
+    if not path:
+        return None
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "is not writable"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"cannot be created: {parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK):
+        return f"cannot be created: folder {parent} is not writable"
+    return None
 
 
 HELP = {

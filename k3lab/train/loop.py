@@ -167,6 +167,9 @@ def build_run(config: TrainConfig, device: torch.device) -> tuple[Parallel, Toke
     dp = config.dp if config.dp is not None else max(dist.get_world_size() // (pp * ep * cp), 1)
     try:
         par = build_parallel(dp, ep, device.type, cp=cp, pp=pp)
+        if config.batch_size % par.rows:
+            raise ConfigError(f"--batch-size {config.batch_size} must be divisible by the {par.rows} data rows "
+                              f"(--dp {par.dp} x --ep {par.ep})")
         tokens = load_split("train", resolve_data_dir(config.data_dir) / "shards")
         loader = TokenLoader(tokens, config.batch_size, config.seq_len, par.row, par.rows, config.seed)
     except ValueError as e:
