@@ -156,6 +156,42 @@ def test_validation():
         GatedMLA(40, 2, 8, norm_eps=float("nan"))
 
 
+@pytest.mark.parametrize("cu", [[0, 4, 1, 7], [0, 3, 9], [1, 7], [0, 3, 7]], ids=["unsorted", "past-T", "not-0", "list"])
+def test_the_reference_and_attention_mask_refuse_bad_cu_seqlens(cu):
+    """Offsets out of order were taken by the reference (tokens in two documents, silently) and failed in
+    attention_mask with torch's "repeats can not be negative"; a list or offsets past T failed with an
+    AttributeError or IndexError."""
+    layer = make_layer()
+    x = x_of(1, 7)
+    cu = cu if cu == [0, 3, 7] else torch.tensor(cu)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        naive_gated_mla(layer, x, cu)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        attention_mask(7, 7, cu_seqlens=cu)
+
+
+def test_attention_mask_and_absorbed_attention_name_bad_arguments():
+    with pytest.raises(ValueError, match="attention_mask: T must be an int >= 0, got -1"):
+        attention_mask(-1, 3)
+    with pytest.raises(ValueError, match="attention_mask: offset must be an int >= 0"):
+        attention_mask(2, 2, offset=-5)
+    layer = make_layer()
+    x = x_of(2, 5)
+    q_nope, q_shared = layer.queries(x)
+    latent, k_shared = layer.latents(x)
+    w_uk, w_uv = layer.up_weights()
+    args = [q_nope, q_shared, latent, k_shared, w_uk, w_uv, layer.scale]
+    with pytest.raises(ValueError, match=r"latent must be \[B=2, S, R\], got \[1, 5, 16\]"):
+        absorbed_attention(*args[:2], latent[:1], *args[3:], None)
+    for mask in (torch.ones(3, 3, dtype=torch.bool), torch.zeros(5, 5)):
+        with pytest.raises(ValueError, match=r"mask must be a bool tensor \[T=5, S=5\]"):
+            absorbed_attention(*args, mask)
+    with pytest.raises(ValueError, match="must share one dtype"):
+        absorbed_attention(*args[:4], w_uk.float(), w_uv.float(), layer.scale, None)
+    with pytest.raises(ValueError, match="cp must be a k3lab.kcp.KCPContext"):
+        layer(x[:1], cp=3)
+
+
 @pytest.mark.parametrize("R, cu", [(2, None), (4, [0, 5, 16]), (4, [0, 3, 4, 11, 16])])
 def test_context_mask_is_each_ranks_rows_of_the_packed_mask(R, cu):
     from k3lab.kcp import make_context

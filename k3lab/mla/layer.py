@@ -71,15 +71,26 @@ def attention_mask(T: int, S: int, offset: int = 0, cu_seqlens: torch.Tensor | N
         Tensor [T, S] bool.
 
     Raises:
-        ValueError: ``cu_seqlens`` with offset != 0 or T != S.
+        ValueError: T, S or offset not an int >= 0; ``cu_seqlens`` with offset != 0 or T != S, or not int
+            [N+1] offsets strictly increasing from 0 to T (``k3lab.kda.checks.check_cu_seqlens``).
     """
-    i = torch.arange(T, device=device)[:, None] + offset
-    j = torch.arange(S, device=device)[None, :]
-    mask = j <= i
+    for name, n in (("T", T), ("S", S), ("offset", offset)):
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0):
+            raise ValueError(f"attention_mask: {name} must be an int >= 0, got {n!r}")
     if cu_seqlens is not None:
         if offset != 0 or T != S:
             raise ValueError(f"cu_seqlens needs a full packed sequence (offset 0, T == S), got offset={offset}, "
                              f"T={T}, S={S}")
+        check_cu_seqlens(cu_seqlens, T)
+    return _attention_mask(T, S, offset, cu_seqlens, device)
+
+
+def _attention_mask(T: int, S: int, offset: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """``attention_mask`` on arguments already checked (``GatedMLA.forward`` checks its cu_seqlens once)."""
+    i = torch.arange(T, device=device)[:, None] + offset
+    j = torch.arange(S, device=device)[None, :]
+    mask = j <= i
+    if cu_seqlens is not None:
         doc = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=device),
                                       cu_seqlens.diff().to(device))
         mask = mask & (doc[:, None] == doc[None, :])
@@ -133,9 +144,12 @@ def absorbed_attention(q_nope: torch.Tensor, q_shared: torch.Tensor, latent: tor
         Tensor [B, T, H, Dv] in q_nope's dtype.
 
     Raises:
-        ValueError: shapes that disagree.
+        ValueError: shapes that disagree, a mask that is not a [T, S] bool tensor, or (outside autocast)
+            inputs of more than one dtype.
     """
     B, T, H, Dn = q_nope.shape
+    if latent.ndim != 3 or latent.shape[0] != B:
+        raise ValueError(f"latent must be [B={B}, S, R], got {list(latent.shape)}")
     S, R = latent.shape[1], latent.shape[2]
     if q_shared.shape[:3] != (B, T, H) or k_shared.shape[:2] != (B, S) or k_shared.shape[2] != q_shared.shape[3]:
         raise ValueError(f"q_shared [B, T, H, Dr] and k_shared [B, S, Dr] disagree: q_nope {list(q_nope.shape)}, "
@@ -143,6 +157,14 @@ def absorbed_attention(q_nope: torch.Tensor, q_shared: torch.Tensor, latent: tor
     if w_uk.shape != (H, Dn, R) or w_uv.ndim != 3 or w_uv.shape[0] != H or w_uv.shape[2] != R:
         raise ValueError(f"w_uk must be [H={H}, Dn={Dn}, R={R}] and w_uv [H, Dv, R], got {list(w_uk.shape)} "
                          f"and {list(w_uv.shape)}")
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.shape == (T, S)):
+        got = f"{mask.dtype} {list(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"mask must be a bool tensor [T={T}, S={S}] or None, got {got}")
+    dtypes = {t.dtype for t in (q_nope, q_shared, latent, k_shared, w_uk, w_uv)}
+    # Under autocast the einsums and SDPA cast their inputs to one dtype themselves.
+    if len(dtypes) > 1 and not torch.is_autocast_enabled(q_nope.device.type):
+        raise ValueError(f"q_nope, q_shared, latent, k_shared, w_uk and w_uv must share one dtype, got "
+                         f"{sorted(map(str, dtypes))}")
     # W_uk folded into the query: (q_nope W_uk) . c_kv == q_nope . (W_uk c_kv).
     q_lat = torch.einsum("bthn,hnr->bhtr", q_nope, w_uk)
     q = torch.cat([q_lat, q_shared.transpose(1, 2)], dim=-1)                   # [B, H, T, R + Dr]
@@ -274,8 +296,8 @@ class GatedMLA(nn.Module):
                 outside autocast (``k3lab.precision.check_input_dtype``); a cache that is not an MLACache, or
                 whose batch or widths disagree, or whose tensors are not floating point (another float dtype
                 is cast, not refused); cu_seqlens with B > 1, with a cache, or invalid
-                (``k3lab.kda.checks.check_cu_seqlens``); cp with B > 1, a cache, cu_seqlens or use_cache,
-                or x not holding the context's T_local tokens.
+                (``k3lab.kda.checks.check_cu_seqlens``); cp not a KCPContext, or with B > 1, a cache,
+                cu_seqlens or use_cache, or x not holding the context's T_local tokens.
         """
         if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != self.d_model or not x.is_floating_point():
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -300,6 +322,12 @@ class GatedMLA(nn.Module):
             if cache is not None:
                 raise ValueError("GatedMLA: cu_seqlens with a cache is not supported (decode documents as a batch)")
             check_cu_seqlens(cu_seqlens, T)
+        if cp is not None:
+            from k3lab.kcp import KCPContext  # noqa: PLC0415  (k3lab.kcp imports k3lab.kda, not this package)
+
+            if not isinstance(cp, KCPContext):
+                raise ValueError(f"GatedMLA: cp must be a k3lab.kcp.KCPContext (make_context) or None, got "
+                                 f"{type(cp).__name__}")
         if cp is not None and (B != 1 or cache is not None or cu_seqlens is not None or use_cache or T != cp.T_local):
             raise ValueError(f"GatedMLA: with cp, x must be this rank's one packed row [1, T_local={cp.T_local}, d] with "
                              f"no cache, cu_seqlens or use_cache, got x {list(x.shape)}, cache={type(cache).__name__}, "
@@ -324,7 +352,7 @@ class GatedMLA(nn.Module):
             absorbed = cache is not None
         causal_only = cu_seqlens is None and offset == 0
         if cp is None and not (causal_only and not absorbed):
-            mask = attention_mask(T, S, offset, cu_seqlens, x.device)
+            mask = _attention_mask(T, S, offset, cu_seqlens, x.device)
         if absorbed:
             w_uk, w_uv = self.up_weights()
             o = absorbed_attention(q_nope, q_shared, latent, k_shared, w_uk.to(q_nope.dtype), w_uv.to(q_nope.dtype),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from k3lab.kda.checks import check_cu_seqlens
+
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
@@ -22,12 +24,15 @@ def naive_gated_mla(layer, x: torch.Tensor, cu_seqlens: torch.Tensor | None = No
         Tensor [B, T, d] float64.
 
     Raises:
-        ValueError: x not [B, T, d]; cu_seqlens with B > 1.
+        ValueError: x not [B, T, d]; cu_seqlens with B > 1, or not int [N+1] offsets strictly increasing from
+            0 to T (``check_cu_seqlens``).
     """
     if x.ndim != 3 or x.shape[-1] != layer.d_model:
         raise ValueError(f"naive_gated_mla: x must be [B, T, d={layer.d_model}], got {list(x.shape)}")
     if cu_seqlens is not None and x.shape[0] != 1:
         raise ValueError(f"naive_gated_mla: cu_seqlens needs B == 1, got B={x.shape[0]}")
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, x.shape[1])
     W = {n: p.detach().double() for n, p in layer.named_parameters()}
     x = x.double()
     H, Dn, Dr, Dv, R = layer.H, layer.Dn, layer.Dr, layer.Dv, layer.R
