@@ -213,6 +213,8 @@ def test_entry_points_reject_wrong_argument_types():
     for slab in (16.0, "16", True):
         with pytest.raises(ValueError, match="slab_tokens must be an int"):
             kcp_kda(q, k, v, g, beta, ctx, chunk_size=16, slab_tokens=slab)
+    with pytest.raises(ValueError, match="local_op must be None or a function"):
+        kcp_kda(q, k, v, g, beta, ctx, local_op=3)
     for T_bad in (16.0, "16", True):
         with pytest.raises(ValueError, match="T must be an int"):
             make_context(T_bad)

@@ -229,7 +229,8 @@ def kcp_kda(
         ValueError: ctx not a KCPContext or layout-only (``check_context``), bad shapes (see
             ``check_kda_inputs``, output_final_state not a bool included), B != 1, T_local != ctx.T_local,
             initial_state not a floating-point [N, HV, K, V] tensor on q's device, unknown ``fold``,
-            slab_tokens not a multiple of chunk_size, a bad chunk_size (``check_chunk_size``).
+            slab_tokens not a multiple of chunk_size, a bad chunk_size (``check_chunk_size``), local_op not
+            callable.
     """
     check_context(ctx)
     check_chunk_size(chunk_size)
@@ -245,6 +246,8 @@ def kcp_kda(
     if slab_tokens is not None and not (_is_int(slab_tokens) and slab_tokens > 0 and slab_tokens % chunk_size == 0):
         raise ValueError(f"slab_tokens must be an int, a positive multiple of chunk_size={chunk_size}, "
                          f"got {slab_tokens!r}")
+    if local_op is not None and not callable(local_op):
+        raise ValueError(f"local_op must be None or a function with chunk_kda's signature, got {type(local_op).__name__}")
     scale = K**-0.5 if scale is None else scale
     op = chunk_kda if local_op is None else local_op
     o, final = KCPFunction.apply(q, k, v, g, beta, initial_state, ctx, scale, fold, chunk_size, slab_tokens, op)
