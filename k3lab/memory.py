@@ -269,7 +269,9 @@ class ActivationManager:
         if packed.policy == "fp8" and isinstance(packed.data, tuple):
             q, scale = packed.data
             return fp8_dequantize(q, scale, packed.meta)
-        if packed.policy == "offload" and packed.meta is not None:
+        # Only offloaded copies are on the host; what offload cannot change (an empty tensor) is kept
+        # as under "keep", its meta the version counter.
+        if packed.host:
             device, done = packed.meta
             if device == "cpu":
                 return packed.data

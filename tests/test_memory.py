@@ -351,3 +351,18 @@ def test_recompute_replays_the_forwards_expert_choice():
     chosen.clear()
     checkpoint(moe, x, use_reentrant=False).square().sum().backward()
     assert len(chosen) == 2 and not torch.equal(chosen[0], chosen[1])
+
+
+@pytest.mark.parametrize("policy", ["offload", "fp8"])
+def test_an_empty_tensor_saved_under_a_policy_that_cannot_change_it_is_kept(policy):
+    """Offload and fp8 keep an empty tensor as it is; offload's unpack then took the kept tensor's version
+    counter for its (device, event) pair and failed in backward ("cannot unpack non-iterable int")."""
+    a = torch.randn(5, 3, requires_grad=True)
+    empty = torch.randn(0, 3, requires_grad=True)
+    mgr = ActivationManager()
+    with activation_policy(policy, manager=mgr):
+        out = (a * a).sum() + (empty * empty).sum()
+    out.backward()
+    # fp8 stores a's copies in e4m3 (its error bound); the empty tensor's gradient is exact under both.
+    assert rel_rms_error(a.grad, 2 * a.detach()) < (0 if policy == "offload" else FP8_GRAD_TOL) + 1e-12
+    assert empty.grad.shape == (0, 3) and mgr.live_tensors() == 0
