@@ -292,7 +292,8 @@ assert float(outside.max()) <= width
 # step, measured on the step's own batch with the bias the step ran with.
 
 # %% tags=["nbval-ignore-output"]
-lm_cfg = lm.LMConfig.tiny(vocab_size=vocab_size(), mixer="attention", d_model=d_model, n_layers=n_layers)
+lm_cfg = lm.LMConfig.tiny(vocab_size=vocab_size(), mixer="attention", d_model=d_model, n_layers=n_layers,
+                          max_seq_len=seq_len)
 moe_cfg = MoEConfig(n_experts=n_experts, top_k=top_k, expert_hidden=expert_hidden, latent_dim=d_model // 2,
                     n_shared=1, aux_coef=1e-2, sign_lr=1e-3)
 print(f"{n_layers} MoE layers: {n_experts} experts, top-{top_k}, latent {d_model // 2} of d = {d_model}; "

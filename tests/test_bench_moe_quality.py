@@ -57,6 +57,9 @@ def test_out_under_a_file_stops_before_training(tmp_path):
 
 def test_small_keeps_the_flags_given(tmp_path):
     """--small replaced every size, so --small --seeds 3 ran seed 0."""
-    result = main(["--small", "--seeds", "3", "--steps", "2", "--out", str(tmp_path / "new" / "q.json")])
+    result = main(["--small", "--seeds", "3", "--steps", "2", "--seq-len", "300", "--out",
+                   str(tmp_path / "new" / "q.json")])
     assert [r["seed"] for r in result["runs"]] == [3, 3] and result["settings"]["steps"] == 2
+    # Windows longer than the tiny LM's default 256 positions (the GPU size's 512 failed in the first forward).
+    assert result["settings"]["seq_len"] == 300
     assert result["settings"]["d_model"] == 32 and (tmp_path / "new" / "q.json").is_file()

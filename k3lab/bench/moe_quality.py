@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     costs = {name: routed_cost(c) for name, c in configs.items()}
     if len(set(costs.values())) != 1:
         raise AssertionError(f"the pair's routed expert FLOPs and parameters per token differ: {costs}")
-    lm_cfg = lm.LMConfig.tiny(vocab_size=vocab_size(), mixer="attention", d_model=args.d_model, n_layers=args.n_layers)
+    lm_cfg = lm.LMConfig.tiny(vocab_size=vocab_size(), mixer="attention", d_model=args.d_model, n_layers=args.n_layers,
+                              max_seq_len=args.seq_len)
     result = run_info(device) | {
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "device")},
         "configs": {name: {"n_experts": c.n_experts, "top_k": c.top_k, "width": c.routed_dim,
