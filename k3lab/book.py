@@ -287,6 +287,41 @@ def execute(ipynb: Path, out: Path, parameters: dict, timeout: float | None, pro
     return nb
 
 
+def check_html_templates() -> None:
+    """Make sure nbconvert finds its HTML templates before any chapter runs.
+
+    ``pip install --target DIR`` (the README's way onto a GPU node) puts nbconvert's templates in
+    ``DIR/share/jupyter``, outside Jupyter's search path, and every page would fail to render after its
+    chapter had run. That folder, when it exists, is added to ``JUPYTER_PATH``.
+
+    Raises:
+        RuntimeError: no templates found; names ``JUPYTER_PATH`` and the folder to put in it.
+    """
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    def renders() -> bool:
+        try:
+            HTMLExporter().from_notebook_node(nbformat.v4.new_notebook())
+        except ValueError as exc:  # nbconvert: "No template sub-directory with name 'lab' found ..."
+            if "template" not in str(exc):
+                raise
+            return False
+        return True
+
+    if renders():
+        return
+    import nbconvert
+
+    data = Path(nbconvert.__file__).resolve().parents[1] / "share" / "jupyter"
+    if (data / "nbconvert" / "templates").is_dir():
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(data), os.environ.get("JUPYTER_PATH")]))
+        if renders():
+            return
+    raise RuntimeError(f"nbconvert finds no HTML templates (installed with pip --target?): set JUPYTER_PATH to "
+                       f"the folder holding nbconvert/templates (looked in {data})")
+
+
 def render_html(executed: Path, out: Path) -> None:
     """Render an executed notebook to a self-contained HTML page (images inlined)."""
     import nbformat
@@ -340,6 +375,7 @@ def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None
     if missing:
         raise ModuleNotFoundError(f"k3lab.book run needs {', '.join(missing)}: pip install {' '.join(missing)} "
                                   f"(or carry the wheels)")
+    check_html_templates()
     paths = chapters(only, book_dir)
     results, used = [], set()
     bar = tqdm(paths, desc="book", unit="notebook", position=0)

@@ -1,5 +1,6 @@
 """k3lab.book: chapter discovery, .py/.ipynb sync check, parameters, run and store on tiny notebooks."""
 import json
+import os
 
 import nbformat
 import pytest
@@ -127,6 +128,35 @@ def test_run_needs_its_tools_before_any_chapter(tiny_book, tmp_path, monkeypatch
     with pytest.raises(ModuleNotFoundError, match="needs nbconvert: pip install nbconvert"):
         book.run(build_dir=tmp_path / "build", book_dir=tiny_book)
     assert not (tmp_path / "build").exists()
+
+
+@pytest.mark.parametrize("templates_there", [True, False], ids=["found-beside-the-package", "missing"])
+def test_html_templates_installed_with_pip_target_are_found_before_any_chapter(tmp_path, monkeypatch,
+                                                                               templates_there):
+    """Installed with pip --target on a GPU node, nbconvert's templates sat in DIR/share/jupyter, outside
+    Jupyter's path: every chapter of the GPU profile ran and then failed at rendering its page."""
+    import nbconvert
+
+    site = tmp_path / "site"
+    (site / "nbconvert").mkdir(parents=True)
+    if templates_there:
+        (site / "share" / "jupyter" / "nbconvert" / "templates").mkdir(parents=True)
+    monkeypatch.setattr(nbconvert, "__file__", str(site / "nbconvert" / "__init__.py"))
+    monkeypatch.delenv("JUPYTER_PATH", raising=False)
+    real = nbconvert.HTMLExporter.from_notebook_node
+
+    def export(self, nb, **kw):  # finds its templates only through JUPYTER_PATH, as under --target
+        if str(site / "share" / "jupyter") not in os.environ.get("JUPYTER_PATH", ""):
+            raise ValueError("No template sub-directory with name 'lab' found in the following paths: ...")
+        return real(self, nb, **kw)
+
+    monkeypatch.setattr(nbconvert.HTMLExporter, "from_notebook_node", export)
+    if templates_there:
+        book.check_html_templates()
+        assert os.environ["JUPYTER_PATH"].split(os.pathsep)[0] == str(site / "share" / "jupyter")
+    else:
+        with pytest.raises(RuntimeError, match="set JUPYTER_PATH to the folder holding nbconvert/templates"):
+            book.check_html_templates()
 
 
 @pytest.mark.timeout(120)
