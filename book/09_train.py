@@ -112,7 +112,8 @@ print(" ".join(["torchrun"] + cmd[cmd.index("--nproc-per-node"):]).replace(str(R
 # ranks are done: a save cut short leaves only a `.tmp-` folder, which is never taken as the latest.
 
 # %% tags=["nbval-ignore-output"]
-first = run_and_follow(cmd, run / "log.jsonl")
+# `check` raises with the run's stderr unless its log ends at the kill step: a crash exits nonzero too.
+first = run_and_follow(cmd, run / "log.jsonl").check(last_step=kill_at_step)
 print("exit status", first.returncode, "| steps logged", len(first.steps))
 
 # %%
@@ -130,7 +131,7 @@ print("latest complete:", latest_checkpoint(run / "ckpt").name)
 # exactly (and a checkpoint written at one layout resumes at another).
 
 # %% tags=["nbval-ignore-output"]
-second = run_and_follow(torchrun_command(nproc, **flags, resume=True), run / "log.jsonl")
+second = run_and_follow(torchrun_command(nproc, **flags, resume=True), run / "log.jsonl").check()
 print("exit status", second.returncode)
 
 # %%

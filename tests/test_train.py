@@ -18,7 +18,7 @@ from k3lab.dist import launch
 from k3lab.testing import assert_close
 from k3lab.train import TokenLoader, TrainConfig, latest_checkpoint, lr_at, main, parse_args, train
 from k3lab.train.loader import pack_documents
-from k3lab.train.runner import torchrun_command
+from k3lab.train.runner import RunResult, torchrun_command
 from k3lab.train.workers import first_step_grads, train_worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -412,3 +412,19 @@ def test_resume_reports_a_missing_or_damaged_checkpoint(tmp_path, capsys):
     # Bytes of a tensor load as NaN; (with another layout of the file) bytes of a pickled value fail to load.
     err = capsys.readouterr().err
     assert "holds NaN or inf weights or optimizer state (a damaged file)" in err or "cannot be read" in err, err[-500:]
+
+
+def test_run_result_check_tells_a_kill_from_a_crash():
+    """Torchrun exits 1 for a SIGKILLed worker and for one that raised: a chapter that took any nonzero exit
+    for the kill went on to read checkpoints a crashed run never wrote."""
+    steps = [{"step": 10}, {"step": 20}]
+    killed = RunResult(1, steps, "", "")
+    assert killed.check(last_step=20) is killed
+    with pytest.raises(RuntimeError, match=r"last logged step 20, not at the kill step 30; its stderr ends with:\nboom"):
+        RunResult(1, steps, "", "boom").check(last_step=30)
+    with pytest.raises(RuntimeError, match="last logged step None"):
+        RunResult(1, [], "", "").check(last_step=5)
+    with pytest.raises(RuntimeError, match="exited with status 1"):
+        RunResult(1, steps, "", "FloatingPointError").check()
+    ok = RunResult(0, steps)
+    assert ok.check() is ok

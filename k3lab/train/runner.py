@@ -53,6 +53,23 @@ class RunResult:
     stdout: str = ""
     stderr: str = ""
 
+    def check(self, last_step: int | None = None) -> "RunResult":
+        """Return ``self`` if the run ended as intended: exit status 0, or, given ``last_step`` (a run
+        killed with ``--kill-at-step``), its last logged step equal to ``last_step``. Torchrun reports a
+        killed worker and a crashed one alike (status 1), so only the log tells a kill from a crash.
+
+        Raises:
+            RuntimeError: the run ended otherwise; the message ends with its stderr's last 4000 characters.
+        """
+        last = self.steps[-1]["step"] if self.steps else None
+        if last_step is None and self.returncode != 0:
+            why = f"exited with status {self.returncode}"
+        elif last_step is not None and last != last_step:
+            why = f"stopped with its last logged step {last}, not at the kill step {last_step}"
+        else:
+            return self
+        raise RuntimeError(f"the training run {why}; its stderr ends with:\n{self.stderr[-4000:]}")
+
 
 def run_and_follow(cmd: list[str], log_jsonl: str | os.PathLike, timeout_s: float = 600.0, progress: bool = True,
                    env: dict[str, str] | None = None) -> RunResult:
