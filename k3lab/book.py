@@ -147,8 +147,9 @@ def _cell_difference(a: tuple, b: tuple) -> str:
 def check_sync(book_dir: Path = BOOK_DIR) -> list[str]:
     """Differences between every ``.py``/``.ipynb`` pair (empty when all agree).
 
-    A pair differs when a cell's type, source or tags differ, a cell is missing, or one side of the
-    pair does not exist; the ``.ipynb`` must also name a kernelspec.
+    A pair differs when a cell's type, source or tags differ, a cell is missing, one side of the
+    pair does not exist, or the ``.ipynb`` cannot be read as a notebook; the ``.ipynb`` must also name a
+    kernelspec.
     """
     import jupytext
 
@@ -161,14 +162,21 @@ def check_sync(book_dir: Path = BOOK_DIR) -> list[str]:
         if not ipynb.exists():
             problems.append(f"{ipynb.name} is missing: run `python -m k3lab.book store {stem[:2]}`")
             continue
-        a, b = _cells(jupytext.read(py, fmt=TEXT_FORMAT)), _cells(jupytext.read(ipynb))
+        try:
+            stored = jupytext.read(ipynb)
+        except Exception as exc:  # nbformat's NotJSONError, a ValidationError, a UnicodeDecodeError...
+            # A notebook left with merge-conflict markers is one problem of the pair, not a crash of the check.
+            problems.append(f"{ipynb.name} cannot be read ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:80]}): "
+                            f"run `python -m k3lab.book store {stem[:2]}`")
+            continue
+        a, b = _cells(jupytext.read(py, fmt=TEXT_FORMAT)), _cells(stored)
         if a != b:
             i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             where = _cell_difference(a[i], b[i]) if i < min(len(a), len(b)) else \
                 f"{len(a)} cells in .py, {len(b)} in .ipynb"
             problems.append(f"{stem}: .py and .ipynb differ at cell {i}: {where}; "
                             f"run `python -m k3lab.book store {stem[:2]}`")
-        elif not jupytext.read(ipynb).metadata.get("kernelspec"):
+        elif not stored.metadata.get("kernelspec"):
             problems.append(f"{ipynb.name} has no kernelspec: run `python -m k3lab.book store {stem[:2]}`")
     return problems
 
@@ -192,7 +200,9 @@ def read_params_file(params_file: Path) -> dict:
     """A parameter YAML: {"all" | chapter prefix | notebook name: {parameter: value}}.
 
     Raises:
-        ValueError: the file is missing, not YAML, or not a mapping of mappings.
+        ValueError: the file is missing, not UTF-8 YAML, not a mapping of mappings, or a section or
+            parameter name is not a string (YAML reads an unquoted ``01:`` as the int 1, and a section that
+            matches no notebook would be skipped without a word).
     """
     import yaml
 
@@ -200,10 +210,15 @@ def read_params_file(params_file: Path) -> dict:
         raise ValueError(f"parameter file {params_file} not found")
     try:
         spec = yaml.safe_load(Path(params_file).read_text()) or {}
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ValueError(f"{params_file} is not valid YAML: {e}") from None
     if not isinstance(spec, dict) or not all(isinstance(v, dict) for v in spec.values()):
         raise ValueError(f"{params_file} must map 'all' / notebook names to parameter mappings")
+    for section, values in spec.items():
+        bad = [k for k in [section, *values] if not isinstance(k, str)]
+        if bad:
+            raise ValueError(f"{params_file}: section and parameter names must be strings, got {bad[0]!r} "
+                             f"(quote chapter prefixes: \"01\":)")
     return spec
 
 
@@ -420,6 +435,43 @@ def _write_index(results: list[Result], path: Path) -> None:
                             f"<table><tr><th>notebook</th><th>status</th><th>seconds</th></tr>\n{rows}\n</table>\n")
 
 
+def _record_table(path: str | os.PathLike | None, profile: str) -> tuple[Path, dict, dict]:
+    """(path, the table it holds or an empty one, ``run_info`` of this machine) for :func:`record`."""
+    import json  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from k3lab.bench import result_path, run_info  # noqa: PLC0415
+
+    info = run_info("cuda" if torch.cuda.is_available() else "cpu")
+    path = Path(path) if path else ROOT / result_path(f"book_{profile}", info["device"])
+    if not path.exists():
+        return path, {"chapters": []}, info
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--record {path} cannot be read as a run table ({exc}): pass another --record path") from None
+    if not (isinstance(table, dict) and isinstance(table.get("chapters", []), list)
+            and all(isinstance(r, dict) and isinstance(r.get("name"), str) for r in table.get("chapters", []))):
+        raise ValueError(f"--record {path} is not a run table (a JSON object whose 'chapters' lists rows with a "
+                         f"'name'): pass another --record path")
+    table.setdefault("chapters", [])
+    for key, want in (("device", info["device"]), ("profile", profile)):
+        if table.get(key, want) != want:
+            raise ValueError(f"{path} records {key} {table[key]!r}, this run is {want!r}: pass another --record path")
+    return path, table, info
+
+
+def check_record(path: str | os.PathLike | None = None, profile: str = "gpu") -> Path:
+    """The table :func:`record` would write, checked before any chapter runs (so that a wrong ``--record``
+    does not surface only after the whole run).
+
+    Raises:
+        ValueError: ``path`` exists and is not a readable JSON run table, or records another device or profile.
+    """
+    return _record_table(path, profile)[0]
+
+
 def record(results: list[Result], path: str | os.PathLike | None = None, profile: str = "gpu",
            overrides: dict | None = None) -> Path:
     """Merge a run's rows into its table, ``data/results/book_<profile>_<card>.json`` by default:
@@ -429,21 +481,12 @@ def record(results: list[Result], path: str | os.PathLike | None = None, profile
     at and the ``-p`` overrides it ran with (a trimmed run is not the profile). Written atomically.
 
     Raises:
-        ValueError: ``path`` holds a table of another device or profile.
+        ValueError: ``path`` holds a table of another device or profile, or is no run table (see
+            :func:`check_record`).
     """
-    import json  # noqa: PLC0415
-
-    import torch  # noqa: PLC0415
-
-    from k3lab.bench import result_path, run_info  # noqa: PLC0415
     from k3lab.files import write_json  # noqa: PLC0415
 
-    info = run_info("cuda" if torch.cuda.is_available() else "cpu")
-    path = Path(path) if path else ROOT / result_path(f"book_{profile}", info["device"])
-    table = json.loads(path.read_text()) if path.exists() else {"chapters": []}
-    for key, want in (("device", info["device"]), ("profile", profile)):
-        if table.get(key, want) != want:
-            raise ValueError(f"{path} records {key} {table[key]!r}, this run is {want!r}: pass another --record path")
+    path, table, info = _record_table(path, profile)
     rows = {r["name"]: r for r in table["chapters"]}
     for r in results:
         rows[r.name] = dict(chapter=r.name[:2], name=r.name, status=r.status, seconds=round(r.seconds, 1),
@@ -531,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
             store(args.chapters, args.timeout, BOOK_DIR)
             return 0
         overrides = {k: parse_value(v) for k, v in args.parameter}
+        if args.record is not None:
+            check_record(args.record or None, args.profile)
         results = run(args.only, args.profile, overrides, args.params_file, args.timeout, args.build_dir,
                       BOOK_DIR)
     except Exception as exc:

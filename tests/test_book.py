@@ -69,6 +69,18 @@ def test_sync_adds_kernelspec_and_check_sync_finds_differences(tiny_book):
     assert book.check_sync(tiny_book) == ["03_orphan.ipynb has no 03_orphan.py (the .py is the source)"]
 
 
+@pytest.mark.parametrize("content", ["{not json", "", "<<<<<<< HEAD\n{}\n=======\n"],
+                         ids=["not-json", "empty", "merge-conflict"])
+def test_check_sync_reports_an_unreadable_notebook_as_a_problem(tiny_book, content):
+    """A corrupt .ipynb (merge-conflict markers, an empty file) made check-sync raise nbformat's
+    NotJSONError with a traceback instead of naming the pair."""
+    book.sync(tiny_book / "01_ok.py")
+    book.sync(tiny_book / "02_bad.py")
+    (tiny_book / "02_bad.ipynb").write_text(content)
+    (problem,) = book.check_sync(tiny_book)
+    assert problem.startswith("02_bad.ipynb cannot be read") and "store 02" in problem
+
+
 @pytest.mark.parametrize("text, value", [("3", 3), ("-1.5e-3", -1.5e-3), ("True", True), ("none", None),
                                          ("bf16", "bf16")])
 def test_parse_value(text, value):
@@ -98,6 +110,22 @@ def test_run_checks_its_arguments_before_any_chapter(tiny_book, tmp_path):
                           (dict(timeout=-1.0), "timeout must be a positive number")):
         with pytest.raises(ValueError, match=match):
             book.run(build_dir=tmp_path / "build", book_dir=tiny_book, **kwargs)
+    assert not (tmp_path / "build").exists()
+
+
+@pytest.mark.parametrize("text, match", [
+    ('01: {steps: 7}\n', "got 1 "),
+    ('"01": {1: 7}\n', "got 1 "),
+    (b"\xff\xfe\x00", "not valid YAML"),
+], ids=["unquoted-prefix", "int-parameter-name", "not-utf8"])
+def test_params_file_rejects_keys_that_would_be_skipped(tiny_book, tmp_path, text, match):
+    """YAML reads an unquoted 01: as the int 1: that section matched no notebook and its parameters were
+    dropped without a word. A file that is not UTF-8 raised UnicodeDecodeError without naming it."""
+    params_file = tmp_path / "gpu.yaml"
+    params_file.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=match) as info:
+        book.run(params_file=params_file, build_dir=tmp_path / "build", book_dir=tiny_book)
+    assert str(params_file) in str(info.value)
     assert not (tmp_path / "build").exists()
 
 
@@ -185,6 +213,30 @@ def test_record_merges_rows_chapter_by_chapter(tmp_path):
     assert table["profile"] == "gpu" and {"device", "commit", "date", "versions"} <= table.keys()
     with pytest.raises(ValueError, match="records profile 'gpu', this run is 'cpu'"):
         book.record([book.Result("01_kda", "ok", 1.0)], path, "cpu")
+
+
+@pytest.mark.parametrize("content, match", [
+    ('{"device": "NVIDIA H200", "profile": "gpu", "chapters": []}', "records device 'NVIDIA H200'"),
+    ("{not json", "cannot be read as a run table"),
+    ("[]", "is not a run table"),
+    ('{"chapters": [1]}', "is not a run table"),
+], ids=["other-device", "not-json", "a-list", "bad-rows"])
+def test_record_path_is_checked_before_any_chapter_runs(tiny_book, tmp_path, monkeypatch, capsys, content, match):
+    """--record to a table of another device failed only after every chapter had run; a table that was not
+    JSON, or JSON of another shape, ended that run in a traceback (AttributeError, KeyError). Now the CLI
+    stops first with one line naming --record and the file, and writes nothing."""
+    path = tmp_path / "table.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        book.check_record(path, "gpu")
+    with pytest.raises(ValueError, match=match):
+        book.record([book.Result("01_ok", "ok", 1.0)], path, "gpu")
+    ran = []
+    monkeypatch.setattr(book, "run", lambda *a, **k: ran.append(1) or [])
+    assert book.main(["run", "--profile", "gpu", "--record", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert not ran and err.count("\n") == 1 and err.startswith("error: ValueError: ") and str(path) in err
+    assert "Traceback" not in err and path.read_text() == content
 
 
 SLEEPY_NB = BAD_NB.replace('raise ZeroDivisionError("chapter 02 is broken")', "import time\ntime.sleep(60)")
