@@ -143,6 +143,19 @@ def test_generate_greedy_equals_recomputed_argmax():
     assert sampled.shape == (2, 5) and torch.equal(sampled[:, :3], prompt)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324], ids=["1e-40", "1e-300", "smallest-double"])
+def test_generate_at_a_tiny_temperature_is_greedy(dtype, temperature):
+    """logits / temperature overflowed to inf below about 1e-38 (float32) and softmax gave NaN:
+    torch.multinomial raised "probability tensor contains either inf, nan or element < 0"."""
+    model = tiny(dtype, seed=6).eval()
+    prompt = torch.randint(0, 256, (2, 3), generator=torch.Generator().manual_seed(7))
+    greedy = model.generate(prompt, 3, temperature=0)
+    for top_k in (None, 5):
+        out = model.generate(prompt, 3, temperature=temperature, top_k=top_k, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(out, greedy)
+
+
 def test_validation():
     with pytest.raises(ValueError, match="unknown preset"):
         K3Config.preset("k3-huge")

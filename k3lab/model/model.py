@@ -363,7 +363,8 @@ class K3Model(nn.Module):
         Args:
             idx (Tensor): [B, T] prompt ids.
             max_new_tokens (int): >= 0.
-            temperature (float): 0 for greedy (argmax), else logits / temperature are sampled.
+            temperature (float): 0 for greedy (argmax), else softmax(logits / temperature) is sampled (a
+                temperature below the dtype's smallest normal number acts as that number: greedy, ties shared).
             top_k (int | None): sample only among the top_k logits.
             generator (torch.Generator | None): for reproducible sampling.
 
@@ -391,7 +392,10 @@ class K3Model(nn.Module):
             if temperature == 0:
                 nxt = last.argmax(-1, keepdim=True)
             else:
-                last = last / temperature
+                # Shifted by the max first, and divided by at least the dtype's smallest normal number: a tiny
+                # temperature (1e-40) overflowed logits / temperature to inf, and softmax gave NaN. The limit
+                # is greedy, ties shared.
+                last = (last - last.amax(-1, keepdim=True)) / max(temperature, torch.finfo(last.dtype).tiny)
                 if top_k is not None:
                     kth = torch.topk(last, min(top_k, last.shape[-1]), dim=-1).values[:, -1:]
                     last = last.masked_fill(last < kth, float("-inf"))
