@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import k3lab.lm as lm
-from k3lab.attnres import (AttnRes, BlockAttnRes, block_attnres_inference, block_attnres_train, block_sizes,
-                           depth_attention, naive_attnres, naive_block_attnres, retained_bytes)
+from k3lab.attnres import (AttnRes, BlockAttnRes, block_attnres_inference, block_attnres_stage, block_attnres_train,
+                           block_sizes, depth_attention, naive_attnres, naive_block_attnres, retained_bytes)
 from k3lab.attnres.mix import merge_bwd_torch, merge_fwd_torch, phase1_bwd_torch, phase1_fwd_torch
 from k3lab.norm import RMSNorm
 from k3lab.testing import assert_close, rel_rms_error
@@ -712,6 +712,21 @@ def test_h0_beyond_rmsnorm_range_raises(entry):
         reference = ENTRIES["full" if entry == "full" else "naive"]
         ref = reference(h0.double() * 1e15, subs64, queries.double())
         assert_close("h0 * 1e15", ref, ENTRIES[entry](h0 * 1e15, subs, queries).double(), 1e-5)
+
+
+@pytest.mark.parametrize("entry", [*ENTRIES, "stage"])
+def test_queries_whose_logits_overflow_raise(entry):
+    """float32 queries up to 1e38 at d = 16: a logit w^T RMSNorm(v) overflowed to inf and every path returned
+    NaN without a word. Queries up to 1e30 (logits near 1e31, a one-hot softmax) still match float64."""
+    subs, h0, queries = make(4, dtype=torch.float32)
+    queries = queries / queries.abs().max()
+    run = (lambda h, s, q: block_attnres_stage(h[None], s, q, 2, 0, 4)) if entry == "stage" else ENTRIES[entry]
+    with pytest.raises(ValueError, match=r"^queries are too large: max \|queries\| = .*overflows float32 beyond "
+                                         r"finfo.max / d = 2.13e\+37 \(d=16\)"):
+        run(h0, subs, queries * 1e38)
+    with torch.no_grad():
+        ref = run(h0.double(), copy.deepcopy(subs).double(), queries.double() * 1e30)
+        assert_close("queries * 1e30", ref, run(h0, subs, queries * 1e30).double(), 1e-5)
 
 
 @pytest.mark.parametrize("path", ["naive", "memory", "inference"])

@@ -175,12 +175,15 @@ def check_eps(eps: float) -> None:
 
 
 def check_input_values(h0: torch.Tensor, queries: torch.Tensor, name: str = "h0") -> None:
-    """ValueError naming h0 or queries when it holds a NaN or inf, or when h0 is so large that RMSNorm's
+    """ValueError naming h0 or queries when it holds a NaN or inf, when h0 is so large that RMSNorm's
     mean square overflows the compute dtype (max |h0| > sqrt(finfo.max / d), ~3.3e18 in float32 at
-    d = 32: the key would come out 0 and the depth softmax uniform, silently). One host sync."""
+    d = 32: the key would come out 0 and the depth softmax uniform, silently), or when the queries are so
+    large that a logit w^T RMSNorm(v) can overflow (max |w| > finfo.max / d, since |RMSNorm(v)|_1 <= d:
+    an inf logit made the softmax, and every output, NaN). One host sync."""
     dt = torch.float64 if h0.dtype == torch.float64 else torch.float32
     d = h0.shape[-1]
     limit = (torch.finfo(dt).max / d) ** 0.5
+    q_limit = torch.finfo(dt).max / d
     # An empty batch (B or T = 0) has nothing to check; the inf-norm of an empty tensor raises.
     maxima = torch.stack([torch.linalg.vector_norm(x, float("inf")).double() if x.numel() else
                           x.new_zeros((), dtype=torch.float64) for x in (h0, queries)]).tolist()
@@ -190,6 +193,9 @@ def check_input_values(h0: torch.Tensor, queries: torch.Tensor, name: str = "h0"
     if maxima[0] > limit:
         raise ValueError(f"{name} is too large: max |{name}| = {maxima[0]:.3g}, but RMSNorm's mean square overflows "
                          f"{str(dt)[6:]} beyond sqrt(finfo.max / d) = {limit:.3g} (d={d}); scale it down")
+    if maxima[1] > q_limit:
+        raise ValueError(f"queries are too large: max |queries| = {maxima[1]:.3g}, but a depth logit overflows "
+                         f"{str(dt)[6:]} beyond finfo.max / d = {q_limit:.3g} (d={d}); scale them down")
 
 
 def _check_inputs(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float, values: bool = True) -> list:
