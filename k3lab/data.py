@@ -224,7 +224,9 @@ def load_tokenizer(data_dir: Path | None = None):
         data_dir (Path | None): default :func:`resolve_data_dir`, else the copy shipped in the wheel.
 
     Returns:
-        tokenizers.Tokenizer: ``encode(text).ids`` and ``decode(ids)`` round-trip any UTF-8 text.
+        tokenizers.Tokenizer: ``encode(text).ids`` and ``decode(ids)`` round-trip any UTF-8 text (empty,
+        non-ASCII, long lines) except the literal ``<|endoftext|>``: it encodes to the special id 0, which
+        ``decode`` drops unless ``skip_special_tokens=False``.
 
     Raises:
         FileNotFoundError: the tokenizer file is missing.
@@ -398,9 +400,12 @@ def load_split(split: str, shard_dir: Path | None = None) -> np.memmap:
                                 f"${DATA_ENV} or shard_dir= points at shards elsewhere")
     try:
         tokens = json.loads(manifest_path.read_text())["splits"][split]["tokens"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise FileNotFoundError(f"{manifest_path} is unreadable or has no '{split}' split: rebuild with "
-                                f"`{BUILD_COMMAND}`") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        tokens = None
+    # A count that is not an int >= 0 (null, "x", 1.5) failed with TypeError or an odd size message.
+    if not (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0):
+        raise FileNotFoundError(f"{manifest_path} is unreadable or has no '{split}' split with a token count: "
+                                f"rebuild with `{BUILD_COMMAND}`")
     if tokens == 0:
         raise FileNotFoundError(f"{path} holds no tokens: rebuild with `{BUILD_COMMAND}`")
     if path.stat().st_size != 2 * tokens:

@@ -84,6 +84,22 @@ def test_tokenizer_round_trips_real_text():
     assert 0.15 < len(ids) / len(text.encode()) < 0.6, name
 
 
+@pytest.mark.parametrize("text", ["", " ", "\x00", "é", "日本語", "🙂👍🏽", "\u200b\u0301", "a" * 20000,
+                                  "x = 1\r\n" * 200, "\t\tdef f():\n\tpass  "],
+                         ids=["empty", "space", "nul", "latin", "cjk", "emoji", "combining", "long-line", "crlf", "tabs"])
+def test_tokenizer_round_trips_odd_text(text):
+    tok = data.load_tokenizer()
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert tok.decode(ids) == text and all(0 < i < tok.get_vocab_size() for i in ids)
+
+
+def test_the_literal_end_of_text_encodes_to_its_special_id():
+    """As the load_tokenizer docstring says: the one text that does not round-trip by default."""
+    tok = data.load_tokenizer()
+    ids = tok.encode("a" + data.EOT + "b").ids
+    assert 0 in ids and tok.decode(ids) == "ab" and tok.decode(ids, skip_special_tokens=False) == "a" + data.EOT + "b"
+
+
 def test_load_split_is_a_uint16_memmap():
     for split in data.SPLITS:
         tokens = data.load_split(split)
@@ -102,6 +118,15 @@ def test_broken_manifest_or_empty_shard_name_the_build_command(tmp_path):
         (tmp_path / "manifest.json").write_text(manifest)
         with pytest.raises(FileNotFoundError, match="k3lab.data build"):
             data.load_split("train", tmp_path)
+    # A token count that is not an int >= 0 raised TypeError (null) or compared the shard's size with
+    # "xx" or 3.0 bytes; a manifest that is not UTF-8 raised UnicodeDecodeError.
+    for tokens in (None, "x", 1.5, -5, True):
+        (tmp_path / "manifest.json").write_text(json.dumps({"splits": {"train": {"tokens": tokens}}}))
+        with pytest.raises(FileNotFoundError, match=r"unreadable or has no 'train' split with a token count.*k3lab\.data build"):
+            data.load_split("train", tmp_path)
+    (tmp_path / "manifest.json").write_bytes(b"\xff\xfe{")
+    with pytest.raises(FileNotFoundError, match="k3lab.data build"):
+        data.load_split("train", tmp_path)
     x, y = data.get_batch(np.arange(100, dtype=np.uint16), 2, 8, torch.Generator().manual_seed(0), device="meta")
     assert x.device.type == y.device.type == "meta"
 
