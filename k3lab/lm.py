@@ -259,14 +259,16 @@ class LM(nn.Module):
                 nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        if idx.ndim != 2:
-            raise ValueError(f"idx must be [B, T] token ids, got shape {list(idx.shape)}")
+        if not isinstance(idx, torch.Tensor) or idx.ndim != 2:
+            got = list(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"idx must be [B, T] token ids (a torch.Tensor), got {got}")
         if 0 in idx.shape:
             raise ValueError(f"idx must be [B, T] with B >= 1 and T >= 1, got shape {list(idx.shape)}")
         _check_ids("idx", idx, self.config.vocab_size)
         if targets is not None:
-            if targets.shape != idx.shape:
-                raise ValueError(f"targets must have idx's shape {list(idx.shape)}, got {list(targets.shape)}")
+            if not isinstance(targets, torch.Tensor) or targets.shape != idx.shape:
+                got = list(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
+                raise ValueError(f"targets must have idx's shape {list(idx.shape)}, got {got}")
             _check_ids("targets", targets, self.config.vocab_size, ignore_index=-100)
         # Any integer dtype: nn.Embedding takes int32/int64 only, cross_entropy int64 (uint8 ids failed there).
         h = self.residual(self.embed(idx.long()), self.sublayers)

@@ -233,6 +233,19 @@ def test_empty_batch_is_a_clear_error():
             model(torch.zeros(0, 5, dtype=torch.long))
 
 
+def test_ids_that_are_not_tensors_are_a_clear_error():
+    """A list of ids or a 1-D tensor failed with AttributeError ('list' object has no attribute 'ndim') or
+    a shape message; a list of targets with AttributeError on .shape."""
+    model = lm.LM(tiny("attention"))
+    x = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"idx must be \[B, T\] token ids \(a torch.Tensor\), got list"):
+        model([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"idx must be \[B, T\] token ids \(a torch.Tensor\), got \[5\]"):
+        model(x[0])
+    with pytest.raises(ValueError, match=r"targets must have idx's shape \[2, 5\], got list"):
+        model(x, x.tolist())
+
+
 def test_any_integer_id_dtype_and_evaluate_needs_batches():
     """uint8/int16 ids passed the id check, then failed in nn.Embedding or cross_entropy (int32/int64
     only); evaluate on no batches raised ZeroDivisionError."""
