@@ -156,6 +156,18 @@ def test_generate_at_a_tiny_temperature_is_greedy(dtype, temperature):
         assert torch.equal(out, greedy)
 
 
+@pytest.mark.parametrize("overrides, match", [
+    (dict(num_experts_per_tok=8), r"^K3Config.moe_balance='qb' needs num_experts_per_tok < n_routed_experts"),
+    (dict(init_std=0.0), r"^K3Config.init_std must be a finite number > 0"),
+], ids=["qb-top-k-equals-experts", "init-std-zero"])
+def test_config_refuses_what_the_model_cannot_build(overrides, match):
+    """These configs were accepted and failed only at K3Model(config) with MoEConfig's message, naming a
+    class the user never built."""
+    with pytest.raises(ValueError, match=match):
+        K3Config.preset("k3-tiny", **overrides)
+    K3Model(K3Config.preset("k3-tiny", num_experts_per_tok=8, moe_balance="none"))
+
+
 def test_validation():
     with pytest.raises(ValueError, match="unknown preset"):
         K3Config.preset("k3-huge")

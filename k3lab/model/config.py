@@ -63,13 +63,14 @@ class K3Config:
             ``k3lab.model.count_params`` for why); None: full rank.
         kda_conv_size (int): KDA's short-convolution width, 4.
         kda_chunk_size (int): chunk C of the PyTorch chunkwise KDA, 64.
-        init_std (float): std of the normal init of linear and embedding weights, 0.02.
+        init_std (float): std of the normal init of linear and embedding weights, 0.02 (> 0).
         mtp_loss_weight (float): lambda of the MTP loss, loss = main + lambda * mean over depths (0.3,
             DeepSeek-V3's weight for the first part of training).
 
     Raises:
         ValueError: a non-positive size, full_attn_layers not sorted distinct ints in [1, L],
-            first_k_dense_replace outside [0, L], top-k > experts, SiTU betas other than 4 and 25 (the
+            first_k_dense_replace outside [0, L], top-k > experts (or = experts with moe_balance "qb"),
+            init_std or routed_scaling_factor not a finite number > 0, SiTU betas other than 4 and 25 (the
             ``k3lab.moe`` activation has them fixed), mtp_loss_weight not a finite number >= 0, an unknown balancer,
             qk_rope_head_dim or kv_lora_rank < 1, a bad KDA gate bound or chunk size.
     """
@@ -130,6 +131,11 @@ class K3Config:
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ValueError(f"K3Config.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                              f"n_routed_experts={self.n_routed_experts}")
+        # Checked here, not first by k3lab.moe.MoEConfig when the model is built.
+        if self.moe_balance == "qb" and self.num_experts_per_tok == self.n_routed_experts:
+            raise ValueError(f"K3Config.moe_balance='qb' needs num_experts_per_tok < n_routed_experts (Quantile "
+                             f"Balancing reads each token's (K+1)-th score), got both {self.n_routed_experts}; "
+                             f"use moe_balance='none'")
         # k3lab.moe's SiTU-GLU has b1 = 4, b2 = 25 built in: other values would be silently ignored.
         for name, v, fixed in (("activation_situ_beta", self.activation_situ_beta, BETA1),
                                ("activation_situ_linear_beta", self.activation_situ_linear_beta, BETA2)):
@@ -143,7 +149,7 @@ class K3Config:
         for name in ("moe_renormalize", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"K3Config.{name} must be a bool, got {getattr(self, name)!r}")
-        for name, positive in (("routed_scaling_factor", True), ("init_std", False), ("rms_norm_eps", False)):
+        for name, positive in (("routed_scaling_factor", True), ("init_std", True), ("rms_norm_eps", False)):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
                     and (v > 0 if positive else v >= 0)):
