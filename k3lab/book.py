@@ -371,7 +371,8 @@ def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None
 
     Raises:
         ValueError: bad ``profile``, ``only`` matches no chapter, a bad parameter file, a timeout that is
-            not a positive number (0 or less would turn papermill's cell timeout off).
+            not a positive number (0 or less would turn papermill's cell timeout off), a ``build_dir`` (or its
+            ``notebooks``/``html``) that is a file.
         ModuleNotFoundError: papermill, nbconvert or jupytext missing (checked before any chapter runs).
     """
     from tqdm.auto import tqdm
@@ -386,6 +387,10 @@ def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout}")
     if params_file is not None:
         read_params_file(params_file)  # once, before any chapter runs
+    # A file there failed every chapter in turn, then the index with NotADirectoryError.
+    for folder in (Path(build_dir), Path(build_dir) / "notebooks", Path(build_dir) / "html"):
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"build_dir (--build-dir) needs {folder} to be a folder, and it is a file")
     missing = [m for m in ("papermill", "nbconvert", "jupytext") if importlib.util.find_spec(m) is None]
     if missing:
         raise ModuleNotFoundError(f"k3lab.book run needs {', '.join(missing)}: pip install {' '.join(missing)} "

@@ -111,6 +111,11 @@ def test_run_checks_its_arguments_before_any_chapter(tiny_book, tmp_path):
         with pytest.raises(ValueError, match=match):
             book.run(build_dir=tmp_path / "build", book_dir=tiny_book, **kwargs)
     assert not (tmp_path / "build").exists()
+    # A file as the build folder failed every chapter, then the index with NotADirectoryError.
+    (tmp_path / "build").write_text("")
+    with pytest.raises(ValueError, match=r"^build_dir \(--build-dir\) needs .*build to be a folder"):
+        book.run(build_dir=tmp_path / "build", book_dir=tiny_book)
+    assert not (tiny_book / "01_ok.ipynb").exists()
 
 
 @pytest.mark.parametrize("text, match", [
