@@ -24,6 +24,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -381,8 +382,8 @@ def train(
 
     Raises:
         ValueError: non-positive steps/batch_size/seq_len/log_every/eval_batches, lr or grad_clip <= 0
-            or not finite, weight_decay < 0 or not finite, warmup not an int >= 0, token ids >= the
-            model's ``config.vocab_size``.
+            or not finite, weight_decay < 0 or not finite, warmup not an int >= 0, max_seconds not None or
+            > 0, data not two 1-D integer np.ndarrays, token ids >= the model's ``config.vocab_size``.
         FileNotFoundError: the token shards are missing (from ``k3lab.data``; it names the build command).
     """
     from tqdm.auto import tqdm
@@ -390,10 +391,14 @@ def train(
     from k3lab import data as kdata
 
     for name, n in dict(steps=steps, batch_size=batch_size, seq_len=seq_len, log_every=log_every).items():
-        if not (isinstance(n, int) and n > 0):
+        if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
             raise ValueError(f"{name} must be a positive int, got {n!r}")
-    if not (lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"lr must be positive and finite, got {lr}")
+    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"lr must be positive and finite, got {lr!r}")
+    # NaN never stopped the run, and a negative value stopped it after one step.
+    if max_seconds is not None and not (isinstance(max_seconds, (int, float)) and not isinstance(max_seconds, bool)
+                                        and max_seconds > 0):
+        raise ValueError(f"max_seconds must be None or a number > 0, got {max_seconds!r}")
     if not (isinstance(eval_batches, int) and eval_batches > 0):
         raise ValueError(f"eval_batches must be a positive int, got {eval_batches!r}")
     # A negative max norm would flip every gradient (clip_grad_norm_ scales by it): gradient ascent.
@@ -404,6 +409,10 @@ def train(
     if warmup is not None and not (isinstance(warmup, int) and warmup >= 0):
         raise ValueError(f"warmup must be an int >= 0 or None, got {warmup!r}")
     device = torch.device(device)
+    if data is not None and not (isinstance(data, (tuple, list)) and len(data) == 2 and all(
+            isinstance(t, np.ndarray) and t.ndim == 1 and np.issubdtype(t.dtype, np.integer) for t in data)):
+        raise ValueError(f"data must be (train_tokens, val_tokens), two 1-D integer np.ndarrays, got "
+                         f"{type(data).__name__} of {[type(t).__name__ for t in data] if isinstance(data, (tuple, list)) else '?'}")
     train_tokens, val_tokens = data if data is not None else (kdata.load_split("train"), kdata.load_split("val"))
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     for name, tokens in (("train", train_tokens), ("val", val_tokens)):

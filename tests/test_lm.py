@@ -204,6 +204,13 @@ def test_train_rejects_bad_arguments_before_training():
     big[-1] = VOCAB
     with pytest.raises(ValueError, match="vocab_size"):
         lm.train(model, lr=1e-3, **dict(kw, data=(big, stream)))
+    # steps=True trained one step; lr="1e-3" raised TypeError; max_seconds=NaN never stopped early and -1
+    # stopped after one step; data as lists raised AttributeError, one array a tuple-unpacking error.
+    for bad, match in ((dict(steps=True), "steps"), (dict(lr="1e-3"), "lr"), (dict(max_seconds=float("nan")),
+                       "max_seconds"), (dict(max_seconds=-1.0), "max_seconds"),
+                       (dict(data=(list(stream), list(stream))), "data must be"), (dict(data=(stream,)), "data must be")):
+        with pytest.raises(ValueError, match=match):
+            lm.train(model, **dict(dict(kw, lr=1e-3), **bad))
 
 
 @pytest.mark.parametrize("bad, match", [
