@@ -532,9 +532,9 @@ print(f"final validation loss: kda {final['kda']:.2f}, attention {final['attenti
 # final losses differ by a fraction of a nat (KDA's short convolutions give it cheap local n-gram
 # features). One seed, few tokens: "KDA is a working token mixer", not a ranking. On a CPU a KDA step
 # costs more because `chunk_kda` is plain PyTorch looping over chunks, against one fused attention
-# kernel. On a GPU the layer runs chapter 02's FlashKDA and a step still cost 2.4x attention's on an H100
-# at these 512-token windows: the short convolutions, the gate projections and several kernel launches
-# per layer against one attention kernel whose $T^2$ term is still small. KDA's advantage is in how its
+# kernel. On a GPU the layer runs chapter 02's FlashKDA, and at these 512-token windows a KDA step still
+# costs more (the last line above says how much): the short convolutions, the gate projections and
+# several kernel launches per layer against one attention kernel whose $T^2$ term is still small. KDA's advantage is in how its
 # cost grows with $T$: linearly, against attention's quadratic growth (the timing table above).
 #
 # What did the KDA model's gates learn? Per key channel, the mean log-decay on validation text gives a
