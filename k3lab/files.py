@@ -91,3 +91,18 @@ def write_json(path: str | os.PathLike, obj, indent: int | None = 1, *, allow_na
         OSError: as :func:`atomic_write_text`.
     """
     atomic_write_text(path, json.dumps(obj, indent=indent, allow_nan=allow_nan) + "\n")
+
+
+def blocked_parent(path: str | os.PathLike) -> str | None:
+    """Why the folder of ``path`` (a file or folder to be written later; missing folders are made then)
+    could not be made or written, or None: its nearest existing ancestor is a file, or a folder this
+    process may not write. For checks at the start of a run whose output is first written at its end.
+    """
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK):
+        return f"folder {parent} is not writable"
+    return None

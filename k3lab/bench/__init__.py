@@ -92,17 +92,15 @@ def check_out(out: str | None) -> None:
     """
     import os  # noqa: PLC0415
 
+    from k3lab.files import blocked_parent  # noqa: PLC0415
+
     if not out:
         return
     if os.path.isdir(out):
         raise SystemExit(f"--out {out} is a folder: give the JSON's file path")
-    parent = os.path.dirname(os.path.abspath(out))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise SystemExit(f"--out {out}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK):
-        raise SystemExit(f"--out {out}: folder {parent} is not writable")
+    why = blocked_parent(out)
+    if why:
+        raise SystemExit(f"--out {out}: {why}")
 
 
 def write_result(bench: str, result: dict, out: str | None, small: bool = False) -> str | None:

@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass, fields
 
+from k3lab.files import blocked_parent
 from k3lab.memory import check_policy
 from k3lab.moonep import MODES
 
@@ -176,14 +177,8 @@ def _unwritable(path: str | None) -> str | None:
         return None
     if os.path.exists(path):
         return None if os.access(path, os.W_OK) else "is not writable"
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        return f"cannot be created: {parent} is a file, not a folder"
-    if not os.access(parent, os.W_OK):
-        return f"cannot be created: folder {parent} is not writable"
-    return None
+    why = blocked_parent(path)
+    return f"cannot be created: {why}" if why else None
 
 
 HELP = {
