@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -332,9 +333,11 @@ def test_nan_gradients_under_a_finite_loss_write_no_checkpoint(tmp_path, monkeyp
 
     real = loop.forward
     monkeypatch.setattr(loop, "forward", lambda *a, **k: (lambda out: (out[0], _NanGrad.apply(out[1])))(real(*a, **k)))
-    with pytest.raises(FloatingPointError, match="the weights or optimizer state hold NaN or inf after step 1"):
+    with pytest.raises(FloatingPointError, match="the weights or optimizer state hold NaN or inf after step 1") as e:
         train(TrainConfig(**dict(BASE, steps=2, batch_size=2, ckpt_dir=str(tmp_path), ckpt_every=1)))
     assert latest_checkpoint(tmp_path) is None
+    # The message names what went non-finite, so a long run's refusal says where to look.
+    assert re.search(r"non-finite: \d+ on this rank, first \S+", str(e.value)), str(e.value)
 
 
 def test_paths_and_model_settings_are_checked_before_training(tmp_path, capsys):
@@ -428,3 +431,18 @@ def test_run_result_check_tells_a_kill_from_a_crash():
         RunResult(1, steps, "", "FloatingPointError").check()
     ok = RunResult(0, steps)
     assert ok.check() is ok
+
+
+def test_nonfinite_names_name_parameters_and_optimizer_state():
+    from k3lab.train.loop import nonfinite_names
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    assert nonfinite_names([model], [opt]) == "none on this rank (another rank's)"
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("nan")
+    opt.state[model[0].bias]["exp_avg_sq"][1] = float("inf")
+    assert nonfinite_names([model], [opt]) == "2 on this rank, first 1.weight, 0.bias: exp_avg_sq"

@@ -63,6 +63,23 @@ def state_finite(parts, opts) -> bool:
     return bool(ok.item())
 
 
+def nonfinite_names(parts, opts, limit: int = 5) -> str:
+    """This rank's first ``limit`` non-finite tensors, named (``param`` or ``param: optimizer key``), and how
+    many there are: what a refused checkpoint reports. Reads every tensor back; called only on failure."""
+    names = {id(p): n for m in parts for n, p in m.named_parameters()}
+    found = [n for m in parts for n, p in m.named_parameters() if not _finite(p)]
+    found += [f"{names.get(id(p), '?')}: {k}" for o in opts for p, st in o.state.items() for k, v in st.items()
+              if isinstance(v, torch.Tensor) and not _finite(v)]
+    if not found:
+        return "none on this rank (another rank's)"
+    return f"{len(found)} on this rank, first {', '.join(found[:limit])}"
+
+
+def _finite(t: torch.Tensor) -> bool:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return bool(t.detach().isfinite().all())
+
+
 def _first_failure(e: BaseException) -> str:
     """One line for a failed checkpoint read: DCP's CheckpointException holds each rank's (exception,
     stack) pair."""
@@ -366,7 +383,7 @@ def train(config: TrainConfig) -> list[dict]:
                     if not state_finite(parts, opts):
                         raise FloatingPointError(f"the weights or optimizer state hold NaN or inf after step {step} "
                                                  f"(non-finite gradients): stopping before writing its checkpoint "
-                                                 f"(lower --lr)")
+                                                 f"(lower --lr); non-finite: {nonfinite_names(parts, opts)}")
                     save_checkpoint(config.ckpt_dir, step, parts, opts, {"step": step, "loader": loader.state_dict(),
                                                                           "run": run_settings(config)})
                 if config.kill_at_step == step:
