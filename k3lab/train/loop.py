@@ -56,8 +56,7 @@ def state_finite(parts, opts) -> bool:
     checkpoint."""
     tensors = [p for m in parts for p in m.parameters()]
     tensors += [v for o in opts for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-    ok = torch.stack([t.detach().isfinite().all() for t in local]).all().to(torch.int32).reshape(1)
+    ok = torch.stack([_local(t).detach().isfinite().all() for t in tensors]).all().to(torch.int32).reshape(1)
     if dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())
@@ -75,9 +74,13 @@ def nonfinite_names(parts, opts, limit: int = 5) -> str:
     return f"{len(found)} on this rank, first {', '.join(found[:limit])}"
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _finite(t: torch.Tensor) -> bool:
-    t = t.to_local() if hasattr(t, "to_local") else t
-    return bool(t.detach().isfinite().all())
+    return bool(_local(t).detach().isfinite().all())
 
 
 def _first_failure(e: BaseException) -> str:
