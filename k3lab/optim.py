@@ -184,7 +184,8 @@ class PerHeadMuon(torch.optim.Optimizer):
         ns_steps (int): Newton-Schulz steps (5); ns_coefficients: the quintic's (a, b, c).
         eps (float): Newton-Schulz's norm floor (1e-7).
         betas (tuple[float, float]): AdamW's (0.9, 0.95); adamw_eps (float): AdamW's eps (1e-8).
-        max_grad_norm (float | None): clip the global norm of the raw gradients to this before stepping.
+        max_grad_norm (float | None): clip the global norm of the raw gradients to this before stepping
+            (``grad_norm``: DTensor shards reduced over their meshes).
 
     Raises:
         ValueError: lr, weight_decay, momentum, betas, eps, adamw_eps, ns_steps, ns_coefficients or
@@ -249,9 +250,8 @@ class PerHeadMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self.max_grad_norm is not None:
-            grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            if grads:
-                torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+            params = [p for g in self.param_groups for p in g["params"]]
+            clip_grads_(params, self.max_grad_norm, grad_norm(params))
         muon = []
         for group in self.param_groups:
             if group["algorithm"] == "muon":
@@ -395,6 +395,58 @@ def _mesh_key(p: torch.Tensor):
     return (id(mesh), tuple(p.placements)) if mesh is not None else p.device
 
 
+def grad_norm(params, group=None) -> torch.Tensor:
+    """The global L2 norm of the gradients of ``params``, over every rank that holds a piece of them:
+
+        ||g|| = sqrt(sum_p ||g_p||^2)
+
+    DTensor gradients (FSDP shards, expert-parallel shards) are reduced over their own mesh, one
+    ``get_total_norm`` per mesh, since a model under FSDP2 and EP holds gradients on two meshes; a plain
+    gradient counts as a whole. Parameters without a gradient are skipped.
+
+    Args:
+        params (iterable of Tensor): the parameters (any dtype; the norm is float32).
+        group: a process group over whose ranks the squares are summed once more: pipeline stages, which
+            hold disjoint parameters (None: no such sum).
+
+    Returns:
+        float32 0-dim tensor on the gradients' device (0 without gradients). No host synchronisation:
+        the reduction stays on the device, so a training step can clip by it without a read-back.
+    """
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    by_mesh: dict = {}
+    device = torch.device("cpu")
+    for p in params:
+        if p.grad is not None:
+            device = p.grad.device
+            by_mesh.setdefault(_mesh_key(p.grad), []).append(p.grad)
+    squares = []
+    for grads in by_mesh.values():
+        n = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        squares.append(n.float().square())
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+def clip_grads_(params, max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients of ``params`` in place by min(1, max_norm / (norm + 1e-6)) (``norm`` from
+    ``grad_norm``): torch's ``clip_grads_with_norm_``, applied to DTensors' local shards mesh by mesh. A
+    non-finite ``norm`` makes the gradients NaN, as in torch: the caller's loss check then stops the run."""
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            g = p.grad
+            by_mesh.setdefault((_mesh_key(g), g.dtype), []).append(g.to_local() if hasattr(g, "to_local") else g)
+    for grads in by_mesh.values():
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+
 def per_head_muon(model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.1, **kwargs) -> PerHeadMuon:
     """``PerHeadMuon`` over ``model``: one Muon group per Q/K/V projection (with its head row blocks),
     one Muon group for the other hidden matrices, AdamW groups for the rest (weight decay on 2-D
@@ -480,3 +532,29 @@ def sharded_step_worker(rank: int, world_size: int, group, weight: torch.Tensor,
             opt.step()
         out.append(p.full_tensor().detach())
     return out
+
+
+def grad_norm_worker(rank: int, world_size: int, group, grads: list[torch.Tensor], max_norm: float) -> dict:
+    """A ``k3lab.dist.launch`` worker for the clipping test on 4 ranks, laid out as the trainer's (pp, dp, ep)
+    = (2, 1, 2) mesh: in pipeline stage s every gradient is ``grads[i] * (s + 1)``, held as under FSDP2 with
+    EP: ``grads[0]`` sharded by rows over the flattened (dp, ep) batch mesh, ``grads[1]`` over the 2-D
+    (dp, ep) expert mesh (columns over ep), ``grads[2]`` a plain tensor. The stages' squares are summed
+    over the pp group. Returns the norm and the full clipped gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 1, world_size // 2), mesh_dim_names=("pp", "dp", "ep"))
+    stage = mesh["pp"].get_local_rank()
+    batch, experts = mesh["dp", "ep"]._flatten("batch"), mesh["dp", "ep"]
+    mine = [g * (stage + 1) for g in grads]
+    shards = [distribute_tensor(mine[0], batch, [Shard(0)]), distribute_tensor(mine[1], experts, [Shard(0), Shard(1)]),
+              mine[2]]
+    params = []
+    for g in shards:
+        p = nn.Parameter(torch.zeros_like(g))
+        p.grad = g
+        params.append(p)
+    norm = grad_norm(params, mesh["pp"].get_group())
+    clip_grads_(params, max_norm, norm)
+    full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in params]
+    return dict(stage=stage, norm=norm, grads=full)

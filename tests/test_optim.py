@@ -15,6 +15,7 @@ from k3lab.kda import KDALayer
 from k3lab.mla import GatedMLA
 from k3lab.model import K3Config, K3Model
 from k3lab.moe import GroupedExperts
+from k3lab.testing import assert_close
 from k3lab.optim import PerHeadMuon, head_blocks, muon_loop_reference, per_head_muon, per_head_steps, split_params
 from k3lab.testing import assert_close, rel_rms_error
 
@@ -261,3 +262,21 @@ def test_newton_schulz_blocks_rejects_bad_settings_for_one_block_or_many(kwargs,
     for n in (1, 3):
         with pytest.raises(ValueError, match=match):
             newton_schulz_blocks([torch.randn(4, 6) for _ in range(n)], **kwargs)
+
+
+def test_grad_norm_and_clipping_over_two_meshes_and_a_stage_group():
+    """Gradients as the trainer holds them on 4 gloo ranks, two pipeline stages of (dp, ep) = (1, 2): FSDP
+    shards on the batch mesh, expert shards on the 2-D expert mesh, a replicated tensor; stage s holds
+    (s + 1) times the same gradients. The norm is that of all stages' gathered gradients, and clipping
+    scales each by max_norm / norm."""
+    from k3lab.dist import launch
+    from k3lab.optim import grad_norm_worker
+
+    torch.manual_seed(7)
+    grads = [torch.randn(8, 6), torch.randn(4, 6) * 3, torch.randn(5)]
+    expected = torch.cat([g.flatten() for g in grads]).norm() * 5 ** 0.5  # stages scaled by 1 and 2
+    for rank, out in enumerate(launch(grad_norm_worker, 4, grads, 1.0, timeout_s=120)):
+        assert_close(f"norm on rank {rank}", expected, out["norm"], 1e-6)
+        coef = (out["stage"] + 1) / (expected + 1e-6)
+        for i, g in enumerate(grads):
+            assert_close(f"clipped gradient {i} on rank {rank}", g * coef, out["grads"][i], 1e-6)

@@ -309,7 +309,7 @@ def test_a_nan_loss_stops_the_run_before_its_checkpoint(tmp_path, monkeypatch):
         return logits, loss * float("nan")
 
     monkeypatch.setattr(loop, "forward", poisoned)
-    with pytest.raises(FloatingPointError, match="the loss is nan at step 1"):
+    with pytest.raises(FloatingPointError, match="the loss is nan and the gradient norm nan at step 1"):
         train(TrainConfig(**dict(BASE, steps=2, batch_size=2, ckpt_dir=str(tmp_path), ckpt_every=1)))
     assert latest_checkpoint(tmp_path) is None
 
@@ -328,11 +328,29 @@ class _NanGrad(torch.autograd.Function):
 
 def test_nan_gradients_under_a_finite_loss_write_no_checkpoint(tmp_path, monkeypatch):
     """The loss check passed, Muon wrote the NaN gradients into the weights, and they were saved as the latest
-    checkpoint (113 of the 117 tensors non-finite)."""
+    checkpoint (113 of the 117 tensors non-finite). The gradient norm read back with the loss stops it."""
     from k3lab.train import loop
 
     real = loop.forward
     monkeypatch.setattr(loop, "forward", lambda *a, **k: (lambda out: (out[0], _NanGrad.apply(out[1])))(real(*a, **k)))
+    with pytest.raises(FloatingPointError, match=r"the loss is \S+ and the gradient norm nan at step 1"):
+        train(TrainConfig(**dict(BASE, steps=2, batch_size=2, ckpt_dir=str(tmp_path), ckpt_every=1)))
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_nonfinite_weights_under_finite_gradients_write_no_checkpoint(tmp_path, monkeypatch):
+    """An optimizer step that overflows the weights (finite loss and gradient norm): the check before the
+    save refuses them and names them."""
+    from k3lab.optim import PerHeadMuon
+
+    real = PerHeadMuon.step
+
+    def overflowing(self, closure=None):
+        out = real(self, closure)
+        self.param_groups[0]["params"][0].data.fill_(float("inf"))
+        return out
+
+    monkeypatch.setattr(PerHeadMuon, "step", overflowing)
     with pytest.raises(FloatingPointError, match="the weights or optimizer state hold NaN or inf after step 1") as e:
         train(TrainConfig(**dict(BASE, steps=2, batch_size=2, ckpt_dir=str(tmp_path), ckpt_every=1)))
     assert latest_checkpoint(tmp_path) is None

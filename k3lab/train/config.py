@@ -50,6 +50,8 @@ class TrainConfig:
             ``<|endoftext|>``); the MLA mask is [B*T, B*T], so this is for short rows.
         kill_at_step (int | None): fault injection: every rank SIGKILLs itself after this step.
         weight_decay (float): decoupled weight decay (K3: 0.1). warmup (float): warmup fraction (K3: 0.01).
+        max_grad_norm (float): clip the global gradient norm (over every rank and pipeline stage) to this
+            before each optimizer step (0: no clipping).
         log_every (int): read the loss and metrics back every this many steps (the step's one host sync);
             the step records in between carry the window's mean step time.
         activations (str | None): activation-manager rules "PATTERN=POLICY,..." (``k3lab.memory``: keep,
@@ -87,6 +89,7 @@ class TrainConfig:
     kill_at_step: int | None = None
     weight_decay: float = 0.1
     warmup: float = 0.01
+    max_grad_norm: float = 1.0
     log_every: int = 1
     activations: str | None = None
     sync_debug: bool = False
@@ -111,6 +114,9 @@ class TrainConfig:
             bad("lr", "must be a positive finite number")
         if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             bad("weight_decay", "must be a finite number >= 0")
+        if not (isinstance(self.max_grad_norm, (int, float)) and not isinstance(self.max_grad_norm, bool)
+                and math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            bad("max_grad_norm", "must be a finite number >= 0 (0: no clipping)")
         if not (isinstance(self.warmup, (int, float)) and 0 <= self.warmup < 1):
             bad("warmup", "must be in [0, 1)")
         if self.ep_mode not in MODES:
@@ -210,6 +216,7 @@ HELP = {
     "kill_at_step": "fault injection for resume tests: every rank SIGKILLs itself after this step",
     "weight_decay": "decoupled weight decay of both optimizer groups (K3: 0.1)",
     "warmup": "fraction of --steps spent in linear warmup (K3: 0.01)",
+    "max_grad_norm": "clip the global gradient norm to this before each optimizer step (0: no clipping)",
     "log_every": "read the loss and metrics back every N steps, the step's one host sync (GPU: 10 or more)",
     "activations": "activation-manager rules PATTERN=POLICY[,...] on K3Model module names, policies keep, "
                    "recompute, offload, fp8 (e.g. 'sublayers.*=recompute')",
@@ -235,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         kind = {"preset": str, "ep_mode": str, "pp_schedule": str, "ckpt_dir": str, "log_jsonl": str, "data_dir": str,
                 "activations": str,
-                "lr": float, "weight_decay": float, "warmup": float}.get(f.name, int)
+                "lr": float, "weight_decay": float, "warmup": float, "max_grad_norm": float}.get(f.name, int)
         choices = {"preset": TRAIN_PRESETS, "ep_mode": MODES, "pp_schedule": PP_SCHEDULES}.get(f.name)
         default = f.default
         p.add_argument(flag, type=kind, default=default, choices=choices,

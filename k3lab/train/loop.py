@@ -20,7 +20,7 @@ from k3lab.memory import apply_policies
 from k3lab.kcp import make_context
 from k3lab.model import K3Config, K3Model, flops_per_token, mfu
 from k3lab.moe import maxvio, update_biases
-from k3lab.optim import per_head_muon
+from k3lab.optim import clip_grads_, grad_norm, per_head_muon
 from k3lab.testing import forbid_host_sync
 from k3lab.train.checkpoint import latest_checkpoint, load_checkpoint, read_train_state, save_checkpoint
 from k3lab.train.config import ConfigError, TrainConfig, build_parser, parse_args
@@ -47,7 +47,7 @@ def lr_at(step: int, total: int, peak: float, warmup: float, floor: float = 0.1)
 # What a resumed run must share with the saved one: the model and the learning-rate schedule. (The batch,
 # sequence length and seed are the loader's state, checked by ``TokenLoader.load_state_dict``; the layout,
 # logging and checkpoint cadence may change.)
-RUN_SETTINGS = ("preset", "mtp", "steps", "lr", "warmup", "weight_decay")
+RUN_SETTINGS = ("preset", "mtp", "steps", "lr", "warmup", "weight_decay", "max_grad_norm")
 
 
 def state_finite(parts, opts) -> bool:
@@ -72,6 +72,14 @@ def nonfinite_names(parts, opts, limit: int = 5) -> str:
     if not found:
         return "none on this rank (another rank's)"
     return f"{len(found)} on this rank, first {', '.join(found[:limit])}"
+
+
+def counted_once(parts) -> list:
+    """This rank's parameters with each parameter of the model counted once over the pipeline: every stage
+    holds a copy of the AttnRes pseudo-queries (with the same, summed gradient), counted in the first stage
+    only, so the gradient norm equals the unpipelined model's."""
+    return [p for part in parts for n, p in part.named_parameters()
+            if getattr(part, "is_first", True) or not n.startswith("residual.queries")]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -264,7 +272,7 @@ def train(config: TrainConfig) -> list[dict]:
 
     Steps: batch from the loader -> forward and backward over the micro-batches (bf16 autocast on GPU,
     float32 on CPU; FSDP reduce-scatters; with pp the pipeline schedule, then the queries' gradient summed
-    over the stages) -> lr of the schedule -> Per-Head Muon step (per stage) -> Quantile Balancing's bias
+    over the stages) -> the global gradient norm, and clipping to ``max_grad_norm`` -> lr of the schedule -> Per-Head Muon step (per stage) -> Quantile Balancing's bias
     update with the histogram summed over the data ranks -> loss averaged over the data ranks (kept on the
     device; with pp summed over the world from the last stage's ranks, so rank 0 holds it too) ->
     every ``log_every`` steps (and before a checkpoint) the window's losses read back, the step's one host
@@ -276,7 +284,7 @@ def train(config: TrainConfig) -> list[dict]:
             (``build_pipeline``), or a resumed checkpoint cannot be read, or its loader or ``RUN_SETTINGS``
             differ from ``config``'s.
         FileNotFoundError: no token shards (``k3lab.data``).
-        FloatingPointError: a NaN or inf loss (found when the window's losses are read back, before any
+        FloatingPointError: a NaN or inf loss or gradient norm (found when the window's values are read back, before any
             checkpoint of that window is written).
     """
     device = _device()
@@ -337,6 +345,7 @@ def train(config: TrainConfig) -> list[dict]:
         for part in parts:
             part.value_checks(False)
             part.train()
+        params, counted = [p for part in parts for p in part.parameters()], counted_once(parts)
         pending, loads, t_window = [], [], time.perf_counter()
         for step in range(start + 1, config.steps + 1):
             # The run's first step is exempt: it compiles kernels and copies their index tables to the device.
@@ -344,6 +353,11 @@ def train(config: TrainConfig) -> list[dict]:
             with forbid_host_sync(device) if check else contextlib.nullcontext():
                 x, y = loader.next_batch(device)
                 loss = forward_backward(parts, pipe, x, y, config, par)
+                # The norm over every rank and stage (kept on the device, logged with the loss): a bf16 spike
+                # is clipped before AdamW's moments or Muon's momentum take it.
+                norm = grad_norm(counted, par.pp_group)
+                if config.max_grad_norm:
+                    clip_grads_(params, config.max_grad_norm, norm)
                 lr = lr_at(step, config.steps, config.lr, config.warmup)
                 for opt in opts:
                     for g in opt.param_groups:
@@ -359,24 +373,27 @@ def train(config: TrainConfig) -> list[dict]:
                 elif par.batch_group is not None:
                     dist.all_reduce(loss, group=par.batch_group)
                     loss = loss / par.data_size
-                pending.append((step, lr, loss))
+                pending.append((step, lr, loss, norm))
             save = config.ckpt_dir and ((config.ckpt_every and step % config.ckpt_every == 0) or step == config.steps)
             if step % config.log_every == 0 or step == config.steps or save or config.kill_at_step == step:
                 # The step's host sync: the window's losses read back at once (it also closes its timing).
-                values = torch.stack([v for _, _, v in pending]).tolist()
-                bad = next(((s_, v) for (s_, _, _), v in zip(pending, values) if not math.isfinite(v)), None)
+                values = torch.stack([torch.stack([v, n.to(v.dtype)]) for _, _, v, n in pending]).tolist()
+                bad = next(((s_, v, n) for (s_, *_), (v, n) in zip(pending, values)
+                            if not (math.isfinite(v) and math.isfinite(n))), None)
                 if bad is not None:
-                    # The per-call value checks are off in the step: the loss is where a NaN shows.
-                    raise FloatingPointError(f"the loss is {bad[1]} at step {bad[0]}: stopping before it reaches "
-                                             f"a checkpoint (lower --lr, or check the data)")
+                    # The per-call value checks are off in the step: the loss and the gradient norm are where
+                    # a NaN or inf shows.
+                    raise FloatingPointError(f"the loss is {bad[1]} and the gradient norm {bad[2]} at step {bad[0]}: "
+                                             f"stopping before it reaches a checkpoint (lower --lr or "
+                                             f"--max-grad-norm, or check the data)")
                 dt = (time.perf_counter() - t_window) / len(pending)
                 tok_s = config.batch_size * config.seq_len / dt
                 mem, mem_kind = peak_memory_gib(device)
                 if pipe is not None:
                     loads = all_loads(parts, loads, par.pp_group)
                 vio = [maxvio(l) for l in loads]
-                for (s_, lr_, _), v in zip(pending, values):
-                    log.write(dict(event="step", step=s_, loss=v, lr=lr_, step_s=dt, tokens_per_s=tok_s,
+                for (s_, lr_, *_), (v, n) in zip(pending, values):
+                    log.write(dict(event="step", step=s_, loss=v, grad_norm=n, lr=lr_, step_s=dt, tokens_per_s=tok_s,
                                    mfu=mfu(tok_s, fpt, peak, world) if peak else None,
                                    maxvio=vio if s_ == step else None, peak_mem_GiB=mem, peak_mem_kind=mem_kind))
                 pending = []
