@@ -151,7 +151,7 @@ print(f"largest loss difference on them: {max(abs(a - b) for _, a, b in replayed
 # (from the checkpoint to the end) lie on each other where they overlap.
 
 # %%
-fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.6))
+fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(15, 3.6))
 ax.plot([r["step"] for r in first.steps], [r["loss"] for r in first.steps], lw=3, alpha=0.5, label="killed run")
 ax.plot([r["step"] for r in second.steps], [r["loss"] for r in second.steps], lw=1.2, label="resumed run")
 ax.axvline(starts[-1]["resumed_from"], color="grey", ls=":", label="checkpoint")
@@ -167,8 +167,14 @@ for i in range(len(balanced[0]["maxvio"])):
             label=f"MoE layer {first_moe + i}")
 bx.set(xlabel="step", ylabel="maxvio", title="expert load: max / mean - 1 (Quantile Balancing)")
 bx.legend(fontsize=8)
+clip = TrainConfig.max_grad_norm
+cx.semilogy([r["step"] for r in joined], [r["grad_norm"] for r in joined], lw=1)
+cx.axhline(clip, color="grey", ls=":", label=f"--max-grad-norm {clip}")
+cx.set(xlabel="step", ylabel="global gradient norm", title="gradient norm before clipping")
+cx.legend(fontsize=8)
 fig.tight_layout()
 plt.show()
+print(f"steps clipped: {sum(r['grad_norm'] > clip for r in joined)} of {len(joined)}")
 
 # %% [markdown]
 # **Balance.** maxvio is the busiest expert's load over the mean, minus 1, for a step's routing
@@ -178,6 +184,13 @@ plt.show()
 # of lag: while the routers move fast early in training (lr 1e-2 here) the balance slips, then settles
 # near the noise floor of the CPU profile's step (k3-tiny's 8 experts top-2, 8 x 64 = 512 tokens): a few
 # tenths, as `final_maxvio_mean` in the summary below says.
+#
+# **Gradient norm.** Before each optimizer step the trainer takes the global norm of the raw gradients,
+# over every rank's shards (`k3lab.optim.grad_norm`: the FSDP shards and the expert shards live on two
+# meshes and are reduced mesh by mesh), and scales them down to `--max-grad-norm` when it is larger.
+# Muon's update does not see a gradient's scale, but AdamW's parameters (embedding, norms, router) take
+# every spike. The norm is read back with the loss, so a NaN gradient under a finite loss stops the run
+# at the next read-back. The right panel shows it before clipping; the line above counts the steps it clipped.
 #
 # ## Throughput, MFU and memory
 #
