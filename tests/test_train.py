@@ -150,10 +150,14 @@ def _losses(records):
     return np.array([r["loss"] for r in records])
 
 
-def _norms(records):
-    # Muon's update does not see a gradient's scale: the logged norm is what checks that the clipping
-    # saw the norm over every rank's shards, as one process does.
-    return np.array([r["grad_norm"] for r in records])
+def _check_norms(label, records, want) -> None:
+    """The logged gradient norms against one process's: Muon's update does not see a gradient's scale, so
+    the norm is what checks that clipping saw every rank's shards. The first step (same weights on both
+    sides) to 1e-5; later steps to 2e-3, as a gradient's norm amplifies the layouts' rounding differences in
+    the weights (about 5e-4 after 3 steps, against 1e-5 in the losses)."""
+    got = np.array([r["grad_norm"] for r in records])[:len(want)]
+    rel = np.abs(got - want) / want
+    assert rel[0] < 1e-5 and rel.max() < 2e-3, f"{label}: gradient norms {got} vs one process {want}"
 
 
 def _torchrun(cfg: dict, timeout=120):
@@ -193,7 +197,7 @@ def test_a_batch_the_data_rows_do_not_divide_names_the_flag():
 def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path, one_thread):
     with one_thread():
         ref_run = train(TrainConfig(**BASE))
-        ref, ref_norms = _losses(ref_run), _norms(ref_run)
+        ref, ref_norms = _losses(ref_run), np.array([r["grad_norm"] for r in ref_run])
         ref_doc = _losses(train(TrainConfig(**BASE, doc_mask=True)))
     layouts = [dict(dp=2, ckpt_dir=str(tmp_path / "dp2")), dict(ep=2, ep_mode="moonep", ckpt_dir=str(tmp_path / "ep2")),
                dict(ep=2, ep_mode="alltoall"), dict(ep=2, doc_mask=True), dict(cp=2), dict(cp=2, doc_mask=True)]
@@ -216,8 +220,7 @@ def test_two_ranks_match_one_process_and_resume_after_sigkill(tmp_path, one_thre
         rel = np.abs(got[:5] - want[:5]) / np.abs(want[:5])
         assert rel.max() < 1e-4, f"{lay}: losses {got} vs one process {want}"
         if not lay.get("doc_mask"):
-            norms = _norms(records)[:5]
-            assert (np.abs(norms - ref_norms[:5]) / ref_norms[:5]).max() < 1e-4, f"{lay}: {norms} vs {ref_norms}"
+            _check_norms(lay, records, ref_norms[:5])
         assert all(len(r["maxvio"]) == 4 and r["tokens_per_s"] > 0 and r["peak_mem_GiB"] > 0 for r in records)
 
     # ep=2 MoonEP, checkpoints every 3 steps, SIGKILLed after step 5: resumed from step 3, steps 4..8
@@ -279,7 +282,7 @@ def test_four_ranks_dp_ep_cp_layouts_match_one_process(one_thread):
     cfg = dict(BASE, steps=5)
     with one_thread():
         ref_run = train(TrainConfig(**cfg))
-        ref, ref_norms = _losses(ref_run), _norms(ref_run)
+        ref, ref_norms = _losses(ref_run), np.array([r["grad_norm"] for r in ref_run])
         ref_grads = first_step_grads(TrainConfig(**cfg))
     layouts = [dict(dp=2, ep=2), dict(cp=2, ep=2), dict(dp=2, cp=2, doc_mask=True)]
     out = launch(train_worker, 4, [dict(cfg, **lay) for lay in layouts[:2]],
@@ -287,8 +290,7 @@ def test_four_ranks_dp_ep_cp_layouts_match_one_process(one_thread):
     for lay, records in zip(layouts, out["runs"]):
         got = _losses(records)
         assert (np.abs(got - ref) / np.abs(ref)).max() < 1e-4, f"{lay}: losses {got} vs one process {ref}"
-        norms = _norms(records)
-        assert (np.abs(norms - ref_norms) / ref_norms).max() < 1e-4, f"{lay}: gradient norms {norms} vs {ref_norms}"
+        _check_norms(lay, records, ref_norms)
     doc_grads = first_step_grads(TrainConfig(**cfg, doc_mask=True))
     for lay, grads in zip(layouts, out["grads"]):
         want = doc_grads if lay.get("doc_mask") else ref_grads

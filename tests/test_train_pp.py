@@ -210,9 +210,14 @@ def _check_grads(label, want: dict, got: dict, tol=1e-4) -> float:
 
 
 def _check_curves(label, want, got, tol=1e-4) -> None:
+    """Losses to ``tol``; the gradient norm of the first step (same weights on both sides) to 1e-5, later
+    steps' to 2e-3: the norm of a gradient amplifies the layouts' rounding differences in the weights
+    (about 5e-4 after 3 steps, against 1e-5 in the losses)."""
     rel = np.abs(got - want) / np.abs(want)
-    print(f"{label}: max relative loss difference {rel.max():.1e} over {len(got)} steps")
-    assert rel.max() < tol, f"{label}: losses {got} vs one process {want}"
+    print(f"{label}: max relative difference over {len(got)} steps: losses {rel[:, 0].max():.1e}, gradient norms "
+          f"{rel[:, 1].max():.1e} (first step {rel[0, 1]:.1e})")
+    assert rel[:, 0].max() < tol, f"{label}: losses {got[:, 0]} vs one process {want[:, 0]}"
+    assert rel[0, 1] < 1e-5 and rel[:, 1].max() < 2e-3, f"{label}: gradient norms {got[:, 1]} vs one process {want[:, 1]}"
 
 
 def test_gradient_accumulation_equals_one_big_batch(one_thread):
@@ -237,7 +242,8 @@ def test_two_ranks_pipeline_matches_one_process_and_resumes_at_pp1(tmp_path, ref
     one_f, interleaved = (_curves(r) for r in out[0]["runs"])
     _check_curves("pp=2, 1f1b, 2 micro-batches", ref, one_f)
     _check_curves("pp=2, interleaved 1f1b (4 stages)", ref, interleaved)
-    np.testing.assert_allclose(interleaved, one_f, rtol=1e-5)
+    np.testing.assert_allclose(interleaved[:, 0], one_f[:, 0], rtol=1e-5)  # losses
+    np.testing.assert_allclose(interleaved[:, 1], one_f[:, 1], rtol=1e-4)  # gradient norms
     # Rank 0 (stage 0) logs every MoE layer's balance, the last stage's included.
     assert all(len(r["maxvio"]) == 4 for r in out[0]["runs"][0])
     _check_grads("pp=2 x 2 micro-batches", ref_grads, _merged([o["grads"][0] for o in out]))
