@@ -288,7 +288,9 @@ def runs_on_cpu_ranks(nranks, configs):
         return launch(train_worker, nranks, configs, timeout_s=900)[0]["runs"]
 
 
-cp_flags = dict(preset="k3-tiny", steps=cp_steps, batch_size=2, seq_len=cp_seq_len, lr=lr, seed=seed,
+# The tests' learning rate: at the run's 1e-2 a near-tie in a router flips within a few steps, and the
+# clipped updates carry float32 rounding far enough to flip it on one side only.
+cp_flags = dict(preset="k3-tiny", steps=cp_steps, batch_size=2, seq_len=cp_seq_len, lr=3e-3, seed=seed,
                 progress=False, doc_mask=True)
 [one_rank] = runs_on_cpu_ranks(1, [cp_flags])
 [two_ranks] = runs_on_cpu_ranks(2, [dict(cp_flags, cp=2)])
