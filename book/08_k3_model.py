@@ -534,7 +534,12 @@ for name, r in mem_runs.items():
     by = ", ".join(f"{p} {b / 2**10:.0f}" for p, b in r["saved_bytes"].items())
     print(f"{name:<15}{r['saved_total_bytes'] / 2**10:>10.0f}{r['host_bytes'] / 2**10:>10.0f}"
           f"{r['saved_total_bytes'] / keep_bytes:>9.2f}   {by}")
-assert mem_runs["recompute"]["saved_total_bytes"] < keep_bytes / 3
+# What every set keeps at the root (embedding, the AttnRes mixing, head) is the same; the policies change the
+# sublayers' share, and recompute keeps only each sublayer's input of it.
+rec = mem_runs["recompute"]["saved_bytes"]
+sublayer_share = (rec["recompute"] / (keep_bytes - rec["keep"]))
+print(f"recompute holds {sublayer_share:.3f} of the bytes keep holds inside the sublayers")
+assert sublayer_share < 1 / 3
 assert mem_runs["offload"]["host_bytes"] > 0
 
 # %% [markdown]

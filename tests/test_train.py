@@ -479,3 +479,22 @@ def test_nonfinite_names_name_parameters_and_optimizer_state():
         model[1].weight[0, 0] = float("nan")
     opt.state[model[0].bias]["exp_avg_sq"][1] = float("inf")
     assert nonfinite_names([model], [opt]) == "2 on this rank, first 1.weight, 0.bias: exp_avg_sq"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: AdamW's CPU step counts beside CUDA weights")
+def test_state_finite_takes_cpu_step_counts_beside_cuda_weights():
+    """On the GPU the check before the first checkpoint stacked CUDA flags with the CPU flags of AdamW's
+    step counts and raised, ending chapter 09's run at its first save."""
+    from k3lab.optim import per_head_muon
+    from k3lab.train.loop import state_finite
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).cuda()
+    opt = per_head_muon(model, lr=1e-2)
+    model(torch.randn(4, 8, device="cuda")).sum().backward()
+    opt.step()
+    assert any(v.device.type == "cpu" for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    assert state_finite([model], [opt])
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    assert not state_finite([model], [opt])

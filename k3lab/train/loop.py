@@ -56,7 +56,9 @@ def state_finite(parts, opts) -> bool:
     checkpoint."""
     tensors = [p for m in parts for p in m.parameters()]
     tensors += [v for o in opts for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    ok = torch.stack([_local(t).detach().isfinite().all() for t in tensors]).all().to(torch.int32).reshape(1)
+    # AdamW's step counts stay on the CPU (torch's non-capturable Adam) beside CUDA weights.
+    dev = _local(tensors[0]).device
+    ok = torch.stack([_local(t).detach().isfinite().all().to(dev) for t in tensors]).all().to(torch.int32).reshape(1)
     if dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())
