@@ -436,7 +436,17 @@ def grad_norm(params, group=None) -> torch.Tensor:
 def clip_grads_(params, max_norm: float, norm: torch.Tensor) -> None:
     """Scale the gradients of ``params`` in place by min(1, max_norm / (norm + 1e-6)) (``norm`` from
     ``grad_norm``): torch's ``clip_grads_with_norm_``, applied to DTensors' local shards mesh by mesh. A
-    non-finite ``norm`` makes the gradients NaN, as in torch: the caller's loss check then stops the run."""
+    non-finite ``norm`` makes the gradients NaN, as in torch: the caller's loss check then stops the run.
+
+    Raises:
+        ValueError: ``max_norm`` not a positive finite number (a negative one would flip every gradient);
+            ``norm`` not a 0-dim tensor.
+    """
+    if not (_is_number(max_norm) and max_norm > 0 and math.isfinite(max_norm)):
+        raise ValueError(f"clip_grads_: max_norm must be a positive finite number, got {max_norm!r}")
+    if not (isinstance(norm, torch.Tensor) and norm.ndim == 0):
+        got = f"shape {list(norm.shape)}" if isinstance(norm, torch.Tensor) else type(norm).__name__
+        raise ValueError(f"clip_grads_: norm must be grad_norm's 0-dim tensor, got {got}")
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     by_mesh: dict = {}
     for p in params:

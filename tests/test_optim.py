@@ -280,3 +280,21 @@ def test_grad_norm_and_clipping_over_two_meshes_and_a_stage_group():
         coef = (out["stage"] + 1) / (expected + 1e-6)
         for i, g in enumerate(grads):
             assert_close(f"clipped gradient {i} on rank {rank}", g * coef, out["grads"][i], 1e-6)
+
+
+def test_clip_grads_rejects_a_bound_that_would_flip_gradients():
+    from k3lab.optim import clip_grads_, grad_norm
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    p.grad = torch.randn(4, 3) * 5
+    norm = grad_norm([p])
+    assert_close("norm of one plain gradient", p.grad.norm(), norm, 1e-6)
+    for bad in (-1.0, 0.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="max_norm must be a positive finite number"):
+            clip_grads_([p], bad, norm)
+    with pytest.raises(ValueError, match="norm must be grad_norm's 0-dim tensor"):
+        clip_grads_([p], 1.0, torch.ones(2))
+    before = p.grad.clone()
+    clip_grads_([p], 1.0, norm)
+    assert_close("clipped", before / (before.norm() + 1e-6), p.grad, 1e-6)
+    assert grad_norm([torch.nn.Parameter(torch.ones(2))]) == 0  # no gradients: 0

@@ -42,8 +42,10 @@ BASE = dict(preset="k3-tiny", steps=8, batch_size=4, seq_len=32, lr=3e-3, progre
     (["--log-every", "0"], "--log-every must be an int >= 1"),
     (["--cp", "0"], "--cp must be an int >= 1"),
     (["--mtp", "1", "--cp", "2"], "--mtp does not combine with --cp > 1"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm must be a finite number >= 0 (0: no clipping)"),
+    (["--max-grad-norm", "inf"], "--max-grad-norm must be a finite number >= 0 (0: no clipping)"),
 ], ids=["preset", "steps", "ep-mode", "ckpt-every", "resume", "lr", "kill", "policy", "rule", "log-every", "cp",
-        "mtp-cp"])
+        "mtp-cp", "clip-negative", "clip-inf"])
 def test_bad_flags_exit_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
