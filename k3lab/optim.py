@@ -395,6 +395,23 @@ def _mesh_key(p: torch.Tensor):
     return (id(mesh), tuple(p.placements)) if mesh is not None else p.device
 
 
+def _tensors(params, fn: str) -> list[torch.Tensor]:
+    """``params`` as a list of tensors: one tensor becomes [it] (as in torch's clip_grad_norm_; iterating it
+    would yield its rows, none of which has a gradient); anything else must be an iterable of tensors."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    try:
+        out = list(params)
+    except TypeError:
+        raise TypeError(f"{fn}: params must be a tensor or an iterable of tensors (e.g. model.parameters()), "
+                        f"got {type(params).__name__}") from None
+    for i, p in enumerate(out):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{fn}: params must be tensors (e.g. model.parameters(), not optimizer param groups), "
+                            f"got {type(p).__name__} at position {i}")
+    return out
+
+
 def grad_norm(params, group=None) -> torch.Tensor:
     """The global L2 norm of the gradients of ``params``, over every rank that holds a piece of them:
 
@@ -405,28 +422,36 @@ def grad_norm(params, group=None) -> torch.Tensor:
     gradient counts as a whole. Parameters without a gradient are skipped.
 
     Args:
-        params (iterable of Tensor): the parameters (any dtype; the norm is float32).
+        params (Tensor or iterable of Tensor): the parameters (any dtype: each gradient's norm is accumulated
+            and returned in float32, so bf16 gradients give their exact norm, not one rounded to bf16).
         group: a process group over whose ranks the squares are summed once more: pipeline stages, which
             hold disjoint parameters (None: no such sum).
 
     Returns:
-        float32 0-dim tensor on the gradients' device (0 without gradients). No host synchronisation:
+        float32 0-dim tensor on the first gradient's device (0 without gradients). No host synchronisation:
         the reduction stays on the device, so a training step can clip by it without a read-back.
+
+    Raises:
+        TypeError: ``params`` not a tensor or an iterable of tensors (e.g. optimizer param-group dicts).
     """
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
     by_mesh: dict = {}
-    device = torch.device("cpu")
-    for p in params:
+    device = None
+    for p in _tensors(params, "grad_norm"):
         if p.grad is not None:
-            device = p.grad.device
+            device = p.grad.device if device is None else device
             by_mesh.setdefault(_mesh_key(p.grad), []).append(p.grad)
     squares = []
     for grads in by_mesh.values():
-        n = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+        # torch's get_total_norm returns a bf16 norm for bf16 gradients (3 significant digits): the
+        # per-tensor norms are taken in float32 here instead (no float32 copy of the gradients).
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        n = torch.linalg.vector_norm(torch.stack(norms))
         if isinstance(n, DTensor):
             n = n.full_tensor()
-        squares.append(n.float().square())
+        # Gradients on several devices (CPU-offloaded and GPU parameters): summed on the first's.
+        squares.append(n.square().to(device))
     total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if group is not None and torch.distributed.get_world_size(group) > 1:
         torch.distributed.all_reduce(total, group=group)
@@ -441,15 +466,17 @@ def clip_grads_(params, max_norm: float, norm: torch.Tensor) -> None:
     Raises:
         ValueError: ``max_norm`` not a positive finite number (a negative one would flip every gradient);
             ``norm`` not a 0-dim tensor.
+        TypeError: ``params`` not a tensor or an iterable of tensors.
     """
     if not (_is_number(max_norm) and max_norm > 0 and math.isfinite(max_norm)):
         raise ValueError(f"clip_grads_: max_norm must be a positive finite number, got {max_norm!r}")
     if not (isinstance(norm, torch.Tensor) and norm.ndim == 0):
         got = f"shape {list(norm.shape)}" if isinstance(norm, torch.Tensor) else type(norm).__name__
         raise ValueError(f"clip_grads_: norm must be grad_norm's 0-dim tensor, got {got}")
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    # detach: a norm that requires grad would otherwise give the gradients an autograd history.
+    coef = (max_norm / (norm.detach() + 1e-6)).clamp(max=1.0)
     by_mesh: dict = {}
-    for p in params:
+    for p in _tensors(params, "clip_grads_"):
         if p.grad is not None:
             g = p.grad
             by_mesh.setdefault((_mesh_key(g), g.dtype), []).append(g.to_local() if hasattr(g, "to_local") else g)

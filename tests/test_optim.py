@@ -298,3 +298,72 @@ def test_clip_grads_rejects_a_bound_that_would_flip_gradients():
     clip_grads_([p], 1.0, norm)
     assert_close("clipped", before / (before.norm() + 1e-6), p.grad, 1e-6)
     assert grad_norm([torch.nn.Parameter(torch.ones(2))]) == 0  # no gradients: 0
+
+
+def test_grad_norm_of_bf16_gradients_is_float32_accurate():
+    """bf16 gradients: the norm is accumulated in float32 (torch's get_total_norm rounds it to bf16, about
+    1e-3 off), and clipping scales the bf16 gradients by it."""
+    from k3lab.optim import clip_grads_, grad_norm
+
+    g = torch.Generator().manual_seed(3)
+    params = []
+    for shape in ((300, 200), (64,), (7, 9, 5)):
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16))
+        p.grad = (torch.randn(shape, generator=g) * 3).bfloat16()
+        params.append(p)
+    want = torch.cat([p.grad.double().flatten() for p in params]).norm()
+    norm = grad_norm(params)
+    assert norm.dtype == torch.float32 and norm.ndim == 0
+    assert abs(norm.double() - want) / want < 1e-5, (norm.item(), want.item())
+    before = [p.grad.double() for p in params]
+    clip_grads_(params, 1.0, norm)
+    for i, (b, p) in enumerate(zip(before, params)):
+        assert p.grad.dtype == torch.bfloat16
+        assert_close(f"clipped bf16 gradient {i}", b / (want + 1e-6), p.grad.double(), 1e-2)
+
+
+def test_grad_norm_and_clip_grads_take_one_tensor_or_a_generator_and_refuse_other_types():
+    """One tensor is one parameter (as in torch's clip_grad_norm_), not an iterable of its rows (which have no
+    gradients: a silent norm of 0 and no clipping); param-group dicts or numbers are a TypeError."""
+    from k3lab.optim import clip_grads_, grad_norm
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    p.grad = torch.randn(4, 3) * 5
+    want = p.grad.norm()
+    assert_close("norm of one tensor", want, grad_norm(p), 1e-6)
+    assert_close("norm of a generator", want, grad_norm(q for q in [p]), 1e-6)
+    before = p.grad.clone()
+    clip_grads_(p, 1.0, grad_norm(p))
+    assert_close("one tensor clipped", before / (want + 1e-6), p.grad, 1e-6)
+    for bad, match in (([{"params": [p]}], "got dict at position 0"), (5, "got int"), ([p, 2.0], "got float at position 1")):
+        with pytest.raises(TypeError, match=match):
+            grad_norm(bad)
+        with pytest.raises(TypeError, match=match):
+            clip_grads_(bad, 1.0, torch.tensor(1.0))
+
+
+def test_clip_grads_with_a_norm_that_requires_grad_leaves_gradients_without_history():
+    from k3lab.optim import clip_grads_
+
+    p = torch.nn.Parameter(torch.randn(5))
+    p.grad = torch.randn(5)
+    before = p.grad.clone()
+    norm = torch.tensor(10.0, requires_grad=True)
+    clip_grads_([p], 1.0, norm * 1.0)
+    assert not p.grad.requires_grad and p.grad.grad_fn is None
+    assert_close("clipped by a norm with history", before / (10.0 + 1e-6), p.grad, 1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device (CUDA)")
+def test_grad_norm_over_gradients_on_two_devices():
+    from k3lab.optim import grad_norm
+
+    params = []
+    for device in ("cuda", "cpu"):
+        p = torch.nn.Parameter(torch.randn(6, device=device))
+        p.grad = torch.randn(6, device=device)
+        params.append(p)
+    want = torch.cat([p.grad.double().cpu() for p in params]).norm()
+    norm = grad_norm(params)
+    assert norm.device.type == "cuda"
+    assert_close("norm over two devices", want, norm.cpu(), 1e-6)
