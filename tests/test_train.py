@@ -434,6 +434,25 @@ def test_a_damaged_checkpoint_metadata_is_one_usage_error_line(tmp_path, capsys)
     assert "Traceback" not in err, err[-2000:]
 
 
+def test_resuming_a_checkpoint_without_a_run_setting_names_the_setting(tmp_path, capsys, monkeypatch):
+    """A checkpoint that does not record a setting a resume compares (written before --max-grad-norm was
+    one) was called unreadable, with the advice to delete it and resume from the one before, which lacks
+    it too."""
+    import k3lab.train.loop as loop
+
+    flags = ["--batch-size", "2", "--seq-len", "16", "--steps", "1", "--no-progress", "--ckpt-dir", str(tmp_path)]
+    monkeypatch.setattr(loop, "RUN_SETTINGS", tuple(k for k in loop.RUN_SETTINGS if k != "max_grad_norm"))
+    assert main(flags) == 0
+    monkeypatch.undo()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([*flags, "--resume"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "step_00000001 does not record --max-grad-norm, which a resume compares" in err, err[-500:]
+    assert "cannot be read" not in err
+
+
 def test_resume_reports_a_missing_or_damaged_checkpoint(tmp_path, capsys):
     """An empty --ckpt-dir started afresh without a word; bytes damaged inside a shard loaded as NaN weights
     (DCP keeps no checksums) and failed steps later in a kernel's input check."""

@@ -6,6 +6,7 @@ import datetime
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -101,6 +102,14 @@ def _first_failure(e: BaseException) -> str:
         e = next(iter(failures.values()))
         e = e[0] if isinstance(e, tuple) else e
     return f"{type(e).__name__}: {str(e).strip()[:200]}".rstrip(": ")
+
+
+def _absent_settings(e: BaseException) -> list[str]:
+    """The flags of the ``RUN_SETTINGS`` that a failed train-state read reports missing from the checkpoint
+    (DCP's "Missing key in checkpoint state_dict: train.run.<name>"), in ``RUN_SETTINGS`` order."""
+    failures = getattr(e, "failures", None) or {}
+    text = " ".join([str(e)] + [str(f[0] if isinstance(f, tuple) else f) for f in failures.values()])
+    return [f"--{k.replace('_', '-')}" for k in RUN_SETTINGS if re.search(rf"train\.run\.{k}\b", text)]
 
 
 def run_settings(config: TrainConfig) -> dict:
@@ -318,6 +327,11 @@ def train(config: TrainConfig) -> list[dict]:
                 except ConfigError:
                     raise
                 except (CheckpointException, RuntimeError, ValueError, OSError, EOFError) as e:
+                    absent = _absent_settings(e)
+                    if absent:
+                        # Not damage: an older trainer's checkpoint, whose earlier checkpoints lack them too.
+                        raise ConfigError(f"{path} does not record {', '.join(absent)}, which a resume compares (a "
+                                          f"checkpoint of an older trainer): start a new --ckpt-dir") from e
                     raise ConfigError(f"{path} cannot be read ({_first_failure(e)}): remove it to "
                                       f"resume from the checkpoint before it, or start without --resume") from e
                 start = int(state["step"])
