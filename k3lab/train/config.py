@@ -208,7 +208,8 @@ HELP = {
     "ckpt_dir": "folder for checkpoints (step_NNNNNNNN/, written atomically); none: no checkpoints",
     "ckpt_every": "save every N steps and at the end (0: only at the end); needs --ckpt-dir",
     "resume": "continue from the latest complete checkpoint in --ckpt-dir (a fresh start when there is none)",
-    "log_jsonl": "append per-step metrics (loss, tokens/s, MFU, maxvio per MoE layer, peak memory) to this file",
+    "log_jsonl": "append per-step metrics (loss, gradient norm before clipping, tokens/s, MFU, maxvio per MoE layer, "
+                 "peak memory) to this file",
     "seed": "seed of the model initialisation and the data order",
     "data_dir": "folder holding shards/ (default: $K3LAB_DATA_DIR, else the checkout's data/)",
     "doc_mask": "keep packed documents apart: KDA restarts and MLA masks at every <|endoftext|> (the MLA mask is "

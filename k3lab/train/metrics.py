@@ -3,7 +3,8 @@
 Record kinds (one JSON object per line, ``"event"`` first):
 
     start    the layout, model, flops_per_token and its convention, the resumed step (or 0)
-    step     step, loss (global mean, nats), lr, step_s and tokens_per_s (global; the mean over the
+    step     step, loss (global mean, nats), grad_norm (the global L2 norm of the raw gradients over every
+             rank and pipeline stage, before clipping to ``--max-grad-norm``), lr, step_s and tokens_per_s (global; the mean over the
              ``--log-every`` window the step was read back in), mfu (None without a known peak), maxvio
              (one per MoE layer, the step's routing summed over the data ranks; None on the steps of a
              window before its last, whose loads are not read back), peak_mem_GiB
