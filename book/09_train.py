@@ -167,7 +167,7 @@ for i in range(len(balanced[0]["maxvio"])):
             label=f"MoE layer {first_moe + i}")
 bx.set(xlabel="step", ylabel="maxvio", title="expert load: max / mean - 1 (Quantile Balancing)")
 bx.legend(fontsize=8)
-clip = TrainConfig.max_grad_norm
+clip = flags.get("max_grad_norm", TrainConfig.max_grad_norm)
 cx.semilogy([r["step"] for r in joined], [r["grad_norm"] for r in joined], lw=1)
 cx.axhline(clip, color="grey", ls=":", label=f"--max-grad-norm {clip}")
 cx.set(xlabel="step", ylabel="global gradient norm", title="gradient norm before clipping")

@@ -400,8 +400,8 @@ def train(config: TrainConfig) -> list[dict]:
                     # The per-call value checks are off in the step: the loss and the gradient norm are where
                     # a NaN or inf shows.
                     raise FloatingPointError(f"the loss is {bad[1]} and the gradient norm {bad[2]} at step {bad[0]}: "
-                                             f"stopping before it reaches a checkpoint (lower --lr or "
-                                             f"--max-grad-norm, or check the data)")
+                                             f"stopping before it reaches a checkpoint (check the data, or start a new "
+                                             f"--ckpt-dir with a lower --lr or --max-grad-norm: a resume keeps both)")
                 dt = (time.perf_counter() - t_window) / len(pending)
                 tok_s = config.batch_size * config.seq_len / dt
                 mem, mem_kind = peak_memory_gib(device)
@@ -419,7 +419,8 @@ def train(config: TrainConfig) -> list[dict]:
                     if not state_finite(parts, opts):
                         raise FloatingPointError(f"the weights or optimizer state hold NaN or inf after step {step} "
                                                  f"(non-finite gradients): stopping before writing its checkpoint "
-                                                 f"(lower --lr); non-finite: {nonfinite_names(parts, opts)}")
+                                                 f"(start a new --ckpt-dir with a lower --lr: a resume keeps it); "
+                                                 f"non-finite: {nonfinite_names(parts, opts)}")
                     save_checkpoint(config.ckpt_dir, step, parts, opts, {"step": step, "loader": loader.state_dict(),
                                                                           "run": run_settings(config)})
                 if config.kill_at_step == step:
