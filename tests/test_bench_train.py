@@ -85,6 +85,7 @@ def test_tokens_per_s_is_the_median_of_the_windows_after_the_first():
     (["--minutes", "nan"], "--minutes: expected a positive number, got nan"),
     (["--batch-size", "0"], "--batch-size: expected a positive int, got 0"),
     (["--device", "mps"], "--device: invalid choice"),
+    (["--microbatches", "0"], "--microbatches: expected a positive int, got 0"),
 ])
 def test_bad_flags_stop_at_parsing(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -96,3 +97,14 @@ def test_bad_flags_stop_at_parsing(argv, message, capsys):
 def test_cpu_without_small_is_refused():
     with pytest.raises(SystemExit, match="--device cpu needs --small"):
         main(["--device", "cpu"])
+
+
+def test_micro_batches_make_the_global_batch_and_leave_the_bare_step_at_one(one_thread, capsys):
+    """--microbatches M: each optimizer step runs M micro-batches of --batch-size sequences (the peer's too);
+    the AttnRes overhead's bare step stays at one micro-batch, so it is not set beside the peer's step."""
+    with one_thread():
+        r = main(["--small", "--device", "cpu", "--out", "", "--microbatches", "2", "--no-torchtitan"])
+    assert r["microbatches"] == 2 and r["batch_size"] == 4
+    assert r["tokens_per_step"] == 2 * 4 * 32 and r["attnres"]["tokens"] == 4 * 32
+    assert r["vs_peer_bare_step"] is None
+    assert "B x T = 4 x 32, 2 micro-batches a step" in capsys.readouterr().out

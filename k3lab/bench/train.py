@@ -3,6 +3,7 @@ torchtitan's DeepSeek-V3 model as the peer, all in one run.
 
     python -m k3lab.bench.train                                # k3-1b, 4 minutes -> data/results/train_<card>.json
     python -m k3lab.bench.train --minutes 10 --batch-size 8    # a longer run at a smaller batch
+    python -m k3lab.bench.train --microbatches 4               # 4 micro-batches a step, the peer too
     python -m k3lab.bench.train --small --device cpu --out ''  # k3-tiny, a few steps: checks the script
 
 Needs the token shards (``python -m k3lab.data build``) and, for the peer, torchtitan 0.3.0 (its wheel and
@@ -144,25 +145,28 @@ def check_sync(config: TrainConfig, device: torch.device) -> dict:
 
 
 def warm_up(config: TrainConfig, device: torch.device) -> tuple[TrainConfig, float, list[int]]:
-    """Four trainer steps (two windows of two) at ``config.batch_size``, halved after each CUDA
-    out-of-memory error: compiles and autotunes the kernels for the run's shapes and times a step.
+    """Four trainer steps (two windows of two) at ``config.batch_size``, the micro-batch (``batch_size /
+    microbatches`` sequences) halved after each CUDA out-of-memory error: compiles and autotunes the kernels
+    for the run's shapes and times a step.
 
     Returns:
-        (config with the batch that fit, seconds per step of the second window, the batches that did not fit).
+        (config with the batch that fit, seconds per step of the second window, the micro-batches that did
+        not fit).
 
     Raises:
         torch.cuda.OutOfMemoryError: not even one sequence fits.
     """
-    batch, too_big = config.batch_size, []
+    M = config.microbatches
+    batch, too_big = config.batch_size // M, []
     while True:
         records = None
         try:
-            records = train(replace(config, batch_size=batch, steps=4, log_every=2, progress=False))
+            records = train(replace(config, batch_size=batch * M, steps=4, log_every=2, progress=False))
         except torch.cuda.OutOfMemoryError:
             if batch == 1:
                 raise
         if records is not None:
-            return replace(config, batch_size=batch), records[-1]["step_s"], too_big
+            return replace(config, batch_size=batch * M), records[-1]["step_s"], too_big
         too_big.append(batch)
         print(f"batch {batch} x {config.seq_len} does not fit; trying {batch // 2}", flush=True)
         batch //= 2
@@ -364,7 +368,9 @@ def describe_peer(pcfg, cfg: K3Config, hidden: int, batch: int, T: int, device: 
 def time_peer(cfg: K3Config, config: TrainConfig, device: torch.device, steps: int, warmup: int = 3) -> dict:
     """torchtitan's DeepSeek-V3 model matched to ``cfg`` (``match_peer``): forward (bf16 autocast on CUDA,
     float32 parameters, as k3lab's trainer), cross-entropy on float32 logits, backward, fused AdamW, on random
-    tokens [B, T] of ``config``; the causal block mask built once. Halves the batch on CUDA out-of-memory.
+    tokens [B, T] of ``config``'s micro-batch (``batch_size / microbatches`` sequences), ``microbatches`` of
+    them accumulated per optimizer step as k3lab's trainer does; the causal block mask built once. Halves the
+    micro-batch on CUDA out-of-memory.
     On a CPU only the config and its counts (FlexAttention has no CPU backward): the timing fields are None.
 
     Returns:
@@ -372,7 +378,8 @@ def time_peer(cfg: K3Config, config: TrainConfig, device: torch.device, steps: i
         "peer_params", "peer_flops_per_token", "peer_peak_GiB", "peer_batch_size", "peer_loss"}.
     """
     pcfg, hidden, n = match_peer(cfg, config.seq_len)
-    batch, T = config.batch_size, config.seq_len
+    M = config.microbatches
+    batch, T = config.batch_size // M, config.seq_len
     out = dict(peer_tokens_per_s=None, peer_step_ms=None, peer_mfu=None, peer_peak_GiB=None, peer_loss=None,
                peer_flops_per_token=n["flops_per_token"], peer_batch_size=batch,
                peer_params=dict(total=n["total"], active=n["active"], target_active=n["target_active"]))
@@ -383,7 +390,7 @@ def time_peer(cfg: K3Config, config: TrainConfig, device: torch.device, steps: i
         return out
     while True:
         try:
-            ms, loss, peak_gib = _time_peer_step(pcfg, cfg.vocab_size, batch, T, device, steps, warmup)
+            ms, loss, peak_gib = _time_peer_step(pcfg, cfg.vocab_size, batch, T, device, steps, warmup, M)
             break
         except torch.cuda.OutOfMemoryError:
             if batch == 1:
@@ -391,7 +398,7 @@ def time_peer(cfg: K3Config, config: TrainConfig, device: torch.device, steps: i
         print(f"peer: batch {batch} x {T} does not fit; trying {batch // 2}", flush=True)
         batch //= 2
         _free(device)
-    tok_s = batch * T / ms * 1e3
+    tok_s = M * batch * T / ms * 1e3
     peak = peak_key(device)
     out.update(peer_tokens_per_s=tok_s, peer_step_ms=ms,
                peer_mfu=mfu(tok_s, n["flops_per_token"], peak) if peak else None, peer_peak_GiB=peak_gib,
@@ -411,8 +418,9 @@ def _causal_block_mask(T: int, device: torch.device):
 
 
 def _time_peer_step(pcfg, vocab: int, batch: int, T: int, device: torch.device, steps: int,
-                    warmup: int) -> tuple[float, float, float | None]:
-    """(median step ms, last loss, peak GiB) of the peer's training step at [batch, T]."""
+                    warmup: int, microbatches: int = 1) -> tuple[float, float, float | None]:
+    """(median step ms, last loss, peak GiB) of the peer's training step: ``microbatches`` forward + backward
+    passes at [batch, T] (each loss / microbatches), then one AdamW step."""
     torch.manual_seed(0)
     with torch.device(device):
         model = pcfg.build()
@@ -425,10 +433,11 @@ def _time_peer_step(pcfg, vocab: int, batch: int, T: int, device: torch.device, 
     masks = _causal_block_mask(T, device)
 
     def step():
-        with train_autocast(device):
-            logits = model(x, positions, masks)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss.backward()
+        for _ in range(microbatches):
+            with train_autocast(device):
+                logits = model(x, positions, masks)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            (loss / microbatches).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -455,12 +464,17 @@ def table(r: dict) -> str:
         return "n/a" if v is None else format(v * scale, fmt)
 
     peer = r.get("peer_params")
-    rows = [("tokens/s, trainer", r["tokens_per_s"], None, ".0f", 1.0),
-            ("tokens/s, bare step", r["attnres"]["step_tokens_per_s"], r["peer_tokens_per_s"], ".0f", 1.0),
+    # The peer's step stands beside the step of the same batch: the bare step (one micro-batch) or, with
+    # micro-batches, the trainer's.
+    accumulating = r.get("microbatches", 1) > 1
+    rows = [("tokens/s, trainer", r["tokens_per_s"], r["peer_tokens_per_s"] if accumulating else None, ".0f", 1.0),
+            ("tokens/s, bare step", r["attnres"]["step_tokens_per_s"], None if accumulating
+             else r["peer_tokens_per_s"], ".0f", 1.0),
             ("MFU %", r["mfu"], r.get("peer_mfu"), ".1f", 100.0),
             ("FLOPs / token (G)", r["flops_per_token"], r.get("peer_flops_per_token"), ".3f", 1e-9),
             ("peak GiB", r["peak_GiB"], r.get("peer_peak_GiB"), ".1f", 1.0)]
-    lines = [f"End-to-end training, {r['preset']}, B x T = {r['batch_size']} x {r['seq_len']}, on {r['device']} "
+    accumulate = f", {r['microbatches']} micro-batches a step" if accumulating else ""
+    lines = [f"End-to-end training, {r['preset']}, B x T = {r['batch_size']} x {r['seq_len']}{accumulate}, on {r['device']} "
              f"({r['date']}): {r['steps']} steps, {r['minutes']:.1f} min on the corpus ({r['epochs']:.1f} epochs)",
              f"FLOPs convention (both models): {r['flops_convention']}",
              f"{'':<28}{'k3lab':>14}{'torchtitan dsv3':>18}"]
@@ -468,7 +482,7 @@ def table(r: dict) -> str:
     peer_n = _millions(peer) if peer else "n/a"
     lines.append(f"{'params total / active (M)':<28}{_millions(r['params']):>14}{peer_n:>18}")
     if r.get("vs_peer") is not None:
-        lines.append(f"k3lab / peer tokens/s: trainer {r['vs_peer']:.2f}x, bare step {r['vs_peer_bare_step']:.2f}x "
+        lines.append(f"k3lab / peer tokens/s: trainer {r['vs_peer']:.2f}x, bare step {num(r['vs_peer_bare_step'], '.2f')}x "
                      f"(floor 1.0x, goal 1.3x)")
     if r.get("peer_error"):
         lines.append(f"peer failed: {r['peer_error']}")
@@ -532,6 +546,9 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=positive_int, default=None, help="trainer steps instead of --minutes")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="sequences per step, halved while CUDA runs out of memory (default 16; --small 4)")
+    p.add_argument("--microbatches", type=positive_int, default=1,
+                   help="micro-batches of --batch-size sequences per optimizer step, k3lab's and the peer's alike "
+                        "(default 1): a larger global batch amortises the optimizer, as pretraining batches do")
     p.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sequence T (default 2048; --small 32)")
     p.add_argument("--log-every", type=positive_int, default=None,
@@ -555,8 +572,9 @@ def main(argv=None) -> dict:
                          "(CUDA_VISIBLE_DEVICES=) or use --device cuda")
     with_peer = not args.no_torchtitan and _peer_importable(required=not args.small)
     small = args.small
-    config = TrainConfig(preset="k3-tiny" if small else "k3-1b", batch_size=args.batch_size or (4 if small else 16),
-                         seq_len=args.seq_len or (32 if small else 2048), progress=False,
+    M = args.microbatches
+    config = TrainConfig(preset="k3-tiny" if small else "k3-1b", batch_size=M * (args.batch_size or (4 if small else 16)),
+                         microbatches=M, seq_len=args.seq_len or (32 if small else 2048), progress=False,
                          log_every=args.log_every or (2 if small else 10))
     cfg = K3Config.preset(config.preset, vocab_size=_vocab(config))
 
@@ -579,14 +597,16 @@ def main(argv=None) -> dict:
     _free(device)
     n = count_params(cfg)["total"]
     split = len(load_split("train", resolve_data_dir(config.data_dir) / "shards"))
-    result.update(batch_size=config.batch_size, seq_len=config.seq_len,
+    result.update(batch_size=config.batch_size // M, microbatches=M, seq_len=config.seq_len,
                   tokens_per_step=config.batch_size * config.seq_len, batch_sizes_that_did_not_fit=too_big,
                   steps=steps, log_every=config.log_every, lr=config.lr,
                   minutes=minutes, minutes_requested=None if args.steps or small else args.minutes,
                   epochs=steps * config.batch_size * config.seq_len / split, params=dict(total=n[0], active=n[1]),
                   **summarise(records, config, device))
     print("== AttnRes overhead", flush=True)
-    result["attnres"] = attnres_overhead(config, device, args.overhead_steps or (2 if small else 20),
+    # One micro-batch a step: the overhead is a ratio of step times, which accumulation does not change.
+    micro = replace(config, batch_size=config.batch_size // M, microbatches=1)
+    result["attnres"] = attnres_overhead(micro, device, args.overhead_steps or (2 if small else 20),
                                          warmup=1 if small else 3)
     result["attnres_overhead"] = result["attnres"]["overhead"]
     result["checks"] = checks
@@ -602,7 +622,8 @@ def main(argv=None) -> dict:
             _free(device)
         if result["peer_tokens_per_s"]:
             result["vs_peer"] = result["tokens_per_s"] / result["peer_tokens_per_s"]
-            result["vs_peer_bare_step"] = result["attnres"]["step_tokens_per_s"] / result["peer_tokens_per_s"]
+            if M == 1:  # the bare step runs one micro-batch: comparable only to a peer step of one
+                result["vs_peer_bare_step"] = result["attnres"]["step_tokens_per_s"] / result["peer_tokens_per_s"]
     write_result("train", result, args.out, small)
     print("\n" + table(result))
     return result
