@@ -417,8 +417,8 @@ def grad_norm(params, group=None) -> torch.Tensor:
 
         ||g|| = sqrt(sum_p ||g_p||^2)
 
-    DTensor gradients (FSDP shards, expert-parallel shards) are reduced over their own mesh, one
-    ``get_total_norm`` per mesh, since a model under FSDP2 and EP holds gradients on two meshes; a plain
+    DTensor gradients (FSDP shards, expert-parallel shards) are reduced over their own mesh, one foreach
+    norm and one reduction per mesh, since a model under FSDP2 and EP holds gradients on two meshes; a plain
     gradient counts as a whole. Parameters without a gradient are skipped.
 
     Args:
