@@ -174,6 +174,9 @@ for path in tables:
     for r in table["chapters"]:
         trimmed = f"  overrides {r['overrides']}" if r["overrides"] else ""
         print(f"  {r['name']:<16}{r['status']:<8}{r['seconds']:>8.1f} s  {r['detail']}{trimmed}")
+    recorded = {r["chapter"] for r in table["chapters"]}
+    missing = [p.stem for p in sorted((ROOT / "book").glob("[0-9][0-9]_*.py")) if p.stem[:2] not in recorded]
+    print(f"  not recorded yet: {', '.join(missing)}" if missing else "  every chapter recorded")
 
 # %% [markdown]
 # ## The data: real Python source
