@@ -224,18 +224,20 @@ if gpu is None:
 else:
     from k3lab.model import PEAK_FLOPS
 
-    step_flops = gpu["flops_per_token"] * gpu["batch_size"] * gpu["seq_len"]
+    # A step is microbatches x batch_size sequences (bench.train --microbatches accumulates).
+    micro = gpu.get("microbatches", 1)
+    step_flops = gpu["flops_per_token"] * gpu["tokens_per_step"]
     peak = PEAK_FLOPS[gpu["peak_flops_key"]]
     print(f"{found[0].name}: {gpu['device']}, {gpu['preset']} ({gpu['params']['total'] / 1e6:.0f}M total, "
-          f"{gpu['params']['active'] / 1e6:.0f}M active), B x T = {gpu['batch_size']} x {gpu['seq_len']}, "
-          f"{gpu['minutes']:.1f} min")
+          f"{gpu['params']['active'] / 1e6:.0f}M active), B x T = {gpu['batch_size']} x {gpu['seq_len']}"
+          + (f", {micro} micro-batches a step" if micro > 1 else "") + f", {gpu['minutes']:.1f} min")
     print(f"{gpu['steps']} steps, {gpu['epochs']:.1f} passes over the train split; final loss {gpu['final_loss']:.2f}")
     print(f"tokens/s {gpu['tokens_per_s']:,.0f} | MFU {100 * gpu['mfu']:.1f}% | peak memory {gpu['peak_GiB']:.1f} GiB")
     ar = gpu["attnres"]
     print(f"Block AttnRes against the standard residual, {ar['steps']} timed steps each: "
           f"{100 * ar['overhead']:+.1f}% on the median step, {100 * ar['overhead_min']:+.1f}% on the fastest")
     print(f"a step's FLOPs {step_flops / 1e12:.1f} TFLOP: {1e3 * step_flops / peak:.0f} ms at the dense bf16 peak, "
-          f"{1e3 * gpu['batch_size'] * gpu['seq_len'] / gpu['tokens_per_s']:.0f} ms measured")
+          f"{1e3 * gpu['tokens_per_step'] / gpu['tokens_per_s']:.0f} ms measured")
     print("FLOPs convention:", gpu["flops_convention"])
     print("peer (torchtitan DeepSeek-V3):", gpu.get("peer_error") or gpu.get("peer") or "not timed in this result")
     if "peer_tokens_per_s" in gpu:
