@@ -566,3 +566,30 @@ def test_fill_kernel_compiles_for_sm90_without_spills(compile_sm90_lines):
     launcher's width, in a process without TRITON_INTERPRET; no register spills (STACK:0)."""
     lines = compile_sm90_lines(COMPILE_FILL)
     assert len(lines) == 4 and all("STACK:0" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("kind", ["zipf", "one_expert"])
+def test_plan_and_layout_equals_plan_then_layout(kind):
+    """``plan_and_layout`` (on a GPU the layout's sort on a second stream beside the fill) gives the same
+    integers as ``plan`` then ``layout``, on every rank; ``pair_positions`` is the stable rank of each pair."""
+    from k3lab.moonep.planner import pair_positions, plan_and_layout
+
+    R, L, S, K = 4, 3, 16, 2
+    gen = torch.Generator().manual_seed(3)
+    idx = make_routing(kind, R, S, K, R * L, gen)
+    counts = torch.stack([torch.bincount(idx[r].reshape(-1), minlength=R * L) for r in range(R)])
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for dev in devices:
+        c, ix = counts.to(dev), idx.to(dev)
+        p = plan(c, S, K)
+        for r in range(R):
+            p2, lay2 = plan_and_layout(c, ix[r], r, S, K)
+            lay = layout(p, c, ix[r], r)
+            assert torch.equal(p2.assign, p.assign) and torch.equal(p2.offsets, p.offsets)
+            for f in ("dest_rank", "dest_row", "src_rank", "offsets", "slot_experts"):
+                assert torch.equal(getattr(lay2, f), getattr(lay, f)), (dev, r, f)
+    e = idx[0].reshape(-1)
+    pos = pair_positions(idx[0])
+    expected = torch.empty_like(e)
+    expected[sorted(range(e.numel()), key=lambda i: (int(e[i]), i))] = torch.arange(e.numel())
+    assert torch.equal(pos, expected)

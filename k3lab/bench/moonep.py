@@ -7,10 +7,11 @@
 Order: (1) correctness: the planner on the device, both backends (the torch fill and the one-kernel Triton
 plan; ``layout`` runs on the same backend), equals App. E's reference (``plan_reference``) at every planner shape, each rank-0 layout puts its
 S*K pairs on distinct rows, the traffic this script prices equals the rows the layouts move, and the
-expert GEMMs agree with the loop reference; (2) no host synchronisation in ``plan`` + ``layout`` (on a GPU
+expert GEMMs agree with the loop reference; (2) no host synchronisation in ``plan_and_layout`` (on a GPU
 under ``torch.cuda.set_sync_debug_mode("error")``, each backend; on the CPU with
 ``.item()``/``.tolist()``/``bool()``... patched to raise, the torch backend); (3) planner latency, plan +
-layout for rank 0, timed eagerly and as a CUDA-graph replay of the same two calls, for each backend in the
+layout for rank 0 (``plan_and_layout``: on a GPU the layout's sort runs on a second stream beside the fill),
+timed eagerly and as a CUDA-graph replay of the same call, for each backend in the
 same run, plus the plan alone and the Triton fill kernel alone at 1, 2, 4 and 8 warps (replayed); (4) the
 simulated EP step. The Triton backend runs where ``plan`` can take it: CUDA counts within its tile limits
 (on the CPU only under TRITON_INTERPRET=1, where its times measure the interpreter).
@@ -188,18 +189,18 @@ def time_ms(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
 
 
 def sync_check(counts: torch.Tensor, idx: torch.Tensor, S: int, K: int, backend: str | None = None) -> dict:
-    """plan and layout (both on ``backend``, as ``plan`` takes it) under ``forbid_host_sync``: {"passed": bool, "how":
-    ..., "error": str | None}. A Triton backend is compiled by one call before the check (compiling is not
-    the path being checked)."""
-    from k3lab.moonep import layout, plan  # noqa: PLC0415
+    """``plan_and_layout`` (on ``backend``, as ``plan`` takes it) under ``forbid_host_sync``: {"passed": bool,
+    "how": ..., "error": str | None}. A Triton backend is compiled by one call before the check (compiling is
+    not the path being checked)."""
+    from k3lab.moonep import plan_and_layout  # noqa: PLC0415
 
     how = ('torch.cuda.set_sync_debug_mode("error")' if counts.is_cuda else
            f"CPU: Tensor.{', .'.join(SYNC_METHODS)} patched to raise")
     if backend == "triton":
-        layout(plan(counts, S, K, backend=backend), counts, idx, 0, backend=backend)
+        plan_and_layout(counts, idx, 0, S, K, backend=backend)
     try:
         with forbid_host_sync(counts.device):
-            layout(plan(counts, S, K, backend=backend), counts, idx, 0, backend=backend)
+            plan_and_layout(counts, idx, 0, S, K, backend=backend)
     except RuntimeError as exc:
         return dict(passed=False, how=how, error=str(exc).splitlines()[0][:300])
     return dict(passed=True, how=how, error=None)
@@ -218,13 +219,14 @@ def triton_planner_ok(counts: torch.Tensor) -> str | None:
 
 
 def check_planner(counts: torch.Tensor, idx: torch.Tensor, S: int, K: int, backends=("torch",)) -> dict:
-    """The device plan of every backend in ``backends`` equals ``plan_reference`` (every field) and rank 0's
-    layout fills distinct rows.
+    """The device plan of every backend in ``backends`` equals ``plan_reference`` (every field), rank 0's
+    layout fills distinct rows, and ``plan_and_layout`` (the sort on a second stream on a GPU) gives the
+    same plan and layout as ``plan`` then ``layout``.
 
     Raises:
         AssertionError: a field differs, or a layout row is used twice or lies outside [0, S*K).
     """
-    from k3lab.moonep import layout, plan, plan_reference  # noqa: PLC0415
+    from k3lab.moonep import layout, plan, plan_and_layout, plan_reference  # noqa: PLC0415
 
     ref = plan_reference(counts.cpu(), S, K)
     for backend in backends:
@@ -232,6 +234,11 @@ def check_planner(counts: torch.Tensor, idx: torch.Tensor, S: int, K: int, backe
         for name in ("keep", "give", "donor", "assign", "slot_experts", "slot_counts", "offsets"):
             assert torch.equal(getattr(p, name).cpu(), getattr(ref, name)), \
                 f"plan.{name} ({backend}) differs from plan_reference"
+        p2, lay2 = plan_and_layout(counts, idx, 0, S, K, backend=backend)
+        lay1 = layout(p, counts, idx, 0, backend=backend)
+        assert torch.equal(p2.assign, p.assign) and all(
+            torch.equal(getattr(lay1, f), getattr(lay2, f)) for f in ("dest_rank", "dest_row", "src_rank")), \
+            f"plan_and_layout ({backend}) differs from plan then layout"
     lay = layout(p, counts, idx, 0)
     C = S * K
     rows = lay.dest_rank * C + lay.dest_row
@@ -332,7 +339,7 @@ def planner_row(E: int, R: int, S: int, K: int, device: torch.device, reps: int,
     (``plan_graph_us``, ``triton_plan_graph_us``) and the fill kernel alone at each launch width
     (``triton_fill_graph_us``: {warps: us}; ``triton_num_warps`` is the launcher's default).
     ``triton_graph`` (default ``graph``) gates the Triton captures separately (its sync check)."""
-    from k3lab.moonep import layout, plan  # noqa: PLC0415
+    from k3lab.moonep import plan, plan_and_layout  # noqa: PLC0415
 
     counts, idx = routing_counts(E, R, S, K, device, seed)
     triton_graph = graph if triton_graph is None else triton_graph
@@ -352,8 +359,7 @@ def planner_row(E: int, R: int, S: int, K: int, device: torch.device, reps: int,
             continue
 
         def step(backend=backend):
-            p = plan(counts, S, K, backend=backend)
-            return p, layout(p, counts, idx, 0, backend=backend)
+            return plan_and_layout(counts, idx, 0, S, K, backend=backend)
 
         row[keys[0]], row[keys[1]], error = timed_us(step, device, reps, use_graph, same)
         if error:

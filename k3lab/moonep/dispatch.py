@@ -2,7 +2,8 @@
 
 One EP MoE step on every rank r at once (S tokens, top-K, C = S*K, L = E/R experts homed per rank):
   1. count:    this rank's pairs per expert [E]; one all-gather -> counts [R, E] (fixed size).
-  2. plan:     ``planner.plan`` and ``planner.layout``, the same on every rank from the same counts.
+  2. plan:     ``planner.plan_and_layout``: the plan and this rank's layout, the same on every rank from the
+               same counts.
   3. dispatch: pair p (token p // K) to row ``dest_row[p]`` of rank ``dest_rank[p]``'s [C, d] buffer, laid
                out as [L local experts, L redundant slots] (``Dispatch``).
   4. fetch:    the redundant slots' weights, from the donor rank (``FetchDonorExperts``).
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from k3lab.dist import all_gather_stacked, all_to_all_equal, reduce_scatter_sum
-from k3lab.moonep.planner import Layout, Plan, layout, plan
+from k3lab.moonep.planner import Layout, Plan, plan_and_layout
 
 
 def _to_buffer(pairs: torch.Tensor, lay: Layout, R: int, group) -> torch.Tensor:
@@ -125,8 +126,7 @@ def moonep_step(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tens
     L = w_gate.shape[0]
     # 1-2. counts and plan (no host sync).
     counts = all_gather_stacked(count_pairs(topk_idx, R * L), R, group)
-    p = plan(counts, S, K)
-    lay = layout(p, counts, topk_idx, rank)
+    p, lay = plan_and_layout(counts, topk_idx, rank, S, K)
     # 3. dispatch: pair t*K + k carries token t.
     pairs = x.repeat_interleave(K, dim=0)
     buf = Dispatch.apply(pairs, lay, R, group)

@@ -237,7 +237,52 @@ class Layout:
     slot_experts: torch.Tensor
 
 
-def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, backend: str | None = None) -> Layout:
+def pair_positions(topk_idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Step 1 of ``layout``, which needs no plan: each pair's position in this rank's pairs sorted by expert
+    (a stable sort keeps pair order within an expert). pos[p] - (pairs of experts < e) is pair p's index
+    among this rank's pairs of its expert e.
+
+    Args:
+        topk_idx (Tensor): [S, K] int64 expert ids. out (Tensor | None): [S*K] int64 to write into.
+
+    Returns:
+        [S*K] int64 (``out`` when given).
+    """
+    e = topk_idx.reshape(-1)
+    order = torch.argsort(e, stable=True)
+    out = torch.empty_like(order) if out is None else out
+    return out.scatter_(0, order, torch.arange(e.numel(), device=e.device))
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def plan_and_layout(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, S: int, K: int,
+                    backend: str | None = None) -> tuple[Plan, Layout]:
+    """``plan(counts, S, K)`` and this rank's ``layout``: the same integers, with layout's plan-free step
+    (``pair_positions``, a sort of the S*K pairs) on a second CUDA stream while the plan's fill runs. The fill
+    is R - 1 dependent steps in one program on one SM, the sort spreads over the card, so the two overlap;
+    under CUDA graph capture the fork and join are captured with them. On a CPU, one after the other.
+
+    Args and raises: those of ``plan`` and ``layout``.
+    """
+    if not counts.is_cuda:
+        p = plan(counts, S, K, backend)
+        return p, layout(p, counts, topk_idx, rank, backend)
+    main = torch.cuda.current_stream(counts.device)
+    side = _SIDE_STREAMS.setdefault(counts.device, torch.cuda.Stream(counts.device))
+    # Allocated on the main stream, which frees it: the side stream only writes it before the join.
+    pos = torch.empty(topk_idx.numel(), dtype=torch.int64, device=counts.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        pair_positions(topk_idx, pos)
+    p = plan(counts, S, K, backend)
+    main.wait_stream(side)
+    return p, layout(p, counts, topk_idx, rank, backend, pos=pos)
+
+
+def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, backend: str | None = None,
+           pos: torch.Tensor | None = None) -> Layout:
     """Destinations of rank ``rank``'s pairs and the sources of its buffer rows, from the plan.
 
     Expert e's pairs are numbered globally, rank by rank in source order and in pair order inside a rank
@@ -254,6 +299,7 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, bac
             prefix sums in torch, then steps 2-5 in one launch, ``k3lab.kernels.moonep.layout_rows``; CUDA
             counts, or CPU counts under TRITON_INTERPRET=1), or None: ``"triton"`` for CUDA counts. The same
             integers either way.
+        pos (Tensor | None): ``pair_positions(topk_idx)`` when already computed (``plan_and_layout``).
 
     Returns:
         Layout, on ``counts``' device; no host synchronisation.
@@ -279,9 +325,8 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, bac
     counts = counts.long()
     e = topk_idx.reshape(-1)
     # 1. position of each pair among this rank's pairs of the same expert (stable sort keeps pair order).
-    order = torch.argsort(e, stable=True)
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(e.numel(), device=dev)
+    if pos is None:
+        pos = pair_positions(topk_idx)
     if choose_backend(counts, backend, fill=False) == "triton":
         from k3lab.kernels.moonep import layout_rows  # noqa: PLC0415 (a CPU process never loads Triton)
 
