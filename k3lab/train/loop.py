@@ -283,7 +283,8 @@ def train(config: TrainConfig) -> list[dict]:
 
     Steps: batch from the loader -> forward and backward over the micro-batches (bf16 autocast on GPU,
     float32 on CPU; FSDP reduce-scatters; with pp the pipeline schedule, then the queries' gradient summed
-    over the stages) -> the global gradient norm, and clipping to ``max_grad_norm`` -> lr of the schedule -> Per-Head Muon step (per stage) -> Quantile Balancing's bias
+    over the stages) -> the global gradient norm, and clipping to ``max_grad_norm`` -> lr of the schedule ->
+    Per-Head Muon step (per stage) -> Quantile Balancing's bias
     update with the histogram summed over the data ranks -> loss averaged over the data ranks (kept on the
     device; with pp summed over the world from the last stage's ranks, so rank 0 holds it too) ->
     every ``log_every`` steps (and before a checkpoint) the window's losses read back, the step's one host
@@ -295,8 +296,8 @@ def train(config: TrainConfig) -> list[dict]:
             (``build_pipeline``), or a resumed checkpoint cannot be read, or its loader or ``RUN_SETTINGS``
             differ from ``config``'s.
         FileNotFoundError: no token shards (``k3lab.data``).
-        FloatingPointError: a NaN or inf loss or gradient norm (found when the window's values are read back, before any
-            checkpoint of that window is written).
+        FloatingPointError: a NaN or inf loss or gradient norm (found when the window's values are read back,
+            before any checkpoint of that window is written).
     """
     device = _device()
     # Muon orthogonalises each expert stack as its full logical tensor; the 2-step all-gather of a
