@@ -593,3 +593,67 @@ def test_plan_and_layout_equals_plan_then_layout(kind):
     expected = torch.empty_like(e)
     expected[sorted(range(e.numel()), key=lambda i: (int(e[i]), i))] = torch.arange(e.numel())
     assert torch.equal(pos, expected)
+
+
+def test_plan_and_layout_and_pair_positions_name_bad_inputs():
+    """plan_and_layout and pair_positions checked nothing of their own: counts that are not a tensor raised
+    AttributeError, topk_idx on another device than counts a bare RuntimeError (on a GPU after forking the
+    side stream), and pair_positions took float or 1-D ids, wrote part of an oversized ``out`` silently and
+    gave torch's scatter errors for an ``out`` of the wrong size or dtype. Now each is a ValueError naming the
+    argument and what was expected, checked before any stream fork; a non-contiguous topk_idx still works."""
+    from k3lab.moonep.planner import pair_positions, plan_and_layout
+
+    counts = torch.tensor([[3, 1, 0, 0], [0, 2, 1, 1]])
+    idx = torch.tensor([[0, 1], [0, 0]])
+    with pytest.raises(ValueError, match=r"counts must be a \[R, E\] int64 \(or int32\) tensor, got list"):
+        plan_and_layout(counts.tolist(), idx, 0, 2, 2)
+    for bad, got in ((idx.float(), r"\[2, 2\] torch.float32"), (idx.reshape(-1), r"\[4\] torch.int64"),
+                     (torch.zeros(3, 2, dtype=torch.int64), r"\[3, 2\] torch.int64")):
+        with pytest.raises(ValueError, match=r"plan_and_layout: topk_idx must be the plan's \[S=2, K=2\] int64, "
+                                             r"got " + got):
+            plan_and_layout(counts, bad, 0, 2, 2)
+    with pytest.raises(ValueError, match=r"plan_and_layout: topk_idx must be the plan's \[S=4, K=1\] int64"):
+        plan_and_layout(counts, idx, 0, 4, 1)
+    with pytest.raises(ValueError, match=r"plan_and_layout: rank must be an int in \[0, R=2\), got 2"):
+        plan_and_layout(counts, idx, 2, 2, 2)
+    # "meta" stands in for another device on a CPU-only machine.
+    with pytest.raises(ValueError, match="plan_and_layout: topk_idx must be on counts' device cpu, got meta"):
+        plan_and_layout(counts, idx.to("meta"), 0, 2, 2)
+    with pytest.raises(ValueError, match="layout: topk_idx must be on counts' device cpu, got meta"):
+        layout(plan(counts, 2, 2), counts, idx.to("meta"), 0)
+    strided = torch.tensor([[0, 0], [1, 0]]).T
+    assert not strided.is_contiguous()
+    assert torch.equal(plan_and_layout(counts, strided, 0, 2, 2)[1].dest_row,
+                       layout(plan(counts, 2, 2), counts, idx, 0).dest_row)
+
+    for bad, got in ((idx.float(), r"\[2, 2\] torch.float32"), (idx.reshape(-1), r"\[4\] torch.int64"),
+                     (idx.tolist(), "list")):
+        with pytest.raises(ValueError, match=r"pair_positions: topk_idx must be an \[S, K\] int64 tensor, got " + got):
+            pair_positions(bad)
+    for out, got in ((torch.empty(3, dtype=torch.int64), r"\[3\] torch.int64 on cpu"),
+                     (torch.full((6,), -1), r"\[6\] torch.int64 on cpu"),
+                     (torch.empty(4, dtype=torch.int32), r"\[4\] torch.int32 on cpu"),
+                     (torch.empty(4, dtype=torch.int64, device="meta"), r"\[4\] torch.int64 on meta")):
+        with pytest.raises(ValueError, match=r"pair_positions: out must be an \[S\*K=4\] int64 tensor on "
+                                             r"topk_idx's device cpu, got " + got):
+            pair_positions(idx, out)
+    out = torch.full((4,), -1)
+    assert pair_positions(strided, out) is out and out.tolist() == [0, 3, 1, 2]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_layout_checks_pos_and_reads_a_strided_one(backend):
+    """layout's ``pos`` went to the Triton kernel as it came: a strided one (``pair_positions`` into a view)
+    gave garbage rows, and one of the wrong size a broadcast error on the torch backend."""
+    from k3lab.moonep.planner import pair_positions
+
+    counts = torch.tensor([[3, 1, 0, 0], [0, 2, 1, 1]])
+    idx = torch.tensor([[0, 1], [0, 0]])
+    p = plan(counts, 2, 2)
+    want = layout(p, counts, idx, 0, backend="torch")
+    pos = pair_positions(idx, torch.full((8,), 7)[::2])
+    got = layout(p, counts, idx, 0, backend=backend, pos=pos)
+    assert all(torch.equal(getattr(got, f), getattr(want, f)) for f in ("dest_rank", "dest_row", "src_rank"))
+    with pytest.raises(ValueError, match=r"layout: pos must be pair_positions\(topk_idx\), an \[S\*K=4\] int64 "
+                                         r"tensor on counts' device cpu, got \[3\] torch.int64 on cpu"):
+        layout(p, counts, idx, 0, backend=backend, pos=pos[:3])

@@ -243,15 +243,61 @@ def pair_positions(topk_idx: torch.Tensor, out: torch.Tensor | None = None) -> t
     among this rank's pairs of its expert e.
 
     Args:
-        topk_idx (Tensor): [S, K] int64 expert ids. out (Tensor | None): [S*K] int64 to write into.
+        topk_idx (Tensor): [S, K] int64 expert ids (any strides).
+        out (Tensor | None): [S*K] int64 on ``topk_idx``'s device to write into.
 
     Returns:
         [S*K] int64 (``out`` when given).
+
+    Raises:
+        ValueError: ``topk_idx`` is not a 2-D int64 tensor, or ``out`` is not an [S*K] int64 tensor on its
+            device.
     """
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.ndim != 2 or topk_idx.dtype != torch.int64:
+        got = (f"{list(topk_idx.shape)} {topk_idx.dtype}" if isinstance(topk_idx, torch.Tensor)
+               else type(topk_idx).__name__)
+        raise ValueError(f"pair_positions: topk_idx must be an [S, K] int64 tensor, got {got}")
+    N = topk_idx.numel()
+    if out is not None and not (isinstance(out, torch.Tensor) and tuple(out.shape) == (N,)
+                                and out.dtype == torch.int64 and out.device == topk_idx.device):
+        got = (f"{list(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor)
+               else type(out).__name__)
+        raise ValueError(f"pair_positions: out must be an [S*K={N}] int64 tensor on topk_idx's device "
+                         f"{topk_idx.device}, got {got}")
     e = topk_idx.reshape(-1)
     order = torch.argsort(e, stable=True)
     out = torch.empty_like(order) if out is None else out
-    return out.scatter_(0, order, torch.arange(e.numel(), device=e.device))
+    return out.scatter_(0, order, torch.arange(N, device=e.device))
+
+
+def check_layout_args(who: str, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, R: int, E: int, S: int,
+                      K: int, pos: torch.Tensor | None = None) -> None:
+    """Shape, dtype and device checks of ``layout``'s arguments against a plan of R, E, S, K (values are not
+    read: that would sync), shared with ``plan_and_layout``, which runs them before it forks a stream.
+
+    Raises:
+        ValueError: rank not an int in [0, R); counts not [R, E] int64 or int32; topk_idx not [S, K] int64 on
+            counts' device; pos, when given, not [S*K] int64 on counts' device. ``who`` starts the message.
+    """
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < R):
+        raise ValueError(f"{who}: rank must be an int in [0, R={R}), got {rank!r}")
+    # Shapes only (values would need a host sync): a batch or counts of another plan give rows that collide.
+    if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != (R, E) or counts.dtype not in (torch.int32,
+                                                                                                   torch.int64):
+        got = f"{list(counts.shape)} {counts.dtype}" if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise ValueError(f"{who}: counts must be the plan's [R={R}, E={E}] int64 (or int32), got {got}")
+    if not isinstance(topk_idx, torch.Tensor):
+        raise ValueError(f"{who}: topk_idx must be the plan's [S={S}, K={K}] int64, got {type(topk_idx).__name__}")
+    if tuple(topk_idx.shape) != (S, K) or topk_idx.dtype != torch.int64:
+        raise ValueError(f"{who}: topk_idx must be the plan's [S={S}, K={K}] int64, got "
+                         f"{list(topk_idx.shape)} {topk_idx.dtype}")
+    if topk_idx.device != counts.device:
+        raise ValueError(f"{who}: topk_idx must be on counts' device {counts.device}, got {topk_idx.device}")
+    if pos is not None and not (isinstance(pos, torch.Tensor) and tuple(pos.shape) == (S * K,)
+                                and pos.dtype == torch.int64 and pos.device == counts.device):
+        got = f"{list(pos.shape)} {pos.dtype} on {pos.device}" if isinstance(pos, torch.Tensor) else type(pos).__name__
+        raise ValueError(f"{who}: pos must be pair_positions(topk_idx), an [S*K={S * K}] int64 tensor on counts' "
+                         f"device {counts.device}, got {got}")
 
 
 _SIDE_STREAMS: dict = {}
@@ -264,11 +310,14 @@ def plan_and_layout(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, S: 
     is R - 1 dependent steps in one program on one SM, the sort spreads over the card, so the two overlap;
     under CUDA graph capture the fork and join are captured with them. On a CPU, one after the other.
 
-    Args and raises: those of ``plan`` and ``layout``.
+    Args and raises: those of ``plan`` and ``layout``, all checked before the fork.
     """
+    R, E, _ = check_counts(counts, S, K)
+    check_layout_args("plan_and_layout", counts, topk_idx, rank, R, E, S, K)
     if not counts.is_cuda:
         p = plan(counts, S, K, backend)
         return p, layout(p, counts, topk_idx, rank, backend)
+    choose_backend(counts, backend)
     main = torch.cuda.current_stream(counts.device)
     side = _SIDE_STREAMS.setdefault(counts.device, torch.cuda.Stream(counts.device))
     # Allocated on the main stream, which frees it: the side stream only writes it before the join.
@@ -306,21 +355,11 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, bac
 
     Raises:
         ValueError: rank not an int in [0, R); counts not [R, E] int64 or int32, or topk_idx not [S, K] int64
-            (the plan's); an unknown backend, or ``"triton"`` on CPU counts without the interpreter.
+            (the plan's) on counts' device; pos not [S*K] int64 there; an unknown backend, or ``"triton"`` on CPU
+            counts without the interpreter.
     """
     R, E, L, C = p.R, p.E, p.E // p.R, p.capacity
-    if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < R):
-        raise ValueError(f"layout: rank must be an int in [0, R={R}), got {rank!r}")
-    # Shapes only (values would need a host sync): a batch or counts of another plan give rows that collide.
-    if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != (R, E) or counts.dtype not in (torch.int32,
-                                                                                                   torch.int64):
-        got = f"{list(counts.shape)} {counts.dtype}" if isinstance(counts, torch.Tensor) else type(counts).__name__
-        raise ValueError(f"layout: counts must be the plan's [R={R}, E={E}] int64 (or int32), got {got}")
-    if not isinstance(topk_idx, torch.Tensor):
-        raise ValueError(f"layout: topk_idx must be the plan's [S={p.S}, K={p.K}] int64, got {type(topk_idx).__name__}")
-    if tuple(topk_idx.shape) != (p.S, p.K) or topk_idx.dtype != torch.int64:
-        raise ValueError(f"layout: topk_idx must be the plan's [S={p.S}, K={p.K}] int64, got "
-                         f"{list(topk_idx.shape)} {topk_idx.dtype}")
+    check_layout_args("layout", counts, topk_idx, rank, R, E, p.S, p.K, pos)
     dev = counts.device
     counts = counts.long()
     e = topk_idx.reshape(-1)
@@ -333,7 +372,7 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, bac
         counts_cum = counts.cumsum(0)
         # 2-5 in one launch: g = pairs of e on earlier ranks + position among this rank's pairs of e.
         dest_rank, dest_row, src_rank = layout_rows(
-            e.contiguous(), pos, counts_cum[rank] - counts[rank].cumsum(0), p.assign, p.assign.cumsum(1),
+            e.contiguous(), pos.contiguous(), counts_cum[rank] - counts[rank].cumsum(0), p.assign, p.assign.cumsum(1),
             p.offsets - p.slot_counts, p.offsets, p.slot_experts, counts_cum, rank)
         return Layout(dest_rank=dest_rank, dest_row=dest_row, src_rank=src_rank, offsets=p.offsets[rank],
                       slot_experts=p.slot_experts[rank])
