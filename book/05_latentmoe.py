@@ -480,9 +480,9 @@ else:
 #
 # ## 9. Explore: loads under each rule
 #
-# Synthetic router scores with a skew (expert $j$'s logits shifted by skew $\cdot\, j/E$) and fresh
-# tokens every step; the loads after 20 steps of each rule. The figure below is drawn once for every
-# run; in JupyterLab the explorer redraws it for other settings.
+# Synthetic router scores with a skew (expert $j$'s logits shifted by skew $\cdot\,(2j/(E-1) - 1)$, from
+# $-$skew to $+$skew) and fresh tokens every step; the loads after 20 steps of each rule. The figure below
+# is drawn once for every run; in JupyterLab the explorer redraws it for other settings.
 
 # %%
 def plot_loads(n_experts_: int = 32, top_k_: int = 4, skew: float = 3.0, tokens: int = 2048, steps_: int = 20):

@@ -312,7 +312,8 @@ print(f"singular values of one head's NS(G): {sv.min():.2f} .. {sv.max():.2f} (e
 # Per head, every head moves by about the same RMS whatever its gradient's scale; as one matrix, the
 # smallest barely move. Under 0.2: five quintic steps bring the singular values near 1, not onto it. What
 # is not a hidden matrix (embedding, LM head, norms, router, KDA's $\beta$ and gate vectors, conv taps,
-# AttnRes queries) goes to AdamW in the same optimizer, same learning rate and decay:
+# AttnRes queries) goes to AdamW in the same optimizer at the same learning rate, with the same decay on
+# its matrices and none on its vectors (norm weights, `A_log`, ...: the last line):
 
 # %%
 for grp in per_head_muon(tiny).param_groups:
