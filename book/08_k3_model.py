@@ -577,7 +577,8 @@ else:
 # %% [markdown]
 # Read the plot as a frontier: a set earns its place only if no other set is both smaller and faster (the
 # second last line). A `start` above plain's (the last line) is a step's leftovers: here the MoE recompute
-# replay `MoE.last_routing` held (fixed and tested since, not yet re-measured). fp8 pays for quantising with
+# replay `MoE.last_routing` held in the committed run; the layer now keeps the forward's routing instead, a
+# fix the next GPU run of the benchmark will show. fp8 pays for quantising with
 # plain PyTorch ops; offload for copies backward waits on.
 #
 # ## Exercises

@@ -319,7 +319,9 @@ def plan_and_layout(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, S: 
         return p, layout(p, counts, topk_idx, rank, backend)
     choose_backend(counts, backend)
     main = torch.cuda.current_stream(counts.device)
-    side = _SIDE_STREAMS.setdefault(counts.device, torch.cuda.Stream(counts.device))
+    side = _SIDE_STREAMS.get(counts.device)
+    if side is None:
+        side = _SIDE_STREAMS[counts.device] = torch.cuda.Stream(counts.device)
     # Allocated on the main stream, which frees it: the side stream only writes it before the join.
     pos = torch.empty(topk_idx.numel(), dtype=torch.int64, device=counts.device)
     side.wait_stream(main)
