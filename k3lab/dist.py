@@ -129,6 +129,11 @@ def make_mesh(*, pp: int = 1, dp: int = 1, cp: int = 1, ep: int = 1, device_type
     return init_device_mesh(device_type, shape, mesh_dim_names=AXES)
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view: in-place ops on it change the DTensor); a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def all_gather_stacked(x: torch.Tensor, world_size: int, group, async_op: bool = False):
     """[*] -> [R, *]: every rank's ``x`` (same shape and dtype on all ranks), stacked in rank order.
 

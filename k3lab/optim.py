@@ -38,6 +38,8 @@ from torch.optim.adam import adam as _adam
 # torch.optim.Muon's own Newton-Schulz: the per-head path runs exactly torch's orthogonalisation.
 from torch.optim._muon import _zeropower_via_newtonschulz
 
+from k3lab.dist import local_shard
+
 ALGORITHMS = ("muon", "adamw")
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -479,7 +481,7 @@ def clip_grads_(params, max_norm: float, norm: torch.Tensor) -> None:
     for p in _tensors(params, "clip_grads_"):
         if p.grad is not None:
             g = p.grad
-            by_mesh.setdefault((_mesh_key(g), g.dtype), []).append(g.to_local() if hasattr(g, "to_local") else g)
+            by_mesh.setdefault((_mesh_key(g), g.dtype), []).append(local_shard(g))
     for grads in by_mesh.values():
         torch._foreach_mul_(grads, coef.to(grads[0].device))
 

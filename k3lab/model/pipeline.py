@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from k3lab.attnres import block_attnres_stage
+from k3lab.dist import local_shard
 from k3lab.lm import _check_ids
 from k3lab.model.model import K3Model, set_value_checks
 
@@ -243,7 +244,7 @@ def sum_queries_grad(stages: Sequence[K3Stage], group: dist.ProcessGroup | None 
     grads = [s.residual.queries.grad for s in stages]
     if any(g is None for g in grads):
         raise RuntimeError("sum_queries_grad: a stage's queries have no gradient yet (call it after backward)")
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    local = [local_shard(g) for g in grads]
     total = local[0] if len(local) == 1 else torch.stack(local).sum(0)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from k3lab.dist import local_shard
 from k3lab.moe.activation import ACTIVATIONS, glu
 from k3lab.precision import AUTOCAST_DTYPES, autocast_dtype
 
@@ -185,7 +186,7 @@ class GroupedExperts(nn.Module):
         from k3lab.moonep import moonep_experts  # noqa: PLC0415  (k3lab.moonep imports k3lab.moe)
 
         def local(w):
-            w = w.to_local() if hasattr(w, "to_local") else w
+            w = local_shard(w)
             return w if grad_scale == 1.0 else _ScaleGrad.apply(w, grad_scale)
 
         x, w_gate, w_up, w_down = _autocast(x, local(self.w_gate), local(self.w_up), local(self.w_down))

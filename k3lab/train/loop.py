@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from k3lab.data import load_split, resolve_data_dir, vocab_size
+from k3lab.dist import local_shard
 from k3lab.memory import apply_policies
 from k3lab.kcp import make_context
 from k3lab.model import K3Config, K3Model, flops_per_token, mfu
@@ -58,8 +59,8 @@ def state_finite(parts, opts) -> bool:
     tensors = [p for m in parts for p in m.parameters()]
     tensors += [v for o in opts for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     # AdamW's step counts stay on the CPU (torch's non-capturable Adam) beside CUDA weights.
-    dev = _local(tensors[0]).device
-    ok = torch.stack([_local(t).detach().isfinite().all().to(dev) for t in tensors]).all().to(torch.int32).reshape(1)
+    dev = local_shard(tensors[0]).device
+    ok = torch.stack([local_shard(t).detach().isfinite().all().to(dev) for t in tensors]).all().to(torch.int32).reshape(1)
     if dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())
@@ -85,13 +86,8 @@ def counted_once(parts) -> list:
             if getattr(part, "is_first", True) or not n.startswith("residual.queries")]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor; a plain tensor as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _finite(t: torch.Tensor) -> bool:
-    return bool(_local(t).detach().isfinite().all())
+    return bool(local_shard(t).detach().isfinite().all())
 
 
 def _first_failure(e: BaseException) -> str:
