@@ -281,14 +281,15 @@ def check_experts(device: torch.device, dtype: torch.dtype, d: int, h: int) -> f
     leaves = [torch.randn(256, d, generator=gen)] + [
         torch.randn(4, *s, generator=gen) / s[0] ** 0.5 for s in ((d, h), (d, h), (h, d))]
     dy = torch.randn(256, d, generator=gen)
-    errs = []
     outs = {}
+    # "split": the weight gradients over pieces of at most 48 rows (groups of 0, 37, 63 and 156 rows).
     for name, dt, dev, fn in (("ref", torch.float64, torch.device("cpu"), naive_expert_ffn),
-                              ("ours", dtype, device, expert_ffn)):
+                              ("ours", dtype, device, expert_ffn),
+                              ("split", dtype, device, lambda *a: expert_ffn(*a, wgrad_rows=48))):
         xs = [t.to(dev, dt).requires_grad_() for t in leaves]
         y = fn(xs[0], offsets.to(dev), *xs[1:])
         outs[name] = [y, *torch.autograd.grad(y, xs, dy.to(dev, dt))]
-    errs = [rel_rms_error(r, o.cpu()) for r, o in zip(outs["ref"], outs["ours"])]
+    errs = [rel_rms_error(r, o.cpu()) for key in ("ours", "split") for r, o in zip(outs["ref"], outs[key])]
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert max(errs) <= tol, f"expert_ffn {dtype} vs float64 loop: rel RMS errors {errs} > {tol}"
     return max(errs)
@@ -377,9 +378,10 @@ def planner_row(E: int, R: int, S: int, K: int, device: torch.device, reps: int,
     return row
 
 
-def gemm_ms(rows: int, offsets: torch.Tensor, d: int, h: int, device, dtype, reps: int) -> float:
+def gemm_ms(rows: int, offsets: torch.Tensor, d: int, h: int, device, dtype, reps: int,
+            wgrad_rows: int | None = None) -> float:
     """Median ms of ``expert_ffn`` forward + backward (all input and weight gradients) on ``rows`` rows in
-    the groups ``offsets`` (cumulative ends)."""
+    the groups ``offsets`` (cumulative ends), the weight gradients over pieces of ``wgrad_rows`` if given."""
     from k3lab.moe.experts import expert_ffn  # noqa: PLC0415
 
     if rows == 0:
@@ -392,7 +394,7 @@ def gemm_ms(rows: int, offsets: torch.Tensor, d: int, h: int, device, dtype, rep
     offs = offsets.to(device=device, dtype=torch.int32)
 
     def step():
-        y = expert_ffn(x, offs, *ws)
+        y = expert_ffn(x, offs, *ws, wgrad_rows=wgrad_rows)
         torch.autograd.grad(y, [x, *ws], dy)
 
     return time_ms(step, device, reps)
@@ -421,6 +423,9 @@ def skew_row(maxvio: float, E: int, R: int, S: int, K: int, d: int, h: int, devi
     # MoonEP: every rank C rows over its [local, redundant] slots.
     offsets = p.offsets.cpu()
     moon_gemm = [gemm_ms(C, offsets[v], d, h, device, dtype, reps) for v in range(R)]
+    # The same GEMMs with the weight gradients over pieces of at most a home expert's even share.
+    split_rows = 128 * math.ceil(C / L / 128)
+    moon_split = [gemm_ms(C, offsets[v], d, h, device, dtype, reps, split_rows) for v in range(R)]
     moon_comm = 4 * all_to_all_ms(pair_traffic(counts, p.assign), row_bytes, gbps, latency_us)
     # Redundant experts read from their donors (forward), gradients sent home (backward): a donor serves
     # every rank it fills.
@@ -437,7 +442,9 @@ def skew_row(maxvio: float, E: int, R: int, S: int, K: int, d: int, h: int, devi
     return dict(
         maxvio=maxvio, maxvio_realised=measure_maxvio(load.cpu()), simulated=True,
         moonep_ms=max(moon_gemm) + moon_comm + fetch, alltoall_ms=max(base_gemm) + base_comm,
+        moonep_split_ms=max(moon_split) + moon_comm + fetch,
         moonep=dict(gemm_ms=max(moon_gemm), gemm_ms_per_rank=moon_gemm, comm_ms=moon_comm, fetch_ms=fetch,
+                    gemm_split_ms=max(moon_split), gemm_split_ms_per_rank=moon_split, wgrad_rows=split_rows,
                     rows_per_rank=[C] * R, redundant_per_rank=used.tolist()),
         alltoall=dict(gemm_ms=max(base_gemm), gemm_ms_per_rank=base_gemm, comm_ms=base_comm,
                       rows_per_rank=home_rows.sum(1).tolist(), busiest_over_SK=int(home_rows.sum(1).max()) / C),
@@ -566,6 +573,9 @@ def floors(result: dict) -> dict:
                 from_maxvio=skew[0]["maxvio"], to_maxvio=skew[-1]["maxvio"], growth=growth, floor=SKEW_GROWTH_FLOOR,
                 met=growth <= SKEW_GROWTH_FLOOR, alltoall_growth=skew[-1]["alltoall_ms"] / skew[0]["alltoall_ms"] - 1,
                 simulated=True)
+            if all("moonep_split_ms" in r for r in (skew[0], skew[-1])):
+                split = skew[-1]["moonep_split_ms"] / skew[0]["moonep_split_ms"] - 1
+                out["moonep_step_growth"][placement].update(split_growth=split, split_met=split <= SKEW_GROWTH_FLOOR)
     return out
 
 
@@ -600,11 +610,12 @@ def table(result: dict) -> str:
                   f"S={s['S']}, d={s['d']}, h={s['h']}, {s['dtype']}; GEMMs timed per simulated rank, "
                   f"communication priced at {m['gbps']:g} GB/s + {m['latency_us']:g} us per collective",
                   f"{'hot experts':<12}{'maxvio':>7}{'realised':>9}{'MoonEP ms':>11}{'(gemm':>9}{'comm':>8}"
-                  f"{'fetch)':>8}{'all-to-all ms':>15}{'(gemm':>9}{'comm)':>8}{'busiest/SK':>12}"]
+                  f"{'fetch)':>8}{'split wgrad':>13}{'all-to-all ms':>15}{'(gemm':>9}{'comm)':>8}{'busiest/SK':>12}"]
         for r in result["skew"]:
             a, b = r["moonep"], r["alltoall"]
             lines.append(f"{r.get('placement', 'scattered'):<12}{r['maxvio']:>7.1f}{r['maxvio_realised']:>9.2f}"
                          f"{r['moonep_ms']:>11.2f}{a['gemm_ms']:>9.2f}{a['comm_ms']:>8.2f}{a['fetch_ms']:>8.2f}"
+                         f"{r.get('moonep_split_ms', float('nan')):>13.2f}"
                          f"{r['alltoall_ms']:>15.2f}{b['gemm_ms']:>9.2f}{b['comm_ms']:>8.2f}"
                          f"{b['busiest_over_SK']:>12.2f}")
     f = result["floors"]
@@ -616,7 +627,9 @@ def table(result: dict) -> str:
     for placement, x in f.get("moonep_step_growth", {}).items():
         lines.append(f"floor (simulated, hot experts {placement}): MoonEP step {100 * x['growth']:+.1f}% from maxvio "
                      f"{x['from_maxvio']:g} to {x['to_maxvio']:g} (<= {100 * x['floor']:.0f}%): "
-                     f"{'met' if x['met'] else 'NOT met'}; all-to-all {100 * x['alltoall_growth']:+.1f}%")
+                     f"{'met' if x['met'] else 'NOT met'}; all-to-all {100 * x['alltoall_growth']:+.1f}%"
+                     + (f"; with split weight gradients {100 * x['split_growth']:+.1f}% "
+                        f"({'met' if x['split_met'] else 'NOT met'})" if "split_growth" in x else ""))
     return "\n".join(lines)
 
 
