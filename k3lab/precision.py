@@ -14,6 +14,11 @@ import torch
 AUTOCAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def widen(x: torch.Tensor) -> torch.Tensor:
+    """float16/bfloat16 -> float32; float32 and float64 unchanged (where a layer computes in at least float32)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """autocast's dtype on ``device_type`` ("cpu", "cuda", ...) when autocast is on there, else None.
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from k3lab.kda.checks import _shape
+from k3lab.precision import widen
 
 
 def check_gate_params(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> None:
@@ -56,7 +57,7 @@ def kimi_linear_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
             [HV, K].
     """
     check_gate_params(z, A_log, dt_bias)
-    x = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
+    x = widen(z)
     if dt_bias is not None:
         x = x + dt_bias.reshape(z.shape[-2:])
     return (-A_log.to(x.dtype).exp()[:, None] * F.softplus(x)).to(z.dtype)
@@ -85,7 +86,7 @@ def lower_bounded_gate(
     """
     check_lower_bound(lower_bound)
     check_gate_params(z, A_log, dt_bias)
-    x = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
+    x = widen(z)
     if dt_bias is not None:
         x = x + dt_bias.reshape(z.shape[-2:])
     return (lower_bound * torch.sigmoid(A_log.to(x.dtype).exp()[:, None] * x)).to(z.dtype)

@@ -27,6 +27,7 @@ from k3lab.kda.checks import NonFiniteError, _shape, check_chunk_size, check_cu_
 from k3lab.kda.chunk import chunk_kda
 from k3lab.kda.gate import check_lower_bound, kimi_linear_gate, lower_bounded_gate
 from k3lab.norm import RMSNorm
+from k3lab.precision import widen
 
 GATES = ("lower_bounded", "kimi_linear")
 
@@ -83,10 +84,10 @@ def reference_kda_op(
     """
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
-    z = _wide(z)
+    z = widen(z)
     g = (lower_bounded_gate(z, A_log, dt_bias, lower_bound) if gate == "lower_bounded"
          else kimi_linear_gate(z, A_log, dt_bias))
-    q, k, beta = _l2norm(q), _l2norm(k), torch.sigmoid(_wide(beta_logits))
+    q, k, beta = _l2norm(q), _l2norm(k), torch.sigmoid(widen(beta_logits))
     if cp is not None:
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens must be None with cp: the context's seq_bounds place the documents")
@@ -299,7 +300,7 @@ class KDALayer(nn.Module):
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """g = gate(W_f x): [B, T, d] -> [B, T, HV, K] log-decay (<= 0), float32 (float64 for float64 x)."""
-        z = _wide(self.f_proj(x)).unflatten(-1, (self.HV, self.K))
+        z = widen(self.f_proj(x)).unflatten(-1, (self.HV, self.K))
         if self.gate == "lower_bounded":
             return lower_bounded_gate(z, self.A_log, self.dt_bias, self.lower_bound)
         return kimi_linear_gate(z, self.A_log, self.dt_bias)
@@ -381,7 +382,7 @@ class KDALayer(nn.Module):
         if self.check_values:
             # RMSNorm is scale-free too: a head output whose squares would overflow is brought into range
             # first (ordinary outputs are divided by exactly 1), or it would come out as zeros.
-            o = o / _unsquarable(_wide(o)).to(o.dtype)
+            o = o / _unsquarable(widen(o)).to(o.dtype)
         o = self.o_norm(o) * torch.sigmoid(self.g_proj(x)).unflatten(-1, (self.HV, self.V))
         y = self.o_proj(o.flatten(-2))
         return y, (KDACache(cq, ck, cv, state) if use_cache else None)
@@ -423,10 +424,6 @@ class KDALayer(nn.Module):
                                     f"{err.name} overflowed inside the KDA operator: {err}"))
 
 
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    """float16/bfloat16 -> float32; float32/float64 unchanged."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-
 
 def _unsquarable(x: torch.Tensor) -> torch.Tensor:
     """Per row of the last dim: max |x| where squaring and summing it could overflow x's dtype, else 1.
@@ -440,7 +437,7 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum x^2 + eps) over the last dim (computed in float32 or wider). Scale-free, so a row whose
     squares would overflow is divided by its max |x| first (eps / s^2 keeps the formula) rather than
     normalised to zero."""
-    xf = _wide(x)
+    xf = widen(x)
     s = _unsquarable(xf)
     xs = xf / s
     return (xs * torch.rsqrt(xs.pow(2).sum(-1, keepdim=True) + eps / s.pow(2))).to(x.dtype)

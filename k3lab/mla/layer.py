@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from k3lab.kda.checks import check_cu_seqlens
 from k3lab.norm import RMSNorm
-from k3lab.precision import check_input_dtype
+from k3lab.precision import check_input_dtype, widen
 
 
 @dataclass
@@ -366,12 +366,8 @@ class GatedMLA(nn.Module):
                                                attn_mask=mask, is_causal=mask is None,
                                                scale=self.scale).transpose(1, 2)
         # The gate multiplies in float32: the attention output is kept in FP32 in training (K3 report).
-        gate = torch.sigmoid(_wide(self.g_proj(x)))
-        y = self.o_proj((gate * _wide(o.flatten(-2))).to(x.dtype))
+        gate = torch.sigmoid(widen(self.g_proj(x)))
+        y = self.o_proj((gate * widen(o.flatten(-2))).to(x.dtype))
         new_cache = MLACache(latent, k_shared) if use_cache else None
         return y, new_cache
 
-
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    """float16/bfloat16 -> float32; float32/float64 unchanged."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
