@@ -229,18 +229,31 @@ def _ties(R, L, S, K):
     (lambda R, L, S, K: make_counts("multinomial", R, L, S, K, 2), 16, 1, 9, 2),
     (lambda R, L, S, K: make_counts("zipf", R, L, S, K, 3), 64, 14, 256, 8),
     (lambda R, L, S, K: make_counts("one_rank_hot", R, L, S, K, 4), 8, 112, 256, 8),
+    (_idle_rank, 4, 3, 9 * 7456540, 1),
+    (_one_expert_everywhere, 4, 3, 2**30, 1),
 ], ids=["one-expert", "one-expert-R=E", "idle-rank", "idle-rank-R16", "ties", "ties-6x6", "R=1", "R=E",
-        "E896-R64", "E896-R8"])
+        "E896-R64", "E896-R8", "int32-state-edge", "int64-state"])
 def test_triton_fill_on_adversarial_loads(case, R, L, S, K):
-    """All pairs on one expert, an idle rank, ties, R = 1, R = E, and the benchmark's E = 896 at R = 64 and 8
-    (every rank's experts in one tile row, padded to 16 and 128): the same plan as the torch planner and
-    the reference, every rank at exactly S*K, at most L redundant experts."""
+    """All pairs on one expert, an idle rank, ties, R = 1, R = E, the benchmark's E = 896 at R = 64 and 8
+    (every rank's experts in one tile row, padded to 16 and 128), and loads at the edge of the int32 state
+    (R * S*K * next_pow2(L) just under 2^30) and past it (int64): the same plan as the torch planner and the
+    reference, every rank at exactly S*K, at most L redundant experts."""
     counts = case(R, L, S, K)
     assert torch.equal(counts.sum(1), torch.full((R,), S * K))
     got = plan(counts.to(DEVICE), S, K, backend="triton")
     assert_same_plan(got, plan(counts, S, K, backend="torch"), "triton vs torch")
     assert_same_plan(got, plan_reference(counts, S, K), "triton vs reference")
     assert check_plan(got, counts, S, K) <= L
+
+
+def test_fill_state_is_int32_only_where_every_value_fits():
+    """The adversarial cases above run both state types: R * S*K * next_pow2(L) just under 2^30 is int32,
+    past it int64."""
+    from k3lab.kernels.moonep.fill import state_dtype
+
+    assert str(state_dtype(4, 3, 9 * 7456540)["DT"]) == "int32"
+    assert str(state_dtype(4, 3, 2**30)["DT"]) == "int64"  # one expert's load: R * S*K = 2^32
+    assert str(state_dtype(64, 14, 8192 * 16)["DT"]) == "int32"  # the benchmark's E = 896, R = 64, K = 16
 
 
 @pytest.mark.parametrize("num_warps", [1, 8])
@@ -535,8 +548,8 @@ def test_layout_rejects_a_rank_outside_the_group(rank):
 COMPILE_FILL = """
 from sm90_compile import compile_sm90
 from k3lab.kernels.moonep import fill
-for R, E in ((64, 896), (8, 896), (7, 21), (16, 2048)):
-    const = dict(fill.launch_config(R, E // R), BIG=fill.BIG)
+for (R, E), C in zip(((64, 896), (8, 896), (7, 21), (16, 2048), (64, 896)), (2**17, 2**17, 2**17, 2**17, 2**20)):
+    const = dict(fill.launch_config(R, E // R), **fill.state_dtype(R, E // R, C))
     num_warps = const.pop("num_warps")
     io = dict(counts="*i64", keep="*i64", give="*i64", donor="*i64", assign="*i64", slot_experts="*i64",
               slot_counts="*i64", offsets="*i32", R="i32", L="i32", C="i32")
@@ -563,9 +576,10 @@ def test_layout_kernel_compiles_for_sm90_without_spills(compile_sm90_lines):
 def test_fill_kernel_compiles_for_sm90_without_spills(compile_sm90_lines):
     """The interpreter accepts code the GPU compiler refuses: compile the fill for sm_90 (Triton's front end
     and the wheel's ptxas, no GPU needed) at the benchmark's shapes and the tile limit, each at the
-    launcher's width, in a process without TRITON_INTERPRET; no register spills (STACK:0)."""
+    launcher's width (int32 state; the last shape again with int64 state), in a process without
+    TRITON_INTERPRET; no register spills (STACK:0)."""
     lines = compile_sm90_lines(COMPILE_FILL)
-    assert len(lines) == 4 and all("STACK:0" in line for line in lines), lines
+    assert len(lines) == 5 and all("STACK:0" in line for line in lines), lines
 
 
 @pytest.mark.parametrize("kind", ["zipf", "one_expert"])

@@ -35,14 +35,17 @@ MAX_BLOCK_L = 128
 MAX_TILE = 2048
 # Outside any load the fill sees (at most R*S*K): a padded rank's load for argmin / argmax.
 BIG = 2**62
+BIG32 = 2**30
 
 
 @triton.jit
 def moonep_fill_kernel(counts, keep, give, donor, assign, slot_experts, slot_counts, offsets, R, L, C,
-                       BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_RC: tl.constexpr, BIG: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_RC: tl.constexpr, BIG: tl.constexpr,
+                       DT: tl.constexpr):
     # counts: [R, E] int32/int64, contiguous; keep: [E] int64; give: [R, L] int64; donor: [R] int64;
     # assign: [E, R] int64; slot_experts, slot_counts: [R, 2L] int64; offsets: [R, 2L] int32.
     # R, L: ranks and experts per rank (E = R*L); C = S*K. BLOCK_R, BLOCK_L: powers of two >= R, L.
+    # DT, BIG: the state's integer type and a load above any real one (``state_dtype``).
     # BLOCK_RC: rows of counts loaded per loop iteration.
     o_r = tl.arange(0, BLOCK_R)
     o_l = tl.arange(0, BLOCK_L)
@@ -52,15 +55,15 @@ def moonep_fill_kernel(counts, keep, give, donor, assign, slot_experts, slot_cou
     # 1. global load per expert, as the [R, L] tile of home rank x local index, and per home rank. BLOCK_RC
     #    rows per iteration, unrolled so their loads are in flight together; 2-D loads, so that the state
     #    tiles take the loads' layout (a 3-D load tile would leave them replicated across threads).
-    b_keep = tl.zeros([BLOCK_R, BLOCK_L], dtype=tl.int64)
+    b_keep = tl.zeros([BLOCK_R, BLOCK_L], dtype=DT)
     for r0 in range(0, R, BLOCK_RC):
         for i in tl.static_range(BLOCK_RC):
-            b_keep += tl.load(counts + (r0 + i) * (R * L) + o_rl, mask=m_rl & (r0 + i < R), other=0).to(tl.int64)
+            b_keep += tl.load(counts + (r0 + i) * (R * L) + o_rl, mask=m_rl & (r0 + i < R), other=0).to(DT)
     b_load = tl.sum(b_keep, axis=1)
-    b_give = tl.zeros([BLOCK_R, BLOCK_L], dtype=tl.int64)
-    b_donor = o_r.to(tl.int64)
+    b_give = tl.zeros([BLOCK_R, BLOCK_L], dtype=DT)
+    b_donor = o_r.to(DT)
     # The greedy order's tie-break: a lower expert index ranks first among equal counts.
-    b_rank_l = (BLOCK_L - 1 - o_l).to(tl.int64)
+    b_rank_l = (BLOCK_L - 1 - o_l).to(DT)
     # 2. at most R - 1 fills; 3. the least-loaded receiver u (first index on ties).
     lo, u = tl.min(tl.where(m_r, b_load, BIG), axis=0, return_indices=True)
     n_fill = 0
@@ -77,7 +80,7 @@ def moonep_fill_kernel(counts, keep, give, donor, assign, slot_experts, slot_cou
         # 6. move them: the donor keeps fewer, the receiver's redundant slots hold them.
         b_keep -= tl.where(o_r[:, None] == d, b_take[None, :], 0)
         b_give += tl.where(o_r[:, None] == u, b_take[None, :], 0)
-        b_donor = tl.where(o_r == u, d.to(tl.int64), b_donor)
+        b_donor = tl.where(o_r == u, d.to(DT), b_donor)
         b_load += tl.where(o_r == u, need, 0) - tl.where(o_r == d, need, 0)
         lo, u = tl.min(tl.where(m_r, b_load, BIG), axis=0, return_indices=True)
         n_fill += 1
@@ -124,6 +127,17 @@ def default_num_warps(R: int, L: int) -> int:
     return max(1, min(8, max(BLOCK_R * BLOCK_L // 256, BLOCK_L * BLOCK_L // 2048)))
 
 
+def state_dtype(R: int, L: int, C: int) -> dict:
+    """The fill state's integer type and its out-of-range load: int32 (BIG = 2^30) where every value the
+    fill forms fits, int64 (BIG = 2^62) otherwise. The largest are a load (at most R*C) and an order key
+    (a count times BLOCK_L), so int32 needs R * C * next_pow2(L) < 2^30 (E = 896 over 64 ranks at S = 8192,
+    K = 16: 2^27). int64 arithmetic is two or more instructions per add, compare and shuffle: the fill's
+    R - 1 dependent steps are latency-bound, so the narrower type shortens each."""
+    if R * C * triton.next_power_of_2(L) < BIG32:
+        return dict(DT=tl.int32, BIG=BIG32)
+    return dict(DT=tl.int64, BIG=BIG)
+
+
 def launch_config(R: int, L: int, num_warps: int | None = None) -> dict:
     """The fill's constexprs and launch width for R ranks of L experts: BLOCK_R, BLOCK_L, BLOCK_RC (rows of
     counts loaded per iteration: up to 4, about 16 values per thread in flight) and num_warps (None:
@@ -161,5 +175,5 @@ def plan_fill(counts: torch.Tensor, S: int, K: int, num_warps: int | None = None
     slot_counts = torch.empty(R, 2 * L, dtype=torch.int64, device=dev)
     offsets = torch.empty(R, 2 * L, dtype=torch.int32, device=dev)
     moonep_fill_kernel[(1,)](counts, keep, give, donor, assign, slot_experts, slot_counts, offsets, R, L, S * K,
-                             BIG=BIG, **launch_config(R, L, num_warps))
+                             **state_dtype(R, L, S * K), **launch_config(R, L, num_warps))
     return keep, give, donor, assign, slot_experts, slot_counts, offsets
