@@ -232,6 +232,24 @@ def test_piece_ends_cut_every_group_at_the_multiples_of_rows():
     assert piece_ends(offsets, 30, 100)[0].tolist() == offsets.tolist()
 
 
+@pytest.mark.parametrize("N, wgrad_rows", [(1, 1), (1, 4), (3, 2)], ids=["one-row", "one-row-rows-4", "three-rows"])
+def test_piecewise_wgrad_takes_an_upstream_gradient_through_a_transpose(N, wgrad_rows):
+    """The loss reads y through a transpose: a one-row gradient then has strides (1, 1), which contiguous()
+    keeps and grouped_mm refuses; the weight-gradient pieces still give the float64 loop's gradients."""
+    g = _gen(6)
+    E, d, h = 3, 8, 16
+    offsets = torch.tensor([0, N - 1, N], dtype=torch.int32)
+    inputs = [torch.randn(N, d, generator=g), torch.randn(E, d, h, generator=g) / 3,
+              torch.randn(E, d, h, generator=g) / 3, torch.randn(E, h, d, generator=g) / 3]
+    dyT = torch.randn(d, N, generator=g)
+    leaves32 = [t.clone().requires_grad_() for t in inputs]
+    (expert_ffn(leaves32[0], offsets, *leaves32[1:], wgrad_rows=wgrad_rows).t() * dyT).sum().backward()
+    leaves64 = [t.double().requires_grad_() for t in inputs]
+    (naive_expert_ffn(leaves64[0], offsets, *leaves64[1:]).t() * dyT.double()).sum().backward()
+    for name, a, b in zip(("x", "w_gate", "w_up", "w_down"), leaves64, leaves32):
+        assert_close(f"d{name}", a.grad, b.grad, 1e-5)
+
+
 @pytest.mark.parametrize("latent", [8, None], ids=["latent", "full"])
 def test_moe_layer_equals_the_float64_loop_reference(latent):
     torch.manual_seed(4)

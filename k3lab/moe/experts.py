@@ -106,7 +106,10 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, offs = ctx.saved_tensors
-        dy = dy.contiguous()
+        # Row-major with a row stride of its width: contiguous() keeps any stride on a size-1 dim (a one-row
+        # gradient through a transpose has strides (1, 1)), and grouped_mm refuses row strides off 16 bytes.
+        if dy.stride() != (dy.shape[1], 1):
+            dy = dy.clone(memory_format=torch.contiguous_format)
         dx = grouped_mm(dy, w.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
