@@ -69,7 +69,7 @@ def piece_ends(offsets: torch.Tensor, N: int, rows: int) -> tuple[torch.Tensor, 
     """Cut the groups of ``offsets`` into pieces of at most ``rows`` rows, on the device, static shapes.
 
     The pieces' ends are the union of the groups' ends and the multiples of ``rows`` below N, sorted:
-    ``P = E + ceil(N / rows) - 1`` of them (pieces may be empty). Piece p belongs to the group whose
+    ``P = E + max(ceil(N / rows) - 1, 0)`` of them (pieces may be empty). Piece p belongs to the group whose
     rows it lies in: ``expert[p] = #{e : offsets[e] <= start_p}`` (clamped to E - 1 for empty pieces at the
     end, which contribute nothing).
 
