@@ -1,7 +1,9 @@
-"""Compile every FlashKDA kernel for the H200 (sm_90) without a GPU: Triton's front end, ptxas from the
-triton wheel. Run as a script WITHOUT TRITON_INTERPRET (the interpreter accepts code that the compiler
-refuses, e.g. a tensor-valued tl.static_range bound). Prints one line per kernel: registers, stack and
-dynamic shared memory (at the launch options the launcher fixes, else 4 warps and 3 stages).
+"""Compile every FlashKDA kernel, and the fused short convolution's, for the H200 (sm_90) without a GPU:
+Triton's front end, ptxas from the triton wheel. Run as a script WITHOUT TRITON_INTERPRET (the interpreter
+accepts code that the compiler refuses, e.g. a tensor-valued tl.static_range bound). Prints one line per
+kernel: registers, stack and dynamic shared memory (at the launch options the launcher fixes, else 4 warps
+and 3 stages). Arguments, if any, are name prefixes: ``python tests/sm90_compile.py short_conv`` compiles
+those kernels only.
 
 The signatures are the bf16 training setup (K = V = 128, bf16 inputs and intermediates), plus the few
 variants named in KERNELS.
@@ -19,6 +21,7 @@ from triton.compiler import ASTSource
 
 from k3lab.kernels.kda import chunk_bwd as cb
 from k3lab.kernels.kda import chunk_fwd as cf
+from k3lab.kernels.kda import short_conv as sc
 
 BF, F32, I32 = "*bf16", "*fp32", "*i32"
 SCALARS = dict(cu_seqlens=I32, chunk_indices=I32, chunk_offsets=I32, scale="fp32", lower_bound="fp32", grid_log2="i32",
@@ -29,6 +32,14 @@ SCORES_C = dict(H=16, HV=16, K=128, BT=64, BC=16, BK=128, PREC="tf32", E=None, P
 STATE = dict(W=BF, U=BF, KG=BF, G=F32, h=BF, Vn=BF, h0=F32, ht=F32, QG=BF, Aqk=BF, o=BF)
 STATE_C = dict(SHAPE, VU=128, BKH=64, BV=64, USE_H0=True, STORE_HT=True, PREFETCH=False, PREC="tf32", BC=16,
                GATE_ENDS=False)
+# The short convolution at a channel count C = H*K that is a multiple of 16 (as every K3 config's), which Triton's
+# launch specialises, so the row loads vectorise; W = 4 (K3) and the widest, W = 8.
+CONV = dict(x=BF, weight=F32, T="i32", C="i32:16")
+CONV_BWD = dict(CONV, dy=BF, dx=BF, dw_part=F32, NT="i32")
+CONV_FWD_C = {k: v for k, v in sc.FWD.items() if k != "num_warps"}
+CONV_BWD_C = {k: v for k, v in sc.BWD.items() if k != "num_warps"}
+
+
 def inverse_precs(exact: bool) -> dict:
     """The UT inverse's precision constexprs as its launcher passes them."""
     return dict(zip(("DIAG_PREC", "BLOCK_PREC"), cf.inverse_precisions(exact)))
@@ -90,6 +101,16 @@ KERNELS = {
     "qk_norm_bwd": (cb.kda_qk_norm_bwd_kernel, dict(q=BF, k=BF, beta=BF, dqs=F32, dkn=F32, dbeta_part=F32, db=F32,
                                                     dq=BF, dk=BF, dbeta=BF, T_total="i32"),
                     dict(H=16, HV=16, K=128, NKT=4, BR=32, BK=128)),
+    "short_conv_fwd": (sc.short_conv_silu_fwd_kernel, dict(CONV, y=BF), dict(CONV_FWD_C, W=4),
+                       dict(num_warps=sc.FWD["num_warps"])),
+    "short_conv_fwd_W8_fp32": (sc.short_conv_silu_fwd_kernel, dict(CONV, x=F32, y=F32), dict(CONV_FWD_C, W=8),
+                               dict(num_warps=sc.FWD["num_warps"])),
+    "short_conv_bwd": (sc.short_conv_silu_bwd_kernel, CONV_BWD, dict(CONV_BWD_C, W=4, WP=4),
+                       dict(num_warps=sc.BWD["num_warps"])),
+    "short_conv_bwd_W8": (sc.short_conv_silu_bwd_kernel, CONV_BWD, dict(CONV_BWD_C, W=8, WP=8),
+                          dict(num_warps=sc.BWD["num_warps"])),
+    "short_conv_bwd_W8_fp32": (sc.short_conv_silu_bwd_kernel, dict(CONV_BWD, x=F32, dy=F32, dx=F32),
+                               dict(CONV_BWD_C, W=8, WP=8), dict(num_warps=sc.BWD["num_warps"])),
 }
 
 
@@ -99,10 +120,12 @@ def compile_sm90(fn, pointers: dict, constants: dict, num_warps: int = 4, **opti
     if isinstance(fn, triton.runtime.Autotuner):
         fn = fn.fn
     types = dict(SCALARS, **pointers)
-    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
+    signature = {name: types.get(name, "constexpr").removesuffix(":16") for name in fn.arg_names}
     # A GPU launch specialises every 16-byte-aligned pointer (all of torch's allocations) as such, which
-    # gives vectorised loads; without it the same kernel compiles to many more registers and spills.
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name][0] == "*"}
+    # gives vectorised loads; without it the same kernel compiles to many more registers and spills. It does
+    # the same for an int argument that is a multiple of 16, typed "i32:16" here.
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+               if signature[name][0] == "*" or types.get(name, "").endswith(":16")}
     kernel = triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=aligned),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **options})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -117,5 +140,9 @@ def compile_sm90(fn, pointers: dict, constants: dict, num_warps: int = 4, **opti
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET=1")
+    # Arguments: name prefixes of the kernels to compile (default: all).
+    prefixes = tuple(sys.argv[1:]) or ("",)
     for name, (fn, pointers, constants, *launch) in KERNELS.items():
+        if not name.startswith(prefixes):
+            continue
         print(f"{name}: {compile_sm90(fn, pointers, constants, **(launch[0] if launch else {}))}", flush=True)

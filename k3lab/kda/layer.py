@@ -30,6 +30,7 @@ from k3lab.norm import RMSNorm
 from k3lab.precision import widen
 
 GATES = ("lower_bounded", "kimi_linear")
+CONV_BACKENDS = ("torch", "triton")
 
 
 @dataclass
@@ -213,13 +214,18 @@ class KDALayer(nn.Module):
             Kimi Linear (fla's ``KimiDeltaAttention``), W_g = W_g2 W_g1 with W_g1 [r, d] and W_g2
             [HV V, r] plus a bias (``k3lab.model``'s K3 config uses r = 128, the convention under which the
             full-size build counts K3's 2.78T / 104.2B parameters).
+        conv_backend (str | None): the short convolutions with their SiLU: "torch" (``causal_short_conv`` then
+            ``F.silu``), "triton" (``k3lab.kernels.kda.short_conv``, one fused kernel forward and one backward;
+            on the CPU only under TRITON_INTERPRET=1) wherever it computes the same thing, or None: "triton"
+            for CUDA inputs. The kernel takes every row as its own sequence from zeros, so a forward with a
+            cache, cu_seqlens, cp or use_cache, or a float64 one, or conv_size outside [2, 8] always runs "torch".
 
     Shapes: ``forward(x [B, T, d]) -> (y [B, T, d], KDACache | None)``.
 
     Raises:
         ValueError: non-positive sizes, gate_rank not a positive int or None, HV not a multiple of H,
             unknown gate, conv_size < 1, lower_bound not a finite negative number, chunk_size not accepted
-            by ``chunk_kda``, norm_eps negative or not finite.
+            by ``chunk_kda``, norm_eps negative or not finite, conv_backend not one of "torch", "triton", None.
 
     Example:
         >>> layer = KDALayer(d_model=64, num_heads=2, head_dim=32)
@@ -232,6 +238,7 @@ class KDALayer(nn.Module):
         self, d_model: int, num_heads: int, head_dim: int, num_v_heads: int | None = None,
         v_head_dim: int | None = None, conv_size: int = 4, gate: str = "lower_bounded",
         lower_bound: float = -5.0, norm_eps: float = 1e-5, chunk_size: int = 64, gate_rank: int | None = None,
+        conv_backend: str | None = None,
     ):
         super().__init__()
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
@@ -253,8 +260,11 @@ class KDALayer(nn.Module):
         if not (isinstance(norm_eps, (int, float)) and not isinstance(norm_eps, bool) and math.isfinite(norm_eps)
                 and norm_eps >= 0):
             raise ValueError(f"norm_eps must be a finite number >= 0, got {norm_eps!r}")
+        if conv_backend not in (*CONV_BACKENDS, None):
+            raise ValueError(f"conv_backend must be one of {CONV_BACKENDS} or None, got {conv_backend!r}")
         self.H, self.K, self.HV, self.V = num_heads, head_dim, num_v_heads, v_head_dim
         self.conv_size, self.gate, self.lower_bound, self.chunk_size = conv_size, gate, lower_bound, chunk_size
+        self.conv_backend = conv_backend
         qk_dim, v_dim = num_heads * head_dim, num_v_heads * v_head_dim
 
         self.q_proj = nn.Linear(d_model, qk_dim, bias=False)
@@ -360,12 +370,26 @@ class KDALayer(nn.Module):
         if cache is not None:
             self._check_cache(cache, N, x.device)
         c = cache or KDACache(None, None, None, None)
-        q, cq = conv(self.q_proj(x), self.q_conv, c.conv_q, cu_seqlens)
-        k, ck = conv(self.k_proj(x), self.k_conv, c.conv_k, cu_seqlens)
-        v, cv = conv(self.v_proj(x), self.v_conv, c.conv_v, cu_seqlens)
-        q = F.silu(q).unflatten(-1, (self.H, self.K))
-        k = F.silu(k).unflatten(-1, (self.H, self.K))
-        v = F.silu(v).unflatten(-1, (self.HV, self.V))
+        # The fused kernel where it computes what the convolution then SiLU do: each row its own sequence from
+        # zeros, and no convolution state to return.
+        fused = (self._conv_backend(x.device) == "triton" and cache is None and cu_seqlens is None and cp is None
+                 and not use_cache and 2 <= self.conv_size <= 8)
+
+        def conv_silu(u, weight, state):
+            # SiLU(ShortConv(u)) and the convolution's new state (None from the kernel, which keeps none).
+            if fused and u.dtype in (torch.float16, torch.bfloat16, torch.float32):
+                from k3lab.kernels.kda.short_conv import short_conv_silu  # noqa: PLC0415  (CUDA or interpreter only)
+
+                return short_conv_silu(u, weight), None
+            u, new_state = conv(u, weight, state, cu_seqlens)
+            return F.silu(u), new_state
+
+        q, cq = conv_silu(self.q_proj(x), self.q_conv, c.conv_q)
+        k, ck = conv_silu(self.k_proj(x), self.k_conv, c.conv_k)
+        v, cv = conv_silu(self.v_proj(x), self.v_conv, c.conv_v)
+        q = q.unflatten(-1, (self.H, self.K))
+        k = k.unflatten(-1, (self.H, self.K))
+        v = v.unflatten(-1, (self.HV, self.V))
         z = self.f_proj(x).unflatten(-1, (self.HV, self.K))
         # The operator normalises q/k, applies the gate and sigmoid(beta) and picks its own precision
         # (the reference computes in float32): keep autocast from making its matmuls bf16.
@@ -386,6 +410,13 @@ class KDALayer(nn.Module):
         o = self.o_norm(o) * torch.sigmoid(self.g_proj(x)).unflatten(-1, (self.HV, self.V))
         y = self.o_proj(o.flatten(-2))
         return y, (KDACache(cq, ck, cv, state) if use_cache else None)
+
+    def _conv_backend(self, device: torch.device) -> str:
+        """``conv_backend`` resolved for inputs on ``device``: None is "triton" on CUDA, "torch" elsewhere (as
+        ``_kda_op`` keeps the CPU on PyTorch, interpreter or not)."""
+        if self.conv_backend is not None:
+            return self.conv_backend
+        return "triton" if device.type == "cuda" else "torch"
 
     def _check_cache(self, cache: KDACache, N: int, device: torch.device) -> None:
         """ValueError naming ``cache.<field>`` unless each field is None or a floating-point tensor of its

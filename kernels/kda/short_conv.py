@@ -1,0 +1,198 @@
+"""``short_conv_silu``: a KDA layer's depthwise causal short convolution and its SiLU as one Triton kernel
+forward and one backward (K3 report, Sec. 2.1: q, k, v = SiLU(ShortConv(W x))).
+
+In PyTorch (``k3lab.kda.layer.causal_short_conv`` then ``F.silu``) the convolution is a concatenation with
+the zero state, W shifted multiply-adds and the activation: about nine elementwise kernels forward and
+twice that backward, each a full pass over a [B, T, C] tensor. Here the forward reads x once and writes y;
+the backward reads x and dy and writes dx and per-tile sums of dweight, recomputing the pre-activation
+from x rather than saving it.
+
+    pre[b, t, c] = sum_{j<W} weight[c, j] * x[b, t - (W-1) + j, c]     (x before t = 0 is 0)
+    y = silu(pre) = pre * sigmoid(pre)
+    dpre = dy * silu'(pre),  silu'(p) = s (1 + p (1 - s)),  s = sigmoid(p)
+    dx[t] = sum_j weight[c, j] * dpre[t + (W-1) - j]                      (dpre beyond T is 0)
+    dweight[c, j] = sum_{b, t} dpre[b, t, c] * x[b, t - (W-1) + j, c]
+
+Every row b is its own sequence starting from zeros (no state, no packed sequences: the layer keeps the
+PyTorch path for those). Arithmetic is float32 whatever the storage dtype; the dweight partial sums of
+each [BT, BC] tile go to a [tiles, C, W] float32 buffer summed in torch (deterministic, no atomics).
+On a CPU-only machine call ``k3lab.setup()`` before importing this module (TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3lab.autograd import differentiable_once
+from k3lab.kda.checks import _shape
+from k3lab.kernels import interpreting
+
+MIN_W, MAX_W = 2, 8
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Tiles (tokens x channels) and warps. Forward: 16 values of a tile per thread. Backward: BS = 8 tokens a
+# step over BT = 64 (one [C, W] dweight partial per 64 tokens) at 4 values a thread, since a step holds 2W - 1
+# shifted tiles of x and W of dy (at 4 warps, W = 8 spilled). On sm_90, bf16, C a multiple of 16
+# (tests/sm90_compile.py): 70 registers forward; 80 backward at W = 4, 205 at W = 8; no spill.
+FWD = dict(BT=16, BC=128, num_warps=4)
+BWD = dict(BT=64, BS=8, BC=128, num_warps=8)
+
+
+@triton.jit
+def _tap(weight, o_c, m_c, W: tl.constexpr, j: tl.constexpr):
+    # Tap j of channels o_c as a [BC] float32 vector (weight: [C, W], any float dtype).
+    return tl.load(weight + o_c * W + j, mask=m_c, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _pre(x, weight, o_bt, o_t, o_c, m_c, T, C, W: tl.constexpr, SHIFT: tl.constexpr):
+    # The pre-activation of rows o_t + SHIFT of the tile: sum_j w_j x[t + SHIFT - (W-1) + j], float32.
+    # x: pointer to the tile's first row; o_bt: [BT, BC] offsets of its rows (token ids o_t), channels o_c.
+    b_p = tl.zeros(o_bt.shape, dtype=tl.float32)
+    for j in tl.static_range(W):
+        o_s = o_t + (SHIFT - (W - 1) + j)
+        m_s = ((o_s >= 0) & (o_s < T))[:, None] & m_c[None, :]
+        b_x = tl.load(x + o_bt + (SHIFT - (W - 1) + j) * C, mask=m_s, other=0.0).to(tl.float32)
+        b_p += _tap(weight, o_c, m_c, W, j)[None, :] * b_x
+    return b_p
+
+
+@triton.jit
+def short_conv_silu_fwd_kernel(x, weight, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    # x, y: [B, T, C] contiguous (y in x's dtype); weight: [C, W] contiguous, any float dtype.
+    # Program (i_t, i_c, i_b): rows [i_t BT, i_t BT + BT) and channels [i_c BC, i_c BC + BC) of sequence i_b.
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    # The tile's first element in int64 (B T C may pass 2^31), offsets within it in int32.
+    base = (i_b.to(tl.int64) * T + i_t * BT) * C
+    o_bt = tl.arange(0, BT)[:, None] * C + o_c[None, :]
+    b_p = _pre(x + base, weight, o_bt, o_t, o_c, m_c, T, C, W, 0)
+    b_y = b_p * tl.sigmoid(b_p)
+    m_tc = (o_t < T)[:, None] & m_c[None, :]
+    tl.store(y + base + o_bt, b_y.to(y.dtype.element_ty), mask=m_tc)
+
+
+@triton.jit
+def short_conv_silu_bwd_kernel(x, weight, dy, dx, dw_part, T, C, NT, W: tl.constexpr, WP: tl.constexpr,
+                               BT: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):
+    # x, dy, dx: [B, T, C] contiguous (dx in x's dtype); weight: [C, W]; dw_part: [B * NT, C, W] float32,
+    # this program's sums of dpre * x per tap (NT = cdiv(T, BT)); WP = next_pow2(W).
+    # Program (i_t, i_c, i_b): rows [i_t BT, i_t BT + BT) of sequence i_b, BS rows at a time, channels
+    # [i_c BC, i_c BC + BC).
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    o_w = tl.arange(0, WP)
+    o_bt = tl.arange(0, BS)[:, None] * C + o_c[None, :]
+    b_dw = tl.zeros([BC, WP], dtype=tl.float32)
+    for t0 in range(i_t * BT, tl.minimum(i_t * BT + BT, T), BS):
+        o_t = t0 + tl.arange(0, BS)
+        base = (i_b.to(tl.int64) * T + t0) * C
+        # dx[t] takes dpre at rows t + i, i < W, through tap W-1-i; dpre at each shifted row set is
+        # recomputed from x (the same shifted loads serve every i) rather than read from a saved pre-activation.
+        b_dx = tl.zeros([BS, BC], dtype=tl.float32)
+        for i in tl.static_range(W):
+            m_i = ((o_t + i) < T)[:, None] & m_c[None, :]
+            b_dy = tl.load(dy + base + o_bt + i * C, mask=m_i, other=0.0).to(tl.float32)
+            b_p = _pre(x + base, weight, o_bt, o_t, o_c, m_c, T, C, W, i)
+            b_s = tl.sigmoid(b_p)
+            b_dp = b_dy * b_s * (1.0 + b_p * (1.0 - b_s))
+            b_dx += _tap(weight, o_c, m_c, W, W - 1 - i)[None, :] * b_dp
+            if i == 0:
+                # dweight[c, j] over these rows: dpre[t] * x[t - (W-1) + j], into column j of b_dw.
+                for j in tl.static_range(W):
+                    o_s = o_t + (j - (W - 1))
+                    m_s = ((o_s >= 0) & (o_s < T))[:, None] & m_c[None, :]
+                    b_x = tl.load(x + base + o_bt + (j - (W - 1)) * C, mask=m_s, other=0.0).to(tl.float32)
+                    b_dw += tl.where(o_w[None, :] == j, tl.sum(b_dp * b_x, axis=0)[:, None], 0.0)
+        m_tc = (o_t < T)[:, None] & m_c[None, :]
+        tl.store(dx + base + o_bt, b_dx.to(dx.dtype.element_ty), mask=m_tc)
+    o_dw = ((i_b * NT + i_t).to(tl.int64) * C + o_c[:, None]) * W + o_w[None, :]
+    tl.store(dw_part + o_dw, b_dw, mask=m_c[:, None] & (o_w < W)[None, :])
+
+
+def _grid(B: int, T: int, C: int, cfg: dict) -> tuple[int, int, int]:
+    return triton.cdiv(T, cfg["BT"]), triton.cdiv(C, cfg["BC"]), B
+
+
+def short_conv_silu_fwd(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y = silu(conv(x, weight)): x [B, T, C] contiguous, weight [C, W] contiguous -> y [B, T, C] in x's dtype."""
+    B, T, C = x.shape
+    y = torch.empty_like(x)
+    if y.numel():
+        short_conv_silu_fwd_kernel[_grid(B, T, C, FWD)](x, weight, y, T, C, W=weight.shape[1], **FWD)
+    return y
+
+
+def short_conv_silu_bwd(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [B, T, C] in x's dtype, dweight [C, W] float32) from x, weight and dy [B, T, C], all contiguous."""
+    B, T, C = x.shape
+    W = weight.shape[1]
+    grid = _grid(B, T, C, BWD)
+    dx = torch.empty_like(x)
+    dw_part = torch.empty(B * grid[0], C, W, dtype=torch.float32, device=x.device)
+    if not dx.numel():
+        return dx, torch.zeros(C, W, dtype=torch.float32, device=x.device)
+    short_conv_silu_bwd_kernel[grid](x, weight, dy, dx, dw_part, T, C, grid[0], W=W, WP=triton.next_power_of_2(W),
+                                     **BWD)
+    return dx, dw_part.sum(0)
+
+
+class ShortConvSiLUFunction(torch.autograd.Function):
+    """Forward: one kernel, y = silu(conv(x)), saving only x and weight. Backward: one kernel recomputing
+    the pre-activation, writing dx and per-tile dweight sums (summed here)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return short_conv_silu_fwd(x, weight)
+
+    @staticmethod
+    @differentiable_once
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx, dw = short_conv_silu_bwd(x, weight, dy.contiguous())
+        return dx, dw.to(weight.dtype)
+
+
+def short_conv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU of the depthwise causal convolution of each row of x, fused (no state: x before t = 0 is 0).
+
+    ``y[b, t, c] = silu(sum_{j<W} weight[c, j] * x[b, t-(W-1)+j, c])``, computed in float32; equal to
+    ``F.silu(causal_short_conv(x, weight)[0])`` (``k3lab.kda.layer``) up to rounding.
+
+    Args:
+        x (Tensor): [B, T, C] float16, bfloat16 or float32, on the GPU (or the CPU under TRITON_INTERPRET=1).
+        weight (Tensor): [C, W] any floating dtype, 2 <= W <= 8, on x's device; the last tap multiplies the
+            current token.
+
+    Returns:
+        y (Tensor): [B, T, C] in x's dtype; differentiable once in x and weight (dweight in weight's dtype).
+
+    Raises:
+        ValueError: x not 3-D or not float16/bfloat16/float32; weight not a floating-point [C, W] with
+            C = x.shape[-1] and W in [2, 8]; weight on another device than x.
+        RuntimeError: CPU tensors without TRITON_INTERPRET=1 (call ``k3lab.setup()`` first).
+
+    Example:
+        >>> y = short_conv_silu(torch.randn(2, 100, 256, device="cuda"), torch.randn(256, 4, device="cuda"))
+    """
+    if not isinstance(x, torch.Tensor) or x.ndim != 3:
+        raise ValueError(f"x must be a [B, T, C] tensor, got {_shape(x)}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    C = x.shape[-1]
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.shape[0] != C:
+        raise ValueError(f"weight must be [C, W] with C = x.shape[-1] = {C}, got {_shape(weight)}")
+    if not MIN_W <= weight.shape[1] <= MAX_W:
+        raise ValueError(f"weight's width W must be in [{MIN_W}, {MAX_W}], got weight {list(weight.shape)}")
+    if not weight.is_floating_point():
+        raise ValueError(f"weight must be a floating-point tensor, got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"weight must be on x's device {x.device}, got {weight.device}")
+    if x.device.type == "cpu" and not interpreting():
+        raise RuntimeError("short_conv_silu on CPU needs TRITON_INTERPRET=1 set before kernels are imported: "
+                           "call k3lab.setup() first")
+    return ShortConvSiLUFunction.apply(x.contiguous(), weight.contiguous())
