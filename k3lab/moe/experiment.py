@@ -47,13 +47,18 @@ def train_moe_lm(model: lm.LM, steps: int, batch_size: int, seq_len: int, lr: fl
 
 
 @torch.no_grad()
-def balance_floor(model: lm.LM, batches: int, batch_size: int, seq_len: int, device, seed: int = 1) -> dict:
+def balance_floor(model: lm.LM, batches: int, batch_size: int, seq_len: int, device, seed: int = 1,
+                  split: str = "val") -> dict:
     """How balanced a bias can be on a batch it was not fitted to.
 
-    For each MoE layer and consecutive held-out batches t, t+1: the bias is fitted to batch t by
-    Quantile Balancing run to convergence on it (30 exact updates), then applied to batch t (the
+    For each MoE layer and consecutive batches t, t+1 of ``split`` (random windows): the bias is fitted to
+    batch t by Quantile Balancing run to convergence on it (30 exact updates), then applied to batch t (the
     in-sample maxvio, about 0) and to batch t+1 (the floor: no bias computed from past tokens can beat
     it on average). Also the model's own current bias on batch t+1 (what training sees).
+
+    Args:
+        split (str): "val" (held out, ~80K tokens: small batches) or "train" (~2M tokens: batches large
+            enough that "val"'s windows would overlap).
 
     Returns:
         dict of [layers] float tensors: ``same_batch``, ``next_batch``, ``current_bias``.
@@ -61,7 +66,7 @@ def balance_floor(model: lm.LM, batches: int, batch_size: int, seq_len: int, dev
     was = model.training
     model.eval()
     gen = torch.Generator().manual_seed(seed)
-    tokens = kdata.load_split("val")
+    tokens = kdata.load_split(split)
     layers = moe_layers(model)
     routings = []
     for _ in range(batches):
