@@ -12,7 +12,7 @@ under ``torch.cuda.set_sync_debug_mode("error")``, each backend; on the CPU with
 ``.item()``/``.tolist()``/``bool()``... patched to raise, the torch backend); (3) planner latency, plan +
 layout for rank 0 (``plan_and_layout``: on a GPU the layout's sort runs on a second stream beside the fill),
 timed eagerly and as a CUDA-graph replay of the same call, for each backend in the
-same run, plus the plan alone and the Triton fill kernel alone at 1, 2, 4 and 8 warps (replayed); (4) the
+same run, plus the plan alone and the Triton fill kernel alone at 1, 2, 4 and 8 warps, its state in int32 and in int64 (replayed); (4) the
 simulated EP step. The Triton backend runs where ``plan`` can take it: CUDA counts within its tile limits
 (on the CPU only under TRITON_INTERPRET=1, where its times measure the interpreter).
 
@@ -372,9 +372,9 @@ def planner_row(E: int, R: int, S: int, K: int, device: torch.device, reps: int,
         from k3lab.kernels.moonep.fill import default_num_warps  # noqa: PLC0415
 
         row["triton_num_warps"] = default_num_warps(R, E // R)
-        row["triton_fill_graph_us"] = {
-            str(w): timed_us(lambda w=w: plan_fill(counts, S, K, num_warps=w), device, reps, True)[1]
-            for w in FILL_WARPS}
+        for key, wide in (("triton_fill_graph_us", False), ("triton_fill_int64_graph_us", True)):
+            row[key] = {str(w): timed_us(lambda w=w, wide=wide: plan_fill(counts, S, K, num_warps=w, wide=wide),
+                                         device, reps, True)[1] for w in FILL_WARPS}
     return row
 
 
@@ -594,14 +594,18 @@ def table(result: dict) -> str:
         lines += ["", f"planner latency (us), S = {result['planner'][0]['S']}: plan + layout of rank 0, eager and as a "
                   "CUDA-graph replay; the plan alone and the Triton fill kernel alone (best launch width), replayed",
                   f"{'E':>5}{'R':>5}{'K':>4}{'torch':>8}{'graph':>8}{'triton':>8}{'graph':>8}"
-                  f"{'plan: torch':>13}{'triton':>8}{'fill kernel':>13}{'redundant':>11}{'E/R':>5}"]
-        for r in result["planner"]:
-            fill = {w: t for w, t in (r.get("triton_fill_graph_us") or {}).items() if t is not None}
+                  f"{'plan: torch':>13}{'triton':>8}{'fill kernel':>13}{'(int64)':>13}{'redundant':>11}{'E/R':>5}"]
+
+        def best_fill(r, key):
+            fill = {w: t for w, t in (r.get(key) or {}).items() if t is not None}
             best = min(fill, key=fill.get) if fill else None
-            fill_text = f"{fill[best]:>7.0f} ({best}w)" if best else f"{'-':>13}"
+            return f"{fill[best]:>7.0f} ({best}w)" if best else "-"
+
+        for r in result["planner"]:
             lines.append(f"{r['E']:>5}{r['R']:>5}{r['K']:>4}{us(r, 'us', 8)}{us(r, 'graph_us', 8)}"
                          f"{us(r, 'triton_us', 8)}{us(r, 'triton_graph_us', 8)}{us(r, 'plan_graph_us', 13)}"
-                         f"{us(r, 'triton_plan_graph_us', 8)}{fill_text:>13}{r['max_redundant']:>11}{r['bound']:>5}")
+                         f"{us(r, 'triton_plan_graph_us', 8)}{best_fill(r, 'triton_fill_graph_us'):>13}"
+                         f"{best_fill(r, 'triton_fill_int64_graph_us'):>13}{r['max_redundant']:>11}{r['bound']:>5}")
         skipped = {r["triton_skipped"] for r in result["planner"] if r.get("triton_skipped")}
         lines += [f"triton not run: {why}" for why in sorted(skipped)]
     if result["skew"]:

@@ -127,13 +127,14 @@ def default_num_warps(R: int, L: int) -> int:
     return max(1, min(8, max(BLOCK_R * BLOCK_L // 256, BLOCK_L * BLOCK_L // 2048)))
 
 
-def state_dtype(R: int, L: int, C: int) -> dict:
+def state_dtype(R: int, L: int, C: int, wide: bool = False) -> dict:
     """The fill state's integer type and its out-of-range load: int32 (BIG = 2^30) where every value the
     fill forms fits, int64 (BIG = 2^62) otherwise. The largest are a load (at most R*C) and an order key
     (a count times BLOCK_L), so int32 needs R * C * next_pow2(L) < 2^30 (E = 896 over 64 ranks at S = 8192,
     K = 16: 2^27). int64 arithmetic is two or more instructions per add, compare and shuffle: the fill's
-    R - 1 dependent steps are latency-bound, so the narrower type shortens each."""
-    if R * C * triton.next_power_of_2(L) < BIG32:
+    R - 1 dependent steps are latency-bound, so the narrower type shortens each. ``wide``: int64 always
+    (the benchmark times both)."""
+    if not wide and R * C * triton.next_power_of_2(L) < BIG32:
         return dict(DT=tl.int32, BIG=BIG32)
     return dict(DT=tl.int64, BIG=BIG)
 
@@ -148,7 +149,7 @@ def launch_config(R: int, L: int, num_warps: int | None = None) -> dict:
     return dict(BLOCK_R=BLOCK_R, BLOCK_L=BLOCK_L, BLOCK_RC=BLOCK_RC, num_warps=num_warps)
 
 
-def plan_fill(counts: torch.Tensor, S: int, K: int, num_warps: int | None = None):
+def plan_fill(counts: torch.Tensor, S: int, K: int, num_warps: int | None = None, wide: bool = False):
     """The whole plan of ``k3lab.moonep.plan`` (the fill, steps 1-6, and its derived fields, step 7) in one
     launch of one program; no host read.
 
@@ -157,6 +158,7 @@ def plan_fill(counts: torch.Tensor, S: int, K: int, num_warps: int | None = None
             checked by the caller (``planner.check_counts``) and within ``fill_fits(R, E)``.
         S, K (int): tokens per rank, top-k; C = S*K.
         num_warps (int | None): launch width; None: ``default_num_warps``.
+        wide (bool): keep the state in int64 even where int32 fits (``state_dtype``).
 
     Returns:
         (keep [E] int64, give [R, L] int64, donor [R] int64, assign [E, R] int64, slot_experts [R, 2L]
@@ -175,5 +177,5 @@ def plan_fill(counts: torch.Tensor, S: int, K: int, num_warps: int | None = None
     slot_counts = torch.empty(R, 2 * L, dtype=torch.int64, device=dev)
     offsets = torch.empty(R, 2 * L, dtype=torch.int32, device=dev)
     moonep_fill_kernel[(1,)](counts, keep, give, donor, assign, slot_experts, slot_counts, offsets, R, L, S * K,
-                             **state_dtype(R, L, S * K), **launch_config(R, L, num_warps))
+                             **state_dtype(R, L, S * K, wide), **launch_config(R, L, num_warps))
     return keep, give, donor, assign, slot_experts, slot_counts, offsets
