@@ -12,8 +12,8 @@ under ``torch.cuda.set_sync_debug_mode("error")``, each backend; on the CPU with
 ``.item()``/``.tolist()``/``bool()``... patched to raise, the torch backend); (3) planner latency, plan +
 layout for rank 0 (``plan_and_layout``: on a GPU the layout's sort runs on a second stream beside the fill),
 timed eagerly and as a CUDA-graph replay of the same call, for each backend in the
-same run, plus the plan alone and the Triton fill kernel alone at 1, 2, 4 and 8 warps, its state in int32 and in int64 (replayed); (4) the
-simulated EP step. The Triton backend runs where ``plan`` can take it: CUDA counts within its tile limits
+same run, plus the plan alone and the Triton fill kernel alone at 1, 2, 4 and 8 warps, its state in int32
+and in int64 (replayed); (4) the simulated EP step. The Triton backend runs where ``plan`` can take it: CUDA counts within its tile limits
 (on the CPU only under TRITON_INTERPRET=1, where its times measure the interpreter).
 
 The EP step is a simulation on one GPU, labelled so in the JSON and the table. By default E = 64 experts
