@@ -300,7 +300,9 @@ class PerHeadMuon(torch.optim.Optimizer):
             # A restored buffer may differ in dtype from the gradient (float32 momentum, bf16 grads).
             grads = [p.grad.to(b.dtype) for (p, _), b in zip(members, bufs)]
             torch._foreach_lerp_(bufs, grads, 1 - mu)
-            updates = torch._foreach_lerp(grads, bufs, mu) if nesterov else bufs
+            # Nesterov's lerp(grads, bufs, mu) as a mul and an add: DTensor registers only the in-place
+            # _foreach_lerp_ (torch 2.11 raises on the out-of-place one for sharded gradients).
+            updates = torch._foreach_add(torch._foreach_mul(grads, 1 - mu), bufs, alpha=mu) if nesterov else bufs
             jobs += [(p, group, u) for (p, group), u in zip(members, updates)]
         return jobs
 
