@@ -391,8 +391,10 @@ if bench is None:
     print("no stored GPU result yet (data/results/moonep_h200.json or moonep_h100.json): run "
           "`python -m k3lab.bench.moonep` on a GPU; the plot below is skipped")
 else:
-    from k3lab.bench.moonep import table
+    from k3lab.bench.moonep import floors, table
 
+    # The floors judged from the stored measurements by the current rule (the planner at every K timed).
+    bench["floors"] = floors(bench)
     # The table's first line names the run's revision; the card and the date are what a reader needs.
     print(f"{found[0].name}: MoonEP on {bench['device']} ({bench['date']})\n{table(bench).split(chr(10), 1)[1]}")
     timed = sorted({"torch"} | {"triton" for r in bench["planner"] if "triton_us" in r})
@@ -430,20 +432,25 @@ if bench is not None and bench["skew"]:
               f"MoonEP is faster {first_win}")
 
 # %% [markdown]
-# **What limits it.** The planner rows above time the torch path (the line below the table says which
-# backends the result holds): up to R − 1 fills, each depending on the last, and each a handful of small
-# kernels (a sort of the donor's experts, prefix sums, a scatter). Captured as one CUDA graph, the launch
-# cost goes but the chain stays: its time grows with R, not with E or K, and at R = 64 it is far above
-# the 200 µs a planner must stay under to hide behind one MoE layer's compute. Section 3's one-kernel
-# fill removes that chain (the fills and the plan's derived fields in one program; `layout`'s ~57 small
-# kernels become about ten, `docs/moonep.md`); their GPU time is not in this result.
+# **What limits it.** The torch planner (the "torch" columns) runs up to R − 1 fills, each depending on
+# the last and each a handful of small kernels; captured as one CUDA graph the launches go but the chain
+# stays, so its time grows with R, not with E or K, to milliseconds at R = 64. Section 3's one-kernel fill
+# (the "triton" columns) runs the whole chain in one program: at E = 896, R = 64 the fill kernel alone
+# is the "fill kernel" column, against the same kernel with its state in int64 beside it (integer
+# reductions and shuffles take twice the instructions in int64). Plan + layout of one rank, replayed,
+# is the "graph" column after "triton": the fill, with the layout's sort on a second stream beside it,
+# then one layout launch. The floor line judges it at every K timed.
 #
 # Under skew, MoonEP's busiest rank always holds exactly S·K pairs, so its step grows from two other
-# places: the grouped GEMM (with the hot experts packed on one home rank, the replicas split the pairs
-# into more, smaller expert groups, and a grouped GEMM over many small groups runs below its large-group
-# rate: the "gemm" column) and the weight fetch, which grows with the redundant experts a plan uses (the
-# "fetch" column). The all-to-all baseline's busiest rank simply holds more pairs. Without skew the
-# fetch and the plan are pure overhead, so MoonEP starts slightly behind (the lines under the figure).
+# places: the weight fetch, which grows with the redundant experts a plan uses (the "fetch" column), and
+# the grouped GEMM (the "gemm" column). With the hot experts packed on one home rank, a receiver holds a
+# few cold local experts and one large redundant group. Forward, that is the same work in the same tiles;
+# the weight gradient of a group, $x_g^\top dy_g$, is one [in, out] output reduced over the group's rows, and
+# the grouped GEMM spreads groups x output tiles over the SMs, so the large group's few tiles run long
+# after the others finish. (Cutting groups into pieces of bounded rows removes that tail but costs an extra
+# float32 sum of the pieces; `docs/moonep.md` has the measurement.) The all-to-all baseline's busiest rank
+# simply holds more pairs. Without skew the fetch and the plan are pure overhead, so MoonEP starts slightly
+# behind (the lines under the figure).
 
 # %% [markdown]
 # ## Exercises

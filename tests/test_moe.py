@@ -13,7 +13,6 @@ from k3lab.dist import launch
 from k3lab.moe import (GatedFFN, MoE, MoEConfig, Router, balance_loss, expert_ffn, group_by_expert, maxvio,
                        naive_expert_ffn, quantile_bias, route, situ_glu, update_biases)
 from k3lab.moe.balance import aux_loss, histogram_bias, histogram_counts, histogram_quantile, histogram_range
-from k3lab.moe.experts import piece_ends
 from k3lab.moe.workers import histogram_worker
 from k3lab.testing import assert_close, forbid_host_sync
 
@@ -191,9 +190,7 @@ def test_a_non_bool_mask_is_refused_not_read_as_token_counts(dtype):
 
 # ---------------------------------------------------------------- grouped experts
 
-# wgrad_rows: grouped_mm's own backward, pieces smaller than every group, pieces that cut some groups only.
-@pytest.mark.parametrize("wgrad_rows", [None, 1, 7, 64], ids=["own-backward", "rows-1", "rows-7", "rows-64"])
-def test_grouped_gemm_equals_the_loop_forward_and_backward_with_empty_experts_and_padding(wgrad_rows):
+def test_grouped_gemm_equals_the_loop_forward_and_backward_with_empty_experts_and_padding():
     g = _gen(3)
     E, d, h, N, pad = 5, 8, 12, 40, 3
     idx = torch.randint(0, E, (N, 1), generator=g)
@@ -205,7 +202,7 @@ def test_grouped_gemm_equals_the_loop_forward_and_backward_with_empty_experts_an
           torch.randn(E, h, d, generator=g) / 3]
     dy = torch.randn(N + pad, d, generator=g)
     leaves32 = [t.clone().requires_grad_() for t in [x] + ws]
-    y = expert_ffn(leaves32[0], offsets, *leaves32[1:], wgrad_rows=wgrad_rows)
+    y = expert_ffn(leaves32[0], offsets, *leaves32[1:])
     (y * dy).sum().backward()
     leaves64 = [t.double().requires_grad_() for t in [x] + ws]
     y64 = naive_expert_ffn(leaves64[0], offsets, *leaves64[1:])
@@ -216,38 +213,6 @@ def test_grouped_gemm_equals_the_loop_forward_and_backward_with_empty_experts_an
         assert_close(f"grouped d{name}", a.grad, b.grad, 1e-5)
     with pytest.raises(ValueError, match="dtype"):
         expert_ffn(x.double(), offsets, *[w.double() for w in ws])
-    for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match="wgrad_rows must be a positive int"):
-            expert_ffn(x, offsets, *ws, wgrad_rows=bad)
-
-
-def test_piece_ends_cut_every_group_at_the_multiples_of_rows():
-    offsets = torch.tensor([5, 5, 12, 30], dtype=torch.int32)
-    ends, expert = piece_ends(offsets, 30, 8)
-    # Pieces [0,5) [5,5) [5,8) [8,12) [12,16) [16,24) [24,30): every piece inside one group, at most 8 rows.
-    assert ends.tolist() == [5, 5, 8, 12, 16, 24, 30]
-    assert expert.tolist() == [0, 2, 2, 2, 3, 3, 3]
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    assert int((ends - starts).max()) <= 8
-    assert piece_ends(offsets, 30, 100)[0].tolist() == offsets.tolist()
-
-
-@pytest.mark.parametrize("N, wgrad_rows", [(1, 1), (1, 4), (3, 2)], ids=["one-row", "one-row-rows-4", "three-rows"])
-def test_piecewise_wgrad_takes_an_upstream_gradient_through_a_transpose(N, wgrad_rows):
-    """The loss reads y through a transpose: a one-row gradient then has strides (1, 1), which contiguous()
-    keeps and grouped_mm refuses; the weight-gradient pieces still give the float64 loop's gradients."""
-    g = _gen(6)
-    E, d, h = 3, 8, 16
-    offsets = torch.tensor([0, N - 1, N], dtype=torch.int32)
-    inputs = [torch.randn(N, d, generator=g), torch.randn(E, d, h, generator=g) / 3,
-              torch.randn(E, d, h, generator=g) / 3, torch.randn(E, h, d, generator=g) / 3]
-    dyT = torch.randn(d, N, generator=g)
-    leaves32 = [t.clone().requires_grad_() for t in inputs]
-    (expert_ffn(leaves32[0], offsets, *leaves32[1:], wgrad_rows=wgrad_rows).t() * dyT).sum().backward()
-    leaves64 = [t.double().requires_grad_() for t in inputs]
-    (naive_expert_ffn(leaves64[0], offsets, *leaves64[1:]).t() * dyT.double()).sum().backward()
-    for name, a, b in zip(("x", "w_gate", "w_up", "w_down"), leaves64, leaves32):
-        assert_close(f"d{name}", a.grad, b.grad, 1e-5)
 
 
 @pytest.mark.parametrize("latent", [8, None], ids=["latent", "full"])

@@ -65,72 +65,8 @@ def _check_weights(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_
                          f"{offsets.dtype}")
 
 
-def piece_ends(offsets: torch.Tensor, N: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut the groups of ``offsets`` into pieces of at most ``rows`` rows, on the device, static shapes.
-
-    The pieces' ends are the union of the groups' ends and the multiples of ``rows`` below N, sorted:
-    ``P = E + max(ceil(N / rows) - 1, 0)`` of them (pieces may be empty). Piece p belongs to the group whose
-    rows it lies in: ``expert[p] = #{e : offsets[e] <= start_p}`` (clamped to E - 1 for empty pieces at the
-    end, which contribute nothing).
-
-    Args:
-        offsets (Tensor): [E] int32/int64 cumulative ends, non-decreasing, ``offsets[-1] == N``.
-        N (int): rows. rows (int): the largest piece, >= 1.
-
-    Returns:
-        (ends [P] int32, expert [P] int64).
-    """
-    E = offsets.numel()
-    cuts = torch.arange(rows, max(N, rows), rows, device=offsets.device, dtype=offsets.dtype)
-    ends = torch.cat([offsets, cuts]).sort().values
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    expert = torch.searchsorted(offsets, starts, right=True).clamp_(max=E - 1)
-    return ends.to(torch.int32), expert
-
-
-class _GroupedLinear(torch.autograd.Function):
-    """``grouped_mm(x, w, offs)`` whose weight gradient runs over pieces of at most ``rows`` rows.
-
-    The weight gradient of a group is ``x_g^T dy_g``: one [in, out] output whose reduction runs over the
-    group's rows. A grouped GEMM parallelises over groups x output tiles, so one group far larger than the
-    rest leaves its few tiles running long after the others finish (MoonEP's redundant slot of a hot expert,
-    an unbalanced router). Pieces of bounded length even the tiles out; their sums go back to the groups
-    in float32."""
-
-    @staticmethod
-    def forward(ctx, x, w, offs, rows):
-        ctx.save_for_backward(x, w, offs)
-        ctx.rows = rows
-        return grouped_mm(x, w, offs=offs)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, offs = ctx.saved_tensors
-        # Row-major with a row stride of its width: contiguous() keeps any stride on a size-1 dim (a one-row
-        # gradient through a transpose has strides (1, 1)), and grouped_mm refuses row strides off 16 bytes.
-        if dy.stride() != (dy.shape[1], 1):
-            dy = dy.clone(memory_format=torch.contiguous_format)
-        dx = grouped_mm(dy, w.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
-            ends, expert = piece_ends(offs, x.shape[0], ctx.rows)
-            pieces = grouped_mm(x.t(), dy, offs=ends)
-            dw = torch.zeros(w.shape, device=w.device, dtype=torch.float32).index_add_(0, expert, pieces.float())
-            dw = dw.to(w.dtype)
-        return dx, dw, None, None
-
-
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, wgrad_rows: int | None = None) -> torch.Tensor:
-    """``grouped_mm(x, w, offs=offs)``: [N, in] x [G, in, out] -> [N, out], rows of group g through ``w[g]``.
-    With ``wgrad_rows`` the weight gradient is computed over pieces of at most that many rows
-    (``_GroupedLinear``); without, by grouped_mm's own backward."""
-    if wgrad_rows is None:
-        return grouped_mm(x, w, offs=offs)
-    return _GroupedLinear.apply(x, w, offs, wgrad_rows)
-
-
 def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-               w_down: torch.Tensor, activation: str = "situ", wgrad_rows: int | None = None) -> torch.Tensor:
+               w_down: torch.Tensor, activation: str = "situ") -> torch.Tensor:
     """Every expert's gated FFN on its rows of ``x``, by grouped GEMMs.
 
     Args:
@@ -141,17 +77,13 @@ def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_u
         w_gate, w_up (Tensor): [E, d, h], ``x``'s dtype.
         w_down (Tensor): [E, h, d], ``x``'s dtype.
         activation (str): ``"situ"`` (K3's SiTU-GLU) or ``"swiglu"``.
-        wgrad_rows (int | None): compute the weight gradients over pieces of at most this many rows
-            (``grouped_linear``), so that one large group does not leave the GEMM's tail to a few tiles;
-            None: grouped_mm's own backward.
 
     Returns:
         Tensor [N, d]: row r of expert e is ``glu(x_r W_gate[e], x_r W_up[e]) W_down[e]``.
 
     Raises:
         ValueError: shapes or dtypes disagree, ``x``'s dtype is not one ``grouped_mm`` takes (use
-            ``naive_expert_ffn`` for float64), d or h is not a multiple of 16 bytes' worth of elements, or
-            ``wgrad_rows`` is not a positive int.
+            ``naive_expert_ffn`` for float64), or d or h is not a multiple of 16 bytes' worth of elements.
 
     The offsets' values are not checked (that would read them back to the host); ``group_by_expert``
     makes valid ones.
@@ -164,17 +96,14 @@ def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_u
     if x.shape[1] % align or w_gate.shape[2] % align:
         raise ValueError(f"expert_ffn: d={x.shape[1]} and h={w_gate.shape[2]} must be multiples of {align} for "
                          f"{x.dtype} (grouped_mm needs 16-byte row strides)")
-    if wgrad_rows is not None and not (isinstance(wgrad_rows, int) and not isinstance(wgrad_rows, bool)
-                                       and wgrad_rows > 0):
-        raise ValueError(f"expert_ffn: wgrad_rows must be a positive int or None, got {wgrad_rows!r}")
     N = x.shape[0]
     end = offsets[-1:].long()
     # grouped_mm leaves rows past the last offset uninitialised (and their gradients too): the last
     # expert's group is stretched over the padding and the padding rows are zeroed after the GEMMs.
     offs = torch.cat([offsets[:-1], offsets.new_full((1,), N)]).to(torch.int32)
-    a = grouped_linear(x, w_gate, offs, wgrad_rows)
-    u = grouped_linear(x, w_up, offs, wgrad_rows)
-    y = grouped_linear(glu(a, u, activation), w_down, offs, wgrad_rows)
+    a = grouped_mm(x, w_gate, offs=offs)
+    u = grouped_mm(x, w_up, offs=offs)
+    y = grouped_mm(glu(a, u, activation), w_down, offs=offs)
     real = torch.arange(N, device=x.device) < end
     return torch.where(real[:, None], y, y.new_zeros(()))
 
