@@ -253,14 +253,16 @@ else:
 
 # %% [markdown]
 # The step is far from its FLOPs: at d = 1024 most of its time is memory-bound work around the
-# matmuls (autocast's casts of float32 weights and activations, norms and gates, the AttnRes mixing) and
-# Per-Head Muon's Newton-Schulz over thousands of small head and expert blocks, not the model's matmuls
-# themselves; `docs/train.md` keeps the profile and what comes next. The peer, torchtitan's DeepSeek-V3
-# at the same active size, is faster on the same card (the ratio above is below 1). The curve falls fast
-# because the corpus is small (about 2M tokens, chapter 00): the run passes over it more than once, so
-# it measures the system, not what a 1B model learns. The paper puts Block AttnRes's cost at a few
-# percent of a training step; the fastest timed steps here agree, the median ones are well above it:
-# ten steps on a shared card are noisy, and `docs/train.md` records a rerun of the same code.
+# matmuls (norms and gates, dtype casts, the AttnRes mixing) and Per-Head Muon's Newton-Schulz over
+# thousands of small head and expert blocks, whose cost per optimizer step does not depend on the batch.
+# As in pretraining, the run accumulates micro-batches (the first line says how many) so that one
+# optimizer step serves a larger global batch; the peer, torchtitan's DeepSeek-V3 at the same active
+# size, runs the same micro-batches on the same card, and the ratio above compares the two.
+# `docs/train.md` keeps the profile and what comes next. The curve falls fast because the corpus is small
+# (about 2M tokens, chapter 00): the run passes over it more than once, so it measures the system, not
+# what a 1B model learns. The paper puts Block AttnRes's cost at a few percent of a training step; its
+# line in the output above gives the median and the fastest of the timed steps, which a shared card
+# makes noisy (`docs/train.md` records reruns of the same code).
 #
 # ## Context parallel: one sequence over several ranks
 #
