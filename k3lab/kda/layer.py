@@ -455,7 +455,6 @@ class KDALayer(nn.Module):
                                     f"{err.name} overflowed inside the KDA operator: {err}"))
 
 
-
 def _unsquarable(x: torch.Tensor) -> torch.Tensor:
     """Per row of the last dim: max |x| where squaring and summing it could overflow x's dtype, else 1.
     Dividing by it leaves ordinary rows bit for bit unchanged and brings huge ones into range."""

@@ -370,4 +370,3 @@ class GatedMLA(nn.Module):
         y = self.o_proj((gate * widen(o.flatten(-2))).to(x.dtype))
         new_cache = MLACache(latent, k_shared) if use_cache else None
         return y, new_cache
-
