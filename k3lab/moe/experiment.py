@@ -62,7 +62,15 @@ def balance_floor(model: lm.LM, batches: int, batch_size: int, seq_len: int, dev
 
     Returns:
         dict of [layers] float tensors: ``same_batch``, ``next_batch``, ``current_bias``.
+
+    Raises:
+        ValueError: ``split`` is not "train" or "val", or ``batches`` is not an int >= 2 (one pair of
+            consecutive batches at least); checked before the model is touched.
     """
+    if split not in kdata.SPLITS:
+        raise ValueError(f"split must be one of {kdata.SPLITS}, got {split!r}")
+    if not (isinstance(batches, int) and not isinstance(batches, bool) and batches >= 2):
+        raise ValueError(f"batches must be an int >= 2 (consecutive pairs t, t+1), got {batches!r}")
     was = model.training
     model.eval()
     gen = torch.Generator().manual_seed(seed)
