@@ -362,7 +362,7 @@ assert (floor["same_batch"] < 0.1).all() and (floor["next_batch"] > floor["same_
 # magnitude, not digit by digit.
 #
 # A step with more tokens samples the routing more finely. For independent tokens each expert's load
-# has a relative spread of about $1/\sqrt{q}$ ($q = mk/n$ pairs per expert), so the floor would fall as
+# has a relative spread of about $1/\sqrt{q}$ ($q = mK/E$ pairs per expert), so the floor would fall as
 # the square root of the step's tokens. Below, the same measurement at steps of more sequences (windows
 # from the training split: the held-out one is too small for the largest steps without overlapping
 # windows), the worst layer at each, and a power law fitted through them.

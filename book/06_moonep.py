@@ -441,9 +441,10 @@ if bench is not None and bench["skew"]:
 # is the "graph" column after "triton": the fill, with the layout's sort on a second stream beside it,
 # then one layout launch. The floor line judges it at every K timed.
 #
-# Under skew, MoonEP's busiest rank always holds exactly S·K pairs, so its step grows from two other
-# places: the weight fetch, which grows with the redundant experts a plan uses (the "fetch" column), and
-# the grouped GEMM (the "gemm" column). With the hot experts packed on one home rank, a receiver holds a
+# Under skew, MoonEP's busiest rank always holds exactly S·K pairs, so its step grows elsewhere: the
+# weight fetch, which grows with the redundant experts a plan uses (the "fetch" column), the grouped GEMM
+# (the "gemm" column), and the priced communication, which grows with the pairs that leave their rank (the
+# "comm" column). With the hot experts packed on one home rank, a receiver holds a
 # few cold local experts and one large redundant group. Forward, that is the same work in the same tiles;
 # the weight gradient of a group, $x_g^\top dy_g$, is one [in, out] output reduced over the group's rows, and
 # the grouped GEMM spreads groups x output tiles over the SMs, so the large group's few tiles run long
