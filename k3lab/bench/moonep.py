@@ -628,6 +628,8 @@ def table(result: dict) -> str:
         lines.append(f"floor (simulated, hot experts {placement}): MoonEP step {100 * x['growth']:+.1f}% from maxvio "
                      f"{x['from_maxvio']:g} to {x['to_maxvio']:g} (<= {100 * x['floor']:.0f}%): "
                      f"{'met' if x['met'] else 'NOT met'}; all-to-all {100 * x['alltoall_growth']:+.1f}%")
+    if result.get("small") and f:
+        lines.append("(--small: tiny shapes that check the script; the floor lines above judge nothing)")
     return "\n".join(lines)
 
 
