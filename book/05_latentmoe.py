@@ -367,7 +367,7 @@ assert (floor["same_batch"] < 0.1).all() and (floor["next_batch"] > floor["same_
 # from the training split: the held-out one is too small for the largest steps without overlapping
 # windows), the worst layer at each, and a power law fitted through them.
 
-# %%
+# %% tags=["nbval-ignore-output"]
 floor_steps = []
 for bs in tqdm(floor_batch_sizes, desc="floor at each step size"):
     f_bs = balance_floor(runs["qb"]["model"], batches=3, batch_size=bs, seq_len=seq_len, device=device, split="train")
