@@ -347,6 +347,7 @@ def train(
     extra_loss=None,
     after_step=None,
     optimizer=None,
+    microbatches: int = 1,
 ) -> dict[str, list]:
     """Train ``model`` (an ``LM`` or anything with ``forward(x, y) -> (logits, loss)``) on next-token
     prediction with AdamW (or ``optimizer``), linear warmup + cosine decay, gradient clipping, bf16 autocast on CUDA.
@@ -354,7 +355,11 @@ def train(
     Args:
         model (nn.Module): moved to ``device``; trained in place.
         steps (int): optimizer steps.
-        batch_size (int), seq_len (int): B and T of each batch.
+        batch_size (int), seq_len (int): B and T of each optimizer step's batch.
+        microbatches (int): M, a divisor of B: each step runs M forward + backward passes of B / M
+            sequences (each loss / M, gradients accumulated) before one optimizer step, so a step of B
+            sequences needs the memory of B / M. Validation batches hold B / M sequences. A MoE layer
+            counts every micro-batch's tokens, so its bias update sees the whole step's load.
         lr (float): peak learning rate.
         device (str | torch.device): "cpu" or "cuda".
         seed (int): seeds the batch sampler (train and val); set model init seeds before building it.
@@ -381,7 +386,8 @@ def train(
         log), val_loss, tokens_per_s (training throughput since the last log), lr, elapsed_s.
 
     Raises:
-        ValueError: non-positive steps/batch_size/seq_len/log_every/eval_batches, lr or grad_clip <= 0
+        ValueError: non-positive steps/batch_size/seq_len/log_every/eval_batches, microbatches not a positive
+            int dividing batch_size, lr or grad_clip <= 0
             or not finite, weight_decay < 0 or not finite, warmup not an int >= 0, max_seconds not None or
             > 0, data not two 1-D integer np.ndarrays, token ids >= the model's ``config.vocab_size``.
         FileNotFoundError: the token shards are missing (from ``k3lab.data``; it names the build command).
@@ -393,6 +399,9 @@ def train(
     for name, n in dict(steps=steps, batch_size=batch_size, seq_len=seq_len, log_every=log_every).items():
         if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
             raise ValueError(f"{name} must be a positive int, got {n!r}")
+    if not (isinstance(microbatches, int) and not isinstance(microbatches, bool) and microbatches > 0
+            and batch_size % microbatches == 0):
+        raise ValueError(f"microbatches must be a positive int dividing batch_size={batch_size}, got {microbatches!r}")
     if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0 and math.isfinite(lr)):
         raise ValueError(f"lr must be positive and finite, got {lr!r}")
     # NaN never stopped the run, and a negative value stopped it after one step.
@@ -436,7 +445,8 @@ def train(
             raise ValueError(f"optimizer must return a torch.optim.Optimizer, got {type(opt).__name__}")
     gen = torch.Generator().manual_seed(seed)
     val_gen = torch.Generator().manual_seed(seed + 1)
-    val = [kdata.get_batch(val_tokens, batch_size, seq_len, val_gen, device) for _ in range(eval_batches)]
+    val = [kdata.get_batch(val_tokens, batch_size // microbatches, seq_len, val_gen, device)
+           for _ in range(eval_batches)]
 
     history = {k: [] for k in ("step", "loss", "val_loss", "tokens_per_s", "lr", "elapsed_s")}
     running, n_running, t_log, train_time = 0.0, 0, time.perf_counter(), 0.0
@@ -447,10 +457,13 @@ def train(
         for group in opt.param_groups:
             group["lr"] = cur_lr
         x, y = kdata.get_batch(train_tokens, batch_size, seq_len, gen, device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            _, loss = model(x, y)
         opt.zero_grad(set_to_none=True)
-        (loss if extra_loss is None else loss + extra_loss(model)).backward()
+        loss = 0.0
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+                _, part = model(xs, ys)
+            ((part if extra_loss is None else part + extra_loss(model)) / microbatches).backward()
+            loss = loss + part.detach() / microbatches
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
         if after_step is not None:

@@ -151,6 +151,29 @@ def test_train_loop_learns_a_pattern():
 
 
 
+@pytest.mark.parametrize("M", [2, 4])
+def test_train_with_microbatches_takes_the_step_of_one_batch(M):
+    """M micro-batches of B / M sequences (each loss / M, gradients accumulated) take the optimizer step of
+    one batch of B: the same losses and weights, to float32 rounding, on random tokens."""
+    from k3lab.testing import assert_close
+
+    stream = np.random.default_rng(0).integers(0, VOCAB, 5000).astype(np.uint16)
+    runs = []
+    for m in (1, M):
+        torch.manual_seed(3)
+        model = lm.LM(tiny("attention"))
+        hist = lm.train(model, steps=3, batch_size=4, seq_len=16, lr=1e-2, device="cpu", seed=5, log_every=1,
+                        eval_batches=1, data=(stream, stream), progress=False, microbatches=m)
+        runs.append((hist["loss"], torch.cat([p.detach().flatten() for p in model.parameters()])))
+    (loss_one, w_one), (loss_m, w_m) = runs
+    assert np.allclose(loss_one, loss_m, rtol=1e-5, atol=0), (loss_one, loss_m)
+    print(f"M={M}: weights after 3 steps, rel RMS error {assert_close('weights', w_one, w_m, 1e-4):.1e}")
+    for bad in (3, 0, True, 2.0):
+        with pytest.raises(ValueError, match="microbatches must be a positive int dividing batch_size=4"):
+            lm.train(model, steps=1, batch_size=4, seq_len=16, lr=1e-2, device="cpu", data=(stream, stream),
+                     progress=False, microbatches=bad)
+
+
 def test_train_with_an_optimizer_factory():
     """``optimizer`` builds the optimizer from (model, lr, weight_decay); the schedule sets every group's lr."""
     stream = np.tile(np.arange(VOCAB, dtype=np.uint16), 50)

@@ -27,9 +27,10 @@ def build_moe_lm(lm_config: lm.LMConfig, moe_config: MoEConfig, seed: int = 0) -
 
 
 def train_moe_lm(model: lm.LM, steps: int, batch_size: int, seq_len: int, lr: float, device, seed: int = 0,
-                 log_every: int = 10, progress: bool = True) -> dict:
+                 log_every: int = 10, progress: bool = True, microbatches: int = 1) -> dict:
     """Train with ``k3lab.lm.train`` plus the MoE hooks: the aux loss (for ``balance="aux"`` layers) and
-    the bias update after every optimizer step.
+    the bias update after every optimizer step. With ``microbatches`` M, a step of ``batch_size`` sequences
+    runs as M passes of batch_size / M (``lm.train``), and the bias update reads the counts of all M.
 
     Returns:
         ``lm.train``'s history plus ``loads`` [steps, layers, E] int64 and ``maxvio`` [steps, layers].
@@ -40,7 +41,8 @@ def train_moe_lm(model: lm.LM, steps: int, batch_size: int, seq_len: int, lr: fl
         loads.append(torch.stack(update_biases(m)).cpu())
 
     history = lm.train(model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, device=device,
-                       seed=seed, log_every=log_every, extra_loss=balance_loss, after_step=after, progress=progress)
+                       seed=seed, log_every=log_every, extra_loss=balance_loss, after_step=after, progress=progress,
+                       microbatches=microbatches)
     history["loads"] = torch.stack(loads)
     history["maxvio"] = torch.tensor([[maxvio(l) for l in step] for step in history["loads"]])
     return history
