@@ -1,0 +1,43 @@
+"""k3lab.bench.moe_balance: the settling rule, a small run's JSON, and bad flags refused before training."""
+import json
+import math
+
+import pytest
+
+from k3lab.bench.moe_balance import METHODS, main, settled_at
+
+
+@pytest.mark.parametrize("worst, expected", [
+    ([0.3, 0.04, 0.05, 0.01], 1),
+    ([0.3, 0.04, 0.06, 0.01], 3),     # one step above the target resets the count
+    ([0.01, 0.02, 0.2], None),        # above it at the end: never settled
+    ([0.0], 0),
+])
+def test_settled_at_is_the_first_step_of_the_final_run_below_target(worst, expected):
+    assert settled_at(worst) == expected
+
+
+def test_small_run_writes_every_method(tmp_path):
+    out = tmp_path / "b.json"
+    result = main(["--small", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert list(saved["runs"]) == list(METHODS) and saved["met"] is None
+    assert saved["tokens_per_step"] == 8 * 32 and saved["pairs_per_expert"] == 8 * 32 * 4 // 8
+    for r in saved["runs"].values():
+        assert len(r["maxvio"]) == 3 and all(len(layer) == 2 for layer in r["maxvio"])
+        assert r["worst_maxvio"] == [max(step) for step in r["maxvio"]]
+        assert all(math.isfinite(v) and v >= 0 for v in r["worst_maxvio"])
+    assert result["runs"]["qb"]["settled_at"] == saved["runs"]["qb"]["settled_at"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--microbatches", "3"], "--microbatches: must divide --batch-size 8"),
+    (["--top-k", "9"], "--top-k: at most --n-experts 8"),
+    (["--d-model", "24"], "--d-model: a multiple of 16"),
+    (["--methods", "bogus"], "--methods: invalid choice"),
+    (["--device", "gpu0"], "--device: expected cpu, cuda or cuda:N"),
+])
+def test_bad_flags_stop_before_training(argv, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--small", "--out", "", *argv])
+    assert e.value.code == 2 and match in capsys.readouterr().err
