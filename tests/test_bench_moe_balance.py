@@ -28,6 +28,9 @@ def test_small_run_writes_every_method(tmp_path):
         assert r["worst_maxvio"] == [max(step) for step in r["maxvio"]]
         assert all(math.isfinite(v) and v >= 0 for v in r["worst_maxvio"])
     assert result["runs"]["qb"]["settled_at"] == saved["runs"]["qb"]["settled_at"]
+    floor = saved["sampling_floor"]
+    assert len(floor["next_batch"]) == 2 and max(floor["same_batch"]) < 0.1
+    assert all(n >= s for n, s in zip(floor["next_batch"], floor["same_batch"]))
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -14,7 +14,8 @@ tokens with the bias the step ran with (the load it really had), every MoE layer
 Correctness first: before any training, the per-step expert loads of one micro-batched step are checked to
 sum to B T K in every layer. The verdict (K3's claim for QB): the worst layer's maxvio is at most 0.05 from
 some step within the first 20 onwards, to the last step. JSON: run info, settings, per method the maxvio of
-every step and layer, the validation loss curve and the verdict; the table is printed last.
+every step and layer, the validation loss curve and the verdict, and the sampling floor at this step size on
+QB's trained model (``balance_floor``: what is left when the router does not move); the table is printed last.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import k3lab.lm as lm
 from k3lab.bench import check_out, nonnegative_int, positive_float, positive_int, run_info, write_result
 from k3lab.data import vocab_size
 from k3lab.moe import MoEConfig
-from k3lab.moe.experiment import build_moe_lm, train_moe_lm
+from k3lab.moe.experiment import balance_floor, build_moe_lm, train_moe_lm
 
 METHODS = ("none", "aux", "sign", "qb")
 TARGET = 0.05
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--n-experts", type=positive_int, default=64)
     p.add_argument("--top-k", type=positive_int, default=4)
     p.add_argument("--expert-hidden", type=positive_int, default=128)
-    p.add_argument("--steps", type=positive_int, default=40)
+    p.add_argument("--steps", type=positive_int, default=120)
     p.add_argument("--batch-size", type=positive_int, default=1024, help="sequences a step (B)")
     p.add_argument("--microbatches", type=positive_int, default=16, help="passes a step (M, a divisor of B)")
     p.add_argument("--seq-len", type=positive_int, default=512)
@@ -110,6 +111,13 @@ def main(argv: list[str] | None = None) -> dict:
         result["runs"][method] = {"maxvio": h["maxvio"].tolist(), "worst_maxvio": worst,
                                   "settled_at": settled_at(worst), "val_step": h["step"], "val_loss": h["val_loss"],
                                   "seconds": round(time.perf_counter() - t0, 1)}
+        if method == "qb":
+            # The sampling floor at this step size, on the trained model: a bias fitted to one step's batch,
+            # applied to the next batch through the same router (chapter 05, Section 6). What QB's training
+            # curve shows above it comes from the router moving between steps.
+            floor = balance_floor(model, batches=3, batch_size=args.batch_size, seq_len=args.seq_len, device=device,
+                                  split="train")
+            result["sampling_floor"] = {k: v.tolist() for k, v in floor.items()}
     qb = result["runs"].get("qb")
     result["met"] = None if qb is None or args.small else (qb["settled_at"] is not None and qb["settled_at"] < 20)
     write_result("moe_balance", result, args.out, small=args.small)
@@ -124,6 +132,10 @@ def main(argv: list[str] | None = None) -> dict:
         settled = "never" if r["settled_at"] is None else str(r["settled_at"])
         print(f"{method:<7}{at(0):>8}{at(10):>9}{at(20):>9}{sum(w[-tail:]) / tail:>14.3f}{settled:>19}"
               f"{r['val_loss'][-1]:>10.3f}{r['seconds']:>9.1f}")
+    if "sampling_floor" in result:
+        f = result["sampling_floor"]
+        print(f"sampling floor at this step size (bias fitted to one batch, on the next; worst layer): "
+              f"{max(f['next_batch']):.3f}; in-sample {max(f['same_batch']):.3f}")
     if result["met"] is not None:
         print(f"QB at maxvio <= {TARGET} within 20 steps and after: {'met' if result['met'] else 'NOT met'}")
     return result
