@@ -8,7 +8,8 @@ consecutive batches differs by the batch's sampling noise, which falls about as 
 step's tokens, and reaches maxvio 0.05 near half a million tokens a step at E = 64, top-4. This benchmark
 trains the chapter's MoE language model at such a step, accumulated over micro-batches (the bias update
 reads every micro-batch's counts), with no balancing, the auxiliary loss, the sign update and Quantile
-Balancing, the same model initialisation and batches for each; maxvio is measured on each step's own
+Balancing (with the histogram estimator, and with the exact quantile as its reference), the same model
+initialisation and batches for each; maxvio is measured on each step's own
 tokens with the bias the step ran with (the load it really had), every MoE layer.
 
 Correctness first: before any training, the per-step expert loads of one micro-batched step are checked to
@@ -31,7 +32,9 @@ from k3lab.data import vocab_size
 from k3lab.moe import MoEConfig
 from k3lab.moe.experiment import balance_floor, build_moe_lm, train_moe_lm
 
-METHODS = ("none", "aux", "sign", "qb")
+# "qb" is Quantile Balancing with the histogram estimator (the one that runs distributed); "qb-exact" the exact
+# quantile of every margin, the reference that isolates the histogram's resolution.
+METHODS = ("none", "aux", "sign", "qb", "qb-exact")
 TARGET = 0.05
 
 
@@ -104,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
                                  "tokens_per_step": tokens, "pairs_per_expert": q, "target": TARGET, "runs": {}}
     for method in args.methods:
         t0 = time.perf_counter()
-        model = build_moe_lm(lm_cfg, replace(moe_cfg, balance=method), seed=args.seed)
+        rule = replace(moe_cfg, balance="qb", estimator="exact") if method == "qb-exact" else replace(moe_cfg, balance=method)
+        model = build_moe_lm(lm_cfg, rule, seed=args.seed)
         h = train_moe_lm(model, args.steps, args.batch_size, args.seq_len, args.lr, device, seed=args.seed,
                          log_every=max(1, args.steps // 4), progress=not args.small, microbatches=args.microbatches)
         worst = h["maxvio"].max(1).values.tolist()
@@ -124,13 +128,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     tail = max(1, args.steps // 4)
     print(f"\n{tokens:,} tokens a step, {args.steps} steps ({result['device']}); maxvio of the worst layer")
-    print(f"{'method':<7}{'step 0':>8}{'step 10':>9}{'step 20':>9}{'last ' + str(tail) + ', mean':>14}"
+    print(f"{'method':<9}{'step 0':>8}{'step 10':>9}{'step 20':>9}{'last ' + str(tail) + ', mean':>14}"
           f"{'<= 0.05 from step':>19}{'val loss':>10}{'seconds':>9}")
     for method, r in result["runs"].items():
         w = r["worst_maxvio"]
         at = lambda i: f"{w[i]:.3f}" if i < len(w) else "-"  # noqa: E731
         settled = "never" if r["settled_at"] is None else str(r["settled_at"])
-        print(f"{method:<7}{at(0):>8}{at(10):>9}{at(20):>9}{sum(w[-tail:]) / tail:>14.3f}{settled:>19}"
+        print(f"{method:<9}{at(0):>8}{at(10):>9}{at(20):>9}{sum(w[-tail:]) / tail:>14.3f}{settled:>19}"
               f"{r['val_loss'][-1]:>10.3f}{r['seconds']:>9.1f}")
     if "sampling_floor" in result:
         f = result["sampling_floor"]
