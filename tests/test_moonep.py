@@ -560,8 +560,8 @@ for (R, E), C in zip(((64, 896), (8, 896), (7, 21), (16, 2048), (64, 896)), (2**
 COMPILE_LAYOUT = """
 from sm90_compile import compile_sm90
 from k3lab.kernels.moonep import layout
-ptrs = ("e_ids", "pos", "base", "assign", "cum_assign", "starts", "slot_experts", "counts_cum", "dest_rank",
-        "dest_row", "src_rank")
+ptrs = ("e_ids", "pos", "base", "assign", "slot_counts", "slot_experts", "counts_cum", "dest_rank", "dest_row",
+        "src_rank")
 io = {n: "*i64" for n in ptrs} | dict(offsets="*i32", N="i32", C="i32", R="i32", L="i32", rank="i32",
                                       n_pair_blocks="i32")
 print(compile_sm90(layout.moonep_layout_kernel, io, dict(BLOCK=layout.BLOCK), num_warps=4))
@@ -671,3 +671,87 @@ def test_layout_checks_pos_and_reads_a_strided_one(backend):
     with pytest.raises(ValueError, match=r"layout: pos must be pair_positions\(topk_idx\), an \[S\*K=4\] int64 "
                                          r"tensor on counts' device cpu, got \[3\] torch.int64 on cpu"):
         layout(p, counts, idx, 0, backend=backend, pos=pos[:3])
+
+
+def routing_of(counts: torch.Tensor, S: int, K: int, seed: int) -> torch.Tensor:
+    """[R, S, K] int64 expert ids whose per-rank bincounts are ``counts`` [R, E] (rows summing to S*K), in a
+    random order: any counts, adversarial ones included, get a routing the layout can take."""
+    gen = torch.Generator().manual_seed(seed)
+    R, E = counts.shape
+    rows = [torch.arange(E).repeat_interleave(counts[r]) for r in range(R)]
+    return torch.stack([row[torch.randperm(S * K, generator=gen)].view(S, K) for row in rows])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kind, R, L, S, K, seed", [
+    ("multinomial", 4, 3, 16, 2, 0), ("multinomial", 5, 2, 9, 3, 1), ("one_expert", 4, 3, 12, 2, 2),
+    ("one_rank_idle", 3, 4, 10, 2, 3), ("identical", 4, 2, 8, 2, 4), ("one_rank_hot", 6, 2, 7, 3, 5),
+    ("zipf", 8, 3, 6, 4, 6), ("one_expert", 1, 3, 5, 2, 7)])
+def test_layout_with_precomputed_plan_free_pieces_equals_layout(backend, kind, R, L, S, K, seed):
+    """What ``plan_and_layout`` hands ``layout`` from its side stream (``pair_positions`` and ``count_prefixes``,
+    written into given tensors, the ids of a strided topk_idx copied) gives the same integers as ``plan`` then
+    ``layout`` computing everything itself, on every rank, on random and adversarial counts (every pair on
+    one expert, an idle home rank, one hot home rank), int64 and int32 counts; ``count_prefixes`` equals its
+    definition in plain Python."""
+    from k3lab.moonep.planner import count_prefixes, pair_positions, plan_and_layout
+
+    counts = make_counts(kind, R, L, S, K, seed)
+    idx = routing_of(counts, S, K, seed)
+    E = R * L
+    p = plan(counts, S, K)
+    for c in (counts, counts.int()):
+        for r in range(R):
+            want = layout(p, counts, idx[r], r, backend="torch")
+            strided = idx[r].T.contiguous().T
+            ids = torch.empty(S, K, dtype=torch.int64).copy_(strided)
+            pos = pair_positions(ids, torch.full((S * K,), -1))
+            out = (torch.full((R, E), -1), torch.full((E,), -1))
+            counts_cum, base = count_prefixes(c, r, out=out)
+            assert counts_cum is out[0] and base is out[1]
+            got = layout(p, c, ids, r, backend=backend, pos=pos, counts_cum=counts_cum, base=base)
+            for f in LAYOUT_FIELDS:
+                assert torch.equal(getattr(got, f), getattr(want, f)), (kind, c.dtype, r, f)
+            # Each piece alone, the others computed inside.
+            for given in (dict(pos=pos), dict(counts_cum=counts_cum), dict(base=base)):
+                alone = layout(p, c, ids, r, backend=backend, **given)
+                assert torch.equal(alone.dest_row, want.dest_row) and torch.equal(alone.src_rank, want.src_rank)
+            p2, lay2 = plan_and_layout(c, strided, r, S, K, backend=backend)
+            assert_same_plan(p2, p)
+            assert all(torch.equal(getattr(lay2, f), getattr(want, f)) for f in LAYOUT_FIELDS)
+            cl = counts.tolist()
+            assert counts_cum.tolist() == [[sum(cl[q][e] for q in range(i + 1)) for e in range(E)] for i in range(R)]
+            assert base.tolist() == [sum(cl[q][e] for q in range(r + 1)) - sum(cl[r][: e + 1]) for e in range(E)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_layout_and_count_prefixes_name_bad_precomputed_pieces(backend):
+    """Precomputed counts_cum and base of the wrong shape, dtype or device, or not tensors, are ValueErrors
+    naming the argument and what was expected, as a bad ``pos``; so are count_prefixes' bad arguments."""
+    from k3lab.moonep.planner import count_prefixes
+
+    counts = torch.tensor([[3, 1, 0, 0], [0, 2, 1, 1]])
+    idx = torch.tensor([[0, 1], [0, 0]])
+    p = plan(counts, 2, 2)
+    cum, base = count_prefixes(counts, 0)
+    for name, bad, got in (
+            ("counts_cum", cum[:1], r"\[1, 4\] torch.int64 on cpu"), ("counts_cum", cum.int(), r"\[2, 4\] torch.int32"),
+            ("counts_cum", cum.T, r"\[4, 2\] torch.int64"),
+            ("counts_cum", cum.to("meta"), r"\[2, 4\] torch.int64 on meta"),
+            ("counts_cum", cum.tolist(), "list"), ("base", base[:3], r"\[3\] torch.int64 on cpu"),
+            ("base", base.float(), r"\[4\] torch.float32"), ("base", cum, r"\[2, 4\] torch.int64"),
+            ("base", base.to("meta"), r"\[4\] torch.int64 on meta")):
+        what = r"\[R=2, E=4\]" if name == "counts_cum" else r"\[E=4\]"
+        with pytest.raises(ValueError, match=rf"layout: {name} must be count_prefixes\(counts, rank\)'s {what} int64 "
+                                             rf"tensor on counts' device cpu, got {got}"):
+            layout(p, counts, idx, 0, backend=backend, **{name: bad})
+    with pytest.raises(ValueError, match=r"count_prefixes: counts must be an \[R, E\] int64 \(or int32\) tensor, "
+                                         r"got \[2, 4\] torch.float32"):
+        count_prefixes(counts.float(), 0)
+    with pytest.raises(ValueError, match=r"count_prefixes: rank must be an int in \[0, R=2\), got 2"):
+        count_prefixes(counts, 2)
+    for out, got in (((cum, base[:3]), r"\[2, 4\] torch.int64 on cpu, \[3\] torch.int64 on cpu"),
+                     ((cum.int(), base), r"\[2, 4\] torch.int32 on cpu, \[4\] torch.int64 on cpu"),
+                     ((cum,), r"\[2, 4\] torch.int64 on cpu"), (cum, "Tensor")):
+        with pytest.raises(ValueError, match=r"count_prefixes: out must be \(\[R=2, E=4\], \[E=4\]\) int64 tensors "
+                                             r"on counts' device cpu, got \(" + got + r"\)"):
+            count_prefixes(counts, 0, out=out)

@@ -6,7 +6,7 @@ one home rank.
 
 Public: ``moonep_experts`` (the entry: one EP MoE step, ``mode="moonep"`` or the ``"alltoall"``
 baseline), ``plan`` / ``Plan`` (the planner), ``layout`` / ``Layout`` (each pair's destination row),
-``plan_and_layout`` (both, the layout's sort overlapping the plan on a GPU), ``plan_reference`` and
+``plan_and_layout`` (both, the layout's plan-free steps overlapping the plan on a GPU), ``plan_reference`` and
 ``dense_moe`` (the references).
 """
 from k3lab.moonep.ep import MODES, moonep_experts

@@ -270,14 +270,60 @@ def pair_positions(topk_idx: torch.Tensor, out: torch.Tensor | None = None) -> t
     return out.scatter_(0, order, torch.arange(N, device=e.device))
 
 
+def count_prefixes(counts: torch.Tensor, rank: int,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rest of ``layout``'s plan-free work beside ``pair_positions``: two prefix sums of the counts.
+
+    ``base[e]`` = pairs of expert e on ranks before ``rank`` - pairs of experts below e on ``rank``, so that
+    pair p of expert e is number ``base[e] + pos[p]`` among all R ranks' pairs of e (``pos`` =
+    ``pair_positions``); ``counts_cum[r, e]`` = pairs of e on ranks 0..r, where the source ranks' pieces end.
+
+    Args:
+        counts (Tensor): [R, E] int64 (or int32), the counts the plan is made from.
+        rank (int): this rank, in [0, R).
+        out (tuple | None): (counts_cum [R, E], base [E]) int64 tensors on ``counts``' device to write into.
+
+    Returns:
+        (counts_cum [R, E] int64, base [E] int64) = (``counts.cumsum(0)``, ``counts.cumsum(0)[rank] -
+        counts[rank].cumsum(0)``), on ``counts``' device (``out`` when given).
+
+    Raises:
+        ValueError: counts not a 2-D int64 or int32 tensor; rank not an int in [0, R); out not a pair of
+            [R, E] and [E] int64 tensors on counts' device.
+    """
+    if not isinstance(counts, torch.Tensor) or counts.ndim != 2 or counts.dtype not in (torch.int32, torch.int64):
+        got = f"{list(counts.shape)} {counts.dtype}" if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise ValueError(f"count_prefixes: counts must be an [R, E] int64 (or int32) tensor, got {got}")
+    R, E = counts.shape
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < R):
+        raise ValueError(f"count_prefixes: rank must be an int in [0, R={R}), got {rank!r}")
+    if out is not None:
+        ok = isinstance(out, (tuple, list)) and len(out) == 2 and all(
+            isinstance(t, torch.Tensor) and tuple(t.shape) == shape and t.dtype == torch.int64
+            and t.device == counts.device for t, shape in zip(out, ((R, E), (E,))))
+        if not ok:
+            got = (", ".join(f"{list(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
+                             else type(t).__name__ for t in out) if isinstance(out, (tuple, list))
+                   else type(out).__name__)
+            raise ValueError(f"count_prefixes: out must be ([R={R}, E={E}], [E={E}]) int64 tensors on counts' device "
+                             f"{counts.device}, got ({got})")
+    counts_cum, base = (None, None) if out is None else out
+    counts_cum = torch.cumsum(counts, 0, dtype=torch.int64, out=counts_cum)
+    mine = torch.cumsum(counts[rank], 0, dtype=torch.int64)
+    base = torch.sub(counts_cum[rank], mine, out=base)
+    return counts_cum, base
+
+
 def check_layout_args(who: str, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, R: int, E: int, S: int,
-                      K: int, pos: torch.Tensor | None = None) -> None:
+                      K: int, pos: torch.Tensor | None = None, counts_cum: torch.Tensor | None = None,
+                      base: torch.Tensor | None = None) -> None:
     """Shape, dtype and device checks of ``layout``'s arguments against a plan of R, E, S, K (values are not
     read: that would sync), shared with ``plan_and_layout``, which runs them before it forks a stream.
 
     Raises:
         ValueError: rank not an int in [0, R); counts not [R, E] int64 or int32; topk_idx not [S, K] int64 on
-            counts' device; pos, when given, not [S*K] int64 on counts' device. ``who`` starts the message.
+            counts' device; pos, when given, not [S*K] int64 on counts' device; counts_cum, when given, not
+            [R, E] int64 there; base, when given, not [E] int64 there. ``who`` starts the message.
     """
     if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < R):
         raise ValueError(f"{who}: rank must be an int in [0, R={R}), got {rank!r}")
@@ -298,6 +344,13 @@ def check_layout_args(who: str, counts: torch.Tensor, topk_idx: torch.Tensor, ra
         got = f"{list(pos.shape)} {pos.dtype} on {pos.device}" if isinstance(pos, torch.Tensor) else type(pos).__name__
         raise ValueError(f"{who}: pos must be pair_positions(topk_idx), an [S*K={S * K}] int64 tensor on counts' "
                          f"device {counts.device}, got {got}")
+    for name, t, shape, what in (("counts_cum", counts_cum, (R, E), f"[R={R}, E={E}]"),
+                                 ("base", base, (E,), f"[E={E}]")):
+        if t is not None and not (isinstance(t, torch.Tensor) and tuple(t.shape) == shape
+                                  and t.dtype == torch.int64 and t.device == counts.device):
+            got = f"{list(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{who}: {name} must be count_prefixes(counts, rank)'s {what} int64 tensor on counts' "
+                             f"device {counts.device}, got {got}")
 
 
 _SIDE_STREAMS: dict = {}
@@ -305,10 +358,13 @@ _SIDE_STREAMS: dict = {}
 
 def plan_and_layout(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, S: int, K: int,
                     backend: str | None = None) -> tuple[Plan, Layout]:
-    """``plan(counts, S, K)`` and this rank's ``layout``: the same integers, with layout's plan-free step
-    (``pair_positions``, a sort of the S*K pairs) on a second CUDA stream while the plan's fill runs. The fill
-    is R - 1 dependent steps in one program on one SM, the sort spreads over the card, so the two overlap;
-    under CUDA graph capture the fork and join are captured with them. On a CPU, one after the other.
+    """``plan(counts, S, K)`` and this rank's ``layout``: the same integers, with every step of the layout that
+    needs no plan on a second CUDA stream while the plan's fill runs: ``pair_positions`` (a sort of the S*K
+    pairs), ``count_prefixes`` (two prefix sums of the counts, their int64 cast) and a contiguous copy of a
+    strided ``topk_idx``. The fill is R - 1 dependent steps in one program on one SM, the side work spreads
+    over the card, so the two overlap; after the join only the layout's plan-dependent step is left (on the
+    Triton backend one kernel, ``layout_rows``). Under CUDA graph capture the fork and join are captured
+    with them. On a CPU, ``plan`` then ``layout``, one after the other.
 
     Args and raises: those of ``plan`` and ``layout``, all checked before the fork.
     """
@@ -318,22 +374,30 @@ def plan_and_layout(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, S: 
         p = plan(counts, S, K, backend)
         return p, layout(p, counts, topk_idx, rank, backend)
     choose_backend(counts, backend)
-    main = torch.cuda.current_stream(counts.device)
-    side = _SIDE_STREAMS.get(counts.device)
+    dev = counts.device
+    main = torch.cuda.current_stream(dev)
+    side = _SIDE_STREAMS.get(dev)
     if side is None:
-        side = _SIDE_STREAMS[counts.device] = torch.cuda.Stream(counts.device)
-    # Allocated on the main stream, which frees it: the side stream only writes it before the join.
-    pos = torch.empty(topk_idx.numel(), dtype=torch.int64, device=counts.device)
+        side = _SIDE_STREAMS[dev] = torch.cuda.Stream(dev)
+    # Allocated on the main stream, which frees them: the side stream only writes them before the join.
+    pos = torch.empty(S * K, dtype=torch.int64, device=dev)
+    counts_cum = torch.empty(R, E, dtype=torch.int64, device=dev)
+    base = torch.empty(E, dtype=torch.int64, device=dev)
+    ids = topk_idx if topk_idx.is_contiguous() else torch.empty(S, K, dtype=torch.int64, device=dev)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        pair_positions(topk_idx, pos)
+        if ids is not topk_idx:
+            ids.copy_(topk_idx)
+        pair_positions(ids, pos)
+        count_prefixes(counts, rank, out=(counts_cum, base))
     p = plan(counts, S, K, backend)
     main.wait_stream(side)
-    return p, layout(p, counts, topk_idx, rank, backend, pos=pos)
+    return p, layout(p, counts, ids, rank, backend, pos=pos, counts_cum=counts_cum, base=base)
 
 
 def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, backend: str | None = None,
-           pos: torch.Tensor | None = None) -> Layout:
+           pos: torch.Tensor | None = None, counts_cum: torch.Tensor | None = None,
+           base: torch.Tensor | None = None) -> Layout:
     """Destinations of rank ``rank``'s pairs and the sources of its buffer rows, from the plan.
 
     Expert e's pairs are numbered globally, rank by rank in source order and in pair order inside a rank
@@ -346,43 +410,48 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, bac
         counts (Tensor): [R, E] int64 (or int32), the counts the plan was made from.
         topk_idx (Tensor): [S, K] int64 expert ids of this rank's tokens, all in [0, E).
         rank (int): this rank.
-        backend (str | None): ``"torch"`` (about 57 small tensor ops), ``"triton"`` (the sort and four
-            prefix sums in torch, then steps 2-5 in one launch, ``k3lab.kernels.moonep.layout_rows``; CUDA
-            counts, or CPU counts under TRITON_INTERPRET=1), or None: ``"triton"`` for CUDA counts. The same
-            integers either way.
-        pos (Tensor | None): ``pair_positions(topk_idx)`` when already computed (``plan_and_layout``).
+        backend (str | None): ``"torch"`` (a few dozen small tensor ops), ``"triton"`` (the plan-free sort and
+            prefix sums in torch, then steps 2-5 in one launch, ``k3lab.kernels.moonep.layout_rows``, which
+            forms the plan's prefix sums itself; CUDA counts, or CPU counts under TRITON_INTERPRET=1), or None:
+            ``"triton"`` for CUDA counts. The same integers either way.
+        pos (Tensor | None): [S*K] int64, ``pair_positions(topk_idx)`` when already computed
+            (``plan_and_layout``).
+        counts_cum, base (Tensor | None): [R, E] and [E] int64, ``count_prefixes(counts, rank)`` when already
+            computed (``plan_and_layout``); each is computed here when not given. With ``pos`` and both of
+            these, the Triton backend runs one kernel.
 
     Returns:
         Layout, on ``counts``' device; no host synchronisation.
 
     Raises:
         ValueError: rank not an int in [0, R); counts not [R, E] int64 or int32, or topk_idx not [S, K] int64
-            (the plan's) on counts' device; pos not [S*K] int64 there; an unknown backend, or ``"triton"`` on CPU
-            counts without the interpreter.
+            (the plan's) on counts' device; pos not [S*K] int64 there, counts_cum not [R, E] int64 there, base
+            not [E] int64 there; an unknown backend, or ``"triton"`` on CPU counts without the interpreter.
     """
     R, E, L, C = p.R, p.E, p.E // p.R, p.capacity
-    check_layout_args("layout", counts, topk_idx, rank, R, E, p.S, p.K, pos)
+    check_layout_args("layout", counts, topk_idx, rank, R, E, p.S, p.K, pos, counts_cum, base)
     dev = counts.device
-    counts = counts.long()
+    triton_backend = choose_backend(counts, backend, fill=False) == "triton"
     e = topk_idx.reshape(-1)
-    # 1. position of each pair among this rank's pairs of the same expert (stable sort keeps pair order).
+    # 1. position of each pair among this rank's pairs of the same expert (stable sort keeps pair order), and
+    #    the counts' prefix sums: g = base[e] + pos is the pair's global number within expert e.
     if pos is None:
         pos = pair_positions(topk_idx)
-    if choose_backend(counts, backend, fill=False) == "triton":
+    if counts_cum is None or base is None:
+        fresh_cum, fresh_base = count_prefixes(counts, rank)
+        counts_cum = fresh_cum if counts_cum is None else counts_cum
+        base = fresh_base if base is None else base
+    if triton_backend:
         from k3lab.kernels.moonep import layout_rows  # noqa: PLC0415 (a CPU process never loads Triton)
 
-        counts_cum = counts.cumsum(0)
-        # 2-5 in one launch: g = pairs of e on earlier ranks + position among this rank's pairs of e.
+        # 2-5 in one launch.
         dest_rank, dest_row, src_rank = layout_rows(
-            e.contiguous(), pos.contiguous(), counts_cum[rank] - counts[rank].cumsum(0), p.assign, p.assign.cumsum(1),
-            p.offsets - p.slot_counts, p.offsets, p.slot_experts, counts_cum, rank)
+            e.contiguous(), pos.contiguous(), base.contiguous(), p.assign, p.slot_counts, p.offsets,
+            p.slot_experts, counts_cum.contiguous(), rank)
         return Layout(dest_rank=dest_rank, dest_row=dest_row, src_rank=src_rank, offsets=p.offsets[rank],
                       slot_experts=p.slot_experts[rank])
-    mine = counts[rank]
-    local_idx = pos - (mine.cumsum(0) - mine)[e]
     # 2. its global number within expert e.
-    before = counts.cumsum(0) - counts
-    g = before[rank][e] + local_idx
+    g = base[e] + pos
     # 3. the processing rank: the piece of assign[e] that holds g.
     cum = p.assign.cumsum(1)
     dest_rank = (cum[e] <= g[:, None]).sum(1)
@@ -397,6 +466,6 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, bac
     row_slot = torch.searchsorted(my_off, rows, right=True).clamp(max=2 * L - 1)
     row_expert = p.slot_experts[rank][row_slot]
     row_g = (cum - p.assign)[row_expert, rank] + rows - starts[rank][row_slot]
-    src_rank = (counts.cumsum(0).T[row_expert] <= row_g[:, None]).sum(1).clamp(max=R - 1)
+    src_rank = (counts_cum.T[row_expert] <= row_g[:, None]).sum(1).clamp(max=R - 1)
     return Layout(dest_rank=dest_rank, dest_row=dest_row, src_rank=src_rank, offsets=p.offsets[rank],
                   slot_experts=p.slot_experts[rank])
