@@ -22,6 +22,11 @@ def test_small_cpu_run_writes_the_json_shape(tmp_path):
         assert row["us"] > 0 and row["graph_us"] is None and row["max_redundant"] <= row["bound"]
         # The Triton planner beside the torch one (here under the interpreter that conftest switches on).
         assert row["triton_us"] > 0 and row["triton_graph_us"] is None and "triton_skipped" not in row
+    # The planner breakdown at the --small shape, every piece timed (eagerly: no CUDA graph on the CPU).
+    assert [(r["E"], r["R"], r["K"], r["backend"]) for r in data["planner_breakdown"]] == [(16, 4, 2, "triton")]
+    for row in data["planner_breakdown"]:
+        for piece in bench.BREAKDOWN_PIECES:
+            assert row[f"{piece}_us"] > 0 and row[f"{piece}_graph_us"] is None
     # Both placements of the hot experts; maxvio 4 needs E >= 5K.
     assert [(r["placement"], r["maxvio"]) for r in data["skew"]] == [
         (p, m) for p in ("scattered", "packed") for m in (0.0, 0.5, 1.0, 2.0)]
@@ -41,7 +46,8 @@ def test_small_run_without_out_writes_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     bench.main(["--device", "cpu", "--small", "--skip-skew", "--planner-E", "8"])
     assert not any(tmp_path.iterdir())
-    assert "planner latency" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "planner latency" in out and "planner breakdown" in out
 
 
 @pytest.mark.parametrize("target", [0.0, 0.5, 2.0, 4.0])
@@ -65,6 +71,7 @@ def test_priced_traffic_is_the_layouts():
     (["--planner-E", "100"], "planner shape E=100, R=8, K=8: E must be a multiple of R"),
     (["--comm-gbps", "0"], "--comm-gbps: expected a float > 0"),
     (["--reps", "0"], "--reps: expected a positive int, got 0"),
+    (["--breakdown-E", "100"], "breakdown shape E=100, R=64, K=8: E must be a multiple of R"),
     (["--placement", "random"], "--placement: invalid choice: 'random'"),
     ([], "--device cpu needs --small"),
 ])
@@ -89,3 +96,6 @@ def test_planner_has_no_host_sync_and_replays_as_a_cuda_graph():
     assert row["triton_graph_us"] is not None, row.get("triton_graph_error")
     assert row["plan_graph_us"] is not None and row["triton_plan_graph_us"] is not None
     assert all(row["triton_fill_graph_us"][str(w)] is not None for w in bench.FILL_WARPS)
+    split = bench.planner_breakdown(64, 8, 256, 4, device, reps=2, graph=True, seed=0)
+    assert split["backend"] == "triton" and "graph_error" not in split, split.get("graph_error")
+    assert all(split[f"{piece}_graph_us"] is not None for piece in bench.BREAKDOWN_PIECES)

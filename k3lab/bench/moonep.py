@@ -10,12 +10,14 @@ S*K pairs on distinct rows, the traffic this script prices equals the rows the l
 expert GEMMs agree with the loop reference; (2) no host synchronisation in ``plan_and_layout`` (on a GPU
 under ``torch.cuda.set_sync_debug_mode("error")``, each backend; on the CPU with
 ``.item()``/``.tolist()``/``bool()``... patched to raise, the torch backend); (3) planner latency, plan +
-layout for rank 0 (``plan_and_layout``: on a GPU the layout's sort runs on a second stream beside the fill),
-timed eagerly and as a CUDA-graph replay of the same call, for each backend in the
-same run, plus the plan alone and the Triton fill kernel alone at 1, 2, 4 and 8 warps, its state in int32
-and in int64 (replayed); (4) the simulated EP step. The Triton backend runs where ``plan`` can take it: CUDA
-counts within its tile limits (on the CPU only under TRITON_INTERPRET=1, where its times measure the
-interpreter).
+layout for rank 0 (``plan_and_layout``: on a GPU the layout's plan-free steps run on a second stream beside
+the fill), timed eagerly and as a CUDA-graph replay of the same call, for each backend in the same run, plus
+the plan alone and the Triton fill kernel alone at 1, 2, 4 and 8 warps, its state in int32 and in int64
+(replayed); then a breakdown at E = 896, R = 64, K = 8 and 16 (``--breakdown-*``; JSON key
+"planner_breakdown"): the fill, the side stream's sort and count prefix sums, the layout after the join, and
+``plan_and_layout``, each alone as a CUDA-graph replay; (4) the simulated EP step. The Triton backend runs
+where ``plan`` can take it: CUDA counts within its tile limits (on the CPU only under TRITON_INTERPRET=1,
+where its times measure the interpreter).
 
 The EP step is a simulation on one GPU, labelled so in the JSON and the table. By default E = 64 experts
 over R = 8 ranks, top-8, S = 8192 tokens a rank, experts of width d = 1024 and hidden h = 1024
@@ -377,6 +379,50 @@ def planner_row(E: int, R: int, S: int, K: int, device: torch.device, reps: int,
     return row
 
 
+BREAKDOWN_PIECES = ("fill", "sort", "prefixes", "layout_after_fill", "plan_and_layout")
+
+
+def planner_breakdown(E: int, R: int, S: int, K: int, device: torch.device, reps: int, graph: bool,
+                      seed: int) -> dict:
+    """Where ``plan_and_layout``'s time goes for rank 0, each piece timed alone, eagerly (``<piece>_us``) and,
+    with ``graph``, as a CUDA-graph replay (``<piece>_graph_us``; None without, ``graph_error`` when a capture
+    fails). Pieces: ``fill`` (``plan``: on the Triton backend the one fill kernel), ``sort``
+    (``pair_positions``) and ``prefixes`` (``count_prefixes``), the side stream's work, ``layout_after_fill``
+    (``layout`` given those: what runs after the join) and ``plan_and_layout`` (all of it, the side stream
+    overlapping the fill). ``backend`` is "triton" where ``plan`` can take it here, else "torch" (with
+    ``triton_skipped``: why).
+
+    Raises:
+        AssertionError: the layout from the precomputed pieces differs from ``layout`` computing them itself.
+    """
+    from k3lab.moonep import layout, plan, plan_and_layout  # noqa: PLC0415
+    from k3lab.moonep.planner import count_prefixes, pair_positions  # noqa: PLC0415
+
+    counts, idx = routing_counts(E, R, S, K, device, seed)
+    skipped = triton_planner_ok(counts)
+    backend = "torch" if skipped else "triton"
+    p = plan(counts, S, K, backend=backend)
+    pos = pair_positions(idx)
+    counts_cum, base = count_prefixes(counts, 0)
+    lay = layout(p, counts, idx, 0, backend=backend, pos=pos, counts_cum=counts_cum, base=base)
+    want = layout(p, counts, idx, 0, backend=backend)
+    assert all(torch.equal(getattr(lay, f), getattr(want, f)) for f in ("dest_rank", "dest_row", "src_rank")), \
+        f"layout from precomputed pieces ({backend}) differs from layout"
+    fns = dict(fill=lambda: plan(counts, S, K, backend=backend), sort=lambda: pair_positions(idx),
+               prefixes=lambda: count_prefixes(counts, 0),
+               layout_after_fill=lambda: layout(p, counts, idx, 0, backend=backend, pos=pos, counts_cum=counts_cum,
+                                                base=base),
+               plan_and_layout=lambda: plan_and_layout(counts, idx, 0, S, K, backend=backend))
+    row = dict(E=E, R=R, S=S, K=K, backend=backend, graph=graph)
+    if skipped:
+        row["triton_skipped"] = skipped
+    for piece in BREAKDOWN_PIECES:
+        row[f"{piece}_us"], row[f"{piece}_graph_us"], error = timed_us(fns[piece], device, reps, graph)
+        if error:
+            row.setdefault("graph_error", {})[piece] = error
+    return row
+
+
 def gemm_ms(rows: int, offsets: torch.Tensor, d: int, h: int, device, dtype, reps: int) -> float:
     """Median ms of ``expert_ffn`` forward + backward (all input and weight gradients) on ``rows`` rows in
     the groups ``offsets`` (cumulative ends)."""
@@ -459,6 +505,9 @@ def main(argv=None) -> dict:
     p.add_argument("--planner-E", type=positive_int, nargs="+", default=[64, 256, 896], help="planner: E values")
     p.add_argument("--planner-R", type=positive_int, nargs="+", default=[8, 64], help="planner: R values")
     p.add_argument("--planner-K", type=positive_int, nargs="+", default=[8, 16], help="planner: K values")
+    p.add_argument("--breakdown-E", type=positive_int, default=896, help="planner breakdown: experts")
+    p.add_argument("--breakdown-R", type=positive_int, default=64, help="planner breakdown: ranks")
+    p.add_argument("--breakdown-K", type=positive_int, nargs="+", default=[8, 16], help="planner breakdown: K values")
     p.add_argument("--S", type=positive_int, default=8192, help="tokens per rank (planner and simulation)")
     p.add_argument("--maxvio", type=nonnegative_float, nargs="+", default=[0.0, 0.5, 1.0, 2.0, 4.0],
                    help="simulation: expert skews max_e load / mean load - 1")
@@ -483,12 +532,17 @@ def main(argv=None) -> dict:
     check_out(args.out)
     if args.small:
         args.planner_E, args.planner_R, args.planner_K, args.S = [8, 16], [2, 4], [2], 32
+        args.breakdown_E, args.breakdown_R, args.breakdown_K = 16, 4, [2]
         args.sim_E, args.sim_R, args.sim_K, args.d, args.h, args.reps = 8, 4, 2, 16, 16, 3
         args.maxvio = [m for m in args.maxvio if (1 + m) * args.sim_K <= args.sim_E]
     shapes = [(E, R, K) for E in args.planner_E for R in args.planner_R for K in args.planner_K]
     for E, R, K in shapes if not args.skip_planner else []:
         if E % R or K > E:
             p.error(f"planner shape E={E}, R={R}, K={K}: E must be a multiple of R and K <= E")
+        for K in args.breakdown_K:
+            if args.breakdown_E % args.breakdown_R or K > args.breakdown_E:
+                p.error(f"breakdown shape E={args.breakdown_E}, R={args.breakdown_R}, K={K}: E must be a multiple "
+                        "of R and K <= E")
     if not args.skip_skew:
         if args.sim_E % args.sim_R or args.sim_K > args.sim_E:
             p.error(f"--sim-E {args.sim_E} must be a multiple of --sim-R {args.sim_R}, and --sim-K <= --sim-E")
@@ -529,6 +583,13 @@ def main(argv=None) -> dict:
     result["planner"] = [] if args.skip_planner else [
         planner_row(E, R, args.S, K, device, args.reps, torch_graph, args.seed, triton_graph)
         for E, R, K in shapes]
+    # (3b) where plan_and_layout's time goes, piece by piece (Triton backend where it runs), captured where
+    #      that backend's sync check passed.
+    shape = torch.zeros(args.breakdown_R, args.breakdown_E, dtype=torch.int64, device=device)
+    breakdown_graph = triton_graph if triton_planner_ok(shape) is None else torch_graph
+    result["planner_breakdown"] = [] if args.skip_planner else [
+        planner_breakdown(args.breakdown_E, args.breakdown_R, args.S, K, device, args.reps, breakdown_graph, args.seed)
+        for K in args.breakdown_K]
     # (4) the simulated EP step.
     result["skew"] = [] if args.skip_skew else [
         dict(skew_row(m, args.sim_E, args.sim_R, args.S, args.sim_K, args.d, args.h, device, dtype, args.reps,
@@ -604,6 +665,29 @@ def table(result: dict) -> str:
                          f"{best_fill(r, 'triton_fill_int64_graph_us'):>13}{r['max_redundant']:>11}{r['bound']:>5}")
         skipped = {r["triton_skipped"] for r in result["planner"] if r.get("triton_skipped")}
         lines += [f"triton not run: {why}" for why in sorted(skipped)]
+    if result.get("planner_breakdown"):
+        rows = result["planner_breakdown"]
+        how = "CUDA-graph replay" if any(r["graph"] for r in rows) else "eager"
+        lines += ["", f"planner breakdown (us, each piece alone, {how}; rank 0, S = {rows[0]['S']}): the fill; the "
+                  "side stream's sort and count prefix sums; the layout after the join; plan_and_layout (all, "
+                  "overlapped); fill + layout after fill (the critical path without overlap losses)",
+                  f"{'E':>5}{'R':>5}{'K':>4}{'backend':>9}{'fill':>8}{'sort':>8}{'prefixes':>10}{'layout after':>14}"
+                  f"{'plan_and_layout':>17}{'fill + after':>14}"]
+
+        def piece(r, name):
+            return r.get(f"{name}_graph_us") if r["graph"] else r.get(f"{name}_us")
+
+        def cell(x, width):
+            return f"{x:>{width}.0f}" if x is not None else f"{'-':>{width}}"
+
+        for r in rows:
+            fill, after = piece(r, "fill"), piece(r, "layout_after_fill")
+            both = fill + after if fill is not None and after is not None else None
+            lines.append(f"{r['E']:>5}{r['R']:>5}{r['K']:>4}{r['backend']:>9}{cell(fill, 8)}{cell(piece(r, 'sort'), 8)}"
+                         f"{cell(piece(r, 'prefixes'), 10)}{cell(after, 14)}{cell(piece(r, 'plan_and_layout'), 17)}"
+                         f"{cell(both, 14)}")
+            for name, error in (r.get("graph_error") or {}).items():
+                lines.append(f"  capture of {name} failed: {error}")
     if result["skew"]:
         s, m = result["shapes"]["skew"], result["comm_model"]
         lines += ["", f"SIMULATED EP step (timed on one {result['device']}): E={s['E']}, R={s['R']}, K={s['K']}, "
