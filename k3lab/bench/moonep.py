@@ -14,10 +14,10 @@ layout for rank 0 (``plan_and_layout``: on a GPU the layout's plan-free steps ru
 the fill), timed eagerly and as a CUDA-graph replay of the same call, for each backend in the same run, plus
 the plan alone and the Triton fill kernel alone at 1, 2, 4 and 8 warps, its state in int32 and in int64
 (replayed); then a breakdown at E = 896, R = 64, K = 8 and 16 (``--breakdown-*``; JSON key
-"planner_breakdown"): the fill, the side stream's sort and count prefix sums, the layout after the join, and
-``plan_and_layout``, each alone as a CUDA-graph replay; (4) the simulated EP step. The Triton backend runs
-where ``plan`` can take it: CUDA counts within its tile limits (on the CPU only under TRITON_INTERPRET=1,
-where its times measure the interpreter).
+"planner_breakdown"): the fill, the side stream's sort and count prefix sums, the layout after the join (rank
+0 and rank R - 1), and ``plan_and_layout``, each alone as a CUDA-graph replay; (4) the simulated EP step.
+The Triton backend runs where ``plan`` can take it: CUDA counts within its tile limits (on the CPU only under
+TRITON_INTERPRET=1, where its times measure the interpreter).
 
 The EP step is a simulation on one GPU, labelled so in the JSON and the table. By default E = 64 experts
 over R = 8 ranks, top-8, S = 8192 tokens a rank, experts of width d = 1024 and hidden h = 1024
@@ -379,7 +379,7 @@ def planner_row(E: int, R: int, S: int, K: int, device: torch.device, reps: int,
     return row
 
 
-BREAKDOWN_PIECES = ("fill", "sort", "prefixes", "layout_after_fill", "plan_and_layout")
+BREAKDOWN_PIECES = ("fill", "sort", "prefixes", "layout_after_fill", "layout_after_fill_last_rank", "plan_and_layout")
 
 
 def planner_breakdown(E: int, R: int, S: int, K: int, device: torch.device, reps: int, graph: bool,
@@ -388,12 +388,14 @@ def planner_breakdown(E: int, R: int, S: int, K: int, device: torch.device, reps
     with ``graph``, as a CUDA-graph replay (``<piece>_graph_us``; None without, ``graph_error`` when a capture
     fails). Pieces: ``fill`` (``plan``: on the Triton backend the one fill kernel), ``sort``
     (``pair_positions``) and ``prefixes`` (``count_prefixes``), the side stream's work, ``layout_after_fill``
-    (``layout`` given those: what runs after the join) and ``plan_and_layout`` (all of it, the side stream
-    overlapping the fill). ``backend`` is "triton" where ``plan`` can take it here, else "torch" (with
-    ``triton_skipped``: why).
+    (``layout`` given those: what runs after the join), ``layout_after_fill_last_rank`` (the same for rank
+    R - 1, with a routing drawn to match its counts: the layout kernel sums ``assign[x, :rank]`` per buffer
+    row, empty on rank 0) and ``plan_and_layout`` (all of it, the side stream overlapping the fill).
+    ``backend`` is "triton" where ``plan`` can take it here, else "torch" (with ``triton_skipped``: why).
 
     Raises:
-        AssertionError: the layout from the precomputed pieces differs from ``layout`` computing them itself.
+        AssertionError: rank 0's or rank R - 1's layout from the precomputed pieces differs from ``layout``
+            computing them itself.
     """
     from k3lab.moonep import layout, plan, plan_and_layout  # noqa: PLC0415
     from k3lab.moonep.planner import count_prefixes, pair_positions  # noqa: PLC0415
@@ -404,14 +406,24 @@ def planner_breakdown(E: int, R: int, S: int, K: int, device: torch.device, reps
     p = plan(counts, S, K, backend=backend)
     pos = pair_positions(idx)
     counts_cum, base = count_prefixes(counts, 0)
-    lay = layout(p, counts, idx, 0, backend=backend, pos=pos, counts_cum=counts_cum, base=base)
-    want = layout(p, counts, idx, 0, backend=backend)
-    assert all(torch.equal(getattr(lay, f), getattr(want, f)) for f in ("dest_rank", "dest_row", "src_rank")), \
-        f"layout from precomputed pieces ({backend}) differs from layout"
+    # Rank R - 1's ids: its counts' experts in a fixed random order (the layout needs ids matching its counts).
+    gen = torch.Generator().manual_seed(seed)
+    idx_last = torch.arange(E, device=device).repeat_interleave(counts[R - 1])[
+        torch.randperm(S * K, generator=gen).to(device)].view(S, K)
+    pos_last = pair_positions(idx_last)
+    counts_cum_last, base_last = count_prefixes(counts, R - 1)
+    for r, ids, given in ((0, idx, (pos, counts_cum, base)),
+                          (R - 1, idx_last, (pos_last, counts_cum_last, base_last))):
+        lay = layout(p, counts, ids, r, backend=backend, pos=given[0], counts_cum=given[1], base=given[2])
+        want = layout(p, counts, ids, r, backend=backend)
+        assert all(torch.equal(getattr(lay, f), getattr(want, f)) for f in ("dest_rank", "dest_row", "src_rank")), \
+            f"rank {r}'s layout from precomputed pieces ({backend}) differs from layout"
     fns = dict(fill=lambda: plan(counts, S, K, backend=backend), sort=lambda: pair_positions(idx),
                prefixes=lambda: count_prefixes(counts, 0),
                layout_after_fill=lambda: layout(p, counts, idx, 0, backend=backend, pos=pos, counts_cum=counts_cum,
                                                 base=base),
+               layout_after_fill_last_rank=lambda: layout(p, counts, idx_last, R - 1, backend=backend, pos=pos_last,
+                                                          counts_cum=counts_cum_last, base=base_last),
                plan_and_layout=lambda: plan_and_layout(counts, idx, 0, S, K, backend=backend))
     row = dict(E=E, R=R, S=S, K=K, backend=backend, graph=graph)
     if skipped:
@@ -669,10 +681,11 @@ def table(result: dict) -> str:
         rows = result["planner_breakdown"]
         how = "CUDA-graph replay" if any(r["graph"] for r in rows) else "eager"
         lines += ["", f"planner breakdown (us, each piece alone, {how}; rank 0, S = {rows[0]['S']}): the fill; the "
-                  "side stream's sort and count prefix sums; the layout after the join; plan_and_layout (all, "
-                  "overlapped); fill + layout after fill (the critical path without overlap losses)",
+                  "side stream's sort and count prefix sums; the layout after the join (and on rank R - 1); "
+                  "plan_and_layout (all, overlapped); fill + layout after fill (the critical path without overlap "
+                  "losses)",
                   f"{'E':>5}{'R':>5}{'K':>4}{'backend':>9}{'fill':>8}{'sort':>8}{'prefixes':>10}{'layout after':>14}"
-                  f"{'plan_and_layout':>17}{'fill + after':>14}"]
+                  f"{'(rank R-1)':>12}{'plan_and_layout':>17}{'fill + after':>14}"]
 
         def piece(r, name):
             return r.get(f"{name}_graph_us") if r["graph"] else r.get(f"{name}_us")
@@ -684,7 +697,8 @@ def table(result: dict) -> str:
             fill, after = piece(r, "fill"), piece(r, "layout_after_fill")
             both = fill + after if fill is not None and after is not None else None
             lines.append(f"{r['E']:>5}{r['R']:>5}{r['K']:>4}{r['backend']:>9}{cell(fill, 8)}{cell(piece(r, 'sort'), 8)}"
-                         f"{cell(piece(r, 'prefixes'), 10)}{cell(after, 14)}{cell(piece(r, 'plan_and_layout'), 17)}"
+                         f"{cell(piece(r, 'prefixes'), 10)}{cell(after, 14)}"
+                         f"{cell(piece(r, 'layout_after_fill_last_rank'), 12)}{cell(piece(r, 'plan_and_layout'), 17)}"
                          f"{cell(both, 14)}")
             for name, error in (r.get("graph_error") or {}).items():
                 lines.append(f"  capture of {name} failed: {error}")
