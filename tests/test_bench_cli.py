@@ -131,7 +131,7 @@ def test_bench_moe_bad_device_and_missing_torchtitan_stop_before_any_work(capsys
     with pytest.raises(SystemExit) as exc:
         main(["--small", "--device", "foo"])
     assert exc.value.code == 2
-    assert "--device: expected cuda, cuda:N or cpu, got 'foo'" in capsys.readouterr().err
+    assert "--device: expected cpu, cuda or cuda:N, got 'foo'" in capsys.readouterr().err
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchtitan" else real(name, *a))
     with pytest.raises(SystemExit, match="--no-torchtitan"):

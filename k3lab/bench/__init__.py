@@ -83,6 +83,28 @@ def run_info(device) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "versions": versions}
 
 
+def parse_device(p, text: str, cpu_hint: str = "run with --device cpu"):
+    """``--device``'s value as a ``torch.device``, checked before any work.
+
+    Args:
+        p (argparse.ArgumentParser): the command's parser (its error names the option, exit status 2).
+        text (str): "cpu", "cuda" or "cuda:N".
+        cpu_hint (str): what the message for a CUDA device on a machine without one suggests.
+
+    Raises:
+        SystemExit: ``text`` is not a device (status 2, from ``p.error``), or CUDA is asked for and absent.
+    """
+    import torch  # noqa: PLC0415
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        p.error(f"argument --device: expected cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"no CUDA device: {cpu_hint}")
+    return device
+
+
 def check_out(out: str | None) -> None:
     """Stop before any work when ``--out`` cannot be written: the JSON is written at the end of a run that may
     take minutes of GPU time. Missing parent folders are fine (they are created).

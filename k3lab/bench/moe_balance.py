@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 
 import k3lab.lm as lm
-from k3lab.bench import check_out, nonnegative_int, positive_float, positive_int, run_info, write_result
+from k3lab.bench import check_out, nonnegative_int, parse_device, positive_float, positive_int, run_info, write_result
 from k3lab.data import vocab_size
 from k3lab.moe import MoEConfig
 from k3lab.moe.experiment import balance_floor, build_moe_lm, train_moe_lm
@@ -80,12 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"matmul in bfloat16 at the latent width d/2), got {args.d_model}, {args.expert_hidden}")
     if args.top_k > args.n_experts:
         p.error(f"argument --top-k: at most --n-experts {args.n_experts}, got {args.top_k}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        p.error(f"argument --device: expected cpu, cuda or cuda:N, got {args.device!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --device cpu")
+    device = parse_device(p, args.device)
     lm_cfg = lm.LMConfig.tiny(vocab_size=vocab_size(), mixer="attention", d_model=args.d_model,
                               n_layers=args.n_layers, max_seq_len=args.seq_len)
     moe_cfg = MoEConfig(n_experts=args.n_experts, top_k=args.top_k, expert_hidden=args.expert_hidden,

@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 import k3lab.lm as lm
-from k3lab.bench import check_out, nonnegative_int, positive_float, positive_int, run_info, write_result
+from k3lab.bench import check_out, nonnegative_int, parse_device, positive_float, positive_int, run_info, write_result
 from k3lab.data import vocab_size
 from k3lab.moe import MoEConfig
 from k3lab.moe.experiment import build_moe_lm, train_moe_lm
@@ -84,12 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     check_out(args.out)
     if len(set(args.seeds)) != len(args.seeds):
         p.error(f"argument --seeds: each seed once (the summary pairs runs by seed), got {args.seeds}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        p.error(f"argument --device: expected cpu, cuda or cuda:N, got {args.device!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --device cpu")
+    device = parse_device(p, args.device)
     try:
         configs = pair(args.d_model, args.n_layers, args.n_experts, args.top_k, args.expert_hidden)
     except ValueError as e:
