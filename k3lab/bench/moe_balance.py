@@ -24,7 +24,6 @@ import argparse
 import time
 from dataclasses import replace
 
-import torch
 
 import k3lab.lm as lm
 from k3lab.bench import check_out, nonnegative_int, parse_device, positive_float, positive_int, run_info, write_result
