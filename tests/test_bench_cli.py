@@ -136,3 +136,32 @@ def test_bench_moe_bad_device_and_missing_torchtitan_stop_before_any_work(capsys
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchtitan" else real(name, *a))
     with pytest.raises(SystemExit, match="--no-torchtitan"):
         main(["--small", "--device", "cpu"])
+
+
+@pytest.mark.parametrize("text", ["meta", "mps", "cpu:1", "gpu0", "", "cuda:-1"])
+def test_parse_device_refuses_devices_the_benchmarks_cannot_run_on(text, capsys):
+    """--device meta used to pass and die in Tensor.item() after the model was built; mps in Tensor.to."""
+    import argparse
+
+    from k3lab.bench import parse_device
+
+    with pytest.raises(SystemExit) as exc:
+        parse_device(argparse.ArgumentParser(prog="b"), text)
+    assert exc.value.code == 2 and f"--device: expected cpu, cuda or cuda:N, got {text!r}" in capsys.readouterr().err
+
+
+def test_parse_device_refuses_a_card_that_is_not_there(capsys, monkeypatch):
+    import argparse
+
+    import torch
+
+    from k3lab.bench import parse_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    p = argparse.ArgumentParser(prog="b")
+    assert parse_device(p, "cuda:1") == torch.device("cuda:1") and parse_device(p, "cuda") == torch.device("cuda")
+    assert parse_device(p, "cpu") == torch.device("cpu")
+    with pytest.raises(SystemExit) as exc:
+        parse_device(p, "cuda:2")
+    assert exc.value.code == 2 and "cuda:2 names no card (2 visible" in capsys.readouterr().err

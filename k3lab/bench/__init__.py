@@ -92,16 +92,23 @@ def parse_device(p, text: str, cpu_hint: str = "run with --device cpu"):
         cpu_hint (str): what the message for a CUDA device on a machine without one suggests.
 
     Raises:
-        SystemExit: ``text`` is not a device (status 2, from ``p.error``), or CUDA is asked for and absent.
+        SystemExit: ``text`` is not "cpu", "cuda" or "cuda:N" (status 2, from ``p.error``; other torch devices
+            such as "meta" or "cpu:1" too, which the benchmarks cannot run on), CUDA is asked for and absent,
+            or N is not a visible card.
     """
     import torch  # noqa: PLC0415
 
     try:
         device = torch.device(text)
     except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index is not None):
         p.error(f"argument --device: expected cpu, cuda or cuda:N, got {text!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"no CUDA device: {cpu_hint}")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        p.error(f"argument --device: {text} names no card ({torch.cuda.device_count()} visible: "
+                f"cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     return device
 
 
