@@ -12,6 +12,9 @@ from k3lab.bench.moe_balance import METHODS, main, settled_at
     ([0.3, 0.04, 0.06, 0.01], 3),     # one step above the target resets the count
     ([0.01, 0.02, 0.2], None),        # above it at the end: never settled
     ([0.0], 0),
+    ([0.01, float("nan"), 0.01], 2),  # a NaN step is not a settled one
+    ([0.01, float("nan")], None),
+    ([], None),
 ])
 def test_settled_at_is_the_first_step_of_the_final_run_below_target(worst, expected):
     assert settled_at(worst) == expected
@@ -35,7 +38,9 @@ def test_small_run_writes_every_method(tmp_path):
 
 @pytest.mark.parametrize("argv, match", [
     (["--microbatches", "3"], "--microbatches: must divide --batch-size 8"),
-    (["--top-k", "9"], "--top-k: at most --n-experts 8"),
+    (["--top-k", "9"], "--top-k: below --n-experts 8"),
+    (["--top-k", "8"], "--top-k: below --n-experts 8"),  # raised ValueError from MoEConfig before
+    (["--methods", "qb", "none", "qb"], "--methods: each method once"),
     (["--d-model", "24"], "--d-model: a multiple of 16"),
     (["--methods", "bogus"], "--methods: invalid choice"),
     (["--device", "gpu0"], "--device: expected cpu, cuda or cuda:N"),

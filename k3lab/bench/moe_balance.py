@@ -39,10 +39,10 @@ TARGET = 0.05
 
 def settled_at(worst: list[float], target: float = TARGET) -> int | None:
     """The first step (0-based) from which every step's ``worst`` maxvio is <= ``target``, or None when the
-    last step is above it."""
+    last step is above it (a NaN counts as above)."""
     at = None
     for i, v in enumerate(worst):
-        if v > target:
+        if not v <= target:
             at = None
         elif at is None:
             at = i
@@ -51,19 +51,21 @@ def settled_at(worst: list[float], target: float = TARGET) -> int | None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m k3lab.bench.moe_balance", description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--d-model", type=positive_int, default=256)
-    p.add_argument("--n-layers", type=positive_int, default=4)
-    p.add_argument("--n-experts", type=positive_int, default=64)
-    p.add_argument("--top-k", type=positive_int, default=4)
-    p.add_argument("--expert-hidden", type=positive_int, default=128)
-    p.add_argument("--steps", type=positive_int, default=120)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--d-model", type=positive_int, default=256, help="model width d, a multiple of 16 (default 256)")
+    p.add_argument("--n-layers", type=positive_int, default=4, help="MoE layers (default 4)")
+    p.add_argument("--n-experts", type=positive_int, default=64, help="routed experts E (default 64)")
+    p.add_argument("--top-k", type=positive_int, default=4, help="experts a token K, below E (default 4)")
+    p.add_argument("--expert-hidden", type=positive_int, default=128,
+                   help="each expert's hidden width, a multiple of 8 (default 128)")
+    p.add_argument("--steps", type=positive_int, default=120, help="optimizer steps per method (default 120)")
     p.add_argument("--batch-size", type=positive_int, default=1024, help="sequences a step (B)")
     p.add_argument("--microbatches", type=positive_int, default=16, help="passes a step (M, a divisor of B)")
-    p.add_argument("--seq-len", type=positive_int, default=512)
-    p.add_argument("--lr", type=positive_float, default=1e-3)
-    p.add_argument("--seed", type=nonnegative_int, default=0)
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--seq-len", type=positive_int, default=512, help="tokens a sequence (T, default 512)")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="model initialisation and batches (default 0)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                   help="balancing rules to train, each once (default all)")
     p.add_argument("--small", action="store_true", help="tiny sizes and a few steps (checks the script)")
     p.add_argument("--out", default=None, help="JSON path ('' writes nothing; default data/results/moe_balance_<card>.json)")
     args = p.parse_args(argv)
@@ -77,8 +79,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.d_model % 16 or args.expert_hidden % 8:
         p.error(f"argument --d-model: a multiple of 16 and --expert-hidden of 8 (16-byte rows of the grouped expert "
                 f"matmul in bfloat16 at the latent width d/2), got {args.d_model}, {args.expert_hidden}")
-    if args.top_k > args.n_experts:
-        p.error(f"argument --top-k: at most --n-experts {args.n_experts}, got {args.top_k}")
+    # Below E: the correctness check and the sampling floor run Quantile Balancing, which reads each
+    # token's (K+1)-th score; at K = E every expert gets every token and there is nothing to balance.
+    if args.top_k >= args.n_experts:
+        p.error(f"argument --top-k: below --n-experts {args.n_experts}, got {args.top_k}")
+    if len(set(args.methods)) != len(args.methods):
+        p.error(f"argument --methods: each method once (the JSON keeps one run per method), got {args.methods}")
     device = parse_device(p, args.device)
     lm_cfg = lm.LMConfig.tiny(vocab_size=vocab_size(), mixer="attention", d_model=args.d_model,
                               n_layers=args.n_layers, max_seq_len=args.seq_len)
