@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from k3lab.bench.moe_balance import METHODS, main, settled_at
+from k3lab.bench.moe_balance import METHODS, main, settled_at, verdict
 
 
 @pytest.mark.parametrize("worst, expected", [
@@ -18,6 +18,15 @@ from k3lab.bench.moe_balance import METHODS, main, settled_at
 ])
 def test_settled_at_is_the_first_step_of_the_final_run_below_target(worst, expected):
     assert settled_at(worst) == expected
+
+
+@pytest.mark.parametrize("settled, steps, expected", [
+    (5, 120, True), (19, 21, True), (20, 120, False), (None, 120, False),
+    (5, 20, None),  # a 10- or 20-step run settled at step 5 said "met": nothing after step 20 was run
+    (None, 10, None),
+])
+def test_verdict_needs_a_run_past_step_20(settled, steps, expected):
+    assert verdict(settled, steps) is expected
 
 
 def test_small_run_writes_every_method(tmp_path):
