@@ -11,7 +11,8 @@ from k3lab.train import TrainConfig
 from k3lab.train.metrics import FLOPS_CONVENTION
 
 FIELDS = ("device", "commit", "date", "versions", "preset", "flops_convention", "mfu", "tokens_per_s", "peer",
-          "peer_tokens_per_s", "peer_config", "attnres_overhead", "peak_GiB", "minutes", "loss_curve", "checks")
+          "peer_tokens_per_s", "peer_config", "attnres_overhead", "peak_GiB", "minutes", "loss_curve", "checks",
+          "compile")
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +31,7 @@ def test_small_run_writes_the_result_fields(small_run):
     assert written == json.loads(json.dumps(result))
     assert written["preset"] == "k3-tiny" and written["flops_convention"] == FLOPS_CONVENTION
     assert written["device"] == "cpu" and written["mfu"] is None  # no GPU peak to divide by
+    assert written["compile"] is False and "compile" not in written["checks"]  # --compile is opt-in
     assert [s for s, _ in written["loss_curve"]] == list(range(1, written["steps"] + 1))
     assert all(math.isfinite(loss) and 0 < loss < 20 for _, loss in written["loss_curve"])
     assert written["tokens_per_s"] > 0 and written["peak_GiB"] > 0 and written["minutes"] > 0

@@ -4,6 +4,7 @@ torchtitan's DeepSeek-V3 model as the peer, all in one run.
     python -m k3lab.bench.train                                # k3-1b, 4 minutes -> data/results/train_<card>.json
     python -m k3lab.bench.train --minutes 10 --batch-size 8    # a longer run at a smaller batch
     python -m k3lab.bench.train --microbatches 4               # 4 micro-batches a step, the peer too
+    python -m k3lab.bench.train --compile                      # each sublayer under torch.compile, the peer's blocks too
     python -m k3lab.bench.train --small --device cpu --out ''  # k3-tiny, a few steps: checks the script
 
 Needs the token shards (``python -m k3lab.data build``) and, for the peer, torchtitan 0.3.0 (its wheel and
@@ -14,7 +15,8 @@ Order: (1) correctness first: the model's loss under bf16 autocast against float
 warm-up run of the trainer (it finds a batch that fits, halving on CUDA out-of-memory, and times a step);
 a short run with the trainer's value checks off under ``torch.cuda.set_sync_debug_mode("error")``
 (``TrainConfig(sync_debug=True)``), pass or fail recorded with the error, the benchmark going on without
-it. (2) ``k3lab.train.train`` on the corpus for ``--minutes`` (steps estimated from the warm-up): tokens/s
+it; with ``--compile``, the compiled model's loss and gradients against the eager model's on one real batch
+(``check_compile``). (2) ``k3lab.train.train`` on the corpus for ``--minutes`` (steps estimated from the warm-up): tokens/s
 as the median of the ``--log-every`` windows after the first, MFU on ``k3lab.model.flops_per_token``'s
 convention, peak memory, the loss curve. (3) The same step (bf16 autocast, Per-Head Muon, Quantile
 Balancing) with Block AttnRes and with the standard residual h = h + f(h) (``k3lab.lm.PreNormResidual``)
@@ -22,13 +24,15 @@ swapped into one model between steps, so both time the same weights, optimizer a
 overhead is the ratio of the median step times minus one. (4) torchtitan's ``DeepSeekV3Model`` (MLA + MoE)
 at k3lab's width, depth, heads, MLA ranks, experts and top-k, its expert width chosen so its activated
 parameters match the preset's; forward + backward + AdamW under bf16 autocast on random tokens at the same
-batch and length (on a CPU only its config and counts: FlexAttention has no CPU backward). A table is
-printed last.
+batch and length (on a CPU only its config and counts: FlexAttention has no CPU backward). ``--compile``
+compiles k3lab's sublayers (``k3lab.train.compile_blocks``) in every run above and the peer's transformer blocks
+as torchtitan's ``apply_compile`` does (fullgraph, scalar outputs captured). A table is printed last.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import math
 import statistics
@@ -47,7 +51,7 @@ from k3lab.model import K3Config, count_params, flops_per_token, mfu
 from k3lab.moe import update_biases
 from k3lab.optim import per_head_muon
 from k3lab.testing import rel_rms_error
-from k3lab.train import TokenLoader, TrainConfig, train
+from k3lab.train import TokenLoader, TrainConfig, compile_blocks, train
 from k3lab.train.loop import build_model, train_autocast
 from k3lab.train.metrics import FLOPS_CONVENTION, peak_key
 
@@ -119,6 +123,46 @@ def check_bf16(config: TrainConfig, device: torch.device, batch_size: int = 2) -
     _free(device)
     if not result["ok"]:
         raise AssertionError(f"bf16 autocast disagrees with float32 past its bounds: {result}")
+    return result
+
+
+def check_compile(config: TrainConfig, device: torch.device, batch_size: int = 2) -> dict:
+    """The run's model (``build_model``, value checks off, training mode) and a copy of it under
+    ``compile_blocks``: forward and backward on one real batch of ``batch_size`` x ``config.seq_len`` tokens in the
+    trainer's precision (bf16 autocast on CUDA). Inductor keeps float32 between the ops it fuses, so the two differ
+    by bf16 rounding, and near-tied routers may send a few tokens elsewhere (``BF16_LOSS_BOUND``): the loss is
+    bounded, the gradients recorded.
+
+    Returns:
+        {"loss_eager", "loss_compiled", "loss_rel_err", "loss_bound", "grads_max_rel_rms_err", "grads_worst"
+        (that parameter's name), "ok"}.
+
+    Raises:
+        AssertionError: the loss's relative error above ``BF16_LOSS_BOUND`` or not finite.
+    """
+    x, y = real_batch(config, batch_size, device)
+    eager = build_model(config, device)
+    compiled = compile_blocks(copy.deepcopy(eager))
+    out = {}
+    for name, model in (("eager", eager), ("compiled", compiled)):
+        model.value_checks(False)
+        model.train()
+        with train_autocast(device):
+            _, loss = model(x, y)
+        loss.backward()
+        out[name] = (float(loss.detach()), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    (l_e, g_e), (l_c, g_c) = out["eager"], out["compiled"]
+    err = abs(l_c - l_e) / abs(l_e)
+    grads = {n: rel_rms_error(g_e[n], g_c[n]) for n in g_e if n in g_c}
+    worst = max(grads, key=grads.get)
+    result = dict(loss_eager=l_e, loss_compiled=l_c, loss_rel_err=err, loss_bound=BF16_LOSS_BOUND,
+                  grads_max_rel_rms_err=grads[worst], grads_worst=worst, ok=err <= BF16_LOSS_BOUND)
+    print(f"check compile vs eager: loss {l_c:.5f} vs {l_e:.5f}, rel err {err:.2e} (bound {BF16_LOSS_BOUND:.0e}); "
+          f"gradients' max rel RMS err {grads[worst]:.2e} ({worst}; not bounded)", flush=True)
+    del eager, compiled, out, g_e, g_c
+    _free(device)
+    if not result["ok"]:
+        raise AssertionError(f"the compiled model disagrees with the eager one past the loss bound: {result}")
     return result
 
 
@@ -223,6 +267,9 @@ def attnres_overhead(config: TrainConfig, device: torch.device, steps: int, warm
     """
     x, y = real_batch(config, config.batch_size, device)
     model = build_model(config, device)
+    if config.compile:
+        # The sublayers are shared by both residuals: one compiled set serves both.
+        compile_blocks(model)
     model.value_checks(False)
     model.train()
     opt = per_head_muon(model, lr=config.lr, weight_decay=config.weight_decay)
@@ -346,7 +393,8 @@ def match_peer(cfg: K3Config, seq_len: int, multiple: int = 16) -> tuple[object,
     return pcfg, h, n
 
 
-def describe_peer(pcfg, cfg: K3Config, hidden: int, batch: int, T: int, device: torch.device) -> dict:
+def describe_peer(pcfg, cfg: K3Config, hidden: int, batch: int, T: int, device: torch.device,
+                  compile_: bool = False) -> dict:
     """The peer's settings for the JSON (``peer_config``)."""
     attn = pcfg.layers[0].attention
     return dict(model="DeepSeekV3Model", dim=pcfg.dim, n_layers=len(pcfg.layers),
@@ -362,7 +410,9 @@ def describe_peer(pcfg, cfg: K3Config, hidden: int, batch: int, T: int, device: 
                 rope=f"ComplexRoPE over the {attn.qk_rope_head_dim} rope channels, theta 1e4",
                 precision="float32 parameters, bf16 autocast" if device.type == "cuda" else "float32",
                 optimizer="torch.optim.AdamW (fused on CUDA), lr 3e-4, weight decay 0.1",
-                expert_bias_update="not run (torchtitan applies it in an optimizer pre-hook)", data="random tokens")
+                expert_bias_update="not run (torchtitan applies it in an optimizer pre-hook)", data="random tokens",
+                compile=("each transformer block under torch.compile(fullgraph=True), scalar outputs captured "
+                         "(torchtitan's apply_compile)") if compile_ else None)
 
 
 def time_peer(cfg: K3Config, config: TrainConfig, device: torch.device, steps: int, warmup: int = 3) -> dict:
@@ -386,11 +436,12 @@ def time_peer(cfg: K3Config, config: TrainConfig, device: torch.device, steps: i
     print(f"peer: expert width {hidden}, active {n['active'] / 1e6:.2f}M vs k3lab's {n['target_active'] / 1e6:.2f}M, "
           f"total {n['total'] / 1e6:.1f}M", flush=True)
     if device.type != "cuda":
-        out["peer_config"] = describe_peer(pcfg, cfg, hidden, batch, T, device)
+        out["peer_config"] = describe_peer(pcfg, cfg, hidden, batch, T, device, config.compile)
         return out
     while True:
         try:
-            ms, loss, peak_gib = _time_peer_step(pcfg, cfg.vocab_size, batch, T, device, steps, warmup, M)
+            ms, loss, peak_gib = _time_peer_step(pcfg, cfg.vocab_size, batch, T, device, steps, warmup, M,
+                                                 config.compile)
             break
         except torch.cuda.OutOfMemoryError:
             if batch == 1:
@@ -403,7 +454,7 @@ def time_peer(cfg: K3Config, config: TrainConfig, device: torch.device, steps: i
     out.update(peer_tokens_per_s=tok_s, peer_step_ms=ms,
                peer_mfu=mfu(tok_s, n["flops_per_token"], peak) if peak else None, peer_peak_GiB=peak_gib,
                peer_loss=loss, peer_batch_size=batch,
-               peer_config=describe_peer(pcfg, cfg, hidden, batch, T, device))
+               peer_config=describe_peer(pcfg, cfg, hidden, batch, T, device, config.compile))
     print(f"peer: {ms:.1f} ms/step, {tok_s:.0f} tokens/s", flush=True)
     return out
 
@@ -418,14 +469,18 @@ def _causal_block_mask(T: int, device: torch.device):
 
 
 def _time_peer_step(pcfg, vocab: int, batch: int, T: int, device: torch.device, steps: int,
-                    warmup: int, microbatches: int = 1) -> tuple[float, float, float | None]:
+                    warmup: int, microbatches: int = 1, compile_: bool = False) -> tuple[float, float, float | None]:
     """(median step ms, last loss, peak GiB) of the peer's training step: ``microbatches`` forward + backward
-    passes at [batch, T] (each loss / microbatches), then one AdamW step."""
+    passes at [batch, T] (each loss / microbatches), then one AdamW step; with ``compile_`` each transformer
+    block compiled as torchtitan's ``apply_compile`` does (fullgraph, data-dependent MoE shapes captured)."""
     torch.manual_seed(0)
     with torch.device(device):
         model = pcfg.build()
         model.init_states()
     model.train()
+    if compile_:
+        for block in model.layers.values():
+            block.compile(fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
     g = torch.Generator(device="cpu").manual_seed(1)
     x, y = (torch.randint(0, vocab, (batch, T), generator=g).to(device) for _ in range(2))
@@ -444,10 +499,12 @@ def _time_peer_step(pcfg, vocab: int, batch: int, T: int, device: torch.device, 
 
     times = []
     torch.cuda.reset_peak_memory_stats(device)
-    for i in range(warmup + steps):
-        t, loss = _timed(step, device)
-        if i >= warmup:
-            times.append(t)
+    # torchtitan's apply_compile sets this globally; here only for the peer's calls (its token-choice dispatch).
+    with torch._dynamo.config.patch(capture_scalar_outputs=compile_):
+        for i in range(warmup + steps):
+            t, loss = _timed(step, device)
+            if i >= warmup:
+                times.append(t)
     result = 1e3 * statistics.median(times), float(loss), _peak_gib(device)
     del model, opt, x, y, masks, loss
     _free(device)
@@ -474,7 +531,8 @@ def table(r: dict) -> str:
             ("FLOPs / token (G)", r["flops_per_token"], r.get("peer_flops_per_token"), ".3f", 1e-9),
             ("peak GiB", r["peak_GiB"], r.get("peer_peak_GiB"), ".1f", 1.0)]
     accumulate = f", {r['microbatches']} micro-batches a step" if accumulating else ""
-    lines = [f"End-to-end training, {r['preset']}, B x T = {r['batch_size']} x {r['seq_len']}{accumulate}, on {r['device']} "
+    compiled = ", sublayers compiled (--compile)" if r.get("compile") else ""
+    lines = [f"End-to-end training, {r['preset']}, B x T = {r['batch_size']} x {r['seq_len']}{accumulate}{compiled}, on {r['device']} "
              f"({r['date']}): {r['steps']} steps, {r['minutes']:.1f} min on the corpus ({r['epochs']:.1f} epochs)",
              f"FLOPs convention (both models): {r['flops_convention']}",
              f"{'':<28}{'k3lab':>14}{'torchtitan dsv3':>18}"]
@@ -493,7 +551,9 @@ def table(r: dict) -> str:
               f"checks: bf16 vs float32 loss rel err {bf16['loss_rel_err']:.1e} (logits with the same routing "
               f"{bf16.get('logits_rel_rms_err_same_routing', float('nan')):.1e}, routed freely "
               f"{bf16['logits_rel_rms_err']:.1e}); sync debug "
-              + ("skipped (CPU)" if not sync["enforced"] else "pass" if sync["ok"] else f"FAIL ({sync['error']})")]
+              + ("skipped (CPU)" if not sync["enforced"] else "pass" if sync["ok"] else f"FAIL ({sync['error']})")
+              + (f"; compiled vs eager loss rel err {r['checks']['compile']['loss_rel_err']:.1e}"
+                 if "compile" in r["checks"] else "")]
     return "\n".join(lines)
 
 
@@ -558,6 +618,9 @@ def main(argv=None) -> dict:
                    help="timed steps of each residual for the AttnRes overhead (default 20; --small 2)")
     p.add_argument("--peer-steps", type=positive_int, default=None, help="timed peer steps (default 10; --small 2)")
     p.add_argument("--no-torchtitan", action="store_true", help="skip the peer")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each k3lab sublayer (k3lab.train.compile_blocks) and each of the peer's "
+                        "transformer blocks; the warm-up steps then include the compilation")
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default data/results/train_<card>.json "
                    "after the device (with --small: nothing)")
     args = p.parse_args(argv)
@@ -575,13 +638,17 @@ def main(argv=None) -> dict:
     M = args.microbatches
     config = TrainConfig(preset="k3-tiny" if small else "k3-1b", batch_size=M * (args.batch_size or (4 if small else 16)),
                          microbatches=M, seq_len=args.seq_len or (32 if small else 2048), progress=False,
-                         log_every=args.log_every or (2 if small else 10))
+                         log_every=args.log_every or (2 if small else 10), compile=args.compile)
     cfg = K3Config.preset(config.preset, vocab_size=_vocab(config))
 
     result = run_info(device)
-    result.update(preset=config.preset, flops_convention=FLOPS_CONVENTION, peer=PEER if with_peer else None)
+    result.update(preset=config.preset, flops_convention=FLOPS_CONVENTION, peer=PEER if with_peer else None,
+                  compile=config.compile)
     print(f"== correctness: {config.preset} bf16 autocast vs float32", flush=True)
     checks = {"bf16": check_bf16(config, device)}
+    if config.compile:
+        print("== correctness: compiled sublayers vs eager", flush=True)
+        checks["compile"] = check_compile(config, device)
     print(f"== warm-up: {config.batch_size} x {config.seq_len}", flush=True)
     config, step_s, too_big = warm_up(config, device)
     checks["sync_debug"] = check_sync(config, device)

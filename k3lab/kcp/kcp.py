@@ -49,6 +49,8 @@ class GatherFromGroup(torch.autograd.Function):
         return out, None, None
 
 
+# Eager under torch.compile: a collective whose autograd.Function records its traffic in the context.
+@torch.compiler.disable
 def gather_from_group(x: torch.Tensor, ctx: KCPContext, name: str) -> torch.Tensor:
     """[*] -> [R, *], differentiable (see ``GatherFromGroup``); no collective when R == 1."""
     if ctx.world_size == 1:

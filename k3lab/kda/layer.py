@@ -372,8 +372,10 @@ class KDALayer(nn.Module):
         c = cache or KDACache(None, None, None, None)
         # The fused kernel where it computes what the convolution then SiLU do: each row its own sequence from
         # zeros, and no convolution state to return.
+        # Compiled, the PyTorch form: inductor fuses the taps and the SiLU forward and backward, where the
+        # kernel's autograd.Function would end the graph.
         fused = (self._conv_backend(x.device) == "triton" and cache is None and cu_seqlens is None and cp is None
-                 and not use_cache and 2 <= self.conv_size <= 8)
+                 and not use_cache and 2 <= self.conv_size <= 8 and not torch.compiler.is_compiling())
 
         def conv_silu(u, weight, state):
             # SiLU(ShortConv(u)) and the convolution's new state (None from the kernel, which keeps none).
@@ -391,17 +393,10 @@ class KDALayer(nn.Module):
         k = k.unflatten(-1, (self.H, self.K))
         v = v.unflatten(-1, (self.HV, self.V))
         z = self.f_proj(x).unflatten(-1, (self.HV, self.K))
-        # The operator normalises q/k, applies the gate and sigmoid(beta) and picks its own precision
-        # (the reference computes in float32): keep autocast from making its matmuls bf16.
-        op = _kda_op(x.device, self.gate, self.chunk_size, cp, self.check_values)
         with torch.autocast(x.device.type, enabled=False):
             # x in the weights' dtype: under autocast it may be bf16 while the weights are float32.
             beta = self.b_proj(x.to(self.b_proj.weight.dtype))
-            try:
-                o, state = op(q, k, v, z, beta, self.A_log, self.dt_bias, initial_state=c.state,
-                              output_final_state=use_cache, cu_seqlens=cu_seqlens, lower_bound=self.lower_bound)
-            except NonFiniteError as err:
-                raise self._blame(err, x, c) from err
+        o, state = _run_kda_op(self, x, c, q, k, v, z, beta, cu_seqlens, use_cache, cp)
         o = o.to(x.dtype)
         if self.check_values:
             # RMSNorm is scale-free too: a head output whose squares would overflow is brought into range
@@ -453,6 +448,24 @@ class KDALayer(nn.Module):
                                   f"cache.state is out of range (the KDA operator's initial_state): {err}")
         return NonFiniteError("x", (f"x is too large: with max |x| = {x.abs().max().item():.3g} the layer's "
                                     f"{err.name} overflowed inside the KDA operator: {err}"))
+
+
+# Eager under torch.compile: FlashKDA is a Triton autograd.Function with host-side checks, and the PyTorch
+# reference a Python loop over chunks.
+@torch.compiler.disable
+def _run_kda_op(layer: KDALayer, x: torch.Tensor, cache: KDACache, q, k, v, z, beta, cu_seqlens, use_cache: bool,
+                cp) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``layer``'s KDA operator (``_kda_op``) on q, k, v, z and beta, an operator value error blamed on the
+    layer's own argument (``KDALayer._blame``)."""
+    op = _kda_op(x.device, layer.gate, layer.chunk_size, cp, layer.check_values)
+    # The operator normalises q/k, applies the gate and sigmoid(beta) and picks its own precision
+    # (the reference computes in float32): keep autocast from making its matmuls bf16.
+    with torch.autocast(x.device.type, enabled=False):
+        try:
+            return op(q, k, v, z, beta, layer.A_log, layer.dt_bias, initial_state=cache.state,
+                      output_final_state=use_cache, cu_seqlens=cu_seqlens, lower_bound=layer.lower_bound)
+        except NonFiniteError as err:
+            raise layer._blame(err, x, cache) from err
 
 
 def _unsquarable(x: torch.Tensor) -> torch.Tensor:

@@ -54,11 +54,13 @@ def glu(a: torch.Tensor, u: torch.Tensor, activation: str) -> torch.Tensor:
 
     On a GPU (float32/bf16/fp16) it runs as one fused Triton kernel each way
     (``k3lab.kernels.moe.fused_glu``, the same function checked against this one); elsewhere as the
-    PyTorch expression below.
+    PyTorch expression below. Under ``torch.compile`` the expression too: inductor fuses it (forward and
+    backward) with the ops around it, where the kernel's autograd.Function would end the graph.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if a.is_cuda and a.dtype in FUSED_DTYPES and a.shape == u.shape and a.dtype == u.dtype:
+    if (a.is_cuda and a.dtype in FUSED_DTYPES and a.shape == u.shape and a.dtype == u.dtype
+            and not torch.compiler.is_compiling()):
         from k3lab.kernels.moe import fused_glu
 
         return fused_glu(a, u, activation, BETA1, BETA2)

@@ -65,6 +65,9 @@ def _check_weights(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_
                          f"{offsets.dtype}")
 
 
+# Eager under torch.compile: three grouped GEMMs (one kernel each) around the GLU, nothing for inductor to fuse,
+# and grouped_mm's fake-tensor kernel accepts bf16 only, so float32 runs cannot be traced.
+@torch.compiler.disable
 def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                w_down: torch.Tensor, activation: str = "situ") -> torch.Tensor:
     """Every expert's gated FFN on its rows of ``x``, by grouped GEMMs.

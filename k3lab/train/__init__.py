@@ -10,12 +10,14 @@ Commands (from the repository root; build the shards first with ``python -m k3la
     torchrun --nproc-per-node 4 -m k3lab.train --preset k3-tiny --pp 2 --dp 2 --microbatches 4 --batch-size 16 --seq-len 128
     torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --pp 2 --pp-schedule interleaved-1f1b --microbatches 4
     python -m k3lab.train --preset k3-tiny --microbatches 4 --batch-size 32 --seq-len 128
+    python -m k3lab.train --preset k3-tiny --compile --steps 20
     torchrun --nproc-per-node 8 -m k3lab.train --preset k3-1b --dp 4 --ep 2 --batch-size 64 --seq-len 2048 --log-every 10
 
 One process runs gloo on CPU (float32) or NCCL on GPU (bf16 autocast, one GPU per rank via LOCAL_RANK).
 
     config.py      TrainConfig and the command line
-    parallel.py    the mesh (k3lab.dist.make_mesh) and its groups; FSDP2 and expert parallelism on a K3Model
+    parallel.py    the mesh (k3lab.dist.make_mesh) and its groups; FSDP2 and expert parallelism on a K3Model;
+                   regional torch.compile (--compile)
     loader.py      TokenLoader: seeded windows of the token split, layout-independent position
     checkpoint.py  atomic DCP checkpoints (model, optimizer, QB biases, step, loader) and the latest one
     metrics.py     JSONL records, progress bar, summary table; the MFU convention
@@ -34,7 +36,8 @@ from k3lab.train.checkpoint import latest_checkpoint, load_checkpoint, save_chec
 from k3lab.train.config import TrainConfig, build_parser, parse_args
 from k3lab.train.loader import TokenLoader
 from k3lab.train.loop import lr_at, main, train
-from k3lab.train.parallel import Parallel, build_parallel, parallelize
+from k3lab.train.parallel import Parallel, build_parallel, compile_blocks, parallelize
 
-__all__ = ["TrainConfig", "TokenLoader", "Parallel", "build_parallel", "build_parser", "latest_checkpoint",
-           "load_checkpoint", "lr_at", "main", "parallelize", "parse_args", "save_checkpoint", "train"]
+__all__ = ["TrainConfig", "TokenLoader", "Parallel", "build_parallel", "build_parser", "compile_blocks",
+           "latest_checkpoint", "load_checkpoint", "lr_at", "main", "parallelize", "parse_args", "save_checkpoint",
+           "train"]

@@ -59,6 +59,8 @@ class TrainConfig:
         sync_debug (bool): on CUDA, run every step but the run's first (kernel compilation, cached index
             tables) under ``torch.cuda.set_sync_debug_mode("error")`` up to the log's read-back: any host
             synchronisation there raises.
+        compile (bool): regional compilation (``k3lab.train.parallel.compile_blocks``): each sublayer and MTP
+            module under ``torch.compile`` after the model is parallelised; the first steps then compile.
 
     Raises:
         ValueError: any field out of range, or a --ckpt-dir / --log-jsonl that cannot be created or written
@@ -93,6 +95,7 @@ class TrainConfig:
     log_every: int = 1
     activations: str | None = None
     sync_debug: bool = False
+    compile: bool = False
 
     def __post_init__(self):
         def bad(flag, msg):
@@ -154,6 +157,8 @@ class TrainConfig:
                 self.activation_rules()
             except ValueError as e:
                 raise ValueError(f"--activations {e}") from None
+        if not isinstance(self.compile, bool):
+            bad("compile", "must be a bool")
         if self.kill_at_step is not None and not (
                 isinstance(self.kill_at_step, int) and 1 <= self.kill_at_step <= self.steps):
             bad("kill_at_step", f"must be an int in [1, --steps={self.steps}]")
@@ -222,6 +227,8 @@ HELP = {
     "activations": "activation-manager rules PATTERN=POLICY[,...] on K3Model module names, policies keep, "
                    "recompute, offload, fp8 (e.g. 'sublayers.*=recompute')",
     "sync_debug": "CUDA: steps between log steps run under torch.cuda.set_sync_debug_mode('error')",
+    "compile": "torch.compile each sublayer and MTP module (regional, torchtitan's per-block compile) after "
+               "parallelising; the KDA operator, expert GEMMs, expert-parallel exchange and Block AttnRes stay eager",
 }
 
 
@@ -238,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-progress", dest="progress", action="store_false",
                            help="no progress bar (the JSONL log and the summary table stay)")
             continue
-        if f.name in ("resume", "doc_mask", "sync_debug"):
+        if f.name in ("resume", "doc_mask", "sync_debug", "compile"):
             p.add_argument(flag, action="store_true", help=HELP[f.name])
             continue
         kind = {"preset": str, "ep_mode": str, "pp_schedule": str, "ckpt_dir": str, "log_jsonl": str, "data_dir": str,

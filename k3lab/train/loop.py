@@ -28,7 +28,7 @@ from k3lab.train.checkpoint import latest_checkpoint, load_checkpoint, read_trai
 from k3lab.train.config import ConfigError, TrainConfig, build_parser, parse_args
 from k3lab.train.loader import TokenLoader, pack_documents
 from k3lab.train.metrics import FLOPS_CONVENTION, MetricsLog, peak_key, peak_memory_gib
-from k3lab.train.parallel import Parallel, build_parallel, parallelize
+from k3lab.train.parallel import Parallel, build_parallel, compile_blocks, parallelize
 from k3lab.train.pipeline import PipelineRun, all_loads, build_pipeline
 
 PG_TIMEOUT = datetime.timedelta(minutes=10)
@@ -226,12 +226,16 @@ def build_run(config: TrainConfig, device: torch.device) -> tuple[Parallel, Toke
                           f"into pieces of at least {min_piece} tokens")
     model = build_model(config, device)
     if pp == 1:
-        return par, loader, [parallelize(model, par, config.ep_mode)], None
+        model = parallelize(model, par, config.ep_mode)
+        return par, loader, [compile_blocks(model) if config.compile else model], None
     # Without --doc-mask a micro-batch's KCP layout depends on its shape only: one context serves every step.
     ctx = None if par.cp_group is None else make_context(
         piece_tokens, list(range(0, piece_tokens + 1, config.seq_len)), group=par.cp_group)
     micro_shape = (row // M, config.seq_len) if ctx is None else (1, ctx.T_local)
     pipe = build_pipeline(model, par, config.pp_schedule, M, config.ep_mode, device, micro_shape, ctx)
+    if config.compile:
+        for part in pipe.parts:
+            compile_blocks(part)
     return par, loader, pipe.parts, pipe
 
 
@@ -351,7 +355,7 @@ def train(config: TrainConfig) -> list[dict]:
                        ep_mode=config.ep_mode, device=str(device), global_batch=config.batch_size,
                        seq_len=config.seq_len, doc_mask=config.doc_mask, vocab_size=mcfg.vocab_size,
                        resumed_from=start, steps=config.steps, log_every=config.log_every,
-                       activations=config.activation_rules(), flops_per_token=fpt,
+                       activations=config.activation_rules(), compile=config.compile, flops_per_token=fpt,
                        flops_convention=FLOPS_CONVENTION, peak=peak))
         # The token split was checked against the vocabulary once (build_run): no per-call range or
         # NaN checks, so nothing in a step reads a value back to the host.

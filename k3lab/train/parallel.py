@@ -11,6 +11,8 @@ expert parallelism are applied to a ``K3Model`` from it.
                  shards them over dp x cp (each such group holds the whole set of experts once).
     the rest     FSDP2 ``fully_shard`` over the batch axis (ZeRO-3: parameters, gradients and optimizer
                  state sharded, parameters all-gathered for forward and backward).
+    compile      with ``--compile``, after all of the above (``compile_blocks``): each sublayer and MTP module
+                 compiled in place by ``torch.compile``, the regions torchtitan compiles per block.
     stages       with pp > 1 the outermost axis: each pp coordinate holds its own pipeline stages of the model
                  (``k3lab.train.pipeline``), and everything above applies to each stage within its own
                  dp x cp x ep sub-mesh; the same data rows run through every stage.
@@ -142,4 +144,38 @@ def parallelize(model: nn.Module, par: Parallel, ep_mode: str = "moonep") -> nn.
             # The EP path calls experts.ep_forward, not forward: FSDP must gather and reduce around it.
             register_fsdp_forward_method(m.experts, "ep_forward")
     fully_shard(model, mesh=par.batch_mesh, reshard_after_forward=True)
+    return model
+
+
+def compile_blocks(model: nn.Module) -> nn.Module:
+    """Regional compilation, torchtitan's ``torch.compile`` per block: every sublayer of ``model`` (a ``K3Model``
+    or one of its pipeline stages, parallelised or not) and every MTP module compiled in place
+    (``nn.Module.compile(dynamic=False)``, no fullgraph), so inductor fuses their elementwise chains (norms,
+    gates, casts, the GLU, the short convolutions and the router's scores) into the matmuls' neighbours.
+    Parameter names, hooks and the module tree are unchanged; the same code of every layer of a kind is
+    compiled once.
+
+    Left eager, each at its call site: the KDA operator (FlashKDA or the PyTorch chunked reference), the routed
+    experts' grouped GEMMs, the expert-parallel exchange (MoonEP planner, collectives, FSDP's gather of the
+    experts), the context-parallel all-gather; and, outside the sublayers, the embedding, Block AttnRes (its
+    autograd.Functions share buffers across sublayers; its mixing is Triton on a GPU), the final norm, the head
+    and the loss. A sublayer whose modules carry activation policies (``k3lab.memory``) stays eager: their
+    saved-tensor hooks and checkpoint regions wrap forwards that a compiled graph would swallow.
+
+    Returns:
+        ``model`` (compiled in place).
+
+    Raises:
+        ValueError: ``model`` has no ``sublayers`` (not a K3Model or a stage).
+    """
+    if not isinstance(getattr(model, "sublayers", None), nn.ModuleList):
+        raise ValueError(f"model must be a K3Model or a K3Stage (with sublayers), got {type(model).__name__}")
+    blocks = [*model.sublayers, *getattr(model, "mtp", ())]
+    for block in blocks:
+        # A placeholder of a sublayer that runs on another pipeline stage has no forward to compile.
+        if next(block.parameters(), None) is None:
+            continue
+        if any("_k3lab_activation_policy" in m.__dict__ for m in block.modules()):
+            continue
+        block.compile(dynamic=False)
     return model
