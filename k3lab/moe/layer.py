@@ -213,8 +213,8 @@ class MoE(nn.Module):
             routed = routed + self.shared(x2)
         return routed.view_as(x)
 
-    # Eager under torch.compile: the MoonEP planner reads counts on the host, the exchange is collectives, and
-    # FSDP gathers the experts around ep_forward.
+    # Eager under torch.compile: the MoonEP planner's Triton kernels and side stream, the exchange's collectives,
+    # and FSDP's gather of the experts around ep_forward.
     @torch.compiler.disable
     def _expert_parallel(self, z: torch.Tensor, routing: Routing, mask, reference: bool) -> torch.Tensor:
         """The routed sum for z [N, l] with the experts spread over ``ep_group`` (see the class docstring)."""
