@@ -20,7 +20,7 @@ from k3lab.testing import assert_close
 from k3lab.train import TokenLoader, TrainConfig, latest_checkpoint, lr_at, main, parse_args, train
 from k3lab.train.loader import pack_documents
 from k3lab.train.runner import RunResult, torchrun_command
-from k3lab.train.workers import first_step_grads, train_worker
+from k3lab.train.workers import clocked_train_worker, first_step_grads, train_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 # Tiny enough for 2 shared cores: k3-tiny (with the corpus's 4096-token vocabulary), 4 x 32 tokens a step.
@@ -44,8 +44,10 @@ BASE = dict(preset="k3-tiny", steps=8, batch_size=4, seq_len=32, lr=3e-3, progre
     (["--mtp", "1", "--cp", "2"], "--mtp does not combine with --cp > 1"),
     (["--max-grad-norm", "-1"], "--max-grad-norm must be a finite number >= 0 (0: no clipping)"),
     (["--max-grad-norm", "inf"], "--max-grad-norm must be a finite number >= 0 (0: no clipping)"),
+    (["--stop-after-minutes", "8"], "--stop-after-minutes needs --ckpt-dir"),
+    (["--stop-after-minutes", "0", "--ckpt-dir", "build/unused"], "--stop-after-minutes must be a finite number"),
 ], ids=["preset", "steps", "ep-mode", "ckpt-every", "resume", "lr", "kill", "policy", "rule", "log-every", "cp",
-        "mtp-cp", "clip-negative", "clip-inf"])
+        "mtp-cp", "clip-negative", "clip-inf", "stop-no-ckpt", "stop-zero"])
 def test_bad_flags_exit_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
@@ -519,3 +521,97 @@ def test_state_finite_takes_cpu_step_counts_beside_cuda_weights():
     with torch.no_grad():
         model[0].weight[0, 0] = float("nan")
     assert not state_finite([model], [opt])
+
+
+# ---------------------------------------------------------------- --stop-after-minutes
+
+@pytest.mark.parametrize("minutes", [0, -1.5, float("nan"), float("inf"), True, "8"])
+def test_stop_after_minutes_must_be_a_positive_finite_number_with_a_checkpoint_folder(minutes, tmp_path):
+    with pytest.raises(ValueError, match=r"^--stop-after-minutes must be a finite number of minutes > 0"):
+        TrainConfig(**BASE, ckpt_dir=str(tmp_path), stop_after_minutes=minutes)
+    with pytest.raises(ValueError, match=r"^--stop-after-minutes needs --ckpt-dir"):
+        TrainConfig(**BASE, stop_after_minutes=8)
+
+
+def _ticking(monkeypatch, seconds):
+    """``loop.wall_clock`` replaced by a clock that advances ``seconds`` at each reading."""
+    from k3lab.train import loop
+
+    readings = iter(range(1 << 30))
+    monkeypatch.setattr(loop, "wall_clock", lambda: next(readings) * seconds)
+
+
+def test_a_run_out_of_time_stops_at_a_log_step_with_a_checkpoint_and_resumes_on_the_same_curve(
+        tmp_path, monkeypatch, one_thread):
+    """One minute's budget, a clock that advances 40 s at each reading (the start, then each --log-every 2
+    step): past the budget at step 4's read-back, the run saves step 4 and returns; the same command with
+    --resume continues steps 5..8 on the uninterrupted run's losses, appended to the same log, whose
+    summary covers both parts."""
+    from k3lab.train.metrics import summarize_log
+
+    ckpt, log = tmp_path / "run", tmp_path / "run" / "metrics.jsonl"
+    cfg = dict(BASE, log_every=2)
+    with one_thread():
+        uninterrupted = _losses(train(TrainConfig(**cfg)))
+        _ticking(monkeypatch, 40.0)
+        first = train(TrainConfig(**cfg, ckpt_dir=str(ckpt), log_jsonl=str(log), stop_after_minutes=1.0, resume=True))
+        assert first.stopped_at == 4 and [r["step"] for r in first] == [1, 2, 3, 4]
+        assert latest_checkpoint(ckpt).name == "step_00000004"
+        # The second invocation, the same flags: its clock never reaches the budget.
+        _ticking(monkeypatch, 0.0)
+        flags = ["--batch-size", "4", "--seq-len", "32", "--steps", "8", "--log-every", "2", "--no-progress",
+                 "--ckpt-dir", str(ckpt), "--log-jsonl", str(log), "--stop-after-minutes", "1", "--resume"]
+        assert main(flags) == 0
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["event"] for r in records] == ["start", *["step"] * 4, "stop", "summary",
+                                             "start", *["step"] * 4, "summary"]
+    stop = records[5]
+    assert stop["step"] == 4 and stop["steps"] == 8 and "stopped at step 4 of 8" in stop["message"]
+    assert "--resume" in stop["message"]
+    assert records[6]["stopped_at"] == 4 and records[-1]["stopped_at"] is None
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    np.testing.assert_allclose(_losses(steps), uninterrupted, rtol=0, atol=1e-6)
+    # Both parts: their stepping minutes summed, every step's loss; the resumed part's summary says so.
+    run = summarize_log(log)
+    parts_minutes = records[6]["train_minutes"] + records[-1]["train_minutes"]
+    assert run["parts"] == 2 and run["steps"] == 8 and run["stopped_at"] is None
+    assert run["train_minutes"] == pytest.approx(parts_minutes) and run["train_minutes"] > 0
+    assert run["train_minutes"] == pytest.approx(sum(r["step_s"] for r in steps) / 60)
+    assert list(run["losses"]) == list(range(1, 9)) and run["final_loss"] == steps[-1]["loss"]
+    assert records[-1]["run_parts"] == 2 and records[-1]["run_steps"] == 8
+    assert records[-1]["run_train_minutes"] == pytest.approx(parts_minutes)
+    timed = steps[1:4] + steps[5:]
+    assert run["tokens_per_s"] == pytest.approx(np.mean([r["tokens_per_s"] for r in timed]))
+
+
+def test_summarize_log_counts_a_replayed_step_once_and_starts_at_the_last_fresh_run(tmp_path):
+    """A kill after step 3 with a checkpoint at step 2: step 3 logged twice, the resumed value kept; the
+    minutes are each part's stepping time; an earlier run in the same file is not part of this one."""
+    from k3lab.train.metrics import summarize_log
+
+    def step(s, loss, step_s=30.0):
+        return dict(event="step", step=s, loss=loss, step_s=step_s, tokens_per_s=100.0 * s, mfu=None)
+
+    lines = [dict(event="start", resumed_from=0), step(1, 9.0), dict(event="summary"),
+             dict(event="start", resumed_from=0), step(1, 5.0), step(2, 4.0), step(3, 3.5),
+             dict(event="start", resumed_from=2), step(3, 3.0), step(4, 2.0, 90.0), dict(event="summary")]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    run = summarize_log(path)
+    assert run["parts"] == 2 and run["steps"] == 4 and run["losses"] == {1: 5.0, 2: 4.0, 3: 3.0, 4: 2.0}
+    assert run["train_minutes"] == pytest.approx((3 * 30 + 30 + 90) / 60)
+    assert run["tokens_per_s"] == pytest.approx((200 + 300 + 400) / 3)
+    with pytest.raises(ValueError, match="no start record"):
+        (tmp_path / "empty.jsonl").write_text("")
+        summarize_log(tmp_path / "empty.jsonl")
+
+
+def test_two_ranks_stop_at_the_same_step_by_rank_0s_clock(tmp_path):
+    """Rank 0's clock passes the one-minute budget at step 4's read-back, rank 1's never does: both stop at
+    step 4 (rank 0's decision is broadcast) and the checkpoint of step 4 is complete."""
+    cfg = dict(BASE, dp=2, log_every=2, ckpt_dir=str(tmp_path), stop_after_minutes=1.0)
+    out = launch(clocked_train_worker, 2, cfg, [40.0, 0.0], timeout_s=240)
+    assert [o["stopped_at"] for o in out] == [4, 4]
+    assert [r["step"] for r in out[0]["records"]] == [1, 2, 3, 4]
+    assert latest_checkpoint(tmp_path).name == "step_00000004"

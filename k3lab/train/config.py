@@ -61,6 +61,10 @@ class TrainConfig:
             synchronisation there raises.
         compile (bool): regional compilation (``k3lab.train.parallel.compile_blocks``): each sublayer and MTP
             module under ``torch.compile`` after the model is parallelised; the first steps then compile.
+        stop_after_minutes (float | None): a wall-clock budget for this invocation (a job's time limit):
+            at the first ``log_every`` step (the steps that read back anyway) at or after this many minutes
+            since ``train`` started, by rank 0's clock, every rank saves a checkpoint there and the run
+            returns normally, marked stopped; ``--resume`` continues it. Needs ckpt_dir. None: no budget.
 
     Raises:
         ValueError: any field out of range, or a --ckpt-dir / --log-jsonl that cannot be created or written
@@ -96,6 +100,7 @@ class TrainConfig:
     activations: str | None = None
     sync_debug: bool = False
     compile: bool = False
+    stop_after_minutes: float | None = None
 
     def __post_init__(self):
         def bad(flag, msg):
@@ -159,6 +164,12 @@ class TrainConfig:
                 raise ValueError(f"--activations {e}") from None
         if not isinstance(self.compile, bool):
             bad("compile", "must be a bool")
+        if self.stop_after_minutes is not None:
+            m = self.stop_after_minutes
+            if not (isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) and m > 0):
+                bad("stop_after_minutes", "must be a finite number of minutes > 0")
+            if not self.ckpt_dir:
+                bad("stop_after_minutes", "needs --ckpt-dir (the stopped run saves a checkpoint to resume from)")
         if self.kill_at_step is not None and not (
                 isinstance(self.kill_at_step, int) and 1 <= self.kill_at_step <= self.steps):
             bad("kill_at_step", f"must be an int in [1, --steps={self.steps}]")
@@ -229,6 +240,9 @@ HELP = {
     "sync_debug": "CUDA: steps between log steps run under torch.cuda.set_sync_debug_mode('error')",
     "compile": "torch.compile each sublayer and MTP module (regional, torchtitan's per-block compile) after "
                "parallelising; the KDA operator, expert GEMMs, expert-parallel exchange and Block AttnRes stay eager",
+    "stop_after_minutes": "wall-clock budget of this invocation (a job's time limit): at the first --log-every step "
+                          "past it (rank 0's clock) save a checkpoint and exit 0; rerun with --resume to continue; "
+                          "leave room for one --log-every window and a save; needs --ckpt-dir",
 }
 
 
@@ -250,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         kind = {"preset": str, "ep_mode": str, "pp_schedule": str, "ckpt_dir": str, "log_jsonl": str, "data_dir": str,
                 "activations": str,
-                "lr": float, "weight_decay": float, "warmup": float, "max_grad_norm": float}.get(f.name, int)
+                "lr": float, "weight_decay": float, "warmup": float, "max_grad_norm": float,
+                "stop_after_minutes": float}.get(f.name, int)
         choices = {"preset": TRAIN_PRESETS, "ep_mode": MODES, "pp_schedule": PP_SCHEDULES}.get(f.name)
         default = f.default
         p.add_argument(flag, type=kind, default=default, choices=choices,

@@ -32,6 +32,8 @@ from k3lab.train.parallel import Parallel, build_parallel, compile_blocks, paral
 from k3lab.train.pipeline import PipelineRun, all_loads, build_pipeline
 
 PG_TIMEOUT = datetime.timedelta(minutes=10)
+# The clock --stop-after-minutes reads, in seconds (module-level so a test can replace it).
+wall_clock = time.monotonic
 # <|endoftext|>'s id in the book's tokenizer (k3lab.data trains it as special token 0).
 EOT_ID = 0
 
@@ -111,6 +113,25 @@ def _absent_settings(e: BaseException) -> list[str]:
 def run_settings(config: TrainConfig) -> dict:
     """The ``RUN_SETTINGS`` of ``config``, saved with every checkpoint and compared on resume."""
     return {k: getattr(config, k) for k in RUN_SETTINGS}
+
+
+class TrainRecords(list):
+    """What ``train`` returns: rank 0's step records (a list, [] on the other ranks), and ``stopped_at``: the
+    step at which ``--stop-after-minutes`` stopped the run (its checkpoint saved), on every rank; None when
+    the run reached ``--steps``."""
+
+    stopped_at: int | None = None
+
+
+def out_of_time(t0: float, minutes: float, device: torch.device) -> bool:
+    """Whether ``minutes`` have passed since ``t0`` by rank 0's ``wall_clock``, the same answer on every rank:
+    rank 0's decision broadcast over the default group (one int, one host read). Called only at the steps
+    that read the losses back anyway, so it adds no host sync to the others; each rank deciding on its own
+    clock could stop one rank a window before another, in the middle of the others' collectives."""
+    over = torch.tensor([int(wall_clock() - t0 >= 60.0 * minutes)], dtype=torch.int32, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(over, src=0)
+    return bool(over.item())
 
 
 def _device() -> torch.device:
@@ -277,9 +298,10 @@ def forward_backward(parts: list, pipe: PipelineRun | None, x: torch.Tensor, y: 
     return total
 
 
-def train(config: TrainConfig) -> list[dict]:
+def train(config: TrainConfig) -> TrainRecords:
     """Run ``config`` on this rank (every rank of the world calls it); returns rank 0's step records
-    (the JSONL "step" objects, see ``k3lab.train.metrics``), [] on the other ranks.
+    (the JSONL "step" objects, see ``k3lab.train.metrics``), [] on the other ranks, as a ``TrainRecords``
+    whose ``stopped_at`` is the step ``stop_after_minutes`` stopped at (None: the run reached ``steps``).
 
     Steps: batch from the loader -> forward and backward over the micro-batches (bf16 autocast on GPU,
     float32 on CPU; FSDP reduce-scatters; with pp the pipeline schedule, then the queries' gradient summed
@@ -288,7 +310,9 @@ def train(config: TrainConfig) -> list[dict]:
     update with the histogram summed over the data ranks -> loss averaged over the data ranks (kept on the
     device; with pp summed over the world from the last stage's ranks, so rank 0 holds it too) ->
     every ``log_every`` steps (and before a checkpoint) the window's losses read back, the step's one host
-    sync -> checkpoint every ``ckpt_every`` steps and at the end.
+    sync -> checkpoint every ``ckpt_every`` steps and at the end. With ``stop_after_minutes``, at each of
+    those read-back steps rank 0's clock decides for every rank whether the budget is spent; if so, a
+    checkpoint of that step, a "stop" record, and a normal return.
 
     Raises:
         ConfigError (a ValueError): the layout does not match the world (``build_parallel``), the global
@@ -299,6 +323,7 @@ def train(config: TrainConfig) -> list[dict]:
         FloatingPointError: a NaN or inf loss or gradient norm (found when the window's values are read back,
             before any checkpoint of that window is written).
     """
+    t0 = wall_clock()
     device = _device()
     # Muon orthogonalises each expert stack as its full logical tensor; the 2-step all-gather of a
     # (dp, ep)-sharded DTensor is expected there, and torch warns about it on every step.
@@ -364,6 +389,7 @@ def train(config: TrainConfig) -> list[dict]:
             part.train()
         params, counted = [p for part in parts for p in part.parameters()], counted_once(parts)
         pending, loads, t_window = [], [], time.perf_counter()
+        stopped_at = None
         for step in range(start + 1, config.steps + 1):
             # The run's first step is exempt: it compiles kernels and copies their index tables to the device.
             check = config.sync_debug and device.type == "cuda" and step > start + 1
@@ -414,6 +440,11 @@ def train(config: TrainConfig) -> list[dict]:
                                    mfu=mfu(tok_s, fpt, peak, world) if peak else None,
                                    maxvio=vio if s_ == step else None, peak_mem_GiB=mem, peak_mem_kind=mem_kind))
                 pending = []
+                # The budget is checked only here, where the host has just synchronised: one broadcast of
+                # rank 0's decision over the default group, so every rank stops at this same step.
+                if config.stop_after_minutes and step < config.steps and out_of_time(t0, config.stop_after_minutes,
+                                                                                      device):
+                    stopped_at, save = step, True
                 if save:
                     # A finite loss can still come with non-finite gradients (a bf16 backward overflowing),
                     # which the optimizer writes into the weights: never save those as the latest checkpoint.
@@ -424,14 +455,28 @@ def train(config: TrainConfig) -> list[dict]:
                                                  f"non-finite: {nonfinite_names(parts, opts)}")
                     save_checkpoint(config.ckpt_dir, step, parts, opts, {"step": step, "loader": loader.state_dict(),
                                                                           "run": run_settings(config)})
+                if stopped_at is not None:
+                    minutes = (wall_clock() - t0) / 60
+                    how = (f"stopped at step {step} of {config.steps} after {minutes:.2f} min (--stop-after-minutes "
+                           f"{config.stop_after_minutes}), checkpoint {config.ckpt_dir}: run the same command "
+                           f"with --resume to continue")
+                    log.write(dict(event="stop", step=step, steps=config.steps, minutes=minutes,
+                                   stop_after_minutes=config.stop_after_minutes, ckpt_dir=config.ckpt_dir,
+                                   message=how))
+                    if rank0:
+                        print(how, file=sys.stderr)
+                    break
                 if config.kill_at_step == step:
                     dist.barrier()
                     os.kill(os.getpid(), signal.SIGKILL)
                 t_window = time.perf_counter()
         log.summary(dict(preset=config.preset, dp=par.dp, ep=par.ep, cp=par.cp, pp=par.pp, ep_mode=config.ep_mode,
                          world=world, microbatches=config.microbatches,
-                         device=str(device), flops_per_token=fpt, flops_convention=FLOPS_CONVENTION))
-        return list(log.records)
+                         device=str(device), flops_per_token=fpt, flops_convention=FLOPS_CONVENTION),
+                    stopped_at=stopped_at)
+        out = TrainRecords(log.records)
+        out.stopped_at = stopped_at
+        return out
 
 
 def main(argv: list[str] | None = None) -> int:

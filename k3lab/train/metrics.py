@@ -8,7 +8,14 @@ Record kinds (one JSON object per line, ``"event"`` first):
              ``--log-every`` window the step was read back in), mfu (None without a known peak), maxvio
              (one per MoE layer, the step's routing summed over the data ranks; None on the steps of a
              window before its last, whose loads are not read back), peak_mem_GiB
-    summary  the table's numbers
+    stop     --stop-after-minutes ended this invocation: step, steps, minutes, the message with how to resume
+    summary  the table's numbers: this invocation's steps, its train_minutes (the sum of its steps' step_s:
+             stepping time, without start-up and checkpoint saves) and stopped_at (None: it reached --steps);
+             a resumed invocation adds run_* fields over the file's parts of the run (``summarize_log``)
+
+``summarize_log(path)`` summarises a run that took several invocations (--stop-after-minutes, or a kill and
+--resume) from its JSONL: the parts since the last fresh start, their training minutes summed (not the wall
+time between them), a step replayed after a kill counted in its last part only.
 
 MFU follows ``k3lab.model.flops_per_token``: 6 x activated parameters (input embedding excluded, routed
 experts K of E at their latent width, LM head included) plus the Gated MLA attention terms at the
@@ -59,6 +66,7 @@ class MetricsLog:
         self.records: list[dict] = []
         self.file = None
         self.bar = None
+        self.start_step = start_step
         if not enabled:
             return
         if path:
@@ -82,22 +90,23 @@ class MetricsLog:
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
 
-    def summary(self, extra: dict) -> dict:
+    def summary(self, extra: dict, stopped_at: int | None = None) -> dict:
         """The summary record of this process's steps (the first step, which compiles and warms up, is left
-        out of the throughput), written and printed as a table."""
+        out of the throughput), written and printed as a table; ``stopped_at``: the step --stop-after-minutes
+        stopped at. A resumed run that logs to a file adds ``run_*``: ``summarize_log`` over its parts."""
         if not self.enabled:
             return {}
         steps = self.records
-        timed = steps[1:] or steps
-        tok_s = sum(r["tokens_per_s"] for r in timed) / max(len(timed), 1)
-        mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
         last = steps[-1] if steps else {}
         out = dict(event="summary", steps=len(steps), first_step=steps[0]["step"] if steps else None,
                    last_step=last.get("step"), final_loss=last.get("loss"),
-                   min_loss=min((r["loss"] for r in steps), default=None), tokens_per_s=tok_s,
-                   mfu=sum(mfus) / len(mfus) if mfus else None,
+                   min_loss=min((r["loss"] for r in steps), default=None), **_throughput(steps),
+                   stopped_at=stopped_at,
                    final_maxvio_mean=(sum(last["maxvio"]) / len(last["maxvio"])) if last.get("maxvio") else None,
                    peak_mem_GiB=max((r["peak_mem_GiB"] for r in steps), default=None), **extra)
+        if self.file is not None and self.start_step > 0:
+            run = summarize_log(self.file.name)
+            out.update({f"run_{k}": run[k] for k in ("parts", "steps", "train_minutes", "tokens_per_s", "mfu")})
         if self.bar is not None:
             self.bar.close()
         self.write(out)
@@ -105,6 +114,60 @@ class MetricsLog:
             self.file.close()
         print(format_summary(out), flush=True)
         return out
+
+
+def _throughput(steps: list[dict]) -> dict:
+    """tokens_per_s and mfu (means over the steps but the first, which compiles and warms up) and
+    train_minutes (the sum of every step's step_s) of one invocation's step records."""
+    timed = steps[1:] or steps
+    mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
+    return dict(tokens_per_s=sum(r["tokens_per_s"] for r in timed) / max(len(timed), 1),
+                mfu=sum(mfus) / len(mfus) if mfus else None,
+                train_minutes=sum(r["step_s"] for r in steps) / 60)
+
+
+def summarize_log(path: str | Path) -> dict:
+    """The summary of the run a JSONL log ends with, over all its invocations ("parts").
+
+    The run starts at the file's last "start" record with ``resumed_from`` 0 (a fresh start); each later
+    "start" begins another part. Throughput is the mean over every part's steps but each part's first
+    (each recompiles and warms up); ``train_minutes`` sums the parts' stepping time (their steps' step_s), not
+    the wall time between the parts. A step logged by several parts (replayed after a kill since the last
+    checkpoint) takes its last part's loss in the curve.
+
+    Returns:
+        dict: parts, steps (distinct steps), first_step, last_step, final_loss, min_loss, tokens_per_s, mfu,
+        train_minutes, stopped_at (the last part's stop step, None when it reached --steps), losses
+        ({step: loss}).
+
+    Raises:
+        ValueError: the file holds no "start" record.
+    """
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
+    if not starts:
+        raise ValueError(f"{path} holds no start record: not a k3lab.train log")
+    first = max((i for i in starts if not records[i].get("resumed_from")), default=starts[0])
+    parts, stopped_at = [], None
+    for r in records[first:]:
+        if r.get("event") == "start":
+            parts.append([])
+            stopped_at = None
+        elif r.get("event") == "step":
+            parts[-1].append(r)
+        elif r.get("event") == "stop":
+            stopped_at = r["step"]
+    losses = {r["step"]: r["loss"] for part in parts for r in part}
+    timed = [r for part in parts for r in (part[1:] or part)]
+    mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
+    order = sorted(losses)
+    return dict(parts=len(parts), steps=len(losses), first_step=order[0] if order else None,
+                last_step=order[-1] if order else None, final_loss=losses[order[-1]] if order else None,
+                min_loss=min(losses.values(), default=None),
+                tokens_per_s=sum(r["tokens_per_s"] for r in timed) / max(len(timed), 1),
+                mfu=sum(mfus) / len(mfus) if mfus else None,
+                train_minutes=sum(r["step_s"] for part in parts for r in part) / 60, stopped_at=stopped_at,
+                losses=losses)
 
 
 def format_summary(s: dict) -> str:

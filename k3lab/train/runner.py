@@ -3,6 +3,7 @@
     cmd = torchrun_command(2, preset="k3-tiny", ep=2, steps=60, log_jsonl="run.jsonl")
     result = run_and_follow(cmd, "run.jsonl")        # a progress bar fed by the log's step records
     result.returncode, result.steps, result.stdout   # -9 after --kill-at-step, 0 when it finished
+    result.stopped_at                                # the step --stop-after-minutes stopped at (None: --steps)
 """
 from __future__ import annotations
 
@@ -46,12 +47,14 @@ def torchrun_command(nproc: int, **flags) -> list[str]:
 @dataclass
 class RunResult:
     """What ``run_and_follow`` saw: the exit status (negative: killed by that signal; torchrun reports a
-    killed worker as 1), the step records this run appended to the log, and its stdout / stderr."""
+    killed worker as 1), the step records this run appended to the log, its stdout / stderr, and the step
+    ``--stop-after-minutes`` stopped it at (its "stop" record; None when it did not stop early)."""
 
     returncode: int
     steps: list[dict] = field(default_factory=list)
     stdout: str = ""
     stderr: str = ""
+    stopped_at: int | None = None
 
     def check(self, last_step: int | None = None) -> "RunResult":
         """Return ``self`` if the run ended as intended: exit status 0, or, given ``last_step`` (a run
@@ -84,6 +87,7 @@ def run_and_follow(cmd: list[str], log_jsonl: str | os.PathLike, timeout_s: floa
     run_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     bar = None
     steps: list[dict] = []
+    stopped_at = None
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env, stdout=out, stderr=err, text=True)
         deadline = time.monotonic() + timeout_s
@@ -102,6 +106,8 @@ def run_and_follow(cmd: list[str], log_jsonl: str | os.PathLike, timeout_s: floa
                         if bar is not None:
                             bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
                             bar.update(1)
+                    elif rec.get("event") == "stop":
+                        stopped_at = rec["step"]
             if done:
                 break
             if time.monotonic() > deadline:
@@ -113,7 +119,7 @@ def run_and_follow(cmd: list[str], log_jsonl: str | os.PathLike, timeout_s: floa
             bar.close()
         out.seek(0)
         err.seek(0)
-        return RunResult(proc.returncode, steps, out.read(), err.read())
+        return RunResult(proc.returncode, steps, out.read(), err.read(), stopped_at)
 
 
 def _read_new(log: Path, offset: int) -> list[str]:

@@ -31,3 +31,19 @@ def train_worker(rank: int, world_size: int, group, configs: list[dict], grad_co
     """
     return {"runs": [train(TrainConfig(**c)) for c in configs],
             "grads": [first_step_grads(TrainConfig(**c)) for c in grad_configs]}
+
+
+def clocked_train_worker(rank: int, world_size: int, group, config: dict, seconds_per_reading: list[float]) -> dict:
+    """``train(TrainConfig(**config))`` with this rank's ``wall_clock`` replaced by one that advances
+    ``seconds_per_reading[rank]`` seconds at each reading (ranks whose clocks disagree, for the
+    ``stop_after_minutes`` tests).
+
+    Returns:
+        {"records": rank 0's step records ([] elsewhere), "stopped_at": this rank's ``TrainRecords.stopped_at``}.
+    """
+    from k3lab.train import loop  # noqa: PLC0415
+
+    readings = iter(range(1 << 30))
+    loop.wall_clock = lambda: next(readings) * seconds_per_reading[rank]
+    out = train(TrainConfig(**config))
+    return {"records": list(out), "stopped_at": out.stopped_at}
