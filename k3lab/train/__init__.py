@@ -12,8 +12,12 @@ Commands (from the repository root; build the shards first with ``python -m k3la
     python -m k3lab.train --preset k3-tiny --microbatches 4 --batch-size 32 --seq-len 128
     python -m k3lab.train --preset k3-tiny --compile --steps 20
     torchrun --nproc-per-node 8 -m k3lab.train --preset k3-1b --dp 4 --ep 2 --batch-size 64 --seq-len 2048 --log-every 10
+    python -m k3lab.train --preset k3-1b --steps 2000 --log-every 10 --ckpt-dir build/run --stop-after-minutes 8 --resume --log-jsonl build/run/metrics.jsonl
 
 One process runs gloo on CPU (float32) or NCCL on GPU (bf16 autocast, one GPU per rank via LOCAL_RANK).
+The ``--stop-after-minutes`` command is one run in parts under a wall-clock limit: run it again (the same
+command) until its summary's stopped_at is None; each part stops at a --log-every step with a checkpoint and
+appends to the same JSONL (``k3lab.train.metrics.summarize_log`` sums the parts).
 
     config.py      TrainConfig and the command line
     parallel.py    the mesh (k3lab.dist.make_mesh) and its groups; FSDP2 and expert parallelism on a K3Model;
