@@ -615,3 +615,17 @@ def test_two_ranks_stop_at_the_same_step_by_rank_0s_clock(tmp_path):
     assert [o["stopped_at"] for o in out] == [4, 4]
     assert [r["step"] for r in out[0]["records"]] == [1, 2, 3, 4]
     assert latest_checkpoint(tmp_path).name == "step_00000004"
+
+
+def test_a_resumed_runs_summary_survives_an_unreadable_earlier_part(tmp_path, capsys):
+    """The run_* fields read the whole file: a cut line of an earlier part leaves them out, not the run's end."""
+    from k3lab.train.metrics import MetricsLog
+
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"event": "start", "resumed_from": 0}\n{"event": "st\n')
+    log = MetricsLog(str(path), 8, 4, progress=False)
+    log.write(dict(event="step", step=5, loss=2.0, step_s=1.0, tokens_per_s=10.0, mfu=None, maxvio=None,
+                   peak_mem_GiB=1.0))
+    out = log.summary({})
+    assert out["last_step"] == 5 and "run_parts" not in out
+    assert "no summary over the run's parts (JSONDecodeError" in capsys.readouterr().err

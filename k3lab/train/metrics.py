@@ -105,8 +105,13 @@ class MetricsLog:
                    final_maxvio_mean=(sum(last["maxvio"]) / len(last["maxvio"])) if last.get("maxvio") else None,
                    peak_mem_GiB=max((r["peak_mem_GiB"] for r in steps), default=None), **extra)
         if self.file is not None and self.start_step > 0:
-            run = summarize_log(self.file.name)
-            out.update({f"run_{k}": run[k] for k in ("parts", "steps", "train_minutes", "tokens_per_s", "mfu")})
+            try:
+                run = summarize_log(self.file.name)
+                out.update({f"run_{k}": run[k] for k in ("parts", "steps", "train_minutes", "tokens_per_s", "mfu")})
+            except (ValueError, KeyError, TypeError, OSError) as e:
+                # An earlier part's lines this summary cannot read (another writer's, a cut line) must not
+                # fail a run that has finished its steps: its own summary stands.
+                print(f"{self.file.name}: no summary over the run's parts ({type(e).__name__}: {e})", file=sys.stderr)
         if self.bar is not None:
             self.bar.close()
         self.write(out)
