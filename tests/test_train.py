@@ -595,7 +595,8 @@ def test_summarize_log_counts_a_replayed_step_once_and_starts_at_the_last_fresh_
 
     lines = [dict(event="start", resumed_from=0), step(1, 9.0), dict(event="summary"),
              dict(event="start", resumed_from=0), step(1, 5.0), step(2, 4.0), step(3, 3.5),
-             dict(event="start", resumed_from=2), step(3, 3.0), step(4, 2.0, 90.0), dict(event="summary")]
+             dict(event="start", resumed_from=2), step(3, 3.0), step(4, 2.0, 90.0), dict(event="summary"),
+             dict(event="start", resumed_from=4), dict(event="summary")]
     path = tmp_path / "m.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     run = summarize_log(path)

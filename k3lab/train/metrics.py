@@ -141,7 +141,7 @@ def summarize_log(path: str | Path) -> dict:
     checkpoint) takes its last part's loss in the curve.
 
     Returns:
-        dict: parts, steps (distinct steps), first_step, last_step, final_loss, min_loss, tokens_per_s, mfu,
+        dict: parts (the invocations that ran steps), steps (distinct steps), first_step, last_step, final_loss, min_loss, tokens_per_s, mfu,
         train_minutes, stopped_at (the last part's stop step, None when it reached --steps), losses
         ({step: loss}).
 
@@ -166,7 +166,8 @@ def summarize_log(path: str | Path) -> dict:
     timed = [r for part in parts for r in (part[1:] or part)]
     mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
     order = sorted(losses)
-    return dict(parts=len(parts), steps=len(losses), first_step=order[0] if order else None,
+    # An invocation that ran no step (resumed at --steps) is no part of the training.
+    return dict(parts=sum(1 for part in parts if part), steps=len(losses), first_step=order[0] if order else None,
                 last_step=order[-1] if order else None, final_loss=losses[order[-1]] if order else None,
                 min_loss=min(losses.values(), default=None),
                 tokens_per_s=sum(r["tokens_per_s"] for r in timed) / max(len(timed), 1),
