@@ -100,7 +100,7 @@ class MetricsLog:
         last = steps[-1] if steps else {}
         out = dict(event="summary", steps=len(steps), first_step=steps[0]["step"] if steps else None,
                    last_step=last.get("step"), final_loss=last.get("loss"),
-                   min_loss=min((r["loss"] for r in steps), default=None), **_throughput(steps),
+                   min_loss=min((r["loss"] for r in steps), default=None), **_throughput([steps]),
                    stopped_at=stopped_at,
                    final_maxvio_mean=(sum(last["maxvio"]) / len(last["maxvio"])) if last.get("maxvio") else None,
                    peak_mem_GiB=max((r["peak_mem_GiB"] for r in steps), default=None), **extra)
@@ -121,14 +121,14 @@ class MetricsLog:
         return out
 
 
-def _throughput(steps: list[dict]) -> dict:
-    """tokens_per_s and mfu (means over the steps but the first, which compiles and warms up) and
-    train_minutes (the sum of every step's step_s) of one invocation's step records."""
-    timed = steps[1:] or steps
+def _throughput(parts: list[list[dict]]) -> dict:
+    """tokens_per_s and mfu (means over every part's steps but its first, which compiles and warms up) and
+    train_minutes (the sum of every step's step_s) of the step records of one or more invocations."""
+    timed = [r for part in parts for r in (part[1:] or part)]
     mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
     return dict(tokens_per_s=sum(r["tokens_per_s"] for r in timed) / max(len(timed), 1),
                 mfu=sum(mfus) / len(mfus) if mfus else None,
-                train_minutes=sum(r["step_s"] for r in steps) / 60)
+                train_minutes=sum(r["step_s"] for part in parts for r in part) / 60)
 
 
 def summarize_log(path: str | Path) -> dict:
@@ -163,16 +163,11 @@ def summarize_log(path: str | Path) -> dict:
         elif r.get("event") == "stop":
             stopped_at = r["step"]
     losses = {r["step"]: r["loss"] for part in parts for r in part}
-    timed = [r for part in parts for r in (part[1:] or part)]
-    mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
     order = sorted(losses)
     # An invocation that ran no step (resumed at --steps) is no part of the training.
     return dict(parts=sum(1 for part in parts if part), steps=len(losses), first_step=order[0] if order else None,
                 last_step=order[-1] if order else None, final_loss=losses[order[-1]] if order else None,
-                min_loss=min(losses.values(), default=None),
-                tokens_per_s=sum(r["tokens_per_s"] for r in timed) / max(len(timed), 1),
-                mfu=sum(mfus) / len(mfus) if mfus else None,
-                train_minutes=sum(r["step_s"] for part in parts for r in part) / 60, stopped_at=stopped_at,
+                min_loss=min(losses.values(), default=None), **_throughput(parts), stopped_at=stopped_at,
                 losses=losses)
 
 
