@@ -110,3 +110,35 @@ def test_micro_batches_make_the_global_batch_and_leave_the_bare_step_at_one(one_
     assert r["tokens_per_step"] == 2 * 4 * 32 and r["attnres"]["tokens"] == 4 * 32
     assert r["vs_peer_bare_step"] is None
     assert "B x T = 4 x 32, 2 micro-batches a step" in capsys.readouterr().out
+
+
+def test_a_run_in_parts_continues_one_loss_curve(small_run, tmp_path, one_thread, capsys):
+    """--run-dir with --stop-after-minutes: each invocation stops after a window with a checkpoint and writes
+    no JSON; repeating the command continues the run, and the invocation that finishes it writes the whole
+    run's curve (the uninterrupted run's losses), its parts and their stepping minutes."""
+    out, run = tmp_path / "train.json", tmp_path / "run"
+    argv = ["--small", "--device", "cpu", "--out", str(out), "--no-torchtitan", "--run-dir", str(run),
+            "--stop-after-minutes", "1e-6"]
+    stops = []
+    with one_thread():
+        for _ in range(5):
+            r = main(argv)
+            if "stopped_at" not in r:
+                break
+            assert not out.exists()
+            stops.append(r["stopped_at"])
+    assert stops == [2, 4]  # every --log-every (2) window is past a budget of 1e-6 minutes
+    written = json.loads(out.read_text())
+    assert written["parts"] == 3 and written["steps"] == 6
+    assert [s for s, _ in written["loss_curve"]] == [s for s, _ in small_run[1]["loss_curve"]]
+    for (_, a), (_, b) in zip(written["loss_curve"], small_run[1]["loss_curve"]):
+        assert a == pytest.approx(b, rel=1e-6)
+    assert 0 < written["minutes"] and "in 3 parts" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="steps default there, 7 now"):
+        main([*argv, "--steps", "7"])
+
+
+def test_stop_after_minutes_needs_a_run_dir(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--small", "--device", "cpu", "--stop-after-minutes", "1"])
+    assert exc.value.code == 2 and "--stop-after-minutes needs --run-dir" in capsys.readouterr().err

@@ -5,6 +5,8 @@ torchtitan's DeepSeek-V3 model as the peer, all in one run.
     python -m k3lab.bench.train --minutes 10 --batch-size 8    # a longer run at a smaller batch
     python -m k3lab.bench.train --microbatches 4               # 4 micro-batches a step, the peer too
     python -m k3lab.bench.train --compile                      # each sublayer under torch.compile, the peer's blocks too
+    python -m k3lab.bench.train --minutes 10 --run-dir build/bench_train --stop-after-minutes 6
+                                                               # a 10-minute run in parts: repeat until it writes the JSON
     python -m k3lab.bench.train --small --device cpu --out ''  # k3-tiny, a few steps: checks the script
 
 Needs the token shards (``python -m k3lab.data build``) and, for the peer, torchtitan 0.3.0 (its wheel and
@@ -34,18 +36,21 @@ import argparse
 import contextlib
 import copy
 import gc
+import json
 import math
 import statistics
 import sys
 import time
 import traceback
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from k3lab.bench import RoutingReplay, check_out, positive_float, positive_int, run_info, write_result
 from k3lab.data import load_split, resolve_data_dir
+from k3lab.files import write_json
 from k3lab.lm import PreNormResidual
 from k3lab.model import K3Config, count_params, flops_per_token, mfu
 from k3lab.moe import update_biases
@@ -53,7 +58,7 @@ from k3lab.optim import per_head_muon
 from k3lab.testing import rel_rms_error
 from k3lab.train import TokenLoader, TrainConfig, compile_blocks, train
 from k3lab.train.loop import build_model, train_autocast
-from k3lab.train.metrics import FLOPS_CONVENTION, peak_key
+from k3lab.train.metrics import FLOPS_CONVENTION, peak_key, run_parts
 
 # bf16 autocast against float32, same weights and batch: bound on the loss's relative error. The logits'
 # error is recorded, not bounded: at initialisation the router's scores nearly tie, bf16 rounding sends some
@@ -65,6 +70,35 @@ BF16_LOSS_BOUND = 2e-2
 # (a wrong cast, a kernel on the wrong inputs) moves them by ~100% RMS.
 BF16_LOGITS_BOUND = 0.25
 PEER = "torchtitan 0.3.0 deepseek_v3 DeepSeekV3Model (MLA + MoE), built from its model class"
+# In --run-dir: the first part's checks, batch and step count (so later parts repeat neither the checks nor
+# the warm-up and keep the learning-rate schedule's length), and the trainer's log.
+PLAN, LOG = "bench_plan.json", "metrics.jsonl"
+
+
+def read_plan(run_dir: str, settings: dict) -> dict | None:
+    """The plan a first part wrote in ``run_dir`` (None: no run there yet).
+
+    Raises:
+        SystemExit: the run there was started with other flags (``settings``: preset, batch, micro-batches,
+            length, log interval, compile, minutes or steps), or its plan file is unreadable.
+    """
+    path = Path(run_dir) / PLAN
+    if not path.exists():
+        return None
+    try:
+        plan = json.loads(path.read_text())
+        saved = plan["settings"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--run-dir {run_dir}: {PLAN} is unreadable ({type(e).__name__}: {e}); start in another "
+                         f"--run-dir") from None
+    diff = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
+    if diff:
+        def say(v):
+            return "default" if v is None else v
+        told = ", ".join(f"{k} {say(a)} there, {say(b)} now" for k, (a, b) in diff.items())
+        raise SystemExit(f"--run-dir {run_dir} holds a run started with other flags ({told}): repeat its command or "
+                         f"use another --run-dir")
+    return plan
 
 
 def _free(device: torch.device) -> None:
@@ -533,7 +567,8 @@ def table(r: dict) -> str:
     accumulate = f", {r['microbatches']} micro-batches a step" if accumulating else ""
     compiled = ", sublayers compiled (--compile)" if r.get("compile") else ""
     lines = [f"End-to-end training, {r['preset']}, B x T = {r['batch_size']} x {r['seq_len']}{accumulate}{compiled}, on {r['device']} "
-             f"({r['date']}): {r['steps']} steps, {r['minutes']:.1f} min on the corpus ({r['epochs']:.1f} epochs)",
+             f"({r['date']}): {r['steps']} steps, {r['minutes']:.1f} min on the corpus ({r['epochs']:.1f} epochs)"
+             + (f" in {r['parts']} parts" if r.get("parts", 1) > 1 else ""),
              f"FLOPs convention (both models): {r['flops_convention']}",
              f"{'':<28}{'k3lab':>14}{'torchtitan dsv3':>18}"]
     lines += [f"{name:<28}{num(a, fmt, k):>14}{num(b, fmt, k):>18}" for name, a, b, fmt, k in rows]
@@ -621,9 +656,18 @@ def main(argv=None) -> dict:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each k3lab sublayer (k3lab.train.compile_blocks) and each of the peer's "
                         "transformer blocks; the warm-up steps then include the compilation")
+    p.add_argument("--run-dir", default=None,
+                   help="checkpoint the timed trainer run in this folder (its log: metrics.jsonl there), so that "
+                        "with --stop-after-minutes it spans several invocations of the same command")
+    p.add_argument("--stop-after-minutes", type=positive_float, default=None,
+                   help="stop this invocation's timed run after M minutes, checkpointed in --run-dir, and exit; the "
+                        "same command continues it, and the invocation that finishes it measures the rest and "
+                        "writes the JSON (a run longer than one job's time limit)")
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default data/results/train_<card>.json "
                    "after the device (with --small: nothing)")
     args = p.parse_args(argv)
+    if args.stop_after_minutes is not None and not args.run_dir:
+        p.error("--stop-after-minutes needs --run-dir (where the stopped run is checkpointed)")
     check_out(args.out)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -644,30 +688,57 @@ def main(argv=None) -> dict:
     result = run_info(device)
     result.update(preset=config.preset, flops_convention=FLOPS_CONVENTION, peer=PEER if with_peer else None,
                   compile=config.compile)
-    print(f"== correctness: {config.preset} bf16 autocast vs float32", flush=True)
-    checks = {"bf16": check_bf16(config, device)}
-    if config.compile:
-        print("== correctness: compiled sublayers vs eager", flush=True)
-        checks["compile"] = check_compile(config, device)
-    print(f"== warm-up: {config.batch_size} x {config.seq_len}", flush=True)
-    config, step_s, too_big = warm_up(config, device)
-    checks["sync_debug"] = check_sync(config, device)
-    windows = math.ceil(args.minutes * 60 / step_s / config.log_every)
-    steps = args.steps or (6 if small else max(2, windows) * config.log_every)
-    config = replace(config, steps=steps, progress=sys.stderr.isatty())
-    print(f"== k3lab.train: {steps} steps (warm-up step {step_s:.3f} s)", flush=True)
+    settings = dict(preset=config.preset, batch_size=args.batch_size, microbatches=M, seq_len=config.seq_len,
+                    log_every=config.log_every, compile=config.compile, minutes=args.minutes, steps=args.steps)
+    plan = read_plan(args.run_dir, settings) if args.run_dir else None
+    if plan is None:
+        print(f"== correctness: {config.preset} bf16 autocast vs float32", flush=True)
+        checks = {"bf16": check_bf16(config, device)}
+        if config.compile:
+            print("== correctness: compiled sublayers vs eager", flush=True)
+            checks["compile"] = check_compile(config, device)
+        print(f"== warm-up: {config.batch_size} x {config.seq_len}", flush=True)
+        config, step_s, too_big = warm_up(config, device)
+        checks["sync_debug"] = check_sync(config, device)
+        windows = math.ceil(args.minutes * 60 / step_s / config.log_every)
+        steps = args.steps or (6 if small else max(2, windows) * config.log_every)
+        plan = dict(settings=settings, batch_size=config.batch_size, too_big=too_big, step_s=step_s, steps=steps,
+                    checks=checks)
+        if args.run_dir:
+            write_json(Path(args.run_dir) / PLAN, plan, indent=1)
+    else:
+        print(f"== continuing the run in {args.run_dir} (its checks and warm-up ran in its first part)", flush=True)
+    checks, steps, too_big = plan["checks"], plan["steps"], plan["too_big"]
+    config = replace(config, batch_size=plan["batch_size"], steps=steps, progress=sys.stderr.isatty())
+    if args.run_dir:
+        config = replace(config, ckpt_dir=args.run_dir, resume=True, log_jsonl=str(Path(args.run_dir) / LOG),
+                         stop_after_minutes=args.stop_after_minutes)
+    print(f"== k3lab.train: {steps} steps (warm-up step {plan['step_s']:.3f} s)", flush=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     records = train(config)
     minutes = (time.perf_counter() - t0) / 60
     _free(device)
+    if records.stopped_at is not None:
+        print(f"== stopped at step {records.stopped_at} of {steps} (--stop-after-minutes {args.stop_after_minutes}): "
+              f"run the same command again to continue; the invocation that finishes the run writes the JSON",
+              flush=True)
+        return dict(stopped_at=records.stopped_at, steps=steps, run_dir=args.run_dir)
+    parts = 1
+    if args.run_dir:
+        # The run's records over all its parts (a step replayed after a kill counted once, from its last
+        # part); its minutes are the parts' stepping time, without their start-ups and checkpoint saves.
+        step_parts, _ = run_parts(Path(args.run_dir) / LOG)
+        records = sorted({r["step"]: r for part in step_parts for r in part}.values(), key=lambda r: r["step"])
+        parts = sum(1 for part in step_parts if part)
+        minutes = sum(r["step_s"] for part in step_parts for r in part) / 60
     n = count_params(cfg)["total"]
     split = len(load_split("train", resolve_data_dir(config.data_dir) / "shards"))
     result.update(batch_size=config.batch_size // M, microbatches=M, seq_len=config.seq_len,
                   tokens_per_step=config.batch_size * config.seq_len, batch_sizes_that_did_not_fit=too_big,
                   steps=steps, log_every=config.log_every, lr=config.lr,
-                  minutes=minutes, minutes_requested=None if args.steps or small else args.minutes,
+                  minutes=minutes, parts=parts, minutes_requested=None if args.steps or small else args.minutes,
                   epochs=steps * config.batch_size * config.seq_len / split, params=dict(total=n[0], active=n[1]),
                   **summarise(records, config, device))
     print("== AttnRes overhead", flush=True)

@@ -131,19 +131,10 @@ def _throughput(parts: list[list[dict]]) -> dict:
                 train_minutes=sum(r["step_s"] for part in parts for r in part) / 60)
 
 
-def summarize_log(path: str | Path) -> dict:
-    """The summary of the run a JSONL log ends with, over all its invocations ("parts").
-
-    The run starts at the file's last "start" record with ``resumed_from`` 0 (a fresh start); each later
-    "start" begins another part. Throughput is the mean over every part's steps but each part's first
-    (each recompiles and warms up); ``train_minutes`` sums the parts' stepping time (their steps' step_s), not
-    the wall time between the parts. A step logged by several parts (replayed after a kill since the last
-    checkpoint) takes its last part's loss in the curve.
-
-    Returns:
-        dict: parts (the invocations that ran steps), steps (distinct steps), first_step, last_step, final_loss, min_loss, tokens_per_s, mfu,
-        train_minutes, stopped_at (the last part's stop step, None when it reached --steps), losses
-        ({step: loss}).
+def run_parts(path: str | Path) -> tuple[list[list[dict]], int | None]:
+    """The step records of the run a JSONL log ends with, one list per invocation since its last fresh start
+    (a "start" record with ``resumed_from`` 0), and the last invocation's stop step (None: it was not stopped
+    by ``--stop-after-minutes``).
 
     Raises:
         ValueError: the file holds no "start" record.
@@ -162,6 +153,27 @@ def summarize_log(path: str | Path) -> dict:
             parts[-1].append(r)
         elif r.get("event") == "stop":
             stopped_at = r["step"]
+    return parts, stopped_at
+
+
+def summarize_log(path: str | Path) -> dict:
+    """The summary of the run a JSONL log ends with, over all its invocations ("parts").
+
+    The run starts at the file's last "start" record with ``resumed_from`` 0 (a fresh start); each later
+    "start" begins another part. Throughput is the mean over every part's steps but each part's first
+    (each recompiles and warms up); ``train_minutes`` sums the parts' stepping time (their steps' step_s), not
+    the wall time between the parts. A step logged by several parts (replayed after a kill since the last
+    checkpoint) takes its last part's loss in the curve.
+
+    Returns:
+        dict: parts (the invocations that ran steps), steps (distinct steps), first_step, last_step, final_loss, min_loss, tokens_per_s, mfu,
+        train_minutes, stopped_at (the last part's stop step, None when it reached --steps), losses
+        ({step: loss}).
+
+    Raises:
+        ValueError: the file holds no "start" record.
+    """
+    parts, stopped_at = run_parts(path)
     losses = {r["step"]: r["loss"] for part in parts for r in part}
     order = sorted(losses)
     # An invocation that ran no step (resumed at --steps) is no part of the training.
