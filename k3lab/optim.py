@@ -236,10 +236,13 @@ class PerHeadMuon(torch.optim.Optimizer):
         torch casts restored floating state to the parameter's dtype, and the momentum of a low-precision
         parameter is float32 (``_momentum``)."""
         super().load_state_dict(state_dict)
-        params = [p for g in self.param_groups for p in g["params"]]
+        # Saved ids map to parameters group by group, as torch maps them: ints from ``state_dict()``, parameter
+        # names from torch.distributed.checkpoint's ``set_optimizer_state_dict``.
+        params = {i: p for saved, group in zip(state_dict["param_groups"], self.param_groups)
+                  for i, p in zip(saved["params"], group["params"])}
         for index, saved in state_dict["state"].items():
             buf = saved.get("momentum_buffer") if isinstance(saved, dict) else None
-            p = params[index] if isinstance(index, int) and index < len(params) else None
+            p = params.get(index)
             if p is not None and isinstance(buf, torch.Tensor) and buf.dtype != p.dtype:
                 self.state[p]["momentum_buffer"] = buf.to(device=p.device, copy=True)
 

@@ -198,6 +198,46 @@ def test_bf16_grads_with_float32_momentum():
     assert torch.isfinite(p.float()).all()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_bf16_parameters_save_load_step_equals_uninterrupted(tmp_path):
+    """Restored float32 momentum met bf16 gradients and raised a dtype error. A bf16 model (Muon on the
+    matrices with float32 momentum, AdamW on the rest) saved with torch.distributed.checkpoint after two steps
+    and loaded into a fresh model and optimizer steps bit for bit as the uninterrupted run."""
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Linear(16, 8)).to(torch.bfloat16)
+        groups = [dict(params=[model[0].weight, model[1].weight], algorithm="muon"),
+                  dict(params=[model[0].bias, model[1].bias], algorithm="adamw")]
+        return model, PerHeadMuon(groups, lr=0.01, max_grad_norm=1.0)
+
+    def step(model, opt, seed):
+        x = torch.randn(5, 12, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        opt.zero_grad(set_to_none=True)
+        model(x).float().square().mean().backward()
+        opt.step()
+
+    model, opt = build(1)
+    for s in range(2):
+        step(model, opt, s)
+    assert opt.state[model[0].weight]["momentum_buffer"].dtype == torch.float32
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=str(tmp_path))
+    step(model, opt, 2)
+    fresh, fresh_opt = build(2)
+    sd = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(sd, checkpoint_id=str(tmp_path))
+    set_model_state_dict(fresh, sd["model"])
+    set_optimizer_state_dict(fresh, fresh_opt, sd["optim"])
+    assert fresh_opt.state[fresh[0].weight]["momentum_buffer"].dtype == torch.float32
+    step(fresh, fresh_opt, 2)
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for k, want in opt.state[p].items():
+            got = fresh_opt.state[q][k]
+            assert got.dtype == want.dtype and torch.equal(got, want), k
+
+
 def test_validation():
     p = torch.nn.Parameter(torch.randn(6, 4))
     with pytest.raises(ValueError, match="algorithm"):
