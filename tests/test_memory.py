@@ -312,6 +312,37 @@ def test_k3_tiny_same_gradients(k3_reference, name):
             assert torch.equal(r, g), n
 
 
+@pytest.mark.parametrize("name", ["recompute", "mixed"])
+def test_recompute_counts_each_moe_token_once(k3_reference, name):
+    """A full activation-checkpoint recompute counted every token twice in the balancer. The recompute here
+    is the manager's (the trainer's --activations), not torch's checkpoint: every MoE layer's counts and
+    histogram after forward and backward equal one plain forward's, and so does the bias update. (Doubled
+    counts would leave the losses unchanged: the quantiles and maxvio are ratios.)"""
+    from k3lab.model import K3Model
+    from k3lab.moe import moe_layers, update_biases
+
+    ref_model, state, idx, _, _ = k3_reference
+    model = K3Model(ref_model.config)
+    model.load_state_dict(state)
+    apply_policies(model, K3_RULES[name], manager=ActivationManager())
+    model(idx, targets=idx)[1].backward()
+    layers, ref_layers = moe_layers(model), moe_layers(ref_model)
+    assert len(layers) == 4
+    for i, (m, ref) in enumerate(zip(layers, ref_layers)):
+        assert int(m.balance.counts.sum()) == idx.numel() * m.config.top_k, i
+        assert torch.equal(m.balance.counts, ref.balance.counts) and torch.equal(m.balance.hist, ref.balance.hist), i
+    # The reference's statistics are the fixture's: its update runs on a copy.
+    twin = K3Model(ref_model.config)
+    twin.load_state_dict(state)
+    for m, ref in zip(moe_layers(twin), ref_layers):
+        m.balance.counts.copy_(ref.balance.counts)
+        m.balance.hist.copy_(ref.balance.hist)
+    for load, want in zip(update_biases(model), update_biases(twin)):
+        assert torch.equal(load, want)
+    for m, ref in zip(layers, moe_layers(twin)):
+        assert torch.equal(m.router.bias, ref.router.bias) and m.router.bias.abs().sum() > 0
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_unused_graph_freed_without_gc(policy):
     # A forward whose graph never sees backward (a value check, an eval under grad) must free its saved

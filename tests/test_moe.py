@@ -63,6 +63,53 @@ def test_situ_glu_gradcheck_and_swiglu_limit():
         situ_glu(x, y[:3])
 
 
+def _situ64(a, u):
+    return 4 * torch.tanh(a / 4) * torch.sigmoid(a) * 25 * torch.tanh(u / 25)
+
+
+def _silu_glu64(a, u):
+    return F.silu(a) * u
+
+
+def _moe_by_hand(m, x, idx, act):
+    """Float64 MoE output written out token by token with ``act`` as the gated unit: router scores at the
+    given choice ``idx`` renormalised, routed experts at the latent (or full) width, latent RMSNorm and
+    up-projection after the weighted sum, shared experts on the full-width token."""
+    w = {n: p.detach().double() for n, p in m.named_parameters()}
+    x = x.double()
+    s = torch.sigmoid(x @ w["router.weight"].t()).gather(1, idx)
+    p = s / s.sum(-1, keepdim=True)
+    z = x if m.down is None else x @ w["down.weight"].t()
+    routed = torch.zeros_like(z)
+    for i in range(x.shape[0]):
+        for k, e in enumerate(idx[i].tolist()):
+            h = act(z[i] @ w["experts.w_gate"][e], z[i] @ w["experts.w_up"][e])
+            routed[i] += p[i, k] * (h @ w["experts.w_down"][e])
+    if m.up is not None:
+        normed = routed / torch.sqrt(routed.pow(2).mean(-1, keepdim=True) + m.config.norm_eps)
+        routed = (normed * w["latent_norm.weight"]) @ w["up.weight"].t()
+    a, u = (x @ w["shared.gate_up.weight"].t()).chunk(2, dim=-1)
+    return routed + act(a, u) @ w["shared.down.weight"].t()
+
+
+@pytest.mark.parametrize("latent", [8, None], ids=["latent", "full"])
+def test_the_layer_runs_situ_glu_in_routed_and_shared_experts_not_silu(latent):
+    """SiTU-GLU was silently replaced by SiLU inside a fused kernel and behind a config flag. The layer's
+    output (grouped GEMM path, float32) equals the float64 formula written out with SiTU-GLU at
+    pre-activations far past both bounds (|u| >> 25), and is far from the same formula with SiLU-GLU."""
+    torch.manual_seed(25)
+    m = MoE(_config(latent_dim=latent, balance="none", init_std=2.0))
+    x = 8 * torch.randn(12, 16, generator=_gen(25))
+    y = m(x)
+    idx = m.last_routing.topk_idx
+    z = x.double() if m.down is None else x.double() @ m.down.weight.detach().double().t()
+    u = torch.einsum("nd,ndh->nh", z, m.experts.w_up.detach().double()[idx[:, 0]])
+    assert u.abs().max() > 100, "the test needs up pre-activations far past SiTU's bound of 25"
+    assert_close("layer vs SiTU-GLU by hand", _moe_by_hand(m, x, idx, _situ64), y, 1e-5)
+    silu = _moe_by_hand(m, x, idx, _silu_glu64)
+    assert (silu - y.double()).norm() > 0.5 * silu.norm()
+
+
 # ---------------------------------------------------------------- router
 
 def test_weights_are_the_unbiased_scores_even_at_tiny_scores_and_large_bias():
@@ -246,6 +293,40 @@ def test_flops_per_token_counts_active_experts_at_their_width():
     assert (k3.n_experts, k3.top_k, k3.latent_dim, k3.n_shared) == (896, 16, 3584, 2)
 
 
+def test_only_the_projection_into_the_residual_is_depth_scaled():
+    """K3's LatentMoE has one depth-scaled projection on its routed path, W_up into the residual (std
+    init_std / sqrt(2 L)); the experts' w_down writes into the latent and keeps init_std. A full-width MoE's
+    w_down is the projection into the residual; the shared experts' down projection is one in both."""
+    L, std = 8, 0.02
+    out = std / math.sqrt(2 * L)
+    c = _config(d_model=96, latent_dim=48, expert_hidden=64, n_experts=4, n_shared=1, init_std=std, n_layers=L)
+    torch.manual_seed(24)
+    latent, full = MoE(c), MoE(replace(c, latent_dim=None))
+    want = [("latent up", latent.up.weight, out), ("latent shared down", latent.shared.down.weight, out),
+            ("latent experts w_down", latent.experts.w_down, std), ("latent down", latent.down.weight, std),
+            ("latent experts w_gate", latent.experts.w_gate, std), ("latent router", latent.router.weight, std),
+            ("full experts w_down", full.experts.w_down, out), ("full shared down", full.shared.down.weight, out),
+            ("full experts w_up", full.experts.w_up, std)]
+    for name, p, s in want:
+        got = p.detach().double().std().item()
+        assert abs(got / s - 1) < 0.06, f"{name}: std {got:.5f}, want {s:.5f}"
+
+
+@pytest.mark.parametrize("latent", [8, None], ids=["latent", "full"])
+def test_flops_per_token_equals_torchs_count_of_a_forward(latent):
+    """FLOPs per token that ignored MoE sparsity or the latent width over-counted 1.8-2x (and an MFU came out
+    above 100%). ``flops_per_token`` equals the matmul FLOPs torch's FlopCounterMode measures on a forward of
+    the layer (the loop reference: its matmuls are the grouped GEMM's), two shared experts included."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(26)
+    m = MoE(_config(latent_dim=latent, balance="none", n_shared=2))
+    x = torch.randn(40, 16, generator=_gen(26))
+    with FlopCounterMode(display=False) as counter:
+        m.reference(x)
+    assert counter.get_total_flops() == 40 * m.config.flops_per_token()
+
+
 # ---------------------------------------------------------------- Quantile Balancing
 
 WORKED_SCORES = [[0.70, 0.55, 0.30], [0.95, 0.25, 0.90], [0.95, 0.10, 0.40],
@@ -354,6 +435,31 @@ def test_eval_forwards_count_nothing_and_train_eval_choose_the_same_experts():
     m(x)
     assert torch.equal(m.last_routing.topk_idx, eval_idx)
     assert m.balance.counts.sum() == 4 * 6 * 2
+
+
+@pytest.mark.parametrize("balance", ["qb", "sign", "aux"])
+def test_eval_forwards_between_a_training_forward_and_the_update_change_nothing(balance):
+    """An eval forward run between the statistics' reset and the bias update (under no_grad, and with grad
+    on as a plain ``model.eval()`` evaluation runs it) added its tokens to the counts and histogram, leaking
+    eval routing into the next step. The update and the aux loss equal those of a twin that never evaluated."""
+    torch.manual_seed(27)
+    a, b = MoE(_config(balance=balance, sign_lr=0.01)), MoE(_config(balance=balance, sign_lr=0.01))
+    b.load_state_dict(a.state_dict())
+    x, x_eval = torch.randn(2, 9, 16, generator=_gen(27)), torch.randn(3, 7, 16, generator=_gen(28)) * 3
+    for m in (a, b):
+        m.train()
+        m(x)
+    a.eval()
+    a(x_eval)
+    with torch.no_grad():
+        a(x_eval)
+    a.train()
+    if balance == "aux":
+        assert torch.equal(balance_loss(a), balance_loss(b))
+    load_a, load_b = update_biases(a)[0], update_biases(b)[0]
+    assert int(load_a.sum()) == 2 * 9 * 2 and torch.equal(load_a, load_b)
+    assert torch.equal(a.router.bias, b.router.bias)
+    assert balance == "aux" or a.router.bias.abs().sum() > 0
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -465,6 +571,41 @@ def test_aux_loss_gradient_reaches_the_router_as_autograd_of_the_total_loss():
     assert_close("router grad with aux", m.router.weight.grad, got, 1e-12)
     uniform = aux_loss(torch.full((8, 4), 0.5), torch.tensor([[0], [1], [2], [3]] * 2))
     assert abs(uniform.item() - 1.0) < 1e-6
+
+
+@pytest.mark.parametrize("latent", [8, None], ids=["latent", "full"])
+def test_aux_loss_router_gradient_is_the_same_with_experts_over_two_ranks(latent):
+    """The aux-loss gradient never reached the router and its scale changed with the parallel degrees. With
+    the experts spread over 2 gloo ranks (each with its own tokens, the replicated gradients averaged as data
+    parallelism does) every gradient equals one process's autograd of the ranks' mean of L + a L_aux, the
+    router's included (a = 0.1, large enough that dropping L_aux misses by far more than the tolerance)."""
+    from k3lab.moe.workers import aux_ep_worker
+
+    R = 2
+    c = _config(latent_dim=latent, balance="aux", aux_coef=0.1, n_experts=4)
+    torch.manual_seed(29)
+    m = MoE(c)
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    x, g = torch.randn(R, 10, 16, generator=_gen(29)), torch.randn(R, 10, 16, generator=_gen(30))
+    ranks = launch(aux_ep_worker, R, c, state, x, g, timeout_s=120)
+    m.train()
+    total = 0.0
+    for r in range(R):
+        total = total + ((m(x[r]) * g[r]).mean() + balance_loss(m)) / R
+    total.backward()
+    for name, p in m.named_parameters():
+        if name.startswith("experts."):
+            got = torch.cat([ranks[r][name] for r in range(R)])
+        else:
+            got = ranks[0][name]
+            assert torch.equal(got, ranks[1][name]), name
+        assert_close(f"grad {name}", p.grad, got, 1e-5)
+    # The aux term's share of the router gradient is far above that tolerance.
+    ref = m.router.weight.grad.clone()
+    m.zero_grad()
+    for r in range(R):
+        ((m(x[r]) * g[r]).mean() / R).backward()
+    assert (ref - m.router.weight.grad).norm() > 0.05 * ref.norm()
 
 
 def test_aux_loss_equals_its_formula_in_float64():

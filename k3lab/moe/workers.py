@@ -31,3 +31,35 @@ def histogram_worker(rank: int, world_size: int, group, n_shards: int, m: int = 
             balancing.record(route(logits, bias, K), bias)
     load = balancing.update(bias, group)
     return load, bias
+
+
+def aux_ep_worker(rank: int, world_size: int, group, config, state: dict, x: torch.Tensor,
+                  g: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One backward of an MoE layer with ``config`` (``balance="aux"``) and ``state``, its experts spread over
+    ``group`` (rank r holds experts r*E/R ... (r+1)*E/R - 1), on this rank's batch ``x[r]`` [N, d] with the
+    loss mean(y * g[r]) + balance_loss, the trainer's data-parallel mean taken by all-reducing the
+    replicated parameters' gradients over the ranks.
+
+    Returns:
+        {parameter name: gradient}: the replicated parameters' means, and the experts' gradients of this
+        rank's home experts (their ``grad_scale`` already makes them the mean).
+    """
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from k3lab.moe.layer import MoE, balance_loss  # noqa: PLC0415
+
+    m = MoE(config)
+    m.load_state_dict(state)
+    L = config.n_experts // world_size
+    for n in ("w_gate", "w_up", "w_down"):
+        setattr(m.experts, n, torch.nn.Parameter(state[f"experts.{n}"][rank * L:(rank + 1) * L].clone()))
+    m.ep_group = group
+    m.train()
+    ((m(x[rank]) * g[rank]).mean() + balance_loss(m)).backward()
+    out = {}
+    for name, p in m.named_parameters():
+        if not name.startswith("experts."):
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= world_size
+        out[name] = p.grad
+    return out
