@@ -298,6 +298,35 @@ def forward_backward(parts: list, pipe: PipelineRun | None, x: torch.Tensor, y: 
     return total
 
 
+def build_optimizers(parts: list, config: TrainConfig) -> list:
+    """One ``per_head_muon`` per model part (each pipeline stage's queries get identical gradients and
+    updates), at ``config.lr`` and ``config.weight_decay``."""
+    return [per_head_muon(p, lr=config.lr, weight_decay=config.weight_decay) for p in parts]
+
+
+def optimizer_step(opts: list, params: list, counted: list, config: TrainConfig, step: int,
+                   pp_group=None) -> tuple[torch.Tensor, float]:
+    """The update after a step's backward: the gradient norm of ``counted`` (``counted_once``) over every rank
+    and stage, ``params``' gradients clipped to ``config.max_grad_norm``, the schedule's lr at ``step`` (from
+    1), then each optimizer's step and its gradients set to None.
+
+    Returns:
+        (norm: scalar tensor on the device, not read back; lr: float).
+    """
+    # The norm stays on the device (logged with the loss): a bf16 spike is clipped before AdamW's moments or
+    # Muon's momentum take it.
+    norm = grad_norm(counted, pp_group)
+    if config.max_grad_norm:
+        clip_grads_(params, config.max_grad_norm, norm)
+    lr = lr_at(step, config.steps, config.lr, config.warmup)
+    for opt in opts:
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return norm, lr
+
+
 def train(config: TrainConfig) -> TrainRecords:
     """Run ``config`` on this rank (every rank of the world calls it); returns rank 0's step records
     (the JSONL "step" objects, see ``k3lab.train.metrics``), [] on the other ranks, as a ``TrainRecords``
@@ -332,8 +361,7 @@ def train(config: TrainConfig) -> TrainRecords:
         world = dist.get_world_size()
         par, loader, parts, pipe = build_run(config, device)
         rank0 = dist.get_rank() == 0
-        # One optimizer per pipeline stage (the queries of each stage get identical gradients and updates).
-        opts = [per_head_muon(p, lr=config.lr, weight_decay=config.weight_decay) for p in parts]
+        opts = build_optimizers(parts, config)
         start = 0
         if config.resume:
             path = latest_checkpoint(config.ckpt_dir)
@@ -396,17 +424,7 @@ def train(config: TrainConfig) -> TrainRecords:
             with forbid_host_sync(device) if check else contextlib.nullcontext():
                 x, y = loader.next_batch(device)
                 loss = forward_backward(parts, pipe, x, y, config, par)
-                # The norm over every rank and stage (kept on the device, logged with the loss): a bf16 spike
-                # is clipped before AdamW's moments or Muon's momentum take it.
-                norm = grad_norm(counted, par.pp_group)
-                if config.max_grad_norm:
-                    clip_grads_(params, config.max_grad_norm, norm)
-                lr = lr_at(step, config.steps, config.lr, config.warmup)
-                for opt in opts:
-                    for g in opt.param_groups:
-                        g["lr"] = lr
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                norm, lr = optimizer_step(opts, params, counted, config, step, par.pp_group)
                 loads = [load for part in parts for load in update_biases(part, par.batch_group)]
                 if pipe is not None:
                     # Only the last stage's ranks hold a loss (the others 0): the world's sum over the data

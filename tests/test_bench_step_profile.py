@@ -1,0 +1,140 @@
+"""``python -m k3lab.bench.step_profile --small --device cpu``: the trainer's step profiled on a CPU in seconds,
+its correctness check run, every phase and category present and summing to the step's time; the kernel-name
+categories and the CUDA events' phase attribution on known names and a synthetic trace."""
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.autograd import DeviceType
+
+from k3lab.bench.step_profile import CATEGORY_NAMES, PHASES, category, main, records, summarise
+
+FIELDS = ("device", "commit", "date", "versions", "preset", "batch_size", "microbatches", "seq_len", "warmup",
+          "tokens_per_step", "time_kind", "categories", "check", "steps", "mean", "top_kernels", "gemm_share",
+          "flops_per_token", "flops_per_step", "tflops_per_s", "mfu", "unprofiled_step_ms", "flops_convention")
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory, one_thread):
+    """(returned dict, written JSON) of one small CPU run (about 10 s)."""
+    out = tmp_path_factory.mktemp("step_profile") / "step_profile.json"
+    with one_thread():
+        result = main(["--small", "--device", "cpu", "--out", str(out)])
+    return result, json.loads(out.read_text())
+
+
+def test_small_run_writes_the_fields(small_run):
+    result, written = small_run
+    assert set(FIELDS) <= set(written)
+    assert written == json.loads(json.dumps(result))
+    assert written["preset"] == "k3-tiny" and written["device"] == "cpu" and written["mfu"] is None
+    assert [s["step"] for s in written["steps"]] == [2, 3]  # after one warm-up step
+    assert written["flops_per_step"] == written["flops_per_token"] * written["tokens_per_step"] > 0
+    check = written["check"]
+    assert check["ok"] and check["weights_changed"] and 0 <= check["loss_max_rel_err"] <= check["loss_bound"]
+    assert all(math.isfinite(s["loss"]) and 0 < s["loss"] < 20 for s in written["steps"])
+
+
+def test_categories_and_phases_sum_to_the_device_time(small_run):
+    written = small_run[1]
+    for s in written["steps"] + [written["mean"]]:
+        assert set(s["categories_ms"]) == set(CATEGORY_NAMES) and set(s["phases_ms"]) == set(PHASES)
+        assert sum(s["categories_ms"].values()) == pytest.approx(s["device_ms"], rel=1e-9)
+        assert sum(s["phases_ms"].values()) == pytest.approx(s["device_ms"], rel=1e-9)
+        # Every phase of the trainer's step ran ops (k3-tiny has MoE layers: the bias update too).
+        assert all(s["phases_ms"][p] > 0 for p in ("forward", "backward", "optimizer", "bias_update"))
+        assert s["phases_ms"]["other"] < 0.01 * s["device_ms"]
+        assert s["categories_ms"]["gemm"] > 0 and s["categories_ms"]["grouped_gemm"] > 0
+    cats = written["mean"]["categories_ms"]
+    assert written["gemm_share"] == pytest.approx((cats["gemm"] + cats["grouped_gemm"]) / written["mean"]["device_ms"])
+    top = written["top_kernels"]
+    assert 0 < len(top) <= 20 and [k["ms"] for k in top] == sorted((k["ms"] for k in top), reverse=True)
+    assert all(k["category"] == category(k["name"]) and k["count"] >= 1 for k in top)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "gemm"),
+    ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal"
+     "<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >", "grouped_gemm"),
+    ("kda_state_fwd_kernel", "flash_kda"), ("short_conv_silu_bwd_kernel", "flash_kda"),
+    ("attnres_phase1_bwd_kernel", "attnres"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<192, 128, 64, 4> >", "attention"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>", "norm"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::NormTwoOps>>", "reduction"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float>", "reduction"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>", "copy_cast"),
+    ("Memcpy HtoD (Pageable -> Device)", "copy_cast"), ("Memset (Device)", "copy_cast"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
+    ("void at::native::multi_tensor_apply_kernel<TensorListMetadata<2>, LerpFunctor<float>>", "elementwise"),
+    ("triton_poi_fused_add_mul_sigmoid_0", "elementwise"), ("triton_red_fused_sum_1", "reduction"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "nccl"), ("glu_fwd_kernel", "elementwise"),
+    ("aten::mm", "gemm"), ("aten::_grouped_mm", "grouped_gemm"), ("aten::mul", "elementwise"),
+    ("aten::copy_", "copy_cast"), ("aten::sum", "reduction"), ("aten::_fused_rms_norm", "norm"),
+    ("_Phase1Backward", "attnres"), ("aten::view", "other"), ("moonep_layout_kernel", "other"),
+])
+def test_category_table_on_known_names(name, expected):
+    assert category(name) == expected
+
+
+def _event(name, start, end, device=DeviceType.CPU, kind="cpu_op", id_=0, linked=0):
+    return SimpleNamespace(name=name, device_type=device, activity_type=kind, is_user_annotation="annotation" in kind,
+                           id=id_, linked_correlation_id=linked, self_cpu_time_total=end - start,
+                           time_range=SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start))
+
+
+def test_cuda_kernels_go_to_the_phase_their_launching_op_started_in():
+    # forward_backward [0, 100] holds forward [0, 40]; the backward's op runs on another thread at 60; the
+    # device annotation and the runtime call are not device time.
+    cuda = DeviceType.CUDA
+    events = [_event("forward_backward", 0, 100, kind="user_annotation", id_=1),
+              _event("forward", 0, 40, kind="user_annotation", id_=2),
+              _event("aten::mm", 10, 12, id_=3), _event("MmBackward0", 60, 70, id_=4),
+              _event("optimizer", 110, 150, kind="user_annotation", id_=5), _event("aten::copy_", 120, 121, id_=6),
+              _event("cudaLaunchKernel", 10, 11, kind="cuda_runtime", linked=3),
+              _event("forward", 5, 45, device=cuda, kind="gpu_user_annotation", linked=2),
+              _event("nvjet_fwd", 20, 30, device=cuda, kind="kernel", linked=3),
+              _event("nvjet_bwd", 80, 100, device=cuda, kind="kernel", linked=4),
+              _event("Memcpy DtoD (Device -> Device)", 130, 135, device=cuda, kind="gpu_memcpy", linked=6),
+              _event("Memset (Device)", 200, 201, device=cuda, kind="gpu_memset", linked=99)]
+    s = summarise(*records(SimpleNamespace(events=lambda: events), torch.device("cuda")))
+    assert s["device_ms"] == pytest.approx(0.036)
+    assert s["phases_ms"] == pytest.approx(dict(forward=0.010, backward=0.020, optimizer=0.005, bias_update=0.0,
+                                                other=0.001))
+    assert s["categories_ms"]["gemm"] == pytest.approx(0.030)
+    assert s["categories_ms"]["copy_cast"] == pytest.approx(0.006)
+    assert s["kernels"]["nvjet_bwd"] == [pytest.approx(0.020), 1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--small", "--device", "cpu", "--batch-size", "0"], "argument --batch-size: expected a positive int, got 0"),
+    (["--small", "--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    (["--small", "--device", "cpu", "--steps", "x"], "argument --steps: expected a positive int, got 'x'"),
+], ids=["batch-size", "device", "steps"])
+def test_bad_flags_exit_with_the_reason(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cpu_without_small_is_refused_before_any_work():
+    with pytest.raises(SystemExit, match="--device cpu needs --small"):
+        main(["--device", "cpu"])
+
+
+@pytest.mark.parametrize("broken", ["no_update", "loss_off"])
+def test_the_check_fails_when_the_step_is_wrong(broken, monkeypatch, one_thread):
+    # A step that leaves the weights as they were, or whose loss is not the model's on that batch, stops the
+    # benchmark before its numbers are reported.
+    import k3lab.bench.step_profile as sp
+
+    if broken == "no_update":
+        monkeypatch.setattr(sp, "optimizer_step", lambda opts, *a: [o.zero_grad(set_to_none=True) for o in opts])
+    else:
+        fb = sp.forward_backward
+        monkeypatch.setattr(sp, "forward_backward", lambda *a: fb(*a) * 1.05)
+    with one_thread(), pytest.raises(AssertionError, match="vs eager float32"):
+        main(["--small", "--device", "cpu", "--steps", "1", "--seq-len", "16", "--out", ""])
