@@ -112,7 +112,8 @@ def test_cuda_kernels_go_to_the_phase_their_launching_op_started_in():
     (["--small", "--device", "cpu", "--batch-size", "0"], "argument --batch-size: expected a positive int, got 0"),
     (["--small", "--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
     (["--small", "--device", "cpu", "--steps", "x"], "argument --steps: expected a positive int, got 'x'"),
-], ids=["batch-size", "device", "steps"])
+    (["--small", "--device", "cpu", "--seq-len", "1"], "--seq-len must be an int >= 2, got 1"),
+], ids=["batch-size", "device", "steps", "seq-len"])
 def test_bad_flags_exit_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)

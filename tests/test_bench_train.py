@@ -2,6 +2,7 @@
 (k3-tiny on the corpus shards), its correctness checks run, and its JSON carries the fields of the GPU result."""
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -88,6 +89,7 @@ def test_tokens_per_s_is_the_median_of_the_windows_after_the_first():
     (["--batch-size", "0"], "--batch-size: expected a positive int, got 0"),
     (["--device", "mps"], "--device: invalid choice"),
     (["--microbatches", "0"], "--microbatches: expected a positive int, got 0"),
+    (["--small", "--device", "cpu", "--seq-len", "1"], "--seq-len must be an int >= 2, got 1"),
 ])
 def test_bad_flags_stop_at_parsing(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -142,3 +144,69 @@ def test_stop_after_minutes_needs_a_run_dir(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--small", "--device", "cpu", "--stop-after-minutes", "1"])
     assert exc.value.code == 2 and "--stop-after-minutes needs --run-dir" in capsys.readouterr().err
+
+
+def test_a_run_dir_that_cannot_hold_the_run_stops_before_the_checks(tmp_path, monkeypatch, capsys):
+    """A --run-dir that is a file (or lies under one) is refused at parsing, not after the checks and warm-up."""
+    import k3lab.bench.train as bench
+
+    monkeypatch.setattr(bench, "check_bf16", lambda *a: pytest.fail("the checks ran"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for run_dir in (blocker, blocker / "run"):
+        with pytest.raises(SystemExit) as exc:
+            main(["--small", "--device", "cpu", "--out", "", "--run-dir", str(run_dir), "--stop-after-minutes", "1"])
+        assert exc.value.code == 2 and f"--run-dir {run_dir} cannot hold the run" in capsys.readouterr().err
+
+
+def _first_part(tmp_path, one_thread):
+    run = tmp_path / "run"
+    argv = ["--small", "--device", "cpu", "--out", str(tmp_path / "train.json"), "--no-torchtitan",
+            "--run-dir", str(run), "--stop-after-minutes", "1e-6"]
+    with one_thread():
+        assert main(argv)["stopped_at"] == 2
+    return argv, run
+
+
+def test_a_hand_edited_plan_stops_with_the_reason(tmp_path, one_thread):
+    """A plan whose fields were removed or changed, or a checkpoint it does not describe, stops the next part with
+    a message naming --run-dir (no traceback from the trainer)."""
+    argv, run = _first_part(tmp_path, one_thread)
+    plan_path = run / "bench_plan.json"
+    saved = json.loads(plan_path.read_text())
+    edits = [("steps", None, "bench_plan.json is unreadable (KeyError: 'steps')"),
+             ("steps", "six", "bench_plan.json is unreadable (ValueError: steps 'six')"),
+             ("batch_size", None, "bench_plan.json is unreadable (ValueError: batch_size None)"),
+             ("step_s", None, "bench_plan.json is unreadable (ValueError: step_s None)"),
+             ("checks", None, "bench_plan.json is unreadable (KeyError: 'checks')"),
+             ("steps", 5, "--steps 5 (saved: 6) differ")]
+    for key, value, message in edits:
+        plan = dict(saved)
+        if value is None and key in ("steps", "checks"):
+            del plan[key]
+        else:
+            plan[key] = value
+        plan_path.write_text(json.dumps(plan))
+        with pytest.raises(SystemExit, match=f"--run-dir {run}") as exc:
+            main(argv)
+        assert message in str(exc.value.code)
+
+
+def test_minutes_count_a_step_replayed_after_a_kill_once(tmp_path, one_thread):
+    """A part killed before its checkpoint (here: the checkpoint removed) is replayed by the next part from the
+    checkpoint before; the run's minutes are its steps' stepping time, each step once."""
+    argv, run = _first_part(tmp_path, one_thread)
+    with one_thread():
+        assert main(argv)["stopped_at"] == 4
+        shutil.rmtree(run / "step_00000004")
+        for _ in range(3):
+            r = main(argv)
+            if "stopped_at" not in r:
+                break
+    steps = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("event") == "step":
+            steps[rec["step"]] = rec["step_s"]
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    assert r["minutes"] == pytest.approx(sum(steps.values()) / 60, rel=1e-9)

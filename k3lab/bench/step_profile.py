@@ -24,7 +24,6 @@ import argparse
 import re
 import time
 from collections import defaultdict
-from dataclasses import replace
 
 import torch
 from torch.autograd import DeviceType
@@ -251,9 +250,12 @@ def main(argv=None) -> dict:
     small, M = args.small, args.microbatches
     warmup, steps = (1, args.steps or 2) if small else (2, args.steps or 3)
     B = args.batch_size or (2 if small else 8)
-    config = TrainConfig(preset="k3-tiny" if small else "k3-1b", batch_size=M * B, microbatches=M,
-                         seq_len=args.seq_len or (32 if small else 2048), progress=False, compile=args.compile)
-    config = replace(config, steps=warmup + steps)
+    try:
+        config = TrainConfig(preset="k3-tiny" if small else "k3-1b", batch_size=M * B, microbatches=M,
+                             seq_len=args.seq_len or (32 if small else 2048), progress=False, compile=args.compile,
+                             steps=warmup + steps)
+    except ValueError as e:
+        p.error(str(e))
     try:
         r = profile_steps(config, device, warmup, steps)
     except (ConfigError, FileNotFoundError) as e:

@@ -57,6 +57,7 @@ from k3lab.moe import update_biases
 from k3lab.optim import per_head_muon
 from k3lab.testing import rel_rms_error
 from k3lab.train import TokenLoader, TrainConfig, compile_blocks, train
+from k3lab.train.config import ConfigError
 from k3lab.train.loop import build_model, train_autocast
 from k3lab.train.metrics import FLOPS_CONVENTION, peak_key, run_parts
 
@@ -88,6 +89,12 @@ def read_plan(run_dir: str, settings: dict) -> dict | None:
     try:
         plan = json.loads(path.read_text())
         saved = plan["settings"]
+        # The later parts take the batch, step count and checks from here: a hand-edited value stops here.
+        for key, ok in (("batch_size", _is_count), ("steps", _is_count), ("too_big", lambda v: isinstance(v, list)),
+                        ("checks", lambda v: isinstance(v, dict)),
+                        ("step_s", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0)):
+            if not ok(plan[key]):
+                raise ValueError(f"{key} {plan[key]!r}")
     except (ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"--run-dir {run_dir}: {PLAN} is unreadable ({type(e).__name__}: {e}); start in another "
                          f"--run-dir") from None
@@ -99,6 +106,10 @@ def read_plan(run_dir: str, settings: dict) -> dict | None:
         raise SystemExit(f"--run-dir {run_dir} holds a run started with other flags ({told}): repeat its command or "
                          f"use another --run-dir")
     return plan
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 def _free(device: torch.device) -> None:
@@ -626,7 +637,8 @@ def main(argv=None) -> dict:
     Raises:
         SystemExit: 2 on a bad flag; no CUDA device for ``--device cuda``; ``--device cpu`` without
             ``--small`` or on a machine whose trainer would use its GPU; torchtitan missing without
-            ``--no-torchtitan`` (outside ``--small``).
+            ``--no-torchtitan`` (outside ``--small``); a ``--run-dir`` that cannot be made or written, whose plan
+            is unreadable or edited, or whose checkpoint another run saved.
         AssertionError: the bf16 check failed.
     """
     p = argparse.ArgumentParser(prog="python -m k3lab.bench.train", description=__doc__.split("\n\n")[0],
@@ -680,9 +692,20 @@ def main(argv=None) -> dict:
     with_peer = not args.no_torchtitan and _peer_importable(required=not args.small)
     small = args.small
     M = args.microbatches
-    config = TrainConfig(preset="k3-tiny" if small else "k3-1b", batch_size=M * (args.batch_size or (4 if small else 16)),
-                         microbatches=M, seq_len=args.seq_len or (32 if small else 2048), progress=False,
-                         log_every=args.log_every or (2 if small else 10), compile=args.compile)
+    try:
+        config = TrainConfig(preset="k3-tiny" if small else "k3-1b",
+                             batch_size=M * (args.batch_size or (4 if small else 16)), microbatches=M,
+                             seq_len=args.seq_len or (32 if small else 2048), progress=False,
+                             log_every=args.log_every or (2 if small else 10), compile=args.compile)
+    except ValueError as e:
+        p.error(str(e))
+    if args.run_dir:
+        # The checks and the warm-up run before the first checkpoint: a folder that cannot hold it stops here.
+        try:
+            replace(config, ckpt_dir=args.run_dir, log_jsonl=str(Path(args.run_dir) / LOG))
+            Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+        except (ValueError, OSError) as e:
+            p.error(f"--run-dir {args.run_dir} cannot hold the run ({e})")
     cfg = K3Config.preset(config.preset, vocab_size=_vocab(config))
 
     result = run_info(device)
@@ -717,7 +740,13 @@ def main(argv=None) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    records = train(config)
+    try:
+        records = train(config)
+    except ConfigError as e:
+        if not args.run_dir:
+            raise
+        # The checkpoint in --run-dir was saved by another run (its plan deleted or edited).
+        raise SystemExit(f"--run-dir {args.run_dir}: {e}") from None
     minutes = (time.perf_counter() - t0) / 60
     _free(device)
     if records.stopped_at is not None:
@@ -728,11 +757,11 @@ def main(argv=None) -> dict:
     parts = 1
     if args.run_dir:
         # The run's records over all its parts (a step replayed after a kill counted once, from its last
-        # part); its minutes are the parts' stepping time, without their start-ups and checkpoint saves.
+        # part); its minutes are those steps' stepping time, without the parts' start-ups and checkpoint saves.
         step_parts, _ = run_parts(Path(args.run_dir) / LOG)
         records = sorted({r["step"]: r for part in step_parts for r in part}.values(), key=lambda r: r["step"])
         parts = sum(1 for part in step_parts if part)
-        minutes = sum(r["step_s"] for part in step_parts for r in part) / 60
+        minutes = sum(r["step_s"] for r in records) / 60
     n = count_params(cfg)["total"]
     split = len(load_split("train", resolve_data_dir(config.data_dir) / "shards"))
     result.update(batch_size=config.batch_size // M, microbatches=M, seq_len=config.seq_len,
