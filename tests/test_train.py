@@ -567,7 +567,8 @@ def test_a_run_out_of_time_stops_at_a_log_step_with_a_checkpoint_and_resumes_on_
                                              "start", *["step"] * 4, "summary"]
     stop = records[5]
     assert stop["step"] == 4 and stop["steps"] == 8 and "stopped at step 4 of 8" in stop["message"]
-    assert "--resume" in stop["message"]
+    # Started with --resume, so the same command continues it.
+    assert stop["message"].endswith("run the same command again to continue")
     assert records[6]["stopped_at"] == 4 and records[-1]["stopped_at"] is None
     steps = [r for r in records if r["event"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 9))

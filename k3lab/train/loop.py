@@ -477,7 +477,7 @@ def train(config: TrainConfig) -> TrainRecords:
                     minutes = (wall_clock() - t0) / 60
                     how = (f"stopped at step {step} of {config.steps} after {minutes:.2f} min (--stop-after-minutes "
                            f"{config.stop_after_minutes}), checkpoint {config.ckpt_dir}: run the same command "
-                           f"with --resume to continue")
+                           + ("again" if config.resume else "with --resume") + " to continue")
                     log.write(dict(event="stop", step=step, steps=config.steps, minutes=minutes,
                                    stop_after_minutes=config.stop_after_minutes, ckpt_dir=config.ckpt_dir,
                                    message=how))
