@@ -46,8 +46,10 @@ BASE = dict(preset="k3-tiny", steps=8, batch_size=4, seq_len=32, lr=3e-3, progre
     (["--max-grad-norm", "inf"], "--max-grad-norm must be a finite number >= 0 (0: no clipping)"),
     (["--stop-after-minutes", "8"], "--stop-after-minutes needs --ckpt-dir"),
     (["--stop-after-minutes", "0", "--ckpt-dir", "build/unused"], "--stop-after-minutes must be a finite number"),
+    (["--keep-checkpoints", "2"], "--keep-checkpoints needs --ckpt-dir"),
+    (["--keep-checkpoints", "-1", "--ckpt-dir", "build/unused"], "--keep-checkpoints must be an int >= 0"),
 ], ids=["preset", "steps", "ep-mode", "ckpt-every", "resume", "lr", "kill", "policy", "rule", "log-every", "cp",
-        "mtp-cp", "clip-negative", "clip-inf", "stop-no-ckpt", "stop-zero"])
+        "mtp-cp", "clip-negative", "clip-inf", "stop-no-ckpt", "stop-zero", "keep-no-ckpt", "keep-negative"])
 def test_bad_flags_exit_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
@@ -146,6 +148,18 @@ def test_latest_checkpoint_skips_partial_saves(tmp_path):
         if complete:
             (tmp_path / name / ".metadata").write_bytes(b"")
     assert latest_checkpoint(tmp_path).name == "step_00000003"
+
+
+def test_keep_checkpoints_leaves_the_newest_complete_ones(tmp_path, one_thread):
+    """--ckpt-every 2 --keep-checkpoints 2 over 8 steps: steps 6 and 8 remain, nothing half-deleted is left
+    beside them, and an unrelated folder is untouched; without --keep-checkpoints every save stays."""
+    (tmp_path / "keep" / "notes").mkdir(parents=True)
+    with one_thread():
+        train(TrainConfig(**BASE, ckpt_dir=str(tmp_path / "keep"), ckpt_every=2, keep_checkpoints=2))
+        train(TrainConfig(**BASE, ckpt_dir=str(tmp_path / "all"), ckpt_every=2))
+    assert sorted(p.name for p in (tmp_path / "keep").iterdir()) == ["notes", "step_00000006", "step_00000008"]
+    assert latest_checkpoint(tmp_path / "keep").name == "step_00000008"
+    assert sorted(p.name for p in (tmp_path / "all").iterdir()) == [f"step_{n:08d}" for n in (2, 4, 6, 8)]
 
 
 # ---------------------------------------------------------------- 2 ranks

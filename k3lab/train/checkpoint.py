@@ -95,7 +95,7 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, train_state: dict) -> Path:
+def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, train_state: dict, keep: int = 0) -> Path:
     """Save model, optimizer and ``train_state`` (picklable values, the same on every rank) as ``step_N``.
 
     Collective: every rank of the default group calls it with the same ``root`` and ``step``.
@@ -103,6 +103,9 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, train_
     Args:
         model (nn.Module | list[nn.Module]): the model, or this rank's pipeline parts.
         optimizer (Optimizer | list[Optimizer]): its optimizer, or one per part.
+        keep (int): after the new checkpoint is complete, keep only the newest ``keep`` complete ones
+            (0: keep all). An old one is first renamed to a temporary name, so a kill while it is being
+            deleted leaves nothing ``latest_checkpoint`` would pick.
 
     Returns:
         Path of the complete checkpoint.
@@ -133,8 +136,21 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, train_
             os.fsync(fd)
         finally:
             os.close(fd)
+        if keep:
+            _prune(root, keep)
     _barrier()
     return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints under ``root`` (rank 0, after a save)."""
+    found = sorted((int(m.group(1)), p) for p in root.iterdir()
+                   if (m := _STEP_DIR.match(p.name)) and (p / ".metadata").is_file())
+    for n, old in found[:-keep]:
+        # Out of latest_checkpoint's sight first; the next save removes what a kill leaves of it.
+        gone = root / f".tmp-step_{n:08d}.removing"
+        os.replace(old, gone)
+        shutil.rmtree(gone, ignore_errors=True)
 
 
 def _check_complete(path: Path) -> None:

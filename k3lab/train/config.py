@@ -42,6 +42,7 @@ class TrainConfig:
         ep_mode (str): "moonep" or "alltoall".
         ckpt_dir (str | None): where checkpoints go (None: never saved).
         ckpt_every (int): save every this many steps (0: only at the end); needs ckpt_dir.
+        keep_checkpoints (int): after each save keep only the newest this many complete checkpoints (0: all).
         resume (bool): continue from the latest complete checkpoint in ckpt_dir (fresh start if none).
         log_jsonl (str | None): metrics file (appended). seed (int): model init and data order.
         data_dir (str | None): folder with shards/ (default ``k3lab.data``'s).
@@ -86,6 +87,7 @@ class TrainConfig:
     ep_mode: str = "moonep"
     ckpt_dir: str | None = None
     ckpt_every: int = 0
+    keep_checkpoints: int = 0
     resume: bool = False
     log_jsonl: str | None = None
     seed: int = 0
@@ -111,7 +113,7 @@ class TrainConfig:
         if self.preset not in TRAIN_PRESETS:
             bad("preset", f"must be one of {TRAIN_PRESETS}")
         for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("ep", 1), ("cp", 1), ("pp", 1),
-                          ("microbatches", 1), ("mtp", 0), ("ckpt_every", 0),
+                          ("microbatches", 1), ("mtp", 0), ("ckpt_every", 0), ("keep_checkpoints", 0),
                           ("seed", 0), ("log_every", 1)):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
@@ -155,6 +157,8 @@ class TrainConfig:
                 bad(name, reason)
         if self.ckpt_every and not self.ckpt_dir:
             bad("ckpt_every", "needs --ckpt-dir")
+        if self.keep_checkpoints and not self.ckpt_dir:
+            bad("keep_checkpoints", "needs --ckpt-dir")
         if self.resume and not self.ckpt_dir:
             bad("resume", "needs --ckpt-dir")
         if self.activations is not None:
@@ -223,6 +227,7 @@ HELP = {
     "ep_mode": "expert-parallel exchange: moonep (static, balanced, K3 App. E) or alltoall (dynamic baseline)",
     "ckpt_dir": "folder for checkpoints (step_NNNNNNNN/, written atomically); none: no checkpoints",
     "ckpt_every": "save every N steps and at the end (0: only at the end); needs --ckpt-dir",
+    "keep_checkpoints": "after each save keep only the newest N complete checkpoints (0: keep all); needs --ckpt-dir",
     "resume": "continue from the latest complete checkpoint in --ckpt-dir (a fresh start when there is none)",
     "log_jsonl": "append per-step metrics (loss, gradient norm before clipping, tokens/s, MFU, maxvio per MoE layer, "
                  "peak memory) to this file",

@@ -472,7 +472,8 @@ def train(config: TrainConfig) -> TrainRecords:
                                                  f"(start a new --ckpt-dir with a lower --lr: a resume keeps it); "
                                                  f"non-finite: {nonfinite_names(parts, opts)}")
                     save_checkpoint(config.ckpt_dir, step, parts, opts, {"step": step, "loader": loader.state_dict(),
-                                                                          "run": run_settings(config)})
+                                                                          "run": run_settings(config)},
+                                    keep=config.keep_checkpoints)
                 if stopped_at is not None:
                     minutes = (wall_clock() - t0) / 60
                     how = (f"stopped at step {step} of {config.steps} after {minutes:.2f} min (--stop-after-minutes "
