@@ -43,6 +43,20 @@ def test_small_run_writes_every_method(tmp_path):
     floor = saved["sampling_floor"]
     assert len(floor["next_batch"]) == 2 and max(floor["same_batch"]) < 0.1
     assert all(n >= s for n, s in zip(floor["next_batch"], floor["same_batch"]))
+    sweep = saved["qb_lr_sweep"]
+    assert list(sweep) == ["0.0003", "0.0001"] and [r["lr"] for r in sweep.values()] == [3e-4, 1e-4]
+    assert all(len(r["worst_maxvio"]) == 3 and r["met"] is None for r in sweep.values())
+
+
+def test_the_lr_sweep_trains_qb_at_its_learning_rate(capsys):
+    """A sweep run at lr x is the main QB run at --lr x (same initialisation and batches); the main --lr is not
+    trained twice."""
+    swept = main(["--small", "--out", "", "--methods", "qb", "--qb-lrs", "1e-3", "2e-3"])
+    alone = main(["--small", "--out", "", "--methods", "qb", "--lr", "2e-3", "--qb-lrs"])
+    assert list(swept["qb_lr_sweep"]) == ["0.002"] and alone["qb_lr_sweep"] == {}
+    assert swept["qb_lr_sweep"]["0.002"]["worst_maxvio"] == alone["runs"]["qb"]["worst_maxvio"]
+    assert swept["qb_lr_sweep"]["0.002"]["worst_maxvio"] != swept["runs"]["qb"]["worst_maxvio"]
+    assert "qb (lr 0.002)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -10,13 +10,16 @@ tokens a step at E = 64, top-4. This benchmark trains the chapter's MoE language
 accumulated over micro-batches (the bias update reads every micro-batch's counts), with no balancing, the
 auxiliary loss, the sign update and Quantile Balancing (with the histogram estimator, and with the exact
 quantile as its reference), the same model initialisation and batches for each; maxvio is measured on each
-step's own tokens with the bias the step ran with (the load it really had), every MoE layer.
+step's own tokens with the bias the step ran with (the load it really had), every MoE layer. QB is then
+trained again at lower learning rates (``--qb-lrs``): its bias is fitted to one step and used at the next, so
+what the router moves in between, which the learning rate scales, adds to the sampling floor.
 
 Correctness first: before any training, the per-step expert loads of one micro-batched step are checked to
 sum to B T K in every layer. The verdict (K3's claim for QB): the worst layer's maxvio is at most 0.05 from
 some step within the first 20 onwards, to the last step (``verdict``: none for a run of 20 steps or fewer,
 which cannot show "and after"). JSON: run info, settings, per method the maxvio of every step and layer, the
-validation loss curve, the verdict (``met``), and the sampling floor at this step size on QB's trained model
+validation loss curve, the verdict (``met``), the QB runs at other learning rates (``qb_lr_sweep``, each
+with its verdict), and the sampling floor at this step size on QB's trained model
 (``sampling_floor``, from ``balance_floor``: what is left when the router does not move); the table is printed
 last.
 """
@@ -73,6 +76,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--microbatches", type=positive_int, default=16, help="passes a step (M, a divisor of B)")
     p.add_argument("--seq-len", type=positive_int, default=512, help="tokens a sequence (T, default 512)")
     p.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--qb-lrs", type=positive_float, nargs="*", default=[3e-4, 1e-4],
+                   help="QB (histogram) trained again at each of these learning rates, to show how far the router's "
+                        "motion between steps sets its maxvio (default 3e-4 1e-4; none: no sweep)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="model initialisation and batches (default 0)")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
                    help="balancing rules to train, each once (default all)")
@@ -132,26 +138,42 @@ def main(argv: list[str] | None = None) -> dict:
             floor = balance_floor(model, batches=3, batch_size=args.batch_size, seq_len=args.seq_len, device=device,
                                   split="train")
             result["sampling_floor"] = {k: v.tolist() for k, v in floor.items()}
+    # The same QB run at lower learning rates: QB's bias is fitted to one step and used at the next, so the
+    # router's motion in between (which the learning rate scales) adds to the sampling floor.
+    result["qb_lr_sweep"] = {}
+    for lr in dict.fromkeys(x for x in args.qb_lrs if x != args.lr):
+        t0 = time.perf_counter()
+        h = train_moe_lm(build_moe_lm(lm_cfg, replace(moe_cfg, balance="qb"), seed=args.seed), args.steps,
+                         args.batch_size, args.seq_len, lr, device, seed=args.seed, log_every=max(1, args.steps // 4),
+                         progress=not args.small, microbatches=args.microbatches)
+        worst = h["maxvio"].max(1).values.tolist()
+        result["qb_lr_sweep"][str(lr)] = {"lr": lr, "worst_maxvio": worst, "settled_at": settled_at(worst),
+                                          "met": None if args.small else verdict(settled_at(worst), args.steps),
+                                          "val_loss": h["val_loss"], "seconds": round(time.perf_counter() - t0, 1)}
     qb = result["runs"].get("qb")
     result["met"] = None if qb is None or args.small else verdict(qb["settled_at"], args.steps)
     write_result("moe_balance", result, args.out, small=args.small)
 
     tail = max(1, args.steps // 4)
+    rows = [(f"{m} (lr {args.lr:g})" if result["qb_lr_sweep"] else m, r) for m, r in result["runs"].items()]
+    rows += [(f"qb (lr {r['lr']:g})", r) for r in result["qb_lr_sweep"].values()]
+    width = max(9, *(len(name) + 1 for name, _ in rows))
     print(f"\n{tokens:,} tokens a step, {args.steps} steps ({result['device']}); maxvio of the worst layer")
-    print(f"{'method':<9}{'step 0':>8}{'step 10':>9}{'step 20':>9}{'last ' + str(tail) + ', mean':>14}"
+    print(f"{'method':<{width}}{'step 0':>8}{'step 10':>9}{'step 20':>9}{'last ' + str(tail) + ', mean':>14}"
           f"{'<= 0.05 from step':>19}{'val loss':>10}{'seconds':>9}")
-    for method, r in result["runs"].items():
+    for method, r in rows:
         w = r["worst_maxvio"]
         at = lambda i: f"{w[i]:.3f}" if i < len(w) else "-"  # noqa: E731
         settled = "never" if r["settled_at"] is None else str(r["settled_at"])
-        print(f"{method:<9}{at(0):>8}{at(10):>9}{at(20):>9}{sum(w[-tail:]) / tail:>14.3f}{settled:>19}"
+        print(f"{method:<{width}}{at(0):>8}{at(10):>9}{at(20):>9}{sum(w[-tail:]) / tail:>14.3f}{settled:>19}"
               f"{r['val_loss'][-1]:>10.3f}{r['seconds']:>9.1f}")
     if "sampling_floor" in result:
         f = result["sampling_floor"]
         print(f"sampling floor at this step size (bias fitted to one batch, on the next; worst layer): "
               f"{max(f['next_batch']):.3f}; in-sample {max(f['same_batch']):.3f}")
     if result["met"] is not None:
-        print(f"QB at maxvio <= {TARGET} within {WITHIN} steps and after: {'met' if result['met'] else 'NOT met'}")
+        print(f"QB at maxvio <= {TARGET} within {WITHIN} steps and after: {'met' if result['met'] else 'NOT met'}"
+              + "".join(f"; at lr {r['lr']:g} {'met' if r['met'] else 'NOT met'}" for r in result["qb_lr_sweep"].values()))
     return result
 
 
