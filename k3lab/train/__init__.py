@@ -4,7 +4,7 @@ Commands (from the repository root; build the shards first with ``python -m k3la
 
     python -m k3lab.train --preset k3-tiny --steps 200 --batch-size 8 --seq-len 128
     torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --dp 2 --steps 200 --batch-size 8 --seq-len 128
-    torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --ep 2 --ep-mode moonep --ckpt-dir ckpt --ckpt-every 50 --log-jsonl train.jsonl
+    torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --ep 2 --ep-mode moonep --ckpt-dir ckpt --ckpt-every 50 --keep-checkpoints 2 --log-jsonl train.jsonl
     torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --ep 2 --ckpt-dir ckpt --resume --log-jsonl train.jsonl
     torchrun --nproc-per-node 4 -m k3lab.train --preset k3-tiny --cp 2 --ep 2 --doc-mask --batch-size 4 --seq-len 256
     torchrun --nproc-per-node 4 -m k3lab.train --preset k3-tiny --pp 2 --dp 2 --microbatches 4 --batch-size 16 --seq-len 128
