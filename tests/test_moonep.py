@@ -147,6 +147,27 @@ def test_triton_layout_at_benchmark_widths(kind, R, E, S, K):
     assert_same_layouts(make_routing(kind, R, S, K, E, torch.Generator().manual_seed(R)), R, S, K, E)
 
 
+def test_layout_marks_pairs_with_ids_outside_the_experts():
+    """The ids are not read back (no host sync), so ``layout`` cannot raise on them: a pair whose id is
+    negative or >= E gets dest_rank and dest_row -1 and reads nothing out of bounds (a negative id must not
+    wrap to the last expert), the other pairs get rows of the buffer, and both backends agree."""
+    R, E, S, K = 4, 8, 6, 2
+    idx = make_routing("zipf", R, S, K, E, torch.Generator().manual_seed(5))
+    counts = torch.stack([torch.bincount(idx[r].reshape(-1), minlength=E) for r in range(R)])
+    p = plan(counts.to(DEVICE), S, K)
+    bad = idx[1].clone()
+    bad[0, 0], bad[2, 1], bad[5, 0] = -1, E, 10 ** 6
+    marked = torch.zeros(S * K, dtype=torch.bool)
+    marked[[0, 5, 10]] = True
+    got = {b: layout(p, counts.to(DEVICE), bad.to(DEVICE), 1, backend=b) for b in ("torch", "triton")}
+    for name in ("dest_rank", "dest_row", "src_rank"):
+        assert torch.equal(getattr(got["torch"], name).cpu(), getattr(got["triton"], name).cpu()), name
+    lay = got["torch"]
+    assert lay.dest_rank.cpu()[marked].eq(-1).all() and lay.dest_row.cpu()[marked].eq(-1).all()
+    assert lay.dest_rank.cpu()[~marked].ge(0).all() and lay.dest_rank.cpu()[~marked].lt(R).all()
+    assert lay.dest_row.cpu()[~marked].ge(0).all() and lay.dest_row.cpu()[~marked].lt(S * K).all()
+
+
 def check_round_trip(idx, R, S, K, E):
     """The plan of ``idx`` [R, S, K] and every rank's layout, checked by a simulated all-to-all (see above)."""
     counts = torch.stack([torch.bincount(idx[r].reshape(-1), minlength=E) for r in range(R)])

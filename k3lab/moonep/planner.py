@@ -408,7 +408,9 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, bac
     Args:
         p (Plan): from ``plan(counts, S, K)``.
         counts (Tensor): [R, E] int64 (or int32), the counts the plan was made from.
-        topk_idx (Tensor): [S, K] int64 expert ids of this rank's tokens, all in [0, E).
+        topk_idx (Tensor): [S, K] int64 expert ids of this rank's tokens, in [0, E). They are not read back
+            (no host sync): a pair whose id lies outside gets ``dest_rank`` and ``dest_row`` -1, and no memory
+            outside the plan is read for it (``k3lab.moonep.ep``'s entry checks the ids with a clear error).
         rank (int): this rank.
         backend (str | None): ``"torch"`` (a few dozen small tensor ops), ``"triton"`` (the plan-free sort and
             prefix sums in torch, then steps 2-5 in one launch, ``k3lab.kernels.moonep.layout_rows``, which
@@ -450,6 +452,9 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, bac
             p.slot_experts, counts_cum.contiguous(), rank)
         return Layout(dest_rank=dest_rank, dest_row=dest_row, src_rank=src_rank, offsets=p.offsets[rank],
                       slot_experts=p.slot_experts[rank])
+    # An id outside [0, E) reads expert 0's entries and is marked -1 at the end.
+    bad = (e < 0) | (e >= E)
+    e = e.masked_fill(bad, 0)
     # 2. its global number within expert e.
     g = base[e] + pos
     # 3. the processing rank: the piece of assign[e] that holds g.
@@ -467,5 +472,6 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, bac
     row_expert = p.slot_experts[rank][row_slot]
     row_g = (cum - p.assign)[row_expert, rank] + rows - starts[rank][row_slot]
     src_rank = (counts_cum.T[row_expert] <= row_g[:, None]).sum(1).clamp(max=R - 1)
+    dest_rank, dest_row = dest_rank.masked_fill(bad, -1), dest_row.masked_fill(bad, -1)
     return Layout(dest_rank=dest_rank, dest_row=dest_row, src_rank=src_rank, offsets=p.offsets[rank],
                   slot_experts=p.slot_experts[rank])

@@ -41,6 +41,9 @@ def moonep_layout_kernel(e_ids, pos, base, assign, slot_counts, offsets, slot_ex
         o = pid * BLOCK + tl.arange(0, BLOCK)
         m = o < N
         e = tl.load(e_ids + o, mask=m, other=0)
+        # An id outside [0, E) is read nowhere and its pair marked -1 (the ids are not checked on the host).
+        bad = (e < 0) | (e >= R * L)
+        e = tl.where(bad, 0, e)
         g = tl.load(base + e, mask=m, other=0) + tl.load(pos + o, mask=m, other=0)
         dest = tl.zeros([BLOCK], dtype=tl.int64)
         before = tl.zeros([BLOCK], dtype=tl.int64)
@@ -56,8 +59,8 @@ def moonep_layout_kernel(e_ids, pos, base, assign, slot_counts, offsets, slot_ex
         o_slot = dest * (2 * L) + slot
         start = tl.load(offsets + o_slot, mask=m, other=0).to(tl.int64) - tl.load(slot_counts + o_slot, mask=m,
                                                                                    other=0)
-        tl.store(dest_rank + o, dest, mask=m)
-        tl.store(dest_row + o, start + g - before, mask=m)
+        tl.store(dest_rank + o, tl.where(bad, -1, dest), mask=m)
+        tl.store(dest_row + o, tl.where(bad, -1, start + g - before), mask=m)
     else:
         i = (pid - n_pair_blocks) * BLOCK + tl.arange(0, BLOCK)
         m = i < C
@@ -95,7 +98,8 @@ def layout_rows(e_ids: torch.Tensor, pos: torch.Tensor, base: torch.Tensor, assi
         rank (int): this rank.
 
     Returns:
-        (dest_rank [N], dest_row [N], src_rank [N]) int64: the buffer holds S*K rows, as many as the pairs.
+        (dest_rank [N], dest_row [N], src_rank [N]) int64: the buffer holds S*K rows, as many as the pairs; a
+        pair whose expert id lies outside [0, E) gets dest_rank and dest_row -1.
     """
     N = e_ids.numel()
     R, two_L = offsets.shape
