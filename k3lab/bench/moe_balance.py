@@ -121,16 +121,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = run_info(device) | {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "device", "small")},
                                  "tokens_per_step": tokens, "pairs_per_expert": q, "target": TARGET, "runs": {}}
-    for method in args.methods:
+
+    def run(rule: MoEConfig, lr: float) -> tuple:
+        """(trained model, its record) of one rule at ``lr``, from the same initialisation and batches."""
         t0 = time.perf_counter()
-        rule = replace(moe_cfg, balance="qb", estimator="exact") if method == "qb-exact" else replace(moe_cfg, balance=method)
         model = build_moe_lm(lm_cfg, rule, seed=args.seed)
-        h = train_moe_lm(model, args.steps, args.batch_size, args.seq_len, args.lr, device, seed=args.seed,
+        h = train_moe_lm(model, args.steps, args.batch_size, args.seq_len, lr, device, seed=args.seed,
                          log_every=max(1, args.steps // 4), progress=not args.small, microbatches=args.microbatches)
         worst = h["maxvio"].max(1).values.tolist()
-        result["runs"][method] = {"maxvio": h["maxvio"].tolist(), "worst_maxvio": worst,
-                                  "settled_at": settled_at(worst), "val_step": h["step"], "val_loss": h["val_loss"],
-                                  "seconds": round(time.perf_counter() - t0, 1)}
+        return model, {"maxvio": h["maxvio"].tolist(), "worst_maxvio": worst, "settled_at": settled_at(worst),
+                       "val_step": h["step"], "val_loss": h["val_loss"], "seconds": round(time.perf_counter() - t0, 1)}
+
+    for method in args.methods:
+        rule = replace(moe_cfg, balance="qb", estimator="exact") if method == "qb-exact" else replace(moe_cfg, balance=method)
+        model, result["runs"][method] = run(rule, args.lr)
         if method == "qb":
             # The sampling floor at this step size, on the trained model: a bias fitted to one step's batch,
             # applied to the next batch through the same router (chapter 05, Section 6). What QB's training
@@ -142,14 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
     # router's motion in between (which the learning rate scales) adds to the sampling floor.
     result["qb_lr_sweep"] = {}
     for lr in dict.fromkeys(x for x in args.qb_lrs if x != args.lr):
-        t0 = time.perf_counter()
-        h = train_moe_lm(build_moe_lm(lm_cfg, replace(moe_cfg, balance="qb"), seed=args.seed), args.steps,
-                         args.batch_size, args.seq_len, lr, device, seed=args.seed, log_every=max(1, args.steps // 4),
-                         progress=not args.small, microbatches=args.microbatches)
-        worst = h["maxvio"].max(1).values.tolist()
-        result["qb_lr_sweep"][str(lr)] = {"lr": lr, "worst_maxvio": worst, "settled_at": settled_at(worst),
-                                          "met": None if args.small else verdict(settled_at(worst), args.steps),
-                                          "val_loss": h["val_loss"], "seconds": round(time.perf_counter() - t0, 1)}
+        _, r = run(replace(moe_cfg, balance="qb"), lr)
+        result["qb_lr_sweep"][str(lr)] = {"lr": lr, **r,
+                                          "met": None if args.small else verdict(r["settled_at"], args.steps)}
     qb = result["runs"].get("qb")
     result["met"] = None if qb is None or args.small else verdict(qb["settled_at"], args.steps)
     write_result("moe_balance", result, args.out, small=args.small)
