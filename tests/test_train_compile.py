@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
 from k3lab.bench.train import main as bench_main
+from k3lab.dist import launch
 from k3lab.model import K3Config, K3Model
 from k3lab.moe import moe_layers, update_biases
 from k3lab.optim import per_head_muon
 from k3lab.testing import assert_close
-from k3lab.train import Parallel, TrainConfig, compile_blocks, parse_args
+from k3lab.train import Parallel, TrainConfig, compile_blocks, parse_args, train
 from k3lab.train.loop import forward_backward
 from k3lab.train.runner import torchrun_command
+from k3lab.train.workers import train_worker
 
 # float32 on both sides: inductor reorders sums (RMSNorm, softmax, the GEMM epilogues), nothing more.
 LOSS_TOL = 1e-5
@@ -77,6 +80,23 @@ def test_compiled_trainer_step_matches_eager(one_thread):
         compiled.load_state_dict(eager.state_dict())
         compiled.zero_grad(set_to_none=True)
     print("\n".join(lines))
+
+
+def test_compiled_context_parallel_runs_match_one_eager_process(tmp_path, one_thread):
+    # cp = 2: Gated MLA's latents cross a graph break (the all-gather stays eager). When the gather took a view of
+    # the compiled graph's output, the second run (its graphs loaded from inductor's cache, here a fresh one)
+    # replayed that view with garbage sizes ("shape '[93995057608682, ...]' is invalid") or crashed the rank.
+    cfg = dict(preset="k3-tiny", steps=3, batch_size=4, seq_len=32, lr=3e-3, progress=False, seed=0)
+    with one_thread():
+        ref = np.array([r["loss"] for r in train(TrainConfig(**cfg))])
+    runs = launch(train_worker, 2, [dict(cfg, cp=2, compile=True)] * 2, timeout_s=600,
+                  env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})[0]["runs"]
+    for label, records in zip(("compiled", "from the cache"), runs):
+        got = np.array([r["loss"] for r in records])
+        assert len(got) == len(ref), f"cp=2 {label}: {len(got)} steps logged, want {len(ref)}"
+        rel = np.abs(got - ref) / np.abs(ref)
+        print(f"cp=2 {label} vs one eager process: losses {got} vs {ref}, max rel err {rel.max():.1e}")
+        assert rel.max() < 1e-4, f"cp=2 {label}: losses {got} vs one eager process {ref}"
 
 
 def test_compile_needs_a_model_with_sublayers():

@@ -339,7 +339,7 @@ class GatedMLA(nn.Module):
             from k3lab.kcp.kcp import gather_from_group  # noqa: PLC0415  (k3lab.kcp imports k3lab.kda)
 
             # One all-gather of [T_local, R + Dr] per rank: the latents every rank's queries read.
-            full = gather_from_group(torch.cat([latent, k_shared], dim=-1)[0], cp, "mla_latent")
+            full = gather_from_group(torch.cat([latent[0], k_shared[0]], dim=-1), cp, "mla_latent")
             latent, k_shared = full.reshape(1, cp.T, self.R + self.Dr).split([self.R, self.Dr], dim=-1)
             mask = context_mask(cp, x.device)
         offset = 0
