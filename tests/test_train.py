@@ -645,3 +645,28 @@ def test_a_resumed_runs_summary_survives_an_unreadable_earlier_part(tmp_path, ca
     out = log.summary({})
     assert out["last_step"] == 5 and "run_parts" not in out
     assert "no summary over the run's parts (JSONDecodeError" in capsys.readouterr().err
+
+
+def test_process_group_takes_cuda_without_an_index_as_the_current_device(monkeypatch):
+    # torch.cuda.set_device refuses a device without an index ("Expected a torch.device with a specified index");
+    # a benchmark's --device cuda reaches process_group as exactly that.
+    from torch.cuda._utils import _get_device_index
+
+    from k3lab.train.loop import process_group
+
+    chosen = []
+
+    class Stop(Exception):
+        pass
+
+    def set_device(d):
+        chosen.append(_get_device_index(d))
+        raise Stop
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    for device, want in ((torch.device("cuda"), 3), (torch.device("cuda", 1), 1)):
+        with pytest.raises(Stop), process_group(device):
+            pass
+    assert chosen == [3, 1]

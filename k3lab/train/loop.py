@@ -149,7 +149,8 @@ def process_group(device: torch.device):
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        # "cuda" without an index (a benchmark's --device cuda) is the current device; set_device refuses it.
+        torch.cuda.set_device(torch.cuda.current_device() if device.index is None else device.index)
     if "RANK" in os.environ:
         dist.init_process_group(backend, timeout=PG_TIMEOUT)
     else:
