@@ -338,7 +338,9 @@ class GatedMLA(nn.Module):
         if cp is not None:
             from k3lab.kcp.kcp import gather_from_group  # noqa: PLC0415  (k3lab.kcp imports k3lab.kda)
 
-            # One all-gather of [T_local, R + Dr] per rank: the latents every rank's queries read.
+            # One all-gather of [T_local, R + Dr] per rank: the latents every rank's queries read. The gather is
+            # eager under --compile; it takes a fresh tensor, since a view of a compiled graph's output came back
+            # from inductor's cache with garbage sizes.
             full = gather_from_group(torch.cat([latent[0], k_shared[0]], dim=-1), cp, "mla_latent")
             latent, k_shared = full.reshape(1, cp.T, self.R + self.Dr).split([self.R, self.Dr], dim=-1)
             mask = context_mask(cp, x.device)
