@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from k3lab.bench.train import BF16_LOSS_BOUND, main, summarise
+from k3lab.bench.train import BF16_LOSS_BOUND, attnres_overhead, main, summarise
 from k3lab.train import TrainConfig
 from k3lab.train.metrics import FLOPS_CONVENTION
 
@@ -56,6 +56,24 @@ def test_small_run_times_both_residuals(small_run):
     assert a["attnres_ms"] > 0 and a["standard_ms"] > 0
     assert small_run[1]["attnres_overhead"] == pytest.approx(a["attnres_ms"] / a["standard_ms"] - 1)
     assert a["step_tokens_per_s"] == pytest.approx(a["tokens"] / a["attnres_ms"] * 1e3)
+    assert "eager_ms" not in a and "compile_speedup" not in a  # only a compiled model has an eager twin
+
+
+def test_compiled_overhead_run_also_times_the_same_model_eager(monkeypatch, one_thread):
+    stances = []
+    real = torch.compiler.set_stance
+
+    def spy(stance, *args, **kwargs):
+        stances.append(stance)
+        return real(stance, *args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", spy)
+    config = TrainConfig(preset="k3-tiny", batch_size=2, seq_len=32, compile=True, progress=False)
+    with one_thread():
+        a = attnres_overhead(config, torch.device("cpu"), steps=2, warmup=1)
+    assert stances == ["force_eager"] * 3  # one eager step per round, warm-up included
+    assert a["attnres_ms"] > 0 and a["standard_ms"] > 0 and a["eager_ms"] > 0
+    assert a["compile_speedup"] == pytest.approx(a["eager_ms"] / a["attnres_ms"])
 
 
 def test_small_run_peer_is_counted_when_torchtitan_is_installed(small_run):

@@ -304,11 +304,14 @@ def _peak_gib(device: torch.device) -> float | None:
 def attnres_overhead(config: TrainConfig, device: torch.device, steps: int, warmup: int = 3) -> dict:
     """The trainer's step (bf16 autocast on CUDA, Per-Head Muon, Quantile Balancing, value checks off) on one
     real batch, with the model's Block AttnRes and with the standard residual swapped in, alternating
-    step by step (``warmup`` untimed steps of each first).
+    step by step (``warmup`` untimed steps of each first). With ``config.compile`` a third step alternates
+    with them: the same compiled model with Block AttnRes run eagerly (``torch.compiler.set_stance
+    ("force_eager")``), so the compile's speedup is measured on one model, batch and run.
 
     Returns:
         {"attnres_ms", "standard_ms" (medians), "overhead" (their ratio - 1), "overhead_min" (of the
-        minima), "attnres_peak_GiB", "standard_peak_GiB" (CUDA), "steps", "tokens"}.
+        minima), "attnres_peak_GiB", "standard_peak_GiB" (CUDA), "steps", "tokens"}; with ``config.compile``
+        also "eager_ms" (median) and "compile_speedup" (eager_ms / attnres_ms).
     """
     x, y = real_batch(config, config.batch_size, device)
     model = build_model(config, device)
@@ -319,13 +322,16 @@ def attnres_overhead(config: TrainConfig, device: torch.device, steps: int, warm
     model.train()
     opt = per_head_muon(model, lr=config.lr, weight_decay=config.weight_decay)
     residuals = {"attnres": model.residual, "standard": PreNormResidual()}
+    if config.compile:
+        residuals["eager"] = model.residual
 
     def step(name):
         # The residual is the only difference: K3Model combines its sublayers with whatever module
         # ``residual`` holds (forward(h0, sublayers)). Block AttnRes' queries get no gradient from the
         # standard steps, and the optimizer skips parameters without one.
         model.residual = residuals[name]
-        with train_autocast(device):
+        stance = torch.compiler.set_stance("force_eager") if name == "eager" else contextlib.nullcontext()
+        with stance, train_autocast(device):
             _, loss = model(x, y)
         loss.backward()
         opt.step()
@@ -352,6 +358,10 @@ def attnres_overhead(config: TrainConfig, device: torch.device, steps: int, warm
     out["step_tokens_per_s"] = out["tokens"] / med["attnres"]
     print(f"AttnRes step {out['attnres_ms']:.1f} ms vs standard residual {out['standard_ms']:.1f} ms: "
           f"overhead {100 * out['overhead']:+.2f}% (of the minima {100 * out['overhead_min']:+.2f}%)", flush=True)
+    if "eager" in med:
+        out.update(eager_ms=1e3 * med["eager"], compile_speedup=med["eager"] / med["attnres"])
+        print(f"compiled step {out['attnres_ms']:.1f} ms vs the same model eager {out['eager_ms']:.1f} ms: "
+              f"{out['compile_speedup']:.2f}x", flush=True)
     del model, opt, residuals, x, y
     _free(device)
     return out
@@ -592,7 +602,9 @@ def table(r: dict) -> str:
         lines.append(f"peer failed: {r['peer_error']}")
     bf16, sync = r["checks"]["bf16"], r["checks"]["sync_debug"]
     lines += [f"MFU {num(r['mfu'], '.1f', 100.0)} % (floor 25 %, goal 45 %); AttnRes step overhead "
-              f"{100 * r['attnres_overhead']:+.2f}% (goal <= 4%)",
+              f"{100 * r['attnres_overhead']:+.2f}% (goal <= 4%)"
+              + (f"; compiled step {r['attnres']['compile_speedup']:.2f}x the same model's eager step"
+                 if "compile_speedup" in r["attnres"] else ""),
               f"loss {r['loss_curve'][0][1]:.3f} -> {r['final_loss']:.3f}",
               f"checks: bf16 vs float32 loss rel err {bf16['loss_rel_err']:.1e} (logits with the same routing "
               f"{bf16.get('logits_rel_rms_err_same_routing', float('nan')):.1e}, routed freely "
