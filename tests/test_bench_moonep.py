@@ -40,6 +40,21 @@ def test_small_cpu_run_writes_the_json_shape(tmp_path):
     assert all(result["floors"]["moonep_step_growth"][p]["simulated"] for p in ("scattered", "packed"))
     packed = [r for r in data["skew"] if r["placement"] == "packed"]
     assert packed[-1]["alltoall"]["busiest_over_SK"] > 2  # the hot experts all on rank 0
+    for row in data["skew"]:
+        for order in ("redundant_first", "longest_first"):
+            assert row["moonep"][f"gemm_ms_{order}"] > 0
+            assert row["moonep"][f"moonep_ms_{order}"] > row["moonep"][f"gemm_ms_{order}"]
+    assert all("growth_longest_first" in g for g in result["floors"]["moonep_step_growth"].values())
+
+
+def test_group_orders_permute_each_ranks_groups():
+    counts = torch.tensor([[5, 0, 9, 1, 3, 3], [2, 2, 0, 7, 0, 4]])  # R = 2, L = 3
+    orders = bench.group_orders(counts)
+    assert orders["redundant_first"].tolist() == [[3, 4, 5, 0, 1, 2]] * 2
+    longest = counts.gather(1, orders["longest_first"])
+    assert longest.tolist() == [[9, 5, 3, 3, 1, 0], [7, 4, 2, 2, 0, 0]]
+    for order in orders.values():
+        assert (order.sort(1).values == torch.arange(6)).all()
 
 
 def test_small_run_without_out_writes_nothing(tmp_path, monkeypatch, capsys):
