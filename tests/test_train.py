@@ -17,7 +17,8 @@ import torch
 
 from k3lab.dist import launch
 from k3lab.testing import assert_close
-from k3lab.train import TokenLoader, TrainConfig, latest_checkpoint, lr_at, main, parse_args, train
+from k3lab.train import (TokenLoader, TrainConfig, build_parser, latest_checkpoint, lr_at, main, parse_args,
+                         train)
 from k3lab.train.loader import pack_documents
 from k3lab.train.runner import RunResult, torchrun_command
 from k3lab.train.workers import clocked_train_worker, first_step_grads, train_worker
@@ -48,13 +49,30 @@ BASE = dict(preset="k3-tiny", steps=8, batch_size=4, seq_len=32, lr=3e-3, progre
     (["--stop-after-minutes", "0", "--ckpt-dir", "build/unused"], "--stop-after-minutes must be a finite number"),
     (["--keep-checkpoints", "2"], "--keep-checkpoints needs --ckpt-dir"),
     (["--keep-checkpoints", "-1", "--ckpt-dir", "build/unused"], "--keep-checkpoints must be an int >= 0"),
+    (["--lr", "1e308"], "--lr must be a positive finite number < 1"),
+    (["--lr", "1"], "--lr must be a positive finite number < 1"),
+    (["--seed", "20000000000000"], "--seed must be an int in [0, 4294967295]"),
+    (["--seed", "-1"], "--seed must be an int in [0, 4294967295]"),
+    (["--mtp", "32", "--seq-len", "32"], "--mtp must be < --seq-len 32"),
+    (["--mtp", "100000"], "--mtp must be < --seq-len 128"),
 ], ids=["preset", "steps", "ep-mode", "ckpt-every", "resume", "lr", "kill", "policy", "rule", "log-every", "cp",
-        "mtp-cp", "clip-negative", "clip-inf", "stop-no-ckpt", "stop-zero", "keep-no-ckpt", "keep-negative"])
+        "mtp-cp", "clip-negative", "clip-inf", "stop-no-ckpt", "stop-zero", "keep-no-ckpt", "keep-negative",
+        "lr-overflow", "lr-one", "seed-overflow", "seed-negative", "mtp-seq-len", "mtp-huge"])
 def test_bad_flags_exit_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_largest_seed_runs_and_the_data_dir_help_names_the_tokenizer():
+    """--seed 20000000000000 passed the flag check and overflowed the loader's generator seed; the --data-dir
+    help named shards/ only, though the folder also needs tokenizer.json."""
+    TokenLoader(np.arange(100, dtype=np.uint16), 2, 8, seed=2**32 - 1).next_batch()
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 4294967295\]"):
+        TokenLoader(np.arange(100, dtype=np.uint16), 2, 8, seed=2**32)
+    data_dir = next(a for a in build_parser()._actions if "--data-dir" in a.option_strings)
+    assert "shards/ and tokenizer.json" in data_dir.help
 
 
 def test_layout_that_does_not_fit_the_world_is_a_usage_error(capsys):
@@ -160,6 +178,103 @@ def test_keep_checkpoints_leaves_the_newest_complete_ones(tmp_path, one_thread):
     assert sorted(p.name for p in (tmp_path / "keep").iterdir()) == ["notes", "step_00000006", "step_00000008"]
     assert latest_checkpoint(tmp_path / "keep").name == "step_00000008"
     assert sorted(p.name for p in (tmp_path / "all").iterdir()) == [f"step_{n:08d}" for n in (2, 4, 6, 8)]
+
+
+def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(tmp_path, capsys):
+    """A fresh run into a used --ckpt-dir mixed its checkpoints with the old run's: --keep-checkpoints deleted
+    the new run's own (the old ones were newer) and a later --resume continued the old run."""
+    ckpt = tmp_path / "mix"
+    flags = ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--ckpt-dir", str(ckpt), "--ckpt-every", "1"]
+    assert main([*flags, "--steps", "3"]) == 0
+    capsys.readouterr()
+    before = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
+    with pytest.raises(SystemExit) as e:
+        main([*flags, "--steps", "3", "--doc-mask", "--keep-checkpoints", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert (f"--ckpt-dir {ckpt} already holds the checkpoints of a run (newest: step 3): pass --resume to continue "
+            f"that run, or choose an empty folder") in err, err[-800:]
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before
+    # What no run completed (a save cut short, a step folder without .metadata) does not hold the folder.
+    partial = tmp_path / "partial"
+    (partial / ".tmp-step_00000002").mkdir(parents=True)
+    (partial / "step_00000001").mkdir()
+    assert main(["--batch-size", "2", "--seq-len", "16", "--no-progress", "--ckpt-dir", str(partial), "--steps", "1"]) == 0
+    assert latest_checkpoint(partial).name == "step_00000001"
+
+
+def _forbid_steps(monkeypatch):
+    """Make any training step fail the test: what must stop at start-up stops before the first step."""
+    from k3lab.train import loop
+
+    def step(*a, **k):
+        raise AssertionError("a step ran")
+
+    monkeypatch.setattr(loop, "forward_backward", step)
+
+
+@pytest.mark.parametrize("flag, path", [
+    ("--ckpt-dir", "x" * 300), ("--log-jsonl", "x" * 300 + ".jsonl"), ("--ckpt-dir", "/proc/k3ckpt"),
+    ("--log-jsonl", "/proc/k3ckpt/log.jsonl")], ids=["ckpt-long", "log-long", "ckpt-proc", "log-proc"])
+def test_an_output_path_that_cannot_be_made_stops_at_start_up(flag, path, tmp_path, capsys, monkeypatch):
+    """A name too long for the file system (or a folder in /proc, as root) passed the flag check: the run
+    trained to its end and lost itself in a traceback at the final save (the log: at its first record)."""
+    if path.startswith("/proc") and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc")
+    path = path if path.startswith("/") else str(tmp_path / path)
+    _forbid_steps(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        main(["--batch-size", "2", "--seq-len", "16", "--steps", "1", "--no-progress", flag, path])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    # As root /proc passes the flag check (os.access) and its mkdir fails at start-up; otherwise the flag check.
+    assert f"error: {flag}" in err and path in err and "cannot be created" in err, err[-800:]
+    assert "Traceback" not in err
+
+
+def test_an_expert_count_the_ep_ranks_do_not_divide_is_a_usage_error():
+    """--ep 3 over the 8 experts of k3-tiny raised parallelize's ValueError with a traceback on every rank."""
+    cmd = torchrun_command(3, **dict(BASE, ep=3, batch_size=6, steps=2))
+    run = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0
+    assert run.stderr.count("--ep 3 must divide the 8 routed experts of --preset k3-tiny") == 1, run.stderr[-3000:]
+    assert "ValueError" not in run.stderr and "k3lab/train/" not in run.stderr, run.stderr[-3000:]
+
+
+def test_a_diverging_run_ends_in_one_line_naming_the_step(tmp_path, monkeypatch, capsys):
+    """A NaN loss, and the KDA operator's overflow error at a huge learning rate, ended in a traceback; the
+    run now ends with exit status 1 and one line that names the step and a lower --lr, and no checkpoint."""
+    from k3lab.kda.checks import NonFiniteError
+    from k3lab.train import loop
+
+    real = loop.forward
+    calls = []
+
+    def diverging(model, x, y, doc_mask, par=None):
+        calls.append(1)
+        logits, loss = real(model, x, y, doc_mask, par)
+        if len(calls) == 2:
+            raise NonFiniteError("q", "x is too large: q contains NaN or inf")
+        return logits, loss
+
+    flags = ["--batch-size", "2", "--seq-len", "16", "--steps", "3", "--no-progress"]
+    monkeypatch.setattr(loop, "forward", diverging)
+    with pytest.raises(SystemExit) as e:
+        main([*flags, "--ckpt-dir", str(tmp_path), "--ckpt-every", "1", "--log-every", "2"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.search(r"error: the run diverged at step 2 \(x is too large: q contains NaN or inf\).*lower --lr", err), err
+    assert latest_checkpoint(tmp_path).name == "step_00000001"
+
+    monkeypatch.setattr(loop, "forward", lambda *a, **k: (lambda o: (o[0], o[1] * float("nan")))(real(*a, **k)))
+    with pytest.raises(SystemExit) as e:
+        main([*flags, "--ckpt-dir", str(tmp_path / "nan")])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the loss is nan and the gradient norm nan at step 1" in err, err
+    assert "lower --lr" in err and latest_checkpoint(tmp_path / "nan") is None
 
 
 # ---------------------------------------------------------------- 2 ranks
@@ -634,7 +749,8 @@ def test_two_ranks_stop_at_the_same_step_by_rank_0s_clock(tmp_path):
 
 
 def test_a_resumed_runs_summary_survives_an_unreadable_earlier_part(tmp_path, capsys):
-    """The run_* fields read the whole file: a cut line of an earlier part leaves them out, not the run's end."""
+    """The run_* fields read the whole file: a line that is not JSON inside a part (not a cut last line, which is
+    skipped) leaves them out, not the run's end."""
     from k3lab.train.metrics import MetricsLog
 
     path = tmp_path / "m.jsonl"
@@ -644,7 +760,41 @@ def test_a_resumed_runs_summary_survives_an_unreadable_earlier_part(tmp_path, ca
                    peak_mem_GiB=1.0))
     out = log.summary({})
     assert out["last_step"] == 5 and "run_parts" not in out
-    assert "no summary over the run's parts (JSONDecodeError" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no summary over the run's parts (ValueError: " in err and "line 2 is not complete JSON" in err, err
+
+
+def test_a_cut_last_line_is_skipped_and_the_next_part_starts_on_a_new_line(tmp_path):
+    """A process killed mid-write leaves a cut last line; the resumed run appended its records onto it, and
+    the log no longer read. The appender starts a new line; the reader skips a cut last line of a part (the
+    line before a "start" record, or the file's last line) with a warning, and refuses one elsewhere."""
+    from k3lab.train.metrics import MetricsLog, summarize_log
+
+    def step(s):
+        return dict(event="step", step=s, loss=10.0 - s, step_s=1.0, tokens_per_s=10.0, mfu=None, maxvio=None,
+                    peak_mem_GiB=1.0)
+
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps(dict(event="start", resumed_from=0)) + "\n" + json.dumps(step(1)) + "\n"
+                    + '{"event": "step", "step": 2, "lo')
+    with pytest.warns(UserWarning, match=r"m.jsonl: line 3 is not complete JSON \(a cut last line\), skipped"):
+        assert summarize_log(path)["losses"] == {1: 9.0}
+    log = MetricsLog(str(path), 4, 1, progress=False)
+    log.write(dict(event="start", resumed_from=1))
+    for s in (2, 3, 4):
+        log.write(step(s))
+    log.file.close()
+    lines = path.read_text().splitlines()
+    assert lines[2] == '{"event": "step", "step": 2, "lo' and json.loads(lines[3])["event"] == "start"
+    with pytest.warns(UserWarning, match="line 3 is not complete JSON") as caught:
+        run = summarize_log(path)
+    assert len(caught) == 1
+    assert run["losses"] == {1: 9.0, 2: 8.0, 3: 7.0, 4: 6.0} and run["parts"] == 2
+    # A line that is not JSON inside a part is damage, not a cut: no silent skip.
+    lines.insert(1, '{"event": "st')
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"m.jsonl: line 2 is not complete JSON and not the last line of a part"):
+        summarize_log(path)
 
 
 def test_process_group_takes_cuda_without_an_index_as_the_current_device(monkeypatch):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from k3lab.files import blocked_parent
 from k3lab.memory import check_policy
 from k3lab.moonep import MODES
+from k3lab.train.loader import MAX_SEED
 
 TRAIN_PRESETS = ("k3-tiny", "k3-1b")
 # torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B (two stages per rank), ScheduleGPipe.
@@ -30,7 +31,7 @@ class TrainConfig:
         batch_size (int): global batch in sequences, split equally over the dp x ep data rows (the cp
             ranks of a row share its sequences, each holding a contiguous 1/cp of them).
         seq_len (int): T, tokens per sequence.
-        lr (float): peak learning rate (Muon's per-block RMS matching makes one lr serve both groups).
+        lr (float): peak learning rate in (0, 1) (Muon's per-block RMS matching makes one lr serve both groups).
         dp (int | None): data-parallel ranks (None: world size / (pp * ep * cp)). ep (int): expert-parallel ranks.
         cp (int): context-parallel ranks (KCP for the KDA layers, a latent all-gather for MLA).
         pp (int): pipeline-parallel ranks (the outermost mesh axis; ``k3lab.model.split_model``'s stages).
@@ -38,14 +39,16 @@ class TrainConfig:
             parts, their gradients accumulated (loss / M each) before the one optimizer step; with pp > 1 the
             schedule's micro-batches. None: pp (one micro-batch in flight per stage; 1 without pp).
         pp_schedule (str): "1f1b", "interleaved-1f1b" (two stages per rank) or "gpipe".
-        mtp (int): multi-token-prediction depth D (``K3Config.num_nextn_predict_layers``; 0: none).
+        mtp (int): multi-token-prediction depth D (``K3Config.num_nextn_predict_layers``; 0: none), below seq_len
+            (depth k has seq_len - k targets in a sequence).
         ep_mode (str): "moonep" or "alltoall".
         ckpt_dir (str | None): where checkpoints go (None: never saved).
         ckpt_every (int): save every this many steps (0: only at the end); needs ckpt_dir.
         keep_checkpoints (int): after each save keep only the newest this many complete checkpoints (0: all).
-        resume (bool): continue from the latest complete checkpoint in ckpt_dir (fresh start if none).
-        log_jsonl (str | None): metrics file (appended). seed (int): model init and data order.
-        data_dir (str | None): folder with shards/ (default ``k3lab.data``'s).
+        resume (bool): continue from the latest complete checkpoint in ckpt_dir (fresh start if none); without
+            it, ``train`` refuses a ckpt_dir that holds complete checkpoints (another run's).
+        log_jsonl (str | None): metrics file (appended). seed (int): model init and data order, in [0, 2**32 - 1].
+        data_dir (str | None): folder with shards/ and tokenizer.json (default ``k3lab.data``'s).
         progress (bool): draw a progress bar on rank 0.
         doc_mask (bool): keep the packed documents apart (``pack_documents``: KDA restarts, MLA masks at every
             ``<|endoftext|>``); the MLA mask is [B*T, B*T], so this is for short rows.
@@ -69,7 +72,8 @@ class TrainConfig:
 
     Raises:
         ValueError: any field out of range, or a --ckpt-dir / --log-jsonl that cannot be created or written
-            (its nearest existing folder is a file or read-only); the message names the flag.
+            (its nearest existing folder is a file or read-only); the message names the flag. A path the file
+            system refuses otherwise (a name too long, /proc) stops ``train`` at start-up (``prepare_outputs``).
     """
 
     preset: str = "k3-tiny"
@@ -114,14 +118,22 @@ class TrainConfig:
             bad("preset", f"must be one of {TRAIN_PRESETS}")
         for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("ep", 1), ("cp", 1), ("pp", 1),
                           ("microbatches", 1), ("mtp", 0), ("ckpt_every", 0), ("keep_checkpoints", 0),
-                          ("seed", 0), ("log_every", 1)):
+                          ("log_every", 1)):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
                 bad(name, f"must be an int >= {low}")
+        # The loader's bound (its generator seed mixes in the epoch); torch.manual_seed takes up to 2**64 - 1.
+        if not (isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed <= MAX_SEED):
+            bad("seed", f"must be an int in [0, {MAX_SEED}]")
+        if self.mtp >= self.seq_len:
+            bad("mtp", f"must be < --seq-len {self.seq_len} (depth k predicts the token k + 1 ahead: a depth of "
+                       f"--seq-len or more has no target in a sequence)")
         if self.dp is not None and not (isinstance(self.dp, int) and not isinstance(self.dp, bool) and self.dp >= 1):
             bad("dp", "must be an int >= 1")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            bad("lr", "must be a positive finite number")
+        # Far above any learning rate that trains (the book's runs use 1e-2 at most), and below the values whose
+        # update overflows float32 inside the optimizer (--lr 1e308) instead of reaching the divergence check.
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and 0 < self.lr < 1):
+            bad("lr", "must be a positive finite number < 1")
         if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             bad("weight_decay", "must be a finite number >= 0")
         if not (isinstance(self.max_grad_norm, (int, float)) and not isinstance(self.max_grad_norm, bool)
@@ -149,8 +161,8 @@ class TrainConfig:
             bad("ckpt_dir", "must be the folder that holds the step_NNNNNNNN checkpoints, not one of them")
         if self.log_jsonl is not None and os.path.isdir(self.log_jsonl):
             bad("log_jsonl", "must be a file path, not a folder")
-        # Both are first written after the first step (the log) or the last (the checkpoint): a path that
-        # cannot be made stops here instead of losing the run.
+        # ``train`` makes both before its first step too; checked here as well so that a path below a file or
+        # in a read-only folder is a flag error before any process group or model exists.
         for name in ("ckpt_dir", "log_jsonl"):
             reason = _unwritable(getattr(self, name))
             if reason:
@@ -212,7 +224,7 @@ HELP = {
     "steps": "total optimizer steps; the cosine learning-rate schedule spans them (keep it when resuming)",
     "batch_size": "global batch in sequences, split equally over the dp x ep data rows (cp ranks share a row's)",
     "seq_len": "tokens per sequence (T)",
-    "lr": "peak learning rate of Per-Head Muon and AdamW (cosine decay to 10%% after a warmup)",
+    "lr": "peak learning rate of Per-Head Muon and AdamW, in (0, 1) (cosine decay to 10%% after a warmup)",
     "dp": "data-parallel ranks, FSDP2 shards over them (default: world size / (pp * ep * cp))",
     "ep": "expert-parallel ranks; routed experts are split over them (must divide the expert count)",
     "cp": "context-parallel ranks: a row's packed tokens (batch / (dp x ep) x seq-len) are split into cp equal "
@@ -223,16 +235,19 @@ HELP = {
                     "sequences of a data row (default: --pp)",
     "pp_schedule": "pipeline schedule (torch.distributed.pipelining): 1f1b, interleaved-1f1b (two stages per "
                    "rank) or gpipe",
-    "mtp": "multi-token-prediction depth: D MTP modules after the stack, their loss weighted by 0.3 (0: none)",
+    "mtp": "multi-token-prediction depth: D MTP modules after the stack, their loss weighted by 0.3 (0: none); "
+           "below --seq-len",
     "ep_mode": "expert-parallel exchange: moonep (static, balanced, K3 App. E) or alltoall (dynamic baseline)",
-    "ckpt_dir": "folder for checkpoints (step_NNNNNNNN/, written atomically); none: no checkpoints",
+    "ckpt_dir": "folder for checkpoints (step_NNNNNNNN/, written atomically); none: no checkpoints; without "
+                "--resume it must hold no complete checkpoints",
     "ckpt_every": "save every N steps and at the end (0: only at the end); needs --ckpt-dir",
     "keep_checkpoints": "after each save keep only the newest N complete checkpoints (0: keep all); needs --ckpt-dir",
     "resume": "continue from the latest complete checkpoint in --ckpt-dir (a fresh start when there is none)",
     "log_jsonl": "append per-step metrics (loss, gradient norm before clipping, tokens/s, MFU, maxvio per MoE layer, "
                  "peak memory) to this file",
-    "seed": "seed of the model initialisation and the data order",
-    "data_dir": "folder holding shards/ (default: $K3LAB_DATA_DIR, else the checkout's data/)",
+    "seed": "seed of the model initialisation and the data order, in [0, 2**32 - 1]",
+    "data_dir": "folder holding shards/ and tokenizer.json, as python -m k3lab.data build leaves them (default: "
+                "$K3LAB_DATA_DIR, else the checkout's data/)",
     "doc_mask": "keep packed documents apart: KDA restarts and MLA masks at every <|endoftext|> (the MLA mask is "
                 "[B*T, B*T]: short rows only)",
     "kill_at_step": "fault injection for resume tests: every rank SIGKILLs itself after this step",

@@ -19,6 +19,8 @@ import torch
 
 # Odd multiplier that keeps (seed, epoch) pairs apart when mixed into one generator seed.
 _EPOCH_MIX = 1_000_003
+# The largest seed: seed * _EPOCH_MIX + epoch stays far below the generator's limit of 2**64 - 1.
+MAX_SEED = 2**32 - 1
 
 
 class TokenLoader:
@@ -29,14 +31,14 @@ class TokenLoader:
         global_batch (int): G sequences per step over all data ranks, divisible by ``data_size``.
         seq_len (int): T >= 1 with n >= T + 2 (at least one full window).
         data_rank (int), data_size (int): this rank's index in [0, R) and R.
-        seed (int): the permutation seed.
+        seed (int): the permutation seed, in [0, 2**32 - 1].
 
     ``next_batch(device) -> (x, y)``: int64 [G/R, T] each, y shifted by one; the position advances by G.
     ``state_dict() -> {"position", "seed", "seq_len", "global_batch"}`` (ints), ``load_state_dict``.
 
     Raises:
-        ValueError: tokens not 1-D integer, sizes < 1, G not divisible by R, rank outside [0, R), the split
-            shorter than T + 2 tokens; ``load_state_dict`` with another seed, T or G.
+        ValueError: tokens not 1-D integer, sizes < 1, G not divisible by R, rank outside [0, R), a seed outside
+            [0, 2**32 - 1], the split shorter than T + 2 tokens; ``load_state_dict`` with another seed, T or G.
     """
 
     def __init__(self, tokens: np.ndarray, global_batch: int, seq_len: int, data_rank: int = 0,
@@ -51,6 +53,8 @@ class TokenLoader:
             raise ValueError(f"the global batch {global_batch} must be divisible by the {data_size} data ranks")
         if not (isinstance(data_rank, int) and 0 <= data_rank < data_size):
             raise ValueError(f"data_rank must be in [0, {data_size}), got {data_rank!r}")
+        if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED):
+            raise ValueError(f"seed must be an int in [0, {MAX_SEED}], got {seed!r}")
         if len(tokens) < seq_len + 2:
             raise ValueError(f"seq_len {seq_len} needs a split of at least {seq_len + 2} tokens, got {len(tokens)}")
         self.tokens, self.G, self.T, self.rank, self.R, self.seed = tokens, global_batch, seq_len, data_rank, data_size, seed

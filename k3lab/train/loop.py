@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from k3lab.data import load_split, resolve_data_dir, vocab_size
 from k3lab.dist import local_shard
+from k3lab.kda.checks import NonFiniteError
 from k3lab.memory import apply_policies
 from k3lab.kcp import make_context
 from k3lab.model import K3Config, K3Model, flops_per_token, mfu
@@ -36,6 +38,9 @@ PG_TIMEOUT = datetime.timedelta(minutes=10)
 wall_clock = time.monotonic
 # <|endoftext|>'s id in the book's tokenizer (k3lab.data trains it as special token 0).
 EOT_ID = 0
+# What a diverged run's error advises, after naming the step.
+DIVERGED = ("stopping before it reaches a checkpoint (check the data, or start a new --ckpt-dir with a lower --lr or "
+            "--max-grad-norm: a resume keeps both)")
 
 
 def lr_at(step: int, total: int, peak: float, warmup: float, floor: float = 0.1) -> float:
@@ -208,6 +213,50 @@ def forward(model: K3Model, x: torch.Tensor, y: torch.Tensor, doc_mask: bool, pa
     return model(x[:, ctx.start:ctx.stop], y[:, ctx.start:ctx.stop], cp=ctx)
 
 
+def _output_problem(config: TrainConfig) -> str | None:
+    """Why the run may not write where ``config`` says (None: it may), having made what it needs there: the
+    --ckpt-dir folder and the --log-jsonl file (empty if new), which the first checkpoint and the first record
+    would otherwise meet only after training (the checks of ``TrainConfig`` see only the existing folders above
+    a path, not a name too long or a file system that refuses new entries)."""
+    if config.ckpt_dir:
+        try:
+            # A fresh run among another run's checkpoints would mix with them: --keep-checkpoints would delete
+            # its own (the old ones count as newer) and a later --resume would continue the old run.
+            found = None if config.resume else latest_checkpoint(config.ckpt_dir)
+            if found is not None:
+                return (f"--ckpt-dir {config.ckpt_dir} already holds the checkpoints of a run (newest: step "
+                        f"{int(found.name.removeprefix('step_'))}): pass --resume to continue that run, or choose an "
+                        f"empty folder")
+            Path(config.ckpt_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return f"--ckpt-dir {config.ckpt_dir} cannot be created ({e.strerror or e})"
+    if config.log_jsonl:
+        try:
+            Path(config.log_jsonl).parent.mkdir(parents=True, exist_ok=True)
+            with open(config.log_jsonl, "a"):
+                pass
+        except OSError as e:
+            return f"--log-jsonl {config.log_jsonl} cannot be created ({e.strerror or e})"
+    return None
+
+
+def prepare_outputs(config: TrainConfig) -> None:
+    """Make the run's checkpoint folder and log file before its first step, on rank 0 (the rank that writes
+    them); its verdict is broadcast, so every rank stops alike (the default process group initialised).
+
+    Raises:
+        ConfigError: --ckpt-dir or --log-jsonl cannot be created, or a run without --resume would start in a
+            --ckpt-dir that already holds complete checkpoints.
+    """
+    problem = _output_problem(config) if dist.get_rank() == 0 else None
+    if dist.get_world_size() > 1:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem:
+        raise ConfigError(problem)
+
+
 def build_run(config: TrainConfig, device: torch.device) -> tuple[Parallel, TokenLoader, list, PipelineRun | None]:
     """This rank's layout, loader and sharded model for ``config`` (the default process group initialised).
 
@@ -216,14 +265,19 @@ def build_run(config: TrainConfig, device: torch.device) -> tuple[Parallel, Toke
         ``K3Stage``s, which ``pipe`` (None without pp) runs.
 
     Raises:
-        ConfigError: the layout does not match the world, the batch is not divisible by the data ranks and
-            micro-batches, a cp piece is too short, or the model does not split into the pipeline's stages.
+        ConfigError: the layout does not match the world, ep does not divide the preset's routed experts, the
+            batch is not divisible by the data ranks and micro-batches, a cp piece is too short, or the model does
+            not split into the pipeline's stages.
         FileNotFoundError: no token shards.
     """
     ep, cp, pp, M = config.ep, config.cp, config.pp, config.microbatches
     dp = config.dp if config.dp is not None else max(dist.get_world_size() // (pp * ep * cp), 1)
     try:
         par = build_parallel(dp, ep, device.type, cp=cp, pp=pp)
+        # parallelize checks it too, but only once the model is built: a layout mistake is named before that.
+        E = K3Config.preset(config.preset).n_routed_experts
+        if E % ep:
+            raise ConfigError(f"--ep {ep} must divide the {E} routed experts of --preset {config.preset}")
         if config.batch_size % par.rows:
             raise ConfigError(f"--batch-size {config.batch_size} must be divisible by the {par.rows} data rows "
                               f"(--dp {par.dp} x --ep {par.ep})")
@@ -347,11 +401,13 @@ def train(config: TrainConfig) -> TrainRecords:
     Raises:
         ConfigError (a ValueError): the layout does not match the world (``build_parallel``), the global
             batch is not divisible by the data ranks and micro-batches, the pipeline does not fit the model
-            (``build_pipeline``), or a resumed checkpoint cannot be read, or its loader or ``RUN_SETTINGS``
-            differ from ``config``'s.
+            (``build_pipeline``), an output path cannot be created or a fresh run's ``ckpt_dir`` holds another
+            run's checkpoints (``prepare_outputs``), or a resumed checkpoint cannot be read, or its loader or
+            ``RUN_SETTINGS`` differ from ``config``'s.
         FileNotFoundError: no token shards (``k3lab.data``).
-        FloatingPointError: a NaN or inf loss or gradient norm (found when the window's values are read back,
-            before any checkpoint of that window is written).
+        FloatingPointError: the run diverged: a NaN or inf loss or gradient norm (found when the window's values
+            are read back, before any checkpoint of that window is written), or a value the KDA operator
+            refuses (``k3lab.kda.checks.NonFiniteError``) in a step; the message names the step.
     """
     t0 = wall_clock()
     device = _device()
@@ -361,6 +417,7 @@ def train(config: TrainConfig) -> TrainRecords:
     with process_group(device):
         world = dist.get_world_size()
         par, loader, parts, pipe = build_run(config, device)
+        prepare_outputs(config)
         rank0 = dist.get_rank() == 0
         opts = build_optimizers(parts, config)
         start = 0
@@ -424,8 +481,13 @@ def train(config: TrainConfig) -> TrainRecords:
             check = config.sync_debug and device.type == "cuda" and step > start + 1
             with forbid_host_sync(device) if check else contextlib.nullcontext():
                 x, y = loader.next_batch(device)
-                loss = forward_backward(parts, pipe, x, y, config, par)
-                norm, lr = optimizer_step(opts, params, counted, config, step, par.pp_group)
+                try:
+                    loss = forward_backward(parts, pipe, x, y, config, par)
+                    norm, lr = optimizer_step(opts, params, counted, config, step, par.pp_group)
+                except NonFiniteError as e:
+                    # The value checks are off, but the KDA operator still refuses the overflow of huge
+                    # weights (a learning rate far too high) before the loss can show it.
+                    raise FloatingPointError(f"the run diverged at step {step} ({e}): {DIVERGED}") from e
                 loads = [load for part in parts for load in update_biases(part, par.batch_group)]
                 if pipe is not None:
                     # Only the last stage's ranks hold a loss (the others 0): the world's sum over the data
@@ -446,8 +508,7 @@ def train(config: TrainConfig) -> TrainRecords:
                     # The per-call value checks are off in the step: the loss and the gradient norm are where
                     # a NaN or inf shows.
                     raise FloatingPointError(f"the loss is {bad[1]} and the gradient norm {bad[2]} at step {bad[0]}: "
-                                             f"stopping before it reaches a checkpoint (check the data, or start a new "
-                                             f"--ckpt-dir with a lower --lr or --max-grad-norm: a resume keeps both)")
+                                             f"{DIVERGED}")
                 dt = (time.perf_counter() - t_window) / len(pending)
                 tok_s = config.batch_size * config.seq_len / dt
                 mem, mem_kind = peak_memory_gib(device)
@@ -503,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m k3lab.train [flags]`` (and under torchrun): parse, train, 0 on success.
 
     Raises:
-        SystemExit: 2 on a bad flag, a layout that does not match the launched world, or missing token shards.
+        SystemExit: 2 on a bad flag, a layout that does not match the launched world, an output path that cannot be
+            made, or missing token shards; 1 when the run diverged (rank 0 prints the one line saying where).
     """
     # Every rank of a torchrun world meets the same error; rank 0 prints it (argparse's usage and message).
     quiet = os.environ.get("RANK", "0") != "0"
@@ -515,4 +577,9 @@ def main(argv: list[str] | None = None) -> int:
         if quiet:
             raise SystemExit(2) from e
         build_parser().error(str(e))
+    except FloatingPointError as e:
+        # Not a usage error: the flags were valid and the run went wrong; its message names the step and the fix.
+        if not quiet:
+            print(f"{build_parser().prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from e
     return 0

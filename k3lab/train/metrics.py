@@ -15,7 +15,9 @@ Record kinds (one JSON object per line, ``"event"`` first):
 
 ``summarize_log(path)`` summarises a run that took several invocations (--stop-after-minutes, or a kill and
 --resume) from its JSONL: the parts since the last fresh start, their training minutes summed (not the wall
-time between them), a step replayed after a kill counted in its last part only.
+time between them), a step replayed after a kill counted in its last part only. A process killed mid-write
+leaves its part's last line cut: the next part starts on a new line, and the reader skips such a line with a
+warning (only there: a line that is not JSON anywhere else is an error).
 
 MFU follows ``k3lab.model.flops_per_token``: 6 x activated parameters (input embedding excluded, routed
 experts K of E at their latent width, LM head included) plus the Gated MLA attention terms at the
@@ -29,6 +31,7 @@ import json
 import math
 import resource
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,7 +61,8 @@ class MetricsLog:
     the summary table on stdout. Only rank 0 builds one; the others pass ``enabled=False``.
 
     ``path`` is opened for append so a resumed run continues its log: the loss curve of a killed run and
-    its resumption overlap on the steps replayed since the checkpoint.
+    its resumption overlap on the steps replayed since the checkpoint. A last line cut by a kill is ended
+    first, so the new records start on their own line.
     """
 
     def __init__(self, path: str | None, total_steps: int, start_step: int, progress: bool, enabled: bool = True):
@@ -72,6 +76,8 @@ class MetricsLog:
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self.file = open(path, "a", buffering=1)
+            if _ends_cut(path):
+                self.file.write("\n")
         if progress:
             from tqdm.auto import tqdm  # noqa: PLC0415
 
@@ -131,15 +137,58 @@ def _throughput(parts: list[list[dict]]) -> dict:
                 train_minutes=sum(r["step_s"] for part in parts for r in part) / 60)
 
 
+def _ends_cut(path: str | Path) -> bool:
+    """Whether the file at ``path`` is not empty and its last byte is not a newline (a write cut short)."""
+    with open(path, "rb") as f:
+        if f.seek(0, 2) == 0:
+            return False
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
+
+
+def _is_start(line: str) -> bool:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and record.get("event") == "start"
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """The records of a JSONL log, in order. A line that is not complete JSON is skipped, with a warning, where
+    it is the last line of a part (the file's last line, or the line before a "start" record): a process
+    killed mid-write.
+
+    Raises:
+        ValueError: a line that is not complete JSON anywhere else (the message gives its number).
+    """
+    lines = Path(path).read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+            continue
+        except json.JSONDecodeError as e:
+            after = next((later for later in lines[i + 1:] if later.strip()), None)
+            if after is not None and not _is_start(after):
+                raise ValueError(f"{path}: line {i + 1} is not complete JSON and not the last line of a part "
+                                 f"(the file's last line, or the line before a start record): {e}") from e
+        warnings.warn(f"{path}: line {i + 1} is not complete JSON (a cut last line), skipped", stacklevel=3)
+    return records
+
+
 def run_parts(path: str | Path) -> tuple[list[list[dict]], int | None]:
     """The step records of the run a JSONL log ends with, one list per invocation since its last fresh start
     (a "start" record with ``resumed_from`` 0), and the last invocation's stop step (None: it was not stopped
     by ``--stop-after-minutes``).
 
     Raises:
-        ValueError: the file holds no "start" record.
+        ValueError: the file holds no "start" record, or a line that is not complete JSON other than a part's
+            cut last line (``read_records``).
     """
-    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    records = read_records(path)
     starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
     if not starts:
         raise ValueError(f"{path} holds no start record: not a k3lab.train log")
@@ -171,7 +220,8 @@ def summarize_log(path: str | Path) -> dict:
         ({step: loss}).
 
     Raises:
-        ValueError: the file holds no "start" record.
+        ValueError: the file holds no "start" record, or a line that is not complete JSON other than a part's
+            cut last line (``read_records``).
     """
     parts, stopped_at = run_parts(path)
     losses = {r["step"]: r["loss"] for part in parts for r in part}
