@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k3lab.dist import launch
-from k3lab.moonep import layout, moonep_experts, plan, plan_reference
+from k3lab.moonep import dense_moe, layout, moonep_experts, plan, plan_reference
 from k3lab.moonep.workers import ROUTINGS, Case, check_worker, gather_ranks, make_inputs, make_routing, reference
 from k3lab.testing import DEVICE, assert_close
 
@@ -776,3 +776,12 @@ def test_layout_and_count_prefixes_name_bad_precomputed_pieces(backend):
         with pytest.raises(ValueError, match=r"count_prefixes: out must be \(\[R=2, E=4\], \[E=4\]\) int64 tensors "
                                              r"on counts' device cpu, got \(" + got + r"\)"):
             count_prefixes(counts, 0, out=out)
+
+
+def test_dense_moe_of_no_tokens_is_empty():
+    """N = 0 failed reshaping [0, K, -1] ("the unspecified dimension size -1 can be any value"); the reference
+    gives [0, d] as moonep_experts does."""
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(4, 8, 4, generator=g), torch.randn(4, 8, 4, generator=g), torch.randn(4, 4, 8, generator=g)]
+    out = dense_moe(torch.randn(0, 8), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2), *ws)
+    assert out.shape == (0, 8)

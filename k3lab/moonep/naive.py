@@ -80,4 +80,5 @@ def dense_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
     y_sorted = ffn(x.repeat_interleave(K, dim=0)[order], counts.cumsum(0).to(torch.int32), w_gate, w_up, w_down,
                    **ffn_kwargs)
     y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
-    return (y.view(N, K, -1) * topk_weight.unsqueeze(-1)).sum(1)
+    # The width named, not -1: with N = 0 a view of [0, K, -1] is ambiguous.
+    return (y.view(N, K, x.shape[1]) * topk_weight.unsqueeze(-1)).sum(1)
