@@ -193,11 +193,15 @@ _X = torch.randn(3, 4, generator=_gen(14))
     (lambda: route(_X, torch.zeros(4), 2, routed_scaling=-1.0), r"routed_scaling must be a finite number > 0, got -1.0"),
     (lambda: route(_X, torch.zeros(4), 2, routed_scaling=True), r"routed_scaling must be a finite number > 0, got True"),
     (lambda: Router(4, 4, 2, routed_scaling=float("nan")), r"Router: routed_scaling must be a finite number > 0"),
+    (lambda: Router(-1, 4, 2), r"Router: d must be a positive int, got -1"),
+    (lambda: Router(8, 4, 2)(torch.randn(3, 7)), r"Router: x must be \[N, d=8\], got shape \[3, 7\]"),
+    (lambda: Router(8, 4, 2)(torch.randn(3, 8, dtype=torch.float64)), r"Router: x is torch.float64"),
 ], ids=["ffn_hidden_0", "ffn_hidden_neg", "ffn_d_0", "situ_bool_beta", "situ_dtypes", "route_neg_scaling",
-        "route_bool_scaling", "router_nan_scaling"])
+        "route_bool_scaling", "router_nan_scaling", "router_d_neg", "router_x_width", "router_x_dtype"])
 def test_bad_arguments_of_the_parts_name_the_argument(call, match):
     """GatedFFN(hidden=0) built an empty FFN and a negative hidden failed inside torch; situ_glu took True
-    for 1 and mixed dtypes; route flipped the weights' sign for a negative routed_scaling."""
+    for 1 and mixed dtypes; route flipped the weights' sign for a negative routed_scaling; Router(d=-1) and a
+    Router fed x of another width or dtype failed inside torch ("mat1 and mat2 shapes cannot be multiplied")."""
     with pytest.raises(ValueError, match=match):
         call()
 
@@ -260,6 +264,23 @@ def test_grouped_gemm_equals_the_loop_forward_and_backward_with_empty_experts_an
         assert_close(f"grouped d{name}", a.grad, b.grad, 1e-5)
     with pytest.raises(ValueError, match="dtype"):
         expert_ffn(x.double(), offsets, *[w.double() for w in ws])
+
+
+def test_expert_ffn_takes_a_strided_x():
+    """A transposed or column-sliced x (row stride not a multiple of 16 bytes) failed inside grouped_mm with
+    "strides should be multiple of 16 bytes"; it gives the contiguous x's output and gradient."""
+    g = _gen(4)
+    E, d, h, N = 3, 8, 12, 10
+    offsets = torch.tensor([3, 7, 10], dtype=torch.int32)
+    ws = [torch.randn(E, d, h, generator=g), torch.randn(E, d, h, generator=g), torch.randn(E, h, d, generator=g)]
+    for base in (torch.randn(d, N, generator=g).t(), torch.randn(N, d + 1, generator=g)[:, :d]):
+        x = base.detach().requires_grad_()
+        x_ref = base.detach().contiguous().requires_grad_()
+        y, y_ref = expert_ffn(x, offsets, *ws), expert_ffn(x_ref, offsets, *ws)
+        assert torch.equal(y, y_ref)
+        y.sum().backward()
+        y_ref.sum().backward()
+        assert torch.equal(x.grad, x_ref.grad)
 
 
 @pytest.mark.parametrize("latent", [8, None], ids=["latent", "full"])
@@ -410,6 +431,23 @@ def test_histogram_estimate_is_within_one_bin_of_the_exact_interval():
     exact, est = quantile_bias(r.scores, r.cutoff, K), histogram_bias(hist, lo, hi, K)
     print(f"histogram vs exact bias: max diff {(exact - est).abs().max():.2e}, bin width {w:.2e}")
     assert (exact - est).abs().max() < (b_hi - b_lo).max() + 2 * w
+
+
+@pytest.mark.parametrize("estimator", ["histogram", "exact"])
+def test_a_nan_token_with_value_checks_off_reaches_the_output_not_outside_the_histogram(estimator):
+    """With the router's value check off (a trainer that checks its batch once), a NaN token's r = alpha - s
+    is NaN and its histogram bin index was INT64_MIN: the training forward failed with "index out of bounds"
+    (a device-side assert on a GPU) instead of passing the NaN on to the loss the trainer watches."""
+    m = MoE(_config(estimator=estimator))
+    m.train()
+    m.router.check_values = False
+    x = torch.randn(2, 3, 16, generator=_gen(5))
+    x[1, 2, 0] = float("nan")
+    y = m(x)
+    assert torch.isnan(y[1, 2]).all() and torch.isfinite(y[:1]).all()
+    assert int(m.balance.counts.sum()) == 6 * 2
+    if estimator == "histogram":
+        assert m.balance.hist.sum(1).tolist() == [6] * 8
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

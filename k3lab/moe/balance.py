@@ -102,7 +102,9 @@ def histogram_counts(scores: torch.Tensor, cutoff: torch.Tensor, lo: torch.Tenso
         Tensor [E, B] int64 counts.
     """
     r = cutoff.detach().float()[:, None] - scores.detach().float()
-    idx = ((r - lo) / (hi - lo) * bins).floor().clamp_(0, bins - 1).long()
+    # A NaN r (a NaN token, with route's value check off) would cast to an index far outside the histogram;
+    # counted in bin 0 instead, it leaves the NaN to the layer's output, where the trainer sees it.
+    idx = ((r - lo) / (hi - lo) * bins).nan_to_num(nan=0.0).floor().clamp_(0, bins - 1).long()
     ones = torch.ones_like(idx) if weight is None else weight.long()[:, None].expand_as(idx)
     E = scores.shape[1]
     return torch.zeros(E, bins, dtype=torch.int64, device=scores.device).scatter_add_(1, idx.t(), ones.t())

@@ -99,6 +99,8 @@ def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_u
     if x.shape[1] % align or w_gate.shape[2] % align:
         raise ValueError(f"expert_ffn: d={x.shape[1]} and h={w_gate.shape[2]} must be multiples of {align} for "
                          f"{x.dtype} (grouped_mm needs 16-byte row strides)")
+    # grouped_mm needs row strides that are multiples of 16 bytes: a transposed or column-sliced x has others.
+    x = x.contiguous()
     N = x.shape[0]
     end = offsets[-1:].long()
     # grouped_mm leaves rows past the last offset uninitialised (and their gradients too): the last

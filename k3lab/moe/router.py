@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from k3lab.precision import check_input_dtype
+
 
 @dataclass
 class Routing:
@@ -124,6 +126,8 @@ class Router(nn.Module):
     def __init__(self, d: int, E: int, K: int, renormalize: bool = True, routed_scaling: float = 1.0,
                  init_std: float = 0.02):
         super().__init__()
+        if not (isinstance(d, int) and not isinstance(d, bool) and d > 0):
+            raise ValueError(f"Router: d must be a positive int, got {d!r}")
         check_topk(E, K, "Router")
         check_routed_scaling(routed_scaling, "Router")
         self.E, self.K, self.renormalize, self.routed_scaling = E, K, renormalize, routed_scaling
@@ -139,6 +143,14 @@ class Router(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> Routing:
-        """x [N, d] -> Routing (see ``route``)."""
+        """x [N, d] -> Routing (see ``route``).
+
+        Raises:
+            ValueError: x not [N, d], its dtype not the weight's outside autocast, or what ``route`` raises.
+        """
+        d = self.weight.shape[1]
+        if x.ndim != 2 or x.shape[1] != d:
+            raise ValueError(f"Router: x must be [N, d={d}], got shape {list(x.shape)}")
+        check_input_dtype("Router", "x", x, self.weight.dtype)
         return route(x @ self.weight.t(), self.bias, self.K, self.renormalize, self.routed_scaling,
                      self.check_values)
