@@ -407,6 +407,14 @@ def test_qb_on_one_token_reads_its_r_and_agrees_with_the_histogram():
     assert int(load.sum()) == K and torch.isfinite(m.router.bias).all() and m.router.bias.abs().sum() > 0
 
 
+def test_quantile_bias_names_a_missing_cutoff():
+    """The cutoff of a route with K = E is None: quantile_bias failed with "'NoneType' object has no attribute
+    'shape'" instead of its documented ValueError."""
+    r = route(torch.randn(5, 4, generator=_gen(6)), torch.zeros(4), 4)
+    with pytest.raises(ValueError, match=r"quantile_bias: cutoff must be an \[m\] tensor.*K < E"):
+        quantile_bias(r.scores, r.cutoff, 2)
+
+
 def test_recentring_the_bias_changes_no_choice():
     logits = _skewed_logits(300, 12, _gen(6))
     b = torch.randn(12, generator=_gen(7)) * 0.1

@@ -60,8 +60,11 @@ def quantile_bias(scores: torch.Tensor, cutoff: torch.Tensor, K: int) -> torch.T
         smallest of alpha_i - s_ij over tokens i, q = max(1, floor(m K / E)) (with m = 1, that token's r).
 
     Raises:
-        ValueError: shapes disagree, K out of range, or no tokens.
+        ValueError: shapes disagree (a None cutoff included), K out of range, or no tokens.
     """
+    if cutoff is None:
+        raise ValueError("quantile_bias: cutoff must be an [m] tensor, got None (route gives none when K = E; "
+                         "Quantile Balancing needs K < E)")
     if scores.ndim != 2 or cutoff.shape != scores.shape[:1]:
         raise ValueError(f"quantile_bias: scores must be [m, E] and cutoff [m], got {list(scores.shape)} and "
                          f"{list(cutoff.shape)}")
