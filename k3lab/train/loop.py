@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._functorch.config
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -211,6 +212,16 @@ def forward(model: K3Model, x: torch.Tensor, y: torch.Tensor, doc_mask: bool, pa
         x, y, cu = x.reshape(1, B * T), y.reshape(1, B * T), list(range(0, B * T + 1, T))
     ctx = make_context(B * T, cu, group=cp_group)
     return model(x[:, ctx.start:ctx.stop], y[:, ctx.start:ctx.stop], cp=ctx)
+
+
+def _compile_caches(config: TrainConfig):
+    """The compile caches a run may use: with --compile and --cp > 1 AOTAutograd's cache is off for the run.
+    Its entries for the context-parallel sublayers (graphs split at the eager KCP collectives) are unsafe in
+    torch 2.11-2.13: saving one at the first backward crashed a rank (SIGSEGV while pickling it), and one
+    loaded in a later run replayed an output view with garbage sizes. Inductor's own graph cache stays on."""
+    if config.compile and config.cp > 1:
+        return torch._functorch.config.patch(enable_autograd_cache=False)
+    return contextlib.nullcontext()
 
 
 def _output_problem(config: TrainConfig) -> str | None:
@@ -414,7 +425,7 @@ def train(config: TrainConfig) -> TrainRecords:
     # Muon orthogonalises each expert stack as its full logical tensor; the 2-step all-gather of a
     # (dp, ep)-sharded DTensor is expected there, and torch warns about it on every step.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    with process_group(device):
+    with process_group(device), _compile_caches(config):
         world = dist.get_world_size()
         par, loader, parts, pipe = build_run(config, device)
         prepare_outputs(config)
