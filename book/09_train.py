@@ -74,6 +74,7 @@ from k3lab.data import load_tokenizer
 from k3lab.model import K3Config
 from k3lab.train import TrainConfig, latest_checkpoint, load_checkpoint
 from k3lab.train.loop import build_model
+from k3lab.train.metrics import read_records
 from k3lab.train.runner import ROOT, run_and_follow, torchrun_command
 
 # %% [markdown]
@@ -135,7 +136,7 @@ second = run_and_follow(torchrun_command(nproc, **flags, resume=True), run / "lo
 print("exit status", second.returncode)
 
 # %%
-records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+records = read_records(run / "log.jsonl")
 starts = [r for r in records if r["event"] == "start"]
 print("runs in the log:", len(starts), "| resumed from step", starts[-1]["resumed_from"])
 killed = {r["step"]: r["loss"] for r in first.steps}
