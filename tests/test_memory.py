@@ -312,6 +312,31 @@ def test_k3_tiny_same_gradients(k3_reference, name):
             assert torch.equal(r, g), n
 
 
+def test_recompute_of_mixers_on_packed_documents_replays_with_their_cu_seqlens(k3_reference):
+    """A mixer reads its per-call context (cu_seqlens, caches, the cp layout) from the model's forward; a
+    recompute replays it in backward, after that forward has returned, and must replay it with the same
+    document boundaries (without them the replay ran another function and failed in backward)."""
+    from k3lab.model import K3Model
+
+    ref_model, state, _, _, _ = k3_reference
+    torch.manual_seed(1)
+    idx = torch.randint(0, ref_model.config.vocab_size, (1, 40))
+    cu = torch.tensor([0, 13, 40])
+    plain = K3Model(ref_model.config)
+    plain.load_state_dict(state)
+    ref_loss = plain(idx, targets=idx, cu_seqlens=cu)[1]
+    ref_loss.backward()
+    model = K3Model(ref_model.config)
+    model.load_state_dict(state)
+    mgr = ActivationManager()
+    apply_policies(model, {"sublayers.*": "recompute"}, manager=mgr, default=None)
+    loss = model(idx, targets=idx, cu_seqlens=cu)[1]
+    loss.backward()
+    assert torch.equal(loss, ref_loss) and mgr.live_tensors() == 0
+    for (n, p), r in zip(model.named_parameters(), _grads(plain)):
+        assert torch.equal(p.grad, r), n
+
+
 @pytest.mark.parametrize("name", ["recompute", "mixed"])
 def test_recompute_counts_each_moe_token_once(k3_reference, name):
     """A full activation-checkpoint recompute counted every token twice in the balancer. The recompute here

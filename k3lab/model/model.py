@@ -17,8 +17,9 @@ sharing the embedding and the head; positions whose target lies past the sequenc
 
 Each sublayer is pre-normed and returns its output without adding it; Block AttnRes (``k3lab.attnres``)
 combines the outputs. The token mixers take per-call context (packed-document offsets, decoding
-caches) that the residual interface ``f(h)`` does not pass: ``K3Model`` hands it to them through one
-shared ``_MixerContext`` set for the duration of a forward.
+caches) that the residual interface ``f(h)`` does not pass: ``K3Model`` builds one ``_MixerContext`` per
+forward and binds it to each mixer sublayer's call as an argument, so an activation-checkpoint replay in
+backward (``k3lab.memory``'s recompute) runs the mixer with the same context.
 
 Block AttnRes cuts the 2L sublayers at K3's boundaries (``K3Config.attn_res_sizes``): blocks of
 ``attn_res_block_size`` whole layers, the last one partial (K3: 7 blocks of 12 layers and one of 9,
@@ -26,6 +27,7 @@ Block AttnRes cuts the 2L sublayers at K3's boundaries (``K3Config.attn_res_size
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -41,34 +43,37 @@ from k3lab.mla import GatedMLA, MLACache
 from k3lab.moe import GatedFFN, MoE, MoEConfig
 from k3lab.moe.experts import depth_scaled_std
 from k3lab.model.config import K3Config
+from k3lab.model.loss import linear_cross_entropy
 
 
 class _MixerContext:
     """What every token mixer of one forward reads: cu_seqlens, the input caches, whether to return
     new ones, where to put them (one slot per layer), and the context-parallel layout."""
 
-    def __init__(self):
-        self.reset()
-
-    def reset(self, cu_seqlens=None, caches=None, use_cache=False, n_layers=0, cp=None):
+    def __init__(self, cu_seqlens=None, caches=None, use_cache=False, n_layers=0, cp=None):
         self.cu_seqlens, self.caches, self.use_cache, self.cp = cu_seqlens, caches, use_cache, cp
         self.new_caches = [None] * n_layers if use_cache else None
 
 
+def bind_context(sublayers, context: _MixerContext) -> list:
+    """``sublayers`` as Block AttnRes's callables, each mixer sublayer's call given ``context`` as an argument
+    (a recompute region keeps its arguments for the replay; a shared object would be reset by then)."""
+    return [functools.partial(s, context=context) if isinstance(s, MixerSublayer) else s for s in sublayers]
+
+
 class MixerSublayer(nn.Module):
     """Layer ``index``'s token mixer as a sublayer: y = mixer(RMSNorm(h)) with the context's
-    cu_seqlens, cache and context-parallel layout; [B, T, d] -> [B, T, d]."""
+    cu_seqlens, cache and context-parallel layout; [B, T, d] -> [B, T, d]. Called without a context
+    (a plain ``f(h)``) it runs one sequence per row, without caches."""
 
-    def __init__(self, d_model: int, mixer: nn.Module, eps: float, index: int, context: _MixerContext):
+    def __init__(self, d_model: int, mixer: nn.Module, eps: float, index: int):
         super().__init__()
         self.norm = RMSNorm(d_model, eps=eps)
         self.fn = mixer
         self.index = index
-        # Shared by every mixer of the model (a plain object, not a submodule).
-        self.context = context
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        c = self.context
+    def forward(self, h: torch.Tensor, context: _MixerContext | None = None) -> torch.Tensor:
+        c = _MixerContext() if context is None else context
         cache = None if c.caches is None else c.caches[self.index]
         extra = {} if c.cp is None else {"cp": c.cp}
         y, new = self.fn(self.norm(h), cache=cache, cu_seqlens=c.cu_seqlens, use_cache=c.use_cache, **extra)
@@ -185,7 +190,6 @@ class K3Model(nn.Module):
             raise ValueError(f"config must be a K3Config, got {type(config).__name__}")
         self.config = c = config
         d, L = c.hidden_size, c.num_hidden_layers
-        self.context = _MixerContext()
         self.embed = nn.Embedding(c.vocab_size, d)
         out_std = depth_scaled_std(c.init_std, L)
         layers = []
@@ -195,7 +199,7 @@ class K3Model(nn.Module):
                 ffn = GatedFFN(d, c.intermediate_size, "situ", c.init_std, out_std)
             else:
                 ffn = MoE(moe_config(c))
-            layers += [MixerSublayer(d, mixer, c.rms_norm_eps, i, self.context),
+            layers += [MixerSublayer(d, mixer, c.rms_norm_eps, i),
                        RMSNormSublayer(d, ffn, c.rms_norm_eps)]
         self.sublayers = nn.ModuleList(layers)
         self.residual = BlockAttnRes(d, 2 * L, c.attn_res_sizes(), eps=c.rms_norm_eps, path=attn_res_path)
@@ -204,6 +208,7 @@ class K3Model(nn.Module):
         self.mtp = nn.ModuleList([MTPModule(c) for _ in range(c.num_nextn_predict_layers)])
         # Token-id range checks (one host sync per call); ``value_checks`` turns them off.
         self.check_values = True
+        self.compile_loss = False
         self._init_weights()
         if c.tie_word_embeddings:
             self.head.weight = self.embed.weight
@@ -243,7 +248,7 @@ class K3Model(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, caches: list | None = None,
-                use_cache: bool = False, cp=None):
+                use_cache: bool = False, cp=None, return_logits: bool = True):
         """Next-token logits (and loss).
 
         Args:
@@ -260,9 +265,13 @@ class K3Model(nn.Module):
                 documents keep apart as with cu_seqlens); KDA layers run KCP, MLA layers gather the
                 latents (``GatedMLA``); everything else is per token. The loss is the mean over the local
                 targets: average it over the group for the sequence's mean.
+            return_logits (bool): False (with targets): the loss without the logits, from the head in
+                chunks of rows (``k3lab.model.loss.linear_cross_entropy``: the [B*T, vocab] logits are never
+                formed), and None in their place. Training needs only the loss; at K3's vocabulary the logits
+                are the largest tensors of a step.
 
         Returns:
-            (logits [B, T, vocab] float32 (float64 for a float64 model), loss scalar | None), and the
+            (logits [B, T, vocab] float32 (float64 for a float64 model) | None, loss scalar | None), and the
             list of L caches as a third element when ``use_cache``.
 
         Raises:
@@ -274,6 +283,10 @@ class K3Model(nn.Module):
         """
         c = self.config
         self._check_idx(idx)
+        if not isinstance(return_logits, bool):
+            raise ValueError(f"return_logits must be a bool, got {return_logits!r}")
+        if not return_logits and targets is None:
+            raise ValueError("return_logits=False needs targets (the call would return nothing)")
         if targets is not None:
             if not isinstance(targets, torch.Tensor) or targets.shape != idx.shape:
                 raise ValueError(f"targets must have idx's shape {list(idx.shape)}, got "
@@ -302,20 +315,21 @@ class K3Model(nn.Module):
             if tuple(idx.shape) != (1, cp.T_local):
                 raise ValueError(f"with cp, idx must be this rank's slice [1, T_local={cp.T_local}], "
                                  f"got {list(idx.shape)}")
-        self.context.reset(cu_seqlens, caches, use_cache, c.num_hidden_layers, cp)
-        try:
-            h = self.residual(self.embed(idx.long()), self.sublayers)
-            new_caches = self.context.new_caches
-        finally:
-            self.context.reset()
-        logits = self.head(self.norm(h))
-        logits = logits if logits.dtype == torch.float64 else logits.float()
-        loss = None
+        context = _MixerContext(cu_seqlens, caches, use_cache, c.num_hidden_layers, cp)
+        h = self.residual(self.embed(idx.long()), bind_context(self.sublayers, context))
+        new_caches = context.new_caches
+        logits, loss = None, None
+        if return_logits:
+            logits = self.head(self.norm(h))
+            logits = logits if logits.dtype == torch.float64 else logits.float()
         if targets is not None:
             tgt = targets.flatten().long()
-            # The mean over the counted targets (the sum over a count of at least 1): a batch whose targets are
-            # all -100 has loss 0, not 0/0 = NaN.
-            loss = F.cross_entropy(logits.flatten(0, 1), tgt, reduction="sum") / (tgt != -100).sum().clamp(min=1)
+            if logits is None:
+                loss = self.head_loss(self.norm(h), tgt)
+            else:
+                # The mean over the counted targets (the sum over a count of at least 1): a batch whose targets
+                # are all -100 has loss 0, not 0/0 = NaN.
+                loss = F.cross_entropy(logits.flatten(0, 1), tgt, reduction="sum") / (tgt != -100).sum().clamp(min=1)
             if self.mtp:
                 loss = loss + c.mtp_loss_weight * self.mtp_loss(h, targets.long(), cu_seqlens)
         return (logits, loss, new_caches) if use_cache else (logits, loss)
@@ -347,12 +361,14 @@ class K3Model(nn.Module):
             emb = self.embed(_shift_left(targets, k - 1, 0).clamp(min=0))
             tgt = _shift_left(targets, k, -100)
             state, normed = module(state, emb, cu_seqlens, mask=tgt != -100)
-            logits = self.head(normed)
-            logits = logits if logits.dtype == torch.float64 else logits.float()
-            tgt = tgt.flatten()
-            ce = F.cross_entropy(logits.flatten(0, 1), tgt, ignore_index=-100, reduction="sum")
-            total = total + ce / (tgt != -100).sum().clamp(min=1)
+            total = total + self.head_loss(normed, tgt.flatten())
         return total / len(self.mtp)
+
+    def head_loss(self, normed: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of ``head(normed)`` [..., d] against ``targets`` [N] (-100 ignored; 0 when all
+        are) without forming the logits (``linear_cross_entropy``; its chunk's elementwise part compiled when
+        ``compile_loss`` is set, as ``k3lab.train.compile_blocks`` does)."""
+        return linear_cross_entropy(normed.flatten(0, -2), self.head.weight, targets, compiled=self.compile_loss)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

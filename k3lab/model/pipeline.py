@@ -29,7 +29,7 @@ import torch.nn as nn
 from k3lab.attnres import block_attnres_stage
 from k3lab.dist import local_shard
 from k3lab.lm import _check_ids
-from k3lab.model.model import K3Model, set_value_checks
+from k3lab.model.model import K3Model, _MixerContext, bind_context, set_value_checks
 
 
 class _OnAnotherStage(nn.Module):
@@ -152,8 +152,6 @@ class K3Stage(nn.Module):
         n = len(model.sublayers)
         self.config, self.start, self.stop = model.config, start, stop
         self.is_first, self.is_last = start == 0, stop == n
-        # Shared by the mixers of this stage (a plain object, not a submodule), set for each forward.
-        self.context = model.context
         self.cp = None
         self.check_values = model.check_values
         if self.is_first:
@@ -185,12 +183,9 @@ class K3Stage(nn.Module):
             if self.check_values:
                 _check_ids("idx", x, c.vocab_size)
             x = self.embed(x.long())[None]
-        self.context.reset(None, None, False, c.num_hidden_layers, self.cp)
-        try:
-            out = block_attnres_stage(x, self.sublayers[self.start:self.stop], res.queries, res.sizes, self.start,
-                                      self.stop, res.eps, check_values=res.check_values)
-        finally:
-            self.context.reset()
+        sublayers = bind_context(self.sublayers[self.start:self.stop], _MixerContext(cp=self.cp))
+        out = block_attnres_stage(x, sublayers, res.queries, res.sizes, self.start, self.stop, res.eps,
+                                  check_values=res.check_values)
         if not self.is_last:
             return out
         logits = self.head(self.norm(out))
