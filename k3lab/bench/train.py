@@ -193,7 +193,7 @@ def check_compile(config: TrainConfig, device: torch.device, batch_size: int = 2
         model.value_checks(False)
         model.train()
         with train_autocast(device):
-            _, loss = model(x, y)
+            _, loss = model(x, y, return_logits=False)
         loss.backward()
         out[name] = (float(loss.detach()), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     (l_e, g_e), (l_c, g_c) = out["eager"], out["compiled"]
@@ -332,7 +332,7 @@ def attnres_overhead(config: TrainConfig, device: torch.device, steps: int, warm
         model.residual = residuals[name]
         stance = torch.compiler.set_stance("force_eager") if name == "eager" else contextlib.nullcontext()
         with stance, train_autocast(device):
-            _, loss = model(x, y)
+            _, loss = model(x, y, return_logits=False)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -190,7 +190,7 @@ def build_model(config: TrainConfig, device: torch.device) -> K3Model:
 
 
 def forward(model: K3Model, x: torch.Tensor, y: torch.Tensor, doc_mask: bool, par: Parallel | None = None):
-    """``model(x, y)``, or with ``doc_mask`` the windows packed into one row with document boundaries
+    """``model(x, y)`` (the loss only: logits None), or with ``doc_mask`` the windows packed into one row with document boundaries
     (``pack_documents``); the loss is the mean over the same B*T targets either way.
 
     With context parallel (``par.cp > 1``) the row's B windows are packed into one stream of B*T tokens
@@ -202,8 +202,8 @@ def forward(model: K3Model, x: torch.Tensor, y: torch.Tensor, doc_mask: bool, pa
     if cp_group is None:
         if doc_mask:
             x, y, cu = pack_documents(x, y, EOT_ID)
-            return model(x, y, cu_seqlens=cu)
-        return model(x, y)
+            return model(x, y, cu_seqlens=cu, return_logits=False)
+        return model(x, y, return_logits=False)
     B, T = x.shape
     if doc_mask:
         x, y, cu = pack_documents(x, y, EOT_ID)
@@ -211,7 +211,7 @@ def forward(model: K3Model, x: torch.Tensor, y: torch.Tensor, doc_mask: bool, pa
     else:
         x, y, cu = x.reshape(1, B * T), y.reshape(1, B * T), list(range(0, B * T + 1, T))
     ctx = make_context(B * T, cu, group=cp_group)
-    return model(x[:, ctx.start:ctx.stop], y[:, ctx.start:ctx.stop], cp=ctx)
+    return model(x[:, ctx.start:ctx.stop], y[:, ctx.start:ctx.stop], cp=ctx, return_logits=False)
 
 
 def _compile_caches(config: TrainConfig):

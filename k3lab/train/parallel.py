@@ -158,8 +158,9 @@ def compile_blocks(model: nn.Module) -> nn.Module:
     Left eager, each at its call site: the KDA operator (FlashKDA or the PyTorch chunked reference), the routed
     experts' grouped GEMMs, the expert-parallel exchange (MoonEP planner, collectives, FSDP's gather of the
     experts), the context-parallel all-gather; and, outside the sublayers, the embedding, Block AttnRes (its
-    autograd.Functions share buffers across sublayers; its mixing is Triton on a GPU), the final norm, the head
-    and the loss. A sublayer whose modules carry activation policies (``k3lab.memory``) stays eager: their
+    autograd.Functions share buffers across sublayers; its mixing is Triton on a GPU), the final norm and the
+    head's matmuls. The loss's elementwise part (log-softmax and its gradient on each chunk of logits,
+    ``k3lab.model.loss``) is compiled too (``compile_loss`` of a ``K3Model``). A sublayer whose modules carry activation policies (``k3lab.memory``) stays eager: their
     saved-tensor hooks and checkpoint regions wrap forwards that a compiled graph would swallow.
 
     Returns:
@@ -178,4 +179,6 @@ def compile_blocks(model: nn.Module) -> nn.Module:
         if any("_k3lab_activation_policy" in m.__dict__ for m in block.modules()):
             continue
         block.compile(dynamic=False)
+    if hasattr(model, "compile_loss"):
+        model.compile_loss = True
     return model
