@@ -429,13 +429,15 @@ def grad_norm(params, group=None) -> torch.Tensor:
     gradient counts as a whole. Parameters without a gradient are skipped.
 
     Args:
-        params (Tensor or iterable of Tensor): the parameters (any dtype: each gradient's norm is accumulated
-            and returned in float32, so bf16 gradients give their exact norm, not one rounded to bf16).
+        params (Tensor or iterable of Tensor): the parameters (any float dtype: each gradient's norm is
+            accumulated in float32, so bf16 gradients give their exact norm, not one rounded to bf16; float64
+            gradients in float64).
         group: a process group over whose ranks the squares are summed once more: pipeline stages, which
             hold disjoint parameters (None: no such sum).
 
     Returns:
-        float32 0-dim tensor on the first gradient's device (0 without gradients). No host synchronisation:
+        float32 0-dim tensor (float64 when a gradient is float64) on the first gradient's device (0 without
+        gradients). No host synchronisation:
         the reduction stays on the device, so a training step can clip by it without a read-back.
 
     Raises:
@@ -448,18 +450,21 @@ def grad_norm(params, group=None) -> torch.Tensor:
     for p in _tensors(params, "grad_norm"):
         if p.grad is not None:
             device = p.grad.device if device is None else device
-            by_mesh.setdefault(_mesh_key(p.grad), []).append(p.grad)
+            # torch's get_total_norm returns a bf16 norm for bf16 gradients (3 significant digits): the
+            # per-tensor norms are taken in float32 here instead (no float32 copy of the gradients), and in
+            # float64 for float64 gradients (the foreach norm refuses to narrow them).
+            dtype = torch.float64 if p.grad.dtype == torch.float64 else torch.float32
+            by_mesh.setdefault((_mesh_key(p.grad), dtype), []).append(p.grad)
     squares = []
-    for grads in by_mesh.values():
-        # torch's get_total_norm returns a bf16 norm for bf16 gradients (3 significant digits): the
-        # per-tensor norms are taken in float32 here instead (no float32 copy of the gradients).
-        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    for (_, dtype), grads in by_mesh.items():
+        norms = torch._foreach_norm(grads, 2.0, dtype=dtype)
         n = torch.linalg.vector_norm(torch.stack(norms))
         if isinstance(n, DTensor):
             n = n.full_tensor()
         # Gradients on several devices (CPU-offloaded and GPU parameters): summed on the first's.
         squares.append(n.square().to(device))
-    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    dtype = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32
+    total = torch.stack([s.to(dtype) for s in squares]).sum() if squares else torch.zeros((), device=device)
     if group is not None and torch.distributed.get_world_size(group) > 1:
         torch.distributed.all_reduce(total, group=group)
     return total.sqrt()

@@ -362,6 +362,34 @@ def test_grad_norm_of_bf16_gradients_is_float32_accurate():
         assert_close(f"clipped bf16 gradient {i}", b / (want + 1e-6), p.grad.double(), 1e-2)
 
 
+def test_grad_norm_of_float64_gradients_is_float64_and_clips_a_float64_model():
+    """float64 gradients (a float64 model, as the float64 references run) failed in torch's foreach norm, which
+    refuses to narrow them to float32; their norm is taken in float64, so PerHeadMuon's clipping runs on them."""
+    from k3lab.optim import grad_norm
+
+    g = torch.Generator().manual_seed(4)
+    params = []
+    for shape in ((6, 4), (5,)):
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64))
+        p.grad = torch.randn(shape, generator=g, dtype=torch.float64) * 3
+        params.append(p)
+    want = torch.cat([p.grad.flatten() for p in params]).norm()
+    norm = grad_norm(params)
+    assert norm.dtype == torch.float64 and norm.ndim == 0
+    assert abs(norm - want) / want < 1e-12
+    # Mixed with float32 gradients: the sum is in float64.
+    q = torch.nn.Parameter(torch.zeros(3))
+    q.grad = torch.full((3,), 2.0)
+    assert_close("mixed norm", (want ** 2 + 12).sqrt(), grad_norm(params + [q]), 1e-7)
+    before = [p.grad.clone() for p in params]
+    opt = PerHeadMuon([dict(params=[params[0]], algorithm="muon"), dict(params=[params[1]], algorithm="adamw")],
+                      lr=0.01, max_grad_norm=1.0)
+    opt.step()
+    for b, p in zip(before, params):
+        assert p.grad.dtype == torch.float64
+        assert_close("clipped float64 gradient", b / (want + 1e-6), p.grad, 1e-12)
+
+
 def test_grad_norm_and_clip_grads_take_one_tensor_or_a_generator_and_refuse_other_types():
     """One tensor is one parameter (as in torch's clip_grad_norm_), not an iterable of its rows (which have no
     gradients: a silent norm of 0 and no clipping); param-group dicts or numbers are a TypeError."""
