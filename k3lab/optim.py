@@ -191,9 +191,10 @@ class PerHeadMuon(torch.optim.Optimizer):
 
     Raises:
         ValueError: lr, weight_decay, momentum, betas, eps, adamw_eps, ns_steps, ns_coefficients or
-            max_grad_norm out of range or not numbers, as defaults or in a param group; a group without a
-            known ``"algorithm"``; a Muon parameter that is not 2-D or 3-D; row blocks that do not sum to
-            its rows (or set on a 3-D parameter / a group of several parameters).
+            max_grad_norm out of range or not numbers, or nesterov not a bool, as defaults or in a param group;
+            a group without a known ``"algorithm"``; a Muon parameter that is not 2-D or 3-D; row blocks that
+            are not a list of positive ints summing to its rows (or set on a 3-D parameter, a group of several
+            parameters or an AdamW group).
 
     The per-parameter state is Muon's ``momentum_buffer`` (float32 for low-precision parameters) and
     AdamW's ``step``, ``exp_avg``, ``exp_avg_sq`` (torch's names).
@@ -217,19 +218,24 @@ class PerHeadMuon(torch.optim.Optimizer):
             _check_hyperparameters(group, f"param group {i}: ")
             if group.get("algorithm") not in ALGORITHMS:
                 raise ValueError(f"param group {i} needs 'algorithm' in {ALGORITHMS}, got {group.get('algorithm')!r}")
+            blocks = group["row_blocks"]
+            if blocks is not None and group["algorithm"] != "muon":
+                raise ValueError(f"param group {i}: row_blocks is for Muon groups (AdamW has no heads), got "
+                                 f"{blocks!r} in an AdamW group")
             if group["algorithm"] == "muon":
                 for p in group["params"]:
                     if p.ndim not in (2, 3):
                         raise ValueError(f"param group {i}: Muon takes 2-D or 3-D (stacked) parameters, got "
                                          f"shape {list(p.shape)}")
-                blocks = group["row_blocks"]
                 if blocks is not None:
                     if len(group["params"]) != 1 or group["params"][0].ndim != 2:
                         raise ValueError(f"param group {i}: row_blocks needs exactly one 2-D parameter")
                     rows = group["params"][0].shape[0]
-                    if not (all(isinstance(b, int) and b > 0 for b in blocks) and sum(blocks) == rows):
-                        raise ValueError(f"param group {i}: row_blocks must be positive ints summing to the "
-                                         f"parameter's {rows} rows, got {blocks!r}")
+                    if not (isinstance(blocks, (list, tuple))
+                            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in blocks)
+                            and sum(blocks) == rows):
+                        raise ValueError(f"param group {i}: row_blocks must be a list of positive ints summing to "
+                                         f"the parameter's {rows} rows, got {blocks!r}")
 
     def load_state_dict(self, state_dict: dict) -> None:
         """``torch.optim.Optimizer.load_state_dict``, keeping Muon's momentum in the dtype it was saved in:
@@ -385,6 +391,8 @@ def _check_hyperparameters(h: dict, where: str) -> None:
         if not (_is_number(v) and math.isfinite(v) and (v > low if low_open else v >= low) and v < high):
             bounds = f"{'(' if low_open else '['}{low}, {high})"
             raise ValueError(f"{where}{name} must be a finite number in {bounds}, got {v!r}")
+    if not isinstance(h["nesterov"], bool):
+        raise ValueError(f"{where}nesterov must be a bool, got {h['nesterov']!r}")
     betas = h["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in betas)):
         raise ValueError(f"{where}betas must be two numbers in [0, 1), got {betas!r}")

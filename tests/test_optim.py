@@ -277,6 +277,20 @@ def test_hyperparameters_of_the_wrong_type_are_named(kwargs, match):
         PerHeadMuon([dict(params=[p], algorithm="muon")], **kwargs)
 
 
+@pytest.mark.parametrize("group, match", [
+    (dict(algorithm="muon", row_blocks=6), "row_blocks must be a list of positive ints"),
+    (dict(algorithm="muon", row_blocks=[True] * 6), "row_blocks must be a list of positive ints"),
+    (dict(algorithm="adamw", row_blocks=[3, 3]), "row_blocks is for Muon groups"),
+    (dict(algorithm="muon", nesterov="no"), "nesterov must be a bool"),
+], ids=["int", "bools", "adamw", "nesterov"])
+def test_row_blocks_and_nesterov_of_the_wrong_kind_are_named(group, match):
+    """row_blocks=6 failed with "'int' object is not iterable", [True] * 6 passed as six rows of one, an AdamW
+    group's row_blocks were ignored, and nesterov="no" ran Nesterov momentum."""
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(ValueError, match=match):
+        PerHeadMuon([dict(params=[p], **group)])
+
+
 @pytest.mark.parametrize("rows, ranks, heads", [(18, 2, [6, 6, 6]), (4, 3, [1, 3])], ids=["cut_heads", "empty_shard"])
 def test_sharded_parameter_is_orthogonalised_as_the_full_matrix(rows, ranks, heads):
     """An (18, 10) weight sharded by rows over 2 gloo ranks (9 rows each: no shard holds whole heads of 6), and
