@@ -192,6 +192,27 @@ def test_attention_mask_and_absorbed_attention_name_bad_arguments():
         layer(x[:1], cp=3)
 
 
+def test_flags_cache_tensors_queries_and_scale_of_the_wrong_kind_are_named():
+    """use_cache="no" returned a cache and absorbed="no" ran the absorbed form (a non-empty string is true); a
+    cache of lists failed with an AttributeError, a 3-D q_nope with Python's "not enough values to unpack", and
+    a NaN scale gave NaN outputs."""
+    layer = make_layer()
+    x = x_of(2, 5)
+    for name in ("use_cache", "absorbed"):
+        with pytest.raises(ValueError, match=f"GatedMLA: {name} must be a bool, got 'no'"):
+            layer(x, **{name: "no"})
+    with pytest.raises(ValueError, match="cache.latent and cache.k_shared must be tensors"):
+        layer(x, cache=MLACache([0.0], [0.0]))
+    q_nope, q_shared = layer.queries(x)
+    latent, k_shared = layer.latents(x)
+    w_uk, w_uv = layer.up_weights()
+    with pytest.raises(ValueError, match=r"q_nope must be \[B, T, H, Dn\], got \[5, 3, 8\]"):
+        absorbed_attention(q_nope[0], q_shared, latent, k_shared, w_uk, w_uv, layer.scale, None)
+    for scale in (float("nan"), 0.0, "0.2"):
+        with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+            absorbed_attention(q_nope, q_shared, latent, k_shared, w_uk, w_uv, scale, None)
+
+
 @pytest.mark.parametrize("R, cu", [(2, None), (4, [0, 5, 16]), (4, [0, 3, 4, 11, 16])])
 def test_context_mask_is_each_ranks_rows_of_the_packed_mask(R, cu):
     from k3lab.kcp import make_context

@@ -144,14 +144,20 @@ def absorbed_attention(q_nope: torch.Tensor, q_shared: torch.Tensor, latent: tor
         Tensor [B, T, H, Dv] in q_nope's dtype.
 
     Raises:
-        ValueError: shapes that disagree, a mask that is not a [T, S] bool tensor, or (outside autocast)
-            inputs of more than one dtype.
+        ValueError: shapes that disagree, a mask that is not a [T, S] bool tensor, a scale that is not a finite
+            number > 0, or (outside autocast) inputs of more than one dtype.
     """
+    if not (isinstance(q_nope, torch.Tensor) and q_nope.ndim == 4):
+        got = list(q_nope.shape) if isinstance(q_nope, torch.Tensor) else type(q_nope).__name__
+        raise ValueError(f"q_nope must be [B, T, H, Dn], got {got}")
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite number > 0 (1/sqrt(Dn + Dr)), got {scale!r}")
     B, T, H, Dn = q_nope.shape
     if latent.ndim != 3 or latent.shape[0] != B:
         raise ValueError(f"latent must be [B={B}, S, R], got {list(latent.shape)}")
     S, R = latent.shape[1], latent.shape[2]
-    if q_shared.shape[:3] != (B, T, H) or k_shared.shape[:2] != (B, S) or k_shared.shape[2] != q_shared.shape[3]:
+    if (q_shared.ndim != 4 or k_shared.ndim != 3 or q_shared.shape[:3] != (B, T, H) or k_shared.shape[:2] != (B, S)
+            or k_shared.shape[2] != q_shared.shape[3]):
         raise ValueError(f"q_shared [B, T, H, Dr] and k_shared [B, S, Dr] disagree: q_nope {list(q_nope.shape)}, "
                          f"q_shared {list(q_shared.shape)}, latent {list(latent.shape)}, k_shared {list(k_shared.shape)}")
     if w_uk.shape != (H, Dn, R) or w_uv.ndim != 3 or w_uv.shape[0] != H or w_uv.shape[2] != R:
@@ -289,13 +295,13 @@ class GatedMLA(nn.Module):
                 use_cache.
 
         Returns:
-            (y [B, T, d] in x's dtype, MLACache | None).
+            (y [B, T, d] in x's dtype (autocast's under autocast), MLACache | None).
 
         Raises:
             ValueError: x not a floating [B, T, d_model] tensor with T >= 1, or not in the parameters' dtype
-                outside autocast (``k3lab.precision.check_input_dtype``); a cache that is not an MLACache, or
-                whose batch or widths disagree, or whose tensors are not floating point (another float dtype
-                is cast, not refused); cu_seqlens with B > 1, with a cache, or invalid
+                outside autocast (``k3lab.precision.check_input_dtype``); use_cache not a bool, absorbed not a
+                bool or None; a cache that is not an MLACache, or whose batch or widths disagree, or whose
+                tensors are not floating point tensors (another float dtype is cast, not refused); cu_seqlens with B > 1, with a cache, or invalid
                 (``k3lab.kda.checks.check_cu_seqlens``); cp not a KCPContext, or with B > 1, a cache,
                 cu_seqlens or use_cache, or x not holding the context's T_local tokens.
         """
@@ -306,9 +312,15 @@ class GatedMLA(nn.Module):
         B, T, _ = x.shape
         if T == 0:
             raise ValueError("GatedMLA: x must hold at least one token (T >= 1)")
+        for name, flag in (("use_cache", use_cache), ("absorbed", absorbed)):
+            if not (isinstance(flag, bool) or (name == "absorbed" and flag is None)):
+                raise ValueError(f"GatedMLA: {name} must be a bool, got {flag!r}")
         if cache is not None:
             if not isinstance(cache, MLACache):
                 raise ValueError(f"GatedMLA: cache must be an MLACache or None, got {type(cache).__name__}")
+            if not (isinstance(cache.latent, torch.Tensor) and isinstance(cache.k_shared, torch.Tensor)):
+                raise ValueError(f"GatedMLA: cache.latent and cache.k_shared must be tensors, got "
+                                 f"{type(cache.latent).__name__} and {type(cache.k_shared).__name__}")
             want = [(B, cache.length, self.R), (B, cache.length, self.Dr)]
             if [tuple(cache.latent.shape), tuple(cache.k_shared.shape)] != want:
                 raise ValueError(f"GatedMLA: cache must hold latent [B={B}, S, R={self.R}] and k_shared "
