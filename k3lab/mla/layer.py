@@ -302,8 +302,9 @@ class GatedMLA(nn.Module):
                 outside autocast (``k3lab.precision.check_input_dtype``); use_cache not a bool, absorbed not a
                 bool or None; a cache that is not an MLACache, or whose batch or widths disagree, or whose
                 tensors are not floating point tensors (another float dtype is cast, not refused); cu_seqlens
-                with B > 1, with a cache, or invalid (``k3lab.kda.checks.check_cu_seqlens``); cp not a KCPContext, or with B > 1, a cache,
-                cu_seqlens or use_cache, or x not holding the context's T_local tokens.
+                with B > 1, with a cache, or invalid (``k3lab.kda.checks.check_cu_seqlens``); cp not a
+                KCPContext, or with B > 1, a cache, cu_seqlens or use_cache, or x not holding the context's
+                T_local tokens.
         """
         if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != self.d_model or not x.is_floating_point():
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
