@@ -119,10 +119,24 @@ def fp8_quantize(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor,
 
 
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = FP8_BLOCK) -> torch.Tensor:
-    """Inverse of ``fp8_quantize``: q [..., D] float8 and scale [..., nb] float32 -> [..., D] in ``dtype``
-    (ValueError for a block that is not a positive int)."""
+    """Inverse of ``fp8_quantize``: q [..., D] float8_e4m3fn and scale [..., ceil(D / block)] float32 -> [..., D]
+    in ``dtype``, value j of a row being ``q[j] * scale[j // block]``.
+
+    Raises:
+        ValueError: block not a positive int; q not a float8_e4m3fn tensor with ndim >= 1; scale not of the
+            shape ``fp8_quantize`` gives q with this block (scales made with another block would be read
+            against the wrong values).
+    """
     _check_block("fp8_dequantize", block)
+    if not (isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn and q.ndim >= 1):
+        got = f"{q.dtype} {list(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"fp8_dequantize: q must be a float8_e4m3fn tensor with ndim >= 1 (fp8_quantize's), got {got}")
     d = q.shape[-1]
+    want = (*q.shape[:-1], -(-d // block))
+    if not (isinstance(scale, torch.Tensor) and tuple(scale.shape) == want):
+        got = list(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise ValueError(f"fp8_dequantize: scale must be {list(want)} for q {list(q.shape)} with block={block}, "
+                         f"got {got}")
     return (q.float() * scale.repeat_interleave(block, dim=-1)[..., :d]).to(dtype)
 
 

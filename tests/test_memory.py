@@ -132,6 +132,21 @@ def test_fp8_block_must_be_a_positive_int(block):
     assert rel_rms_error(x, fp8_dequantize(q, scale, torch.float32, block=64)) < 0.05
 
 
+def test_fp8_dequantize_refuses_scales_of_another_block_or_shape():
+    """Scales made with block=7 read with the default 128 came back as another tensor, silently (each value
+    took the scale of another block); a scale of the wrong shape failed in a broadcast."""
+    x = torch.randn(3, 300)
+    q, scale = fp8_quantize(x, block=7)
+    with pytest.raises(ValueError, match=r"fp8_dequantize: scale must be \[3, 3\] for q \[3, 300\] with block=128, "
+                                         r"got \[3, 43\]"):
+        fp8_dequantize(q, scale, torch.float32)
+    with pytest.raises(ValueError, match=r"scale must be \[3, 43\]"):
+        fp8_dequantize(q, scale[:, :1], torch.float32, block=7)
+    with pytest.raises(ValueError, match="q must be a float8_e4m3fn tensor"):
+        fp8_dequantize(x, scale, torch.float32, block=7)
+    assert rel_rms_error(x, fp8_dequantize(q, scale, torch.float32, block=7)) < 0.05
+
+
 @pytest.mark.parametrize("policy", ["keep", "recompute"])
 def test_a_tensor_written_in_place_after_its_save_is_refused_as_plain_autograd_does(policy):
     """The keep policy handed backward the modified tensor (a wrong gradient, silently) where plain autograd
