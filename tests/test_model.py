@@ -156,6 +156,27 @@ def test_generate_at_a_tiny_temperature_is_greedy(dtype, temperature):
         assert torch.equal(out, greedy)
 
 
+def test_generate_in_training_mode_leaves_the_balancers_statistics_and_the_mode_alone():
+    """generate on a model in training mode counted the prompt's and every decoded token's routing into the MoE
+    layers' Quantile Balancing statistics, so the next bias update moved the routers by the samples."""
+    from k3lab.moe import moe_layers
+
+    model = tiny(seed=6)
+    prompt = torch.randint(0, 256, (2, 3), generator=torch.Generator().manual_seed(7))
+    out = model.generate(prompt, 3, temperature=0)
+    assert model.training
+    for m in moe_layers(model):
+        assert int(m.balance.counts.sum()) == 0 and int(m.balance.hist.sum()) == 0
+    assert torch.equal(out, model.eval().generate(prompt, 3, temperature=0)) and not model.training
+
+
+def test_use_cache_that_is_not_a_bool_is_named():
+    """use_cache="no" failed in the first KDA layer with "output_final_state must be a bool", an argument the
+    model's caller never passed."""
+    with pytest.raises(ValueError, match="use_cache must be a bool, got 'no'"):
+        tiny()(torch.zeros(1, 4, dtype=torch.long), use_cache="no")
+
+
 @pytest.mark.parametrize("overrides, match", [
     (dict(num_experts_per_tok=8), r"^K3Config.moe_balance='qb' needs num_experts_per_tok < n_routed_experts"),
     (dict(init_std=0.0), r"^K3Config.init_std must be a finite number > 0"),

@@ -277,12 +277,14 @@ class K3Model(nn.Module):
         Raises:
             ValueError: idx or the model on the meta device (no values to run on: count parameters and FLOPs
                 with ``count_params`` and ``flops_per_token``); idx not [B, T] with B, T >= 1, ids out of range,
-                targets of another shape,
+                targets of another shape, use_cache not a bool,
                 cu_seqlens with B > 1, with caches, or invalid; caches not a list of L caches; cp with
                 cu_seqlens, caches or use_cache, or idx not [1, cp.T_local].
         """
         c = self.config
         self._check_idx(idx)
+        if not isinstance(use_cache, bool):
+            raise ValueError(f"use_cache must be a bool, got {use_cache!r}")
         if not isinstance(return_logits, bool):
             raise ValueError(f"return_logits must be a bool, got {return_logits!r}")
         if not return_logits and targets is None:
@@ -374,7 +376,8 @@ class K3Model(nn.Module):
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample ``max_new_tokens`` continuations: one prefill of ``idx``, then one token per step from
-        the caches (KDA state and short-conv tails, MLA latents; the absorbed MLA form).
+        the caches (KDA state and short-conv tails, MLA latents; the absorbed MLA form). Runs in eval mode
+        (the training mode is restored after): decoding adds nothing to the MoE balancers' statistics.
 
         Args:
             idx (Tensor): [B, T] prompt ids.
@@ -402,6 +405,18 @@ class K3Model(nn.Module):
         out = idx.long()
         if max_new_tokens == 0:
             return out
+        # Each module's own mode, restored as it was (a model may hold some modules in eval mode).
+        modes = [(m, m.training) for m in self.modules()]
+        self.eval()
+        try:
+            return self._decode(out, max_new_tokens, temperature, top_k, generator)
+        finally:
+            for m, training in modes:
+                m.training = training
+
+    def _decode(self, out: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
+                generator: torch.Generator | None) -> torch.Tensor:
+        """``generate``'s loop on checked arguments: prefill ``out`` [B, T] int64, then sample step by step."""
         logits, _, caches = self(out, use_cache=True)
         for step in range(max_new_tokens):
             last = logits[:, -1]
