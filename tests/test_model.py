@@ -91,6 +91,22 @@ def tiny(dtype=torch.float32, seed=0, **overrides):
     return model
 
 
+def test_flops_and_mfu_take_numpy_numbers_and_name_a_causal_that_is_not_a_bool():
+    """A throughput from numpy (np.float32 of a median, np.int64 of a count) was refused as "must be a positive
+    finite number, got np.float32(1000.0)", a numpy seq_len as "must be a positive int, got 100"; causal="no"
+    halved the attention term."""
+    np = pytest.importorskip("numpy")
+    c = K3Config.preset("k3-tiny")
+    f = flops_per_token(c, 100)
+    assert flops_per_token(c, np.int64(100)) == f
+    assert mfu(np.float32(1000.0), f, n_gpus=np.int64(2)) == pytest.approx(mfu(1000.0, f, n_gpus=2))
+    assert mfu(np.int64(1000), np.float64(f), np.float64(989.4e12)) == pytest.approx(mfu(1000, f))
+    with pytest.raises(ValueError, match="causal must be a bool, got 'no'"):
+        flops_per_token(c, 100, causal="no")
+    with pytest.raises(ValueError, match=r"tokens_per_s must be a positive finite number, got np.float64\(nan\)"):
+        mfu(np.float64("nan"), f)
+
+
 def test_tiny_forward_backward():
     model = tiny()
     types = [type(m) for m in model.mixers()]

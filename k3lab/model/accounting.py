@@ -15,6 +15,7 @@ Conventions (stated once, used by both):
 """
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict
 
 import torch
@@ -145,10 +146,13 @@ def flops_per_token(config: K3Config | str, seq_len: int, causal: bool = False) 
         float FLOPs per token.
 
     Raises:
-        ValueError: seq_len not a positive int; an unknown preset.
+        ValueError: seq_len not a positive int (numpy's ints count); causal not a bool; an unknown preset.
     """
-    if not (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1):
+    if not (isinstance(seq_len, numbers.Integral) and not isinstance(seq_len, bool) and seq_len >= 1):
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    seq_len = int(seq_len)
     if isinstance(config, str):
         config = K3Config.preset(config)
     active = count_params(config)["total"][1]
@@ -170,15 +174,15 @@ def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float | str = "h1
         float in [0, 1] for a sound count (above 1 means the FLOPs are over-counted).
 
     Raises:
-        ValueError: non-positive or non-finite inputs, an unknown GPU name.
+        ValueError: non-positive or non-finite inputs (numbers: Python's or numpy's), an unknown GPU name.
     """
     if isinstance(peak_flops, str):
         if peak_flops not in PEAK_FLOPS:
             raise ValueError(f"peak_flops must be a number or one of {sorted(PEAK_FLOPS)}, got {peak_flops!r}")
         peak_flops = PEAK_FLOPS[peak_flops]
     for name, v in (("tokens_per_s", tokens_per_s), ("flops_per_tok", flops_per_tok), ("peak_flops", peak_flops)):
-        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
+        if not (isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 < v < float("inf")):
             raise ValueError(f"{name} must be a positive finite number, got {v!r}")
-    if not (isinstance(n_gpus, int) and not isinstance(n_gpus, bool) and n_gpus >= 1):
+    if not (isinstance(n_gpus, numbers.Integral) and not isinstance(n_gpus, bool) and n_gpus >= 1):
         raise ValueError(f"n_gpus must be a positive int, got {n_gpus!r}")
-    return tokens_per_s * flops_per_tok / (n_gpus * peak_flops)
+    return float(tokens_per_s) * float(flops_per_tok) / (int(n_gpus) * float(peak_flops))
