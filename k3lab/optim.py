@@ -142,10 +142,15 @@ def newton_schulz_blocks(blocks: list[torch.Tensor], ns_coefficients=NS_COEFFICI
         GEMMs may round differently).
 
     Raises:
-        ValueError: ns_steps not an int in [0, 100), ns_coefficients not three numbers.
+        ValueError: ns_steps not an int in [0, 100), ns_coefficients not three numbers, a block that is not a
+            2-D tensor.
     """
     if not (isinstance(ns_steps, int) and not isinstance(ns_steps, bool) and 0 <= ns_steps < 100):
         raise ValueError(f"ns_steps must be an int in [0, 100), got {ns_steps!r}")
+    for i, x in enumerate(blocks):
+        if not (isinstance(x, torch.Tensor) and x.ndim == 2):
+            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"newton_schulz_blocks: blocks[{i}] must be a 2-D [A, B] tensor, got {got}")
     if len(ns_coefficients) != 3:
         raise ValueError(f"ns_coefficients must be the quintic's 3 numbers (a, b, c), got {ns_coefficients!r}")
     if len(blocks) == 1:

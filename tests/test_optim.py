@@ -318,6 +318,16 @@ def test_newton_schulz_blocks_rejects_bad_settings_for_one_block_or_many(kwargs,
             newton_schulz_blocks([torch.randn(4, 6) for _ in range(n)], **kwargs)
 
 
+def test_newton_schulz_blocks_names_a_block_that_is_not_2d():
+    """A 1-D block failed with torch's "Input tensor gradient must be a 2D matrix" alone and, among several
+    blocks, with Python's "not enough values to unpack"."""
+    from k3lab.optim import newton_schulz_blocks
+
+    for blocks in ([torch.randn(6)], [torch.randn(4, 6), torch.randn(6)]):
+        with pytest.raises(ValueError, match=rf"blocks\[{len(blocks) - 1}\] must be a 2-D \[A, B\] tensor, got \[6\]"):
+            newton_schulz_blocks(blocks)
+
+
 def test_grad_norm_and_clipping_over_two_meshes_and_a_stage_group():
     """Gradients as the trainer holds them on 4 gloo ranks, two pipeline stages of (dp, ep) = (1, 2): FSDP
     shards on the batch mesh, expert shards on the 2-D expert mesh, a replicated tensor; stage s holds
