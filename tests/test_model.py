@@ -339,6 +339,15 @@ def test_bias_update_visits_the_mtp_moe_layers_and_a_stage_without_moe_is_a_no_o
     assert moe_layers(first) == [] and update_biases(first) == []
 
 
+def test_sum_queries_grad_of_no_stages_is_named():
+    """An empty list of stages (a rank that builds none) failed inside torch.stack with "stack expects a
+    non-empty TensorList"."""
+    from k3lab.model import sum_queries_grad
+
+    with pytest.raises(ValueError, match="sum_queries_grad: stages must hold at least one K3Stage, got 0"):
+        sum_queries_grad([])
+
+
 def test_trains_under_bf16_autocast_with_value_checks_off():
     # The trainer's GPU step: bf16 autocast over float32 weights (the stacked experts run grouped_mm,
     # which autocast does not cast: the layer does), no per-call value checks.

@@ -234,8 +234,12 @@ def sum_queries_grad(stages: Sequence[K3Stage], group: dist.ProcessGroup | None 
     shard by shard: the ranks of a pp group hold the same shard. Call after backward, before the optimizer.
 
     Raises:
+        ValueError: no stages.
         RuntimeError: a stage's queries have no gradient (call after the backward of every micro-batch).
     """
+    stages = list(stages)
+    if not stages:
+        raise ValueError("sum_queries_grad: stages must hold at least one K3Stage, got 0")
     grads = [s.residual.queries.grad for s in stages]
     if any(g is None for g in grads):
         raise RuntimeError("sum_queries_grad: a stage's queries have no gradient yet (call it after backward)")
