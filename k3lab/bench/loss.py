@@ -4,8 +4,8 @@
     python -m k3lab.bench.loss                        # on a GPU -> data/results/loss_<card>.json
     python -m k3lab.bench.loss --small --device cpu   # tiny sizes, for checking the script
 
-Cases: k3-1b's micro-batch (16 x 2048 tokens, d 1024, vocab 163,840: what ``k3lab.train`` runs) and a K3
-slice (8192 tokens at K3's d 7168). Each method runs under bf16 autocast with float32 weights, as in the
+Cases at K3's vocabulary (163,840): k3-1b's width (d 1024) on a 16 x 2048 micro-batch, and K3's (d 7168) on
+8192 tokens. Each method runs under bf16 autocast with float32 weights, as in the
 trainer. Correctness first: each method's loss and gradients (dh, dW) against the plain head's in the same
 precision (and, on the small check, against float64). Then the time of forward + backward (median, CUDA
 events), the head's 6 N d V FLOPs over that time, the bf16 matmul ceiling measured in the same run
