@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.autograd import DeviceType
+from torch.autograd.profiler_util import Kernel
 
 from k3lab.bench.step_profile import CATEGORY_NAMES, PHASES, category, main, records, summarise
 
@@ -79,26 +80,29 @@ def test_category_table_on_known_names(name, expected):
     assert category(name) == expected
 
 
-def _event(name, start, end, device=DeviceType.CPU, kind="cpu_op", id_=0, linked=0):
+def _event(name, start, end, device=DeviceType.CPU, kind="cpu_op", kernels=()):
+    # As torch builds them: device work listed under the host op that launched it (``kernels``); no
+    # ``linked_correlation_id`` (FunctionEvent has none in torch 2.11).
     return SimpleNamespace(name=name, device_type=device, activity_type=kind, is_user_annotation="annotation" in kind,
-                           id=id_, linked_correlation_id=linked, self_cpu_time_total=end - start,
+                           kernels=[Kernel(k, 0, us) for k, us in kernels], self_cpu_time_total=end - start,
                            time_range=SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start))
 
 
 def test_cuda_kernels_go_to_the_phase_their_launching_op_started_in():
     # forward_backward [0, 100] holds forward [0, 40]; the backward's op runs on another thread at 60; the
-    # device annotation and the runtime call are not device time.
+    # range's device copy (under its annotation) and the runtime call are not device time.
     cuda = DeviceType.CUDA
-    events = [_event("forward_backward", 0, 100, kind="user_annotation", id_=1),
-              _event("forward", 0, 40, kind="user_annotation", id_=2),
-              _event("aten::mm", 10, 12, id_=3), _event("MmBackward0", 60, 70, id_=4),
-              _event("optimizer", 110, 150, kind="user_annotation", id_=5), _event("aten::copy_", 120, 121, id_=6),
-              _event("cudaLaunchKernel", 10, 11, kind="cuda_runtime", linked=3),
-              _event("forward", 5, 45, device=cuda, kind="gpu_user_annotation", linked=2),
-              _event("nvjet_fwd", 20, 30, device=cuda, kind="kernel", linked=3),
-              _event("nvjet_bwd", 80, 100, device=cuda, kind="kernel", linked=4),
-              _event("Memcpy DtoD (Device -> Device)", 130, 135, device=cuda, kind="gpu_memcpy", linked=6),
-              _event("Memset (Device)", 200, 201, device=cuda, kind="gpu_memset", linked=99)]
+    events = [_event("forward_backward", 0, 100, kind="user_annotation"),
+              _event("forward", 0, 40, kind="user_annotation", kernels=[("forward", 40)]),
+              _event("aten::mm", 10, 12, kernels=[("nvjet_fwd", 10)]),
+              _event("MmBackward0", 60, 70, kernels=[("nvjet_bwd", 20)]),
+              _event("optimizer", 110, 150, kind="user_annotation"),
+              _event("aten::copy_", 120, 121, kernels=[("Memcpy DtoD (Device -> Device)", 5)]),
+              _event("aten::zero_", 160, 161, kernels=[("Memset (Device)", 1)]),
+              _event("cudaLaunchKernel", 10, 11, kind="cuda_runtime"),
+              _event("forward", 5, 45, device=cuda, kind="gpu_user_annotation"),
+              _event("nvjet_fwd", 20, 30, device=cuda, kind="kernel"),
+              _event("nvjet_bwd", 80, 100, device=cuda, kind="kernel")]
     s = summarise(*records(SimpleNamespace(events=lambda: events), torch.device("cuda")))
     assert s["device_ms"] == pytest.approx(0.036)
     assert s["phases_ms"] == pytest.approx(dict(forward=0.010, backward=0.020, optimizer=0.005, bias_update=0.0,

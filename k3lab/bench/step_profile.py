@@ -78,16 +78,20 @@ def category(name: str) -> str:
 def records(prof, device: torch.device) -> tuple[list, list]:
     """(records, intervals) of a finished profile: records (name, microseconds, host start) per kernel,
     memcpy and memset on CUDA (host start: the launching op's), per aten op's self time on a CPU; intervals
-    (phase, start, end) of the benchmark's ranges on the host."""
+    (phase, start, end) of the benchmark's ranges on the host.
+
+    On CUDA the device work is read from each host op's ``kernels`` (the device events torch links to the op
+    that launched them, the list its own ``device_time_total`` sums), which every torch here has; the device
+    events' own ``linked_correlation_id`` is missing from ``FunctionEvent`` in torch 2.11. The ranges' device
+    copies (``gpu_user_annotation``) hang under the annotation events and are skipped with them."""
     events = prof.events()
     intervals = [(RANGES[e.name], e.time_range.start, e.time_range.end) for e in events
                  if e.is_user_annotation and e.device_type == DeviceType.CPU and e.name in RANGES]
     if device.type == "cpu":
         return [(e.name, e.self_cpu_time_total, e.time_range.start) for e in events
                 if e.device_type == DeviceType.CPU and e.activity_type == "cpu_op"], intervals
-    host = {e.id: e.time_range.start for e in events if e.device_type == DeviceType.CPU and not e.linked_correlation_id}
-    return [(e.name, e.time_range.elapsed_us(), host.get(e.linked_correlation_id, -1.0)) for e in events
-            if e.device_type == DeviceType.CUDA and e.activity_type in DEVICE_ACTIVITIES], intervals
+    return [(k.name, k.duration, e.time_range.start) for e in events
+            if e.device_type == DeviceType.CPU and not e.is_user_annotation for k in e.kernels], intervals
 
 
 def summarise(recs: list, intervals: list) -> dict:
