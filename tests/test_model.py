@@ -196,10 +196,16 @@ def test_use_cache_that_is_not_a_bool_is_named():
 @pytest.mark.parametrize("overrides, match", [
     (dict(num_experts_per_tok=8), r"^K3Config.moe_balance='qb' needs num_experts_per_tok < n_routed_experts"),
     (dict(init_std=0.0), r"^K3Config.init_std must be a finite number > 0"),
-], ids=["qb-top-k-equals-experts", "init-std-zero"])
+    (dict(moe_latent_size=36), r"^K3Config.moe_latent_size must be a multiple of 8"),
+    (dict(moe_intermediate_size=20), r"^K3Config.moe_intermediate_size must be a multiple of 8"),
+    (dict(moe_latent_size=None, hidden_size=60, num_attention_heads=2), r"^K3Config.hidden_size must be a multiple of 8"),
+    (dict(moe_experts=4), r"^K3Config has no field\(s\) \['moe_experts'\]"),
+], ids=["qb-top-k-equals-experts", "init-std-zero", "latent-width", "expert-hidden", "full-width-experts",
+        "unknown-field"])
 def test_config_refuses_what_the_model_cannot_build(overrides, match):
-    """These configs were accepted and failed only at K3Model(config) with MoEConfig's message, naming a
-    class the user never built."""
+    """These configs were accepted and failed only at K3Model(config) or its first forward, with a message
+    naming a class or a width (expert_ffn's d, h) the user never set; an unknown override was dataclasses'
+    TypeError."""
     with pytest.raises(ValueError, match=match):
         K3Config.preset("k3-tiny", **overrides)
     K3Model(K3Config.preset("k3-tiny", num_experts_per_tok=8, moe_balance="none"))

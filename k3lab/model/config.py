@@ -156,6 +156,14 @@ class K3Config:
                 raise ValueError(f"K3Config.{name} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}")
         check_lower_bound(self.kda_gate_lower_bound)
         check_chunk_size(self.kda_chunk_size, name="K3Config.kda_chunk_size")
+        # The routed experts' grouped GEMMs need 16-byte rows (k3lab.moe.expert_ffn): 8 elements in bf16. Checked
+        # here so the message names the config's fields, not the layer's d and h at the first forward.
+        expert_width = ("moe_latent_size", self.moe_latent_size) if self.moe_latent_size else ("hidden_size",
+                                                                                             self.hidden_size)
+        for name, v in (expert_width, ("moe_intermediate_size", self.moe_intermediate_size)):
+            if v % 8:
+                raise ValueError(f"K3Config.{name} must be a multiple of 8 (the routed experts' grouped GEMMs need "
+                                 f"16-byte rows in bf16), got {v}")
 
     @property
     def num_mla_layers(self) -> int:
@@ -186,10 +194,14 @@ class K3Config:
         """A named preset ("k3-full", "k3-1b", "k3-tiny") with fields overridden.
 
         Raises:
-            ValueError: an unknown name (the message lists the presets); bad overrides (as the constructor).
+            ValueError: an unknown name (the message lists the presets); an override that is not a field; bad
+                overrides (as the constructor).
         """
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
+        unknown = sorted(set(overrides) - {f.name for f in fields(K3Config)})
+        if unknown:
+            raise ValueError(f"K3Config has no field(s) {unknown} (overrides of preset {name!r})")
         return replace(PRESETS[name](), **overrides)
 
 
