@@ -360,6 +360,47 @@ print(f"measured: {run['preset']}, {run['batch_size']} x {run['seq_len']} tokens
       f"{run['tokens_per_s']:,.0f} tokens/s x {run['flops_per_token'] / 1e9:.2f} GFLOP = MFU {100 * run['mfu']:.1f}%")
 
 # %% [markdown]
+# ### The head's loss without the logits
+#
+# K3's vocabulary has 163,840 ids. The head's logits are then the largest tensors of a training step:
+# $N \times V$ numbers for $N$ tokens (whatever the width), made only to be reduced to one loss per token. The
+# plain path (bf16 logits, a float32 copy, `F.cross_entropy`, its backward, the cast back) writes and reads them
+# about ten times. `k3lab.model.loss.linear_cross_entropy` runs the head on chunks of rows and turns each chunk's
+# logits into its loss and its gradient $g = \mathrm{softmax}(z) - \mathrm{onehot}(t)$ at once,
+# folding $g$ into $dh = g W$ and $dW \mathrel{+}= g^\top h$ before the next chunk (Liger-Kernel's fused linear
+# cross-entropy, in PyTorch); `K3Model.forward(idx, targets, return_logits=False)` and the trainer use it. Below:
+# the head's share of the FLOPs and the size of the logits at K3's vocabulary (this book's corpus has 4,096 ids,
+# where both are small), the chunked loss against `F.cross_entropy` in float64, and, where a GPU run stored it,
+# `python -m k3lab.bench.loss`'s table.
+
+# %%
+from k3lab.bench.loss import table as loss_table
+from k3lab.model.loss import linear_cross_entropy
+
+for name in ("k3-1b", "k3-full"):
+    c_ = K3Config.preset(name)
+    head = 6 * c_.vocab_size * c_.hidden_size
+    N = 16 * 2048
+    print(f"{name}: head {head / flops_per_token(c_, 2048):.0%} of the FLOPs per token at T = 2048; logits of "
+          f"{N:,} tokens: {N * c_.vocab_size * 4 / 1e9:.0f} GB in float32")
+g_ = torch.Generator().manual_seed(seed)
+h_ = torch.randn(300, 48, dtype=torch.float64, generator=g_, requires_grad=True)
+w_ = torch.randn(1000, 48, dtype=torch.float64, generator=g_, requires_grad=True)
+t_ = torch.randint(0, 1000, (300,), generator=g_)
+t_[::7] = -100
+plain_loss = torch.nn.functional.cross_entropy(h_ @ w_.t(), t_)
+plain_grads = torch.autograd.grad(plain_loss, (h_, w_))
+chunked_loss = linear_cross_entropy(h_, w_, t_, chunk=64)
+chunked_grads = torch.autograd.grad(chunked_loss, (h_, w_))
+errs = [rel_rms_error(chunked_loss, plain_loss)] + [rel_rms_error(a, b) for a, b in zip(chunked_grads, plain_grads)]
+print("float64, chunks of 64 rows against F.cross_entropy: loss, dh, dW relative errors",
+      ", ".join(f"{e:.1e}" for e in errs))
+assert max(errs) < 1e-12
+found = sorted((ROOT / "data" / "results").glob("loss_h*.json"))
+if found:
+    print(loss_table(json.loads(found[-1].read_text())))
+
+# %% [markdown]
 # ## 6. Experiment: the architecture at a tiny size, Per-Head Muon against AdamW
 #
 # `preset` is `k3-tiny` on the CPU (`k3-1b` on the GPU profile): K3's architecture at $d = 64$, 5 layers
