@@ -112,6 +112,19 @@ def parse_device(p, text: str, cpu_hint: str = "run with --device cpu"):
     return device
 
 
+def gpu_device(p, args, work: str = "the full shapes are GPU work"):
+    """``args.device`` parsed (``parse_device``) for a benchmark whose real shapes are GPU work: on a CPU only
+    with ``args.small`` (its tiny check of the script).
+
+    Raises:
+        SystemExit: as ``parse_device``; "cpu" without ``--small`` (the message says why: ``work``).
+    """
+    device = parse_device(p, args.device, cpu_hint="run with --device cpu --small to check the script")
+    if device.type != "cuda" and not args.small:
+        raise SystemExit(f"--device cpu needs --small ({work})")
+    return device
+
+
 def check_out(out: str | None) -> None:
     """Stop before any work when ``--out`` cannot be written: the JSON is written at the end of a run that may
     take minutes of GPU time. Missing parent folders are fine (they are created).

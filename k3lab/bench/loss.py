@@ -18,7 +18,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from k3lab.bench import check_out, parse_device, positive_int, run_info, write_result
+from k3lab.bench import check_out, gpu_device, positive_int, run_info, write_result
 from k3lab.bench.moe import ceiling_tflops, time_ms
 from k3lab.model.loss import linear_cross_entropy
 from k3lab.testing import rel_rms_error
@@ -129,9 +129,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     check_out(args.out)
     rep = args.rep or (2 if args.small else 10)
-    device = parse_device(p, args.device, cpu_hint="run with --device cpu --small to check the script")
-    if device.type != "cuda" and not args.small:
-        raise SystemExit("--device cpu needs --small (the full shapes are GPU work)")
+    device = gpu_device(p, args)
     cases = TINY if args.small else {k: CASES[k] for k in args.cases}
     result = run_info(device)
     result["ceiling_tflops"] = ceiling_tflops(device, 256 if args.small else 8192)

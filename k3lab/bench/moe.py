@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from k3lab.bench import check_out, parse_device, positive_int, run_info, write_result
+from k3lab.bench import check_out, gpu_device, positive_int, run_info, write_result
 from k3lab.moe import MoE, MoEConfig, expert_ffn
 from k3lab.testing import rel_rms_error
 
@@ -260,9 +260,7 @@ def main(argv=None) -> dict:
     check_out(args.out)
     if args.rep is None:
         args.rep = 2 if args.small else 20
-    device = parse_device(p, args.device, cpu_hint="run with --device cpu --small to check the script")
-    if device.type != "cuda" and not args.small:
-        raise SystemExit("--device cpu needs --small (the full shapes are GPU work)")
+    device = gpu_device(p, args)
     cases = TINY if args.small else {k: CASES[k] for k in args.cases}
     with_tt = not args.no_torchtitan
     if with_tt:

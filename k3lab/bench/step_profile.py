@@ -29,7 +29,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from k3lab.bench import check_out, parse_device, positive_int, run_info, write_result
+from k3lab.bench import check_out, gpu_device, positive_int, run_info, write_result
 from k3lab.bench.train import BF16_LOSS_BOUND
 from k3lab.model import flops_per_token, mfu
 from k3lab.moe import update_biases
@@ -248,9 +248,7 @@ def main(argv=None) -> dict:
                    "data/results/step_profile_<card>.json after the device (with --small: nothing)")
     args = p.parse_args(argv)
     check_out(args.out)
-    device = parse_device(p, args.device, cpu_hint="run with --device cpu --small to check the script")
-    if device.type == "cpu" and not args.small:
-        raise SystemExit("--device cpu needs --small (k3-1b is GPU work)")
+    device = gpu_device(p, args, "k3-1b is GPU work")
     small, M = args.small, args.microbatches
     warmup, steps = (1, args.steps or 2) if small else (2, args.steps or 3)
     B = args.batch_size or (2 if small else 8)
