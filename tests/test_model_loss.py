@@ -123,3 +123,44 @@ def test_model_return_logits_false_needs_targets():
         model(torch.zeros(1, 4, dtype=torch.long), return_logits=False)
     with pytest.raises(ValueError, match="return_logits must be a bool"):
         model(torch.zeros(1, 4, dtype=torch.long), return_logits="no")
+
+
+def test_second_derivative_is_refused():
+    """The gradients are computed in the forward, so a create_graph=True gradient has no second-order terms
+    through h and the weight: differentiating it again lost them without a word (h.grad stayed None). It must
+    raise instead."""
+    h, w, t = _inputs()
+    s = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    (dh,) = torch.autograd.grad(linear_cross_entropy(h, w, t, chunk=7) * s, h, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice _LinearCrossEntropy"):
+        (dh**2).sum().backward()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_inside_torch_compile(compiled):
+    """A module calling it under torch.compile: with the chunk's own compile inside, dynamo failed with
+    InternalTorchDynamoError ("an intermediate tensor 'dw' ... aliases an input or output")."""
+    h, w, t = _inputs(N=23, d=8, V=11, dtype=torch.float32)
+    lin = torch.nn.Linear(8, 8)
+
+    def loss_fn(h, w, t):
+        return linear_cross_entropy(torch.tanh(lin(h)), w, t, chunk=5, compiled=compiled)
+
+    ref = _grads(lambda h, w, t: _reference(torch.tanh(lin(h)), w, t), h, w, t)
+    got = _grads(torch.compile(loss_fn), h, w, t)
+    torch._dynamo.reset()
+    errs = [rel_rms_error(a, b) for a, b in zip(got, ref)]
+    print(f"torch.compile around it, compiled={compiled}: loss, dh, dW relative errors {errs}")
+    assert max(errs) < 1e-5
+
+
+def test_float64_under_autocast_stays_float64():
+    """Autocast leaves float64 alone (the plain head of a float64 model stays float64 under it); the chunked
+    loss cast h and the weight to bf16 and returned float32, 1e-2 away from the logits path."""
+    h, w, t = _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _grads(_reference, h, w, t)
+        got = _grads(lambda *a: linear_cross_entropy(*a, chunk=7), h, w, t)
+    errs = [float((got[0] - ref[0]).abs() / ref[0])] + [rel_rms_error(a, b) for a, b in zip(got[1:], ref[1:])]
+    print(f"float64 under bf16 autocast: loss, dh, dW relative errors {errs}")
+    assert got[0].dtype == torch.float64 and max(errs) < 1e-12

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from k3lab.autograd import differentiable_once
+
 #: Logits per chunk (rows x V): 2^29 numbers, 1 GB in bf16 and 2 GB in float32 per temporary. At V = 163,840 that
 #: is 3,276 rows: dh = g W of a chunk is a [rows, V] x [V, d] product whose output has only rows x d entries, and
 #: fewer rows leave it too few output tiles to fill the GPU.
@@ -47,7 +49,9 @@ _compiled_chunk = None
 
 def _chunk_fn(compiled: bool):
     global _compiled_chunk
-    if not compiled:
+    # Inside a caller's torch.compile the chunk is traced into that graph; a nested compiled function there
+    # failed in dynamo ("an intermediate tensor 'dw' ... aliases an input or output").
+    if not compiled or torch.compiler.is_compiling():
         return _ce_chunk
     if _compiled_chunk is None:
         _compiled_chunk = torch.compile(_ce_chunk, dynamic=False)
@@ -77,12 +81,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if need_w:
                     dw += g.t() @ hc
         ctx.weight_dtype = weight.dtype
-        ctx.save_for_backward(dh, dw)
+        # h and weight are saved only so that differentiating a create_graph=True gradient raises
+        # (differentiable_once): dh and dw were made in the forward and have no second-order terms.
+        ctx.save_for_backward(dh, dw, h if need_h else None, weight if need_w else None)
         return loss * scale
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, grad):
-        dh, dw = ctx.saved_tensors
+        dh, dw, _, _ = ctx.saved_tensors
         dh = None if dh is None else dh * grad.to(dh.dtype)
         dw = None if dw is None else (dw * grad.to(dw.dtype)).to(ctx.weight_dtype)
         return dh, dw, None, None, None, None, None, None
@@ -92,10 +99,12 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
                          chunk: int | None = None, compiled: bool = False) -> torch.Tensor:
     """Mean cross-entropy of the logits ``h @ weight.T`` against ``targets`` without forming the logits (module
     docstring): equal to ``F.cross_entropy((h @ weight.T).float(), targets, ignore_index=ignore_index)`` and its
-    gradients, except that a batch with no counted target gives 0, not NaN.
+    gradients, except that a batch with no counted target gives 0, not NaN, and that a NaN or inf in a row not
+    counted makes the loss NaN (``F.cross_entropy``'s loss skips that row; its gradients are NaN either way).
 
     Under autocast on h's device the matmuls run in the autocast dtype (weight cast once per call), the
-    log-softmax in float32; otherwise in h's dtype (float32 or float64 end to end).
+    log-softmax in float32; otherwise, and for float64 h (which autocast leaves alone), in h's dtype (float32 or
+    float64 end to end).
 
     Args:
         h (Tensor): [N, d] hidden states (float), the head's input.
@@ -112,6 +121,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     Raises:
         ValueError: h not [N, d] floating, weight not [V, d] with h's d, dtype or device, targets not [N]
             integer, chunk < 1.
+        RuntimeError: on differentiating a gradient taken with ``create_graph=True`` (no second derivatives).
 
     Targets are not range-checked here (that is a host sync; ``K3Model`` checks them with its value checks):
     an id outside [0, V) other than ``ignore_index`` fails in ``gather`` on a CPU and is undefined on a GPU.
@@ -120,10 +130,12 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
         raise ValueError(f"h must be a floating [N, d] tensor, got "
                          f"{(h.dtype, list(h.shape)) if isinstance(h, torch.Tensor) else type(h).__name__}")
     dev = h.device.type
-    autocast = torch.is_autocast_enabled(dev)
+    # Autocast leaves float64 alone, as it does for the plain head.
+    autocast = torch.is_autocast_enabled(dev) and h.dtype != torch.float64
     if not (isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.shape[1] == h.shape[1]
             and (weight.dtype == h.dtype or autocast and weight.is_floating_point())):
-        raise ValueError(f"weight must be [V, {h.shape[1]}] in h's dtype {h.dtype} (any float dtype under autocast), "
+        raise ValueError(f"weight must be [V, {h.shape[1]}] in h's dtype {h.dtype} (any float dtype under autocast, "
+                         f"unless h is float64), "
                          f"got {(weight.dtype, list(weight.shape)) if isinstance(weight, torch.Tensor) else weight!r}")
     if weight.device != h.device:
         raise ValueError(f"weight is on {weight.device}, h on {h.device}")
