@@ -87,6 +87,10 @@ def test_compiled_chunk_equals_eager():
     (dict(targets=torch.zeros(4)), "targets must be integer"),
     (dict(targets=torch.zeros(3, dtype=torch.long)), r"targets must be integer \[N=4\]"),
     (dict(chunk=0), "chunk must be"),
+    (dict(ignore_index=None), "ignore_index must be an int"),
+    (dict(ignore_index=0.5), "ignore_index must be an int"),
+    (dict(ignore_index=True), "ignore_index must be an int"),
+    (dict(compiled="yes"), "compiled must be a bool"),
 ])
 def test_bad_input_is_named(bad, match):
     args = dict(h=torch.randn(4, 3), weight=torch.randn(5, 3), targets=torch.zeros(4, dtype=torch.long)) | bad

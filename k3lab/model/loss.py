@@ -120,7 +120,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
     Raises:
         ValueError: h not [N, d] floating, weight not [V, d] with h's d, dtype or device, targets not [N]
-            integer, chunk < 1.
+            integer, chunk < 1, ignore_index not an int, compiled not a bool.
         RuntimeError: on differentiating a gradient taken with ``create_graph=True`` (no second derivatives).
 
     Targets are not range-checked here (that is a host sync; ``K3Model`` checks them with its value checks):
@@ -148,6 +148,10 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
         chunk = max(1, CHUNK_NUMBERS // V)
     if not (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 1):
         raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    if not isinstance(compiled, bool):
+        raise ValueError(f"compiled must be a bool, got {compiled!r}")
     dtype = torch.get_autocast_dtype(dev) if autocast else h.dtype
     return _LinearCrossEntropy.apply(h, weight, targets.long(), dtype, ignore_index, chunk, compiled,
                                      torch.is_grad_enabled())
