@@ -82,7 +82,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     dw += g.t() @ hc
         ctx.weight_dtype = weight.dtype
         # h and weight are saved only so that differentiating a create_graph=True gradient raises
-        # (differentiable_once): dh and dw were made in the forward and have no second-order terms.
+        # (differentiable_once): dh and dw were made in the forward and have no second-order terms. That keeps
+        # h alive until the backward, as F.linear of the plain head does: N x d, beside the saved dh of that size.
         ctx.save_for_backward(dh, dw, h if need_h else None, weight if need_w else None)
         return loss * scale
 
