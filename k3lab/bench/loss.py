@@ -88,6 +88,7 @@ def time_case(name: str, N: int, d: int, V: int, device, rep: int, ceiling: floa
     for m in METHODS:
         fn = method(m)
         run(fn, h, w, t)  # compiles and autotunes outside the timing
+        h.grad = w.grad = None  # each timed run frees them first: the baseline must not hold them
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
