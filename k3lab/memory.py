@@ -344,6 +344,11 @@ class ActivationManager:
             return checkpoint(region, *args, use_reentrant=False, context_fn=_recompute_contexts, **kwargs)
 
 
+def _check_manager(manager) -> None:
+    if manager is not None and not isinstance(manager, ActivationManager):
+        raise ValueError(f"manager must be an ActivationManager or None, got {type(manager).__name__}")
+
+
 @contextlib.contextmanager
 def activation_policy(policy: str, manager: ActivationManager | None = None):
     """Store every tensor saved for backward inside the block under ``policy``.
@@ -355,9 +360,10 @@ def activation_policy(policy: str, manager: ActivationManager | None = None):
         ActivationManager: the one given, or a new one.
 
     Raises:
-        ValueError: unknown policy, or "recompute".
+        ValueError: unknown policy, or "recompute"; manager neither None nor an ActivationManager.
     """
     check_policy(policy)
+    _check_manager(manager)
     if policy == "recompute":
         raise ValueError("'recompute' needs a region to replay: use manager.run('recompute', fn, *args) or "
                          "apply_policies(model, {pattern: 'recompute'})")
@@ -407,8 +413,12 @@ def apply_policies(model: nn.Module, rules: dict[str, str], manager: ActivationM
 
     Raises:
         ValueError: unknown policy name; a pattern matching nothing under ``strict``; ``model``
-            already has policies applied; rules not a dict of str -> str.
+            already has policies applied; rules not a dict of str -> str; model not an nn.Module; manager
+            neither None nor an ActivationManager.
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+    _check_manager(manager)
     if not isinstance(rules, dict) or not all(isinstance(k, str) for k in rules):
         raise ValueError(f"rules must be a dict of module-name pattern -> policy, got {type(rules).__name__}")
     for pattern, policy in rules.items():

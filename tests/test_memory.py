@@ -277,6 +277,14 @@ def test_bad_names():
     with pytest.raises(ValueError, match="needs a region"):
         with activation_policy("recompute"):
             pass
+    # A model or manager of the wrong kind failed with AttributeError deep inside.
+    with pytest.raises(ValueError, match="model must be an nn.Module, got int"):
+        apply_policies(5, {"": "keep"})
+    with pytest.raises(ValueError, match="manager must be an ActivationManager or None, got int"):
+        apply_policies(model, {"blocks.0": "keep"}, manager=5)
+    with pytest.raises(ValueError, match="manager must be an ActivationManager or None, got str"):
+        with activation_policy("keep", manager="m"):
+            pass
     assert "forward" not in model.__dict__
 
 
