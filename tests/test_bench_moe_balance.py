@@ -48,6 +48,29 @@ def test_small_run_writes_every_method(tmp_path):
     assert all(len(r["worst_maxvio"]) == 3 and r["met"] is None for r in sweep.values())
 
 
+def test_a_run_cut_off_keeps_the_runs_it_finished(tmp_path, monkeypatch):
+    """A job killed at its time limit lost every finished run: the JSON was written only at the end."""
+    import k3lab.bench.moe_balance as bench
+
+    real, calls = bench.train_moe_lm, []
+
+    def cut_off_at_the_third_run(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # the correctness check, then "none", then "qb"; the fourth is killed
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "train_moe_lm", cut_off_at_the_third_run)
+    out = tmp_path / "b.json"
+    with pytest.raises(KeyboardInterrupt):
+        main(["--small", "--methods", "none", "qb", "sign", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert list(saved["runs"]) == ["none", "qb"] and "sampling_floor" in saved
+    assert saved["complete"] is False and saved["met"] is None
+    main(["--small", "--methods", "none", "qb", "--out", str(out)])
+    assert json.loads(out.read_text())["complete"] is True
+
+
 def test_the_lr_sweep_trains_qb_at_its_learning_rate(capsys):
     """A sweep run at lr x is the main QB run at --lr x (same initialisation and batches); the main --lr is not
     trained twice."""

@@ -21,7 +21,8 @@ which cannot show "and after"). JSON: run info, settings, per method the maxvio 
 validation loss curve, the verdict (``met``), the QB runs at other learning rates (``qb_lr_sweep``, each
 with its verdict), and the sampling floor at this step size on QB's trained model
 (``sampling_floor``, from ``balance_floor``: what is left when the router does not move); the table is printed
-last.
+last. The JSON is written after every run, ``complete`` false (and ``met`` None) until the last one is done, so a
+job cut off at its time limit keeps the runs it finished.
 """
 from __future__ import annotations
 
@@ -132,6 +133,14 @@ def main(argv: list[str] | None = None) -> dict:
         return model, {"maxvio": h["maxvio"].tolist(), "worst_maxvio": worst, "settled_at": settled_at(worst),
                        "val_step": h["step"], "val_loss": h["val_loss"], "seconds": round(time.perf_counter() - t0, 1)}
 
+    def save(complete: bool) -> None:
+        # After every run, so a job cut off at its time limit keeps the runs it finished ("complete": false).
+        result["complete"] = complete
+        qb = result["runs"].get("qb")
+        result["met"] = None if not complete or qb is None or args.small else verdict(qb["settled_at"], args.steps)
+        write_result("moe_balance", result, args.out, small=args.small)
+
+    result["qb_lr_sweep"] = {}
     for method in args.methods:
         rule = replace(moe_cfg, balance="qb", estimator="exact") if method == "qb-exact" else replace(moe_cfg, balance=method)
         model, result["runs"][method] = run(rule, args.lr)
@@ -142,16 +151,15 @@ def main(argv: list[str] | None = None) -> dict:
             floor = balance_floor(model, batches=3, batch_size=args.batch_size, seq_len=args.seq_len, device=device,
                                   split="train")
             result["sampling_floor"] = {k: v.tolist() for k, v in floor.items()}
+        save(complete=False)
     # The same QB run at lower learning rates: QB's bias is fitted to one step and used at the next, so the
     # router's motion in between (which the learning rate scales) adds to the sampling floor.
-    result["qb_lr_sweep"] = {}
     for lr in dict.fromkeys(x for x in args.qb_lrs if x != args.lr):
         _, r = run(replace(moe_cfg, balance="qb"), lr)
         result["qb_lr_sweep"][str(lr)] = {"lr": lr, **r,
                                           "met": None if args.small else verdict(r["settled_at"], args.steps)}
-    qb = result["runs"].get("qb")
-    result["met"] = None if qb is None or args.small else verdict(qb["settled_at"], args.steps)
-    write_result("moe_balance", result, args.out, small=args.small)
+        save(complete=False)
+    save(complete=True)
 
     tail = max(1, args.steps // 4)
     rows = [(f"{m} (lr {args.lr:g})" if result["qb_lr_sweep"] else m, r) for m, r in result["runs"].items()]
