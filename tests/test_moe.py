@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from k3lab.dist import launch
 from k3lab.moe import (GatedFFN, MoE, MoEConfig, Router, balance_loss, expert_ffn, group_by_expert, maxvio,
                        naive_expert_ffn, quantile_bias, route, situ_glu, update_biases)
+from k3lab.moe.experts import combine_rows, dispatch_rows, inverse_permutation
 from k3lab.moe.balance import aux_loss, histogram_bias, histogram_counts, histogram_quantile, histogram_range
 from k3lab.moe.workers import histogram_worker
 from k3lab.testing import assert_close, forbid_host_sync
@@ -281,6 +282,29 @@ def test_expert_ffn_takes_a_strided_x():
         y.sum().backward()
         y_ref.sum().backward()
         assert torch.equal(x.grad, x_ref.grad)
+
+
+def test_dispatch_and_combine_equal_index_select_and_index_add_and_differentiate_twice():
+    N, K, d, E = 11, 3, 5, 4
+    idx = torch.randint(0, E, (N, K), generator=_gen(7))
+    idx[:4] = 2  # a crowded expert: many rows of one group
+    order, _, _ = group_by_expert(idx, E)
+    inv = inverse_permutation(order)
+    assert torch.equal(order[inv], torch.arange(N * K))
+    x = torch.randn(N, d, dtype=torch.float64, generator=_gen(8), requires_grad=True)
+    y = torch.randn(N * K, d, dtype=torch.float64, generator=_gen(9), requires_grad=True)
+    w = torch.rand(N, K, dtype=torch.float64, generator=_gen(10), requires_grad=True)
+    token = order // K
+    assert torch.equal(dispatch_rows(x, order, inv, K), x[token])
+    plain = torch.zeros(N, d, dtype=torch.float64).index_add_(0, token, y * w.reshape(-1)[order, None])
+    assert_close("combine", plain, combine_rows(y, order, inv, w), 1e-15)
+    gx, = torch.autograd.grad((dispatch_rows(x, order, inv, K) * y).sum(), x)
+    gx_plain, = torch.autograd.grad((x[token] * y).sum(), x)
+    assert_close("dispatch dx", gx_plain, gx, 1e-15)
+    assert torch.autograd.gradcheck(lambda a: dispatch_rows(a, order, inv, K), (x,))
+    assert torch.autograd.gradcheck(lambda a, b: combine_rows(a, order, inv, b), (y, w))
+    assert torch.autograd.gradgradcheck(lambda a, b: combine_rows(a, order, inv, b), (y, w))
+    assert torch.autograd.gradgradcheck(lambda a: dispatch_rows(a, order, inv, K) ** 2, (x,))
 
 
 @pytest.mark.parametrize("latent", [8, None], ids=["latent", "full"])

@@ -50,6 +50,75 @@ def group_by_expert(topk_idx: torch.Tensor, E: int) -> tuple[torch.Tensor, torch
     return order, counts.cumsum(0).to(torch.int32), counts
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """inv [P] int64 with ``inv[order[r]] = r``: the row a pair was sorted to (``order`` from ``group_by_expert``)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+class _Permute(torch.autograd.Function):
+    """``y[idx]`` for a permutation ``idx`` whose inverse is ``inv``; backward gathers by ``inv``. Both ways
+    are gathers: autograd's backward of ``y[idx]`` is an accumulating scatter, atomic adds on a GPU."""
+
+    @staticmethod
+    def forward(ctx, y, idx, inv):
+        ctx.save_for_backward(idx, inv)
+        return y.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        idx, inv = ctx.saved_tensors
+        return _Permute.apply(grad, inv, idx), None, None
+
+
+class _Dispatch(torch.autograd.Function):
+    """``x[order // K]``: each token's row copied to its K pairs' rows. Backward sums each token's K rows,
+    gathered by ``inv`` and reduced over K, instead of an accumulating scatter into [N, d]."""
+
+    @staticmethod
+    def forward(ctx, x, order, inv, K):
+        ctx.save_for_backward(order, inv)
+        ctx.K = K
+        return x.index_select(0, order.div(K, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        order, inv = ctx.saved_tensors
+        pairs = _Permute.apply(grad, inv, order)
+        return pairs.view(-1, ctx.K, grad.shape[-1]).sum(1), None, None, None
+
+
+def dispatch_rows(x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, K: int) -> torch.Tensor:
+    """The expert-sorted input rows: ``x[order // K]``, differentiable, without an accumulating scatter.
+
+    Args:
+        x (Tensor): [N, d] tokens, any float dtype.
+        order (Tensor): [N*K] int64 from ``group_by_expert``. inv (Tensor): [N*K] ``inverse_permutation(order)``.
+        K (int): top-k.
+
+    Returns:
+        Tensor [N*K, d]: row r is token ``order[r] // K``. The gradient of x is
+        ``dx[n] = sum_k dY[inv[n*K + k]]`` (gathers and a sum over K: deterministic, no atomics).
+    """
+    return _Dispatch.apply(x, order, inv, K)
+
+
+def combine_rows(y: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The routed sum out[n] = sum_k weight[n, k] y[inv[n*K + k]] of the expert-sorted outputs.
+
+    Args:
+        y (Tensor): [N*K, d] expert outputs in ``group_by_expert``'s row order.
+        order, inv (Tensor): [N*K] int64 as in ``dispatch_rows``.
+        weight (Tensor): [N, K] routing weights, cast to y's dtype.
+
+    Returns:
+        Tensor [N, d] in y's dtype; the sum over K accumulates in float32 for bf16/fp16 (torch's reduction).
+        Backward: dy gathered by ``order``, dweight = <dout[n], y[inv[n*K + k]]>; no atomics.
+    """
+    N, K = weight.shape
+    pairs = _Permute.apply(y, inv, order).view(N, K, y.shape[-1])
+    return (pairs * weight.to(y.dtype).unsqueeze(-1)).sum(1)
+
+
 def _check_weights(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                    offsets: torch.Tensor) -> None:
     if x.ndim != 2:

@@ -19,7 +19,8 @@ import torch.nn as nn
 
 from k3lab.moe.activation import ACTIVATIONS
 from k3lab.moe.balance import ESTIMATORS, METHODS, Balancing, in_backward
-from k3lab.moe.experts import GatedFFN, GroupedExperts, depth_scaled_std, group_by_expert, naive_expert_ffn
+from k3lab.moe.experts import (GatedFFN, GroupedExperts, combine_rows, depth_scaled_std, dispatch_rows,
+                               group_by_expert, inverse_permutation, naive_expert_ffn)
 from k3lab.norm import RMSNorm
 from k3lab.precision import check_input_dtype
 from k3lab.moe.router import Router, Routing, check_topk
@@ -198,15 +199,19 @@ class MoE(nn.Module):
             routed = self._expert_parallel(z, routing, mask, reference)
         else:
             order, offsets, _ = group_by_expert(routing.topk_idx, c.n_experts)
-            token = order // c.top_k
             e = self.experts
             if reference:
+                token = order // c.top_k
                 y = naive_expert_ffn(z[token], offsets, e.w_gate, e.w_up, e.w_down, e.activation)
+                y = y * routing.topk_weight.reshape(-1)[order, None].to(y.dtype)
+                # y's dtype, not z's: under autocast a full-width layer's float32 z meets bf16 expert outputs.
+                routed = y.new_zeros(z.shape).index_add_(0, token, y)
             else:
-                y = e(z[token], offsets)
-            y = y * routing.topk_weight.reshape(-1)[order, None].to(y.dtype)
-            # y's dtype, not z's: under autocast a full-width layer's float32 z meets bf16 expert outputs.
-            routed = y.new_zeros(z.shape).index_add_(0, token, y)
+                # Gathers both ways: z[token]'s backward and the index_add_ above are accumulating scatters,
+                # bf16 atomics on a GPU that took longer than the three grouped GEMMs together.
+                inv = inverse_permutation(order)
+                y = e(dispatch_rows(z, order, inv, c.top_k), offsets)
+                routed = combine_rows(y, order, inv, routing.topk_weight)
         if self.up is not None:
             routed = self.up(self.latent_norm(routed))
         if self.shared is not None:
