@@ -10,7 +10,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import Kernel
 
-from k3lab.bench.step_profile import CATEGORY_NAMES, PHASES, category, main, records, summarise
+from k3lab.bench.step_profile import CATEGORY_NAMES, PHASES, TOP_KERNELS, category, main, records, summarise
 
 FIELDS = ("device", "commit", "date", "versions", "preset", "batch_size", "microbatches", "seq_len", "warmup",
           "tokens_per_step", "time_kind", "categories", "check", "steps", "mean", "top_kernels", "gemm_share",
@@ -51,7 +51,7 @@ def test_categories_and_phases_sum_to_the_device_time(small_run):
     cats = written["mean"]["categories_ms"]
     assert written["gemm_share"] == pytest.approx((cats["gemm"] + cats["grouped_gemm"]) / written["mean"]["device_ms"])
     top = written["top_kernels"]
-    assert 0 < len(top) <= 20 and [k["ms"] for k in top] == sorted((k["ms"] for k in top), reverse=True)
+    assert 0 < len(top) <= TOP_KERNELS and [k["ms"] for k in top] == sorted((k["ms"] for k in top), reverse=True)
     assert all(k["category"] == category(k["name"]) and k["count"] >= 1 for k in top)
 
 
@@ -109,7 +109,19 @@ def test_cuda_kernels_go_to_the_phase_their_launching_op_started_in():
                                                 other=0.001))
     assert s["categories_ms"]["gemm"] == pytest.approx(0.030)
     assert s["categories_ms"]["copy_cast"] == pytest.approx(0.006)
-    assert s["kernels"]["nvjet_bwd"] == [pytest.approx(0.020), 1]
+    assert s["kernels"]["nvjet_bwd"] == [pytest.approx(0.020), 1, {"MmBackward0": pytest.approx(0.020)}]
+
+
+def test_each_kernel_is_credited_to_its_op_after_the_backward_node_it_ran_under():
+    node = _event("autograd::engine::evaluate_function: IndexSelectBackward0", 60, 70)
+    node.cpu_parent = None
+    add = _event("aten::index_add_", 61, 62, kernels=[("indexFuncLargeIndex", 7)])
+    add.cpu_parent = SimpleNamespace(name="aten::index_put_", cpu_parent=node)
+    mm = _event("aten::mm", 10, 12, kernels=[("nvjet", 3)])
+    recs, _ = records(SimpleNamespace(events=lambda: [node, add, mm]), torch.device("cuda"))
+    assert [r[3] for r in recs] == ["IndexSelectBackward0 > aten::index_add_", "aten::mm"]
+    s = summarise(recs, [])
+    assert s["kernels"]["indexFuncLargeIndex"][2] == {"IndexSelectBackward0 > aten::index_add_": pytest.approx(0.007)}
 
 
 @pytest.mark.parametrize("argv, message", [

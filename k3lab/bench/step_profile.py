@@ -70,13 +70,28 @@ PHASES = ("forward", "backward", "optimizer", "bias_update", "other")
 DEVICE_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+TOP_KERNELS = 40  # kernels listed, each with its three largest callers
+
+
 def category(name: str) -> str:
     """The ``CATEGORIES`` entry of a kernel or aten op name ("other" when none matches)."""
     return next((c for c, r in _COMPILED if r.search(name)), "other")
 
 
+_BACKWARD_NODE = "autograd::engine::evaluate_function: "
+
+
+def caller(event) -> str:
+    """Who launched a kernel: the launching host op's name, after the autograd node it runs under in backward
+    ("MulBackward0 > aten::mul"), so that a kernel name shared by many ops can be traced to one."""
+    parent = getattr(event, "cpu_parent", None)
+    while parent is not None and not parent.name.startswith(_BACKWARD_NODE):
+        parent = parent.cpu_parent
+    return event.name if parent is None else f"{parent.name.removeprefix(_BACKWARD_NODE)} > {event.name}"
+
+
 def records(prof, device: torch.device) -> tuple[list, list]:
-    """(records, intervals) of a finished profile: records (name, microseconds, host start) per kernel,
+    """(records, intervals) of a finished profile: records (name, microseconds, host start, caller) per kernel,
     memcpy and memset on CUDA (host start: the launching op's), per aten op's self time on a CPU; intervals
     (phase, start, end) of the benchmark's ranges on the host.
 
@@ -88,24 +103,25 @@ def records(prof, device: torch.device) -> tuple[list, list]:
     intervals = [(RANGES[e.name], e.time_range.start, e.time_range.end) for e in events
                  if e.is_user_annotation and e.device_type == DeviceType.CPU and e.name in RANGES]
     if device.type == "cpu":
-        return [(e.name, e.self_cpu_time_total, e.time_range.start) for e in events
+        return [(e.name, e.self_cpu_time_total, e.time_range.start, caller(e)) for e in events
                 if e.device_type == DeviceType.CPU and e.activity_type == "cpu_op"], intervals
-    return [(k.name, k.duration, e.time_range.start) for e in events
+    return [(k.name, k.duration, e.time_range.start, caller(e)) for e in events
             if e.device_type == DeviceType.CPU and not e.is_user_annotation for k in e.kernels], intervals
 
 
 def summarise(recs: list, intervals: list) -> dict:
-    """One step's {"device_ms", "phases_ms", "categories_ms", "kernels" {name: [ms, count]}}: each record in
-    the shortest interval holding its host start ("other" outside all), and in its ``category``."""
+    """One step's {"device_ms", "phases_ms", "categories_ms", "kernels" {name: [ms, count, {caller: ms}]}}: each
+    record in the shortest interval holding its host start ("other" outside all), and in its ``category``."""
     phases, cats, kernels = dict.fromkeys(PHASES, 0.0), dict.fromkeys(CATEGORY_NAMES, 0.0), {}
-    for name, us, t in recs:
+    for name, us, t, who in recs:
         inside = [(end - start, phase) for phase, start, end in intervals if start <= t <= end]
         phases[min(inside)[1] if inside else "other"] += us / 1e3
         cats[category(name)] += us / 1e3
-        k = kernels.setdefault(name, [0.0, 0])
+        k = kernels.setdefault(name, [0.0, 0, defaultdict(float)])
         k[0] += us / 1e3
         k[1] += 1
-    return dict(device_ms=sum(us for _, us, _ in recs) / 1e3, phases_ms=phases, categories_ms=cats, kernels=kernels)
+        k[2][who] += us / 1e3
+    return dict(device_ms=sum(r[1] for r in recs) / 1e3, phases_ms=phases, categories_ms=cats, kernels=kernels)
 
 
 def _sync(device: torch.device) -> None:
@@ -165,7 +181,7 @@ def profile_steps(config: TrainConfig, device: torch.device, warmup: int, steps:
             step(i)
             _sync(device)
             unprofiled = time.perf_counter() - t
-        out, total, errs = [], defaultdict(lambda: [0.0, 0]), []
+        out, total, errs = [], defaultdict(lambda: [0.0, 0, defaultdict(float)]), []
         for i in range(warmup + 1, warmup + steps + 1):
             # The reference: eager float32, eval mode (no balance counts recorded), no autograd.
             parts[0].eval()
@@ -185,9 +201,11 @@ def profile_steps(config: TrainConfig, device: torch.device, warmup: int, steps:
                 raise AssertionError(f"step {i}: loss {loss} vs eager float32 {ref} (rel err {err:.2e}, bound "
                                      f"{BF16_LOSS_BOUND:.0e}); weights changed: {not torch.equal(before, probe)}")
             s = summarise(*records(prof, device))
-            for name, (ms, n) in s.pop("kernels").items():
+            for name, (ms, n, callers) in s.pop("kernels").items():
                 total[name][0] += ms
                 total[name][1] += n
+                for who, t in callers.items():
+                    total[name][2][who] += t
             out.append(dict(step=i, wall_ms=1e3 * wall, loss=loss, loss_eager_fp32=ref, **s))
             print(f"step {i}: wall {1e3 * wall:.1f} ms, device {s['device_ms']:.1f} ms, loss {loss:.5f} vs eager "
                   f"float32 {ref:.5f} (rel err {err:.1e})", flush=True)
@@ -222,7 +240,9 @@ def table(r: dict) -> str:
               f"and overhead); device busy {100 * dev / r['mean']['wall_ms']:.0f}% of the profiled wall time",
               f"top {len(r['top_kernels'])} by device time (per step):",
               f"{'ms':>10}{'count':>8}  {'category':<13}name"]
-    lines += [f"{k['ms']:>10.2f}{k['count']:>8.0f}  {k['category']:<13}{k['name'][:110]}" for k in r["top_kernels"]]
+    for k in r["top_kernels"]:
+        lines.append(f"{k['ms']:>10.2f}{k['count']:>8.0f}  {k['category']:<13}{k['name'][:110]}")
+        lines += [f"{'':>20}{t:>8.2f} ms from {who[:100]}" for who, t in k.get("callers", {}).items()]
     return "\n".join(lines)
 
 
@@ -278,9 +298,10 @@ def main(argv=None) -> dict:
     peak = peak_key(device)
     tok_s = result["tokens_per_step"] / r["unprofiled_step_ms"] * 1e3
     result["mfu"] = mfu(tok_s, r["flops_per_token"], peak) if peak else None
-    top = sorted(result.pop("kernels").items(), key=lambda kv: -kv[1][0])[:20]
-    result["top_kernels"] = [dict(name=name[:300], category=category(name), ms=ms / steps, count=n / steps)
-                             for name, (ms, n) in top]
+    top = sorted(result.pop("kernels").items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    result["top_kernels"] = [dict(name=name[:300], category=category(name), ms=ms / steps, count=n / steps,
+                                  callers={who[:200]: t / steps for who, t in sorted(callers.items(), key=lambda c: -c[1])[:3]})
+                             for name, (ms, n, callers) in top]
     write_result("step_profile", result, args.out, small)
     print("\n" + table(result))
     return result
