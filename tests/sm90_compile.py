@@ -35,9 +35,11 @@ STATE_C = dict(SHAPE, VU=128, BKH=64, BV=64, USE_H0=True, STORE_HT=True, PREFETC
 # The short convolution at a channel count C = H*K that is a multiple of 16 (as every K3 config's), which Triton's
 # launch specialises, so the row loads vectorise; W = 4 (K3) and the widest, W = 8.
 CONV = dict(x=BF, weight=F32, T="i32", C="i32:16")
-CONV_BWD = dict(CONV, dy=BF, dx=BF, dw_part=F32, NT="i32")
+CONV_BWD = dict(CONV, dy=BF, dpre=F32, dw_part=F32, NT="i32")
+CONV_DX = dict(dpre=F32, weight=F32, dx=BF, T="i32", C="i32:16")
 CONV_FWD_C = {k: v for k, v in sc.FWD.items() if k != "num_warps"}
 CONV_BWD_C = {k: v for k, v in sc.BWD.items() if k != "num_warps"}
+CONV_DX_C = {k: v for k, v in sc.DX.items() if k != "num_warps"}
 
 
 def inverse_precs(exact: bool) -> dict:
@@ -105,12 +107,15 @@ KERNELS = {
                        dict(num_warps=sc.FWD["num_warps"])),
     "short_conv_fwd_W8_fp32": (sc.short_conv_silu_fwd_kernel, dict(CONV, x=F32, y=F32), dict(CONV_FWD_C, W=8),
                                dict(num_warps=sc.FWD["num_warps"])),
-    "short_conv_bwd": (sc.short_conv_silu_bwd_kernel, CONV_BWD, dict(CONV_BWD_C, W=4, WP=4),
-                       dict(num_warps=sc.BWD["num_warps"])),
-    "short_conv_bwd_W8": (sc.short_conv_silu_bwd_kernel, CONV_BWD, dict(CONV_BWD_C, W=8, WP=8),
-                          dict(num_warps=sc.BWD["num_warps"])),
-    "short_conv_bwd_W8_fp32": (sc.short_conv_silu_bwd_kernel, dict(CONV_BWD, x=F32, dy=F32, dx=F32),
-                               dict(CONV_BWD_C, W=8, WP=8), dict(num_warps=sc.BWD["num_warps"])),
+    "short_conv_dpre": (sc.short_conv_silu_dpre_kernel, CONV_BWD, dict(CONV_BWD_C, W=4, WP=4),
+                        dict(num_warps=sc.BWD["num_warps"])),
+    "short_conv_dpre_W8": (sc.short_conv_silu_dpre_kernel, CONV_BWD, dict(CONV_BWD_C, W=8, WP=8),
+                           dict(num_warps=sc.BWD["num_warps"])),
+    "short_conv_dpre_W8_fp32": (sc.short_conv_silu_dpre_kernel, dict(CONV_BWD, x=F32, dy=F32),
+                                dict(CONV_BWD_C, W=8, WP=8), dict(num_warps=sc.BWD["num_warps"])),
+    "short_conv_dx": (sc.short_conv_silu_dx_kernel, dict(CONV_DX), dict(CONV_DX_C, W=4), dict(num_warps=sc.DX["num_warps"])),
+    "short_conv_dx_W8_fp32": (sc.short_conv_silu_dx_kernel, dict(CONV_DX, dx=F32), dict(CONV_DX_C, W=8),
+                              dict(num_warps=sc.DX["num_warps"])),
 }
 
 

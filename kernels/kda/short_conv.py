@@ -4,8 +4,10 @@ forward and one backward (K3 report, Sec. 2.1: q, k, v = SiLU(ShortConv(W x))).
 In PyTorch (``k3lab.kda.layer.causal_short_conv`` then ``F.silu``) the convolution is a concatenation with
 the zero state, W shifted multiply-adds and the activation: about nine elementwise kernels forward and
 twice that backward, each a full pass over a [B, T, C] tensor. Here the forward reads x once and writes y;
-the backward reads x and dy and writes dx and per-tile sums of dweight, recomputing the pre-activation
-from x rather than saving it.
+the backward is two passes: the first reads x and dy and writes dpre (float32) and per-tile sums of
+dweight, recomputing the pre-activation from x rather than saving it; the second runs the convolution
+backwards in time over dpre into dx. (One backward kernel that recomputed dpre at each of the W shifted
+rows it needs did W times the work and measured 1.5 ms a call on an H100 at [16, 2048, 1024] bf16.)
 
     pre[b, t, c] = sum_{j<W} weight[c, j] * x[b, t - (W-1) + j, c]     (x before t = 0 is 0)
     y = silu(pre) = pre * sigmoid(pre)
@@ -30,12 +32,11 @@ from k3lab.kernels import interpreting
 
 MIN_W, MAX_W = 2, 8
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Tiles (tokens x channels) and warps. Forward: 16 values of a tile per thread. Backward: BS = 8 tokens a
-# step over BT = 64 (one [C, W] dweight partial per 64 tokens) at 4 values a thread, since a step holds 2W - 1
-# shifted tiles of x and W of dy (at 4 warps, W = 8 spilled). On sm_90, bf16, C a multiple of 16
-# (tests/sm90_compile.py): 70 registers forward; 80 backward at W = 4, 205 at W = 8; no spill.
+# Tiles (tokens x channels) and warps. Forward and dx: 16 values of a tile per thread. The backward's first
+# pass: BS = 8 tokens a step over BT = 64 (one [C, W] dweight partial per 64 tokens).
 FWD = dict(BT=16, BC=128, num_warps=4)
-BWD = dict(BT=64, BS=8, BC=128, num_warps=8)
+BWD = dict(BT=64, BS=8, BC=128, num_warps=4)
+DX = FWD
 
 
 @triton.jit
@@ -75,12 +76,13 @@ def short_conv_silu_fwd_kernel(x, weight, y, T, C, W: tl.constexpr, BT: tl.const
 
 
 @triton.jit
-def short_conv_silu_bwd_kernel(x, weight, dy, dx, dw_part, T, C, NT, W: tl.constexpr, WP: tl.constexpr,
-                               BT: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):
-    # x, dy, dx: [B, T, C] contiguous (dx in x's dtype); weight: [C, W]; dw_part: [B * NT, C, W] float32,
-    # this program's sums of dpre * x per tap (NT = cdiv(T, BT)); WP = next_pow2(W).
+def short_conv_silu_dpre_kernel(x, weight, dy, dpre, dw_part, T, C, NT, W: tl.constexpr, WP: tl.constexpr,
+                                BT: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):
+    # Backward, first pass. x, dy: [B, T, C] contiguous; dpre: [B, T, C] float32; weight: [C, W];
+    # dw_part: [B * NT, C, W] float32, this program's sums of dpre * x per tap (NT = cdiv(T, BT)); WP = next_pow2(W).
     # Program (i_t, i_c, i_b): rows [i_t BT, i_t BT + BT) of sequence i_b, BS rows at a time, channels
-    # [i_c BC, i_c BC + BC).
+    # [i_c BC, i_c BC + BC). Each row's dpre is computed once; its W shifted x rows are read twice (for the
+    # pre-activation, then for dweight), the second time from cache.
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
@@ -90,27 +92,39 @@ def short_conv_silu_bwd_kernel(x, weight, dy, dx, dw_part, T, C, NT, W: tl.const
     for t0 in range(i_t * BT, tl.minimum(i_t * BT + BT, T), BS):
         o_t = t0 + tl.arange(0, BS)
         base = (i_b.to(tl.int64) * T + t0) * C
-        # dx[t] takes dpre at rows t + i, i < W, through tap W-1-i; dpre at each shifted row set is
-        # recomputed from x (the same shifted loads serve every i) rather than read from a saved pre-activation.
-        b_dx = tl.zeros([BS, BC], dtype=tl.float32)
-        for i in tl.static_range(W):
-            m_i = ((o_t + i) < T)[:, None] & m_c[None, :]
-            b_dy = tl.load(dy + base + o_bt + i * C, mask=m_i, other=0.0).to(tl.float32)
-            b_p = _pre(x + base, weight, o_bt, o_t, o_c, m_c, T, C, W, i)
-            b_s = tl.sigmoid(b_p)
-            b_dp = b_dy * b_s * (1.0 + b_p * (1.0 - b_s))
-            b_dx += _tap(weight, o_c, m_c, W, W - 1 - i)[None, :] * b_dp
-            if i == 0:
-                # dweight[c, j] over these rows: dpre[t] * x[t - (W-1) + j], into column j of b_dw.
-                for j in tl.static_range(W):
-                    o_s = o_t + (j - (W - 1))
-                    m_s = ((o_s >= 0) & (o_s < T))[:, None] & m_c[None, :]
-                    b_x = tl.load(x + base + o_bt + (j - (W - 1)) * C, mask=m_s, other=0.0).to(tl.float32)
-                    b_dw += tl.where(o_w[None, :] == j, tl.sum(b_dp * b_x, axis=0)[:, None], 0.0)
         m_tc = (o_t < T)[:, None] & m_c[None, :]
-        tl.store(dx + base + o_bt, b_dx.to(dx.dtype.element_ty), mask=m_tc)
+        b_p = _pre(x + base, weight, o_bt, o_t, o_c, m_c, T, C, W, 0)
+        b_s = tl.sigmoid(b_p)
+        b_dy = tl.load(dy + base + o_bt, mask=m_tc, other=0.0).to(tl.float32)
+        b_dp = b_dy * b_s * (1.0 + b_p * (1.0 - b_s))
+        tl.store(dpre + base + o_bt, b_dp, mask=m_tc)
+        for j in tl.static_range(W):
+            # dweight[c, j] over these rows: dpre[t] * x[t - (W-1) + j], into column j of b_dw.
+            o_s = o_t + (j - (W - 1))
+            m_s = ((o_s >= 0) & (o_s < T))[:, None] & m_c[None, :]
+            b_x = tl.load(x + base + o_bt + (j - (W - 1)) * C, mask=m_s, other=0.0).to(tl.float32)
+            b_dw += tl.where(o_w[None, :] == j, tl.sum(b_dp * b_x, axis=0)[:, None], 0.0)
     o_dw = ((i_b * NT + i_t).to(tl.int64) * C + o_c[:, None]) * W + o_w[None, :]
     tl.store(dw_part + o_dw, b_dw, mask=m_c[:, None] & (o_w < W)[None, :])
+
+
+@triton.jit
+def short_conv_silu_dx_kernel(dpre, weight, dx, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    # Backward, second pass: dx[t] = sum_{i<W} weight[c, W-1-i] * dpre[t + i] (dpre beyond T is 0), the
+    # forward's convolution run backwards in time over the float32 dpre. Tiles as the forward's.
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    base = (i_b.to(tl.int64) * T + i_t * BT) * C
+    o_bt = tl.arange(0, BT)[:, None] * C + o_c[None, :]
+    b_dx = tl.zeros([BT, BC], dtype=tl.float32)
+    for i in tl.static_range(W):
+        m_i = ((o_t + i) < T)[:, None] & m_c[None, :]
+        b_dp = tl.load(dpre + base + o_bt + i * C, mask=m_i, other=0.0)
+        b_dx += _tap(weight, o_c, m_c, W, W - 1 - i)[None, :] * b_dp
+    m_tc = (o_t < T)[:, None] & m_c[None, :]
+    tl.store(dx + base + o_bt, b_dx.to(dx.dtype.element_ty), mask=m_tc)
 
 
 def _grid(B: int, T: int, C: int, cfg: dict) -> tuple[int, int, int]:
@@ -130,19 +144,21 @@ def short_conv_silu_bwd(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor)
     """(dx [B, T, C] in x's dtype, dweight [C, W] float32) from x, weight and dy [B, T, C], all contiguous."""
     B, T, C = x.shape
     W = weight.shape[1]
-    grid = _grid(B, T, C, BWD)
     dx = torch.empty_like(x)
-    dw_part = torch.empty(B * grid[0], C, W, dtype=torch.float32, device=x.device)
     if not dx.numel():
         return dx, torch.zeros(C, W, dtype=torch.float32, device=x.device)
-    short_conv_silu_bwd_kernel[grid](x, weight, dy, dx, dw_part, T, C, grid[0], W=W, WP=triton.next_power_of_2(W),
-                                     **BWD)
+    grid = _grid(B, T, C, BWD)
+    dpre = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
+    dw_part = torch.empty(B * grid[0], C, W, dtype=torch.float32, device=x.device)
+    short_conv_silu_dpre_kernel[grid](x, weight, dy, dpre, dw_part, T, C, grid[0], W=W,
+                                      WP=triton.next_power_of_2(W), **BWD)
+    short_conv_silu_dx_kernel[_grid(B, T, C, DX)](dpre, weight, dx, T, C, W=W, **DX)
     return dx, dw_part.sum(0)
 
 
 class ShortConvSiLUFunction(torch.autograd.Function):
-    """Forward: one kernel, y = silu(conv(x)), saving only x and weight. Backward: one kernel recomputing
-    the pre-activation, writing dx and per-tile dweight sums (summed here)."""
+    """Forward: one kernel, y = silu(conv(x)), saving only x and weight. Backward: a kernel recomputing the
+    pre-activation, writing dpre and per-tile dweight sums (summed here), then a kernel from dpre to dx."""
 
     @staticmethod
     def forward(ctx, x, weight):
