@@ -3,7 +3,7 @@ category and per kernel, under ``torch.profiler``.
 
     python -m k3lab.bench.step_profile                        # k3-1b, 8 x 2048 -> data/results/step_profile_<card>.json
     python -m k3lab.bench.step_profile --batch-size 4 --microbatches 2
-    python -m k3lab.bench.step_profile --compile              # each sublayer under torch.compile
+    python -m k3lab.bench.step_profile --compile              # each sublayer compiled -> step_profile_compile_<card>.json
     python -m k3lab.bench.step_profile --small --device cpu   # k3-tiny, CPU self time per op: checks the script
 
 The step is the trainer's, built by its own functions (``k3lab.train.loop``: ``build_run``, ``build_optimizers``,
@@ -265,7 +265,7 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=positive_int, default=None, help="profiled steps (default 3; --small 2)")
     p.add_argument("--compile", action="store_true", help="torch.compile each sublayer (k3lab.train.compile_blocks)")
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default "
-                   "data/results/step_profile_<card>.json after the device (with --small: nothing)")
+                   "data/results/step_profile[_compile]_<card>.json after the device (with --small: nothing)")
     args = p.parse_args(argv)
     check_out(args.out)
     device = gpu_device(p, args, "k3-1b is GPU work")
@@ -302,7 +302,7 @@ def main(argv=None) -> dict:
     result["top_kernels"] = [dict(name=name[:300], category=category(name), ms=ms / steps, count=n / steps,
                                   callers={who[:200]: t / steps for who, t in sorted(callers.items(), key=lambda c: -c[1])[:3]})
                              for name, (ms, n, callers) in top]
-    write_result("step_profile", result, args.out, small)
+    write_result("step_profile_compile" if config.compile else "step_profile", result, args.out, small)
     print("\n" + table(result))
     return result
 
