@@ -267,6 +267,23 @@ def test_grouped_gemm_equals_the_loop_forward_and_backward_with_empty_experts_an
         expert_ffn(x.double(), offsets, *[w.double() for w in ws])
 
 
+def test_unpadded_rows_skip_the_zeroing_and_give_the_same_result():
+    g = _gen(11)
+    E, d, h, N = 4, 8, 16, 30
+    _, offsets, _ = group_by_expert(torch.randint(0, E, (N, 1), generator=g), E)
+    x = torch.randn(N, d, generator=g)
+    ws = [torch.randn(E, d, h, generator=g) / 3, torch.randn(E, d, h, generator=g) / 3,
+          torch.randn(E, h, d, generator=g) / 3]
+    dy = torch.randn(N, d, generator=g)
+    grads = []
+    for padded in (True, False):
+        leaves = [t.clone().requires_grad_() for t in [x] + ws]
+        y = expert_ffn(leaves[0], offsets, *leaves[1:], padded=padded)
+        (y * dy).sum().backward()
+        grads.append([y.detach()] + [t.grad for t in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_expert_ffn_takes_a_strided_x():
     """A transposed or column-sliced x (row stride not a multiple of 16 bytes) failed inside grouped_mm with
     "strides should be multiple of 16 bytes"; it gives the contiguous x's output and gradient."""

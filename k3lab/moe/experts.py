@@ -138,7 +138,7 @@ def _check_weights(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_
 # and grouped_mm's fake-tensor kernel accepts bf16 only, so float32 runs cannot be traced.
 @torch.compiler.disable
 def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-               w_down: torch.Tensor, activation: str = "situ") -> torch.Tensor:
+               w_down: torch.Tensor, activation: str = "situ", *, padded: bool = True) -> torch.Tensor:
     """Every expert's gated FFN on its rows of ``x``, by grouped GEMMs.
 
     Args:
@@ -149,6 +149,8 @@ def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_u
         w_gate, w_up (Tensor): [E, d, h], ``x``'s dtype.
         w_down (Tensor): [E, h, d], ``x``'s dtype.
         activation (str): ``"situ"`` (K3's SiTU-GLU) or ``"swiglu"``.
+        padded (bool): False promises ``offsets[-1] == N`` (every row is some expert's, as in a one-process MoE
+            layer) and skips zeroing the padding rows, a full pass over the output forward and backward.
 
     Returns:
         Tensor [N, d]: row r of expert e is ``glu(x_r W_gate[e], x_r W_up[e]) W_down[e]``.
@@ -178,6 +180,8 @@ def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_u
     a = grouped_mm(x, w_gate, offs=offs)
     u = grouped_mm(x, w_up, offs=offs)
     y = grouped_mm(glu(a, u, activation), w_down, offs=offs)
+    if not padded:
+        return y
     real = torch.arange(N, device=x.device) < end
     return torch.where(real[:, None], y, y.new_zeros(()))
 
@@ -207,7 +211,7 @@ class GroupedExperts(nn.Module):
             ``init_std``).
 
     Parameters: ``w_gate``, ``w_up`` [E, d, h]; ``w_down`` [E, h, d].
-    ``forward(x [N, d], offsets [E] int32) -> [N, d]`` is ``expert_ffn``; ``ep_forward`` runs the module as
+    ``forward(x [N, d], offsets [E] int32, padded=True) -> [N, d]`` is ``expert_ffn``; ``ep_forward`` runs the module as
     one expert-parallel rank's share of the experts (``k3lab.moonep``).
     """
 
@@ -230,10 +234,10 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_up, std=init_std)
         nn.init.normal_(self.w_down, std=init_std if out_std is None else out_std)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, *, padded: bool = True) -> torch.Tensor:
         if x.dtype == torch.float64:
             return naive_expert_ffn(x, offsets, self.w_gate, self.w_up, self.w_down, self.activation)
-        return expert_ffn(*_autocast(x, offsets, self.w_gate, self.w_up, self.w_down), self.activation)
+        return expert_ffn(*_autocast(x, offsets, self.w_gate, self.w_up, self.w_down), self.activation, padded=padded)
 
     def ep_forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, group,
                    mode: str = "moonep", pad_mask: torch.Tensor | None = None, grad_scale: float = 1.0) -> torch.Tensor:

@@ -210,7 +210,8 @@ class MoE(nn.Module):
                 # Gathers both ways: z[token]'s backward and the index_add_ above are accumulating scatters,
                 # bf16 atomics on a GPU that took longer than the three grouped GEMMs together.
                 inv = inverse_permutation(order)
-                y = e(dispatch_rows(z, order, inv, c.top_k), offsets)
+                # Every one of the N*K rows is a pair: no padding rows to zero.
+                y = e(dispatch_rows(z, order, inv, c.top_k), offsets, padded=False)
                 routed = combine_rows(y, order, inv, routing.topk_weight)
         if self.up is not None:
             routed = self.up(self.latent_norm(routed))
