@@ -166,7 +166,10 @@ print("k3lab's weights       ", r.topk_weight.tolist())
 # $z = W_\mathrm{down}x$ of width $l$. For speed, the $N \cdot K$ token-expert pairs are sorted by expert,
 # so expert $e$'s rows are contiguous, and each of the three expert projections is **one** grouped GEMM
 # over all experts (`torch.nn.functional.grouped_mm` with the experts' row offsets): no Python loop over
-# experts and no host synchronisation. The layer's forward:
+# experts and no host synchronisation. The tokens go to their pair rows and come back by gathers
+# (`dispatch_rows`, `combine_rows`, with the inverse of the sort): written plainly, `z[token]` and an
+# `index_add_` back into the tokens differentiate into scatters with atomic adds, which on a GPU took longer
+# than the three grouped GEMMs together. The plain form stays in `reference`. The layer's forward:
 
 # %%
 print(inspect.getsource(MoE._forward).split('        x2 = x.reshape')[1].join(['        x2 = x.reshape', '']))

@@ -118,8 +118,11 @@ def test_each_kernel_is_credited_to_its_op_after_the_backward_node_it_ran_under(
     add = _event("aten::index_add_", 61, 62, kernels=[("indexFuncLargeIndex", 7)])
     add.cpu_parent = SimpleNamespace(name="aten::index_put_", cpu_parent=node)
     mm = _event("aten::mm", 10, 12, kernels=[("nvjet", 3)])
-    recs, _ = records(SimpleNamespace(events=lambda: [node, add, mm]), torch.device("cuda"))
-    assert [r[3] for r in recs] == ["IndexSelectBackward0 > aten::index_add_", "aten::mm"]
+    full = _event("Command Buffer Full", 63, 64, kernels=[("nvjet", 2)])
+    full.cpu_parent = SimpleNamespace(name="aten::mm", cpu_parent=node)
+    recs, _ = records(SimpleNamespace(events=lambda: [node, add, mm, full]), torch.device("cuda"))
+    assert [r[3] for r in recs] == ["IndexSelectBackward0 > aten::index_add_", "aten::mm",
+                                    "IndexSelectBackward0 > aten::mm"]
     s = summarise(recs, [])
     assert s["kernels"]["indexFuncLargeIndex"][2] == {"IndexSelectBackward0 > aten::index_add_": pytest.approx(0.007)}
 

@@ -83,7 +83,10 @@ _BACKWARD_NODE = "autograd::engine::evaluate_function: "
 
 def caller(event) -> str:
     """Who launched a kernel: the launching host op's name, after the autograd node it runs under in backward
-    ("MulBackward0 > aten::mul"), so that a kernel name shared by many ops can be traced to one."""
+    ("MulBackward0 > aten::mul"), so that a kernel name shared by many ops can be traced to one. A launch that
+    waited for the device's queue is recorded under a "Command Buffer Full" event: its op is that event's parent."""
+    if event.name == "Command Buffer Full" and getattr(event, "cpu_parent", None) is not None:
+        event = event.cpu_parent
     parent = getattr(event, "cpu_parent", None)
     while parent is not None and not parent.name.startswith(_BACKWARD_NODE):
         parent = parent.cpu_parent
