@@ -1,4 +1,4 @@
-"""Autocast lookups and the input-dtype check shared by the layers (``MoE``, ``GatedMLA``, ``BlockAttnRes``).
+"""Autocast lookups and the input checks shared by the layers (``MoE``, ``GatedMLA``, ``BlockAttnRes``, KDA).
 
 A layer whose parameters are in one dtype takes input in that dtype, or in any of float32/bfloat16/float16
 while ``torch.autocast`` is on for the input's device (autocast then casts both sides of each matmul; it
@@ -12,6 +12,13 @@ import torch
 
 # The dtypes autocast casts between; float64 tensors pass through it unchanged.
 AUTOCAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def shape_of(x) -> str:
+    """A tensor's shape as "[B, T, ...]" for error messages; "None", or the type name of anything else."""
+    if x is None:
+        return "None"
+    return str(list(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def widen(x: torch.Tensor) -> torch.Tensor:

@@ -324,6 +324,23 @@ def test_dispatch_and_combine_equal_index_select_and_index_add_and_differentiate
     assert torch.autograd.gradgradcheck(lambda a: dispatch_rows(a, order, inv, K) ** 2, (x,))
 
 
+def test_dispatch_and_combine_name_a_bad_argument():
+    order = torch.arange(6)
+    x, y, w = torch.randn(3, 4), torch.randn(6, 4), torch.rand(3, 2)
+    with pytest.raises(ValueError, match=r"dispatch_rows: x must be \[N, d\], got \[3\]"):
+        dispatch_rows(x[:, 0], order, order, 2)
+    with pytest.raises(ValueError, match="dispatch_rows: K must be a positive int, got 0"):
+        dispatch_rows(x, order, order, 0)
+    with pytest.raises(ValueError, match=r"dispatch_rows: inv must be int64 \[N\*K=6\], got \[6\] torch.int32"):
+        dispatch_rows(x, order, order.int(), 2)
+    with pytest.raises(ValueError, match=r"combine_rows: y must be \[N\*K=6, d\] for weight \[N=3, K=2\], got \[5, 4\]"):
+        combine_rows(y[:5], order, order, w)
+    with pytest.raises(ValueError, match=r"combine_rows: order must be int64 \[N\*K=6\], got \[5\]"):
+        combine_rows(y, order[:5], order, w)
+    with pytest.raises(ValueError, match=r"combine_rows: weight must be \[N, K\], got \[6\]"):
+        combine_rows(y, order, order, w.flatten())
+
+
 @pytest.mark.parametrize("latent", [8, None], ids=["latent", "full"])
 def test_moe_layer_equals_the_float64_loop_reference(latent):
     torch.manual_seed(4)

@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from k3lab.precision import shape_of as _shape
+
 
 class NonFiniteError(ValueError):
     """A ValueError about an argument's values: NaN, inf, or a magnitude the computation overflows on.
@@ -16,13 +18,6 @@ class NonFiniteError(ValueError):
     def __init__(self, name: str, message: str):
         super().__init__(message)
         self.name = name
-
-
-def _shape(x) -> str:
-    """A tensor's shape as "[B, T, ...]" for error messages; "None", or the type name of anything else."""
-    if x is None:
-        return "None"
-    return str(list(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> int:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from k3lab.dist import local_shard
 from k3lab.moe.activation import ACTIVATIONS, glu
-from k3lab.precision import AUTOCAST_DTYPES, autocast_dtype
+from k3lab.precision import AUTOCAST_DTYPES, autocast_dtype, shape_of as _shape
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The public name arrived after torch 2.11; the private op it wraps is in every supported version.
@@ -53,6 +53,13 @@ def group_by_expert(topk_idx: torch.Tensor, E: int) -> tuple[torch.Tensor, torch
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     """inv [P] int64 with ``inv[order[r]] = r``: the row a pair was sorted to (``order`` from ``group_by_expert``)."""
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+def _check_permutation(where: str, order, inv, P: int) -> None:
+    for name, t in (("order", order), ("inv", inv)):
+        if not isinstance(t, torch.Tensor) or t.shape != (P,) or t.dtype != torch.int64:
+            got = f"{_shape(t)} {t.dtype}" if isinstance(t, torch.Tensor) else _shape(t)
+            raise ValueError(f"{where}: {name} must be int64 [N*K={P}], got {got}")
 
 
 class _Permute(torch.autograd.Function):
@@ -98,7 +105,16 @@ def dispatch_rows(x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, K: in
     Returns:
         Tensor [N*K, d]: row r is token ``order[r] // K``. The gradient of x is
         ``dx[n] = sum_k dY[inv[n*K + k]]`` (gathers and a sum over K: deterministic, no atomics).
+
+    Raises:
+        ValueError: x not [N, d]; K not a positive int; order or inv not int64 [N*K]. Their values are not
+        checked (a host sync): ``group_by_expert`` and ``inverse_permutation`` make valid ones.
     """
+    if not isinstance(x, torch.Tensor) or x.ndim != 2:
+        raise ValueError(f"dispatch_rows: x must be [N, d], got {_shape(x)}")
+    if not isinstance(K, int) or isinstance(K, bool) or K < 1:
+        raise ValueError(f"dispatch_rows: K must be a positive int, got {K!r}")
+    _check_permutation("dispatch_rows", order, inv, x.shape[0] * K)
     return _Dispatch.apply(x, order, inv, K)
 
 
@@ -113,8 +129,17 @@ def combine_rows(y: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, weight
     Returns:
         Tensor [N, d] in y's dtype; the sum over K accumulates in float32 for bf16/fp16 (torch's reduction).
         Backward: dy gathered by ``order``, dweight = <dout[n], y[inv[n*K + k]]>; no atomics.
+
+    Raises:
+        ValueError: weight not [N, K]; y not [N*K, d]; order or inv not int64 [N*K] (values unchecked, as in
+        ``dispatch_rows``).
     """
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        raise ValueError(f"combine_rows: weight must be [N, K], got {_shape(weight)}")
     N, K = weight.shape
+    if not isinstance(y, torch.Tensor) or y.ndim != 2 or y.shape[0] != N * K:
+        raise ValueError(f"combine_rows: y must be [N*K={N * K}, d] for weight [N={N}, K={K}], got {_shape(y)}")
+    _check_permutation("combine_rows", order, inv, N * K)
     pairs = _Permute.apply(y, inv, order).view(N, K, y.shape[-1])
     return (pairs * weight.to(y.dtype).unsqueeze(-1)).sum(1)
 
