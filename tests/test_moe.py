@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from k3lab.dist import launch
 from k3lab.moe import (GatedFFN, MoE, MoEConfig, Router, balance_loss, expert_ffn, group_by_expert, maxvio,
                        naive_expert_ffn, quantile_bias, route, situ_glu, update_biases)
+from k3lab.moe.activation import glu, glu_packed
 from k3lab.moe.experts import combine_rows, dispatch_rows, inverse_permutation
 from k3lab.moe.balance import aux_loss, histogram_bias, histogram_counts, histogram_quantile, histogram_range
 from k3lab.moe.workers import histogram_worker
@@ -47,6 +48,16 @@ def test_situ_glu_formula_bound_and_not_silu():
     # At |u| >> 25 the up branch saturates at 25 (SiLU-GLU would pass u through).
     big = situ_glu(torch.tensor([10.0], dtype=torch.float64), torch.tensor([1000.0], dtype=torch.float64))
     assert abs(big.item() - 4 * math.tanh(2.5) / (1 + math.exp(-10)) * 25 * math.tanh(40)) < 1e-12
+
+
+def test_packed_glu_is_glu_on_its_halves_and_names_a_bad_input():
+    au = torch.randn(3, 10, dtype=torch.float64, generator=_gen(2))
+    for activation in ("situ", "swiglu"):
+        assert torch.equal(glu_packed(au, activation), glu(au[:, :5], au[:, 5:], activation))
+    with pytest.raises(ValueError, match=r"au must be \[\.\.\., 2h\].*\[3, 9\]"):
+        glu_packed(au[:, :9], "situ")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        glu_packed(au, "silu")
 
 
 def test_situ_glu_gradcheck_and_swiglu_limit():
@@ -301,6 +312,30 @@ def test_expert_ffn_takes_a_strided_x():
         assert torch.equal(x.grad, x_ref.grad)
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("N", [10, 1, 0])
+def test_expert_ffn_takes_any_layout_of_the_output_gradient_and_of_x(N, padded):
+    """grouped_mm's backward reads the output gradient with the 16-byte row-stride rule of its inputs: the
+    expanded gradient of ``y.sum()`` (strides (0, 0)) failed with "Invalid strides/sizes" when unpadded, a
+    transposed one with "strides should be multiple of 16 bytes" either way; so did an x whose one row or no rows
+    have another stride (``is_contiguous`` is True there). Each gives the row-major tensors' output and gradients."""
+    g = _gen(5)
+    E, d, h = 3, 8, 12
+    offsets = torch.tensor([min(3, N), min(7, N), N], dtype=torch.int32)
+    ws = [torch.randn(E, d, h, generator=g), torch.randn(E, d, h, generator=g), torch.randn(E, h, d, generator=g)]
+    x_odd = torch.randn(d, N, generator=g).t()  # N = 1: strides (1, 1); N = 0: (1, 8)
+    dys = {"expanded": torch.ones(()).expand(N, d), "transposed": torch.randn(d, N, generator=g).t()}
+    for kind, dy in dys.items():
+        leaves = [t.detach().clone().requires_grad_() for t in [x_odd] + ws]
+        y = expert_ffn(leaves[0], offsets, *leaves[1:], padded=padded)
+        y.backward(dy)
+        ref = [t.detach().clone(memory_format=torch.contiguous_format).requires_grad_() for t in [x_odd] + ws]
+        y_ref = expert_ffn(ref[0], offsets, *ref[1:], padded=padded)
+        y_ref.backward(dy.clone(memory_format=torch.contiguous_format))
+        assert torch.equal(y, y_ref), kind
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(leaves, ref)), kind
+
+
 def test_dispatch_and_combine_equal_index_select_and_index_add_and_differentiate_twice():
     N, K, d, E = 11, 3, 5, 4
     idx = torch.randint(0, E, (N, K), generator=_gen(7))
@@ -339,6 +374,37 @@ def test_dispatch_and_combine_name_a_bad_argument():
         combine_rows(y, order[:5], order, w)
     with pytest.raises(ValueError, match=r"combine_rows: weight must be \[N, K\], got \[6\]"):
         combine_rows(y, order, order, w.flatten())
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: group_by_expert(torch.zeros(3, 2, dtype=torch.int32), 4),
+     r"group_by_expert: topk_idx must be int64 \[N, K\], got \[3, 2\] torch.int32"),
+    (lambda: group_by_expert(torch.zeros(6, dtype=torch.int64), 4),
+     r"group_by_expert: topk_idx must be int64 \[N, K\], got \[6\] torch.int64"),
+    (lambda: group_by_expert([[0, 1]], 4), r"group_by_expert: topk_idx must be int64 \[N, K\], got list"),
+    (lambda: group_by_expert(torch.zeros(3, 2, dtype=torch.int64), 0),
+     r"group_by_expert: E must be a positive int, got 0"),
+    (lambda: group_by_expert(torch.zeros(3, 2, dtype=torch.int64), True),
+     r"group_by_expert: E must be a positive int, got True"),
+    (lambda: inverse_permutation(torch.arange(6, dtype=torch.int32)),
+     r"inverse_permutation: order must be int64 \[P\], got \[6\] torch.int32"),
+    (lambda: inverse_permutation(torch.arange(6).view(3, 2)),
+     r"inverse_permutation: order must be int64 \[P\], got \[3, 2\] torch.int64"),
+], ids=["idx_int32", "idx_1d", "idx_list", "E_0", "E_bool", "order_int32", "order_2d"])
+def test_grouping_and_its_inverse_name_a_bad_argument(call, match):
+    """An int32 topk_idx or order failed inside torch ("scatter(): Expected self.dtype to be equal to src.dtype"),
+    a 2-D order with an IndexError, E = 0 with "index 0 is out of bounds"."""
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_dispatch_of_zero_width_rows_differentiates():
+    """x [N, 0]: the backward's view(-1, K, 0) of an empty tensor failed ("the unspecified dimension size -1 can
+    be any value")."""
+    order = torch.tensor([1, 3, 0, 2])
+    x = torch.randn(2, 0, requires_grad=True)
+    dispatch_rows(x, order, inverse_permutation(order), 2).sum().backward()
+    assert x.grad.shape == (2, 0)
 
 
 @pytest.mark.parametrize("latent", [8, None], ids=["latent", "full"])

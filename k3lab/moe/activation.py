@@ -67,3 +67,24 @@ def glu(a: torch.Tensor, u: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "situ":
         return situ_glu(a, u)
     return F.silu(a) * u
+
+
+
+def glu_packed(au: torch.Tensor, activation: str) -> torch.Tensor:
+    """``glu(a, u, activation)`` for au = [a | u] [..., 2h], packed along the last dim (one GEMM against
+    [W_gate | W_up]); the gradient of au comes back packed. On a GPU one fused kernel each way
+    (``k3lab.kernels.moe.fused_glu_packed``); elsewhere, and under ``torch.compile``, ``glu`` on the two halves.
+
+    Raises:
+        ValueError: an unknown activation; au with no last dim or an odd one.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if au.ndim == 0 or au.shape[-1] % 2:
+        raise ValueError(f"au must be [..., 2h] (a and u side by side), got {list(au.shape)}")
+    if au.is_cuda and au.dtype in FUSED_DTYPES and not torch.compiler.is_compiling():
+        from k3lab.kernels.moe import fused_glu_packed
+
+        return fused_glu_packed(au, activation, BETA1, BETA2)
+    a, u = au.chunk(2, dim=-1)
+    return glu(a, u, activation)

@@ -2,9 +2,10 @@
 
 E experts, each a gated FFN of width d -> h -> d, are stored as three stacked tensors
 ``w_gate``, ``w_up`` [E, d, h] and ``w_down`` [E, h, d]. The token-expert pairs of a batch are
-sorted by expert so that expert e's rows are contiguous, ``x[offsets[e-1]:offsets[e]]``, and each
-projection is one ``torch.nn.functional.grouped_mm`` over all experts: no Python loop over experts,
-no host synchronisation (the offsets stay on the device), one kernel per projection on the GPU.
+sorted by expert so that expert e's rows are contiguous, ``x[offsets[e-1]:offsets[e]]``, and the
+projections are ``torch.nn.functional.grouped_mm`` calls over all experts, gate and up as one against
+[W_gate | W_up]: no Python loop over experts, no host synchronisation (the offsets stay on the device), two
+GEMM kernels forward on the GPU.
 
     y[rows of e] = (glu(x W_gate[e], x W_up[e])) W_down[e]
 
@@ -22,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from k3lab.dist import local_shard
-from k3lab.moe.activation import ACTIVATIONS, glu
+from k3lab.moe.activation import ACTIVATIONS, glu, glu_packed
 from k3lab.precision import AUTOCAST_DTYPES, autocast_dtype, shape_of as _shape
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -42,7 +43,15 @@ def group_by_expert(topk_idx: torch.Tensor, E: int) -> tuple[torch.Tensor, torch
             its token is ``order[r] // K``.
         offsets (Tensor): [E] int32 cumulative ends of each expert's rows (``grouped_mm``'s ``offs``).
         counts (Tensor): [E] int64 pairs per expert.
+
+    Raises:
+        ValueError: topk_idx not int64 [N, K]; E not a positive int. The ids' values are not checked (a host sync).
     """
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.ndim != 2 or topk_idx.dtype != torch.int64:
+        got = f"{_shape(topk_idx)} {topk_idx.dtype}" if isinstance(topk_idx, torch.Tensor) else _shape(topk_idx)
+        raise ValueError(f"group_by_expert: topk_idx must be int64 [N, K], got {got}")
+    if not isinstance(E, int) or isinstance(E, bool) or E < 1:
+        raise ValueError(f"group_by_expert: E must be a positive int, got {E!r}")
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     # scatter_add_ instead of bincount: bincount reads the max back to the host on CUDA.
@@ -51,7 +60,11 @@ def group_by_expert(topk_idx: torch.Tensor, E: int) -> tuple[torch.Tensor, torch
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    """inv [P] int64 with ``inv[order[r]] = r``: the row a pair was sorted to (``order`` from ``group_by_expert``)."""
+    """inv [P] int64 with ``inv[order[r]] = r``: the row a pair was sorted to (``order`` from ``group_by_expert``).
+    ValueError when order is not int64 [P] (its values, a permutation of 0..P-1, are not checked)."""
+    if not isinstance(order, torch.Tensor) or order.ndim != 1 or order.dtype != torch.int64:
+        got = f"{_shape(order)} {order.dtype}" if isinstance(order, torch.Tensor) else _shape(order)
+        raise ValueError(f"inverse_permutation: order must be int64 [P], got {got}")
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
@@ -84,14 +97,14 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, order, inv, K):
         ctx.save_for_backward(order, inv)
-        ctx.K = K
+        ctx.N, ctx.K = x.shape[0], K
         return x.index_select(0, order.div(K, rounding_mode="floor"))
 
     @staticmethod
     def backward(ctx, grad):
         order, inv = ctx.saved_tensors
         pairs = _Permute.apply(grad, inv, order)
-        return pairs.view(-1, ctx.K, grad.shape[-1]).sum(1), None, None, None
+        return pairs.view(ctx.N, ctx.K, grad.shape[-1]).sum(1), None, None, None
 
 
 def dispatch_rows(x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, K: int) -> torch.Tensor:
@@ -142,6 +155,26 @@ def combine_rows(y: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, weight
     _check_permutation("combine_rows", order, inv, N * K)
     pairs = _Permute.apply(y, inv, order).view(N, K, y.shape[-1])
     return (pairs * weight.to(y.dtype).unsqueeze(-1)).sum(1)
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [N, d] itself when its strides are (d, 1), else a row-major copy. grouped_mm needs row strides that
+    are multiples of 16 bytes; a transposed, column-sliced or expanded tensor has others, and so may one of one
+    row or none, for which ``is_contiguous`` is True whatever the strides."""
+    return t if t.stride() == (t.shape[1], 1) else t.clone(memory_format=torch.contiguous_format)
+
+
+class _RowMajorGrad(torch.autograd.Function):
+    """Identity forward; backward passes on the gradient row-major (``_row_major``): grouped_mm's backward reads
+    its output's gradient by the same stride rule, and ``y.sum()``'s is expanded (strides (0, 0))."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _row_major(grad)
 
 
 def _check_weights(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
@@ -195,16 +228,16 @@ def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_u
     if x.shape[1] % align or w_gate.shape[2] % align:
         raise ValueError(f"expert_ffn: d={x.shape[1]} and h={w_gate.shape[2]} must be multiples of {align} for "
                          f"{x.dtype} (grouped_mm needs 16-byte row strides)")
-    # grouped_mm needs row strides that are multiples of 16 bytes: a transposed or column-sliced x has others.
-    x = x.contiguous()
+    x = _row_major(x)
     N = x.shape[0]
     end = offsets[-1:].long()
     # grouped_mm leaves rows past the last offset uninitialised (and their gradients too): the last
     # expert's group is stretched over the padding and the padding rows are zeroed after the GEMMs.
     offs = torch.cat([offsets[:-1], offsets.new_full((1,), N)]).to(torch.int32)
-    a = grouped_mm(x, w_gate, offs=offs)
-    u = grouped_mm(x, w_up, offs=offs)
-    y = grouped_mm(glu(a, u, activation), w_down, offs=offs)
+    # Gate and up as one GEMM against [W_gate | W_up]: x is read once, and backward's dx is one GEMM rather
+    # than two and a sum of their [N, d] outputs.
+    au = grouped_mm(x, torch.cat([w_gate, w_up], dim=2), offs=offs)
+    y = _RowMajorGrad.apply(grouped_mm(glu_packed(au, activation), w_down, offs=offs))
     if not padded:
         return y
     real = torch.arange(N, device=x.device) < end
