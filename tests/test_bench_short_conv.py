@@ -32,3 +32,10 @@ def test_a_wrong_method_stops_the_check(monkeypatch):
 def test_cpu_needs_small():
     with pytest.raises(SystemExit, match="needs --small"):
         bench.main(["--device", "cpu", "--out", ""])
+
+
+def test_help_gives_the_whole_first_sentence(capsys):
+    """The description was the docstring's first line, cut off after "PyTorch under ``torch.compile`` and"."""
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    assert "the fused Triton kernels" in " ".join(capsys.readouterr().out.split())

@@ -119,7 +119,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m k3lab.bench.short_conv", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m k3lab.bench.short_conv", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (only with --small)")
     p.add_argument("--small", action="store_true", help="tiny sizes, Triton interpreted; for checking the script")
     p.add_argument("--rep", type=positive_int, default=None,
