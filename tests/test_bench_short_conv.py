@@ -39,3 +39,13 @@ def test_help_gives_the_whole_first_sentence(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--help"])
     assert "the fused Triton kernels" in " ".join(capsys.readouterr().out.split())
+
+
+def test_table_keeps_a_space_between_time_and_floor_ratio():
+    """A time 10^5 times the floor (the Triton interpreter in a --small run) ran into the ms column:
+    "380.998220269.7x"."""
+    row = dict(name="tiny", B=2, T=40, C=32, W=4, min_bytes=12800, floor_ms=0.00173,
+               torch_ms=0.286, torch_compiled_ms=0.241, triton_ms=380.998)
+    text = bench.table(dict(device="cpu", date="today", copy_TBps=0.01, cases=[row]))
+    line = next(s for s in text.splitlines() if " triton " in s)
+    assert line.split()[1:] == ["triton", "380.998", "220230.1x"]

@@ -112,7 +112,7 @@ def table(result: dict) -> str:
              f"copy bandwidth {result['copy_TBps']:.2f} TB/s measured in this run",
              f"{'case':<8}{'method':<16}{'ms':>9}{'x floor':>9}"]
     for r in result["cases"]:
-        lines += [f"{r['name']:<8}{m:<16}{r[m + '_ms']:>9.3f}{r[m + '_ms'] / r['floor_ms']:>8.1f}x" for m in METHODS]
+        lines += [f"{r['name']:<8}{m:<16}{r[m + '_ms']:>9.3f} {r[m + '_ms'] / r['floor_ms']:>7.1f}x" for m in METHODS]
         lines.append(f"{'':<8}{'floor':<16}{r['floor_ms']:>9.3f}   ({r['min_bytes'] / 1e6:.0f} MB at the copy "
                      f"bandwidth; [B, T, C, W] = {[r['B'], r['T'], r['C'], r['W']]})")
     return "\n".join(lines)
