@@ -105,4 +105,10 @@ def blocked_parent(path: str | os.PathLike) -> str | None:
         return f"{parent} is a file, not a folder"
     if not os.access(parent, os.W_OK):
         return f"folder {parent} is not writable"
+    try:
+        # Permission bits are not the whole answer: /proc and read-only mounts refuse what os.access allows.
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        return f"folder {parent} refuses new files ({e.strerror})"
     return None

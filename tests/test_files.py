@@ -6,7 +6,8 @@ import os
 import pytest
 
 from k3lab import files
-from k3lab.files import atomic_write_text, write_json
+from k3lab.bench import check_out
+from k3lab.files import atomic_write_text, blocked_parent, write_json
 
 OLD = b'{\n "cases": [1, 2]\n}\n'
 
@@ -104,3 +105,16 @@ def test_bytes_rejects_text_and_keeps_the_mode_of_an_ordinary_open(tmp_path):
     plain = tmp_path / "plain.bin"
     plain.write_bytes(b"ok")
     assert target.read_bytes() == b"ok" and target.stat().st_mode == plain.stat().st_mode
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
+def test_a_folder_that_refuses_new_files_is_named_before_the_run():
+    # /proc passes os.access's write check when run as root, yet refuses every new file.
+    assert blocked_parent("/proc/result.json").startswith("folder /proc refuses new files")
+    with pytest.raises(SystemExit, match="--out /proc/result.json: folder /proc refuses new files"):
+        check_out("/proc/result.json")
+
+
+def test_a_writable_folder_passes_and_keeps_nothing(tmp_path):
+    assert blocked_parent(tmp_path / "sub" / "result.json") is None
+    assert list(tmp_path.iterdir()) == []
