@@ -7,7 +7,7 @@ import k3lab
 
 DEVICE = k3lab.setup(verbose=False)  # sets TRITON_INTERPRET=1 before the kernels load on CPU
 
-from k3lab.kernels.moe import fused_glu, fused_glu_packed  # noqa: E402
+from k3lab.kernels.moe import fused_glu, fused_glu_packed, gather_sum  # noqa: E402
 from k3lab.moe.activation import glu  # noqa: E402
 from k3lab.testing import assert_close  # noqa: E402
 
@@ -51,6 +51,34 @@ def test_packed_glu_matches_the_expression_on_its_halves(activation, dtype, tol)
         fused_glu_packed(au.detach()[..., 1:])
 
 
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "plain"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+def test_gather_sum_matches_float64_with_repeated_rows_and_ragged_tiles(weighted, dtype, tol):
+    g = torch.Generator().manual_seed(2)
+    N, K, P, D = 37, 3, 50, 150  # N and D not multiples of the tile; rows repeat across tokens
+    y = torch.randn(P, D, generator=g).to(DEVICE, dtype)
+    idx = torch.randint(0, P, (N, K), generator=g).to(DEVICE)
+    idx[0] = 7
+    w = torch.rand(N, K, generator=g).to(DEVICE) if weighted else None
+    out = gather_sum(y, idx, w)
+    ref = y.cpu().double()[idx.cpu()]
+    ref = (ref * w.cpu().double()[..., None]).sum(1) if weighted else ref.sum(1)
+    assert out.dtype == dtype and out.shape == (N, D)
+    assert_close("gather_sum", ref, out.cpu(), tol)
+    compiled = torch.compile(lambda a, i, b: 2 * gather_sum(a, i, b), fullgraph=True)
+    assert torch.equal(compiled(y, idx, w), 2 * out)
+
+
+def test_gather_sum_names_a_bad_argument():
+    y, idx = torch.randn(5, 4, device=DEVICE), torch.zeros(3, 2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match=r"y must be a floating-point \[P, D\]"):
+        gather_sum(y[0], idx)
+    with pytest.raises(ValueError, match=r"idx must be int64 \[N, K\], got \[3, 2\] torch.int32"):
+        gather_sum(y, idx.int())
+    with pytest.raises(ValueError, match=r"weight must be a floating-point tensor of idx's shape \[3, 2\]"):
+        gather_sum(y, idx, torch.ones(3, device=DEVICE))
+
+
 def test_fused_glu_rejects_bad_input():
     a = torch.randn(4, 8, device=DEVICE)
     with pytest.raises(ValueError, match="same|share"):
@@ -68,11 +96,16 @@ for situ in (True, False):
         const = dict(SITU=situ, BLOCK=glu.BLOCK)
         print(compile_sm90(glu.glu_fwd_kernel, dict(io, o_ptr=dt), const))
         print(compile_sm90(glu.glu_bwd_kernel, dict(io, do_ptr=dt, da_ptr=dt, du_ptr=dt), const))
+from k3lab.kernels.moe import gather
+for weighted in (True, False):
+    print(compile_sm90(gather.gather_sum_kernel, dict(y="*bf16", idx="*i64", w="*fp32", out="*bf16", N="i32",
+                                                      D="i32:16"),
+                       dict(K=8, HAS_W=weighted, BN=gather.BN, BD=gather.BD), num_warps=gather.WARPS))
 """
 
 
 def test_glu_kernels_compile_for_sm90(compile_sm90_lines):
-    """The interpreter accepts code the GPU compiler refuses: compile both kernels for the H200 (Triton's
+    """The interpreter accepts code the GPU compiler refuses: compile the GLU and gather kernels for the H200 (Triton's
     front end and the wheel's ptxas, no GPU needed) in a process without TRITON_INTERPRET."""
     lines = compile_sm90_lines(COMPILE_GLU)
-    assert len(lines) == 8 and all("STACK:0" in line for line in lines), lines
+    assert len(lines) == 10 and all("STACK:0" in line for line in lines), lines

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from k3lab.dist import local_shard
 from k3lab.moe.activation import ACTIVATIONS, glu, glu_packed
-from k3lab.precision import AUTOCAST_DTYPES, autocast_dtype, shape_of as _shape
+from k3lab.precision import AUTOCAST_DTYPES, autocast_dtype, shape_of as _shape, widen
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The public name arrived after torch 2.11; the private op it wraps is in every supported version.
@@ -75,6 +75,13 @@ def _check_permutation(where: str, order, inv, P: int) -> None:
             raise ValueError(f"{where}: {name} must be int64 [N*K={P}], got {got}")
 
 
+def _gather_sum(y: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    # Imported on first use: the kernel module imports triton, which on a CPU must come after k3lab.setup().
+    from k3lab.kernels.moe.gather import gather_sum  # noqa: PLC0415
+
+    return gather_sum(y, idx, weight)
+
+
 class _Permute(torch.autograd.Function):
     """``y[idx]`` for a permutation ``idx`` whose inverse is ``inv``; backward gathers by ``inv``. Both ways
     are gathers: autograd's backward of ``y[idx]`` is an accumulating scatter, atomic adds on a GPU."""
@@ -103,8 +110,34 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         order, inv = ctx.saved_tensors
-        pairs = _Permute.apply(grad, inv, order)
-        return pairs.view(ctx.N, ctx.K, grad.shape[-1]).sum(1), None, None, None
+        if torch.is_grad_enabled():  # create_graph: the differentiable form
+            pairs = _Permute.apply(grad, inv, order)
+            return pairs.view(ctx.N, ctx.K, grad.shape[-1]).sum(1), None, None, None
+        return _gather_sum(grad, inv.view(ctx.N, ctx.K)), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """out[n] = sum_k weight[n, k] y[inv[n*K + k]] by one gather-and-sum kernel (``gather_sum``). Backward:
+    dy[r] = weight at pair order[r] times dout of its token (a gather), dweight[n, k] = <dout[n], y[inv[n*K+k]]>,
+    both in PyTorch (differentiable again)."""
+
+    @staticmethod
+    def forward(ctx, y, order, inv, weight):
+        ctx.save_for_backward(y, order, inv, weight)
+        return _gather_sum(y, inv.view(weight.shape), weight)
+
+    @staticmethod
+    def backward(ctx, dout):
+        y, order, inv, weight = ctx.saved_tensors
+        N, K = weight.shape
+        dy = dweight = None
+        if ctx.needs_input_grad[0]:
+            token = order.div(K, rounding_mode="floor")
+            dy = dout.index_select(0, token) * weight.reshape(-1).index_select(0, order).to(dout.dtype)[:, None]
+        if ctx.needs_input_grad[3]:
+            pairs = _Permute.apply(y, inv, order).view(N, K, y.shape[-1])
+            dweight = (widen(pairs) * widen(dout)[:, None, :]).sum(-1).to(weight.dtype)
+        return dy, None, None, dweight
 
 
 def dispatch_rows(x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, K: int) -> torch.Tensor:
@@ -137,10 +170,10 @@ def combine_rows(y: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, weight
     Args:
         y (Tensor): [N*K, d] expert outputs in ``group_by_expert``'s row order.
         order, inv (Tensor): [N*K] int64 as in ``dispatch_rows``.
-        weight (Tensor): [N, K] routing weights, cast to y's dtype.
+        weight (Tensor): [N, K] floating routing weights.
 
     Returns:
-        Tensor [N, d] in y's dtype; the sum over K accumulates in float32 for bf16/fp16 (torch's reduction).
+        Tensor [N, d] in y's dtype; products and sum in float32 (one kernel on a GPU, ``gather_sum``).
         Backward: dy gathered by ``order``, dweight = <dout[n], y[inv[n*K + k]]>; no atomics.
 
     Raises:
@@ -153,8 +186,7 @@ def combine_rows(y: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, weight
     if not isinstance(y, torch.Tensor) or y.ndim != 2 or y.shape[0] != N * K:
         raise ValueError(f"combine_rows: y must be [N*K={N * K}, d] for weight [N={N}, K={K}], got {_shape(y)}")
     _check_permutation("combine_rows", order, inv, N * K)
-    pairs = _Permute.apply(y, inv, order).view(N, K, y.shape[-1])
-    return (pairs * weight.to(y.dtype).unsqueeze(-1)).sum(1)
+    return _Combine.apply(y, order, inv, weight)
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:

@@ -204,7 +204,7 @@ class MoE(nn.Module):
                 token = order // c.top_k
                 y = naive_expert_ffn(z[token], offsets, e.w_gate, e.w_up, e.w_down, e.activation)
                 y = y * routing.topk_weight.reshape(-1)[order, None].to(y.dtype)
-                # y's dtype, not z's: under autocast a full-width layer's float32 z meets bf16 expert outputs.
+                # The plain form: a gather in, an accumulating scatter out, in the loop's dtype (z's).
                 routed = y.new_zeros(z.shape).index_add_(0, token, y)
             else:
                 # Gathers both ways: z[token]'s backward and the index_add_ above are accumulating scatters,
