@@ -76,10 +76,11 @@ def _check_permutation(where: str, order, inv, P: int) -> None:
 
 
 def _gather_sum(y: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    # The kernel on a GPU only (as the fused GLU): on a CPU, Triton's interpreter would run it element by element.
     # Imported on first use: the kernel module imports triton, which on a CPU must come after k3lab.setup().
-    from k3lab.kernels.moe.gather import gather_sum  # noqa: PLC0415
+    from k3lab.kernels.moe.gather import gather_sum, gather_sum_torch  # noqa: PLC0415
 
-    return gather_sum(y, idx, weight)
+    return gather_sum(y, idx, weight) if y.is_cuda else gather_sum_torch(y, idx, weight)
 
 
 class _Permute(torch.autograd.Function):
