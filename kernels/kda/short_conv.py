@@ -59,16 +59,21 @@ def _pre(x, weight, o_bt, o_t, o_c, m_c, T, C, W: tl.constexpr, SHIFT: tl.conste
 
 
 @triton.jit
-def short_conv_silu_fwd_kernel(x, weight, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    # x, y: [B, T, C] contiguous (y in x's dtype); weight: [C, W] contiguous, any float dtype.
-    # Program (i_t, i_c, i_b): rows [i_t BT, i_t BT + BT) and channels [i_c BC, i_c BC + BC) of sequence i_b.
+def _tile(T, C, BT: tl.constexpr, BC: tl.constexpr):
+    # Program (i_t, i_c, i_b)'s tile: rows [i_t BT, i_t BT + BT) and channels [i_c BC, i_c BC + BC) of sequence
+    # i_b, as (row ids, channel ids, channel mask, the tile's first element, [BT, BC] offsets within the tile).
+    # The first element in int64 (B T C may pass 2^31), offsets within the tile in int32.
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_t = i_t * BT + tl.arange(0, BT)
     o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < C
-    # The tile's first element in int64 (B T C may pass 2^31), offsets within it in int32.
     base = (i_b.to(tl.int64) * T + i_t * BT) * C
-    o_bt = tl.arange(0, BT)[:, None] * C + o_c[None, :]
+    return o_t, o_c, o_c < C, base, tl.arange(0, BT)[:, None] * C + o_c[None, :]
+
+
+@triton.jit
+def short_conv_silu_fwd_kernel(x, weight, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    # x, y: [B, T, C] contiguous (y in x's dtype); weight: [C, W] contiguous, any float dtype. Tiles: ``_tile``.
+    o_t, o_c, m_c, base, o_bt = _tile(T, C, BT, BC)
     b_p = _pre(x + base, weight, o_bt, o_t, o_c, m_c, T, C, W, 0)
     b_y = b_p * tl.sigmoid(b_p)
     m_tc = (o_t < T)[:, None] & m_c[None, :]
@@ -112,12 +117,7 @@ def short_conv_silu_dpre_kernel(x, weight, dy, dpre, dw_part, T, C, NT, W: tl.co
 def short_conv_silu_dx_kernel(dpre, weight, dx, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     # Backward, second pass: dx[t] = sum_{i<W} weight[c, W-1-i] * dpre[t + i] (dpre beyond T is 0), the
     # forward's convolution run backwards in time over the float32 dpre. Tiles as the forward's.
-    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_t = i_t * BT + tl.arange(0, BT)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < C
-    base = (i_b.to(tl.int64) * T + i_t * BT) * C
-    o_bt = tl.arange(0, BT)[:, None] * C + o_c[None, :]
+    o_t, o_c, m_c, base, o_bt = _tile(T, C, BT, BC)
     b_dx = tl.zeros([BT, BC], dtype=tl.float32)
     for i in tl.static_range(W):
         m_i = ((o_t + i) < T)[:, None] & m_c[None, :]
