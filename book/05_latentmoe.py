@@ -164,12 +164,13 @@ print("k3lab's weights       ", r.topk_weight.tolist())
 #
 # (K3 Eq. 11). The router and shared experts read $x$ at full width $d$; the routed experts see the latent
 # $z = W_\mathrm{down}x$ of width $l$. For speed, the $N \cdot K$ token-expert pairs are sorted by expert,
-# so expert $e$'s rows are contiguous, and each of the three expert projections is **one** grouped GEMM
-# over all experts (`torch.nn.functional.grouped_mm` with the experts' row offsets): no Python loop over
+# so expert $e$'s rows are contiguous, and the expert projections are grouped GEMMs over all experts
+# (`torch.nn.functional.grouped_mm` with the experts' row offsets): one against $[W_\mathrm{gate} \mid
+# W_\mathrm{up}]$, whose two halves feed the gated unit, and one against $W_\mathrm{down}$. No Python loop over
 # experts and no host synchronisation. The tokens go to their pair rows and come back by gathers
 # (`dispatch_rows`, `combine_rows`, with the inverse of the sort): written plainly, `z[token]` and an
 # `index_add_` back into the tokens differentiate into scatters with atomic adds, which on a GPU took longer
-# than the three grouped GEMMs together. The plain form stays in `reference`. The layer's forward:
+# than the grouped GEMMs together. The plain form stays in `reference`. The layer's forward:
 
 # %%
 print(inspect.getsource(MoE._forward).split('        x2 = x.reshape')[1].join(['        x2 = x.reshape', '']))
