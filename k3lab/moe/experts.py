@@ -31,6 +31,11 @@ GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 
+def _typed(t) -> str:
+    """A tensor's shape and dtype for error messages ("[3, 2] torch.int32"); the type name of anything else."""
+    return f"{_shape(t)} {t.dtype}" if isinstance(t, torch.Tensor) else _shape(t)
+
+
 def group_by_expert(topk_idx: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the token-expert pairs of ``topk_idx`` by expert (stable, so token order is kept inside an expert).
 
@@ -48,8 +53,7 @@ def group_by_expert(topk_idx: torch.Tensor, E: int) -> tuple[torch.Tensor, torch
         ValueError: topk_idx not int64 [N, K]; E not a positive int. The ids' values are not checked (a host sync).
     """
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.ndim != 2 or topk_idx.dtype != torch.int64:
-        got = f"{_shape(topk_idx)} {topk_idx.dtype}" if isinstance(topk_idx, torch.Tensor) else _shape(topk_idx)
-        raise ValueError(f"group_by_expert: topk_idx must be int64 [N, K], got {got}")
+        raise ValueError(f"group_by_expert: topk_idx must be int64 [N, K], got {_typed(topk_idx)}")
     if not isinstance(E, int) or isinstance(E, bool) or E < 1:
         raise ValueError(f"group_by_expert: E must be a positive int, got {E!r}")
     flat = topk_idx.reshape(-1)
@@ -63,16 +67,14 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     """inv [P] int64 with ``inv[order[r]] = r``: the row a pair was sorted to (``order`` from ``group_by_expert``).
     ValueError when order is not int64 [P] (its values, a permutation of 0..P-1, are not checked)."""
     if not isinstance(order, torch.Tensor) or order.ndim != 1 or order.dtype != torch.int64:
-        got = f"{_shape(order)} {order.dtype}" if isinstance(order, torch.Tensor) else _shape(order)
-        raise ValueError(f"inverse_permutation: order must be int64 [P], got {got}")
+        raise ValueError(f"inverse_permutation: order must be int64 [P], got {_typed(order)}")
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
 def _check_permutation(where: str, order, inv, P: int) -> None:
     for name, t in (("order", order), ("inv", inv)):
         if not isinstance(t, torch.Tensor) or t.shape != (P,) or t.dtype != torch.int64:
-            got = f"{_shape(t)} {t.dtype}" if isinstance(t, torch.Tensor) else _shape(t)
-            raise ValueError(f"{where}: {name} must be int64 [N*K={P}], got {got}")
+            raise ValueError(f"{where}: {name} must be int64 [N*K={P}], got {_typed(t)}")
 
 
 def _gather_sum(y: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
