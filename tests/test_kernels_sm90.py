@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-N_KERNELS = 30  # sm90_compile.KERNELS: gate fwd (bf16, float32 with the float64 sum, packed); scores (forward,
+N_KERNELS = 32  # sm90_compile.KERNELS: gate fwd (bf16, float32 with the float64 sum, packed); scores (forward,
 #                replay, packed; K = 256 and float32 at 4 warps); UT inverse (bf16, and float32 in full fp32),
 #                W/U, the inverse and W/U fused (bf16); state fwd (inference at V tiles of 64 and, with
 #                prefetch, 16; from the packed gate's ends; training; replay); state bwd, dq/dk, dW/dv, intra bwd, gate bwd, q/k norm
 #                bwd; the training state fwd and the state bwd at K = 256, one pipeline stage; the short
 #                convolution's forward and backward (N_SHORT_CONV)
-N_SHORT_CONV = 5  # forward (bf16 at W = 4, float32 at W = 8), backward (bf16 at W = 4 and 8, float32 at W = 8)
+N_SHORT_CONV = 7  # forward (bf16 at W = 4, float32 at W = 8), backward's dpre pass (bf16 at W = 4 and 8, float32 at
+#                   W = 8) and dx pass (bf16 at W = 4, float32 at W = 8)
 H200_SHARED_MEMORY = 232448  # bytes a program may use (227 KiB)
 
 
