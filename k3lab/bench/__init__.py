@@ -125,6 +125,18 @@ def gpu_device(p, args, work: str = "the full shapes are GPU work"):
     return device
 
 
+def timed_flags(p, bench: str, rep: int, small: str = "tiny sizes; for checking the script on a CPU") -> None:
+    """Add the flags a timed GPU benchmark with a CPU check shares to parser ``p``: --device (cuda, or cpu with
+    --small), --small (help text ``small``), --rep (median of N timed runs; ``rep`` by default, 2 with --small) and
+    --out (default ``data/results/<bench>_<card>.json``)."""
+    p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (only with --small)")
+    p.add_argument("--small", action="store_true", help=small)
+    p.add_argument("--rep", type=positive_int, default=None,
+                   help=f"timed repetitions per measurement (median; default {rep}, 2 with --small)")
+    p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default "
+                   f"data/results/{bench}_<card>.json after the device")
+
+
 def check_out(out: str | None) -> None:
     """Stop before any work when ``--out`` cannot be written: the JSON is written at the end of a run that may
     take minutes of GPU time. Missing parent folders are fine (they are created).

@@ -18,7 +18,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from k3lab.bench import check_out, gpu_device, positive_int, run_info, write_result
+from k3lab.bench import check_out, gpu_device, run_info, timed_flags, write_result
 from k3lab.bench.moe import ceiling_tflops, time_ms
 from k3lab.model.loss import linear_cross_entropy
 from k3lab.testing import rel_rms_error
@@ -120,13 +120,8 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m k3lab.bench.loss", description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (only with --small)")
-    p.add_argument("--small", action="store_true", help="tiny sizes; for checking the script on a CPU")
+    timed_flags(p, "loss", rep=10)
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=sorted(CASES), help="which shapes")
-    p.add_argument("--rep", type=positive_int, default=None,
-                   help="timed repetitions per measurement (median; default 10, 2 with --small)")
-    p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default "
-                   "data/results/loss_<card>.json after the device")
     args = p.parse_args(argv)
     check_out(args.out)
     rep = args.rep or (2 if args.small else 10)

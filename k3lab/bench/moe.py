@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from k3lab.bench import check_out, gpu_device, positive_int, run_info, write_result
+from k3lab.bench import check_out, gpu_device, run_info, timed_flags, write_result
 from k3lab.moe import MoE, MoEConfig, expert_ffn
 from k3lab.testing import rel_rms_error
 
@@ -248,14 +248,9 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m k3lab.bench.moe", description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (only with --small)")
-    p.add_argument("--small", action="store_true", help="tiny sizes; for checking the script on a CPU")
+    timed_flags(p, "moe", rep=20)
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=sorted(CASES), help="which shapes")
     p.add_argument("--no-torchtitan", action="store_true", help="skip torchtitan's layer")
-    p.add_argument("--rep", type=positive_int, default=None,
-                   help="timed repetitions per measurement (median; default 20, 2 with --small)")
-    p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default "
-                   "data/results/moe_<h100|h200>.json after the device")
     args = p.parse_args(argv)
     check_out(args.out)
     if args.rep is None:

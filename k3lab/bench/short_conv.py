@@ -17,7 +17,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from k3lab.bench import check_out, gpu_device, positive_int, run_info, write_result
+from k3lab.bench import check_out, gpu_device, run_info, timed_flags, write_result
 from k3lab.testing import rel_rms_error
 
 CASES = {"k3-1b": (16, 2048, 1024, 4)}
@@ -120,12 +120,7 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m k3lab.bench.short_conv", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (only with --small)")
-    p.add_argument("--small", action="store_true", help="tiny sizes, Triton interpreted; for checking the script")
-    p.add_argument("--rep", type=positive_int, default=None,
-                   help="timed repetitions per measurement (median; default 20, 2 with --small)")
-    p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default "
-                   "data/results/short_conv_<card>.json after the device")
+    timed_flags(p, "short_conv", rep=20, small="tiny sizes, Triton interpreted; for checking the script")
     args = p.parse_args(argv)
     check_out(args.out)
     rep = args.rep or (2 if args.small else 20)
