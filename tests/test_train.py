@@ -308,6 +308,16 @@ def _model_from(path):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def test_a_rank_other_than_0_waits_then_exits_2_without_printing(monkeypatch, capsys):
+    import k3lab.train.config as config
+
+    waits = []
+    monkeypatch.setattr(config.time, "sleep", waits.append)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--steps", "0"], quiet=True)
+    assert e.value.code == 2 and waits == [config.QUIET_EXIT_DELAY_S] and capsys.readouterr().err == ""
+
+
 def test_a_usage_error_under_torchrun_is_printed_once():
     """Every rank meets the same error, of the layout or of a flag; each printed the usage text and the message."""
     run = _torchrun(dict(BASE, dp=3), timeout=90)

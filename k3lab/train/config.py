@@ -5,6 +5,7 @@ import argparse
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, fields
 
 from k3lab.files import blocked_parent
@@ -293,6 +294,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# How long a rank other than 0 waits before it exits on a usage error (seconds).
+QUIET_EXIT_DELAY_S = 10.0
+
+
+def leave_quietly() -> None:
+    """Exit with status 2 without printing, after ``QUIET_EXIT_DELAY_S``: for the ranks of a torchrun world other
+    than 0 on an error every rank meets. torchrun stops all ranks at the first that exits, so a rank that failed
+    at once could stop rank 0 before it printed the reason; rank 0 exiting first stops this one's wait."""
+    time.sleep(QUIET_EXIT_DELAY_S)
+    raise SystemExit(2)
+
+
 def parse_args(argv: list[str] | None = None, quiet: bool = False) -> TrainConfig:
     """``TrainConfig`` from the command line; a bad value exits with argparse's usage and the reason
     (``quiet``: without printing them, for the ranks of a torchrun world other than 0).
@@ -303,7 +316,7 @@ def parse_args(argv: list[str] | None = None, quiet: bool = False) -> TrainConfi
     parser = build_parser()
     if quiet:
         def error(message):
-            raise SystemExit(2)
+            leave_quietly()
 
         parser.error = error
     ns = parser.parse_args(argv)

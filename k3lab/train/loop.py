@@ -28,7 +28,7 @@ from k3lab.moe import maxvio, update_biases
 from k3lab.optim import clip_grads_, grad_norm, per_head_muon
 from k3lab.testing import forbid_host_sync
 from k3lab.train.checkpoint import latest_checkpoint, load_checkpoint, read_train_state, save_checkpoint
-from k3lab.train.config import ConfigError, TrainConfig, build_parser, parse_args
+from k3lab.train.config import ConfigError, TrainConfig, build_parser, leave_quietly, parse_args
 from k3lab.train.loader import TokenLoader, pack_documents
 from k3lab.train.metrics import FLOPS_CONVENTION, MetricsLog, peak_key, peak_memory_gib
 from k3lab.train.parallel import Parallel, build_parallel, compile_blocks, parallelize
@@ -586,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         # A layout that does not fit, or no token shards: the message says what to run.
         if quiet:
-            raise SystemExit(2) from e
+            leave_quietly()
         build_parser().error(str(e))
     except FloatingPointError as e:
         # Not a usage error: the flags were valid and the run went wrong; its message names the step and the fix.
