@@ -5,6 +5,7 @@ torchtitan's DeepSeek-V3 model as the peer, all in one run.
     python -m k3lab.bench.train --minutes 10 --batch-size 8    # a longer run at a smaller batch
     python -m k3lab.bench.train --microbatches 4               # 4 micro-batches a step, the peer too
     python -m k3lab.bench.train --compile                      # each sublayer under torch.compile, the peer's blocks too
+                                                               #   -> data/results/train_compile_<card>.json
     python -m k3lab.bench.train --minutes 10 --run-dir build/bench_train --stop-after-minutes 6
                                                                # a 10-minute run in parts: repeat until it writes the JSON
     python -m k3lab.bench.train --small --device cpu --out ''  # k3-tiny, a few steps: checks the script
@@ -688,7 +689,7 @@ def main(argv=None) -> dict:
                         "same command continues it, and the invocation that finishes it measures the rest and "
                         "writes the JSON (a run longer than one job's time limit)")
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default data/results/train_<card>.json "
-                   "after the device (with --small: nothing)")
+                   "after the device, train_compile_<card>.json with --compile (with --small: nothing)")
     args = p.parse_args(argv)
     if args.stop_after_minutes is not None and not args.run_dir:
         p.error("--stop-after-minutes needs --run-dir (where the stopped run is checkpointed)")
@@ -803,7 +804,7 @@ def main(argv=None) -> dict:
             result["vs_peer"] = result["tokens_per_s"] / result["peer_tokens_per_s"]
             if M == 1:  # the bare step runs one micro-batch: comparable only to a peer step of one
                 result["vs_peer_bare_step"] = result["attnres"]["step_tokens_per_s"] / result["peer_tokens_per_s"]
-    write_result("train", result, args.out, small)
+    write_result("train_compile" if config.compile else "train", result, args.out, small)
     print("\n" + table(result))
     return result
 
