@@ -46,19 +46,6 @@ def _tap(weight, o_c, m_c, W: tl.constexpr, j: tl.constexpr):
 
 
 @triton.jit
-def _pre(x, weight, o_bt, o_t, o_c, m_c, T, C, W: tl.constexpr, SHIFT: tl.constexpr):
-    # The pre-activation of rows o_t + SHIFT of the tile: sum_j w_j x[t + SHIFT - (W-1) + j], float32.
-    # x: pointer to the tile's first row; o_bt: [BT, BC] offsets of its rows (token ids o_t), channels o_c.
-    b_p = tl.zeros(o_bt.shape, dtype=tl.float32)
-    for j in tl.static_range(W):
-        o_s = o_t + (SHIFT - (W - 1) + j)
-        m_s = ((o_s >= 0) & (o_s < T))[:, None] & m_c[None, :]
-        b_x = tl.load(x + o_bt + (SHIFT - (W - 1) + j) * C, mask=m_s, other=0.0).to(tl.float32)
-        b_p += _tap(weight, o_c, m_c, W, j)[None, :] * b_x
-    return b_p
-
-
-@triton.jit
 def _tile(T, C, BT: tl.constexpr, BC: tl.constexpr):
     # Program (i_t, i_c, i_b)'s tile: rows [i_t BT, i_t BT + BT) and channels [i_c BC, i_c BC + BC) of sequence
     # i_b, as (row ids, channel ids, channel mask, the tile's first element, [BT, BC] offsets within the tile).
@@ -71,46 +58,63 @@ def _tile(T, C, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _shifted(x, base, o_bt, o_t, m_c, T, C, W: tl.constexpr, j: tl.constexpr):
+    # Rows o_t - (W-1) + j of the tile (tap j's inputs), float32, zero before t = 0 and from T on.
+    o_s = o_t + (j - (W - 1))
+    m_s = ((o_s >= 0) & (o_s < T))[:, None] & m_c[None, :]
+    return tl.load(x + base + o_bt + (j - (W - 1)) * C, mask=m_s, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def short_conv_silu_fwd_kernel(x, weight, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     # x, y: [B, T, C] contiguous (y in x's dtype); weight: [C, W] contiguous, any float dtype. Tiles: ``_tile``.
     o_t, o_c, m_c, base, o_bt = _tile(T, C, BT, BC)
-    b_p = _pre(x + base, weight, o_bt, o_t, o_c, m_c, T, C, W, 0)
+    b_p = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        b_p += _tap(weight, o_c, m_c, W, j)[None, :] * _shifted(x, base, o_bt, o_t, m_c, T, C, W, j)
     b_y = b_p * tl.sigmoid(b_p)
     m_tc = (o_t < T)[:, None] & m_c[None, :]
     tl.store(y + base + o_bt, b_y.to(y.dtype.element_ty), mask=m_tc)
 
 
 @triton.jit
-def short_conv_silu_dpre_kernel(x, weight, dy, dpre, dw_part, T, C, NT, W: tl.constexpr, WP: tl.constexpr,
-                                BT: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):
+def short_conv_silu_dpre_kernel(x, weight, dy, dpre, dw_part, T, C, NT, W: tl.constexpr, BT: tl.constexpr,
+                                BS: tl.constexpr, BC: tl.constexpr):
     # Backward, first pass. x, dy: [B, T, C] contiguous; dpre: [B, T, C] float32; weight: [C, W];
-    # dw_part: [B * NT, C, W] float32, this program's sums of dpre * x per tap (NT = cdiv(T, BT)); WP = next_pow2(W).
+    # dw_part: [B * NT, C, W] float32, this program's sums of dpre * x per tap (NT = cdiv(T, BT)).
     # Program (i_t, i_c, i_b): rows [i_t BT, i_t BT + BT) of sequence i_b, BS rows at a time, channels
-    # [i_c BC, i_c BC + BC). Each row's dpre is computed once; its W shifted x rows are read twice (for the
-    # pre-activation, then for dweight), the second time from cache.
+    # [i_c BC, i_c BC + BC). The taps and the W shifted x rows are tuples of tiles: each tap's dpre * x
+    # accumulates elementwise in its own [BS, BC] tile and is summed over rows once, after the loop. (Summing
+    # at every step crosses warps W times a step and made this pass 9x slower than its bytes.)
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
-    o_w = tl.arange(0, WP)
     o_bt = tl.arange(0, BS)[:, None] * C + o_c[None, :]
-    b_dw = tl.zeros([BC, WP], dtype=tl.float32)
+    taps = ()
+    acc = ()
+    for j in tl.static_range(W):
+        taps = taps + (_tap(weight, o_c, m_c, W, j)[None, :],)
+        acc = acc + (tl.zeros([BS, BC], dtype=tl.float32),)
     for t0 in range(i_t * BT, tl.minimum(i_t * BT + BT, T), BS):
         o_t = t0 + tl.arange(0, BS)
         base = (i_b.to(tl.int64) * T + t0) * C
         m_tc = (o_t < T)[:, None] & m_c[None, :]
-        b_p = _pre(x + base, weight, o_bt, o_t, o_c, m_c, T, C, W, 0)
+        xs = ()
+        b_p = tl.zeros([BS, BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            xs = xs + (_shifted(x, base, o_bt, o_t, m_c, T, C, W, j),)
+            b_p += taps[j] * xs[j]
         b_s = tl.sigmoid(b_p)
         b_dy = tl.load(dy + base + o_bt, mask=m_tc, other=0.0).to(tl.float32)
         b_dp = b_dy * b_s * (1.0 + b_p * (1.0 - b_s))
         tl.store(dpre + base + o_bt, b_dp, mask=m_tc)
+        summed = ()
         for j in tl.static_range(W):
-            # dweight[c, j] over these rows: dpre[t] * x[t - (W-1) + j], into column j of b_dw.
-            o_s = o_t + (j - (W - 1))
-            m_s = ((o_s >= 0) & (o_s < T))[:, None] & m_c[None, :]
-            b_x = tl.load(x + base + o_bt + (j - (W - 1)) * C, mask=m_s, other=0.0).to(tl.float32)
-            b_dw += tl.where(o_w[None, :] == j, tl.sum(b_dp * b_x, axis=0)[:, None], 0.0)
-    o_dw = ((i_b * NT + i_t).to(tl.int64) * C + o_c[:, None]) * W + o_w[None, :]
-    tl.store(dw_part + o_dw, b_dw, mask=m_c[:, None] & (o_w < W)[None, :])
+            summed = summed + (acc[j] + b_dp * xs[j],)
+        acc = summed
+    o_dw = ((i_b * NT + i_t).to(tl.int64) * C + o_c) * W
+    for j in tl.static_range(W):
+        tl.store(dw_part + o_dw + j, tl.sum(acc[j], axis=0), mask=m_c)
 
 
 @triton.jit
@@ -150,8 +154,7 @@ def short_conv_silu_bwd(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor)
     grid = _grid(B, T, C, BWD)
     dpre = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
     dw_part = torch.empty(B * grid[0], C, W, dtype=torch.float32, device=x.device)
-    short_conv_silu_dpre_kernel[grid](x, weight, dy, dpre, dw_part, T, C, grid[0], W=W,
-                                      WP=triton.next_power_of_2(W), **BWD)
+    short_conv_silu_dpre_kernel[grid](x, weight, dy, dpre, dw_part, T, C, grid[0], W=W, **BWD)
     short_conv_silu_dx_kernel[_grid(B, T, C, DX)](dpre, weight, dx, T, C, W=W, **DX)
     return dx, dw_part.sum(0)
 
