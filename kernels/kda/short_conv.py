@@ -135,6 +135,7 @@ def _grid(B: int, T: int, C: int, cfg: dict) -> tuple[int, int, int]:
     return triton.cdiv(T, cfg["BT"]), triton.cdiv(C, cfg["BC"]), B
 
 
+@torch.library.custom_op("k3lab::short_conv_silu_fwd", mutates_args=())
 def short_conv_silu_fwd(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y = silu(conv(x, weight)): x [B, T, C] contiguous, weight [C, W] contiguous -> y [B, T, C] in x's dtype."""
     B, T, C = x.shape
@@ -144,6 +145,12 @@ def short_conv_silu_fwd(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y
 
 
+@short_conv_silu_fwd.register_fake
+def _(x, weight):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("k3lab::short_conv_silu_bwd", mutates_args=())
 def short_conv_silu_bwd(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [B, T, C] in x's dtype, dweight [C, W] float32) from x, weight and dy [B, T, C], all contiguous."""
     B, T, C = x.shape
@@ -159,9 +166,16 @@ def short_conv_silu_bwd(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor)
     return dx, dw_part.sum(0)
 
 
+@short_conv_silu_bwd.register_fake
+def _(x, weight, dy):
+    return torch.empty_like(x), x.new_empty(weight.shape, dtype=torch.float32)
+
+
 class ShortConvSiLUFunction(torch.autograd.Function):
     """Forward: one kernel, y = silu(conv(x)), saving only x and weight. Backward: a kernel recomputing the
-    pre-activation, writing dpre and per-tile dweight sums (summed here), then a kernel from dpre to dx."""
+    pre-activation, writing dpre and per-tile dweight sums (summed here), then a kernel from dpre to dx. Both
+    are custom ops (``k3lab::short_conv_silu_fwd`` / ``_bwd``), so a compiled region calls the kernels
+    without a graph break."""
 
     @staticmethod
     def forward(ctx, x, weight):
@@ -211,7 +225,7 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"weight must be a floating-point tensor, got {weight.dtype}")
     if weight.device != x.device:
         raise ValueError(f"weight must be on x's device {x.device}, got {weight.device}")
-    if x.device.type == "cpu" and not interpreting():
+    if x.device.type == "cpu" and not torch.compiler.is_compiling() and not interpreting():
         raise RuntimeError("short_conv_silu on CPU needs TRITON_INTERPRET=1 set before kernels are imported: "
                            "call k3lab.setup() first")
     return ShortConvSiLUFunction.apply(x.contiguous(), weight.contiguous())
