@@ -157,6 +157,31 @@ def test_layer_fused_path_matches_torch_path(device, calls):
         assert_close(f"d{name}", g_ref[name], g[name], 1e-5)
 
 
+def test_inside_torch_compile_without_a_graph_break(device):
+    """The kernels are custom ops: ``short_conv_silu`` between two PyTorch ops compiles as one graph
+    (fullgraph) and gives the eager output and gradients; a compiled KDALayer with conv_backend="triton" gives
+    the PyTorch path's (its KDA operator stays eager by design)."""
+    x, weight, dy = (t.float().to(device) for t in inputs(2, 21, 40, 4))
+
+    def f(x, weight):
+        return short_conv_silu(torch.sin(x), weight) * 2
+
+    outs = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        y = fn(xg, wg)
+        outs.append((y.detach(), *torch.autograd.grad(y, (xg, wg), dy)))
+    for name, a, b in zip(("y", "dx", "dweight"), *outs):
+        assert_close(name, a, b, 1e-5)
+    h = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(7)).to(device)
+    y_ref, g_ref = run_layer(make_layer(device, "torch"), h, use_cache=False)
+    layer = make_layer(device, "triton")
+    y, g = run_layer(torch.compile(layer), h, use_cache=False)
+    assert_close("y", y_ref, y, 1e-5)
+    for name in g_ref:
+        assert_close(f"d{name}", g_ref[name], g[name if name == "x" else f"_orig_mod.{name}"], 1e-5)
+
+
 @pytest.mark.parametrize("case", ["use_cache", "cu_seqlens", "cache", "float64"])
 def test_layer_keeps_torch_path_where_the_kernel_differs(case, device, calls):
     """With a state to return or start from, packed sequences or float64, conv_backend="triton" runs

@@ -215,8 +215,8 @@ class KDALayer(nn.Module):
             [HV V, r] plus a bias (``k3lab.model``'s K3 config uses r = 128, the convention under which the
             full-size build counts K3's 2.78T / 104.2B parameters).
         conv_backend (str | None): the short convolutions with their SiLU: "torch" (``causal_short_conv`` then
-            ``F.silu``), "triton" (``k3lab.kernels.kda.short_conv``, one fused kernel forward and one backward;
-            on the CPU only under TRITON_INTERPRET=1) wherever it computes the same thing, or None: "triton"
+            ``F.silu``), "triton" (``k3lab.kernels.kda.short_conv``, one fused kernel forward and two backward,
+            also inside torch.compile; on the CPU only under TRITON_INTERPRET=1) wherever it computes the same thing, or None: "triton"
             for CUDA inputs. The kernel takes every row as its own sequence from zeros, so a forward with a
             cache, cu_seqlens, cp or use_cache, or a float64 one, or conv_size outside [2, 8] always runs "torch".
 
@@ -371,11 +371,10 @@ class KDALayer(nn.Module):
             self._check_cache(cache, N, x.device)
         c = cache or KDACache(None, None, None, None)
         # The fused kernel where it computes what the convolution then SiLU do: each row its own sequence from
-        # zeros, and no convolution state to return.
-        # Compiled, the PyTorch form: inductor fuses the taps and the SiLU forward and backward, where the
-        # kernel's autograd.Function would end the graph.
+        # zeros, and no convolution state to return. Its kernels are custom ops, so compiled regions call them
+        # too (inductor's fusion of the PyTorch form reads and writes the tensor several times more).
         fused = (self._conv_backend(x.device) == "triton" and cache is None and cu_seqlens is None and cp is None
-                 and not use_cache and 2 <= self.conv_size <= 8 and not torch.compiler.is_compiling())
+                 and not use_cache and 2 <= self.conv_size <= 8)
 
         def conv_silu(u, weight, state):
             # SiLU(ShortConv(u)) and the convolution's new state (None from the kernel, which keeps none).
