@@ -267,8 +267,9 @@ else:
 # As in pretraining, the run accumulates micro-batches (the first line says how many) so that one
 # optimizer step serves a larger global batch; the peer, torchtitan's DeepSeek-V3 at the same active
 # size, accumulates as many micro-batches on the same card, and the ratio above compares the two. Eager
-# against eager k3lab is ahead; with both models compiled the peer, which compiles each block whole, is
-# ahead, since k3lab's FlashKDA, grouped GEMMs, AttnRes mixing and optimizer stay outside its compiled regions.
+# against eager k3lab is well ahead; with both models compiled its lead is smaller, since the peer compiles
+# each block whole while k3lab's FlashKDA, grouped GEMMs, AttnRes mixing and optimizer stay outside its
+# compiled regions.
 # `docs/train.md` keeps the profile and what comes next. The curve falls fast because the corpus is small
 # (about 2M tokens, chapter 00): the run passes over it more than once, so it measures the system, not
 # what a 1B model learns. The paper puts Block AttnRes's cost at a few percent of a training step; its
