@@ -164,6 +164,30 @@ def test_stop_after_minutes_needs_a_run_dir(capsys):
     assert exc.value.code == 2 and "--stop-after-minutes needs --run-dir" in capsys.readouterr().err
 
 
+def test_stop_after_minutes_counts_from_the_command_start(tmp_path, monkeypatch, one_thread):
+    """The budget is a job's time limit: the trainer is handed what the checks and warm-up left of it (they
+    take seconds here, so less than the 2 minutes given and no less than 2 minutes minus the time it took)."""
+    import time
+
+    import k3lab.bench.train as bench
+
+    seen, real_train = [], bench.train
+
+    def fake_train(config):
+        if config.stop_after_minutes is None:  # the checks' and warm-up's runs
+            return real_train(config)
+        seen.append((config.stop_after_minutes, time.monotonic()))
+        raise KeyboardInterrupt  # the benchmark stops here
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    start = time.monotonic()
+    with one_thread(), pytest.raises(KeyboardInterrupt):
+        main(["--small", "--device", "cpu", "--out", "", "--no-torchtitan", "--run-dir", str(tmp_path / "run"),
+              "--stop-after-minutes", "2"])
+    (budget, handed), = seen
+    assert 2 - (handed - start) / 60 <= budget < 2 - 0.5 / 60  # the checks and warm-up took over half a second
+
+
 def test_a_run_dir_that_cannot_hold_the_run_stops_before_the_checks(tmp_path, monkeypatch, capsys):
     """A --run-dir that is a file (or lies under one) is refused at parsing, not after the checks and warm-up."""
     import k3lab.bench.train as bench

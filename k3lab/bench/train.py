@@ -75,6 +75,8 @@ PEER = "torchtitan 0.3.0 deepseek_v3 DeepSeekV3Model (MLA + MoE), built from its
 # In --run-dir: the first part's checks, batch and step count (so later parts repeat neither the checks nor
 # the warm-up and keep the learning-rate schedule's length), and the trainer's log.
 PLAN, LOG = "bench_plan.json", "metrics.jsonl"
+# --stop-after-minutes already spent by the checks: the trainer then stops at its first --log-every step.
+MIN_BUDGET_MINUTES = 1e-6
 
 
 def read_plan(run_dir: str, settings: dict) -> dict | None:
@@ -654,6 +656,7 @@ def main(argv=None) -> dict:
             is unreadable or edited, or whose checkpoint another run saved.
         AssertionError: the bf16 check failed.
     """
+    started = time.monotonic()
     p = argparse.ArgumentParser(prog="python -m k3lab.bench.train", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -685,9 +688,11 @@ def main(argv=None) -> dict:
                    help="checkpoint the timed trainer run in this folder (its log: metrics.jsonl there), so that "
                         "with --stop-after-minutes it spans several invocations of the same command")
     p.add_argument("--stop-after-minutes", type=positive_float, default=None,
-                   help="stop this invocation's timed run after M minutes, checkpointed in --run-dir, and exit; the "
-                        "same command continues it, and the invocation that finishes it measures the rest and "
-                        "writes the JSON (a run longer than one job's time limit)")
+                   help="a job's time limit: stop the timed run at its first --log-every step M minutes after "
+                        "this command started (checks and warm-up count), checkpointed in --run-dir, and exit; the "
+                        "same command continues it, and the invocation that finishes it measures the rest (the "
+                        "AttnRes overhead and the peer: leave them a few minutes) and writes the JSON (a run longer "
+                        "than one job's time limit)")
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default data/results/train_<card>.json "
                    "after the device, train_compile_<card>.json with --compile (with --small: nothing)")
     args = p.parse_args(argv)
@@ -747,8 +752,11 @@ def main(argv=None) -> dict:
     checks, steps, too_big = plan["checks"], plan["steps"], plan["too_big"]
     config = replace(config, batch_size=plan["batch_size"], steps=steps, progress=sys.stderr.isatty())
     if args.run_dir:
+        # The trainer counts its budget from its own start: pass what is left of this command's.
+        left = None if args.stop_after_minutes is None else max(
+            args.stop_after_minutes - (time.monotonic() - started) / 60, MIN_BUDGET_MINUTES)
         config = replace(config, ckpt_dir=args.run_dir, resume=True, log_jsonl=str(Path(args.run_dir) / LOG),
-                         stop_after_minutes=args.stop_after_minutes)
+                         stop_after_minutes=left)
     print(f"== k3lab.train: {steps} steps (warm-up step {plan['step_s']:.3f} s)", flush=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
