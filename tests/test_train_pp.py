@@ -150,6 +150,40 @@ def test_split_stages_equal_the_whole_model(cuts):
           f"{max(errs):.1e} (float64)")
 
 
+def test_stages_given_the_targets_pass_them_on_and_return_the_loss_without_logits():
+    """forward(x, targets): each stage but the last returns (state, targets); the last returns the mean
+    cross-entropy from the head in chunks (its head module is never called, so no logits), equal to the whole
+    model's loss and gradients in float64; targets of another shape are named."""
+    from k3lab.model import split_model, sum_queries_grad
+
+    whole = _tiny()
+    ref = copy.deepcopy(whole)
+    stages = split_model(whole, [0, 3, 10])
+    stages[-1].head.forward = lambda *a: pytest.fail("the head's logits were formed")
+    g = torch.Generator().manual_seed(4)
+    idx = torch.randint(0, 256, (2, 24), generator=g)
+    tgt = torch.randint(0, 256, (2, 24), generator=g)
+    tgt[0, :5] = -100
+    _, loss_ref = ref(idx, tgt)
+    loss_ref.backward()
+    state, passed = stages[0](idx, tgt)
+    assert passed is tgt
+    loss = stages[1](state, tgt)
+    assert loss.ndim == 0
+    loss.backward()
+    sum_queries_grad(stages)
+    errs = [assert_close("loss", loss_ref, loss, 1e-12)]
+    grads = dict(ref.named_parameters())
+    for s in stages:
+        for n, p in s.named_parameters():
+            errs.append(assert_close(f"grad {n}", grads[n].grad, p.grad, 1e-10))
+    print(f"loss {float(loss.detach()):.6f}; max rel RMS error of the loss and gradients {max(errs):.1e} (float64)")
+    with pytest.raises(ValueError, match=r"targets must be \[B, T\] = \[2, 24\] \(the stage's tokens\), got \[2, 23\]"):
+        stages[1](state.detach(), tgt[:, 1:])
+    with pytest.raises(ValueError, match="targets"):
+        stages[1](state.detach(), torch.full_like(tgt, 256))
+
+
 def test_split_refuses_what_does_not_compose():
     from k3lab.model import balanced_cuts, split_model
 

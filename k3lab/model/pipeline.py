@@ -3,6 +3,7 @@
     stage 0      idx [B, T] -> Embed -> sublayers [c_0 = 0, c_1)          -> state(c_1)
     stage s      state(c_s) -> sublayers [c_s, c_{s+1})                   -> state(c_{s+1})
     stage S - 1  state(c_{S-1}) -> sublayers [c_{S-1}, 2L) -> final aggregation -> norm -> head -> logits
+                 (or, given the targets, which the stages before pass on: the loss without the logits)
 
 state(c) is Block AttnRes's carried sources, one tensor [n (+ 1), B, T, d] (``k3lab.attnres.stage``):
 the completed blocks and, for a cut inside a block, its partial sum. Any cut is allowed; cuts at block
@@ -136,10 +137,13 @@ class K3Stage(nn.Module):
     """Sublayers [start, stop) of a ``K3Model``, with the embedding when start = 0 and the final
     aggregation, norm and head when stop = 2L (module docstring).
 
-    ``forward(x)``: stage 0 takes idx [B, T] int token ids, the others the state [n (+ 1), B, T, d] of the
-    previous stage; the last returns logits [B, T, vocab] float32 (float64 for a float64 model), the
-    others their state. ``cp`` (a ``k3lab.kcp.KCPContext`` or None) is the context-parallel layout every
-    call runs with (the trainer's does not change between micro-batches).
+    ``forward(x, targets=None)``: stage 0 takes idx [B, T] int token ids, the others the state [n (+ 1), B, T, d]
+    of the previous stage; the last returns logits [B, T, vocab] float32 (float64 for a float64 model), the
+    others their state. With ``targets`` [B, T] (integer ids, -100 ignored) every stage but the last returns
+    (state, targets), passing them on, and the last returns the mean cross-entropy, a scalar, without forming
+    the logits (``K3Model.head_loss``; the trainer's pipeline runs this way). ``cp`` (a ``k3lab.kcp.KCPContext``
+    or None) is the context-parallel layout every call runs with (the trainer's does not change between
+    micro-batches).
 
     Attributes:
         start (int), stop (int), is_first (bool), is_last (bool), config (K3Config); embed, norm, head only
@@ -154,6 +158,7 @@ class K3Stage(nn.Module):
         self.is_first, self.is_last = start == 0, stop == n
         self.cp = None
         self.check_values = model.check_values
+        self.compile_loss = model.compile_loss
         if self.is_first:
             self.embed = model.embed
         self.sublayers = nn.ModuleList(model.sublayers[i] if start <= i < stop else _OnAnotherStage(i)
@@ -174,7 +179,7 @@ class K3Stage(nn.Module):
         """
         set_value_checks(self, enabled)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         c, res = self.config, self.residual
         if self.is_first:
             if not isinstance(x, torch.Tensor) or x.ndim != 2 or 0 in x.shape:
@@ -187,9 +192,18 @@ class K3Stage(nn.Module):
         out = block_attnres_stage(x, sublayers, res.queries, res.sizes, self.start, self.stop, res.eps,
                                   check_values=res.check_values)
         if not self.is_last:
-            return out
+            return out if targets is None else (out, targets)
+        if targets is not None:
+            if not isinstance(targets, torch.Tensor) or targets.shape != out.shape[:-1]:
+                got = list(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
+                raise ValueError(f"targets must be [B, T] = {list(out.shape[:-1])} (the stage's tokens), got {got}")
+            if self.check_values:
+                _check_ids("targets", targets, c.vocab_size, ignore_index=-100)
+            return self.head_loss(self.norm(out), targets.flatten().long())
         logits = self.head(self.norm(out))
         return logits if logits.dtype == torch.float64 else logits.float()
+
+    head_loss = K3Model.head_loss
 
 
 def split_model(model: K3Model, cuts: Sequence[int] | int, stages: Sequence[int] | None = None) -> list[K3Stage]:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from k3lab.model import K3Model, K3Stage, split_model, sum_queries_grad
 from k3lab.train.config import ConfigError
@@ -27,9 +26,10 @@ def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
     return [pp_rank, pp_rank + pp] if schedule == "interleaved-1f1b" else [pp_rank]
 
 
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # Each micro-batch's mean over its targets; the schedule's scale_grads makes the step's gradient the mean.
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten().long())
+def _loss(loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # The last stage returns each micro-batch's mean loss itself (its targets came along the stages); the
+    # schedule's scale_grads makes the step's gradient the mean.
+    return loss
 
 
 @dataclass
@@ -59,7 +59,9 @@ class PipelineRun:
             Tensor: scalar float32, this data rank's mean loss on the last stage's ranks, 0 elsewhere (no host sync).
         """
         losses = [] if self.has_last else None
-        args = (x,) if self.has_first else ()
+        # Stage 0 takes the targets with the tokens and every stage passes them on, so that the last one
+        # forms the loss without the logits.
+        args = (x, y) if self.has_first else ()
         self.schedule.step(*args, target=y if self.has_last else None, losses=losses, return_outputs=False)
         sum_queries_grad(self.parts, self.group)
         if not self.has_last:
@@ -112,9 +114,10 @@ def build_pipeline(model: K3Model, par: Parallel, schedule: str, microbatches: i
     return PipelineRun(parts, sched, 0 in ids, S - 1 in ids, microbatches, par.pp_group)
 
 
-def _stage_metas(part: K3Stage, micro_shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Meta-device stand-ins of what ``part`` receives and returns for one micro-batch: token ids [b, T]
-    int64 or the state [n (+ 1), b, T, d]; the next state or the logits [b, T, vocab] float32."""
+def _stage_metas(part: K3Stage, micro_shape: tuple[int, int]) -> tuple[tuple, tuple | torch.Tensor]:
+    """Meta-device stand-ins of what ``part`` receives and returns for one micro-batch: (token ids [b, T]
+    int64 or the state [n (+ 1), b, T, d], the targets [b, T] int64); (the next state, the targets) or the loss,
+    a float32 scalar."""
     from k3lab.attnres import carried_sources  # noqa: PLC0415
 
     c, res = part.config, part.residual
@@ -124,9 +127,12 @@ def _stage_metas(part: K3Stage, micro_shape: tuple[int, int]) -> tuple[torch.Ten
         n, partial = carried_sources(res.sizes, res.n_sublayers, cut)
         return torch.empty(n + partial, *micro_shape, c.hidden_size, device="meta", dtype=dtype).requires_grad_()
 
-    inputs = torch.empty(micro_shape, device="meta", dtype=torch.int64) if part.is_first else state(part.start)
-    outputs = (torch.empty(*micro_shape, c.vocab_size, device="meta", dtype=torch.float32).requires_grad_()
-               if part.is_last else state(part.stop))
+    targets = torch.empty(micro_shape, device="meta", dtype=torch.int64)
+    inputs = (torch.empty(micro_shape, device="meta", dtype=torch.int64) if part.is_first else state(part.start),
+              targets)
+    loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    outputs = (torch.empty((), device="meta", dtype=loss_dtype).requires_grad_() if part.is_last
+               else (state(part.stop), targets))
     return inputs, outputs
 
 
