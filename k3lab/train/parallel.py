@@ -151,7 +151,8 @@ def compile_blocks(model: nn.Module) -> nn.Module:
     """Regional compilation, torchtitan's ``torch.compile`` per block: every sublayer of ``model`` (a ``K3Model``
     or one of its pipeline stages, parallelised or not) and every MTP module compiled in place
     (``nn.Module.compile(dynamic=False)``, no fullgraph), so inductor fuses their elementwise chains (norms,
-    gates, casts, the GLU, the short convolutions and the router's scores) into the matmuls' neighbours.
+    gates, casts, the GLU and the router's scores) into the matmuls' neighbours; Triton kernels registered as
+    custom ops (KDA's short convolutions, the MoE's gather-and-sum) are called from the graphs as they are.
     Parameter names, hooks and the module tree are unchanged; the same code of every layer of a kind is
     compiled once.
 
@@ -160,8 +161,9 @@ def compile_blocks(model: nn.Module) -> nn.Module:
     experts), the context-parallel all-gather; and, outside the sublayers, the embedding, Block AttnRes (its
     autograd.Functions share buffers across sublayers; its mixing is Triton on a GPU), the final norm and the
     head's matmuls. The loss's elementwise part (log-softmax and its gradient on each chunk of logits,
-    ``k3lab.model.loss``) is compiled too (``compile_loss`` of a ``K3Model``). A sublayer whose modules carry activation policies (``k3lab.memory``) stays eager: their
-    saved-tensor hooks and checkpoint regions wrap forwards that a compiled graph would swallow.
+    ``k3lab.model.loss``) is compiled too (``compile_loss`` of a ``K3Model`` or its last stage). A sublayer whose
+    modules carry activation policies (``k3lab.memory``) stays eager: their saved-tensor hooks and checkpoint
+    regions wrap forwards that a compiled graph would swallow.
 
     Returns:
         ``model`` (compiled in place).
