@@ -116,12 +116,22 @@ def _tiny(dtype=torch.float64, **overrides):
     return K3Model(K3Config.preset("k3-tiny", **overrides)).to(dtype)
 
 
+def _stage_grad_errors(whole, stages) -> list[float]:
+    """The stages' gradients (queries summed over the stages first) against the whole model's, each bounded
+    at 1e-10 relative (float64); their errors."""
+    from k3lab.model import sum_queries_grad
+
+    sum_queries_grad(stages)
+    grads = dict(whole.named_parameters())
+    return [assert_close(f"grad {n}", grads[n].grad, p.grad, 1e-10) for s in stages for n, p in s.named_parameters()]
+
+
 @pytest.mark.parametrize("cuts", [[0, 5, 10], [0, 3, 10], [0, 1, 4, 7, 10], 2],
                          ids=["at-layer", "inside-block", "four-stages", "balanced"])
 def test_split_stages_equal_the_whole_model(cuts):
     import torch.nn.functional as F
 
-    from k3lab.model import split_model, sum_queries_grad
+    from k3lab.model import split_model
 
     whole = _tiny()
     ref = copy.deepcopy(whole)
@@ -140,12 +150,7 @@ def test_split_stages_equal_the_whole_model(cuts):
         x = s(x)
     loss = F.cross_entropy(x.flatten(0, 1), tgt.flatten())
     loss.backward()
-    sum_queries_grad(stages)
-    errs = [assert_close("logits", logits_ref, x, 1e-10)]
-    grads = dict(ref.named_parameters())
-    for s in stages:
-        for n, p in s.named_parameters():
-            errs.append(assert_close(f"grad {n}", grads[n].grad, p.grad, 1e-10))
+    errs = [assert_close("logits", logits_ref, x, 1e-10), *_stage_grad_errors(ref, stages)]
     print(f"cuts {[s.start for s in stages] + [stages[-1].stop]}: max rel RMS error of logits and gradients "
           f"{max(errs):.1e} (float64)")
 
@@ -154,7 +159,7 @@ def test_stages_given_the_targets_pass_them_on_and_return_the_loss_without_logit
     """forward(x, targets): each stage but the last returns (state, targets); the last returns the mean
     cross-entropy from the head in chunks (its head module is never called, so no logits), equal to the whole
     model's loss and gradients in float64; targets of another shape are named."""
-    from k3lab.model import split_model, sum_queries_grad
+    from k3lab.model import split_model
 
     whole = _tiny()
     ref = copy.deepcopy(whole)
@@ -171,12 +176,7 @@ def test_stages_given_the_targets_pass_them_on_and_return_the_loss_without_logit
     loss = stages[1](state, tgt)
     assert loss.ndim == 0
     loss.backward()
-    sum_queries_grad(stages)
-    errs = [assert_close("loss", loss_ref, loss, 1e-12)]
-    grads = dict(ref.named_parameters())
-    for s in stages:
-        for n, p in s.named_parameters():
-            errs.append(assert_close(f"grad {n}", grads[n].grad, p.grad, 1e-10))
+    errs = [assert_close("loss", loss_ref, loss, 1e-12), *_stage_grad_errors(ref, stages)]
     print(f"loss {float(loss.detach()):.6f}; max rel RMS error of the loss and gradients {max(errs):.1e} (float64)")
     with pytest.raises(ValueError, match=r"targets must be \[B, T\] = \[2, 24\] \(the stage's tokens\), got \[2, 23\]"):
         stages[1](state.detach(), tgt[:, 1:])
