@@ -113,6 +113,31 @@ def test_bad_inputs(device):
     if device == "cuda":
         with pytest.raises(ValueError, match="weight must be on x's device"):
             short_conv_silu(x, w.cpu())
+    # The custom ops check their arguments too (they read raw pointers): layout, C and W, dy's shape.
+    fwd, bwd = torch.ops.k3lab.short_conv_silu_fwd, torch.ops.k3lab.short_conv_silu_bwd
+    with pytest.raises(ValueError, match="x, weight \\(and dy\\) must be contiguous"):
+        fwd(x.transpose(1, 2).contiguous().transpose(1, 2), w)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        fwd(x, w.t().contiguous().t())
+    with pytest.raises(ValueError, match="weight must be \\[C, W\\] with C = x.shape\\[-1\\] = 8, got \\[16, 4\\]"):
+        fwd(x, torch.randn(16, 4, device=device))
+    with pytest.raises(ValueError, match="weight's width W must be in \\[2, 8\\], got weight \\[8, 12\\]"):
+        fwd(x, torch.randn(8, 12, device=device))
+    with pytest.raises(ValueError, match="dy must be a tensor of x's shape \\[2, 5, 8\\]"):
+        bwd(x, w, x[:, :4])
+
+
+def test_cpu_without_the_interpreter_is_named_eager_and_compiled(monkeypatch):
+    """On a CPU without TRITON_INTERPRET=1 the call says to run k3lab.setup(), eager and from a compiled graph
+    (where the check runs in the op, as the graph runs) alike, instead of Triton's driver error."""
+    monkeypatch.setattr(sc, "interpreting", lambda: False)
+    x, w = torch.randn(2, 5, 8), torch.randn(8, 4)
+    with pytest.raises(RuntimeError, match="needs TRITON_INTERPRET=1 .* call k3lab.setup\\(\\) first"):
+        short_conv_silu(x, w)
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="needs TRITON_INTERPRET=1 .* call k3lab.setup\\(\\) first"):
+        torch.compile(lambda a, b: short_conv_silu(a, b) + 1)(x, w)
+    torch._dynamo.reset()
 
 
 def make_layer(device, conv_backend, seed=0):

@@ -218,7 +218,8 @@ class KDALayer(nn.Module):
             ``F.silu``), "triton" (``k3lab.kernels.kda.short_conv``, one fused kernel forward and two backward,
             also inside torch.compile; on the CPU only under TRITON_INTERPRET=1) wherever it computes the same thing, or None: "triton"
             for CUDA inputs. The kernel takes every row as its own sequence from zeros, so a forward with a
-            cache, cu_seqlens, cp or use_cache, or a float64 one, or conv_size outside [2, 8] always runs "torch".
+            cache, cu_seqlens, cp or use_cache, or a float64 one, or conv_size outside [2, 8] always runs "torch"
+            (``forward``'s use_cache defaults to True: training passes use_cache=False).
 
     Shapes: ``forward(x [B, T, d]) -> (y [B, T, d], KDACache | None)``.
 

@@ -46,11 +46,20 @@ def _tap(weight, o_c, m_c, W: tl.constexpr, j: tl.constexpr):
 
 
 @triton.jit
+def _program(T, BT: tl.constexpr):
+    # (token tile, channel tile, sequence) of this program: grid axis 0 runs over sequences x token tiles (its
+    # limit is 2^31 - 1; axis 2's, 65535, would cap B), axis 1 over channel tiles.
+    NT = tl.cdiv(T, BT)
+    i_bt = tl.program_id(0)
+    return i_bt % NT, tl.program_id(1), i_bt // NT
+
+
+@triton.jit
 def _tile(T, C, BT: tl.constexpr, BC: tl.constexpr):
     # Program (i_t, i_c, i_b)'s tile: rows [i_t BT, i_t BT + BT) and channels [i_c BC, i_c BC + BC) of sequence
     # i_b, as (row ids, channel ids, channel mask, the tile's first element, [BT, BC] offsets within the tile).
     # The first element in int64 (B T C may pass 2^31), offsets within the tile in int32.
-    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, i_c, i_b = _program(T, BT)
     o_t = i_t * BT + tl.arange(0, BT)
     o_c = i_c * BC + tl.arange(0, BC)
     base = (i_b.to(tl.int64) * T + i_t * BT) * C
@@ -86,7 +95,7 @@ def short_conv_silu_dpre_kernel(x, weight, dy, dpre, dw_part, T, C, NT, W: tl.co
     # [i_c BC, i_c BC + BC). The taps and the W shifted x rows are tuples of tiles: each tap's dpre * x
     # accumulates elementwise in its own [BS, BC] tile and is summed over rows once, after the loop. (Summing
     # at every step crosses warps W times a step and made this pass 9x slower than its bytes.)
-    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, i_c, i_b = _program(T, BT)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
     o_bt = tl.arange(0, BS)[:, None] * C + o_c[None, :]
@@ -131,13 +140,40 @@ def short_conv_silu_dx_kernel(dpre, weight, dx, T, C, W: tl.constexpr, BT: tl.co
     tl.store(dx + base + o_bt, b_dx.to(dx.dtype.element_ty), mask=m_tc)
 
 
-def _grid(B: int, T: int, C: int, cfg: dict) -> tuple[int, int, int]:
-    return triton.cdiv(T, cfg["BT"]), triton.cdiv(C, cfg["BC"]), B
+def _grid(B: int, T: int, C: int, cfg: dict) -> tuple[int, int]:
+    return B * triton.cdiv(T, cfg["BT"]), triton.cdiv(C, cfg["BC"])
+
+
+def _check(x, weight, dy=None, contiguous: bool = False) -> None:
+    """The arguments' checks (``short_conv_silu``'s Raises); ``contiguous``: also their layout (the ops read raw
+    pointers); dy as x."""
+    if not isinstance(x, torch.Tensor) or x.ndim != 3:
+        raise ValueError(f"x must be a [B, T, C] tensor, got {_shape(x)}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    C = x.shape[-1]
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.shape[0] != C:
+        raise ValueError(f"weight must be [C, W] with C = x.shape[-1] = {C}, got {_shape(weight)}")
+    if not MIN_W <= weight.shape[1] <= MAX_W:
+        raise ValueError(f"weight's width W must be in [{MIN_W}, {MAX_W}], got weight {list(weight.shape)}")
+    if not weight.is_floating_point():
+        raise ValueError(f"weight must be a floating-point tensor, got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"weight must be on x's device {x.device}, got {weight.device}")
+    if dy is not None and (not isinstance(dy, torch.Tensor) or dy.shape != x.shape or dy.device != x.device):
+        raise ValueError(f"dy must be a tensor of x's shape {list(x.shape)} on {x.device}, got {_shape(dy)}")
+    if contiguous and not all(t.is_contiguous() for t in (x, weight, *([] if dy is None else [dy]))):
+        raise ValueError("x, weight (and dy) must be contiguous: the kernels read them as dense row-major tensors")
+    if x.device.type == "cpu" and not torch.compiler.is_compiling() and not interpreting():
+        raise RuntimeError("short_conv_silu on CPU needs TRITON_INTERPRET=1 set before kernels are imported: "
+                           "call k3lab.setup() first")
 
 
 @torch.library.custom_op("k3lab::short_conv_silu_fwd", mutates_args=())
 def short_conv_silu_fwd(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """y = silu(conv(x, weight)): x [B, T, C] contiguous, weight [C, W] contiguous -> y [B, T, C] in x's dtype."""
+    """y = silu(conv(x, weight)): x [B, T, C] contiguous, weight [C, W] contiguous -> y [B, T, C] in x's dtype.
+    Not differentiable by itself: ``short_conv_silu`` gives it its backward."""
+    _check(x, weight, contiguous=True)
     B, T, C = x.shape
     y = torch.empty_like(x)
     if y.numel():
@@ -153,15 +189,16 @@ def _(x, weight):
 @torch.library.custom_op("k3lab::short_conv_silu_bwd", mutates_args=())
 def short_conv_silu_bwd(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [B, T, C] in x's dtype, dweight [C, W] float32) from x, weight and dy [B, T, C], all contiguous."""
+    _check(x, weight, dy, contiguous=True)
     B, T, C = x.shape
     W = weight.shape[1]
     dx = torch.empty_like(x)
     if not dx.numel():
         return dx, torch.zeros(C, W, dtype=torch.float32, device=x.device)
-    grid = _grid(B, T, C, BWD)
+    NT = triton.cdiv(T, BWD["BT"])
     dpre = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
-    dw_part = torch.empty(B * grid[0], C, W, dtype=torch.float32, device=x.device)
-    short_conv_silu_dpre_kernel[grid](x, weight, dy, dpre, dw_part, T, C, grid[0], W=W, **BWD)
+    dw_part = torch.empty(B * NT, C, W, dtype=torch.float32, device=x.device)
+    short_conv_silu_dpre_kernel[_grid(B, T, C, BWD)](x, weight, dy, dpre, dw_part, T, C, NT, W=W, **BWD)
     short_conv_silu_dx_kernel[_grid(B, T, C, DX)](dpre, weight, dx, T, C, W=W, **DX)
     return dx, dw_part.sum(0)
 
@@ -206,26 +243,16 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     Raises:
         ValueError: x not 3-D or not float16/bfloat16/float32; weight not a floating-point [C, W] with
-            C = x.shape[-1] and W in [2, 8]; weight on another device than x.
-        RuntimeError: CPU tensors without TRITON_INTERPRET=1 (call ``k3lab.setup()`` first).
+            C = x.shape[-1] and W in [2, 8]; weight on another device than x. Inside ``torch.compile`` with
+            ``fullgraph=True`` it reaches the caller as dynamo's error, with this message.
+        RuntimeError: CPU tensors without TRITON_INTERPRET=1 (call ``k3lab.setup()`` first); compiled, when the
+            graph runs.
+
+    The kernels are the custom ops ``torch.ops.k3lab.short_conv_silu_fwd`` / ``_bwd`` (contiguous arguments,
+    checked as here; not differentiable by themselves), which compiled graphs call as they are.
 
     Example:
         >>> y = short_conv_silu(torch.randn(2, 100, 256, device="cuda"), torch.randn(256, 4, device="cuda"))
     """
-    if not isinstance(x, torch.Tensor) or x.ndim != 3:
-        raise ValueError(f"x must be a [B, T, C] tensor, got {_shape(x)}")
-    if x.dtype not in DTYPES:
-        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    C = x.shape[-1]
-    if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.shape[0] != C:
-        raise ValueError(f"weight must be [C, W] with C = x.shape[-1] = {C}, got {_shape(weight)}")
-    if not MIN_W <= weight.shape[1] <= MAX_W:
-        raise ValueError(f"weight's width W must be in [{MIN_W}, {MAX_W}], got weight {list(weight.shape)}")
-    if not weight.is_floating_point():
-        raise ValueError(f"weight must be a floating-point tensor, got {weight.dtype}")
-    if weight.device != x.device:
-        raise ValueError(f"weight must be on x's device {x.device}, got {weight.device}")
-    if x.device.type == "cpu" and not torch.compiler.is_compiling() and not interpreting():
-        raise RuntimeError("short_conv_silu on CPU needs TRITON_INTERPRET=1 set before kernels are imported: "
-                           "call k3lab.setup() first")
+    _check(x, weight)
     return ShortConvSiLUFunction.apply(x.contiguous(), weight.contiguous())
