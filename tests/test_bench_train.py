@@ -99,6 +99,13 @@ def test_tokens_per_s_is_the_median_of_the_windows_after_the_first():
     assert s["tokens_per_s_windows"] == [10.0, 20.0, 40.0, 30.0]
     assert s["tokens_per_s"] == 30.0  # the median of 20, 40 and 30
     assert s["steady"] and s["mfu"] is None
+    # A run in two parts, the second resumed at step 5: its first window (steps 5-6, recompiling) is out too.
+    parts = [records[:4], records[4:]]
+    s = summarise(records, config, torch.device("cpu"), parts)
+    assert s["tokens_per_s"] == 25.0 and s["steady"]  # the median of 20 and 30
+    # Every part within its first window: nothing steady, the median of all windows.
+    s = summarise(records[:2], config, torch.device("cpu"), [records[:2]])
+    assert s["tokens_per_s"] == 10.0 and not s["steady"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -162,6 +169,9 @@ def test_stop_after_minutes_needs_a_run_dir(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--small", "--device", "cpu", "--stop-after-minutes", "1"])
     assert exc.value.code == 2 and "--stop-after-minutes needs --run-dir" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--small", "--device", "cpu", "--run-dir", "", "--stop-after-minutes", "1"])
+    assert exc.value.code == 2 and "--run-dir must name a folder, got ''" in capsys.readouterr().err
 
 
 def test_stop_after_minutes_counts_from_the_command_start(tmp_path, monkeypatch, one_thread):

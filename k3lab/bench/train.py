@@ -60,7 +60,7 @@ from k3lab.testing import rel_rms_error
 from k3lab.train import TokenLoader, TrainConfig, compile_blocks, train
 from k3lab.train.config import ConfigError
 from k3lab.train.loop import build_model, train_autocast
-from k3lab.train.metrics import FLOPS_CONVENTION, peak_key, run_parts
+from k3lab.train.metrics import FLOPS_CONVENTION, after_first_window, peak_key, run_parts
 
 # bf16 autocast against float32, same weights and batch: bound on the loss's relative error. The logits'
 # error is recorded, not bounded: at initialisation the router's scores nearly tie, bf16 rounding sends some
@@ -265,19 +265,23 @@ def warm_up(config: TrainConfig, device: torch.device) -> tuple[TrainConfig, flo
         _free(device)
 
 
-def summarise(records: list[dict], config: TrainConfig, device: torch.device) -> dict:
+def summarise(records: list[dict], config: TrainConfig, device: torch.device,
+              parts: list[list[dict]] | None = None) -> dict:
     """Throughput, MFU, memory and the loss curve of a ``train`` run's step records.
 
-    tokens/s is the median over the ``log_every`` windows after the first (which holds the first step's
-    warm-up); with a single window, that window's (``steady`` False).
+    tokens/s is the median over the ``log_every`` windows after each invocation's first (``parts``, the step
+    records of each; None: one, ``records``), which compiles and warms up; with no other window, over all
+    (``steady`` False).
     """
-    ends = [r for r in records if r["step"] % config.log_every == 0 or r["step"] == config.steps]
-    rates = [r["tokens_per_s"] for r in ends]
-    steady = rates[1:] or rates
-    tok_s = statistics.median(steady)
+    def ends(rs):
+        return [r for r in rs if r["step"] % config.log_every == 0 or r["step"] == config.steps]
+
+    rates = [r["tokens_per_s"] for r in ends(records)]
+    timed = [r["tokens_per_s"] for part in (parts or [records]) for r in ends(after_first_window(part, config.log_every))]
+    tok_s = statistics.median(timed or rates)
     fpt = flops_per_token(K3Config.preset(config.preset, vocab_size=_vocab(config)), config.seq_len)
     peak = peak_key(device)
-    return dict(tokens_per_s=tok_s, tokens_per_s_windows=rates, steady=len(rates) > 1, flops_per_token=fpt,
+    return dict(tokens_per_s=tok_s, tokens_per_s_windows=rates, steady=bool(timed), flops_per_token=fpt,
                 peak_flops_key=peak, mfu=mfu(tok_s, fpt, peak) if peak else None,
                 peak_GiB=max(r["peak_mem_GiB"] for r in records), peak_mem_kind=records[-1]["peak_mem_kind"],
                 loss_curve=[[r["step"], r["loss"]] for r in records], final_loss=records[-1]["loss"])
@@ -696,6 +700,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default data/results/train_<card>.json "
                    "after the device, train_compile_<card>.json with --compile (with --small: nothing)")
     args = p.parse_args(argv)
+    if args.run_dir is not None and not args.run_dir.strip():
+        p.error("--run-dir must name a folder, got ''")
     if args.stop_after_minutes is not None and not args.run_dir:
         p.error("--stop-after-minutes needs --run-dir (where the stopped run is checkpointed)")
     check_out(args.out)
@@ -723,7 +729,8 @@ def main(argv=None) -> dict:
             replace(config, ckpt_dir=args.run_dir, log_jsonl=str(Path(args.run_dir) / LOG))
             Path(args.run_dir).mkdir(parents=True, exist_ok=True)
         except (ValueError, OSError) as e:
-            p.error(f"--run-dir {args.run_dir} cannot hold the run ({e})")
+            # The trainer's own message names its flag, --ckpt-dir: this command's is --run-dir.
+            p.error(f"--run-dir {args.run_dir} cannot hold the run ({str(e).replace('--ckpt-dir', '--run-dir')})")
     cfg = K3Config.preset(config.preset, vocab_size=_vocab(config))
 
     result = run_info(device)
@@ -771,7 +778,8 @@ def main(argv=None) -> dict:
     minutes = (time.perf_counter() - t0) / 60
     _free(device)
     if records.stopped_at is not None:
-        print(f"== stopped at step {records.stopped_at} of {steps} (--stop-after-minutes {args.stop_after_minutes}): "
+        print(f"== stopped at step {records.stopped_at} of {steps} (--stop-after-minutes {args.stop_after_minutes}, "
+              f"counted from this command's start): "
               f"run the same command again to continue; the invocation that finishes the run writes the JSON",
               flush=True)
         return dict(stopped_at=records.stopped_at, steps=steps, run_dir=args.run_dir)
@@ -779,7 +787,7 @@ def main(argv=None) -> dict:
     if args.run_dir:
         # The run's records over all its parts (a step replayed after a kill counted once, from its last
         # part); its minutes are those steps' stepping time, without the parts' start-ups and checkpoint saves.
-        step_parts, _ = run_parts(Path(args.run_dir) / LOG)
+        step_parts, _, _ = run_parts(Path(args.run_dir) / LOG)
         records = sorted({r["step"]: r for part in step_parts for r in part}.values(), key=lambda r: r["step"])
         parts = sum(1 for part in step_parts if part)
         minutes = sum(r["step_s"] for r in records) / 60
@@ -790,7 +798,7 @@ def main(argv=None) -> dict:
                   steps=steps, log_every=config.log_every, lr=config.lr,
                   minutes=minutes, parts=parts, minutes_requested=None if args.steps or small else args.minutes,
                   epochs=steps * config.batch_size * config.seq_len / split, params=dict(total=n[0], active=n[1]),
-                  **summarise(records, config, device))
+                  **summarise(records, config, device, step_parts if args.run_dir else None))
     print("== AttnRes overhead", flush=True)
     # One micro-batch a step: the overhead is a ratio of step times, which accumulation does not change.
     micro = replace(config, batch_size=config.batch_size // M, microbatches=1)

@@ -471,7 +471,8 @@ def train(config: TrainConfig) -> TrainRecords:
         mcfg = parts[0].config
         fpt = flops_per_token(mcfg, config.seq_len)
         peak = peak_key(device)
-        log = MetricsLog(config.log_jsonl, config.steps, start, config.progress, enabled=rank0)
+        log = MetricsLog(config.log_jsonl, config.steps, start, config.progress, enabled=rank0,
+                         log_every=config.log_every)
         log.write(dict(event="start", preset=config.preset, world=world, dp=par.dp, ep=par.ep, cp=par.cp, pp=par.pp,
                        microbatches=config.microbatches, pp_schedule=config.pp_schedule if par.pp > 1 else None,
                        ep_mode=config.ep_mode, device=str(device), global_batch=config.batch_size,
@@ -549,8 +550,8 @@ def train(config: TrainConfig) -> TrainRecords:
                                     keep=config.keep_checkpoints)
                 if stopped_at is not None:
                     minutes = (wall_clock() - t0) / 60
-                    how = (f"stopped at step {step} of {config.steps} after {minutes:.2f} min (--stop-after-minutes "
-                           f"{config.stop_after_minutes}), checkpoint {config.ckpt_dir}: run the same command "
+                    how = (f"stopped at step {step} of {config.steps} after {minutes:.2f} min of this invocation's "
+                           f"{config.stop_after_minutes:.3g}-minute budget, checkpoint {config.ckpt_dir}: run the same command "
                            + ("again" if config.resume else "with --resume") + " to continue")
                     log.write(dict(event="stop", step=step, steps=config.steps, minutes=minutes,
                                    stop_after_minutes=config.stop_after_minutes, ckpt_dir=config.ckpt_dir,

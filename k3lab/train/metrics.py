@@ -65,8 +65,9 @@ class MetricsLog:
     first, so the new records start on their own line.
     """
 
-    def __init__(self, path: str | None, total_steps: int, start_step: int, progress: bool, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self, path: str | None, total_steps: int, start_step: int, progress: bool, enabled: bool = True,
+                 log_every: int = 1):
+        self.enabled, self.log_every = enabled, log_every
         self.records: list[dict] = []
         self.file = None
         self.bar = None
@@ -97,8 +98,8 @@ class MetricsLog:
             self.file.write(json.dumps(record) + "\n")
 
     def summary(self, extra: dict, stopped_at: int | None = None) -> dict:
-        """The summary record of this process's steps (the first step, which compiles and warms up, is left
-        out of the throughput), written and printed as a table; ``stopped_at``: the step --stop-after-minutes
+        """The summary record of this process's steps (the first --log-every window, which compiles and warms
+        up, is left out of the throughput), written and printed as a table; ``stopped_at``: the step --stop-after-minutes
         stopped at. A resumed run that logs to a file adds ``run_*``: ``summarize_log`` over its parts."""
         if not self.enabled:
             return {}
@@ -106,7 +107,7 @@ class MetricsLog:
         last = steps[-1] if steps else {}
         out = dict(event="summary", steps=len(steps), first_step=steps[0]["step"] if steps else None,
                    last_step=last.get("step"), final_loss=last.get("loss"),
-                   min_loss=min((r["loss"] for r in steps), default=None), **_throughput([steps]),
+                   min_loss=min((r["loss"] for r in steps), default=None), **_throughput([steps], self.log_every),
                    stopped_at=stopped_at,
                    final_maxvio_mean=(sum(last["maxvio"]) / len(last["maxvio"])) if last.get("maxvio") else None,
                    peak_mem_GiB=max((r["peak_mem_GiB"] for r in steps), default=None), **extra)
@@ -127,10 +128,21 @@ class MetricsLog:
         return out
 
 
-def _throughput(parts: list[list[dict]]) -> dict:
-    """tokens_per_s and mfu (means over every part's steps but its first, which compiles and warms up) and
-    train_minutes (the sum of every step's step_s) of the step records of one or more invocations."""
-    timed = [r for part in parts for r in (part[1:] or part)]
+def after_first_window(part: list[dict], log_every: int) -> list[dict]:
+    """The step records of one invocation without its first ``log_every`` window (the steps up to the first
+    read-back, a multiple of ``log_every``: they compile and warm up, and each carries that window's rate);
+    empty when the invocation ended within that window."""
+    if not part:
+        return part
+    end = -(-part[0]["step"] // log_every) * log_every
+    return [r for r in part if r["step"] > end]
+
+
+def _throughput(parts: list[list[dict]], log_every: int) -> dict:
+    """tokens_per_s and mfu (means over every part's steps but its first ``log_every`` window, which compiles
+    and warms up; over all steps when no part ran past its first) and train_minutes (the sum of every step's step_s) of the step records of one or more
+    invocations."""
+    timed = [r for part in parts for r in after_first_window(part, log_every)] or [r for part in parts for r in part]
     mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
     return dict(tokens_per_s=sum(r["tokens_per_s"] for r in timed) / max(len(timed), 1),
                 mfu=sum(mfus) / len(mfus) if mfus else None,
@@ -179,10 +191,10 @@ def read_records(path: str | Path) -> list[dict]:
     return records
 
 
-def run_parts(path: str | Path) -> tuple[list[list[dict]], int | None]:
+def run_parts(path: str | Path) -> tuple[list[list[dict]], int | None, int]:
     """The step records of the run a JSONL log ends with, one list per invocation since its last fresh start
-    (a "start" record with ``resumed_from`` 0), and the last invocation's stop step (None: it was not stopped
-    by ``--stop-after-minutes``).
+    (a "start" record with ``resumed_from`` 0), the last invocation's stop step (None: it was not stopped
+    by ``--stop-after-minutes``) and the run's ``log_every`` (1 where its start record has none).
 
     Raises:
         ValueError: the file holds no "start" record, or a line that is not complete JSON other than a part's
@@ -193,6 +205,7 @@ def run_parts(path: str | Path) -> tuple[list[list[dict]], int | None]:
     if not starts:
         raise ValueError(f"{path} holds no start record: not a k3lab.train log")
     first = max((i for i in starts if not records[i].get("resumed_from")), default=starts[0])
+    log_every = records[first].get("log_every") or 1
     parts, stopped_at = [], None
     for r in records[first:]:
         if r.get("event") == "start":
@@ -202,7 +215,7 @@ def run_parts(path: str | Path) -> tuple[list[list[dict]], int | None]:
             parts[-1].append(r)
         elif r.get("event") == "stop":
             stopped_at = r["step"]
-    return parts, stopped_at
+    return parts, stopped_at, log_every
 
 
 def summarize_log(path: str | Path) -> dict:
@@ -210,7 +223,7 @@ def summarize_log(path: str | Path) -> dict:
 
     The run starts at the file's last "start" record with ``resumed_from`` 0 (a fresh start); each later
     "start" begins another part. Throughput is the mean over every part's steps but each part's first
-    (each recompiles and warms up); ``train_minutes`` sums the parts' stepping time (their steps' step_s), not
+    --log-every window (each recompiles and warms up); ``train_minutes`` sums the parts' stepping time (their steps' step_s), not
     the wall time between the parts. A step logged by several parts (replayed after a kill since the last
     checkpoint) takes its last part's loss in the curve.
 
@@ -223,13 +236,13 @@ def summarize_log(path: str | Path) -> dict:
         ValueError: the file holds no "start" record, or a line that is not complete JSON other than a part's
             cut last line (``read_records``).
     """
-    parts, stopped_at = run_parts(path)
+    parts, stopped_at, log_every = run_parts(path)
     losses = {r["step"]: r["loss"] for part in parts for r in part}
     order = sorted(losses)
     # An invocation that ran no step (resumed at --steps) is no part of the training.
     return dict(parts=sum(1 for part in parts if part), steps=len(losses), first_step=order[0] if order else None,
                 last_step=order[-1] if order else None, final_loss=losses[order[-1]] if order else None,
-                min_loss=min(losses.values(), default=None), **_throughput(parts), stopped_at=stopped_at,
+                min_loss=min(losses.values(), default=None), **_throughput(parts, log_every), stopped_at=stopped_at,
                 losses=losses)
 
 
