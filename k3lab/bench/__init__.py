@@ -129,12 +129,13 @@ def timed_flags(p, bench: str, rep: int, small: str = "tiny sizes; for checking 
     """Add the flags a timed GPU benchmark with a CPU check shares to parser ``p``: --device (cuda, or cpu with
     --small), --small (help text ``small``), --rep (median of N timed runs; ``rep`` by default, 2 with --small) and
     --out (default ``data/results/<bench>_<card>.json``)."""
-    p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (only with --small)")
+    p.add_argument("--device", default="cuda", help="cuda or cuda:N (the benchmark), or cpu (only with --small)")
     p.add_argument("--small", action="store_true", help=small)
     p.add_argument("--rep", type=positive_int, default=None,
                    help=f"timed repetitions per measurement (median; default {rep}, 2 with --small)")
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default "
-                   f"data/results/{bench}_<card>.json after the device")
+                   f"data/results/{bench}_<card>.json after the device, below the current folder (with --small: "
+                   "nothing)")
 
 
 def check_out(out: str | None) -> None:
