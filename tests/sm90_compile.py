@@ -35,7 +35,7 @@ STATE_C = dict(SHAPE, VU=128, BKH=64, BV=64, USE_H0=True, STORE_HT=True, PREFETC
 # The short convolution at a channel count C = H*K that is a multiple of 16 (as every K3 config's), which Triton's
 # launch specialises, so the row loads vectorise; W = 4 (K3) and the widest, W = 8.
 CONV = dict(x=BF, weight=F32, T="i32", C="i32:16")
-CONV_BWD = dict(CONV, dy=BF, dpre=F32, dw_part=F32, NT="i32")
+CONV_BWD = dict(CONV, dy=BF, dpre=F32, dw_part=F32)
 CONV_DX = dict(dpre=F32, weight=F32, dx=BF, T="i32", C="i32:16")
 CONV_FWD_C = {k: v for k, v in sc.FWD.items() if k != "num_warps"}
 CONV_BWD_C = {k: v for k, v in sc.BWD.items() if k != "num_warps"}

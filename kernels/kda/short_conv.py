@@ -87,10 +87,10 @@ def short_conv_silu_fwd_kernel(x, weight, y, T, C, W: tl.constexpr, BT: tl.const
 
 
 @triton.jit
-def short_conv_silu_dpre_kernel(x, weight, dy, dpre, dw_part, T, C, NT, W: tl.constexpr, BT: tl.constexpr,
+def short_conv_silu_dpre_kernel(x, weight, dy, dpre, dw_part, T, C, W: tl.constexpr, BT: tl.constexpr,
                                 BS: tl.constexpr, BC: tl.constexpr):
     # Backward, first pass. x, dy: [B, T, C] contiguous; dpre: [B, T, C] float32; weight: [C, W];
-    # dw_part: [B * NT, C, W] float32, this program's sums of dpre * x per tap (NT = cdiv(T, BT)).
+    # dw_part: [B * cdiv(T, BT), C, W] float32, this program's sums of dpre * x per tap.
     # Program (i_t, i_c, i_b): rows [i_t BT, i_t BT + BT) of sequence i_b, BS rows at a time, channels
     # [i_c BC, i_c BC + BC). The taps and the W shifted x rows are tuples of tiles: each tap's dpre * x
     # accumulates elementwise in its own [BS, BC] tile and is summed over rows once, after the loop. (Summing
@@ -121,7 +121,7 @@ def short_conv_silu_dpre_kernel(x, weight, dy, dpre, dw_part, T, C, NT, W: tl.co
         for j in tl.static_range(W):
             summed = summed + (acc[j] + b_dp * xs[j],)
         acc = summed
-    o_dw = ((i_b * NT + i_t).to(tl.int64) * C + o_c) * W
+    o_dw = ((i_b * tl.cdiv(T, BT) + i_t).to(tl.int64) * C + o_c) * W
     for j in tl.static_range(W):
         tl.store(dw_part + o_dw + j, tl.sum(acc[j], axis=0), mask=m_c)
 
@@ -195,10 +195,9 @@ def short_conv_silu_bwd(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor)
     dx = torch.empty_like(x)
     if not dx.numel():
         return dx, torch.zeros(C, W, dtype=torch.float32, device=x.device)
-    NT = triton.cdiv(T, BWD["BT"])
     dpre = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
-    dw_part = torch.empty(B * NT, C, W, dtype=torch.float32, device=x.device)
-    short_conv_silu_dpre_kernel[_grid(B, T, C, BWD)](x, weight, dy, dpre, dw_part, T, C, NT, W=W, **BWD)
+    dw_part = torch.empty(B * triton.cdiv(T, BWD["BT"]), C, W, dtype=torch.float32, device=x.device)
+    short_conv_silu_dpre_kernel[_grid(B, T, C, BWD)](x, weight, dy, dpre, dw_part, T, C, W=W, **BWD)
     short_conv_silu_dx_kernel[_grid(B, T, C, DX)](dpre, weight, dx, T, C, W=W, **DX)
     return dx, dw_part.sum(0)
 
