@@ -783,7 +783,7 @@ def main(argv=None) -> dict:
               f"run the same command again to continue; the invocation that finishes the run writes the JSON",
               flush=True)
         return dict(stopped_at=records.stopped_at, steps=steps, run_dir=args.run_dir)
-    parts = 1
+    parts, step_parts = 1, None
     if args.run_dir:
         # The run's records over all its parts (a step replayed after a kill counted once, from its last
         # part); its minutes are those steps' stepping time, without the parts' start-ups and checkpoint saves.
@@ -798,7 +798,7 @@ def main(argv=None) -> dict:
                   steps=steps, log_every=config.log_every, lr=config.lr,
                   minutes=minutes, parts=parts, minutes_requested=None if args.steps or small else args.minutes,
                   epochs=steps * config.batch_size * config.seq_len / split, params=dict(total=n[0], active=n[1]),
-                  **summarise(records, config, device, step_parts if args.run_dir else None))
+                  **summarise(records, config, device, step_parts))
     print("== AttnRes overhead", flush=True)
     # One micro-batch a step: the overhead is a ratio of step times, which accumulation does not change.
     micro = replace(config, batch_size=config.batch_size // M, microbatches=1)
