@@ -749,6 +749,23 @@ def test_summarize_log_counts_a_replayed_step_once_and_starts_at_the_last_fresh_
         summarize_log(tmp_path / "empty.jsonl")
 
 
+def test_summarize_log_drops_each_parts_first_window_by_its_own_log_every(tmp_path):
+    """A resume may change --log-every: each part's first window (it compiles and warms up, every step of it
+    carrying the window's rate) is cut at that part's own read-back; a part of no steps leaves no rate."""
+    from k3lab.train.metrics import MetricsLog, summarize_log
+
+    def step(s, rate):
+        return dict(event="step", step=s, loss=1.0, step_s=1.0, tokens_per_s=rate, mfu=None)
+
+    lines = [dict(event="start", resumed_from=0, log_every=1), *(step(s, 50.0 if s == 1 else 100.0) for s in range(1, 6)),
+             dict(event="start", resumed_from=5, log_every=5), *(step(s, 1.0 if s <= 10 else 100.0) for s in range(6, 16))]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert summarize_log(path)["tokens_per_s"] == pytest.approx(100.0)  # steps 2-5 and 11-15
+    log = MetricsLog(None, 10, 10, progress=False, log_every=5)
+    assert log.summary({})["tokens_per_s"] is None
+
+
 def test_two_ranks_stop_at_the_same_step_by_rank_0s_clock(tmp_path):
     """Rank 0's clock passes the one-minute budget at step 4's read-back, rank 1's never does: both stop at
     step 4 (rank 0's decision is broadcast) and the checkpoint of step 4 is complete."""

@@ -178,8 +178,14 @@ def test_stages_given_the_targets_pass_them_on_and_return_the_loss_without_logit
     loss.backward()
     errs = [assert_close("loss", loss_ref, loss, 1e-12), *_stage_grad_errors(ref, stages)]
     print(f"loss {float(loss.detach()):.6f}; max rel RMS error of the loss and gradients {max(errs):.1e} (float64)")
-    with pytest.raises(ValueError, match=r"targets must be \[B, T\] = \[2, 24\] \(the stage's tokens\), got \[2, 23\]"):
-        stages[1](state.detach(), tgt[:, 1:])
+    bad = r"targets must be integer ids \[B, T\] = \[2, 24\] on cpu \(the stage's tokens\), got "
+    for stage, x in ((stages[0], idx), (stages[1], state.detach())):  # named on the first stage already
+        with pytest.raises(ValueError, match=bad + r"\[2, 23\] torch.int64 on cpu"):
+            stage(x, tgt[:, 1:])
+        with pytest.raises(ValueError, match=bad + r"\[2, 24\] torch.float64 on cpu"):
+            stage(x, tgt.double())
+        with pytest.raises(ValueError, match=bad + r"\[2, 24\] torch.int64 on meta"):
+            stage(x, tgt.to("meta"))
     with pytest.raises(ValueError, match="targets"):
         stages[1](state.detach(), torch.full_like(tgt, 256))
 

@@ -188,17 +188,23 @@ class K3Stage(nn.Module):
             if self.check_values:
                 _check_ids("idx", x, c.vocab_size)
             x = self.embed(x.long())[None]
+        if targets is not None:
+            # Checked on every stage: in a pipeline the last stage is another rank.
+            tokens = x.shape[1:-1]
+            if (not isinstance(targets, torch.Tensor) or targets.shape != tokens or targets.device != x.device
+                    or targets.is_floating_point() or targets.dtype == torch.bool):
+                got = (f"{list(targets.shape)} {targets.dtype} on {targets.device}" if isinstance(targets, torch.Tensor)
+                       else type(targets).__name__)
+                raise ValueError(f"targets must be integer ids [B, T] = {list(tokens)} on {x.device} (the stage's "
+                                 f"tokens), got {got}")
+            if self.check_values and self.is_last:
+                _check_ids("targets", targets, c.vocab_size, ignore_index=-100)
         sublayers = bind_context(self.sublayers[self.start:self.stop], _MixerContext(cp=self.cp))
         out = block_attnres_stage(x, sublayers, res.queries, res.sizes, self.start, self.stop, res.eps,
                                   check_values=res.check_values)
         if not self.is_last:
             return out if targets is None else (out, targets)
         if targets is not None:
-            if not isinstance(targets, torch.Tensor) or targets.shape != out.shape[:-1]:
-                got = list(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
-                raise ValueError(f"targets must be [B, T] = {list(out.shape[:-1])} (the stage's tokens), got {got}")
-            if self.check_values:
-                _check_ids("targets", targets, c.vocab_size, ignore_index=-100)
             return self.head_loss(self.norm(out), targets.flatten().long())
         logits = self.head(self.norm(out))
         return logits if logits.dtype == torch.float64 else logits.float()

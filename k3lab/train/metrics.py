@@ -107,7 +107,7 @@ class MetricsLog:
         last = steps[-1] if steps else {}
         out = dict(event="summary", steps=len(steps), first_step=steps[0]["step"] if steps else None,
                    last_step=last.get("step"), final_loss=last.get("loss"),
-                   min_loss=min((r["loss"] for r in steps), default=None), **_throughput([steps], self.log_every),
+                   min_loss=min((r["loss"] for r in steps), default=None), **_throughput([steps], [self.log_every]),
                    stopped_at=stopped_at,
                    final_maxvio_mean=(sum(last["maxvio"]) / len(last["maxvio"])) if last.get("maxvio") else None,
                    peak_mem_GiB=max((r["peak_mem_GiB"] for r in steps), default=None), **extra)
@@ -138,13 +138,14 @@ def after_first_window(part: list[dict], log_every: int) -> list[dict]:
     return [r for r in part if r["step"] > end]
 
 
-def _throughput(parts: list[list[dict]], log_every: int) -> dict:
-    """tokens_per_s and mfu (means over every part's steps but its first ``log_every`` window, which compiles
-    and warms up; over all steps when no part ran past its first) and train_minutes (the sum of every step's step_s) of the step records of one or more
-    invocations."""
-    timed = [r for part in parts for r in after_first_window(part, log_every)] or [r for part in parts for r in part]
+def _throughput(parts: list[list[dict]], log_every: list[int]) -> dict:
+    """tokens_per_s and mfu (means over every part's steps but its first window of its own ``log_every``, which
+    compiles and warms up; over all steps when no part ran past its first; None without steps) and
+    train_minutes (the sum of every step's step_s) of the step records of one or more invocations."""
+    timed = ([r for part, n in zip(parts, log_every) for r in after_first_window(part, n)]
+             or [r for part in parts for r in part])
     mfus = [r["mfu"] for r in timed if r["mfu"] is not None]
-    return dict(tokens_per_s=sum(r["tokens_per_s"] for r in timed) / max(len(timed), 1),
+    return dict(tokens_per_s=sum(r["tokens_per_s"] for r in timed) / len(timed) if timed else None,
                 mfu=sum(mfus) / len(mfus) if mfus else None,
                 train_minutes=sum(r["step_s"] for part in parts for r in part) / 60)
 
@@ -191,10 +192,11 @@ def read_records(path: str | Path) -> list[dict]:
     return records
 
 
-def run_parts(path: str | Path) -> tuple[list[list[dict]], int | None, int]:
+def run_parts(path: str | Path) -> tuple[list[list[dict]], int | None, list[int]]:
     """The step records of the run a JSONL log ends with, one list per invocation since its last fresh start
     (a "start" record with ``resumed_from`` 0), the last invocation's stop step (None: it was not stopped
-    by ``--stop-after-minutes``) and the run's ``log_every`` (1 where its start record has none).
+    by ``--stop-after-minutes``) and each invocation's ``log_every`` (a resume may change it; 1 where its
+    start record has none).
 
     Raises:
         ValueError: the file holds no "start" record, or a line that is not complete JSON other than a part's
@@ -205,11 +207,11 @@ def run_parts(path: str | Path) -> tuple[list[list[dict]], int | None, int]:
     if not starts:
         raise ValueError(f"{path} holds no start record: not a k3lab.train log")
     first = max((i for i in starts if not records[i].get("resumed_from")), default=starts[0])
-    log_every = records[first].get("log_every") or 1
-    parts, stopped_at = [], None
+    parts, stopped_at, log_every = [], None, []
     for r in records[first:]:
         if r.get("event") == "start":
             parts.append([])
+            log_every.append(r.get("log_every") or 1)
             stopped_at = None
         elif r.get("event") == "step":
             parts[-1].append(r)
