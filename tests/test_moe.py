@@ -632,6 +632,32 @@ def test_eval_forwards_between_a_training_forward_and_the_update_change_nothing(
     assert balance == "aux" or a.router.bias.abs().sum() > 0
 
 
+@pytest.mark.parametrize("balance", ["qb", "aux"])
+def test_a_layer_copies_after_a_forward(balance):
+    """copy.deepcopy and pickle after a training forward (an EMA or evaluation snapshot): the copy starts
+    without the forward's routing and pending aux loss (they hold its graph), gives the same output, and the
+    original keeps both."""
+    import copy
+    import io
+
+    m = MoE(_config(balance=balance, aux_coef=0.1))
+    x = torch.randn(3, 5, 16, generator=_gen(12))
+    y = m(x)
+    twin = copy.deepcopy(m)
+    assert twin.last_routing is None and twin.balance.aux is None
+    assert m.last_routing is not None and (balance != "aux" or m.balance.aux.requires_grad)
+    assert torch.equal(twin.balance.counts, m.balance.counts)
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for other in (twin, loaded):
+        other.eval(), m.eval()
+        assert torch.equal(other(x), m(x))
+        m.train()
+    assert y.requires_grad
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpoint_recompute_counts_each_token_once(reentrant):
     m = MoE(_config())

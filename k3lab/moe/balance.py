@@ -207,6 +207,11 @@ class Balancing(nn.Module):
         self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.aux: torch.Tensor | None = None
 
+    def __getstate__(self) -> dict:
+        # The pending auxiliary loss keeps its forward's graph until the training loss takes it: a copy starts
+        # without one, as after an update (copy.deepcopy refuses graph tensors).
+        return {**super().__getstate__(), "aux": None}
+
     def record(self, routing: Routing, bias: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Count one forward's routing (``mask`` [N] bool, False for padding)."""
         w = None if mask is None else mask.reshape(-1).long()

@@ -169,6 +169,11 @@ class MoE(nn.Module):
         self.ep_group = None
         self.ep_mode = "moonep"
 
+    def __getstate__(self) -> dict:
+        # The latest routing keeps the forward's graph (a routing loss of the user's reads its scores): a copy or
+        # a pickle of the layer starts without one, as a new layer does (copy.deepcopy refuses graph tensors).
+        return {**super().__getstate__(), "last_routing": None}
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         return self._forward(x, mask, reference=False)
 
