@@ -163,6 +163,11 @@ def test_a_run_in_parts_continues_one_loss_curve(small_run, tmp_path, one_thread
     assert 0 < written["minutes"] and "in 3 parts" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="steps default there, 7 now"):
         main([*argv, "--steps", "7"])
+    # The same command once more, the run finished: it says so, measures the rest again, keeps the curve.
+    with one_thread():
+        again = main(argv)
+    assert "had already reached step 6: measuring the AttnRes overhead" in capsys.readouterr().out
+    assert again["parts"] == 3 and again["loss_curve"] == written["loss_curve"]
 
 
 def test_stop_after_minutes_needs_a_run_dir(capsys):

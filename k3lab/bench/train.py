@@ -783,6 +783,9 @@ def main(argv=None) -> dict:
               f"run the same command again to continue; the invocation that finishes the run writes the JSON",
               flush=True)
         return dict(stopped_at=records.stopped_at, steps=steps, run_dir=args.run_dir)
+    if args.run_dir and not len(records):
+        print(f"== the run in {args.run_dir} had already reached step {steps}: measuring the AttnRes overhead and "
+              f"the peer again and writing the JSON of the whole run", flush=True)
     parts, step_parts = 1, None
     if args.run_dir:
         # The run's records over all its parts (a step replayed after a kill counted once, from its last
