@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import re
 import tempfile
 
 import pytest
@@ -17,7 +18,9 @@ from hypothesis import strategies as st
 
 from k3lab.dist import launch
 from k3lab.moonep import dense_moe, layout, moonep_experts, plan, plan_reference
-from k3lab.moonep.workers import ROUTINGS, Case, check_worker, gather_ranks, make_inputs, make_routing, reference
+from k3lab.moonep.ep import _run_ffn
+from k3lab.moonep.workers import (ROUTINGS, Case, check_worker, gather_ranks, make_inputs, make_routing, reference,
+                                  uneven_worker)
 from k3lab.testing import DEVICE, assert_close
 
 LOADS = ("multinomial", "one_expert", "one_rank_idle", "zipf", "identical", "one_rank_hot")
@@ -537,6 +540,33 @@ def test_ranks_equal_one_process(one_rank_group, R):
                 assert_close(f"mesh dp={dp} {case.mode} {key}", ref[key], got[key], 1e-5)
             for n in ref["grads"]:
                 assert_close(f"mesh dp={dp} {case.mode} grad {n}", ref["grads"][n], got["grads"][n], 1e-5)
+
+
+def test_ranks_of_unequal_batches():
+    """4 gloo ranks holding 6, 0, 3 and 5 tokens. The baseline equals the dense MoE on the 14 tokens (float32,
+    1e-5), the empty rank included. MoonEP on these sizes raised an IndexError on one rank while the others
+    waited in a collective (an empty rank returned early and left them waiting): now every rank raises the
+    same ValueError naming the sizes. An id outside [0, E) on the last rank alone fails on every rank too."""
+    sizes, case = [6, 0, 3, 5], Case(mode="alltoall", seed=3)
+    out = launch(uneven_worker, 4, sizes, case, timeout_s=150)
+    full = make_inputs(Case(**{**case.__dict__, "S": max(sizes)}), 4)
+    n = sum(sizes)
+    x = full["x"][:n].clone().requires_grad_()
+    tw = full["topk_weight"][:n].clone().requires_grad_()
+    ws = {k: full[k].clone().requires_grad_() for k in ("w_gate", "w_up", "w_down")}
+    ref = dense_moe(x, full["topk_idx"][:n], tw, ws["w_gate"], ws["w_up"], ws["w_down"], ffn=_run_ffn)
+    (ref * full["w_o"][:n]).sum().backward()
+    got = gather_ranks(out)
+    assert_close("uneven out", ref.detach(), got["out"], 1e-5)
+    assert_close("uneven grad_x", x.grad, got["grad_x"], 1e-5)
+    assert_close("uneven grad_topk_weight", tw.grad, got["grad_topk_weight"], 1e-5)
+    for k, w in ws.items():
+        assert_close(f"uneven grad {k}", w.grad, got["grads"][k], 1e-5)
+    for r, res in enumerate(out):
+        assert res["moonep_sizes"] is not None and "(S, K) = [(6, 3), (0, 3), (3, 3), (5, 3)] by rank" in \
+            res["moonep_sizes"], (r, res["moonep_sizes"])
+        want = r"\[0, E=8\).*\[8\] at tokens \[4\] on rank 3" if r == 3 else r"ranks \[3\] hold ids outside it"
+        assert res["bad_id"] is not None and re.search(want, res["bad_id"]), (r, res["bad_id"])
 
 
 @pytest.mark.parametrize("activation", ["situ", "swiglu"])

@@ -63,4 +63,5 @@ def alltoall_step(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Te
     # 6. back to the source ranks, back to pair order, weighted sum over k.
     back = AllToAllRows.apply(y_recv, out_splits, in_splits, group)
     y = torch.empty_like(back).index_copy(0, order, back)
-    return (y.view(S, K, -1) * topk_weight.unsqueeze(-1)).sum(1), int(sum(out_splits))
+    # The width from the rows, not -1: a rank with S = 0 (the others' S may differ) has no rows to infer it.
+    return (y.view(S, K, y.shape[-1]) * topk_weight.unsqueeze(-1)).sum(1), int(sum(out_splits))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from k3lab.dist import all_gather_stacked
 from k3lab.moonep.alltoall import alltoall_step
 from k3lab.moonep.dispatch import moonep_step
 
@@ -34,8 +35,9 @@ def moonep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.T
 
     Args:
         x (Tensor): [S, d] float32/bfloat16/float16 (float64 via the loop reference), the experts' dtype, this
-            rank's tokens; S = 0 gives an empty output without communicating.
-        topk_idx (Tensor): [S, K] int64 expert ids in [0, E), K >= 1; S and K must be the same on every rank.
+            rank's tokens. MoonEP needs the same S on every rank (static shapes); S = 0 on every rank gives
+            an empty output without communicating. The baseline takes any S per rank, 0 included.
+        topk_idx (Tensor): [S, K] int64 expert ids in [0, E), K >= 1; MoonEP needs the same K on every rank.
         topk_weight (Tensor): [S, K] float (cast to x's dtype; the router gives float32).
         experts: ``k3lab.moe.experts.GroupedExperts(L, d, h)`` (or any object with ``w_gate``, ``w_up``
             [L, d, h], ``w_down`` [L, h, d] and optionally ``activation``), this rank's home experts.
@@ -44,15 +46,18 @@ def moonep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.T
         pad_mask (Tensor | None): [S] bool, True for padding tokens: their ids may be anything (they are
             sent to this rank's own experts, keeping every count static), their weights count as 0 and
             their output is 0.
-        check_ids (bool): check the ids on the host (one sync); pass False on a hot path where the
-            router cannot produce bad ids.
+        check_ids (bool): check the ids, and (MoonEP) that S and K agree across the group, before any
+            exchange: one all-gather of three numbers per rank and one host read, so that every rank raises
+            the same error instead of one raising while the others wait in a collective. Pass False on a
+            hot path whose router cannot produce bad ids and whose ranks run equal batches (the trainer).
 
     Returns:
         Tensor [S, d], x's dtype.
 
     Raises:
         ValueError: a shape or dtype disagrees (x and the three weights share one dtype), ``mode`` is
-            unknown, E is not R * L, or (``check_ids``) an id outside [0, E) on a token that is not padding.
+            unknown, E is not R * L; with ``check_ids``, on every rank of the group: an id outside [0, E) on a
+            token that is not padding on any rank, or (MoonEP) S or K differing between ranks.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -86,14 +91,34 @@ def moonep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.T
         topk_idx = torch.where(pad_mask[:, None], own, topk_idx)
         topk_weight = torch.where(pad_mask[:, None], topk_weight.new_zeros(()), topk_weight)
     if check_ids:
-        bad = (topk_idx < 0) | (topk_idx >= E)
-        if bool(bad.any()):
-            raise ValueError(f"topk_idx must lie in [0, E={E}) (E = R={R} ranks x L={L} local experts); got "
-                             f"{topk_idx[bad][:8].tolist()} at tokens {bad.any(1).nonzero()[:8, 0].tolist()}")
-    if S == 0:
-        # S is the same on every rank, so no rank has a pair to exchange: an empty batch skips the collectives.
+        _check_group(topk_idx, mode, E, R, rank, group)
+    if S == 0 and mode == "moonep":
+        # S is the same on every rank (checked above, or the caller's promise), so no rank has a pair to
+        # exchange: an empty batch skips the collectives. The baseline's ranks may hold other S: it runs.
         return x * 0
     step = moonep_step if mode == "moonep" else alltoall_step
     out, _ = step(x, topk_idx, topk_weight, w_gate, w_up, w_down, group, _run_ffn,
                   activation=getattr(experts, "activation", "situ"))
     return out
+
+
+def _check_group(topk_idx: torch.Tensor, mode: str, E: int, R: int, rank: int, group) -> None:
+    """ValueError on every rank of ``group`` at once when any rank holds an id outside [0, E) or (MoonEP)
+    the ranks' S or K differ: one all-gather of (S, K, bad ids) per rank, one host read."""
+    S, K = topk_idx.shape
+    bad = (topk_idx < 0) | (topk_idx >= E)
+    mine = torch.stack([torch.tensor(S, device=bad.device), torch.tensor(K, device=bad.device), bad.sum()])
+    ranks = all_gather_stacked(mine, R, group).tolist()
+    if bad.any():
+        raise ValueError(f"topk_idx must lie in [0, E={E}) (E = R={R} ranks x L={E // R} local experts); got "
+                         f"{topk_idx[bad][:8].tolist()} at tokens {bad.any(1).nonzero()[:8, 0].tolist()}"
+                         + (f" on rank {rank} of the ep group" if R > 1 else ""))
+    others = [r for r, (_, _, n) in enumerate(ranks) if n]
+    if others:
+        raise ValueError(f"topk_idx must lie in [0, E={E}) on every rank of the ep group: ranks {others} hold "
+                         f"ids outside it (their own error names them)")
+    sizes = [tuple(r[:2]) for r in ranks]
+    if mode == "moonep" and len(set(sizes)) > 1:
+        raise ValueError(f"mode='moonep' needs the same S tokens and K experts per token on every rank of the ep "
+                         f"group (each rank's buffer holds exactly S*K pairs), got (S, K) = {sizes} by rank: pad "
+                         f"the batches to one S (pad_mask) or use mode='alltoall'")

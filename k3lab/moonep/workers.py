@@ -162,6 +162,40 @@ def check_worker(rank: int, R: int, group, cases: list[Case], ep_cases: list[Cas
     return out
 
 
+def uneven_worker(rank: int, R: int, group, sizes: list[int], case: Case = Case(mode="alltoall")) -> dict:
+    """Rank r holding ``sizes[r]`` tokens of one global batch (``make_inputs`` of ``case`` with S = max(sizes),
+    the first sum(sizes) tokens, cut in rank order). Returns this rank's baseline output and gradients
+    (loss <out, w_o>, as ``rank_run``), and the message of the ValueError each misuse raised here: MoonEP on
+    these sizes ("moonep_sizes", None when the sizes agree), and an id outside [0, E) on the last rank only
+    ("bad_id")."""
+    full = make_inputs(replace(case, S=max(sizes)), R)
+    start = sum(sizes[:rank])
+    sl = slice(start, start + sizes[rank])
+    L = case.E // R
+    x = full["x"][sl].clone().requires_grad_()
+    tw = full["topk_weight"][sl].clone().requires_grad_()
+    experts = _Experts(full, rank, L)
+    idx = full["topk_idx"][sl]
+    out = moonep_experts(x, idx, tw, experts, group, mode="alltoall")
+    (out * full["w_o"][sl]).sum().backward()
+    res = dict(rank=rank, out=out.detach(), grad_x=x.grad, grad_topk_weight=tw.grad,
+               grads={n: getattr(experts, n).grad for n in ("w_gate", "w_up", "w_down")})
+
+    def error(fn):
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    res["moonep_sizes"] = error(lambda: moonep_experts(x, idx, tw, experts, group, mode="moonep"))
+    wrong = idx.clone()
+    if rank == R - 1 and wrong.numel():
+        wrong[-1, -1] = case.E
+    res["bad_id"] = error(lambda: moonep_experts(x, wrong, tw, experts, group, mode="alltoall"))
+    return res
+
+
 def gather_ranks(results: list[dict]) -> dict:
     """R ranks' ``rank_run`` results as one batch: out, grad_x, grad_topk_weight concatenated in rank
     order, expert gradients concatenated in expert order (rank r holds experts r*L ... r*L + L-1)."""
