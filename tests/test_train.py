@@ -83,17 +83,21 @@ def test_layout_that_does_not_fit_the_world_is_a_usage_error(capsys):
 
 
 def test_resuming_with_another_schedule_or_a_damaged_checkpoint_is_a_usage_error(tmp_path, capsys):
-    """A resume with other --steps or --lr was taken silently (the schedule jumped); a truncated shard file
-    ended in DCP's traceback."""
+    """A resume with other --steps or --lr was taken silently (the schedule jumped), one with --doc-mask
+    switched too (the loss attends elsewhere); a truncated shard file ended in DCP's traceback."""
     flags = ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--ckpt-dir", str(tmp_path)]
     assert main(["--steps", "2", *flags]) == 0
     capsys.readouterr()
     for argv, message in ((["--steps", "1"], "--steps 1 (saved: 2) differ"),
-                          (["--steps", "2", "--lr", "0.001"], "--lr 0.001 (saved: 0.003) differ")):
+                          (["--steps", "2", "--lr", "0.001"], "--lr 0.001 (saved: 0.003) differ"),
+                          (["--steps", "2", "--doc-mask"], "--doc-mask True (saved: False) differ")):
         with pytest.raises(SystemExit) as e:
             main([*argv, "--resume", *flags])
         assert e.value.code == 2
         assert message in capsys.readouterr().err
+    # The run had reached its last step: the resume says so instead of a summary of nothing.
+    assert main(["--steps", "2", "--resume", *flags]) == 0
+    assert "already reached its last step (2 of 2); nothing is left to train" in capsys.readouterr().err
     shard = max((tmp_path / "step_00000002").glob("*.distcp"), key=lambda f: f.stat().st_size)
     shard.write_bytes(shard.read_bytes()[:1000])
     with pytest.raises(SystemExit) as e:
@@ -128,6 +132,11 @@ def test_lr_schedule_warms_up_then_decays_to_a_tenth():
     assert lrs[:2] == [0.5, 1.0]
     assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
     assert lrs[-1] == pytest.approx(0.1)
+    for args, match in (((0, 200, 1.0, 0.01), r"step must be an int in \[1, total=200\]"),
+                        ((201, 200, 1.0, 0.01), r"step must be"), ((1, 0, 1.0, 0.0), "total must be an int >= 1"),
+                        ((1, 10, 1.0, 2.0), r"warmup must be a fraction of the run in \[0, 1\]")):
+        with pytest.raises(ValueError, match=match):
+            lr_at(*args)
 
 
 # ---------------------------------------------------------------- loader
@@ -166,6 +175,27 @@ def test_latest_checkpoint_skips_partial_saves(tmp_path):
         if complete:
             (tmp_path / name / ".metadata").write_bytes(b"")
     assert latest_checkpoint(tmp_path).name == "step_00000003"
+
+
+def test_a_checkpoint_of_another_model_is_an_ordinary_error(tmp_path):
+    """DCP reports a failed load as a CheckpointException, a BaseException that ``except Exception`` missed,
+    with every rank's traceback: loading into a model of another shape, or reading a key the checkpoint lacks,
+    is a RuntimeError naming the checkpoint, the rank and DCP's own message."""
+    from k3lab.train.checkpoint import load_checkpoint, read_train_state, save_checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    path = save_checkpoint(tmp_path, 1, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           {"step": 1})
+    wider = torch.nn.Linear(4, 5)
+    with pytest.raises(RuntimeError, match=rf"loading checkpoint {re.escape(str(path))} failed on rank 0: .*weight"):
+        load_checkpoint(path, wider, None, {"step": 0})
+    with pytest.raises(RuntimeError, match=r"failed on rank 0: RuntimeError: Missing key .*train\.nokey"):
+        read_train_state(path, {"nokey": 0})
+    assert read_train_state(path, {"step": 0}) == {"step": 1}
+    fresh = torch.nn.Linear(4, 3)
+    load_checkpoint(path, fresh, None, {"step": 0})
+    assert torch.equal(fresh.weight, model.weight)
 
 
 def test_keep_checkpoints_leaves_the_newest_complete_ones(tmp_path, one_thread):

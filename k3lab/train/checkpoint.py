@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
@@ -112,6 +113,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, train_
 
     Raises:
         OSError: the folder cannot be written.
+        RuntimeError: DCP failed otherwise (its message, with the rank that met it).
         ValueError: not one optimizer per part.
     """
     models, opts = _parts(model, optimizer)
@@ -124,7 +126,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, train_
     _barrier()
     state = {"model": _union(_model_states(models)), "optim": _union(_optim_states(models, opts)),
              "train": dict(train_state)}
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+    _dcp(dcp.save, state, tmp, "saving")
     _barrier()
     if _is_rank0():
         if final.exists():
@@ -140,6 +142,23 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, train_
             _prune(root, keep)
     _barrier()
     return final
+
+
+def _dcp(fn, state: dict, path: Path, doing: str) -> None:
+    """``fn`` (``dcp.save`` or ``dcp.load``) of ``state`` at ``path``. DCP reports a rank's failure as a
+    ``CheckpointException``, a BaseException that ``except Exception`` does not catch, holding every
+    rank's traceback: it becomes the first failed rank's own error, an OSError kept an OSError, the rest a
+    RuntimeError."""
+    try:
+        # One process without a group (e.g. sampling from a trained run) reads the whole checkpoint itself;
+        # DCP warns that it assumes exactly that.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            fn(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    except CheckpointException as e:
+        rank, (exc, _) = min(e.failures.items(), key=lambda kv: kv[0])
+        kind = OSError if isinstance(exc, OSError) else RuntimeError
+        raise kind(f"{doing} checkpoint {path} failed on rank {rank}: {type(exc).__name__}: {exc}") from e
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -178,14 +197,12 @@ def read_train_state(path: str | os.PathLike, train_state: dict) -> dict:
     Raises:
         FileNotFoundError: ``path`` is not a complete checkpoint.
         ValueError: its ``.metadata`` is damaged.
-        RuntimeError: a key is missing (DCP's message).
+        RuntimeError: a key is missing (DCP's message, with the rank that met it).
     """
     path = Path(path)
     _check_complete(path)
     state = {"train": dict(train_state)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    _dcp(dcp.load, state, path, "reading the train state of")
     return state["train"]
 
 
@@ -203,7 +220,8 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, train_state: dict
 
     Raises:
         FileNotFoundError: ``path`` is not a complete checkpoint.
-        RuntimeError: the checkpoint lacks a key the model or optimizer has (DCP's message).
+        RuntimeError: the checkpoint lacks a key the model or optimizer has, or holds a tensor of another
+            shape (another config): DCP's message, with the rank that met it.
         ValueError: not one optimizer per part, or a damaged ``.metadata``.
     """
     models, opts = _parts(model, optimizer)
@@ -215,11 +233,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, train_state: dict
         optim_sds = _optim_states(models, opts)
         # Each layout groups parameters its own way: the groups' name lists are not read back.
         state["optim"] = {k: v for k, v in _union(optim_sds).items() if not _is_names(k)}
-    # One process without a group (e.g. sampling from a trained run) reads the whole checkpoint itself;
-    # DCP warns that it assumes exactly that.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    _dcp(dcp.load, state, path, "loading")
     for m, sd in zip(models, model_sds):
         set_model_state_dict(m, {k: state["model"][k] for k in sd})
     if opts is not None:

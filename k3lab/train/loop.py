@@ -46,7 +46,17 @@ DIVERGED = ("stopping before it reaches a checkpoint (check the data, or start a
 
 def lr_at(step: int, total: int, peak: float, warmup: float, floor: float = 0.1) -> float:
     """K3's schedule: linear warmup over ceil(warmup * total) steps, then cosine from ``peak`` to
-    ``floor * peak`` at ``total``; ``step`` counts from 1."""
+    ``floor * peak`` at ``total``; ``step`` counts from 1.
+
+    Raises:
+        ValueError: ``total`` < 1, ``step`` outside [1, total], or ``warmup`` outside [0, 1].
+    """
+    if not (isinstance(total, int) and total >= 1):
+        raise ValueError(f"lr_at: total must be an int >= 1 (the run's steps), got {total!r}")
+    if not (isinstance(step, int) and 1 <= step <= total):
+        raise ValueError(f"lr_at: step must be an int in [1, total={total}] (steps count from 1), got {step!r}")
+    if not 0 <= warmup <= 1:
+        raise ValueError(f"lr_at: warmup must be a fraction of the run in [0, 1], got {warmup!r}")
     w = math.ceil(warmup * total)
     if step <= w:
         return peak * step / w
@@ -54,10 +64,11 @@ def lr_at(step: int, total: int, peak: float, warmup: float, floor: float = 0.1)
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-# What a resumed run must share with the saved one: the model and the learning-rate schedule. (The batch,
+# What a resumed run must share with the saved one: the model, what its loss attends to (document masking)
+# and the learning-rate schedule. (The batch,
 # sequence length and seed are the loader's state, checked by ``TokenLoader.load_state_dict``; the layout,
 # logging and checkpoint cadence may change.)
-RUN_SETTINGS = ("preset", "mtp", "steps", "lr", "warmup", "weight_decay", "max_grad_norm")
+RUN_SETTINGS = ("preset", "mtp", "doc_mask", "steps", "lr", "warmup", "weight_decay", "max_grad_norm")
 
 
 def state_finite(parts, opts) -> bool:
@@ -98,9 +109,16 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(local_shard(t).detach().isfinite().all())
 
 
+def _dcp_error(e: BaseException) -> BaseException:
+    """DCP's CheckpointException behind ``e`` (``k3lab.train.checkpoint`` re-raises it as the first failed
+    rank's error), else ``e``."""
+    return e.__cause__ if isinstance(e.__cause__, CheckpointException) else e
+
+
 def _first_failure(e: BaseException) -> str:
     """One line for a failed checkpoint read: DCP's CheckpointException holds each rank's (exception,
     stack) pair."""
+    e = _dcp_error(e)
     failures = getattr(e, "failures", None)
     if failures:
         e = next(iter(failures.values()))
@@ -111,6 +129,7 @@ def _first_failure(e: BaseException) -> str:
 def _absent_settings(e: BaseException) -> list[str]:
     """The flags of the ``RUN_SETTINGS`` that a failed train-state read reports missing from the checkpoint
     (DCP's "Missing key in checkpoint state_dict: train.run.<name>"), in ``RUN_SETTINGS`` order."""
+    e = _dcp_error(e)
     failures = getattr(e, "failures", None) or {}
     text = " ".join([str(e)] + [str(f[0] if isinstance(f, tuple) else f) for f in failures.values()])
     return [f"--{k.replace('_', '-')}" for k in RUN_SETTINGS if re.search(rf"train\.run\.{k}\b", text)]
@@ -468,6 +487,9 @@ def train(config: TrainConfig) -> TrainRecords:
                                       f"it to resume from the checkpoint before it")
             elif rank0:
                 print(f"--resume: no complete checkpoint in {config.ckpt_dir}; starting at step 1", file=sys.stderr)
+            if start >= config.steps and rank0:
+                print(f"--resume: the run in {config.ckpt_dir} already reached its last step ({start} of "
+                      f"{config.steps}); nothing is left to train", file=sys.stderr)
         mcfg = parts[0].config
         fpt = flops_per_token(mcfg, config.seq_len)
         peak = peak_key(device)
