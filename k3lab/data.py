@@ -230,6 +230,7 @@ def load_tokenizer(data_dir: Path | None = None):
 
     Raises:
         FileNotFoundError: the tokenizer file is missing.
+        ValueError: the tokenizer file does not parse (the message names it and how to restore it).
     """
     from tokenizers import Tokenizer
 
@@ -237,7 +238,11 @@ def load_tokenizer(data_dir: Path | None = None):
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: restore it from git or run "
                                 f"`{BUILD_COMMAND} --retrain-tokenizer --update-manifest`")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001  (tokenizers raises a bare Exception for any file it cannot parse)
+        raise ValueError(f"{path} is not a readable tokenizer ({e}): restore it from git or run "
+                         f"`{BUILD_COMMAND} --retrain-tokenizer --update-manifest`") from e
 
 
 def vocab_size(data_dir: Path | None = None) -> int:
@@ -288,6 +293,7 @@ def build(
     Raises:
         FileNotFoundError: no data folder is known, or the corpus, the tokenizer (without
             ``retrain_tokenizer``) or the committed manifest (without ``update_manifest``) is missing.
+        ValueError: the tokenizer (without ``retrain_tokenizer``) does not parse.
         RuntimeError: the built shards differ from the committed manifest; nothing is written then
             (a retrained tokenizer included).
     """
@@ -469,13 +475,16 @@ def get_batch(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m k3lab.data", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("build", help="build data/shards/{train,val}.bin and check them against data/manifest.json")
+    p = build_parser = sub.add_parser("build", help="build data/shards/{train,val}.bin and check them against "
+                                                    "data/manifest.json")
     p.add_argument("--data-dir", type=Path, default=None,
                    help=f"folder with corpus.tar.xz, tokenizer.json, manifest.json (default ${DATA_ENV}, else the "
                         f"checkout's data/)")
     p.add_argument("--out-dir", type=Path, default=None, help="where the shards go (default shards/ in the data folder)")
     p.add_argument("--retrain-tokenizer", action="store_true", help="retrain the BPE and overwrite tokenizer.json")
-    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="vocabulary size when retraining")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help=f"vocabulary size of the retrained BPE (default {DEFAULT_VOCAB_SIZE}; needs "
+                        f"--retrain-tokenizer)")
     p.add_argument("--update-manifest", action="store_true", help="write data/manifest.json instead of checking it")
     p = sub.add_parser("select", help="re-make data/corpus.tar.xz from a CPython Lib/ folder")
     p.add_argument("--source", type=Path, required=True, help="e.g. /root/.pyenv/versions/3.11.7/lib/python3.11")
@@ -486,11 +495,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, default=None,
                    help=f"folder with shards/ (default ${DATA_ENV}, else the checkout's data/)")
     args = parser.parse_args(argv)
+    # Without retraining, the committed tokenizer.json fixes the vocabulary: a size would be ignored.
+    if args.cmd == "build" and args.vocab_size is not None and not args.retrain_tokenizer:
+        build_parser.error(f"--vocab-size {args.vocab_size} needs --retrain-tokenizer (the committed "
+                           f"tokenizer.json fixes the vocabulary)")
 
     try:
         data_dir = resolve_data_dir(args.data_dir)
         if args.cmd == "build":
-            build(data_dir, args.out_dir, args.retrain_tokenizer, args.vocab_size, args.update_manifest)
+            vocab = DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size
+            build(data_dir, args.out_dir, args.retrain_tokenizer, vocab, args.update_manifest)
         elif args.cmd == "select":
             info = write_corpus_archive(args.source, data_dir / "corpus.tar.xz", args.max_bytes)
             print(f"{info['files']} files, {info['bytes']:,d} bytes -> {data_dir / 'corpus.tar.xz'} "

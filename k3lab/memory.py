@@ -26,10 +26,13 @@ being ""), or to a block of code with a context manager:
     >>> with activation_policy("offload", manager=mgr):
     ...     y = mlp(x)
 
-The innermost policy wins: a module's policy replaces its parent's for the tensors its own forward
-saves. Inside a recompute region nested policies are switched off, because checkpoint must see (and
-recompute) every tensor of the region itself. Parameters (and views of them) are never copied,
-quantised or counted: they are not activations and live anyway.
+For a module that several patterns match, the first rule (in the rules' order) whose pattern matches it
+wins, so a specific pattern goes before a broad one: {"sublayers.1": "offload", "sublayers.[0-9]": "recompute"}
+(fnmatch's ``*`` also matches dots: "sublayers.*" matches every module below the sublayers too). One pattern
+given two policies is an error (``parse_rules``). Between nested modules the innermost policy wins: a module's
+policy replaces its parent's for the tensors its own forward saves. Inside a recompute region nested policies
+are switched off, because checkpoint must see (and recompute) every tensor of the region itself. Parameters
+(and views of them) are never copied, quantised or counted: they are not activations and live anyway.
 
 Counters (``ActivationManager.stats()``), per policy: ``live_bytes`` (held for backward now, on the
 device the tensor came from: for offload this is 0 and the copy is counted in ``host_bytes``; for
@@ -393,6 +396,32 @@ class PolicyHandle:
         self.assigned.clear()
 
 
+def parse_rules(spec: str) -> dict[str, str]:
+    """``apply_policies`` rules {pattern: policy} from "PATTERN=POLICY,..." (a command line's), in the
+    string's order; empty entries are skipped.
+
+    Raises:
+        ValueError: spec not a str; an entry not PATTERN=POLICY; an unknown policy; one pattern given two
+            different policies (a dict keeps one value per pattern, so one of them would be dropped unseen).
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"rules must be a str of PATTERN=POLICY entries, got {type(spec).__name__}")
+    rules: dict[str, str] = {}
+    for item in spec.split(","):
+        if not item.strip():
+            continue
+        pattern, sep, policy = item.partition("=")
+        pattern, policy = pattern.strip(), policy.strip()
+        if not sep or not pattern:
+            raise ValueError(f"expected PATTERN=POLICY entries separated by commas, got {item!r}")
+        check_policy(policy)
+        if rules.get(pattern, policy) != policy:
+            raise ValueError(f"pattern {pattern!r} is given two policies, {rules[pattern]!r} and {policy!r}; "
+                             f"give it one")
+        rules.setdefault(pattern, policy)
+    return rules
+
+
 def apply_policies(model: nn.Module, rules: dict[str, str], manager: ActivationManager | None = None,
                    default: str | None = "keep", strict: bool = True) -> PolicyHandle:
     """Attach storage policies to ``model``'s modules by name pattern, without touching model code.
@@ -402,7 +431,8 @@ def apply_policies(model: nn.Module, rules: dict[str, str], manager: ActivationM
             (an instance attribute ``forward``, removed by ``PolicyHandle.remove``).
         rules (dict[str, str]): ``fnmatch`` pattern on ``named_modules()`` names ("" is the root,
             "*.experts", "sublayers.[02]") -> policy; for a module that several patterns match,
-            the first in dict order wins.
+            the first rule in dict order whose pattern matches it wins (a later, narrower pattern does not
+            override it: put it first). ``parse_rules`` makes this dict from "PATTERN=POLICY,...".
         manager (ActivationManager | None): counters and streams; a new one when None.
         default (str | None): the root's policy, so everything else is counted too ("keep"); None
             leaves unmatched code entirely to plain autograd. A rule matching "" overrides it.

@@ -522,8 +522,12 @@ def per_head_muon(model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.1,
         PerHeadMuon; its groups carry ``"names"`` (the parameter names, for logs and tests).
 
     Raises:
+        TypeError: model not an nn.Module (a list of parameters: build ``PerHeadMuon`` from groups instead).
         ValueError: what ``PerHeadMuon`` raises; a model without trainable parameters.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"per_head_muon: model must be an nn.Module (its parameter names choose the groups), "
+                        f"got {type(model).__name__}")
     muon, adamw = split_params(model)
     if not muon and not adamw:
         raise ValueError("per_head_muon: the model has no trainable parameters")

@@ -45,9 +45,14 @@ def check_input_dtype(who: str, name: str, x: torch.Tensor, dtype: torch.dtype) 
         x (Tensor): the input, any shape. dtype (torch.dtype): the module's parameter dtype.
 
     Raises:
-        ValueError: ``x.dtype != dtype`` and autocast is off on x's device, or either dtype is one autocast
-            does not cast (float64): names both dtypes and the two remedies (``torch.autocast`` or ``.to``).
+        ValueError: ``x`` is not floating point (token ids, a mask: the remedies below would suggest casting
+            the module to an integer dtype); ``x.dtype != dtype`` and autocast is off on x's device, or either
+            dtype is one autocast does not cast (float64): names both dtypes and the two remedies
+            (``torch.autocast`` or ``.to``).
     """
+    if not x.is_floating_point():
+        raise ValueError(f"{who}: {name} must be a floating-point tensor (the module's parameters are {dtype}), "
+                         f"got {x.dtype}")
     if x.dtype == dtype:
         return
     if autocast_dtype(x.device.type) is not None and x.dtype in AUTOCAST_DTYPES and dtype in AUTOCAST_DTYPES:

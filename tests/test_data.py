@@ -223,3 +223,25 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     blocker.write_text("x")
     assert data.main(["build", "--out-dir", str(blocker / "shards")]) == 1
     assert "error:" in capsys.readouterr().err
+
+
+def test_vocab_size_without_retraining_is_refused(capsys):
+    """--vocab-size was ignored unless the tokenizer was retrained."""
+    with pytest.raises(SystemExit) as e:
+        data.main(["build", "--vocab-size", "100"])
+    assert e.value.code == 2
+    assert "--vocab-size 100 needs --retrain-tokenizer" in capsys.readouterr().err
+
+
+def test_a_corrupt_tokenizer_names_its_file_and_the_rebuild_command(tiny_data_dir, tmp_path, capsys):
+    """tokenizers' bare Exception ("control character ...") came through load_tokenizer and the CLI."""
+    copy = tmp_path / "data"
+    shutil.copytree(tiny_data_dir, copy)
+    (copy / "tokenizer.json").write_text('{"bad json')
+    with pytest.raises(ValueError, match=r"tokenizer\.json is not a readable tokenizer .*k3lab\.data build "
+                                         r"--retrain-tokenizer --update-manifest") as e:
+        data.load_tokenizer(copy)
+    assert str(copy / "tokenizer.json") in str(e.value) and e.value.__cause__ is not None
+    assert data.main(["info", "--data-dir", str(copy)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "tokenizer.json is not a readable tokenizer" in err

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from k3lab.memory import (POLICIES, ActivationManager, activation_policy, apply_policies,
-                          fp8_dequantize, fp8_quantize)
+                          fp8_dequantize, fp8_quantize, parse_rules)
 from k3lab.testing import rel_rms_error
 
 # Relative RMS error of fp8-stored activations on the gradients of a float32 MLP: e4m3 keeps 3 mantissa
@@ -261,6 +261,30 @@ def test_mixed_rules_first_match_and_remove():
     handle.remove()
     assert "forward" not in model.blocks[0].__dict__
     apply_policies(model, {"out": "keep"}).remove()
+
+
+def test_the_first_matching_rule_wins_in_the_strings_order():
+    """A broad rule before a narrow one takes the module; the narrow one first takes it instead."""
+    model = MLP()
+    handle = apply_policies(model, parse_rules("blocks.*=recompute,blocks.1=offload"))
+    assert handle.assigned["blocks.1"] == "recompute"
+    handle.remove()
+    handle = apply_policies(model, parse_rules(" blocks.1 = offload, blocks.[0-9]=recompute,"))
+    assert handle.assigned["blocks.1"] == "offload" and handle.assigned["blocks.0"] == "recompute"
+    handle.remove()
+    assert list(parse_rules("b=fp8,a=keep,b=fp8")) == ["b", "a"]
+
+
+def test_one_pattern_given_two_policies_is_refused():
+    """A dict keeps a repeated key's last value: "blocks.1=recompute,blocks.1=offload" ran offload."""
+    with pytest.raises(ValueError, match=r"pattern 'blocks.1' is given two policies, 'recompute' and 'offload'"):
+        parse_rules("blocks.1=recompute,blocks.1=offload")
+    with pytest.raises(ValueError, match=r"expected PATTERN=POLICY entries separated by commas, got 'blocks.1'"):
+        parse_rules("blocks.1")
+    with pytest.raises(ValueError, match=r"unknown activation policy 'fp16'"):
+        parse_rules("blocks.1=fp16")
+    with pytest.raises(ValueError, match=r"rules must be a str of PATTERN=POLICY entries, got dict"):
+        parse_rules({"blocks.1": "keep"})
 
 
 def test_bad_names():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -216,6 +217,39 @@ def test_bad_arguments_of_the_parts_name_the_argument(call, match):
     Router fed x of another width or dtype failed inside torch ("mat1 and mat2 shapes cannot be multiplied")."""
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: situ_glu([1.0], [1.0]), r"situ_glu: a must be a floating-point tensor, got list"),
+    (lambda: situ_glu(_X, [1.0]), r"situ_glu: u must be a floating-point tensor, got list"),
+    (lambda: situ_glu(_X.long(), _X.long()), r"situ_glu: a must be a floating-point tensor, got torch.int64"),
+    (lambda: route(_X.long(), torch.zeros(4), 2), r"route: logits must be a floating-point tensor .*got torch.int64"),
+    (lambda: route(_X.tolist(), torch.zeros(4), 2), r"route: logits must be a floating-point tensor .*got list"),
+], ids=["situ_list", "situ_u_list", "situ_int", "route_int", "route_list"])
+def test_non_float_inputs_of_situ_glu_and_route_are_type_errors(call, match):
+    """A list failed with AttributeError ('list' object has no attribute 'shape'); int64 tensors ran, and
+    situ_glu returned float32 for them."""
+    with pytest.raises(TypeError, match=match):
+        call()
+
+
+@pytest.mark.parametrize("latent", [8, None], ids=["latent", "full"])
+def test_expert_widths_the_grouped_gemms_cannot_take_name_the_config_field(latent):
+    """Widths off the 16-byte grid failed in expert_ffn with its own d and h, naming no config field. float64
+    runs the loop over experts, which takes any width, so the layer builds and runs there."""
+    width = "latent_dim" if latent else "d_model"
+    kw = dict(latent_dim=7) if latent else dict(d_model=14, latent_dim=None)
+    x = torch.randn(2, 3, kw.get("d_model", 16), generator=_gen(15))
+    with pytest.raises(ValueError, match=rf"MoEConfig.{width} must be a multiple of 4 to run the layer in "
+                                         rf"torch.float32 .*got {kw.get('d_model', 7)}"):
+        MoE(_config(**kw))(x)
+    with pytest.raises(ValueError, match=r"MoEConfig.expert_hidden must be a multiple of 4 .*got 13"):
+        MoE(_config(expert_hidden=13, latent_dim=latent))(torch.randn(2, 3, 16, generator=_gen(15)))
+    m = MoE(_config(expert_hidden=12, latent_dim=latent))  # float32 takes 12; bf16 needs 8
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            ValueError, match=r"MoEConfig.expert_hidden must be a multiple of 8 to run the layer in torch.bfloat16"):
+        m(torch.randn(2, 3, 16, generator=_gen(15)))
+    assert torch.isfinite(MoE(_config(expert_hidden=13, **kw)).double()(x.double())).all()
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -565,6 +599,20 @@ def test_histogram_estimate_is_within_one_bin_of_the_exact_interval():
     assert (exact - est).abs().max() < (b_hi - b_lo).max() + 2 * w
 
 
+@pytest.mark.parametrize("fn", [histogram_bias, histogram_quantile])
+def test_a_histogram_not_integer_e_by_b_is_named(fn):
+    """A 1-D histogram failed with "not enough values to unpack"; a float one was read as counts."""
+    lo, hi = torch.tensor(-1.0), torch.tensor(1.0)
+    for shape in ((10,), (2, 4, 5), (4, 0)):
+        want = r"histogram_quantile: hist must be \[E, B\].*" + re.escape(str(list(shape)))
+        with pytest.raises(ValueError, match=want):
+            fn(torch.ones(shape, dtype=torch.long), lo, hi, 2)
+    for bad, got in ((torch.ones(4, 10), "torch.float32"), (torch.ones(4, 10, dtype=torch.bool), "torch.bool"),
+                     ([[1, 2]], "list")):
+        with pytest.raises(TypeError, match=f"histogram_quantile: hist must be an integer tensor of counts .*got {got}"):
+            fn(bad, lo, hi, 2)
+
+
 @pytest.mark.parametrize("estimator", ["histogram", "exact"])
 def test_a_nan_token_with_value_checks_off_reaches_the_output_not_outside_the_histogram(estimator):
     """With the router's value check off (a trainer that checks its batch once), a NaN token's r = alpha - s
@@ -691,6 +739,13 @@ def test_an_input_dtype_other_than_the_parameters_is_refused_outside_autocast(la
     autocast it is the training path and runs (the experts' weights cast to bf16)."""
     m = MoE(_config(latent_dim=latent))
     check_dtype_guard("MoE", "x", m, torch.randn(2, 8, 16, generator=_gen(13)))
+
+
+def test_an_integer_input_is_refused_as_not_floating_point():
+    """An int64 x got the dtype-mismatch message, whose remedy was module.to(torch.int64)."""
+    with pytest.raises(ValueError, match=r"MoE: x must be a floating-point tensor .*got torch.int64") as e:
+        MoE(_config())(torch.ones(2, 3, 16, dtype=torch.int64))
+    assert "module.to" not in str(e.value)
 
 
 @pytest.mark.parametrize("latent", [8, None], ids=["latent", "full"])

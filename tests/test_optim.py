@@ -252,6 +252,12 @@ def test_validation():
         PerHeadMuon([dict(params=[p], algorithm="muon")], max_grad_norm=0.0)
 
 
+def test_per_head_muon_of_something_other_than_a_module_is_a_type_error():
+    """A list of parameters failed with AttributeError inside split_params."""
+    with pytest.raises(TypeError, match=r"per_head_muon: model must be an nn.Module .*got list"):
+        per_head_muon([torch.nn.Parameter(torch.randn(6, 4))])
+
+
 @pytest.mark.parametrize("override, match", [
     (dict(momentum=1.5), r"param group 0: momentum must be a finite number in \[0, 1\)"),
     (dict(lr=-1.0), r"param group 0: lr must be"), (dict(weight_decay=float("nan")), "param group 0: weight_decay"),

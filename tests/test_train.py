@@ -40,6 +40,8 @@ BASE = dict(preset="k3-tiny", steps=8, batch_size=4, seq_len=32, lr=3e-3, progre
     (["--kill-at-step", "9", "--steps", "8"], "--kill-at-step must be an int in"),
     (["--activations", "sublayers.*=discard"], "--activations unknown activation policy 'discard'"),
     (["--activations", "sublayers.*"], "--activations expected PATTERN=POLICY"),
+    (["--activations", "sublayers.1=recompute,sublayers.1=offload"],
+     "--activations pattern 'sublayers.1' is given two policies, 'recompute' and 'offload'"),
     (["--log-every", "0"], "--log-every must be an int >= 1"),
     (["--cp", "0"], "--cp must be an int >= 1"),
     (["--mtp", "1", "--cp", "2"], "--mtp does not combine with --cp > 1"),
@@ -55,7 +57,7 @@ BASE = dict(preset="k3-tiny", steps=8, batch_size=4, seq_len=32, lr=3e-3, progre
     (["--seed", "-1"], "--seed must be an int in [0, 4294967295]"),
     (["--mtp", "32", "--seq-len", "32"], "--mtp must be < --seq-len 32"),
     (["--mtp", "100000"], "--mtp must be < --seq-len 128"),
-], ids=["preset", "steps", "ep-mode", "ckpt-every", "resume", "lr", "kill", "policy", "rule", "log-every", "cp",
+], ids=["preset", "steps", "ep-mode", "ckpt-every", "resume", "lr", "kill", "policy", "rule", "rule-twice", "log-every", "cp",
         "mtp-cp", "clip-negative", "clip-inf", "stop-no-ckpt", "stop-zero", "keep-no-ckpt", "keep-negative",
         "lr-overflow", "lr-one", "seed-overflow", "seed-negative", "mtp-seq-len", "mtp-huge"])
 def test_bad_flags_exit_with_the_reason(argv, message, capsys):

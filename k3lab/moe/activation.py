@@ -33,9 +33,14 @@ def situ_glu(a: torch.Tensor, u: torch.Tensor, beta1: float = BETA1, beta2: floa
         Tensor [..., h], ``a``'s dtype; every entry is strictly below ``beta1 * beta2`` in magnitude.
 
     Raises:
+        TypeError: ``a`` or ``u`` is not a floating-point tensor.
         ValueError: ``a`` and ``u`` differ in shape or dtype, or a beta is not a positive finite number
             (a bool is not one).
     """
+    for name, t in (("a", a), ("u", u)):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"situ_glu: {name} must be a floating-point tensor, got {got}")
     if a.shape != u.shape or a.dtype != u.dtype:
         raise ValueError(f"situ_glu: a and u must have the same shape and dtype, got {list(a.shape)} {a.dtype} "
                          f"and {list(u.shape)} {u.dtype}")

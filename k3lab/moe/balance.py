@@ -52,7 +52,8 @@ def quantile_bias(scores: torch.Tensor, cutoff: torch.Tensor, K: int) -> torch.T
 
     Args:
         scores (Tensor): [m, E] unbiased router scores s (float).
-        cutoff (Tensor): [m] each token's (K+1)-th largest biased score alpha_i.
+        cutoff (Tensor): [m] each token's cutoff alpha_i, midway between its K-th and (K+1)-th largest
+            biased scores (``route``'s ``Routing.cutoff``).
         K (int): top-k, 1 <= K < E.
 
     Returns:
@@ -114,7 +115,8 @@ def histogram_counts(scores: torch.Tensor, cutoff: torch.Tensor, lo: torch.Tenso
 
 
 def histogram_bias(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, K: int) -> torch.Tensor:
-    """``histogram_quantile`` re-centred: Quantile Balancing's bias from the histograms, [E] float32."""
+    """``histogram_quantile`` re-centred: Quantile Balancing's bias from the histograms, [E] float32
+    (raises what ``histogram_quantile`` raises)."""
     b_hat = histogram_quantile(hist, lo, hi, K)
     return b_hat - b_hat.mean()
 
@@ -131,7 +133,18 @@ def histogram_quantile(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, K
         Tensor [E] float32; b_hat_j is where expert j's cumulative count reaches q = m K / E,
         interpolated linearly inside its bin, so it lies in the bin of the ceil(q)-th smallest r_ij:
         within one bin width (hi - lo) / B of the interval [q-th, (q+1)-th smallest] of exact answers.
+
+    Raises:
+        TypeError: hist not an integer tensor.
+        ValueError: hist not [E, B] with B >= 1; K out of range.
     """
+    if not isinstance(hist, torch.Tensor) or hist.dtype.is_floating_point or hist.dtype.is_complex \
+            or hist.dtype == torch.bool:
+        got = hist.dtype if isinstance(hist, torch.Tensor) else type(hist).__name__
+        raise TypeError(f"histogram_quantile: hist must be an integer tensor of counts [E, B], got {got}")
+    if hist.ndim != 2 or hist.shape[1] < 1:
+        raise ValueError(f"histogram_quantile: hist must be [E, B] (one row of B >= 1 bins per expert), "
+                         f"got shape {list(hist.shape)}")
     E, B = hist.shape
     _check_qb(E, K)
     m = hist[0].sum()

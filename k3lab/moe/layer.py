@@ -19,10 +19,10 @@ import torch.nn as nn
 
 from k3lab.moe.activation import ACTIVATIONS
 from k3lab.moe.balance import ESTIMATORS, METHODS, Balancing, in_backward
-from k3lab.moe.experts import (GatedFFN, GroupedExperts, combine_rows, depth_scaled_std, dispatch_rows,
-                               group_by_expert, inverse_permutation, naive_expert_ffn)
+from k3lab.moe.experts import (GROUPED_DTYPES, GatedFFN, GroupedExperts, combine_rows, depth_scaled_std,
+                               dispatch_rows, group_by_expert, inverse_permutation, naive_expert_ffn)
 from k3lab.norm import RMSNorm
-from k3lab.precision import check_input_dtype
+from k3lab.precision import AUTOCAST_DTYPES, autocast_dtype, check_input_dtype
 from k3lab.moe.router import Router, Routing, check_topk
 
 
@@ -130,7 +130,8 @@ class MoE(nn.Module):
 
     ``forward(x [..., d], mask [...] bool | None) -> [..., d]`` in ``x``'s dtype; ``mask`` False marks
     padding tokens: they are computed but never counted by the balancer. In training mode (outside a
-    backward recompute) the routing is counted for the bias update (``update_biases``).
+    backward recompute) the routing is counted for the bias update (``update_biases``), even under
+    ``torch.no_grad()``: call ``model.eval()`` before a validation forward, or its tokens move the next bias.
     ``last_routing`` holds the latest forward's ``Routing``.
 
     Expert parallelism: with ``ep_group`` set (a process group of R ranks, e.g.
@@ -144,7 +145,9 @@ class MoE(nn.Module):
     Raises:
         ValueError: ``x``'s last dim is not d, ``x``'s dtype is not the parameters' outside autocast
             (``k3lab.precision.check_input_dtype``), ``mask``'s shape is not ``x``'s without d or its dtype
-            not bool, or the router logits are not finite; ``reference`` with ``ep_group`` set.
+            not bool, or the router logits are not finite; ``reference`` with ``ep_group`` set; ``forward``
+            in float32/bf16/fp16 (autocast's dtype under autocast) with ``config.routed_dim`` or
+            ``config.expert_hidden`` not a multiple of 16 bytes' worth of elements (4 in float32, 8 in bf16).
     """
 
     def __init__(self, config: MoEConfig):
@@ -200,6 +203,8 @@ class MoE(nn.Module):
         if self.training and not in_backward():
             self.balance.record(routing, self.router.bias, mask)
         z = x2 if self.down is None else self.down(x2)
+        if not reference:
+            self._check_expert_widths(z)
         if self.ep_group is not None:
             routed = self._expert_parallel(z, routing, mask, reference)
         else:
@@ -223,6 +228,20 @@ class MoE(nn.Module):
         if self.shared is not None:
             routed = routed + self.shared(x2)
         return routed.view_as(x)
+
+    def _check_expert_widths(self, z: torch.Tensor) -> None:
+        """ValueError naming the config's fields when the grouped GEMMs cannot run the experts on z."""
+        # grouped_mm needs 16-byte rows in the dtype the experts run in (autocast's, else z's). Checked here, not
+        # in MoEConfig: float64 runs the loop over experts (naive_expert_ffn), which takes any width.
+        dtype = (autocast_dtype(z.device.type) if z.dtype in AUTOCAST_DTYPES else None) or z.dtype
+        if dtype not in GROUPED_DTYPES:
+            return
+        c, align = self.config, 16 // dtype.itemsize
+        width = "d_model" if c.latent_dim is None else "latent_dim"
+        for name, v in ((width, c.routed_dim), ("expert_hidden", c.expert_hidden)):
+            if v % align:
+                raise ValueError(f"MoEConfig.{name} must be a multiple of {align} to run the layer in {dtype} (the "
+                                 f"routed experts' grouped GEMMs need 16-byte rows), got {v}; float64 takes any width")
 
     # Eager under torch.compile: the MoonEP planner's Triton kernels and side stream, the exchange's collectives,
     # and FSDP's gather of the experts around ep_forward.

@@ -73,9 +73,13 @@ def route(logits: torch.Tensor, bias: torch.Tensor, K: int, renormalize: bool = 
         Routing: see its attributes.
 
     Raises:
+        TypeError: logits not a floating-point tensor.
         ValueError: bad shapes, K out of range, routed_scaling not a finite number > 0, or a NaN/inf logit or bias with ``check_values`` (reported
             before it can spread).
     """
+    if not (isinstance(logits, torch.Tensor) and logits.is_floating_point()):
+        got = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise TypeError(f"route: logits must be a floating-point tensor [N, E], got {got}")
     if logits.ndim != 2:
         raise ValueError(f"route: logits must be [N, E], got shape {list(logits.shape)}")
     N, E = logits.shape

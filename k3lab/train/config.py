@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, fields
 
 from k3lab.files import blocked_parent
-from k3lab.memory import check_policy
+from k3lab.memory import parse_rules
 from k3lab.moonep import MODES
 from k3lab.train.loader import MAX_SEED
 
@@ -196,17 +196,9 @@ class TrainConfig:
         """``activations`` as ``k3lab.memory.apply_policies`` rules {pattern: policy} ({} when None).
 
         Raises:
-            ValueError: an entry not PATTERN=POLICY or an unknown policy.
+            ValueError: an entry not PATTERN=POLICY, an unknown policy, or one pattern given two policies.
         """
-        rules = {}
-        for item in (self.activations or "").split(","):
-            if not item.strip():
-                continue
-            pattern, sep, policy = item.partition("=")
-            if not sep or not pattern.strip():
-                raise ValueError(f"expected PATTERN=POLICY entries separated by commas, got {item!r}")
-            rules[pattern.strip()] = check_policy(policy.strip())
-        return rules
+        return parse_rules(self.activations or "")
 
 
 def _unwritable(path: str | None) -> str | None:
