@@ -63,8 +63,8 @@ from tqdm.auto import tqdm
 import k3lab.lm as lm
 from k3lab.book import ROOT
 from k3lab.data import vocab_size
-from k3lab.moe import (MoE, MoEConfig, expert_ffn, group_by_expert, maxvio, naive_expert_ffn, quantile_bias,
-                       route, situ_glu)
+from k3lab.moe import (Balancing, MoE, MoEConfig, expert_ffn, group_by_expert, maxvio, naive_expert_ffn,
+                       quantile_bias, route, situ_glu)
 from k3lab.moe.balance import histogram_counts, histogram_quantile, histogram_range
 from k3lab.moe.experiment import balance_floor, build_moe_lm, train_moe_lm
 from k3lab.testing import rel_rms_error
@@ -135,7 +135,7 @@ print(f"at |a|, |u| ~ 0.1 the two differ by {rel_rms_error(F.silu(small) * small
 
 # %% [markdown]
 # The last line is why a test of SiTU-GLU must use large inputs: on small ones a silent SiLU
-# substitute passes (two public implementations shipped exactly that).
+# substitute passes (NVIDIA's cudnn-frontend and Megatron-LM both had issues filed over exactly that swap).
 #
 # ## 3. The router: the bias chooses, it never weighs
 #
@@ -406,10 +406,10 @@ assert slope < -0.3, f"the floor should fall with the step size, fitted slope {s
 # `python -m k3lab.bench.moe_balance` trains a larger model of the same kind (d = 256, four MoE layers,
 # 64 experts, top-4) at 1024 sequences of 512 tokens a step, accumulated over 16 micro-batches (QB's
 # histogram and every rule's counts read all of them), with each rule, the same initialisation and
-# batches, AdamW with warmup and cosine decay over the run's steps. Runs of the current benchmark also
-# carry QB with the exact quantile ("qb-exact") and the sampling floor at that step size, measured on QB's
-# trained model; the cell shows them where the committed run has them. Below, the committed run (the
-# latest of `data/results/moe_balance_h*.json`), and what the fit above predicts at its step size:
+# batches, AdamW with warmup and cosine decay over the run's steps, plus QB with the exact quantile
+# ("qb-exact", to separate the histogram's resolution) and the sampling floor at that step size, measured
+# on QB's trained model. Below, the stored run (the latest of `data/results/moe_balance_h*.json`), and what
+# the fit above predicts at its step size:
 
 # %% tags=["nbval-ignore-output"]
 found = [json.loads(path.read_text()) for path in (ROOT / "data" / "results").glob("moe_balance_h*.json")]
@@ -455,8 +455,8 @@ else:
 # rate climbs to its peak and the router's weights move further in one step than any bias fitted to the
 # previous step can follow (QB's bias is computed from step $t$'s routing and applied at step $t+1$,
 # after the optimizer step). As the schedule decays, QB's maxvio falls steadily, while no balancing and
-# the sign update stay where the router's drift took them (the busiest expert at about ten times its
-# share: the sign update's fixed step of $10^{-3}$ a step is far too slow for that) and the auxiliary
+# the sign update stay where the router's drift took them (the busiest expert at several times its share:
+# the sign update's fixed step of $10^{-3}$ a step is far too slow for that) and the auxiliary
 # loss settles well above QB, trading balance against the language-model loss through its coefficient.
 # What bounds QB from below is the sampling floor, the extrapolated fit's order of magnitude; how close
 # QB gets to it depends on how fast the router still moves, so on the learning-rate schedule and the
@@ -585,8 +585,8 @@ if run_bench and device.type == "cuda":
     bench = bench_main(["--out", str(ROOT / "build" / "moe_live.json")]
                        + ([] if importlib.util.find_spec("torchtitan") else ["--no-torchtitan"]))
 else:
-    found = sorted((ROOT / "data" / "results").glob("moe_h*.json"))
-    bench = json.loads(found[-1].read_text()) if found else None
+    found = [json.loads(p.read_text()) for p in (ROOT / "data" / "results").glob("moe_h*.json")]
+    bench = max(found, key=lambda r: r["date"]) if found else None
 if bench is None:
     print("no committed result yet: run python -m k3lab.bench.moe on a GPU")
 else:
@@ -630,15 +630,13 @@ def plot_loads(n_experts_: int = 32, top_k_: int = 4, skew: float = 3.0, tokens:
     shift = skew * torch.linspace(-1, 1, n_experts_)
     fig_, ax_ = plt.subplots(1, 3, figsize=(12, 2.8), sharey=True)
     for a_, rule in zip(ax_, ("none", "sign", "qb")):
-        b_ = torch.zeros(n_experts_)
+        # The layers' own rule, one step per batch (QB with the exact quantile: one process, no histogram).
+        bal, b_ = Balancing(rule, n_experts_, top_k_, estimator="exact"), torch.zeros(n_experts_)
         for _ in range(steps_):
             lg_ = torch.randn(tokens, n_experts_, generator=g_) + shift
             rt = route(lg_, b_, top_k_)
-            load = torch.bincount(rt.topk_idx.flatten(), minlength=n_experts_)
-            if rule == "sign":
-                b_ += 1e-3 * torch.sign(load.float().mean() - load.float())
-            elif rule == "qb":
-                b_ = quantile_bias(rt.scores, rt.cutoff, top_k_)
+            bal.record(rt, b_)
+            load = bal.update(b_)
         a_.bar(range(n_experts_), load / load.float().mean())
         a_.set(title=f"{rule}: maxvio {maxvio(load):.2f}", xlabel="expert")
     ax_[0].set_ylabel("load / mean")

@@ -365,7 +365,7 @@ print(f"measured: {run['preset']}, {run['batch_size']} x {run['seq_len']} tokens
 # K3's vocabulary has 163,840 ids. The head's logits are then the largest tensors of a training step:
 # $N \times V$ numbers for $N$ tokens (whatever the width), made only to be reduced to one loss per token. The
 # plain path (bf16 logits, a float32 copy, `F.cross_entropy`, its backward, the cast back) writes and reads them
-# about ten times. `k3lab.model.loss.linear_cross_entropy` runs the head on chunks of rows and turns each chunk's
+# several times over, mostly in float32. `k3lab.model.loss.linear_cross_entropy` runs the head on chunks of rows and turns each chunk's
 # logits into its loss and its gradient $g = \mathrm{softmax}(z) - \mathrm{onehot}(t)$ at once,
 # folding $g$ into $dh = g W$ and $dW \mathrel{+}= g^\top h$ before the next chunk (Liger-Kernel's fused linear
 # cross-entropy, in PyTorch); `K3Model.forward(idx, targets, return_logits=False)` and the trainer use it. Below:
@@ -444,7 +444,9 @@ assert all(np.isfinite(h["val_loss"]).all() and h["val_loss"][-1] < h["val_loss"
 # `generate()` prefills the prompt once, then feeds one token a step: each KDA layer carries its state and
 # convolution tail, each MLA layer its latent cache, read in the absorbed form. The check, in float64 on a
 # fresh `k3-tiny`: prefill plus one-token steps equal one forward, up to the float32 MoE router scores;
-# then a greedy continuation from each trained model, on a validation prompt:
+# then a greedy continuation from each trained model, on a validation prompt. Models trained for a few
+# minutes on a CPU repeat themselves (greedy decoding falls into the most likely loop): the point is that the
+# cached path decodes, not what it says.
 
 # %%
 torch.manual_seed(seed)
@@ -617,10 +619,11 @@ else:
 
 # %% [markdown]
 # Read the plot as a frontier: a set earns its place only if no other set is both smaller and faster (the
-# second last line). A `start` above plain's (the last line) is a step's leftovers: here the MoE recompute
-# replay `MoE.last_routing` held in the committed run; the layer now keeps the forward's routing instead, a
-# fix the next GPU run of the benchmark will show. fp8 pays for quantising with
-# plain PyTorch ops; offload for copies backward waits on.
+# second last line). A `start` above plain's (the last line) is memory a step left behind for the next. In
+# a result where the sets that recompute the MoE sublayers start higher, the layer kept the routing of
+# backward's recompute replay in `MoE.last_routing`, and with it the replayed graph; it keeps the forward's
+# routing only (`tests/test_moe.py` checks that a replay leaves it alone), so their `start` should match
+# plain's. fp8 pays for quantising with plain PyTorch ops; offload for copies backward waits on.
 #
 # ## Exercises
 #
@@ -645,5 +648,7 @@ else:
 # - Kimi Team, *Attention Residuals* (arXiv 2603.15031): Block AttnRes.
 # - J. Liu et al., *Muon is Scalable for LLM Training* (Moonlight, arXiv 2502.16982): the RMS-matched
 #   learning rate; K. Jordan et al., *Muon* (2024); `torch.optim.Muon` (PyTorch >= 2.9).
+# - P.-L. Hsu et al., *Liger Kernel: Efficient Triton Kernels for LLM Training* (arXiv 2410.10989): the
+#   fused linear cross-entropy that `linear_cross_entropy` follows.
 # - A. Chowdhery et al., *PaLM* (arXiv 2204.02311), App. B: model FLOPs utilisation; Z. Jiang et al.,
 #   *MegaScale* (arXiv 2402.15627): 55.2% MFU at 12,288 GPUs.

@@ -147,8 +147,9 @@ print(f"largest loss difference on them: {max(abs(a - b) for _, a, b in replayed
 # %% [markdown]
 # On these CPU ranks the replayed steps reproduce the killed run's losses to the last bit (the largest
 # difference printed above): nothing the run depends on is left out of the checkpoint. On a GPU, kernels
-# that accumulate with atomics (index_add_, scatter in the MoE) may make the replay differ in the last
-# bits, not more. Below, the two curves: the killed run (to step `kill_at_step`) and the resumed one
+# that accumulate floats in whatever order their threads arrive (a fused attention backward may add into dQ with
+# atomics; k3lab's own kernels and the MoE's gathers do not) may make the replay differ in the last bits,
+# not more. Below, the two curves: the killed run (to step `kill_at_step`) and the resumed one
 # (from the checkpoint to the end) lie on each other where they overlap.
 
 # %%
@@ -192,8 +193,8 @@ print(f"steps clipped: {sum(r['grad_norm'] > clip for r in joined)} of {len(join
 # Muon's update does not see a gradient's scale, but AdamW's parameters (embedding, norms, router) take
 # every spike. The norm is read back with the loss, so a NaN gradient under a finite loss stops the run
 # at the next read-back. The right panel shows it before clipping; the line above counts the steps it clipped.
-# On this tiny model at lr 1e-2 the norm stays above the default bound of 1.0 on almost every step, so
-# here the bound rescales nearly every gradient rather than catching a rare spike.
+# On this tiny model at lr 1e-2 the norm stays above the default bound of 1.0 (the line above counts the
+# steps), so here the bound rescales the gradients rather than catching a rare spike.
 #
 # ## Throughput, MFU and memory
 #
@@ -266,11 +267,12 @@ else:
 # thousands of small head and expert blocks, whose cost per optimizer step does not depend on the batch.
 # As in pretraining, the run accumulates micro-batches (the first line says how many) so that one
 # optimizer step serves a larger global batch; the peer, torchtitan's DeepSeek-V3 at the same active
-# size, accumulates as many micro-batches on the same card, and the ratio above compares the two. Eager
+# size, accumulates as many micro-batches on the same card (each halved when it does not fit: its line
+# says its batch), and the ratio above compares tokens per second. Eager
 # against eager k3lab is well ahead; with both models compiled its lead is smaller, since the peer compiles
 # each block whole while k3lab's FlashKDA, grouped GEMMs, AttnRes mixing and optimizer stay outside its
 # compiled regions.
-# `docs/train.md` keeps the profile and what comes next. The curve falls fast because the corpus is small
+# `docs/train.md` has the step's profile by kernel category. The curve falls fast because the corpus is small
 # (about 2M tokens, chapter 00): the run passes over it more than once, so it measures the system, not
 # what a 1B model learns. The paper puts Block AttnRes's cost at a few percent of a training step; its
 # line in the output above gives the median and the fastest of the timed steps, which a shared card

@@ -20,7 +20,7 @@ from k3lab.dist import launch
 from k3lab.moonep import dense_moe, layout, moonep_experts, plan, plan_reference
 from k3lab.moonep.ep import _run_ffn
 from k3lab.moonep.workers import (ROUTINGS, Case, check_worker, gather_ranks, make_inputs, make_routing, reference,
-                                  uneven_worker)
+                                  tightness_counts, uneven_worker)
 from k3lab.testing import DEVICE, assert_close
 
 LOADS = ("multinomial", "one_expert", "one_rank_idle", "zipf", "identical", "one_rank_hot")
@@ -99,11 +99,9 @@ def test_planner_properties_and_reference(R, L, S, K, kind, seed):
 def test_tightness_case(R, L, t, K):
     """Rank 0's experts idle, the other (R-1)L experts n = K R t pairs each: rank 0 needs C/n =
     ceil(E(R-1)/R^2) experts at least, and the plan uses no more than E/R on any rank."""
-    E, n = R * L, K * R * t
-    S = (R - 1) * L * t
-    C = S * K
-    seq = torch.arange(L, E).repeat_interleave(n)
-    counts = torch.stack([torch.bincount(seq[r * C:(r + 1) * C], minlength=E) for r in range(R)])
+    E = R * L
+    counts, S = tightness_counts(E, R, K, t)
+    assert (counts.sum(1) == S * K).all() and (counts[:, :L] == 0).all()
     p = plan(counts, S, K)
     most = check_plan(p, counts, S, K)
     assert math.ceil(E * (R - 1) / R**2) <= int(p.redundant()[0]) <= most <= E // R

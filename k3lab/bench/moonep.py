@@ -46,8 +46,7 @@ from k3lab.bench import check_out, positive_int, run_info, write_result
 from k3lab.testing import SYNC_METHODS, forbid_host_sync
 
 COMM_SOURCE = ("NCCL all_to_all_single between two H200s over NVLink: ~143 GB/s out per rank at 16 MiB "
-               "messages, ~40 us for small messages (measured once on two H200s; no multi-GPU machine here "
-               "to rerun it); priced, not run")
+               "messages, ~40 us for small messages (one measurement on two H200s); priced, not run")
 PLANNER_FLOOR_US = 200.0
 SKEW_GROWTH_FLOOR = 0.10
 

@@ -140,7 +140,10 @@ class MoE(nn.Module):
     through ``k3lab.moonep.moonep_experts`` in mode ``ep_mode`` ("moonep" or "alltoall"), the experts'
     gradients averaged over the ep group (``GroupedExperts.ep_forward``); the router, the
     balancer and the shared experts are unchanged (global expert ids); padding tokens (``mask`` False) get a
-    zero routed output there. ``None`` (the default): one process.
+    zero routed output there. "moonep" needs the same number of tokens on every rank of the group (static
+    shapes; pad with ``mask``), which the layer does not check on its hot path (a host sync per layer): a
+    mismatch fails or hangs in a collective; ``moonep_experts`` with ``check_ids`` names it. ``None`` (the
+    default): one process.
 
     Raises:
         ValueError: ``x``'s last dim is not d, ``x``'s dtype is not the parameters' outside autocast

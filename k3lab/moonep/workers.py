@@ -50,6 +50,21 @@ def make_routing(kind: str, R: int, S: int, K: int, E: int, gen: torch.Generator
     return torch.zeros_like(idx) if kind == "one_expert" else idx
 
 
+def tightness_counts(E: int, R: int, K: int, t: int = 1) -> tuple[torch.Tensor, int]:
+    """App. E's tightness example: rank 0's L = E/R experts idle, the other (R-1)L experts n = K R t pairs each,
+    dealt to the ranks in expert order so every rank holds exactly S*K pairs. Rank 0 then needs at least
+    ceil(E(R-1)/R^2) redundant experts; the theorem allows E/R.
+
+    Returns:
+        (counts [R, E] int64, S = (R-1) L t).
+    """
+    L = E // R
+    n, S = K * R * t, (R - 1) * L * t
+    C = S * K
+    seq = torch.arange(L, E).repeat_interleave(n)
+    return torch.stack([torch.bincount(seq[r * C:(r + 1) * C], minlength=E) for r in range(R)]), S
+
+
 @dataclass(frozen=True)
 class Case:
     """One checked configuration (float32): global sizes, routing, EP mode, padding."""
