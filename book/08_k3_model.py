@@ -619,11 +619,10 @@ else:
 
 # %% [markdown]
 # Read the plot as a frontier: a set earns its place only if no other set is both smaller and faster (the
-# second last line). A `start` above plain's (the last line) is memory a step left behind for the next. In
-# a result where the sets that recompute the MoE sublayers start higher, the layer kept the routing of
-# backward's recompute replay in `MoE.last_routing`, and with it the replayed graph; it keeps the forward's
-# routing only (`tests/test_moe.py` checks that a replay leaves it alone), so their `start` should match
-# plain's. fp8 pays for quantising with plain PyTorch ops; offload for copies backward waits on.
+# second last line). A `start` above plain's (the last line) would be memory one step leaves to the next:
+# the recompute sets are the ones at risk, since backward replays their forward, and the MoE layer keeps only
+# the forward's routing in `MoE.last_routing`, not the replay's with its graph (`tests/test_moe.py` checks it).
+# fp8 pays for quantising with plain PyTorch ops; offload for copies backward waits on.
 #
 # ## Exercises
 #
