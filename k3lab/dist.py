@@ -19,6 +19,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -50,6 +51,12 @@ def _entry(rank, fn, world_size, port, outdir, backend, pg_timeout_s, env, args)
         os.replace(path + ".part", path)
         # No rank tears its group down while another still talks to it (rank 0 hosts the store).
         dist.barrier()
+    except Exception:
+        # The rank that fails first is the cause; others then fail in a collective ("Connection closed by
+        # peer"), and spawn reports whichever exit it notices first. The time lets launch name the first.
+        with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
+            f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        raise
     finally:
         dist.destroy_process_group()
     # Skip interpreter finalisation: gloo's worker threads can abort the process there ("terminate called
@@ -75,9 +82,13 @@ def launch(fn: Callable, world_size: int, *args, timeout_s: float = 180.0, backe
         backend (str): "gloo" (CPU) or "nccl".
         env (dict[str, str] | None): environment variables set in every rank before the group starts.
 
+    The calling script must guard its own work with ``if __name__ == "__main__":``: spawn starts each rank by
+    importing the script's main module again.
+
     Raises:
         TimeoutError: not all ranks finished within ``timeout_s`` (they are killed).
-        torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback is in the message).
+        torch.multiprocessing.ProcessRaisedException: a rank raised: the first rank to fail, with its traceback
+            (the others usually fail after it, in a collective it left).
     """
     if not (isinstance(world_size, int) and world_size >= 1):
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -87,14 +98,34 @@ def launch(fn: Callable, world_size: int, *args, timeout_s: float = 180.0, backe
             _entry, args=(fn, world_size, port, outdir, backend, pg_timeout_s, dict(env or {}), args),
             nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
-        while not procs.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in procs.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise TimeoutError(f"{world_size} ranks running {getattr(fn, '__name__', fn)} did not finish "
-                                   f"within {timeout_s} s")
+        try:
+            while not procs.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for p in procs.processes:
+                        if p.is_alive():
+                            p.kill()
+                    raise TimeoutError(f"{world_size} ranks running {getattr(fn, '__name__', fn)} did not finish "
+                                       f"within {timeout_s} s")
+        except mp.ProcessRaisedException as e:
+            first = _first_failure(outdir)
+            if first is None or first[0] == e.error_index:
+                raise
+            rank, trace = first
+            raise mp.ProcessRaisedException(
+                f"\n\n-- Process {rank} terminated with the following error (the first rank to fail; process "
+                f"{e.error_index} failed after it):\n{trace}", rank, procs.processes[rank].pid) from e
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _first_failure(outdir: str) -> tuple[int, str] | None:
+    """(rank, traceback) of the rank whose ``_entry`` recorded the earliest failure in ``outdir``, or None."""
+    found = []
+    for name in os.listdir(outdir):
+        if name.startswith("rank") and name.endswith(".err"):
+            with open(os.path.join(outdir, name)) as f:
+                stamp, _, trace = f.read().partition("\n")
+            found.append((float(stamp), int(name[4:-4]), trace))
+    return min(found)[1:] if found else None
 
 
 def make_mesh(*, pp: int = 1, dp: int = 1, cp: int = 1, ep: int = 1, device_type: str = "cpu"):

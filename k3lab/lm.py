@@ -306,7 +306,9 @@ def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int, min_lr_ratio: float = 0.1) -> float:
-    """Linear warmup for ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr`` at ``steps``."""
+    """Linear warmup for ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr`` at ``steps``; ``step``
+    counts from 0 (the tiny-LM loop's index). The trainer's schedule, ``k3lab.train.lr_at``, is the same
+    shape in the trainer's terms: steps from 1 and warmup as a fraction of the run."""
     if step < warmup:
         return lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)

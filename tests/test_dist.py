@@ -30,3 +30,16 @@ def test_launch_reports_a_bad_mesh_from_the_rank():
     """A mesh whose axes do not multiply to the world size fails in the rank with the sizes named."""
     with pytest.raises(Exception, match="has 3 ranks, the world has 1"):
         launch(mesh_worker, 1, dict(dp=3), timeout_s=60)
+
+
+def test_the_first_rank_to_fail_is_the_one_reported(tmp_path):
+    """A rank that raised made the others fail in a collective ("Connection closed by peer"), and spawn
+    reported whichever exit it noticed first: sometimes a victim's gloo error instead of the cause. launch
+    names the rank whose failure was recorded first."""
+    from k3lab.dist import _first_failure
+
+    assert _first_failure(str(tmp_path)) is None
+    (tmp_path / "rank0.err").write_text("1700000002.5\nRuntimeError: Connection closed by peer\n")
+    (tmp_path / "rank1.err").write_text("1700000001.25\nValueError: v contains NaN or inf\n")
+    (tmp_path / "rank1.pt").write_text("")
+    assert _first_failure(str(tmp_path)) == (1, "ValueError: v contains NaN or inf\n")

@@ -233,6 +233,18 @@ def test_output_overflow_names_initial_state(kda_inputs):
 
 
 @INTERPRETER_OVERFLOW
+def test_float16_output_overflow_names_float16():
+    """float16 inputs whose output passes 6.55e4 (v = 6e4 summed over a few tokens): the message said float32's
+    range (3.4e38) had run out, against max |v| = 6e4; it is float16's, as chunk_kda reports."""
+    q = k = torch.ones(1, 8, 1, 16, dtype=torch.float16, device=DEVICE)
+    v = torch.full((1, 8, 1, 16), 6e4, dtype=torch.float16, device=DEVICE)
+    z = torch.zeros(1, 8, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"^v is too large: .*overflowed float16 \(largest finite 6.55e\+04\)"):
+        flash_kda(q, k, v, z, torch.full((1, 8, 1), 10.0, device=DEVICE), torch.zeros(1, device=DEVICE),
+                  torch.zeros(16, device=DEVICE), scale=100.0)
+
+
+@INTERPRETER_OVERFLOW
 @pytest.mark.timeout(300)
 def test_nan_input_still_named(kda_inputs):
     """The value checks now read their flags after the kernels (one sync): a NaN input is still named."""

@@ -211,6 +211,19 @@ def test_non_finite_x_named_x(dtype):
         layer(x.index_fill(1, torch.tensor([2]), float("nan")))
 
 
+@pytest.mark.parametrize("gate, param, value, name", [
+    ("lower_bounded", "q_proj.weight", float("nan"), "q_proj.weight"),
+    ("kimi_linear", "A_log", 100.0, r"A_log \(its exp\)")], ids=["nan_weight", "A_log_overflow"])
+def test_a_non_finite_parameter_is_named_not_x(gate, param, value, name):
+    """A diverged weight (or an A_log whose exp overflows float32: Kimi Linear's gate -exp(A_log) softplus(.)
+    turns -inf) surfaced as "x is too large" with x finite and small, sending the user to the inputs."""
+    layer = make_layer(gate=gate, seed=18).float()
+    with torch.no_grad():
+        layer.get_parameter(param).fill_(value)
+    with pytest.raises(ValueError, match=rf"^{name} contains NaN or inf$"):
+        layer(x_of(1, 6).float())
+
+
 def test_huge_cache_state_named():
     """A float64 cache.state of 1e300 in a float32 layer overflowed the operator's float32 state to NaN."""
     layer = make_layer(seed=17).float()

@@ -127,6 +127,21 @@ def test_bad_inputs(device):
         bwd(x, w, x[:, :4])
 
 
+def test_torch_reference_names_bad_inputs():
+    """causal_short_conv (the layer's PyTorch path) failed with unpacking, broadcasting and split errors."""
+    x, w = torch.randn(1, 5, 4), torch.randn(4, 4)
+    cases = [
+        ((torch.randn(5, 4), w), r"x must be a floating-point \[B, T, C\] tensor, got \[5, 4\]"),
+        ((x.long(), w), r"x must be a floating-point \[B, T, C\] tensor, got \[1, 5, 4\] torch.int64"),
+        ((x, torch.randn(3, 4)), r"weight must be \[C, W\] with C = x.shape\[-1\] = 4 and W >= 1, got \[3, 4\]"),
+        ((x, w, None, torch.tensor([0, 3, 4])), r"cu_seqlens must start at 0 and end at T=5, got 0 ... 4"),
+        ((torch.randn(2, 5, 4), w, None, torch.tensor([0, 5])), r"x must be \[1, T, C\], got B = 2"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            causal_short_conv(*args)
+
+
 def test_cpu_without_the_interpreter_is_named_eager_and_compiled(monkeypatch):
     """On a CPU without TRITON_INTERPRET=1 the call says to run k3lab.setup(), eager and from a compiled graph
     (where the check runs in the op, as the graph runs) alike, instead of Triton's driver error."""

@@ -162,10 +162,22 @@ def causal_short_conv(
         sequence (earlier state rows or zeros fill in when a sequence is shorter than W-1).
 
     Raises:
-        ValueError: ``conv_state`` is not [N, W-1, C].
+        ValueError: ``x`` not [B, T, C] floating point; ``weight`` not [C, W] with W >= 1; ``cu_seqlens`` not
+            valid offsets for T (``check_cu_seqlens``) or given with B > 1; ``conv_state`` not [N, W-1, C].
     """
+    if not (isinstance(x, torch.Tensor) and x.ndim == 3 and x.is_floating_point()):
+        raise ValueError(f"causal_short_conv: x must be a floating-point [B, T, C] tensor, got {_shape(x)}"
+                         + (f" {x.dtype}" if isinstance(x, torch.Tensor) else ""))
     B, T, C = x.shape
+    if not (isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.shape[0] == C and weight.shape[1] >= 1):
+        raise ValueError(f"causal_short_conv: weight must be [C, W] with C = x.shape[-1] = {C} and W >= 1, got "
+                         f"{_shape(weight)}")
     W = weight.shape[1]
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"causal_short_conv: cu_seqlens packs sequences into one row: x must be [1, T, C], "
+                             f"got B = {B}")
+        check_cu_seqlens(cu_seqlens, T)
     seqs = x[0].split(cu_seqlens.diff().tolist()) if cu_seqlens is not None else None
     N = B if seqs is None else len(seqs)
     if conv_state is None:
@@ -433,11 +445,15 @@ class KDALayer(nn.Module):
                 raise ValueError(f"cache.{field} must be a floating-point tensor, got dtype {t.dtype}")
 
     def _blame(self, err: NonFiniteError, x: torch.Tensor, cache: KDACache) -> NonFiniteError:
-        """The caller's argument behind the operator's value error ``err``: the first of x and the cache
-        fields holding a NaN or inf; else cache.state when the operator named its initial state, and x
-        otherwise (q, k, v, the gate and beta are all computed from x). One host sync, on this error
-        path only."""
+        """The tensor behind the operator's value error ``err``: the first of x, the cache fields and the
+        layer's own parameters (a diverged weight, or an A_log whose exp overflows) holding a NaN or inf;
+        else cache.state when the operator named its initial state, and x otherwise (q, k, v, the gate and
+        beta are all computed from x and the weights). One host sync, on this error path only."""
         named = {"x": x, **{f"cache.{f}": getattr(cache, f) for f in ("conv_q", "conv_k", "conv_v", "state")}}
+        named.update(self.named_parameters())
+        if "A_log" in named:
+            # The gate uses exp(A_log): finite weights whose exp is not break it as surely as a NaN does.
+            named["A_log (its exp)"] = named["A_log"].detach().float().exp()
         named = {name: t for name, t in named.items() if t is not None}
         bad = torch.stack([~torch.isfinite(t).all() for t in named.values()]).tolist()
         for name, is_bad in zip(named, bad):

@@ -106,8 +106,11 @@ def raise_value_errors(flags: dict[str, torch.Tensor], K: int, o: torch.Tensor, 
                 f"A_log is too large: exp(A_log) overflows float32 beyond 88 and the gate came out NaN where "
                 f"z + dt_bias = 0, got max |A_log| = {maxima['A_log']:.3g}"))
         # Keys are normalised and beta = sigmoid(beta_logits) in the kernels: the state cannot grow geometrically,
-        # so only the sizes of v and initial_state are left to blame.
-        raise overflow_error(torch.float32, v, initial_state, remedy="use k3lab.kda.chunk_kda in float64")
+        # so only the sizes of v and initial_state are left to blame. The kernels compute in float32; a float16
+        # output runs out at 6.55e4 first: name the range that ran out (as ``check_kda_result`` does).
+        dtype = min([torch.float32, o.dtype] + ([final_state.dtype] if final_state is not None else []),
+                    key=lambda d: torch.finfo(d).max)
+        raise overflow_error(dtype, v, initial_state, remedy="use k3lab.kda.chunk_kda in float64")
 
 
 def intermediate_dtype(q: torch.Tensor) -> torch.dtype:
