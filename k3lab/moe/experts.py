@@ -27,6 +27,12 @@ from k3lab.moe.activation import ACTIVATIONS, glu, glu_packed
 from k3lab.precision import AUTOCAST_DTYPES, autocast_dtype, shape_of as _shape, widen
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def row_alignment(dtype: torch.dtype) -> int:
+    """Elements per 16 bytes in ``dtype``: grouped_mm needs every row stride a multiple of it (4 in float32,
+    8 in bf16/fp16), so the experts' widths d and h must be too."""
+    return 16 // dtype.itemsize
 # The public name arrived after torch 2.11; the private op it wraps is in every supported version.
 grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -259,7 +265,7 @@ def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_u
     if x.dtype not in GROUPED_DTYPES or not (x.dtype == w_gate.dtype == w_up.dtype == w_down.dtype):
         raise ValueError(f"expert_ffn: x and the weights must share one dtype of {GROUPED_DTYPES}, got x "
                          f"{x.dtype}, weights {w_gate.dtype}/{w_up.dtype}/{w_down.dtype}")
-    align = 16 // x.element_size()
+    align = row_alignment(x.dtype)
     if x.shape[1] % align or w_gate.shape[2] % align:
         raise ValueError(f"expert_ffn: d={x.shape[1]} and h={w_gate.shape[2]} must be multiples of {align} for "
                          f"{x.dtype} (grouped_mm needs 16-byte row strides)")

@@ -20,7 +20,7 @@ import torch.nn as nn
 from k3lab.moe.activation import ACTIVATIONS
 from k3lab.moe.balance import ESTIMATORS, METHODS, Balancing, in_backward
 from k3lab.moe.experts import (GROUPED_DTYPES, GatedFFN, GroupedExperts, combine_rows, depth_scaled_std,
-                               dispatch_rows, group_by_expert, inverse_permutation, naive_expert_ffn)
+                               dispatch_rows, group_by_expert, inverse_permutation, naive_expert_ffn, row_alignment)
 from k3lab.norm import RMSNorm
 from k3lab.precision import AUTOCAST_DTYPES, autocast_dtype, check_input_dtype
 from k3lab.moe.router import Router, Routing, check_topk
@@ -234,12 +234,12 @@ class MoE(nn.Module):
 
     def _check_expert_widths(self, z: torch.Tensor) -> None:
         """ValueError naming the config's fields when the grouped GEMMs cannot run the experts on z."""
-        # grouped_mm needs 16-byte rows in the dtype the experts run in (autocast's, else z's). Checked here, not
-        # in MoEConfig: float64 runs the loop over experts (naive_expert_ffn), which takes any width.
+        # expert_ffn's alignment in the dtype the experts run in (autocast's, else z's), named by the config's
+        # fields. Checked here, not in MoEConfig: float64 runs the loop over experts, which takes any width.
         dtype = (autocast_dtype(z.device.type) if z.dtype in AUTOCAST_DTYPES else None) or z.dtype
         if dtype not in GROUPED_DTYPES:
             return
-        c, align = self.config, 16 // dtype.itemsize
+        c, align = self.config, row_alignment(dtype)
         width = "d_model" if c.latent_dim is None else "latent_dim"
         for name, v in ((width, c.routed_dim), ("expert_hidden", c.expert_hidden)):
             if v % align:
