@@ -157,8 +157,9 @@ assert device.type == ("cuda" if profile == "gpu" else "cpu")
 #
 # `python -m k3lab.book run --profile gpu --record` adds each chapter's outcome on the GPU profile to
 # `data/results/book_gpu_<card>.json` (a chapter run again replaces its row, with any `-p` overrides,
-# which make a row a trimmed run rather than the profile). The rows recorded so far (what this cell
-# prints changes whenever a table is committed, so CI does not compare it):
+# which make a row a trimmed run rather than the profile). The recorded rows (they depend on the hardware,
+# so CI does not compare them); a row keeps its chapter's last run on that card, so a FAILED row stands
+# until the chapter runs there again (`docs/book.md` says what each failure was):
 
 # %% tags=["nbval-ignore-output"]
 import json
@@ -176,7 +177,7 @@ for path in tables:
         print(f"  {r['name']:<16}{r['status']:<8}{r['seconds']:>8.1f} s  {r['detail']}{trimmed}")
     recorded = {r["chapter"] for r in table["chapters"]}
     missing = [p.stem for p in sorted((ROOT / "book").glob("[0-9][0-9]_*.py")) if p.stem[:2] not in recorded]
-    print(f"  not recorded yet: {', '.join(missing)}" if missing else "  every chapter recorded")
+    print(f"  no row for: {', '.join(missing)}" if missing else "  every chapter recorded")
 
 # %% [markdown]
 # ## The data: real Python source

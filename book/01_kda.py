@@ -533,7 +533,8 @@ print(f"final validation loss: kda {final['kda']:.2f}, attention {final['attenti
 # features). One seed, few tokens: "KDA is a working token mixer", not a ranking. On a CPU a KDA step
 # costs more because `chunk_kda` is plain PyTorch looping over chunks, against one fused attention
 # kernel. On a GPU the layer runs chapter 02's FlashKDA, and at these 512-token windows a KDA step still
-# costs more (the last line above says how much): the short convolutions, the gate projections and
+# costs more (on the GPU profile the last line above gives the ratio; the stored outputs are the CPU
+# run's): the short convolutions, the gate projections and
 # several kernel launches per layer against one attention kernel whose $T^2$ term is still small. KDA's advantage is in how its
 # cost grows with $T$: linearly, against attention's quadratic growth (the timing table above).
 #

@@ -96,7 +96,7 @@ def show_source(fn, docstring=False):
 # Per chunk and head that is about `6 C K V + 5 C² K` FLOPs of tensor-core work for one pass over the
 # state. The state stays in registers across chunks, so what streams is q, k, v, gate and output, and
 # the intensity grows with `C`. The H200's ceilings below are the ones the benchmark measured
-# (`hardware` in the committed JSON); every figure in this chapter uses them.
+# (`hardware` in `data/results/flash_kda_h200.json`); every figure in this chapter uses them.
 
 # %%
 K = V = 128
@@ -381,9 +381,9 @@ print(f"lowest rate where the GPU bounds the time: {slowest['tflops_fwd']:.0f} T
 # file come from its own runs of the benchmark on the same GPU model, not from the same run as ours.
 #
 # On the GPU profile (`python -m k3lab.book run --profile gpu --only 02`), the cell below reruns the
-# benchmark (its bf16 check first) on the shapes in `bench_cases` and writes to `build/`, leaving the
-# committed JSON alone. fla is timed too where `fla-core` is installed (expect minutes of autotuning per
-# new shape); without it, ours alone, beside the committed run's figures for the same shapes.
+# benchmark (its bf16 check first) on the shapes in `bench_cases` and writes to `build/`, leaving
+# `data/results` unchanged. fla is timed too where `fla-core` is installed (expect minutes of autotuning per
+# new shape); without it, ours alone, beside the stored H200 figures for the same shapes.
 
 # %% tags=["nbval-ignore-output"]
 if device.type == "cuda" and bench_cases:
@@ -402,7 +402,7 @@ if device.type == "cuda" and bench_cases:
         then = f"; committed ({result['device']}): {prev['ours_fwd_ms']:.3f} / {prev['ours_fwd_bwd_ms']:.3f} ms" if prev else ""
         print(f"B{c['B']} T{c['T']} H{c['H']}: fwd {c['ours_fwd_ms']:.3f} ms, fwd+bwd {c['ours_fwd_bwd_ms']:.3f} ms{then}")
 else:
-    print("CPU profile: the benchmark needs a CUDA GPU; the table above is the committed H200 run")
+    print("CPU profile: the benchmark needs a CUDA GPU; the table above is the stored H200 run")
 
 # %% [markdown]
 # ## 6. Experiments

@@ -281,7 +281,7 @@ explorer = explore(plot_layout, R=[1, 2, 4, 8], b1=(1, 126), b2=(2, 126), b3=(3,
 # ## 4. The check: KCP equals one process, rank by rank
 #
 # A context-parallel backward can be wrong on every rank but the last and still look right in a summed
-# loss (a public CP implementation once shipped wrong gate offsets that way: ~10% wrong gradients), so
+# loss (a public CP implementation once shipped wrong gate offsets that way), so
 # every rank's outputs and gradient slices are compared with one process separately.
 # `k3lab.dist.launch` spawns R gloo processes running `k3lab.kcp.workers`: each runs KDA's token mixer
 # without projections (short convs with the W−1 halo from the previous rank, SiLU, L2 norm for q, k;

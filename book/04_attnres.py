@@ -428,8 +428,9 @@ for label, kw in [("fp32 / fp32 / fp32", dict(buf=4, o=4, h=4, v=4)), ("fp32 / b
     print(f"{label:<26}{extra:>7.1f}{ms:>13.2f}" + "".join(f"{100 * ms / standard[p]:>16.2f}%" for p in shares))
 
 # %% [markdown]
-# The 4 TB/s ceiling is a little above the best streaming rates measured on that H200 (the line above,
-# the kernel table's GB/s column): the table is what the bytes alone must cost. Under 2% of a compiled
+# The 4 TB/s ceiling is a little above the copy and add rates measured on that H200 (the line above); a few
+# forward kernel rows of the table reach 4.0-4.3 TB/s by the bytes model's count, so the ceiling is about
+# what streaming reaches: the table is what the bytes alone must cost. Under 2% of a compiled
 # step needs bf16 blocks and near-perfect streaming, launch gaps included. Phase 1's backward with six
 # queries (the `_S6` rows) streams at 1.4-1.7 TB/s, under half the copy rate: latency-bound.
 #

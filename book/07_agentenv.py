@@ -88,7 +88,7 @@ vm_tools = skip_vm_cells_if_missing()
 #
 # ## Which backend this host gets
 #
-# `/dev/kvm` exists here, but it is `kvm_pvm`, a paravirtual nested layer without vmx/svm CPU
+# On the machine that stored these outputs, `/dev/kvm` exists but is `kvm_pvm`, a paravirtual nested layer without vmx/svm CPU
 # flags, on which ordinary guest kernels do not boot. So Firecracker (KVM only) cannot run, and
 # QEMU falls back to **TCG**, software CPU emulation: the guest CPU is emulated instruction by
 # instruction, QEMU itself is the isolation boundary, and guest-side work is roughly an order of
@@ -172,7 +172,7 @@ print("file round trip:", len(blob), "bytes,", sb.exec("sha256sum blob.bin", tim
 # | hibernate / wake | save state, kill QEMU, evict the RAM file from the page cache / new QEMU from the files | files only: no process, no memory |
 # | fork(n) | snapshot + n copy-on-write restores | the parent runs on |
 #
-# A few live timings (this machine, now; the committed benchmark below has more runs):
+# A few live timings (this machine, now; the recorded benchmark below has more runs):
 
 # %% tags=["nbval-ignore-output"]
 # VM cell
@@ -397,7 +397,7 @@ assert left == sb.pids()
 # host hears from the guest within `grace_s` of every deadline or marks the sandbox unhealthy.
 
 # %% [markdown]
-# ## The committed benchmark: `python -m k3lab.bench.agentenv`
+# ## The recorded benchmark: `python -m k3lab.bench.agentenv`
 #
 # Ten or more runs per operation on this 2-core CPU box (TCG), against the anchors. Read it with
 # the caveats: TCG is software emulation (guest-side work like boot is an order of magnitude or
@@ -474,8 +474,8 @@ assert (t_run + t_hib + t_wake) / (t_run + t_hib + t_wake + 30.0) < 0.1
 
 # %% [markdown]
 # Hibernating pays off once the wait is long against ~0.3 s of hibernate + wake: for waits of
-# seconds to minutes (LLM inference of a long agent turn) the sandbox is resident a few percent
-# of the time. Short waits are better served by `pause` (sub-millisecond, but memory stays).
+# tens of seconds to minutes (LLM inference of a long agent turn) the sandbox is resident a few
+# percent of the time or less (the table above). Short waits are better served by `pause` (sub-millisecond, but memory stays).
 #
 # ## Experiment: how many paused sandboxes fit in a GiB?
 #
@@ -567,14 +567,14 @@ assert not pool.root.exists()
 # 1. Time `sb.exec("true")` twenty times and replace the assumed $t_{run}$ = 0.1 s: how does the resident
 #    fraction at $W$ = 1 s move? At which wait does hibernating stop paying against `pause`, if a paused
 #    sandbox costs its PSS and a hibernated one nothing?
-# 2. Run the density experiment at n = 12 and 20 and compare with the committed benchmark's figure: why
+# 2. Run the density experiment at n = 12 and 20 and compare with the recorded benchmark's figure: why
 #    does the copy-on-write cost per sandbox keep falling, and what is its floor?
 # 3. In a fork, write 50 MiB to `/tmp` (a tmpfs, so guest RAM) and measure its PSS before and after:
 #    which pages stop being shared?
 # 4. Add a hostile case: a command that fills `/home/user` (the disk overlay) until the disk is full.
 #    What should the sandbox report, and does a later command still run?
 # 5. The rollout's reward check forks the agent's sandbox. Estimate the cost of grading by restoring the
-#    agent's last snapshot instead, from the committed medians: which is cheaper, and which is correct?
+#    agent's last snapshot instead, from the recorded medians: which is cheaper, and which is correct?
 #
 # ## References
 #
