@@ -484,7 +484,7 @@ for name, N in variants:
     torch.manual_seed(seed)
     model = lm.LM(config, residual=None if N is None else BlockAttnRes(d_model, L, N))
     histories[name] = lm.train(model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, device=device,
-                               seed=seed, log_every=log_every)
+                               seed=seed, log_every=log_every, desc=name)
     models[name] = model
 assert all(np.isfinite(h["val_loss"]).all() and h["val_loss"][-1] < h["val_loss"][0] for h in histories.values())
 

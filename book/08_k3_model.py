@@ -420,7 +420,7 @@ for name, make in optimizers.items():
     models[name] = K3Model(cfg)
     runs[name] = lm.train(models[name], steps, batch_size, seq_len, lr, device, seed=seed, log_every=log_every,
                           optimizer=make, after_step=lambda step, m: update_biases(m),
-                          max_seconds=max_seconds or None)
+                          max_seconds=max_seconds or None, desc=name)
 fig, ax = plt.subplots(1, 2, figsize=(11, 3.4))
 for a_, key, label in ((ax[0], "loss", "train loss (mean since last log)"), (ax[1], "val_loss", "validation loss")):
     for name, hist in runs.items():

@@ -350,6 +350,7 @@ def train(
     after_step=None,
     optimizer=None,
     microbatches: int = 1,
+    desc: str | None = None,
 ) -> dict[str, list]:
     """Train ``model`` (an ``LM`` or anything with ``forward(x, y) -> (logits, loss)``) on next-token
     prediction with AdamW (or ``optimizer``), linear warmup + cosine decay, gradient clipping, bf16 autocast on CUDA.
@@ -374,6 +375,8 @@ def train(
         data (tuple | None): (train_tokens, val_tokens) 1-D integer arrays; default
             ``k3lab.data.load_split("train")`` and ``("val")``.
         progress (bool): show a tqdm bar.
+        desc (str | None): the bar's label (default: the model's ``config.mixer``, else "train"), so runs of
+            one mixer that differ elsewhere (residuals, experts) can be told apart.
         extra_loss (Callable[[nn.Module], Tensor | float] | None): added to the loss before backward
             (e.g. ``k3lab.moe.balance_loss``); the logged loss stays the language-model loss.
         after_step (Callable[[int, nn.Module], None] | None): called after each optimizer step with the
@@ -452,7 +455,9 @@ def train(
 
     history = {k: [] for k in ("step", "loss", "val_loss", "tokens_per_s", "lr", "elapsed_s")}
     running, n_running, t_log, train_time = 0.0, 0, time.perf_counter(), 0.0
-    bar = tqdm(range(steps), disable=not progress, desc=getattr(getattr(model, "config", None), "mixer", "train"))
+    if desc is None:
+        desc = getattr(getattr(model, "config", None), "mixer", "train")
+    bar = tqdm(range(steps), disable=not progress, desc=desc)
     for step in bar:
         t0 = time.perf_counter()
         cur_lr = lr_at(step, steps, lr, warmup)
