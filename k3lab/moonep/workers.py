@@ -124,20 +124,25 @@ class _Experts(torch.nn.Module):
             setattr(self, n, torch.nn.Parameter(full[n][sl].clone()))
 
 
+def _run_slice(full: dict, sl: slice, rank: int, R: int, group, mode: str, pad: torch.Tensor | None):
+    """``moonep_experts`` forward and backward (loss <out, w_o>) on rows ``sl`` of ``full`` with this rank's
+    home experts: (result dict of out and gradients, x, topk_weight, experts)."""
+    x = full["x"][sl].clone().requires_grad_()
+    tw = full["topk_weight"][sl].clone().requires_grad_()
+    experts = _Experts(full, rank, full["w_gate"].shape[0] // R)
+    out = moonep_experts(x, full["topk_idx"][sl], tw, experts, group, mode=mode, pad_mask=pad)
+    (out * full["w_o"][sl]).sum().backward()
+    res = dict(rank=rank, out=out.detach(), grad_x=x.grad, grad_topk_weight=tw.grad,
+               grads={n: getattr(experts, n).grad for n in ("w_gate", "w_up", "w_down")})
+    return res, x, tw, experts
+
+
 def rank_run(rank: int, R: int, group, case: Case) -> dict:
     """This rank's part of ``reference(case, R)``: out and grad slices of its tokens, gradients of its
     home experts, the rows it processed, and (MoonEP) its redundant experts and the plan's offsets."""
     full = make_inputs(case, R)
-    L = case.E // R
     sl = slice(rank * case.S, (rank + 1) * case.S)
-    x = full["x"][sl].clone().requires_grad_()
-    tw = full["topk_weight"][sl].clone().requires_grad_()
-    experts = _Experts(full, rank, L)
-    pad = full["pad"][sl] if case.padded else None
-    out = moonep_experts(x, full["topk_idx"][sl], tw, experts, group, mode=case.mode, pad_mask=pad)
-    (out * full["w_o"][sl]).sum().backward()
-    res = dict(rank=rank, out=out.detach(), grad_x=x.grad, grad_topk_weight=tw.grad,
-               grads={n: getattr(experts, n).grad for n in ("w_gate", "w_up", "w_down")})
+    res, x, tw, experts = _run_slice(full, sl, rank, R, group, case.mode, full["pad"][sl] if case.padded else None)
     # The loads, from the unchecked steps on the same inputs (no padding: the routing as given).
     idx = full["topk_idx"][sl]
     ws = [getattr(experts, n).detach() for n in ("w_gate", "w_up", "w_down")]
@@ -186,15 +191,8 @@ def uneven_worker(rank: int, R: int, group, sizes: list[int], case: Case = Case(
     full = make_inputs(replace(case, S=max(sizes)), R)
     start = sum(sizes[:rank])
     sl = slice(start, start + sizes[rank])
-    L = case.E // R
-    x = full["x"][sl].clone().requires_grad_()
-    tw = full["topk_weight"][sl].clone().requires_grad_()
-    experts = _Experts(full, rank, L)
+    res, x, tw, experts = _run_slice(full, sl, rank, R, group, "alltoall", None)
     idx = full["topk_idx"][sl]
-    out = moonep_experts(x, idx, tw, experts, group, mode="alltoall")
-    (out * full["w_o"][sl]).sum().backward()
-    res = dict(rank=rank, out=out.detach(), grad_x=x.grad, grad_topk_weight=tw.grad,
-               grads={n: getattr(experts, n).grad for n in ("w_gate", "w_up", "w_down")})
 
     def error(fn):
         try:
