@@ -102,6 +102,14 @@ def test_compiled_context_parallel_runs_match_one_eager_process(tmp_path, one_th
         assert rel.max() < 1e-4, f"cp=2 {label}: losses {got} vs one eager process {ref}"
 
 
+def test_compile_on_the_cpu_compiles_in_this_process(monkeypatch):
+    # Inductor's CPU code built in its worker processes can corrupt this process's heap (pytorch/pytorch#181618).
+    import torch._inductor.config as inductor_config
+    monkeypatch.setattr(inductor_config, "compile_threads", 2)
+    compile_blocks(K3Model(K3Config.preset("k3-tiny")))
+    assert inductor_config.compile_threads == 1
+
+
 def test_compile_needs_a_model_with_sublayers():
     with pytest.raises(ValueError, match="model must be a K3Model or a K3Stage"):
         compile_blocks(torch.nn.Linear(2, 2))

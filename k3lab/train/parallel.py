@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch._inductor.config
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -163,7 +164,8 @@ def compile_blocks(model: nn.Module) -> nn.Module:
     head's matmuls. The loss's elementwise part (log-softmax and its gradient on each chunk of logits,
     ``k3lab.model.loss``) is compiled too (``compile_loss`` of a ``K3Model`` or its last stage). A sublayer whose
     modules carry activation policies (``k3lab.memory``) stays eager: their saved-tensor hooks and checkpoint
-    regions wrap forwards that a compiled graph would swallow.
+    regions wrap forwards that a compiled graph would swallow. A model on the CPU makes inductor compile in
+    this process from then on (``torch._inductor.config.compile_threads = 1``, process-wide).
 
     Returns:
         ``model`` (compiled in place).
@@ -173,6 +175,13 @@ def compile_blocks(model: nn.Module) -> nn.Module:
     """
     if not isinstance(getattr(model, "sublayers", None), nn.ModuleList):
         raise ValueError(f"model must be a K3Model or a K3Stage (with sublayers), got {type(model).__name__}")
+    param = next(model.parameters(), None)
+    if param is not None and param.device.type == "cpu":
+        # Inductor's CPU code compiled in its worker processes can write out of bounds when called in this
+        # process (glibc aborts later: "malloc(): unaligned tcache chunk detected"; pytorch/pytorch#181618,
+        # torch 2.11-2.13 wheels built with oneDNN), which aborted a rank of the compiled cp = 2 test about
+        # once in four suite runs. Compiling in this process avoids it; a GPU's Triton compile keeps its pool.
+        torch._inductor.config.compile_threads = 1
     blocks = [*model.sublayers, *getattr(model, "mtp", ())]
     for block in blocks:
         # A placeholder of a sublayer that runs on another pipeline stage has no forward to compile.
