@@ -367,32 +367,93 @@ def test_trains_under_bf16_autocast_with_value_checks_off():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
 
 
-def test_mtp_loss_equals_the_depths_run_on_truncated_sequences():
+@pytest.fixture(scope="module")
+def mtp_model():
+    torch.manual_seed(0)
+    c = K3Config.preset("k3-tiny", num_nextn_predict_layers=2, mtp_loss_weight=0.5)
+    return K3Model(c).double()
+
+
+def _mtp_reference(model, x, targets):
+    """The main loss plus the weighted mean of the depths, each run on the positions that have a target
+    (t + k < T): depth k reads x_{t+k} and predicts targets[:, t+k]; -100 targets ignored."""
+    h = model.residual(model.embed(x), model.sublayers)
+    main = F.cross_entropy(model.head(model.norm(h)).flatten(0, 1), targets.flatten())
+    state, depth_losses = h, []
+    for k, module in enumerate(model.mtp, start=1):
+        n = x.shape[1] - k
+        state, normed = module(state[:, :n], model.embed(x[:, k:k + n]))
+        depth_losses.append(F.cross_entropy(model.head(normed).flatten(0, 1), targets[:, k:k + n].flatten()))
+    return main + model.config.mtp_loss_weight * sum(depth_losses) / len(depth_losses)
+
+
+def test_mtp_loss_equals_the_depths_run_on_truncated_sequences(mtp_model):
     # The model shifts and pads (position t of depth k reads x_{t+k}, predicts x_{t+k+1}); the reference
     # truncates each depth to the positions that have a target. Causal mixers and per-token FFNs make
     # the two agree wherever a target exists.
-    torch.manual_seed(0)
-    c = K3Config.preset("k3-tiny", num_nextn_predict_layers=2, mtp_loss_weight=0.5)
-    model = K3Model(c).double()
-    idx = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
-    _, loss = model(idx, targets=idx)
-    h = model.residual(model.embed(idx), model.sublayers)
-    main = F.cross_entropy(model.head(model.norm(h)).flatten(0, 1), idx.flatten())
-    state, depth_losses = h, []
-    for k, module in enumerate(model.mtp, start=1):
-        n = idx.shape[1] - k
-        state, normed = module(state[:, :n], model.embed(idx[:, k - 1:k - 1 + n]))
-        depth_losses.append(F.cross_entropy(model.head(normed).flatten(0, 1), idx[:, k:k + n].flatten()))
-    want = main + 0.5 * sum(depth_losses) / 2
-    assert_close("mtp loss", want.detach(), loss.detach(), 1e-12)
+    model = mtp_model
+    seq = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(1))
+    x, targets = seq[:, :-1], seq[:, 1:]
+    _, loss = model(x, targets=targets)
+    assert_close("mtp loss", _mtp_reference(model, x, targets).detach(), loss.detach(), 1e-12)
+    model.zero_grad(set_to_none=True)
     loss.backward()
     assert all(p.grad is not None for p in model.mtp.parameters())
     # One token: no depth has a target; the loss is the main loss, not NaN.
-    _, short = model(idx[:, :1], targets=idx[:, :1])
+    _, short = model(x[:, :1], targets=targets[:, :1])
     assert torch.isfinite(short)
     # Decoding ignores the MTP modules; the counts put them under "mtp", and the released config has none.
-    assert model.generate(idx[:, :4], 3, temperature=0).shape == (2, 7)
-    assert count_params(c)["mtp"][0] > 0 and count_params("k3-tiny")["mtp"] == (0, 0)
+    assert model.generate(x[:, :4], 3, temperature=0).shape == (2, 7)
+    assert count_params(model.config)["mtp"][0] > 0 and count_params("k3-tiny")["mtp"] == (0, 0)
+
+
+def test_mtp_reads_the_input_ids_so_a_masked_target_changes_no_other_position(mtp_model):
+    # The MTP input once came from the targets with -100 clamped to id 0: masking the target of position 3
+    # fed token 0 to depth 1 at position 2 and changed the loss of positions that still count.
+    model = mtp_model
+    seq = torch.randint(1, 256, (2, 13), generator=torch.Generator().manual_seed(2))
+    x, targets = seq[:, :-1], seq[:, 1:].clone()
+    targets[0, 3] = targets[1, 7] = -100
+    _, loss = model(x, targets=targets)
+    assert_close("mtp loss with masked targets", _mtp_reference(model, x, targets).detach(), loss.detach(), 1e-12)
+
+
+def test_mtp_with_packed_documents_equals_the_documents_as_a_batch(mtp_model):
+    # Packed into one row, depth k once scored a document's last positions against the next document's
+    # first targets; with cu_seqlens each depth stops at its document's end, as a row of its own does.
+    model = mtp_model
+    seq = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(3))
+    x, targets = seq[:, :-1], seq[:, 1:]
+    _, batch = model(x, targets=targets)
+    cu = torch.tensor([0, 12, 24])
+    _, packed = model(x.reshape(1, 24), targets=targets.reshape(1, 24), cu_seqlens=cu)
+    assert_close("packed mtp loss", batch.detach(), packed.detach(), 1e-12)
+    # Documents of unequal lengths, one shorter than the MTP depth: the loss of each document run alone,
+    # weighted by its counted targets (the main loss and each depth are means over their targets).
+    lens = [9, 2, 13]
+    seq = torch.randint(0, 256, (1, sum(lens) + 1), generator=torch.Generator().manual_seed(4))
+    x, targets = seq[:, :-1], seq[:, 1:]
+    cu = torch.tensor([0, 9, 11, 24])
+    _, packed = model(x, targets=targets, cu_seqlens=cu)
+    main_and_depths = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        xd, td = x[:, a:b], targets[:, a:b]
+        hd = model.residual(model.embed(xd), model.sublayers)
+        terms = [(F.cross_entropy(model.head(model.norm(hd)).flatten(0, 1), td.flatten(), reduction="sum"), b - a)]
+        state = hd
+        for k, module in enumerate(model.mtp, start=1):
+            n = max(b - a - k, 0)
+            if n == 0:  # the document is too short for this depth (and the deeper ones)
+                terms.append((torch.zeros((), dtype=torch.float64), 0))
+                continue
+            state, normed = module(state[:, :n], model.embed(xd[:, k:k + n]))
+            terms.append((F.cross_entropy(model.head(normed).flatten(0, 1), td[:, k:k + n].flatten(),
+                                          reduction="sum"), n))
+        main_and_depths.append(terms)
+    sums = [sum(doc[i][0] for doc in main_and_depths) / sum(doc[i][1] for doc in main_and_depths)
+            for i in range(len(model.mtp) + 1)]
+    want = sums[0] + model.config.mtp_loss_weight * sum(sums[1:]) / len(model.mtp)
+    assert_close("packed mtp loss, unequal documents", want.detach(), packed.detach(), 1e-12)
 
 
 def test_value_checks_and_cp_reject_wrong_types():

@@ -333,7 +333,7 @@ class K3Model(nn.Module):
                 # are all -100 has loss 0, not 0/0 = NaN.
                 loss = F.cross_entropy(logits.flatten(0, 1), tgt, reduction="sum") / (tgt != -100).sum().clamp(min=1)
             if self.mtp:
-                loss = loss + c.mtp_loss_weight * self.mtp_loss(h, targets.long(), cu_seqlens)
+                loss = loss + c.mtp_loss_weight * self.mtp_loss(h, idx.long(), targets.long(), cu_seqlens)
         return (logits, loss, new_caches) if use_cache else (logits, loss)
 
     def _check_idx(self, idx: torch.Tensor) -> None:
@@ -353,15 +353,26 @@ class K3Model(nn.Module):
         if self.check_values:
             _check_ids("idx", idx, self.config.vocab_size)
 
-    def mtp_loss(self, h: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def mtp_loss(self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor,
+                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Mean over the D MTP depths of their cross-entropy (module docstring), from the main stack's
-        output h [B, T, d] and targets [B, T] (targets[:, t] = x_{t+1}; -100 ignored). Depth k reads the
-        embedding of targets[:, t+k-1] and predicts targets[:, t+k]; positions past the end are ignored
-        (a sequence of T <= k contributes nothing, and an all-ignored depth counts 0, not NaN)."""
+        output h [B, T, d], the input ids idx [B, T] and targets [B, T] (targets[:, t] = x_{t+1}; -100
+        ignored). Depth k reads the embedding of x_{t+k} = idx[:, t+k] (the input, so a target masked with
+        -100 changes no other position's input) and predicts targets[:, t+k]. Positions whose target lies past
+        the end of the row, or with ``cu_seqlens`` [N + 1] past the end of their document, are ignored (a
+        document of T <= k tokens contributes nothing, and an all-ignored depth counts 0, not NaN)."""
+        T = idx.shape[1]
+        if cu_seqlens is not None:
+            # Each position's document end: a target at t + k >= end belongs to the next document.
+            pos = torch.arange(T, device=idx.device)
+            cu = cu_seqlens.to(device=idx.device, dtype=torch.long)
+            end = cu[torch.searchsorted(cu, pos, right=True).clamp(max=cu.numel() - 1)]
         state, total = h, 0.0
         for k, module in enumerate(self.mtp, start=1):
-            emb = self.embed(_shift_left(targets, k - 1, 0).clamp(min=0))
+            emb = self.embed(_shift_left(idx, k, 0))
             tgt = _shift_left(targets, k, -100)
+            if cu_seqlens is not None:
+                tgt = tgt.masked_fill((pos + k >= end).unsqueeze(0), -100)
             state, normed = module(state, emb, cu_seqlens, mask=tgt != -100)
             total = total + self.head_loss(normed, tgt.flatten())
         return total / len(self.mtp)
