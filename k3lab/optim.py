@@ -219,33 +219,36 @@ class PerHeadMuon(torch.optim.Optimizer):
         defaults["ns_coefficients"], defaults["betas"] = tuple(ns_coefficients), tuple(betas)
         super().__init__(params, defaults)
         for i, group in enumerate(self.param_groups):
-            # A group's own values (per_head_muon sets weight_decay per group) get the defaults' checks.
-            _check_hyperparameters(group, f"param group {i}: ")
-            if group.get("algorithm") not in ALGORITHMS:
-                raise ValueError(f"param group {i} needs 'algorithm' in {ALGORITHMS}, got {group.get('algorithm')!r}")
-            blocks = group["row_blocks"]
-            if blocks is not None and group["algorithm"] != "muon":
-                raise ValueError(f"param group {i}: row_blocks is for Muon groups (AdamW has no heads), got "
-                                 f"{blocks!r} in an AdamW group")
-            if group["algorithm"] == "muon":
-                for p in group["params"]:
-                    if p.ndim not in (2, 3):
-                        raise ValueError(f"param group {i}: Muon takes 2-D or 3-D (stacked) parameters, got "
-                                         f"shape {list(p.shape)}")
-                if blocks is not None:
-                    if len(group["params"]) != 1 or group["params"][0].ndim != 2:
-                        raise ValueError(f"param group {i}: row_blocks needs exactly one 2-D parameter")
-                    rows = group["params"][0].shape[0]
-                    if not (isinstance(blocks, (list, tuple))
-                            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in blocks)
-                            and sum(blocks) == rows):
-                        raise ValueError(f"param group {i}: row_blocks must be a list of positive ints summing to "
-                                         f"the parameter's {rows} rows, got {blocks!r}")
+            _check_group(group, i)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """``torch.optim.Optimizer.load_state_dict``, keeping Muon's momentum in the dtype it was saved in:
         torch casts restored floating state to the parameter's dtype, and the momentum of a low-precision
-        parameter is float32 (``_momentum``)."""
+        parameter is float32 (``_momentum``).
+
+        Raises:
+            ValueError: before anything changes, when a saved group's hyperparameters fail the constructor's
+                checks, its ``algorithm`` or ``row_blocks`` differ from this optimizer's group (another model's
+                layout), or a saved state tensor's shape differs from its parameter's.
+        """
+        saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state_dict must hold {len(self.param_groups)} param_groups (this optimizer's), got "
+                             f"{len(saved_groups) if isinstance(saved_groups, list) else type(saved_groups).__name__}")
+        shapes = {}
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            for key in ("algorithm", "row_blocks"):
+                # A checkpoint may hold a tuple as a list.
+                if _plain(saved.get(key, group[key])) != _plain(group[key]):
+                    raise ValueError(f"param group {i}: the saved {key} {saved.get(key)!r} differs from this "
+                                     f"optimizer's {group[key]!r} (a state dict of another model or grouping)")
+            _check_group({**group, **saved, "params": group["params"]}, i)
+            shapes.update({index: p.shape for index, p in zip(saved.get("params", ()), group["params"])})
+        for index, saved in state_dict.get("state", {}).items():
+            for name, t in (saved.items() if isinstance(saved, dict) else ()):
+                if isinstance(t, torch.Tensor) and t.ndim > 0 and index in shapes and t.shape != shapes[index]:
+                    raise ValueError(f"state of parameter {index!r}: {name} has shape {list(t.shape)}, the "
+                                     f"parameter {list(shapes[index])} (a state dict of another model)")
         super().load_state_dict(state_dict)
         # Saved ids map to parameters group by group, as torch maps them: ints from ``state_dict()``, parameter
         # names from torch.distributed.checkpoint's ``set_optimizer_state_dict``.
@@ -271,7 +274,8 @@ class PerHeadMuon(torch.optim.Optimizer):
         muon = []
         for group in self.param_groups:
             if group["algorithm"] == "muon":
-                muon += [(p, group) for p in group["params"] if p.grad is not None]
+                # An empty parameter (an expert stack of E = 0) has nothing to orthogonalise.
+                muon += [(p, group) for p in group["params"] if p.grad is not None and p.numel() > 0]
             else:
                 self._adamw(group)
         jobs = self._momentum(muon)
@@ -380,6 +384,37 @@ class PerHeadMuon(torch.optim.Optimizer):
             _adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, decoupled_weight_decay=True,
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                   eps=group["adamw_eps"], maximize=False)
+
+
+def _check_group(group: dict, i: int) -> None:
+    """ValueError unless param group ``i`` is one ``PerHeadMuon`` can step: its hyperparameters in range, a
+    known algorithm, Muon parameters 2-D or 3-D, row blocks only on a Muon group's single 2-D parameter and
+    summing to its rows."""
+    _check_hyperparameters(group, f"param group {i}: ")
+    if group.get("algorithm") not in ALGORITHMS:
+        raise ValueError(f"param group {i} needs 'algorithm' in {ALGORITHMS}, got {group.get('algorithm')!r}")
+    blocks = group["row_blocks"]
+    if blocks is not None and group["algorithm"] != "muon":
+        raise ValueError(f"param group {i}: row_blocks is for Muon groups (AdamW has no heads), got "
+                         f"{blocks!r} in an AdamW group")
+    if group["algorithm"] != "muon":
+        return
+    for p in group["params"]:
+        if p.ndim not in (2, 3):
+            raise ValueError(f"param group {i}: Muon takes 2-D or 3-D (stacked) parameters, got shape {list(p.shape)}")
+    if blocks is not None:
+        if len(group["params"]) != 1 or group["params"][0].ndim != 2:
+            raise ValueError(f"param group {i}: row_blocks needs exactly one 2-D parameter")
+        rows = group["params"][0].shape[0]
+        if not (isinstance(blocks, (list, tuple))
+                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in blocks)
+                and sum(blocks) == rows):
+            raise ValueError(f"param group {i}: row_blocks must be a list of positive ints summing to "
+                             f"the parameter's {rows} rows, got {blocks!r}")
+
+
+def _plain(v):
+    return list(v) if isinstance(v, tuple) else v
 
 
 def _is_number(v) -> bool:

@@ -252,6 +252,51 @@ def test_validation():
         PerHeadMuon([dict(params=[p], algorithm="muon")], max_grad_norm=0.0)
 
 
+def _stepped(algorithm="muon", row_blocks=None, shape=(6, 4), lr=1e-2):
+    """A one-parameter PerHeadMuon after one step on a fixed gradient."""
+    p = torch.nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(0)))
+    opt = PerHeadMuon([dict(params=[p], algorithm=algorithm, row_blocks=row_blocks)], lr=lr)
+    p.grad = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda sd: sd["param_groups"][0].update(lr=float("nan")), "param group 0: lr must be a finite number"),
+    (lambda sd: sd["param_groups"][0].update(algorithm="adamw"), "saved algorithm 'adamw' differs"),
+    (lambda sd: sd["param_groups"][0].update(row_blocks=[2, 4]), r"saved row_blocks \[2, 4\] differs"),
+    (lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(4, 6)), r"momentum_buffer has shape \[4, 6\]"),
+    (lambda sd: sd["param_groups"].append(dict(sd["param_groups"][0])), "must hold 1 param_groups"),
+], ids=["nan-lr", "algorithm", "row-blocks", "shape", "groups"])
+def test_load_state_dict_checks_what_it_loads_and_changes_nothing_when_it_refuses(edit, match):
+    """load_state_dict took a NaN lr (NaN weights after one step), switched an AdamW group to Muon, replaced the
+    row blocks, and a momentum of another shape failed only at step() with a bare size mismatch."""
+    p, opt = _stepped(row_blocks=[3, 3])
+    sd = copy.deepcopy(opt.state_dict())
+    edit(sd)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert torch.equal(after["state"][0]["momentum_buffer"], before["state"][0]["momentum_buffer"])
+    # The unedited state dict (tuples saved as lists, as a checkpoint may hold them) still loads.
+    sd = copy.deepcopy(before)
+    sd["param_groups"][0]["ns_coefficients"] = list(sd["param_groups"][0]["ns_coefficients"])
+    opt.load_state_dict(sd)
+
+
+def test_an_empty_expert_stack_is_skipped():
+    """A Muon stack [0, 3, 4] raised "stack expects a non-empty TensorList" from inside step()."""
+    empty = torch.nn.Parameter(torch.randn(0, 3, 4))
+    full = torch.nn.Parameter(torch.randn(2, 3, 4))
+    opt = PerHeadMuon([dict(params=[empty, full], algorithm="muon")], lr=1e-2)
+    empty.grad, full.grad = torch.zeros(0, 3, 4), torch.randn(2, 3, 4)
+    before = full.detach().clone()
+    opt.step()
+    assert empty.shape == (0, 3, 4) and not torch.equal(full, before) and torch.isfinite(full).all()
+
+
 def test_per_head_muon_of_something_other_than_a_module_is_a_type_error():
     """A list of parameters failed with AttributeError inside split_params."""
     with pytest.raises(TypeError, match=r"per_head_muon: model must be an nn.Module .*got list"):
