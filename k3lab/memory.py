@@ -9,7 +9,7 @@ Policies (``POLICIES``):
                 outputs of top-k (``SAVED_IN_RECOMPUTE``): a replay routes to the forward's experts
     offload     a copy goes to host memory (pinned, copied on a side stream on CUDA; a plain copy on
                 CPU, which only simulates the saving) and comes back when backward needs it
-    fp8         block-wise FP8: float8_e4m3fn with one float32 scale per block of 128 values along
+    fp8         block-wise FP8: float8_e4m3fn with one float32 scale (float64 for float64) per block of 128 values along
                 the last dim; dequantised to the original dtype in backward (lossy: ~2^-4 relative)
 
 Everything is built on ``torch.autograd.graph.saved_tensors_hooks`` and ``torch.utils.checkpoint``.
@@ -97,8 +97,10 @@ def fp8_quantize(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor,
         block (int): values per scale, >= 1.
 
     Returns:
-        (q [..., D] float8_e4m3fn, scale [..., ceil(D / block)] float32): value j of a row is
-        ``q[j] * scale[j // block]`` (``fp8_dequantize``). 1 byte per value plus 4 per block.
+        (q [..., D] float8_e4m3fn, scale [..., ceil(D / block)] float32, float64 for a float64 x): value j of
+        a row is ``q[j] * scale[j // block]`` (``fp8_dequantize``). 1 byte per value plus 4 (8) per block.
+        A block's scale comes from its finite values; NaN and +-inf are stored as NaN (e4m3 has no
+        infinity), so one non-finite value loses only itself.
 
     Raises:
         ValueError: x not floating point or 0-dim, block not a positive int.
@@ -108,15 +110,18 @@ def fp8_quantize(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor,
     _check_block("fp8_quantize", block)
     d = x.shape[-1]
     nb = -(-d // block)
-    rows = x.detach().float()
+    # float64 keeps its own range: through float32, values past 3.4e38 became inf and those below 1e-45 zero.
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rows = x.detach().to(work)
     # Zero padding to whole blocks changes no block's maximum; it is dropped again before storing.
     padded = torch.nn.functional.pad(rows, (0, nb * block - d)) if nb * block != d else rows
     blocks = padded.reshape(*x.shape[:-1], nb, block)
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    finite = torch.isfinite(blocks)
+    amax = torch.where(finite, blocks.abs(), 0).amax(dim=-1, keepdim=True)
     # An all-zero block keeps scale 1 (any scale gives 0), avoiding 0/0; a block whose maximum is below
-    # 448 x the smallest subnormal would get scale 0 (and NaN): the smallest normal float32 is its floor.
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).clamp(min=torch.finfo(torch.float32).tiny)
-    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    # 448 x the smallest subnormal would get scale 0 (and NaN): the smallest normal number is its floor.
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).clamp(min=torch.finfo(work).tiny)
+    q = torch.where(finite, (blocks / scale).clamp(-FP8_MAX, FP8_MAX), torch.nan).to(torch.float8_e4m3fn)
     q = q.reshape(*x.shape[:-1], nb * block)[..., :d].contiguous()
     return q, scale.squeeze(-1)
 
@@ -140,7 +145,7 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, blo
         got = list(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
         raise ValueError(f"fp8_dequantize: scale must be {list(want)} for q {list(q.shape)} with block={block}, "
                          f"got {got}")
-    return (q.float() * scale.repeat_interleave(block, dim=-1)[..., :d]).to(dtype)
+    return (q.to(scale.dtype) * scale.repeat_interleave(block, dim=-1)[..., :d]).to(dtype)
 
 
 @dataclass

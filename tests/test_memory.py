@@ -110,6 +110,28 @@ def test_fp8_roundtrip_blocks():
     assert torch.equal(fp8_dequantize(*fp8_quantize(torch.zeros(4, 7)), torch.float32), torch.zeros(4, 7))
 
 
+def test_fp8_one_non_finite_value_loses_only_itself():
+    """One inf in a block of 128 made the block's scale inf and the whole block NaN."""
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0))
+    x[0, 5], x[1, 200] = float("inf"), float("nan")
+    y = fp8_dequantize(*fp8_quantize(x), torch.float32)
+    bad = ~torch.isfinite(x)
+    assert torch.isnan(y[bad]).all() and torch.isfinite(y[~bad]).all()
+    assert rel_rms_error(x[~bad], y[~bad]) < 0.05
+
+
+def test_fp8_of_float64_keeps_float64_range():
+    """float64 went through float32: values past 3.4e38 came back NaN, values near 1e-300 zero."""
+    for magnitude in (1e300, 1e-300):
+        x = torch.randn(3, 130, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * magnitude
+        q, scale = fp8_quantize(x)
+        y = fp8_dequantize(q, scale, torch.float64)
+        assert scale.dtype == torch.float64 and y.dtype == torch.float64
+        err = rel_rms_error(x / magnitude, y / magnitude)  # squares of 1e300 would overflow
+        print(f"float64 x ~{magnitude:.0e}: rel RMS error {err:.1e}")
+        assert err < 0.05
+
+
 def test_fp8_block_of_subnormal_values_dequantises_finite():
     """A block whose maximum is below 448 x the smallest subnormal (~6e-43) got scale 0 and came back NaN."""
     x = torch.zeros(2, 130)

@@ -573,6 +573,18 @@ def test_quantile_bias_names_a_missing_cutoff():
         quantile_bias(r.scores, r.cutoff, 2)
 
 
+@pytest.mark.parametrize("which", ["scores", "cutoff"])
+def test_quantile_bias_refuses_nan_scores_or_cutoffs(which):
+    """NaN scores were skipped by the quantiles (a finite bias from part of the data), a NaN cutoff gave an
+    all-NaN bias that would have gone into routing."""
+    r = route(torch.randn(8, 4, generator=_gen(8)), torch.zeros(4), 2)
+    scores, cutoff = r.scores.clone(), r.cutoff.clone()
+    (scores if which == "scores" else cutoff)[1] = float("nan")
+    with pytest.raises(ValueError, match=f"quantile_bias: {which} must be finite, got 1 NaN or infinite"
+                       if which == "cutoff" else f"quantile_bias: {which} must be finite, got 4 NaN"):
+        quantile_bias(scores, cutoff, 2)
+
+
 def test_recentring_the_bias_changes_no_choice():
     logits = _skewed_logits(300, 12, _gen(6))
     b = torch.randn(12, generator=_gen(7)) * 0.1

@@ -61,7 +61,9 @@ def quantile_bias(scores: torch.Tensor, cutoff: torch.Tensor, K: int) -> torch.T
         smallest of alpha_i - s_ij over tokens i, q = max(1, floor(m K / E)) (with m = 1, that token's r).
 
     Raises:
-        ValueError: shapes disagree (a None cutoff included), K out of range, or no tokens.
+        ValueError: shapes disagree (a None cutoff included), K out of range, no tokens, or a NaN or
+            infinite score or cutoff (the quantiles would ignore some and turn others into NaN; the check
+            reads them back once: this is the one-process reference).
     """
     if cutoff is None:
         raise ValueError("quantile_bias: cutoff must be an [m] tensor, got None (route gives none when K = E; "
@@ -71,6 +73,10 @@ def quantile_bias(scores: torch.Tensor, cutoff: torch.Tensor, K: int) -> torch.T
                          f"{list(cutoff.shape)}")
     m, E = scores.shape
     _check_qb(E, K, m)
+    for name, t in (("scores", scores), ("cutoff", cutoff)):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"quantile_bias: {name} must be finite, got {int((~torch.isfinite(t)).sum())} NaN or "
+                             f"infinite of {t.numel()}")
     r = cutoff.float()[:, None] - scores.float()
     q = max(1, balanced_rank(m, K, E))
     # One token (q clamped up from 0) has no (q+1)-th r: b_hat is its r, where the histogram reads it too.
