@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3lab.files import atomic_write_text
+from k3lab.files import atomic_write_text, blocked_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK_DIR = ROOT / "book"
@@ -372,7 +372,7 @@ def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None
     Raises:
         ValueError: bad ``profile``, ``only`` matches no chapter, a bad parameter file, a timeout that is
             not a positive number (0 or less would turn papermill's cell timeout off), a ``build_dir`` (or its
-            ``notebooks``/``html``) that is a file.
+            ``notebooks``/``html``) that is a file or cannot be made or written.
         ModuleNotFoundError: papermill, nbconvert or jupytext missing (checked before any chapter runs).
     """
     from tqdm.auto import tqdm
@@ -391,6 +391,10 @@ def run(only=None, profile="cpu", overrides=None, params_file=None, timeout=None
     for folder in (Path(build_dir), Path(build_dir) / "notebooks", Path(build_dir) / "html"):
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"build_dir (--build-dir) needs {folder} to be a folder, and it is a file")
+    # A folder that cannot be made or written failed every chapter in turn and lost the results table.
+    problem = blocked_parent(Path(build_dir) / "html" / "index.html")
+    if problem is not None:
+        raise ValueError(f"build_dir (--build-dir) {build_dir}: {problem}")
     missing = [m for m in ("papermill", "nbconvert", "jupytext") if importlib.util.find_spec(m) is None]
     if missing:
         raise ModuleNotFoundError(f"k3lab.book run needs {', '.join(missing)}: pip install {' '.join(missing)} "
@@ -472,9 +476,14 @@ def check_record(path: str | os.PathLike | None = None, profile: str = "gpu") ->
     does not surface only after the whole run).
 
     Raises:
-        ValueError: ``path`` exists and is not a readable JSON run table, or records another device or profile.
+        ValueError: ``path`` exists and is not a readable JSON run table, or records another device or profile,
+            or its folder cannot be made or written (``k3lab.files.blocked_parent``).
     """
-    return _record_table(path, profile)[0]
+    table = _record_table(path, profile)[0]
+    problem = blocked_parent(table)
+    if problem is not None:
+        raise ValueError(f"--record {table}: {problem}")
+    return table
 
 
 def record(results: list[Result], path: str | os.PathLike | None = None, profile: str = "gpu",

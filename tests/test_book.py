@@ -116,6 +116,10 @@ def test_run_checks_its_arguments_before_any_chapter(tiny_book, tmp_path):
     with pytest.raises(ValueError, match=r"^build_dir \(--build-dir\) needs .*build to be a folder"):
         book.run(build_dir=tmp_path / "build", book_dir=tiny_book)
     assert not (tiny_book / "01_ok.ipynb").exists()
+    # A folder below a file (or in /proc) failed each chapter in turn, then lost the table at the index.
+    with pytest.raises(ValueError, match=r"^build_dir \(--build-dir\) .*build/x: .*build is a file, not a folder"):
+        book.run(build_dir=tmp_path / "build" / "x", book_dir=tiny_book)
+    assert not (tiny_book / "01_ok.ipynb").exists()
 
 
 @pytest.mark.parametrize("text, match", [
@@ -225,23 +229,28 @@ def test_record_merges_rows_chapter_by_chapter(tmp_path):
     ("{not json", "cannot be read as a run table"),
     ("[]", "is not a run table"),
     ('{"chapters": [1]}', "is not a run table"),
-], ids=["other-device", "not-json", "a-list", "bad-rows"])
+    (None, "is a file, not a folder"),
+], ids=["other-device", "not-json", "a-list", "bad-rows", "below-a-file"])
 def test_record_path_is_checked_before_any_chapter_runs(tiny_book, tmp_path, monkeypatch, capsys, content, match):
     """--record to a table of another device failed only after every chapter had run; a table that was not
     JSON, or JSON of another shape, ended that run in a traceback (AttributeError, KeyError). Now the CLI
     stops first with one line naming --record and the file, and writes nothing."""
     path = tmp_path / "table.json"
-    path.write_text(content)
+    if content is None:  # a path below a file: only writing the table at the end would have found it
+        content, path = "", tmp_path / "table.json" / "x.json"
+        (tmp_path / "table.json").write_text(content)
+    else:
+        path.write_text(content)
+        with pytest.raises(ValueError, match=match):
+            book.record([book.Result("01_ok", "ok", 1.0)], path, "gpu")
     with pytest.raises(ValueError, match=match):
         book.check_record(path, "gpu")
-    with pytest.raises(ValueError, match=match):
-        book.record([book.Result("01_ok", "ok", 1.0)], path, "gpu")
     ran = []
     monkeypatch.setattr(book, "run", lambda *a, **k: ran.append(1) or [])
     assert book.main(["run", "--profile", "gpu", "--record", str(path)]) == 1
     err = capsys.readouterr().err
     assert not ran and err.count("\n") == 1 and err.startswith("error: ValueError: ") and str(path) in err
-    assert "Traceback" not in err and path.read_text() == content
+    assert "Traceback" not in err and (tmp_path / "table.json").read_text() == content
 
 
 SLEEPY_NB = BAD_NB.replace('raise ZeroDivisionError("chapter 02 is broken")', "import time\ntime.sleep(60)")
