@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3lab.files import atomic_write_bytes
+from k3lab.files import atomic_write_bytes, blocked_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_ENV = "K3LAB_DATA_DIR"
@@ -100,8 +100,11 @@ def select_corpus_files(source: Path, max_bytes: int = MAX_CORPUS_BYTES) -> list
     not UTF-8 are skipped; stop before the first file that would take the total past ``max_bytes``.
 
     Raises:
-        ValueError: ``source`` is not a directory or holds no eligible file.
+        ValueError: ``source`` is not a directory or holds no eligible file, or ``max_bytes`` is not a
+            positive int (``--max-bytes``).
     """
+    if not (isinstance(max_bytes, int) and not isinstance(max_bytes, bool) and max_bytes > 0):
+        raise ValueError(f"max_bytes (--max-bytes) must be a positive int, got {max_bytes!r}")
     source = Path(source)
     if not source.is_dir():
         raise ValueError(f"source must be a directory (a CPython Lib/ tree), got {source}")
@@ -291,14 +294,20 @@ def build(
         dict: the manifest (corpus and tokenizer sha256, per split: file, tokens, bytes, files, sha256).
 
     Raises:
-        FileNotFoundError: no data folder is known, or the corpus, the tokenizer (without
-            ``retrain_tokenizer``) or the committed manifest (without ``update_manifest``) is missing.
-        ValueError: the tokenizer (without ``retrain_tokenizer``) does not parse.
+        FileNotFoundError: no data folder is known, ``data_dir`` is not a folder, or the corpus, the tokenizer
+            (without ``retrain_tokenizer``) or the committed manifest (without ``update_manifest``) is missing.
+        ValueError: the tokenizer (without ``retrain_tokenizer``) does not parse; ``out_dir`` cannot be made
+            or written (checked before the corpus is encoded).
         RuntimeError: the built shards differ from the committed manifest; nothing is written then
             (a retrained tokenizer included).
     """
     data_dir = resolve_data_dir(data_dir)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"data_dir (--data-dir) {data_dir} is not a folder")
     out_dir = Path(out_dir) if out_dir is not None else data_dir / "shards"
+    problem = blocked_parent(out_dir / "manifest.json")
+    if problem is not None:
+        raise ValueError(f"out_dir (--out-dir) {out_dir}: {problem}")
     files = read_corpus(data_dir)
     splits = split_files(files)
     if retrain_tokenizer:

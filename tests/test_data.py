@@ -225,6 +225,19 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["build", "--data-dir", "{tmp}/missing"], "data_dir (--data-dir) {tmp}/missing is not a folder"),
+    (["build", "--out-dir", "{tmp}/file/shards"], "out_dir (--out-dir) {tmp}/file/shards: {tmp}/file is a file"),
+    (["select", "--source", "{tmp}", "--max-bytes", "-5"], "max_bytes (--max-bytes) must be a positive int, got -5"),
+], ids=["missing-data-dir", "out-dir-below-a-file", "negative-max-bytes"])
+def test_cli_errors_name_the_flag_before_any_work(tmp_path, capsys, argv, message):
+    """A missing --data-dir was reported as a missing corpus ("restore it from git"), --max-bytes -5 as "no
+    eligible files", and an --out-dir that cannot be made only after the whole corpus was encoded."""
+    (tmp_path / "file").write_text("x")
+    assert data.main([a.format(tmp=tmp_path) for a in argv]) == 1
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
 def test_vocab_size_without_retraining_is_refused(capsys):
     """--vocab-size was ignored unless the tokenizer was retrained."""
     with pytest.raises(SystemExit) as e:
