@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -157,6 +158,10 @@ def test_generate_greedy_equals_recomputed_argmax():
     assert torch.equal(out, ref)
     sampled = model.generate(prompt, 2, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(0))
     assert sampled.shape == (2, 5) and torch.equal(sampled[:, :3], prompt)
+    # numpy scalars were refused with "must be a finite number >= 0, got np.float32(1.0)".
+    again = model.generate(prompt, np.int64(2), temperature=np.float32(1.0), top_k=np.int64(5),
+                           generator=torch.Generator().manual_seed(0))
+    assert torch.equal(again, sampled)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])

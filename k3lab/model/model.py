@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import torch
 import torch.nn as nn
@@ -391,7 +392,7 @@ class K3Model(nn.Module):
         (the training mode is restored after): decoding adds nothing to the MoE balancers' statistics.
 
         Args:
-            idx (Tensor): [B, T] prompt ids.
+            idx (Tensor): [B, T] prompt ids; the B prompts share one length T (there is no padding).
             max_new_tokens (int): >= 0.
             temperature (float): 0 for greedy (argmax), else softmax(logits / temperature) is sampled (a
                 temperature below the dtype's smallest normal number acts as that number: greedy, ties shared).
@@ -404,13 +405,18 @@ class K3Model(nn.Module):
         Raises:
             ValueError: bad max_new_tokens, temperature < 0 or not finite, top_k < 1; idx as in ``forward``.
         """
-        if not (isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 0):
+        # numbers.Integral / numbers.Real: numpy scalars (np.int64(2), np.float32(0.5)) are taken, as the optimizer does.
+        if not (isinstance(max_new_tokens, numbers.Integral) and not isinstance(max_new_tokens, bool)
+                and max_new_tokens >= 0):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+        if not (isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
                 and math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if top_k is not None and not (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1):
+        if top_k is not None and not (isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool)
+                                      and top_k >= 1):
             raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        max_new_tokens, temperature = int(max_new_tokens), float(temperature)
+        top_k = None if top_k is None else int(top_k)
         # Before the cast: a float prompt would be truncated to other ids, and max_new_tokens = 0 return it as is.
         self._check_idx(idx)
         out = idx.long()
