@@ -165,9 +165,13 @@ def read_corpus(data_dir: Path | None = None) -> list[tuple[str, str]]:
 
 
 def split_files(files: list[tuple[str, str]], val_every: int = VAL_EVERY) -> dict[str, list[str]]:
-    """Split by file: the i-th file (0-based, sorted) goes to ``val`` when ``i % val_every == val_every - 1``."""
-    if val_every < 2:
-        raise ValueError(f"val_every must be >= 2, got {val_every}")
+    """Split by file: the i-th file (0-based, sorted) goes to ``val`` when ``i % val_every == val_every - 1``.
+
+    Raises:
+        ValueError: ``val_every`` not an int >= 2.
+    """
+    if not (isinstance(val_every, int) and not isinstance(val_every, bool) and val_every >= 2):
+        raise ValueError(f"val_every must be an int >= 2, got {val_every!r}")
     out = {"train": [], "val": []}
     for i, (_, text) in enumerate(files):
         out["val" if i % val_every == val_every - 1 else "train"].append(text)
@@ -177,6 +181,17 @@ def split_files(files: list[tuple[str, str]], val_every: int = VAL_EVERY) -> dic
 # ---------------------------------------------------------------------------------------------
 # Tokenizer
 # ---------------------------------------------------------------------------------------------
+
+def _check_texts(who: str, texts) -> list[str]:
+    """``texts`` as a list (an iterator is read once), or ValueError unless it holds str documents only."""
+    if isinstance(texts, (str, bytes)):
+        raise ValueError(f"{who}: texts must be a list of str documents, got one {type(texts).__name__}")
+    texts = list(texts)
+    bad = sorted({type(t).__name__ for t in texts if not isinstance(t, str)})
+    if bad:
+        raise ValueError(f"{who}: texts must be a list of str documents, got items of type {', '.join(bad)}")
+    return texts
+
 
 def train_tokenizer(texts: list[str], vocab_size: int = DEFAULT_VOCAB_SIZE):
     """Train a byte-level BPE (GPT-2 style pre-tokenisation, ``<|endoftext|>`` = id 0).
@@ -189,9 +204,12 @@ def train_tokenizer(texts: list[str], vocab_size: int = DEFAULT_VOCAB_SIZE):
         tokenizers.Tokenizer
 
     Raises:
-        ValueError: ``vocab_size`` out of range or ``texts`` empty.
+        ValueError: ``vocab_size`` out of range, ``texts`` empty, a str (it would train on its characters as
+            documents) or holding anything but str.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = _check_texts("train_tokenizer", texts)
 
     if not 257 <= vocab_size <= 65536:
         raise ValueError(f"vocab_size must be in [257, 65536] (uint16 ids, 256 bytes + EOT), got {vocab_size}")
@@ -254,7 +272,13 @@ def vocab_size(data_dir: Path | None = None) -> int:
 
 
 def encode_documents(tok, texts: list[str]) -> np.ndarray:
-    """Encode documents, each followed by ``<|endoftext|>``; returns uint16 [n_tokens]."""
+    """Encode documents, each followed by ``<|endoftext|>``; returns uint16 [n_tokens].
+
+    Raises:
+        ValueError: ``texts`` a str or holding anything but str; the tokenizer has no ``<|endoftext|>`` or a
+            vocabulary past uint16.
+    """
+    texts = _check_texts("encode_documents", texts)
     eot = tok.token_to_id(EOT)
     if eot is None:
         raise ValueError(f"tokenizer has no {EOT} token")
@@ -450,8 +474,9 @@ def get_batch(
 
     Raises:
         TypeError: ``batch_size`` or ``seq_len`` not an int (a bool is refused too).
-        ValueError: ``tokens`` not 1-D integer, ``batch_size`` < 1, ``seq_len`` < 1 or ``seq_len >= n``,
-            ``generator`` not a CPU torch.Generator.
+        ValueError: ``tokens`` not 1-D integer or shorter than 2, ``batch_size`` < 1, ``seq_len`` < 1 or
+            ``seq_len >= n``, ``generator`` not a CPU torch.Generator, a drawn window holding a negative id
+            (or a uint64 id past int64).
     """
     if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"tokens must be a 1-D integer np.ndarray, got {type(tokens).__name__} "
@@ -461,14 +486,20 @@ def get_batch(
             raise TypeError(f"{name} must be an int, got {type(n).__name__} {n!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if len(tokens) < 2:
+        raise ValueError(f"tokens holds {len(tokens)} token(s); a window needs at least 2 (an input and its target)")
     if not 1 <= seq_len < len(tokens):
         raise ValueError(f"seq_len must be an int in [1, {len(tokens) - 1}] (split length {len(tokens)} "
                          f"needs seq_len + 1 tokens per window), got {seq_len!r}")
     if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
         raise ValueError(f"generator must be a CPU torch.Generator, got {generator!r}")
     starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=generator).numpy()
-    window = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int64)
-    xy = torch.from_numpy(window)
+    window = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)])
+    # Checked on the window drawn (not the whole split): a negative id, or a uint64 past int64, would come out
+    # as a negative token id.
+    if window.min() < 0 or int(window.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"tokens must be ids >= 0 (and within int64); a window holds {window.min()} .. {window.max()}")
+    xy = torch.from_numpy(window.astype(np.int64))
     x, y = xy[:, :-1], xy[:, 1:]
     device = torch.device(device)
     if device.type == "cuda":

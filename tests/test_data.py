@@ -204,6 +204,31 @@ def test_get_batch_bad_args(kwargs, match):
         data.get_batch(np.zeros((2, 5), dtype=np.uint16), 1, 2, torch.Generator(), "cpu")
 
 
+@pytest.mark.parametrize("tokens, match", [
+    (np.full(12, -3, dtype=np.int8), r"ids >= 0 .* a window holds -3 \.\. -3"),
+    (np.full(12, 2 ** 63 + 5, dtype=np.uint64), r"ids >= 0 \(and within int64\)"),
+    (np.zeros(0, dtype=np.uint16), "tokens holds 0 token"),
+], ids=["negative-int8", "uint64-past-int64", "empty"])
+def test_get_batch_refuses_ids_that_would_come_out_negative(tokens, match):
+    """int8 ids -3 came out as token -3, uint64 ids past 2^63 wrapped to negative, and an empty split said
+    "seq_len must be an int in [1, -1]"."""
+    with pytest.raises(ValueError, match=match):
+        data.get_batch(tokens, 2, 1, torch.Generator().manual_seed(0), "cpu")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: data.train_tokenizer("abc def", 300), "train_tokenizer: texts must be a list of str documents, got one str"),
+    (lambda: data.encode_documents(data.load_tokenizer(), "abc"), "encode_documents: texts must be a list of str"),
+    (lambda: data.encode_documents(data.load_tokenizer(), ["a", 1]), "got items of type int"),
+    (lambda: data.split_files([("a", "x")], 2.5), "val_every must be an int >= 2, got 2.5"),
+], ids=["train-on-a-str", "encode-a-str", "encode-an-int", "float-val-every"])
+def test_text_inputs_of_the_wrong_kind_are_named(call, match):
+    """A str was trained on as one document per character; encode_documents raised tokenizers' "Can't extract
+    `str` to `Vec`"; a float val_every was taken."""
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(batch_size=True), "batch_size must be an int, got bool True"),
     (dict(batch_size=2.0), "batch_size must be an int, got float 2.0"),
