@@ -247,6 +247,25 @@ def test_validation():
         model.generate(idx, -1)
 
 
+def test_config_and_layer_indices_are_checked_where_they_are_used():
+    """A field changed after construction reached torch ("negative dimension"); k3_full_attn_layers(0) gave
+    [0] (not a 1-based index) and every=0 "range() arg 3 must not be zero"; no costs read "[1, 0]"."""
+    from k3lab.model import balanced_cuts
+    from k3lab.model.config import k3_full_attn_layers
+
+    c = K3Config.preset("k3-tiny")
+    c.hidden_size = -1
+    with pytest.raises(ValueError, match="K3Config.hidden_size must be an int >= 0, got -1"):
+        K3Model(c)
+    with pytest.raises(ValueError, match="num_hidden_layers must be an int >= 1, got 0"):
+        k3_full_attn_layers(0)
+    with pytest.raises(ValueError, match="every must be an int >= 1, got 0"):
+        k3_full_attn_layers(8, 0)
+    assert k3_full_attn_layers(8) == [4, 8] and k3_full_attn_layers(93)[-2:] == [92, 93]
+    with pytest.raises(ValueError, match="balanced_cuts: costs is empty"):
+        balanced_cuts([], 1)
+
+
 @pytest.mark.parametrize("costs, last_extra, match", [
     ([1.0, float("inf"), 1.0], 0.0, r"costs\[1\] must be a finite number >= 0, got inf"),
     ([1.0, float("nan"), 1.0], 0.0, r"costs\[1\] must be a finite number >= 0, got nan"),

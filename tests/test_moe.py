@@ -573,6 +573,15 @@ def test_quantile_bias_names_a_missing_cutoff():
         quantile_bias(r.scores, r.cutoff, 2)
 
 
+def test_maxvio_of_counts_a_list_and_bad_loads():
+    """A list failed with AttributeError ('list' object has no attribute 'double')."""
+    assert maxvio([3, 1, 2, 2]) == pytest.approx(3 / 2 - 1)
+    assert maxvio(torch.tensor([5, 5], dtype=torch.int64)) == 0.0 and maxvio(torch.zeros(4)) == 0.0
+    for bad in ([], [[1, 2]], [1, -1], [1.0, float("nan")]):
+        with pytest.raises(ValueError, match="maxvio: load must be"):
+            maxvio(bad)
+
+
 @pytest.mark.parametrize("which", ["scores", "cutoff"])
 def test_quantile_bias_refuses_nan_scores_or_cutoffs(which):
     """NaN scores were skipped by the quantiles (a finite bias from part of the data), a NaN cutoff gave an

@@ -22,7 +22,14 @@ BALANCERS = ("qb", "sign", "aux", "none")
 
 def k3_full_attn_layers(num_hidden_layers: int = 93, every: int = 4) -> list[int]:
     """The 1-based indices of the Gated MLA layers: every ``every``-th layer and the last one
-    ([4, 8, ..., 92, 93] for K3's 93 layers: 23 x (3 KDA + 1 MLA) + a final MLA)."""
+    ([4, 8, ..., 92, 93] for K3's 93 layers: 23 x (3 KDA + 1 MLA) + a final MLA).
+
+    Raises:
+        ValueError: ``num_hidden_layers`` or ``every`` not an int >= 1.
+    """
+    for name, v in (("num_hidden_layers", num_hidden_layers), ("every", every)):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise ValueError(f"k3_full_attn_layers: {name} must be an int >= 1, got {v!r}")
     return sorted(set(range(every, num_hidden_layers + 1, every)) | {num_hidden_layers})
 
 
@@ -110,6 +117,11 @@ class K3Config:
     mtp_loss_weight: float = 0.3
 
     def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """ValueError naming the first field out of range (run at construction, and by ``K3Model`` again: a
+        field set after construction is checked there too)."""
         optional = {"q_lora_rank", "moe_latent_size", "kda_gate_rank"}
         for f in fields(self):
             v = getattr(self, f.name)

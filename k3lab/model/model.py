@@ -189,6 +189,7 @@ class K3Model(nn.Module):
         super().__init__()
         if not isinstance(config, K3Config):
             raise ValueError(f"config must be a K3Config, got {type(config).__name__}")
+        config.check()  # a field set after construction was checked only by torch ("negative dimension")
         self.config = c = config
         d, L = c.hidden_size, c.num_hidden_layers
         self.embed = nn.Embedding(c.vocab_size, d)

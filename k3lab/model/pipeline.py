@@ -92,10 +92,12 @@ def balanced_cuts(costs: Sequence[float], n_stages: int, last_extra: float = 0.0
         list[int]: S + 1 cuts 0 = c_0 < c_1 < ... < c_S = L.
 
     Raises:
-        ValueError: S not an int in [1, L]; a cost or last_extra not a finite number >= 0 (an inf cost left
+        ValueError: no costs; S not an int in [1, L]; a cost or last_extra not a finite number >= 0 (an inf cost left
             a stage empty, a NaN one compared false everywhere).
     """
     L = len(costs)
+    if L == 0:
+        raise ValueError("balanced_cuts: costs is empty (no sublayers to cut into stages)")
     if not (isinstance(n_stages, int) and not isinstance(n_stages, bool) and 1 <= n_stages <= L):
         raise ValueError(f"n_stages must be an int in [1, {L}] (a stage runs at least one sublayer), got {n_stages!r}")
     for name, v in [*((f"costs[{i}]", c) for i, c in enumerate(costs)), ("last_extra", last_extra)]:

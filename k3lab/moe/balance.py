@@ -182,8 +182,21 @@ def aux_loss(scores: torch.Tensor, topk_idx: torch.Tensor, weight: torch.Tensor 
 
 
 def maxvio(load: torch.Tensor) -> float:
-    """max_j load_j / mean(load) - 1 (0 when perfectly balanced); ``load`` [E] counts."""
-    load = load.double()
+    """max_j load_j / mean(load) - 1 (0 when perfectly balanced, and for a load of all zeros).
+
+    Args:
+        load (Tensor | Sequence[int]): [E] tokens (or pairs) per expert, any numeric dtype, >= 0.
+
+    Returns:
+        float.
+
+    Raises:
+        ValueError: ``load`` not 1-D with at least one expert, or holding a negative or non-finite count.
+    """
+    load = torch.as_tensor(load).double()
+    if load.ndim != 1 or load.numel() == 0 or not bool(torch.isfinite(load).all()) or bool((load < 0).any()):
+        raise ValueError(f"maxvio: load must be [E] finite counts >= 0 with E >= 1, got shape {list(load.shape)}"
+                         + (f", min {load.min().item()}" if load.numel() else ""))
     return float(load.max() / load.mean() - 1) if load.sum() > 0 else 0.0
 
 
