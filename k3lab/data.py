@@ -29,6 +29,7 @@ import argparse
 import hashlib
 import io
 import json
+import lzma
 import os
 import sys
 import tarfile
@@ -152,15 +153,21 @@ def read_corpus(data_dir: Path | None = None) -> list[tuple[str, str]]:
 
     Raises:
         FileNotFoundError: ``data_dir/corpus.tar.xz`` is missing, or no data folder is known.
+        ValueError: the archive is damaged, or one of its files is not UTF-8 (``select`` keeps only UTF-8
+            files, so the archive was not made by it).
     """
     archive = resolve_data_dir(data_dir) / "corpus.tar.xz"
     if not archive.is_file():
         raise FileNotFoundError(f"{archive} is missing (it is committed to git: restore it)")
     files = []
-    with tarfile.open(archive, mode="r:xz") as tar:
-        for member in tar.getmembers():
-            if member.isfile():
-                files.append((member.name, tar.extractfile(member).read().decode("utf-8")))
+    try:
+        with tarfile.open(archive, mode="r:xz") as tar:
+            for member in tar.getmembers():
+                if member.isfile():
+                    files.append((member.name, tar.extractfile(member).read().decode("utf-8")))
+    except (tarfile.TarError, EOFError, lzma.LZMAError, UnicodeDecodeError) as e:
+        raise ValueError(f"{archive} cannot be read as the corpus ({type(e).__name__}: {e}); restore it from git "
+                         f"or re-make it with `python -m k3lab.data select`") from e
     return sorted(files)
 
 

@@ -250,6 +250,15 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_a_damaged_corpus_archive_is_named(tmp_path, capsys):
+    """A truncated corpus.tar.xz raised a bare EOFError from lzma."""
+    (tmp_path / "corpus.tar.xz").write_bytes((data.CHECKOUT_DATA_DIR / "corpus.tar.xz").read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"corpus.tar.xz cannot be read as the corpus \(EOFError"):
+        data.read_corpus(tmp_path)
+    assert data.main(["build", "--data-dir", str(tmp_path)]) == 1
+    assert "cannot be read as the corpus" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["build", "--data-dir", "{tmp}/missing"], "data_dir (--data-dir) {tmp}/missing is not a folder"),
     (["build", "--out-dir", "{tmp}/file/shards"], "out_dir (--out-dir) {tmp}/file/shards: {tmp}/file is a file"),
