@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from k3lab.model import K3Model, K3Stage, split_model, sum_queries_grad
 from k3lab.train.config import ConfigError
@@ -30,6 +31,31 @@ def _loss(loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     # The last stage returns each micro-batch's mean loss itself (its targets came along the stages); the
     # schedule's scale_grads makes the step's gradient the mean.
     return loss
+
+
+# Token ids travel between stages as float32, exact below 2^24.
+MAX_CARRIED_ID = 2 ** 24
+
+
+class _CarryTargets(nn.Module):
+    """What the schedule runs for one stage: ``part`` with the targets passed on as float32.
+
+    torch 2.11's ``PipelineStage`` marks every tensor a stage receives as requiring grad (an int64 one
+    raises) and sends a gradient back for each; torch 2.13 follows the metadata's ``requires_grad``. So the
+    targets cross each boundary as float32 ids (exact below ``MAX_CARRIED_ID``), every stage reads them as
+    int64, and the last adds ``0 * targets.sum()`` to its loss: the targets' gradient is zeros where torch
+    asks for one and nothing where it does not; the loss and the other gradients are unchanged."""
+
+    def __init__(self, part: K3Stage):
+        super().__init__()
+        self.part = part
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor):
+        out = self.part(x, targets.long())
+        if self.part.is_last:
+            return out + 0 * targets.sum().to(out.dtype)
+        state, _ = out
+        return state, targets if targets.is_floating_point() else targets.float()
 
 
 @dataclass
@@ -61,6 +87,9 @@ class PipelineRun:
         losses = [] if self.has_last else None
         # Stage 0 takes the targets with the tokens and every stage passes them on, so that the last one
         # forms the loss without the logits.
+        # Contiguous: torch 2.11 checks each micro-batch's strides against the stage's metadata (a cp slice of
+        # the rows is a strided view).
+        x, y = x.contiguous(), y.contiguous()
         args = (x, y) if self.has_first else ()
         self.schedule.step(*args, target=y if self.has_last else None, losses=losses, return_outputs=False)
         sum_queries_grad(self.parts, self.group)
@@ -85,12 +114,15 @@ def build_pipeline(model: K3Model, par: Parallel, schedule: str, microbatches: i
         cp (KCPContext | None): the context-parallel layout of every micro-batch (shape-only, the same each step).
 
     Raises:
-        ConfigError: the model cannot be split (tied embeddings, MTP), more stages than sublayers, or an M the
-            schedule refuses (the message names --microbatches).
+        ConfigError: the model cannot be split (tied embeddings, MTP), more stages than sublayers, an M the
+            schedule refuses (the message names --microbatches), or a vocabulary past ``MAX_CARRIED_ID``.
     """
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: PLC0415
                                               ScheduleInterleaved1F1B)
 
+    if model.config.vocab_size > MAX_CARRIED_ID:
+        raise ConfigError(f"--pp {par.pp}: the targets cross the stages as float32 ids, exact below "
+                          f"{MAX_CARRIED_ID}; this model's vocabulary has {model.config.vocab_size}")
     ids = stage_ids(par.pp_rank, par.pp, schedule)
     S = par.pp * (2 if schedule == "interleaved-1f1b" else 1)
     try:
@@ -102,7 +134,8 @@ def build_pipeline(model: K3Model, par: Parallel, schedule: str, microbatches: i
         part.cp = cp
         inputs, outputs = _stage_metas(part, micro_shape)
         parallelize(part, par, ep_mode)
-        stages.append(PipelineStage(part, s, S, device, input_args=inputs, output_args=outputs, group=par.pp_group))
+        stages.append(PipelineStage(_CarryTargets(part), s, S, device, input_args=inputs, output_args=outputs,
+                                    group=par.pp_group))
     try:
         if schedule == "interleaved-1f1b":
             sched = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=_loss)
@@ -115,9 +148,9 @@ def build_pipeline(model: K3Model, par: Parallel, schedule: str, microbatches: i
 
 
 def _stage_metas(part: K3Stage, micro_shape: tuple[int, int]) -> tuple[tuple, tuple | torch.Tensor]:
-    """Meta-device stand-ins of what ``part`` receives and returns for one micro-batch: (token ids [b, T]
-    int64 or the state [n (+ 1), b, T, d], the targets [b, T] int64); (the next state, the targets) or the loss,
-    a float32 scalar."""
+    """Meta-device stand-ins of what ``part`` (run as ``_CarryTargets``) receives and returns for one
+    micro-batch: (token ids [b, T] int64 and the targets int64 on stage 0, else the state [n (+ 1), b, T, d]
+    and the targets as float32); (the next state, the targets float32) or the loss, a float32 scalar."""
     from k3lab.attnres import carried_sources  # noqa: PLC0415
 
     c, res = part.config, part.residual
@@ -127,9 +160,9 @@ def _stage_metas(part: K3Stage, micro_shape: tuple[int, int]) -> tuple[tuple, tu
         n, partial = carried_sources(res.sizes, res.n_sublayers, cut)
         return torch.empty(n + partial, *micro_shape, c.hidden_size, device="meta", dtype=dtype).requires_grad_()
 
-    targets = torch.empty(micro_shape, device="meta", dtype=torch.int64)
-    inputs = (torch.empty(micro_shape, device="meta", dtype=torch.int64) if part.is_first else state(part.start),
-              targets)
+    ids = torch.empty(micro_shape, device="meta", dtype=torch.int64)
+    targets = torch.empty(micro_shape, device="meta", dtype=torch.float32)  # as _CarryTargets passes them
+    inputs = (ids, ids) if part.is_first else (state(part.start), targets)
     loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     outputs = (torch.empty((), device="meta", dtype=loss_dtype).requires_grad_() if part.is_last
                else (state(part.stop), targets))
