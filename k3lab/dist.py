@@ -14,6 +14,7 @@ Dimension letters: R ranks in a group, E experts, S tokens per rank, K top-k, d 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 import sys
@@ -21,6 +22,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -37,9 +39,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, fn, world_size, port, outdir, backend, pg_timeout_s, env, args):
+def _entry(rank, fn, world_size, port, outdir, backend, pg_timeout_s, args):
     torch.set_num_threads(1)
-    os.environ.update(env)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -51,7 +52,7 @@ def _entry(rank, fn, world_size, port, outdir, backend, pg_timeout_s, env, args)
         os.replace(path + ".part", path)
         # No rank tears its group down while another still talks to it (rank 0 hosts the store).
         dist.barrier()
-    except Exception:
+    except BaseException:  # SystemExit too: a worker's sys.exit left no result and no record
         # The rank that fails first is the cause; others then fail in a collective ("Connection closed by
         # peer"), and spawn reports whichever exit it notices first. The time lets launch name the first.
         with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
@@ -70,7 +71,8 @@ def launch(fn: Callable, world_size: int, *args, timeout_s: float = 180.0, backe
            pg_timeout_s: float = 60.0, env: dict[str, str] | None = None) -> list:
     """Run ``fn(rank, world_size, group, *args)`` on ``world_size`` fresh processes; their results in rank order.
 
-    Each process sets one intra-op thread, applies ``env`` to its environment, takes GPU ``rank`` when
+    Each process starts with ``env`` added to this process's environment (set before it imports anything,
+    ``fn``'s module included), sets one intra-op thread, takes GPU ``rank`` when
     ``backend`` is "nccl", and joins a ``backend`` group over TCP on localhost whose collectives fail after
     ``pg_timeout_s``; ``group`` is that world group. Results travel back through ``torch.save`` files,
     so they must be picklable (tensors, dicts, lists, dataclasses).
@@ -80,23 +82,37 @@ def launch(fn: Callable, world_size: int, *args, timeout_s: float = 180.0, backe
         world_size (int): R >= 1.
         timeout_s (float): the whole run is killed after this many seconds.
         backend (str): "gloo" (CPU) or "nccl".
-        env (dict[str, str] | None): environment variables set in every rank before the group starts.
+        env (dict[str, str] | None): environment variables every rank starts with.
+        pg_timeout_s (float): > 0.
 
     The calling script must guard its own work with ``if __name__ == "__main__":``: spawn starts each rank by
     importing the script's main module again.
 
     Raises:
+        ValueError: world_size not an int >= 1, a timeout not a finite number > 0, a backend other than "gloo"
+            or "nccl" (or "nccl" without a CUDA device).
         TimeoutError: not all ranks finished within ``timeout_s`` (they are killed).
         torch.multiprocessing.ProcessRaisedException: a rank raised: the first rank to fail, with its traceback
             (the others usually fail after it, in a collective it left).
+        RuntimeError: a rank exited without a result and without an error (``sys.exit`` in ``fn``).
     """
-    if not (isinstance(world_size, int) and world_size >= 1):
+    if not (isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1):
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    for name, v in (("timeout_s", timeout_s), ("pg_timeout_s", pg_timeout_s)):
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a finite number of seconds > 0, got {v!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs a CUDA device; use 'gloo' on the CPU")
     port = _free_port()
     with tempfile.TemporaryDirectory() as outdir:
-        procs = mp.start_processes(
-            _entry, args=(fn, world_size, port, outdir, backend, pg_timeout_s, dict(env or {}), args),
-            nprocs=world_size, join=False, start_method="spawn")
+        # Spawned ranks inherit this environment: set here, env is in place before a rank unpickles fn (whose
+        # imports may read it, as Triton reads TRITON_INTERPRET).
+        with mock.patch.dict(os.environ, {k: str(v) for k, v in (env or {}).items()}):
+            procs = mp.start_processes(
+                _entry, args=(fn, world_size, port, outdir, backend, pg_timeout_s, args),
+                nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
             while not procs.join(timeout=1.0):
@@ -106,14 +122,22 @@ def launch(fn: Callable, world_size: int, *args, timeout_s: float = 180.0, backe
                             p.kill()
                     raise TimeoutError(f"{world_size} ranks running {getattr(fn, '__name__', fn)} did not finish "
                                        f"within {timeout_s} s")
-        except mp.ProcessRaisedException as e:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            # An exit code (a SystemExit, a signal) says less than a recorded traceback: report that one.
             first = _first_failure(outdir)
-            if first is None or first[0] == e.error_index:
+            if first is None or (first[0] == e.error_index and isinstance(e, mp.ProcessRaisedException)):
                 raise
             rank, trace = first
+            after = "" if rank == e.error_index else f"; process {e.error_index} failed after it"
             raise mp.ProcessRaisedException(
-                f"\n\n-- Process {rank} terminated with the following error (the first rank to fail; process "
-                f"{e.error_index} failed after it):\n{trace}", rank, procs.processes[rank].pid) from e
+                f"\n\n-- Process {rank} terminated with the following error (the first rank to fail{after}):"
+                f"\n{trace}", rank, procs.processes[rank].pid) from e
+        missing = [r for r in range(world_size) if not os.path.exists(os.path.join(outdir, f"rank{r}.pt"))]
+        if missing:
+            first = _first_failure(outdir)
+            raise RuntimeError(f"ranks {missing} of {world_size} running {getattr(fn, '__name__', fn)} exited without a "
+                               f"result" + (f"; rank {first[0]} first:\n{first[1]}" if first else
+                                            " and without an error (sys.exit in the worker?)"))
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
@@ -142,15 +166,18 @@ def make_mesh(*, pp: int = 1, dp: int = 1, cp: int = 1, ep: int = 1, device_type
         torch.distributed.device_mesh.DeviceMesh: shape (pp, dp, cp, ep), ``mesh_dim_names == AXES``.
 
     Raises:
-        ValueError: a size is not an int >= 1, or the product differs from the initialised world size.
+        ValueError: a size is not an int >= 1, device_type not "cpu" or "cuda", or the product differs from
+            the initialised world size.
         RuntimeError: the default process group is not initialised.
     """
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
 
     sizes = dict(pp=pp, dp=dp, cp=cp, ep=ep)
-    bad = {k: v for k, v in sizes.items() if not (isinstance(v, int) and v >= 1)}
+    bad = {k: v for k, v in sizes.items() if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1)}
     if bad:
         raise ValueError(f"mesh axis sizes must be ints >= 1, got {bad}")
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
     if not dist.is_initialized():
         raise RuntimeError("make_mesh needs an initialised default process group (see k3lab.dist.launch)")
     world = dist.get_world_size()
@@ -229,3 +256,13 @@ def mesh_worker(rank: int, world_size: int, group, sizes: dict[str, int]) -> dic
     a2a_rows = all_to_all_rows(rows, [j + 1 for j in range(R)], [rank + 1] * R, group)
     return dict(coords=coords, groups=groups, gathered=gathered, scattered=scattered, a2a_equal=a2a_equal,
                 a2a_rows=a2a_rows)
+
+
+def environ_worker(rank: int, world_size: int, group, names: list[str]) -> dict:
+    """{name: this rank's ``os.environ.get(name)``} for each of ``names`` (for tests of ``launch``'s env)."""
+    return {n: os.environ.get(n) for n in names}
+
+
+def exit_worker(rank: int, world_size: int, group, code) -> None:
+    """``sys.exit(code)`` on every rank (for tests: a worker that leaves without a result)."""
+    sys.exit(code)
