@@ -97,7 +97,7 @@ class LMConfig:
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"LMConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         for name, x, low in (("ffn_mult", self.ffn_mult, "> 0"), ("rope_theta", self.rope_theta, "> 0"),
-                             ("norm_eps", self.norm_eps, ">= 0"), ("init_std", self.init_std, ">= 0")):
+                             ("norm_eps", self.norm_eps, "> 0"), ("init_std", self.init_std, ">= 0")):
             ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
             if not (ok and (x > 0 if low == "> 0" else x >= 0)):
                 raise ValueError(f"LMConfig.{name} must be a finite number {low}, got {x!r}")

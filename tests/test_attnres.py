@@ -603,8 +603,11 @@ def test_functional_entry_points_check_eps(entry):
 
     subs, h0, q = make(4, seed=44)
     fn = {"naive": naive_block_attnres, "train": block_attnres_train, "inference": block_attnres_inference}[entry]
-    with pytest.raises(ValueError, match="eps must be a finite float >= 0, got -1"):
+    with pytest.raises(ValueError, match="eps must be a finite number > 0, got -1"):
         fn(h0, subs, q, 2, -1.0)
+    # eps = 0 gave NaN outputs and gradients wherever a source vector was zero.
+    with pytest.raises(ValueError, match="eps must be a finite number > 0, got 0.0"):
+        fn(h0, subs, q, 2, 0.0)
 
 
 @pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])

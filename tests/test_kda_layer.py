@@ -255,9 +255,10 @@ def test_forward_input_dtype_and_cache_type():
         layer(x, cu_seqlens=[0, 2, 4])
 
 
-@pytest.mark.parametrize("norm_eps", [-1.0, float("nan"), float("inf"), "1e-5"])
+@pytest.mark.parametrize("norm_eps", [-1.0, 0.0, float("nan"), float("inf"), "1e-5"])
 def test_bad_norm_eps(norm_eps):
-    with pytest.raises(ValueError, match="norm_eps must be a finite number >= 0"):
+    # 0 turned a zero input row into 0/0 = NaN in the output norm.
+    with pytest.raises(ValueError, match=r"norm_eps must be a finite number > 0"):
         KDALayer(d_model=16, num_heads=2, head_dim=8, norm_eps=norm_eps)
 
 

@@ -242,7 +242,7 @@ def test_train_rejects_bad_arguments_before_training():
     (dict(kda_chunk_size=True), "LMConfig.kda_chunk_size must be an int"),
     (dict(rope_theta=0.0), "LMConfig.rope_theta must be a finite number > 0"),
     (dict(rope_theta=float("nan")), "LMConfig.rope_theta"),
-    (dict(norm_eps=-1e-6), "LMConfig.norm_eps must be a finite number >= 0"),
+    (dict(norm_eps=-1e-6), "LMConfig.norm_eps must be a finite number > 0"),
     (dict(norm_eps=float("nan")), "LMConfig.norm_eps"),
     (dict(init_std=float("nan")), "LMConfig.init_std must be a finite number >= 0"),
     (dict(init_std=-0.02), "LMConfig.init_std"),

@@ -62,7 +62,7 @@ class BlockAttnRes(nn.Module):
         sizes (list[int]): the N block sizes; n_blocks (int): N.
 
     Raises:
-        ValueError: N < 1 or N > L, block sizes that are not positive ints summing to L, bad d/L, unknown path or backend, eps not finite and >= 0,
+        ValueError: N < 1 or N > L, block sizes that are not positive ints summing to L, bad d/L, unknown path or backend, eps not finite and > 0,
             recompute_input not a bool, a non-float buffer_dtype; in forward, h0 not a floating-point [B, T, d]
             with d = d_model, h0 not in the queries' dtype outside autocast
             (``k3lab.precision.check_input_dtype``), len(sublayers) != L, or a sublayer returning anything but a tensor of

@@ -48,7 +48,7 @@ def block_attnres_inference(h0: torch.Tensor, sublayers, queries: torch.Tensor, 
 
     Raises:
         ValueError: N < 1 or N > L or bad block sizes, h0 or queries not a floating-point tensor, queries not [L + 1, d],
-            h0 not [B, T, d], eps not a finite number >= 0, a sublayer returning
+            h0 not [B, T, d], eps not a finite number > 0, a sublayer returning
             anything but a tensor of h0's shape; with ``check_values``, NaN/inf in h0 or queries or an h0
             beyond RMSNorm's range.
     """

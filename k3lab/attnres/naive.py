@@ -117,7 +117,7 @@ def naive_block_attnres(
 
     Raises:
         ValueError: N < 1 or N > L or bad block sizes, h0 or queries not a floating-point tensor, queries not [L + 1, d],
-            h0 not [B, T, d], eps not a finite number >= 0, a sublayer returning
+            h0 not [B, T, d], eps not a finite number > 0, a sublayer returning
             anything but a tensor of h0's shape.
     """
     L = len(sublayers)
@@ -154,7 +154,7 @@ def naive_attnres(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float
 
     Raises:
         ValueError: h0 or queries not a floating-point tensor, queries not [L + 1, d], h0 not [B, T, d],
-            eps not a finite number >= 0, a sublayer returning
+            eps not a finite number > 0, a sublayer returning
             anything but a tensor of h0's shape; with ``check_values``, NaN/inf in h0 or queries or an h0
             beyond RMSNorm's range.
     """
@@ -168,10 +168,10 @@ def naive_attnres(h0: torch.Tensor, sublayers, queries: torch.Tensor, eps: float
 
 
 def check_eps(eps: float) -> None:
-    """ValueError unless eps is a finite number >= 0 (a negative one makes RMSNorm's mean square +
-    eps negative: NaN outputs)."""
-    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 <= eps < float("inf")):
-        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+    """ValueError unless eps is a finite number > 0 (a negative one makes RMSNorm's mean square + eps
+    negative, and 0 makes a zero source 0/0: NaN outputs)."""
+    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < float("inf")):
+        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
 
 
 def check_input_values(h0: torch.Tensor, queries: torch.Tensor, name: str = "h0") -> None:

@@ -76,7 +76,7 @@ def block_attnres_stage(state: torch.Tensor, sublayers, queries: torch.Tensor, n
     Raises:
         ValueError: bad block sizes, start/stop not ints with 0 <= start < stop <= L, len(sublayers) !=
             stop - start, state not a floating-point [n + p, B, T, d] with the entry count of ``start``,
-            queries not [L + 1, d], eps not a finite number >= 0, a sublayer returning anything but a
+            queries not [L + 1, d], eps not a finite number > 0, a sublayer returning anything but a
             tensor of its input's shape; with ``check_values``, NaN/inf or a too large state.
 
     Example:

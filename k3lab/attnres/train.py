@@ -290,7 +290,7 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
 
     Raises:
         ValueError: N < 1 or N > L or bad block sizes, h0 or queries not a floating-point tensor, queries not [L + 1, d],
-            h0 not [B, T, d], eps not a finite number >= 0, unknown backend, buffer_dtype not a
+            h0 not [B, T, d], eps not a finite number > 0, unknown backend, buffer_dtype not a
             floating-point dtype or None, a sublayer returning anything but a tensor of h0's shape; with
             ``check_values``, NaN/inf in h0 or queries or an h0 beyond RMSNorm's range.
     """

@@ -238,7 +238,7 @@ class KDALayer(nn.Module):
     Raises:
         ValueError: non-positive sizes, gate_rank not a positive int or None, HV not a multiple of H,
             unknown gate, conv_size < 1, lower_bound not a finite negative number, chunk_size not accepted
-            by ``chunk_kda``, norm_eps negative or not finite, conv_backend not one of "torch", "triton", None.
+            by ``chunk_kda``, norm_eps not a finite number > 0, conv_backend not one of "torch", "triton", None.
 
     Example:
         >>> layer = KDALayer(d_model=64, num_heads=2, head_dim=32)
@@ -271,8 +271,8 @@ class KDALayer(nn.Module):
         check_lower_bound(lower_bound)
         check_chunk_size(chunk_size)
         if not (isinstance(norm_eps, (int, float)) and not isinstance(norm_eps, bool) and math.isfinite(norm_eps)
-                and norm_eps >= 0):
-            raise ValueError(f"norm_eps must be a finite number >= 0, got {norm_eps!r}")
+                and norm_eps > 0):
+            raise ValueError(f"norm_eps must be a finite number > 0 (0 gives a zero vector 0/0), got {norm_eps!r}")
         if conv_backend not in (*CONV_BACKENDS, None):
             raise ValueError(f"conv_backend must be one of {CONV_BACKENDS} or None, got {conv_backend!r}")
         self.H, self.K, self.HV, self.V = num_heads, head_dim, num_v_heads, v_head_dim

@@ -203,7 +203,7 @@ class GatedMLA(nn.Module):
     ``forward(x [B, T, d], cache, cu_seqlens, use_cache, absorbed) -> (y [B, T, d], MLACache | None)``.
 
     Raises:
-        ValueError: non-positive sizes, norm_eps negative or not finite.
+        ValueError: non-positive sizes, norm_eps not a finite number > 0.
 
     Example:
         >>> mla = GatedMLA(d_model=64, num_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
@@ -225,8 +225,9 @@ class GatedMLA(nn.Module):
             if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
                 raise ValueError(f"GatedMLA: {name} must be a positive int, got {n!r}")
         if not (isinstance(norm_eps, (int, float)) and not isinstance(norm_eps, bool) and math.isfinite(norm_eps)
-                and norm_eps >= 0):
-            raise ValueError(f"GatedMLA: norm_eps must be a finite number >= 0, got {norm_eps!r}")
+                and norm_eps > 0):
+            raise ValueError(f"GatedMLA: norm_eps must be a finite number > 0 (0 gives a zero vector 0/0), got "
+                             f"{norm_eps!r}")
         self.d_model, self.H, self.R, self.Rq = d_model, num_heads, kv_lora_rank, q_lora_rank
         self.Dn, self.Dr, self.Dv = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim

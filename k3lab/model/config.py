@@ -161,7 +161,7 @@ class K3Config:
         for name in ("moe_renormalize", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"K3Config.{name} must be a bool, got {getattr(self, name)!r}")
-        for name, positive in (("routed_scaling_factor", True), ("init_std", True), ("rms_norm_eps", False)):
+        for name, positive in (("routed_scaling_factor", True), ("init_std", True), ("rms_norm_eps", True)):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
                     and (v > 0 if positive else v >= 0)):
