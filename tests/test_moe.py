@@ -573,6 +573,18 @@ def test_quantile_bias_names_a_missing_cutoff():
         quantile_bias(r.scores, r.cutoff, 2)
 
 
+def test_route_and_balancing_name_a_bias_or_step_of_the_wrong_kind():
+    """A list bias failed with AttributeError ('list' object has no attribute 'shape'); a NaN sign_lr was
+    taken by Balancing (MoEConfig checks it) and reached the bias at the next update."""
+    from k3lab.moe.balance import Balancing
+
+    with pytest.raises(ValueError, match=r"route: bias must be a tensor \[E=4\], got list"):
+        route(torch.randn(3, 4), [0.0] * 4, 2)
+    for bad in (float("nan"), -1.0, True):
+        with pytest.raises(ValueError, match="sign_lr must be a finite number >= 0"):
+            Balancing("sign", 4, 2, sign_lr=bad)
+
+
 def test_maxvio_of_counts_a_list_and_bad_loads():
     """A list failed with AttributeError ('list' object has no attribute 'double')."""
     assert maxvio([3, 1, 2, 2]) == pytest.approx(3 / 2 - 1)

@@ -60,7 +60,7 @@ def kimi_linear_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
     x = widen(z)
     if dt_bias is not None:
         x = x + dt_bias.reshape(z.shape[-2:])
-    return (-A_log.to(x.dtype).exp()[:, None] * F.softplus(x)).to(z.dtype)
+    return (-_rate(A_log, x.dtype)[:, None] * F.softplus(x)).to(z.dtype)
 
 
 def lower_bounded_gate(
@@ -89,4 +89,10 @@ def lower_bounded_gate(
     x = widen(z)
     if dt_bias is not None:
         x = x + dt_bias.reshape(z.shape[-2:])
-    return (lower_bound * torch.sigmoid(A_log.to(x.dtype).exp()[:, None] * x)).to(z.dtype)
+    return (lower_bound * torch.sigmoid(_rate(A_log, x.dtype)[:, None] * x)).to(z.dtype)
+
+
+def _rate(A_log: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """exp(A_log) in ``dtype``, at most its largest finite value: an overflow to inf times a zero (softplus
+    underflowed, or z + dt_bias = 0) was inf * 0 = NaN. A NaN A_log stays NaN (``KDALayer`` names it)."""
+    return A_log.to(dtype).exp().clamp(max=torch.finfo(dtype).max)

@@ -39,7 +39,7 @@ def naive_recurrent_kda(
         k (Tensor): [B, T, H, K] keys (normally L2-normalised).
         v (Tensor): [B, T, HV, V] values; HV a multiple of H (GVA).
         g (Tensor): [B, T, HV, K] log-space channel-wise decay, g <= 0 (alpha = exp(g)).
-        beta (Tensor): [B, T, HV] write strengths in (0, 1).
+        beta (Tensor): [B, T, HV] write strengths, meant in (0, 1) (a sigmoid's output; values are not checked).
         scale (float | None): query scale, default K ** -0.5.
         initial_state (Tensor | None): [N, HV, K, V] state before the first token of each sequence.
         output_final_state (bool): also return the state after the last token.

@@ -30,7 +30,8 @@ def situ_glu(a: torch.Tensor, u: torch.Tensor, beta1: float = BETA1, beta2: floa
         beta2 (float): b2 > 0, the up branch's bound (K3: 25).
 
     Returns:
-        Tensor [..., h], ``a``'s dtype; every entry is strictly below ``beta1 * beta2`` in magnitude.
+        Tensor [..., h], ``a``'s dtype; every entry is at most ``beta1 * beta2`` in magnitude (below it in exact arithmetic; the
+        saturated tanh and sigmoid round to 1, so the bound itself is reached).
 
     Raises:
         TypeError: ``a`` or ``u`` is not a floating-point tensor.

@@ -32,6 +32,8 @@ is float32 whatever the model's dtype.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -228,8 +230,11 @@ class Balancing(nn.Module):
             raise ValueError(f"balance method must be one of {METHODS}, got {method!r}")
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-        if not (isinstance(bins, int) and bins >= 2):
+        if not (isinstance(bins, int) and not isinstance(bins, bool) and bins >= 2):
             raise ValueError(f"bins must be an int >= 2, got {bins!r}")
+        if not (isinstance(sign_lr, (int, float)) and not isinstance(sign_lr, bool) and math.isfinite(sign_lr)
+                and sign_lr >= 0):
+            raise ValueError(f"sign_lr must be a finite number >= 0, got {sign_lr!r}")
         if method == "qb":
             _check_qb(E, K)
         self.method, self.E, self.K, self.estimator, self.bins, self.sign_lr = method, E, K, estimator, bins, sign_lr

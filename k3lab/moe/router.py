@@ -85,8 +85,9 @@ def route(logits: torch.Tensor, bias: torch.Tensor, K: int, renormalize: bool = 
     N, E = logits.shape
     check_topk(E, K, "route")
     check_routed_scaling(routed_scaling)
-    if bias.shape != (E,):
-        raise ValueError(f"route: bias must be [E={E}], got shape {list(bias.shape)}")
+    if not isinstance(bias, torch.Tensor) or bias.shape != (E,):
+        got = f"shape {list(bias.shape)}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"route: bias must be a tensor [E={E}], got {got}")
     if check_values:
         # One host sync for both: a NaN bias would win every top-k (topk ranks NaN highest).
         finite = torch.stack([torch.isfinite(logits).all(), torch.isfinite(bias).all()]).tolist()
