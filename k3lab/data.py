@@ -129,7 +129,15 @@ def select_corpus_files(source: Path, max_bytes: int = MAX_CORPUS_BYTES) -> list
 
 
 def write_corpus_archive(source: Path, out: Path, max_bytes: int = MAX_CORPUS_BYTES) -> dict:
-    """Pack :func:`select_corpus_files` into a reproducible ``.tar.xz`` (fixed mtimes, owners, order)."""
+    """Pack :func:`select_corpus_files` into a reproducible ``.tar.xz`` (fixed mtimes, owners, order).
+
+    Raises:
+        ValueError: as :func:`select_corpus_files`, or ``out``'s folder (``select --data-dir``) cannot be made
+            or written (checked before the files are read).
+    """
+    problem = blocked_parent(out)
+    if problem is not None:
+        raise ValueError(f"{out} (select --data-dir): {problem}")
     files = select_corpus_files(source, max_bytes)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:xz", format=tarfile.GNU_FORMAT) as tar:

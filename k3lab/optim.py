@@ -227,8 +227,8 @@ class PerHeadMuon(torch.optim.Optimizer):
         parameter is float32 (``_momentum``).
 
         Raises:
-            ValueError: before anything changes, when a saved group's hyperparameters fail the constructor's
-                checks, its ``algorithm`` or ``row_blocks`` differ from this optimizer's group (another model's
+            ValueError: before anything changes, when a saved group lacks a key or its hyperparameters fail the
+                constructor's checks, its ``algorithm`` or ``row_blocks`` differ from this optimizer's group (another model's
                 layout), or a saved state tensor's shape differs from its parameter's.
         """
         saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
@@ -237,6 +237,9 @@ class PerHeadMuon(torch.optim.Optimizer):
                              f"{len(saved_groups) if isinstance(saved_groups, list) else type(saved_groups).__name__}")
         shapes = {}
         for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            missing = sorted(set(group) - set(saved) - {"params"})
+            if missing:
+                raise ValueError(f"param group {i}: the saved group lacks {missing} (a state dict of another optimizer)")
             for key in ("algorithm", "row_blocks"):
                 # A checkpoint may hold a tuple as a list.
                 if _plain(saved.get(key, group[key])) != _plain(group[key]):
@@ -246,10 +249,14 @@ class PerHeadMuon(torch.optim.Optimizer):
             shapes.update({index: p.shape for index, p in zip(saved.get("params", ()), group["params"])})
         for index, saved in state_dict.get("state", {}).items():
             for name, t in (saved.items() if isinstance(saved, dict) else ()):
-                if isinstance(t, torch.Tensor) and t.ndim > 0 and index in shapes and t.shape != shapes[index]:
+                # Every state tensor but AdamW's step counter has its parameter's shape.
+                if isinstance(t, torch.Tensor) and name != "step" and index in shapes and t.shape != shapes[index]:
                     raise ValueError(f"state of parameter {index!r}: {name} has shape {list(t.shape)}, the "
                                      f"parameter {list(shapes[index])} (a state dict of another model)")
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            # A checkpoint may hold tuples as lists; the step keys its Newton-Schulz batches on them.
+            group["ns_coefficients"], group["betas"] = tuple(group["ns_coefficients"]), tuple(group["betas"])
         # Saved ids map to parameters group by group, as torch maps them: ints from ``state_dict()``, parameter
         # names from torch.distributed.checkpoint's ``set_optimizer_state_dict``.
         params = {i: p for saved, group in zip(state_dict["param_groups"], self.param_groups)

@@ -263,7 +263,8 @@ def test_a_damaged_corpus_archive_is_named(tmp_path, capsys):
     (["build", "--data-dir", "{tmp}/missing"], "data_dir (--data-dir) {tmp}/missing is not a folder"),
     (["build", "--out-dir", "{tmp}/file/shards"], "out_dir (--out-dir) {tmp}/file/shards: {tmp}/file is a file"),
     (["select", "--source", "{tmp}", "--max-bytes", "-5"], "max_bytes (--max-bytes) must be a positive int, got -5"),
-], ids=["missing-data-dir", "out-dir-below-a-file", "negative-max-bytes"])
+    (["select", "--source", "{tmp}", "--data-dir", "{tmp}/file"], "(select --data-dir): {tmp}/file is a file"),
+], ids=["missing-data-dir", "out-dir-below-a-file", "negative-max-bytes", "select-into-a-file"])
 def test_cli_errors_name_the_flag_before_any_work(tmp_path, capsys, argv, message):
     """A missing --data-dir was reported as a missing corpus ("restore it from git"), --max-bytes -5 as "no
     eligible files", and an --out-dir that cannot be made only after the whole corpus was encoded."""

@@ -583,6 +583,9 @@ def test_route_and_balancing_name_a_bias_or_step_of_the_wrong_kind():
     for bad in (float("nan"), -1.0, True):
         with pytest.raises(ValueError, match="sign_lr must be a finite number >= 0"):
             Balancing("sign", 4, 2, sign_lr=bad)
+    # The latent RMSNorm's eps = 0 gave NaN on a zero token, as it did in the other norms.
+    with pytest.raises(ValueError, match="MoEConfig.norm_eps must be a finite number > 0.0, got 0.0"):
+        MoEConfig(d_model=32, n_experts=4, top_k=2, expert_hidden=16, latent_dim=16, norm_eps=0.0)
 
 
 def test_maxvio_of_counts_a_list_and_bad_loads():

@@ -267,7 +267,9 @@ def _stepped(algorithm="muon", row_blocks=None, shape=(6, 4), lr=1e-2):
     (lambda sd: sd["param_groups"][0].update(row_blocks=[2, 4]), r"saved row_blocks \[2, 4\] differs"),
     (lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(4, 6)), r"momentum_buffer has shape \[4, 6\]"),
     (lambda sd: sd["param_groups"].append(dict(sd["param_groups"][0])), "must hold 1 param_groups"),
-], ids=["nan-lr", "algorithm", "row-blocks", "shape", "groups"])
+    (lambda sd: sd["param_groups"][0].pop("lr"), r"the saved group lacks \['lr'\]"),
+    (lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(())), r"momentum_buffer has shape \[\]"),
+], ids=["nan-lr", "algorithm", "row-blocks", "shape", "groups", "missing-key", "0-dim"])
 def test_load_state_dict_checks_what_it_loads_and_changes_nothing_when_it_refuses(edit, match):
     """load_state_dict took a NaN lr (NaN weights after one step), switched an AdamW group to Muon, replaced the
     row blocks, and a momentum of another shape failed only at step() with a bare size mismatch."""
@@ -283,7 +285,11 @@ def test_load_state_dict_checks_what_it_loads_and_changes_nothing_when_it_refuse
     # The unedited state dict (tuples saved as lists, as a checkpoint may hold them) still loads.
     sd = copy.deepcopy(before)
     sd["param_groups"][0]["ns_coefficients"] = list(sd["param_groups"][0]["ns_coefficients"])
+    sd["param_groups"][0]["betas"] = list(sd["param_groups"][0]["betas"])
     opt.load_state_dict(sd)
+    p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(2))
+    opt.step()  # a list of coefficients was used as a dict key: "unhashable type: 'list'"
+    assert torch.isfinite(p).all()
 
 
 def test_an_empty_expert_stack_is_skipped():

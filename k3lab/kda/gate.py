@@ -50,7 +50,8 @@ def kimi_linear_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
         dt_bias (Tensor | None): [HV * K] or [HV, K] bias.
 
     Returns:
-        Tensor: [B, T, HV, K] log-decay in (-inf, 0], in z's dtype (computed in float32 or wider).
+        Tensor: [B, T, HV, K] log-decay in [-inf, 0], in z's dtype (computed in float32 or wider); -inf (a full
+        reset) where exp(A_log) * softplus(z + dt_bias) overflows.
 
     Raises:
         ValueError: z not a floating-point [B, T, HV, K] tensor, A_log not [HV], dt_bias not [HV * K] or
@@ -93,6 +94,7 @@ def lower_bounded_gate(
 
 
 def _rate(A_log: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """exp(A_log) in ``dtype``, at most its largest finite value: an overflow to inf times a zero (softplus
-    underflowed, or z + dt_bias = 0) was inf * 0 = NaN. A NaN A_log stays NaN (``KDALayer`` names it)."""
-    return A_log.to(dtype).exp().clamp(max=torch.finfo(dtype).max)
+    """exp(A_log) in ``dtype``, A_log clamped below log of the dtype's largest value: an overflow to inf times
+    a zero (softplus underflowed, or z + dt_bias = 0) was inf * 0 = NaN, forward and (clamped after exp)
+    backward. A NaN A_log stays NaN (``KDALayer`` names it)."""
+    return A_log.to(dtype).clamp(max=math.log(torch.finfo(dtype).max) - 0.01).exp()

@@ -52,8 +52,8 @@ class MoEConfig:
     Raises:
         ValueError: a size not a positive int, n_shared not an int >= 0, renormalize not a bool,
             top_k > n_experts, an unknown activation, balance or
-            estimator, bins < 2, routed_scaling or init_std not a finite number > 0, sign_lr, aux_coef or
-            norm_eps not a finite number >= 0, Quantile Balancing with top_k = n_experts.
+            estimator, bins < 2, routed_scaling, init_std or norm_eps not a finite number > 0, sign_lr or
+            aux_coef not a finite number >= 0, Quantile Balancing with top_k = n_experts.
     """
 
     d_model: int = 256
@@ -96,7 +96,7 @@ class MoEConfig:
         if not (isinstance(self.bins, int) and not isinstance(self.bins, bool) and self.bins >= 2):
             raise ValueError(f"MoEConfig.bins must be an int >= 2, got {self.bins!r}")
         for name, low, strict in (("routed_scaling", 0.0, True), ("sign_lr", 0.0, False), ("aux_coef", 0.0, False),
-                                  ("init_std", 0.0, True), ("norm_eps", 0.0, False)):
+                                  ("init_std", 0.0, True), ("norm_eps", 0.0, True)):
             v = getattr(self, name)
             ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
                   and (v > low if strict else v >= low))
