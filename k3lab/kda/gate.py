@@ -50,8 +50,10 @@ def kimi_linear_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
         dt_bias (Tensor | None): [HV * K] or [HV, K] bias.
 
     Returns:
-        Tensor: [B, T, HV, K] log-decay in [-inf, 0], in z's dtype (computed in float32 or wider); -inf (a full
-        reset) where exp(A_log) * softplus(z + dt_bias) overflows.
+        Tensor: [B, T, HV, K] log-decay in (-inf, 0], in z's dtype (computed in float32 or wider), while
+        exp(A_log) is finite in that dtype: beyond (A_log >= 89 in float32) the product overflows to -inf, or
+        to NaN where softplus underflows to 0. Not checked here (a read back per call); ``KDALayer`` names
+        such an A_log.
 
     Raises:
         ValueError: z not a floating-point [B, T, HV, K] tensor, A_log not [HV], dt_bias not [HV * K] or
@@ -61,7 +63,7 @@ def kimi_linear_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
     x = widen(z)
     if dt_bias is not None:
         x = x + dt_bias.reshape(z.shape[-2:])
-    return (-_rate(A_log, x.dtype)[:, None] * F.softplus(x)).to(z.dtype)
+    return (-A_log.to(x.dtype).exp()[:, None] * F.softplus(x)).to(z.dtype)
 
 
 def lower_bounded_gate(
@@ -79,7 +81,8 @@ def lower_bounded_gate(
         lower_bound (float): g_min < 0 (K3: -5).
 
     Returns:
-        Tensor: [B, T, HV, K] log-decay in (lower_bound, 0), in z's dtype.
+        Tensor: [B, T, HV, K] log-decay in (lower_bound, 0), in z's dtype, while exp(A_log) is finite (beyond
+        it, a z + dt_bias of exactly 0 gives NaN; ``KDALayer`` names such an A_log).
 
     Raises:
         ValueError: ``lower_bound`` not a finite negative number; z not a floating-point [B, T, HV, K]
@@ -90,11 +93,4 @@ def lower_bounded_gate(
     x = widen(z)
     if dt_bias is not None:
         x = x + dt_bias.reshape(z.shape[-2:])
-    return (lower_bound * torch.sigmoid(_rate(A_log, x.dtype)[:, None] * x)).to(z.dtype)
-
-
-def _rate(A_log: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """exp(A_log) in ``dtype``, A_log clamped below log of the dtype's largest value: an overflow to inf times
-    a zero (softplus underflowed, or z + dt_bias = 0) was inf * 0 = NaN, forward and (clamped after exp)
-    backward. A NaN A_log stays NaN (``KDALayer`` names it)."""
-    return A_log.to(dtype).clamp(max=math.log(torch.finfo(dtype).max) - 0.01).exp()
+    return (lower_bound * torch.sigmoid(A_log.to(x.dtype).exp()[:, None] * x)).to(z.dtype)
