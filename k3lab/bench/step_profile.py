@@ -106,8 +106,10 @@ def records(prof, device: torch.device) -> tuple[list, list]:
     intervals = [(RANGES[e.name], e.time_range.start, e.time_range.end) for e in events
                  if e.is_user_annotation and e.device_type == DeviceType.CPU and e.name in RANGES]
     if device.type == "cpu":
+        # torch 2.11's FunctionEvent has no activity_type; there every non-annotation CPU event is an op.
         return [(e.name, e.self_cpu_time_total, e.time_range.start, caller(e)) for e in events
-                if e.device_type == DeviceType.CPU and e.activity_type == "cpu_op"], intervals
+                if e.device_type == DeviceType.CPU and not e.is_user_annotation
+                and getattr(e, "activity_type", "cpu_op") == "cpu_op"], intervals
     return [(k.name, k.duration, e.time_range.start, caller(e)) for e in events
             if e.device_type == DeviceType.CPU and not e.is_user_annotation for k in e.kernels], intervals
 
