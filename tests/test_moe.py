@@ -391,6 +391,13 @@ def test_dispatch_and_combine_equal_index_select_and_index_add_and_differentiate
     assert torch.autograd.gradcheck(lambda a, b: combine_rows(a, order, inv, b), (y, w))
     assert torch.autograd.gradgradcheck(lambda a, b: combine_rows(a, order, inv, b), (y, w))
     assert torch.autograd.gradgradcheck(lambda a: dispatch_rows(a, order, inv, K) ** 2, (x,))
+    # Traced by dynamo (the MoE's sublayer under compile_blocks), the same gradients: torch 2.11 gave zeros
+    # when the forward's last op was a same-dtype .to() (the routed experts and the router learned nothing).
+    compiled = torch.compile(lambda a, b: combine_rows(a, order, inv, b), dynamic=False, backend="eager")
+    want = torch.autograd.grad(combine_rows(y, order, inv, w).pow(2).sum(), (y, w))
+    got = torch.autograd.grad(compiled(y, w).pow(2).sum(), (y, w))
+    for name, a_, b_ in zip(("dy", "dweight"), want, got):
+        assert_close(f"compiled combine {name}", a_, b_, 1e-12)
 
 
 def test_dispatch_and_combine_name_a_bad_argument():

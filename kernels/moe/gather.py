@@ -47,7 +47,10 @@ def gather_sum_torch(y: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor | 
     wide = rows.float() if rows.dtype in (torch.bfloat16, torch.float16) else rows
     if weight is not None:
         wide = wide * weight.to(wide.dtype).unsqueeze(-1)
-    return wide.sum(1).to(y.dtype)
+    out = wide.sum(1)
+    # No same-dtype .to() at the end: returned from an autograd.Function's forward under torch.compile, torch
+    # 2.11 gave that alias zero gradients (the MoE's routed experts and router learned nothing on a CPU).
+    return out if out.dtype == y.dtype else out.to(y.dtype)
 
 
 @torch.library.custom_op("k3lab::gather_sum", mutates_args=())
