@@ -228,8 +228,8 @@ class PerHeadMuon(torch.optim.Optimizer):
 
         Raises:
             ValueError: before anything changes, when a saved group lacks a key or its hyperparameters fail the
-                constructor's checks, its ``algorithm`` or ``row_blocks`` differ from this optimizer's group (another model's
-                layout), or a saved state tensor's shape differs from its parameter's.
+                constructor's checks, its ``algorithm`` or ``row_blocks`` differ from this optimizer's group
+                (another model's layout), or a saved state tensor's shape differs from its parameter's.
         """
         saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
@@ -237,16 +237,16 @@ class PerHeadMuon(torch.optim.Optimizer):
                              f"{len(saved_groups) if isinstance(saved_groups, list) else type(saved_groups).__name__}")
         shapes = {}
         for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            missing = sorted(set(group) - set(saved) - {"params"})
+            missing = sorted(set(group) - set(saved))
             if missing:
                 raise ValueError(f"param group {i}: the saved group lacks {missing} (a state dict of another optimizer)")
             for key in ("algorithm", "row_blocks"):
                 # A checkpoint may hold a tuple as a list.
-                if _plain(saved.get(key, group[key])) != _plain(group[key]):
-                    raise ValueError(f"param group {i}: the saved {key} {saved.get(key)!r} differs from this "
+                if _plain(saved[key]) != _plain(group[key]):
+                    raise ValueError(f"param group {i}: the saved {key} {saved[key]!r} differs from this "
                                      f"optimizer's {group[key]!r} (a state dict of another model or grouping)")
-            _check_group({**group, **saved, "params": group["params"]}, i)
-            shapes.update({index: p.shape for index, p in zip(saved.get("params", ()), group["params"])})
+            _check_group({**saved, "params": group["params"]}, i)
+            shapes.update({index: p.shape for index, p in zip(saved["params"], group["params"])})
         for index, saved in state_dict.get("state", {}).items():
             for name, t in (saved.items() if isinstance(saved, dict) else ()):
                 # Every state tensor but AdamW's step counter has its parameter's shape.
