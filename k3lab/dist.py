@@ -195,6 +195,10 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 def all_gather_stacked(x: torch.Tensor, world_size: int, group, async_op: bool = False):
     """[*] -> [R, *]: every rank's ``x`` (same shape and dtype on all ranks), stacked in rank order.
 
+    Shapes are not exchanged (that would cost a second collective on every call): ranks whose ``x``
+    differ in size abort in gloo (SIGABRT) and may hang or read stale memory in NCCL. A caller that
+    cannot vouch for equal shapes exchanges them first, as ``moonep_experts(check_ids=True)`` does.
+
     With ``async_op``: (the [R, *] buffer, the collective's handle), the result valid only after
     ``handle.wait()``, so work that does not read it can be issued first.
     """

@@ -184,6 +184,9 @@ def make_context(
     Args:
         T (int): global number of tokens (a multiple of the group size).
         cu_seqlens (Tensor | list[int] | None): global document offsets [N+1]; None: one document.
+            Every rank of the group must pass the same T and offsets: they are not compared across
+            ranks (a collective per batch), and ranks that disagree compute states for different
+            documents without an error.
         group (ProcessGroup | None): the context-parallel group. None with neither ``rank`` nor
             ``world_size`` given: the default group when torch.distributed is initialised, else one
             process. ``rank``/``world_size`` without a group describe a layout only (no collectives
