@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -55,8 +56,11 @@ def _entry(rank, fn, world_size, port, outdir, backend, pg_timeout_s, args):
     except BaseException:  # SystemExit too: a worker's sys.exit left no result and no record
         # The rank that fails first is the cause; others then fail in a collective ("Connection closed by
         # peer"), and spawn reports whichever exit it notices first. The time lets launch name the first.
-        with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
+        # Written whole or not at all: launch reads the records while it stops the other ranks.
+        path = os.path.join(outdir, f"rank{rank}.err")
+        with open(path + ".part", "w") as f:
             f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        os.replace(path + ".part", path)
         raise
     finally:
         dist.destroy_process_group()
@@ -94,6 +98,9 @@ def launch(fn: Callable, world_size: int, *args, timeout_s: float = 180.0, backe
         TimeoutError: not all ranks finished within ``timeout_s`` (they are killed).
         torch.multiprocessing.ProcessRaisedException: a rank raised: the first rank to fail, with its traceback
             (the others usually fail after it, in a collective it left).
+        torch.multiprocessing.ProcessExitedException: a rank ended without a traceback (a signal such as
+            SIGKILL or SIGSEGV, or os._exit): that rank, its exit code or signal, and the first error
+            recorded after it.
         RuntimeError: a rank exited without a result and without an error (``sys.exit`` in ``fn``).
     """
     if not (isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1):
@@ -123,8 +130,20 @@ def launch(fn: Callable, world_size: int, *args, timeout_s: float = 180.0, backe
                     raise TimeoutError(f"{world_size} ranks running {getattr(fn, '__name__', fn)} did not finish "
                                        f"within {timeout_s} s")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            # An exit code (a SystemExit, a signal) says less than a recorded traceback: report that one.
+            silent = _silent_exits(procs.processes, outdir, e.error_index)
             first = _first_failure(outdir)
+            if silent:
+                # A rank killed by a signal (or leaving through os._exit) records nothing, and the ranks waiting
+                # on it then record "Connection closed by peer": the silent exit is the cause.
+                rank, code = silent[0]
+                sig = (signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}") \
+                    if code < 0 else None
+                how = f"was killed by {sig}" if sig else f"exited with code {code}"
+                then = f"\nThe first error recorded after it (rank {first[0]}):\n{first[1]}" if first else ""
+                raise mp.ProcessExitedException(
+                    f"process {rank} {how} without a traceback (killed by a signal, or os._exit){then}", rank,
+                    procs.processes[rank].pid, code, sig) from e
+            # An exit code (a SystemExit) says less than a recorded traceback: report that one.
             if first is None or (first[0] == e.error_index and isinstance(e, mp.ProcessRaisedException)):
                 raise
             rank, trace = first
@@ -139,6 +158,21 @@ def launch(fn: Callable, world_size: int, *args, timeout_s: float = 180.0, backe
                                f"result" + (f"; rank {first[0]} first:\n{first[1]}" if first else
                                             " and without an error (sys.exit in the worker?)"))
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _silent_exits(processes, outdir: str, detected: int) -> list[tuple[int, int]]:
+    """(rank, exit code; -N for signal N) of the ranks that ended with neither a result nor a recorded error,
+    ``detected`` (the exit spawn noticed first) before the others. Other ranks ended by SIGTERM are left out:
+    spawn stops the survivors with it once one rank has failed."""
+    out = []
+    for rank, p in enumerate(processes):
+        p.join(timeout=5.0)  # spawn has stopped the others: their records and exit codes are final
+        code = p.exitcode
+        recorded = any(os.path.exists(os.path.join(outdir, f"rank{rank}{ext}")) for ext in (".pt", ".err"))
+        if code is None or recorded or (code == -signal.SIGTERM and rank != detected):
+            continue
+        out.append((rank, code))
+    return sorted(out, key=lambda x: x[0] != detected)
 
 
 def _first_failure(outdir: str) -> tuple[int, str] | None:
@@ -270,3 +304,13 @@ def environ_worker(rank: int, world_size: int, group, names: list[str]) -> dict:
 def exit_worker(rank: int, world_size: int, group, code) -> None:
     """``sys.exit(code)`` on every rank (for tests: a worker that leaves without a result)."""
     sys.exit(code)
+
+
+def signal_worker(rank: int, world_size: int, group, who: int, sig: int) -> int:
+    """Rank ``who`` sends itself ``sig`` while the others wait for it in a barrier (for tests: a rank that
+    dies without a traceback)."""
+    if rank == who:
+        os.kill(os.getpid(), sig)
+        time.sleep(30)
+    dist.barrier(group=group)
+    return rank

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3lab.dist import AXES, environ_worker, exit_worker, launch, mesh_worker
+from k3lab.dist import AXES, environ_worker, exit_worker, launch, mesh_worker, signal_worker
 
 
 def test_mesh_groups_and_collectives_on_four_ranks():
@@ -63,6 +63,17 @@ def test_a_rank_that_exits_without_a_result_is_named(code, match):
     recorded, so another rank's "Connection reset by peer" was blamed."""
     with pytest.raises((RuntimeError, Exception), match=match):
         launch(exit_worker, 2, code, timeout_s=120)
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSEGV"])
+def test_a_rank_killed_by_a_signal_is_named_first(sig):
+    """A killed rank records nothing: launch blamed the rank waiting on it ("Connection closed by peer"), and
+    a record read while being written ended in "could not convert string to float"."""
+    import signal
+
+    with pytest.raises(torch.multiprocessing.ProcessExitedException, match=f"process 1 was killed by {sig}") as e:
+        launch(signal_worker, 2, 1, getattr(signal, sig), timeout_s=120)
+    assert e.value.error_index == 1 and e.value.signal_name == sig
 
 
 @pytest.mark.parametrize("kwargs, match", [
