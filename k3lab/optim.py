@@ -222,50 +222,51 @@ class PerHeadMuon(torch.optim.Optimizer):
             _check_group(group, i)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """``torch.optim.Optimizer.load_state_dict``, keeping Muon's momentum in the dtype it was saved in:
-        torch casts restored floating state to the parameter's dtype, and the momentum of a low-precision
-        parameter is float32 (``_momentum``).
+        """``torch.optim.Optimizer.load_state_dict``, with Muon's momentum restored in the dtype a fresh step
+        gives it (float32 for a low-precision parameter; torch would cast it to the parameter's dtype).
 
         Raises:
-            ValueError: before anything changes, when a saved group lacks a key or its hyperparameters fail the
-                constructor's checks, its ``algorithm`` or ``row_blocks`` differ from this optimizer's group
-                (another model's layout), or a saved state tensor's shape differs from its parameter's.
+            ValueError: before anything changes, when a saved group's keys differ from this optimizer's group,
+                its hyperparameters fail the constructor's checks, its ``algorithm``, ``row_blocks`` or
+                ``names`` differ (another model's layout), or a parameter's saved state is not the one its
+                group's algorithm keeps (Muon: ``momentum_buffer``; AdamW: a 0-dim ``step``, ``exp_avg`` and
+                ``exp_avg_sq``), each a floating tensor of its parameter's shape, or belongs to no parameter.
         """
         saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
             raise ValueError(f"state_dict must hold {len(self.param_groups)} param_groups (this optimizer's), got "
                              f"{len(saved_groups) if isinstance(saved_groups, list) else type(saved_groups).__name__}")
-        shapes = {}
+        params = {}
         for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            missing = sorted(set(group) - set(saved))
-            if missing:
-                raise ValueError(f"param group {i}: the saved group lacks {missing} (a state dict of another optimizer)")
-            for key in ("algorithm", "row_blocks"):
+            missing, extra = sorted(set(group) - set(saved)), sorted(set(saved) - set(group))
+            if missing or extra:
+                raise ValueError(f"param group {i}: the saved group lacks {missing} and has {extra} beyond this "
+                                 f"optimizer's keys (a state dict of another optimizer)")
+            for key in ("algorithm", "row_blocks", "names"):
                 # A checkpoint may hold a tuple as a list.
-                if _plain(saved[key]) != _plain(group[key]):
+                if _plain(saved.get(key)) != _plain(group.get(key)):
                     raise ValueError(f"param group {i}: the saved {key} {saved[key]!r} differs from this "
                                      f"optimizer's {group[key]!r} (a state dict of another model or grouping)")
             _check_group({**saved, "params": group["params"]}, i)
-            shapes.update({index: p.shape for index, p in zip(saved["params"], group["params"])})
-        for index, saved in state_dict.get("state", {}).items():
-            for name, t in (saved.items() if isinstance(saved, dict) else ()):
-                # Every state tensor but AdamW's step counter has its parameter's shape.
-                if isinstance(t, torch.Tensor) and name != "step" and index in shapes and t.shape != shapes[index]:
-                    raise ValueError(f"state of parameter {index!r}: {name} has shape {list(t.shape)}, the "
-                                     f"parameter {list(shapes[index])} (a state dict of another model)")
+            # Saved ids map to parameters group by group, as torch maps them: ints from ``state_dict()``,
+            # parameter names from torch.distributed.checkpoint's ``set_optimizer_state_dict``.
+            params.update({index: (p, group["algorithm"]) for index, p in zip(saved["params"], group["params"])})
+        saved_state = state_dict.get("state", {})
+        if not isinstance(saved_state, dict):
+            raise ValueError(f"state_dict['state'] must be a dict, got {type(saved_state).__name__}")
+        for index, saved in saved_state.items():
+            _check_state(index, saved, *params.get(index, (None, None)))
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             # A checkpoint may hold tuples as lists; the step keys its Newton-Schulz batches on them.
             group["ns_coefficients"], group["betas"] = tuple(group["ns_coefficients"]), tuple(group["betas"])
-        # Saved ids map to parameters group by group, as torch maps them: ints from ``state_dict()``, parameter
-        # names from torch.distributed.checkpoint's ``set_optimizer_state_dict``.
-        params = {i: p for saved, group in zip(state_dict["param_groups"], self.param_groups)
-                  for i, p in zip(saved["params"], group["params"])}
-        for index, saved in state_dict["state"].items():
-            buf = saved.get("momentum_buffer") if isinstance(saved, dict) else None
-            p = params.get(index)
-            if p is not None and isinstance(buf, torch.Tensor) and buf.dtype != p.dtype:
-                self.state[p]["momentum_buffer"] = buf.to(device=p.device, copy=True)
+        # torch casts restored floating state to the parameter's dtype: Muon's momentum goes back to the dtype a
+        # fresh step gives it (float32 for a low-precision parameter), from the saved tensor.
+        for index, saved in saved_state.items():
+            p, algorithm = params[index]
+            if algorithm == "muon":
+                buf = saved["momentum_buffer"]
+                self.state[p]["momentum_buffer"] = buf.to(device=p.device, dtype=_momentum_dtype(p), copy=True)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -316,8 +317,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         for p, group in muon:
             state = self.state[p]
             if "momentum_buffer" not in state:
-                wide = torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
-                state["momentum_buffer"] = torch.zeros_like(p, dtype=wide)
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=_momentum_dtype(p))
             buckets.setdefault((group["momentum"], group["nesterov"], _mesh_key(p)), []).append((p, group))
         jobs = []
         for (mu, nesterov, _), members in buckets.items():
@@ -418,6 +418,30 @@ def _check_group(group: dict, i: int) -> None:
                 and sum(blocks) == rows):
             raise ValueError(f"param group {i}: row_blocks must be a list of positive ints summing to "
                              f"the parameter's {rows} rows, got {blocks!r}")
+
+
+def _momentum_dtype(p: torch.Tensor) -> torch.dtype:
+    """Muon's momentum dtype for parameter ``p``: float32 for a low-precision parameter, else its own."""
+    return torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
+
+
+STATE_KEYS = {"muon": {"momentum_buffer"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}
+
+
+def _check_state(index, saved, p: torch.Tensor | None, algorithm: str | None) -> None:
+    """ValueError unless ``saved`` is the state ``algorithm`` keeps for parameter ``p`` (saved id ``index``):
+    its keys (``STATE_KEYS``), each a floating tensor of ``p``'s shape, AdamW's ``step`` 0-dim."""
+    where = f"state of parameter {index!r}"
+    if p is None:
+        raise ValueError(f"{where}: no parameter of this optimizer has that id (a state dict of another model)")
+    if not isinstance(saved, dict) or set(saved) != STATE_KEYS[algorithm]:
+        got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise ValueError(f"{where}: a {algorithm} parameter keeps {sorted(STATE_KEYS[algorithm])}, got {got}")
+    for name, t in saved.items():
+        want = [] if name == "step" else list(p.shape)
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point() and list(t.shape) == want):
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{where}: {name} must be a floating tensor of shape {want}, got {got}")
 
 
 def _plain(v):

@@ -255,7 +255,7 @@ def test_validation():
 def _stepped(algorithm="muon", row_blocks=None, shape=(6, 4), lr=1e-2):
     """A one-parameter PerHeadMuon after one step on a fixed gradient."""
     p = torch.nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(0)))
-    opt = PerHeadMuon([dict(params=[p], algorithm=algorithm, row_blocks=row_blocks)], lr=lr)
+    opt = PerHeadMuon([dict(params=[p], names=["w"], algorithm=algorithm, row_blocks=row_blocks)], lr=lr)
     p.grad = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     opt.step()
     return p, opt
@@ -265,11 +265,21 @@ def _stepped(algorithm="muon", row_blocks=None, shape=(6, 4), lr=1e-2):
     (lambda sd: sd["param_groups"][0].update(lr=float("nan")), "param group 0: lr must be a finite number"),
     (lambda sd: sd["param_groups"][0].update(algorithm="adamw"), "saved algorithm 'adamw' differs"),
     (lambda sd: sd["param_groups"][0].update(row_blocks=[2, 4]), r"saved row_blocks \[2, 4\] differs"),
-    (lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(4, 6)), r"momentum_buffer has shape \[4, 6\]"),
+    (lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(4, 6)),
+     r"momentum_buffer must be a floating tensor of shape \[6, 4\], got torch.float32 \[4, 6\]"),
     (lambda sd: sd["param_groups"].append(dict(sd["param_groups"][0])), "must hold 1 param_groups"),
     (lambda sd: sd["param_groups"][0].pop("lr"), r"the saved group lacks \['lr'\]"),
-    (lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(())), r"momentum_buffer has shape \[\]"),
-], ids=["nan-lr", "algorithm", "row-blocks", "shape", "groups", "missing-key", "0-dim"])
+    (lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(())), r"shape \[6, 4\], got torch.float32 \[\]"),
+    (lambda sd: sd["param_groups"][0].update(foo=1), r"lacks \[\] and has \['foo'\]"),
+    (lambda sd: sd["param_groups"][0].update(names=["other"]), r"saved names \['other'\] differs"),
+    (lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(6, 4, dtype=torch.long)), "got torch.int64"),
+    (lambda sd: sd["state"].update({0: torch.zeros(6, 4)}), "a muon parameter keeps \['momentum_buffer'\], got Tensor"),
+    (lambda sd: sd["state"].update({0: dict(step=torch.tensor(1.0), exp_avg=torch.zeros(6, 4),
+                                             exp_avg_sq=torch.zeros(6, 4))}),
+     r"a muon parameter keeps \['momentum_buffer'\], got \['exp_avg', 'exp_avg_sq', 'step'\]"),
+    (lambda sd: sd["state"].update({9999: dict(momentum_buffer=torch.zeros(6, 4))}), "parameter 9999: no parameter"),
+], ids=["nan-lr", "algorithm", "row-blocks", "shape", "groups", "missing-key", "0-dim", "extra-key", "names",
+        "int-momentum", "not-a-dict", "adamw-state", "unknown-id"])
 def test_load_state_dict_checks_what_it_loads_and_changes_nothing_when_it_refuses(edit, match):
     """load_state_dict took a NaN lr (NaN weights after one step), switched an AdamW group to Muon, replaced the
     row blocks, and a momentum of another shape failed only at step() with a bare size mismatch."""
@@ -290,6 +300,39 @@ def test_load_state_dict_checks_what_it_loads_and_changes_nothing_when_it_refuse
     p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(2))
     opt.step()  # a list of coefficients was used as a dict key: "unhashable type: 'list'"
     assert torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda st: st.pop("exp_avg_sq"), r"keeps \['exp_avg', 'exp_avg_sq', 'step'\], got \['exp_avg', 'step'\]"),
+    (lambda st: st.update(step=torch.zeros(3)), r"step must be a floating tensor of shape \[\], got torch.float32 \[3\]"),
+    (lambda st: st.update(step=1), "step must be a floating tensor of shape \\[\\], got int"),
+], ids=["missing-moment", "step-shape", "step-int"])
+def test_load_state_dict_checks_adamw_state(edit, match):
+    """Each of these loaded and replaced the state, then step() failed (KeyError, "cannot be converted to
+    Scalar", "list of singleton tensors")."""
+    p, opt = _stepped(algorithm="adamw")
+    sd = copy.deepcopy(opt.state_dict())
+    edit(sd["state"][0])
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    after = opt.state_dict()
+    for name in ("step", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(after["state"][0][name], before["state"][0][name])
+
+
+@pytest.mark.parametrize("param_dtype, want", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+def test_momentum_is_restored_in_the_dtype_a_fresh_step_gives(param_dtype, want):
+    """A float16 momentum saved for a float32 parameter stayed float16 after loading."""
+    p, opt = _stepped()
+    p.data = p.data.to(param_dtype)
+    sd = copy.deepcopy(opt.state_dict())
+    saved = sd["state"][0]["momentum_buffer"]
+    sd["state"][0]["momentum_buffer"] = saved.to(torch.float16)
+    opt.load_state_dict(sd)
+    buf = opt.state[p]["momentum_buffer"]
+    assert buf.dtype == want
+    torch.testing.assert_close(buf, saved.to(torch.float16).to(want), rtol=0, atol=0)
 
 
 def test_an_empty_expert_stack_is_skipped():
