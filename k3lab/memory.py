@@ -110,6 +110,8 @@ def fp8_quantize(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor,
     _check_block("fp8_quantize", block)
     d = x.shape[-1]
     nb = -(-d // block)
+    # A block wider than the row is the row: padding a row to a block of 2^28 took gigabytes for one scale.
+    block = min(block, max(d, 1))
     # float64 keeps its own range: through float32, values past 3.4e38 became inf and those below 1e-45 zero.
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     rows = x.detach().to(work)
@@ -131,9 +133,9 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, blo
     in ``dtype``, value j of a row being ``q[j] * scale[j // block]``.
 
     Raises:
-        ValueError: block not a positive int; q not a float8_e4m3fn tensor with ndim >= 1; scale not of the
-            shape ``fp8_quantize`` gives q with this block (scales made with another block would be read
-            against the wrong values).
+        ValueError: block not a positive int; q not a float8_e4m3fn tensor with ndim >= 1; scale not float32 or
+            float64 of the shape ``fp8_quantize`` gives q with this block (scales made with another block would
+            be read against the wrong values); dtype not a floating dtype.
     """
     _check_block("fp8_dequantize", block)
     if not (isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn and q.ndim >= 1):
@@ -141,10 +143,13 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, blo
         raise ValueError(f"fp8_dequantize: q must be a float8_e4m3fn tensor with ndim >= 1 (fp8_quantize's), got {got}")
     d = q.shape[-1]
     want = (*q.shape[:-1], -(-d // block))
-    if not (isinstance(scale, torch.Tensor) and tuple(scale.shape) == want):
-        got = list(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
-        raise ValueError(f"fp8_dequantize: scale must be {list(want)} for q {list(q.shape)} with block={block}, "
-                         f"got {got}")
+    if not (isinstance(scale, torch.Tensor) and tuple(scale.shape) == want and scale.dtype in (torch.float32, torch.float64)):
+        got = f"{scale.dtype} {list(scale.shape)}" if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise ValueError(f"fp8_dequantize: scale must be float32 or float64 {list(want)} for q {list(q.shape)} "
+                         f"with block={block} (fp8_quantize's), got {got}")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"fp8_dequantize: dtype must be a floating torch.dtype, got {dtype!r}")
+    block = min(block, max(d, 1))
     return (q.to(scale.dtype) * scale.repeat_interleave(block, dim=-1)[..., :d]).to(dtype)
 
 

@@ -159,14 +159,36 @@ def test_fp8_dequantize_refuses_scales_of_another_block_or_shape():
     took the scale of another block); a scale of the wrong shape failed in a broadcast."""
     x = torch.randn(3, 300)
     q, scale = fp8_quantize(x, block=7)
-    with pytest.raises(ValueError, match=r"fp8_dequantize: scale must be \[3, 3\] for q \[3, 300\] with block=128, "
-                                         r"got \[3, 43\]"):
+    with pytest.raises(ValueError, match=r"fp8_dequantize: scale must be float32 or float64 \[3, 3\] for q \[3, 300\] "
+                                         r"with block=128 \(fp8_quantize's\), got torch.float32 \[3, 43\]"):
         fp8_dequantize(q, scale, torch.float32)
-    with pytest.raises(ValueError, match=r"scale must be \[3, 43\]"):
+    with pytest.raises(ValueError, match=r"scale must be float32 or float64 \[3, 43\]"):
         fp8_dequantize(q, scale[:, :1], torch.float32, block=7)
     with pytest.raises(ValueError, match="q must be a float8_e4m3fn tensor"):
         fp8_dequantize(x, scale, torch.float32, block=7)
     assert rel_rms_error(x, fp8_dequantize(q, scale, torch.float32, block=7)) < 0.05
+
+
+@pytest.mark.parametrize("scale_dtype, dtype, match", [
+    (torch.int64, torch.float32, "got torch.int64"),
+    (torch.float32, torch.int64, "dtype must be a floating torch.dtype, got torch.int64"),
+    (torch.float32, None, "dtype must be a floating torch.dtype, got None"),
+], ids=["int-scale", "int-dtype", "no-dtype"])
+def test_fp8_dequantize_refuses_non_floating_dtypes(scale_dtype, dtype, match):
+    """An int64 scale came back as zeros; dtype=int64 or bool was taken and None gave float32."""
+    q, scale = fp8_quantize(torch.randn(2, 130))
+    with pytest.raises(ValueError, match=match):
+        fp8_dequantize(q, scale.to(scale_dtype), dtype)
+
+
+def test_fp8_block_wider_than_the_row_costs_the_row():
+    """A block of 2^28 padded a one-value row to 2^28 values (3.6 GB); the row is one block."""
+    x = torch.randn(3, 5, dtype=torch.float64)
+    q, scale = fp8_quantize(x, block=2 ** 40)
+    assert q.shape == (3, 5) and scale.shape == (3, 1)
+    y = fp8_dequantize(q, scale, torch.float64, block=2 ** 40)
+    torch.testing.assert_close(y, fp8_dequantize(*fp8_quantize(x, block=5), torch.float64, block=5), rtol=0, atol=0)
+    assert rel_rms_error(x, y) < 0.05
 
 
 @pytest.mark.parametrize("policy", ["keep", "recompute"])
