@@ -148,6 +148,12 @@ def test_triton_layout_at_benchmark_widths(kind, R, E, S, K):
     assert_same_layouts(make_routing(kind, R, S, K, E, torch.Generator().manual_seed(R)), R, S, K, E)
 
 
+def test_the_reference_planner_names_negative_counts():
+    """Rows summing to S*K with a negative entry were refused with only the (valid) row sums shown."""
+    with pytest.raises(ValueError, match=r"row sums \[16, 16\] and negative counts at \[rank, expert\] \[\(0, 1\)\]"):
+        plan_reference(torch.tensor([[20, -4, 0, 0], [10, 2, 2, 2]]), 8, 2)
+
+
 def test_layout_marks_pairs_with_ids_outside_the_experts():
     """The ids are not read back (no host sync), so ``layout`` cannot raise on them: a pair whose id is
     negative or >= E gets dest_rank and dest_row -1 and reads nothing out of bounds (a negative id must not
@@ -167,6 +173,15 @@ def test_layout_marks_pairs_with_ids_outside_the_experts():
     assert lay.dest_rank.cpu()[marked].eq(-1).all() and lay.dest_row.cpu()[marked].eq(-1).all()
     assert lay.dest_rank.cpu()[~marked].ge(0).all() and lay.dest_rank.cpu()[~marked].lt(R).all()
     assert lay.dest_row.cpu()[~marked].ge(0).all() and lay.dest_row.cpu()[~marked].lt(S * K).all()
+    # A bad id sorts after every expert, so its position among the pairs passed all of expert 0's pieces: the
+    # torch backend raised a bare IndexError (R = 2, E = 4, an id 4 on rank 0).
+    counts = torch.tensor([[4, 4, 4, 4], [10, 2, 2, 2]])
+    idx = torch.tensor([[4, 1], [0, 1], [0, 2], [0, 3], [1, 2], [1, 3], [2, 3], [3, 0]])
+    p = plan(counts.to(DEVICE), 8, 2)
+    got = {b: layout(p, counts.to(DEVICE), idx.to(DEVICE), 0, backend=b) for b in ("torch", "triton")}
+    for name in ("dest_rank", "dest_row", "src_rank"):
+        assert torch.equal(getattr(got["torch"], name).cpu(), getattr(got["triton"], name).cpu()), name
+    assert got["torch"].dest_rank[0].item() == -1 and got["torch"].dest_row[0].item() == -1
 
 
 def check_round_trip(idx, R, S, K, E):

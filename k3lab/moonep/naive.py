@@ -24,9 +24,11 @@ def plan_reference(counts: torch.Tensor, S: int, K: int) -> Plan:
     R, E, L = check_counts(counts, S, K)
     C = S * K
     c = counts.tolist()
-    if any(x < 0 for row in c for x in row) or any(sum(row) != C for row in c):
+    negative = [(r, e) for r, row in enumerate(c) for e, x in enumerate(row) if x < 0]
+    if negative or any(sum(row) != C for row in c):
         raise ValueError(f"counts must be >= 0 with every row summing to S*K = {C}, got row sums "
-                         f"{[sum(row) for row in c]}")
+                         f"{[sum(row) for row in c]}" + (f" and negative counts at [rank, expert] {negative[:8]}"
+                                                        if negative else ""))
     keep = [sum(c[r][e] for r in range(R)) for e in range(E)]
     load = [sum(keep[h * L:(h + 1) * L]) for h in range(R)]
     give = [[0] * L for _ in range(R)]

@@ -127,7 +127,8 @@ def plan(counts: torch.Tensor, S: int, K: int, backend: str | None = None) -> Pl
 
     Args:
         counts (Tensor): [R, E] int64 (or int32), ``counts[r, e]`` = pairs on rank r routed to expert e;
-            every row must sum to S*K (not checked: that would read the counts back to the host).
+            every entry >= 0 and every row summing to S*K (not checked: that would read the counts back to the
+            host; other counts give a meaningless plan, ``plan_reference`` checks them).
         S (int): tokens per rank.
         K (int): experts per token.
         backend (str | None): ``"torch"``, ``"triton"``, or None: ``"triton"`` for CUDA counts within the
@@ -459,7 +460,8 @@ def layout(p: Plan, counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, bac
     g = base[e] + pos
     # 3. the processing rank: the piece of assign[e] that holds g.
     cum = p.assign.cumsum(1)
-    dest_rank = (cum[e] <= g[:, None]).sum(1)
+    # A bad id's g may pass every piece of expert 0 (its pos counts the pairs of all experts): R is clamped.
+    dest_rank = (cum[e] <= g[:, None]).sum(1).clamp(max=R - 1)
     within = g - (cum - p.assign)[e, dest_rank]
     # 4. its slot there: the home slot on e's home rank, else the redundant slot of the same index.
     slot = torch.where(dest_rank == e // L, e % L, L + e % L)
