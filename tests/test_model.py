@@ -205,8 +205,9 @@ def test_use_cache_that_is_not_a_bool_is_named():
     (dict(moe_intermediate_size=20), r"^K3Config.moe_intermediate_size must be a multiple of 8"),
     (dict(moe_latent_size=None, hidden_size=60, num_attention_heads=2), r"^K3Config.hidden_size must be a multiple of 8"),
     (dict(moe_experts=4), r"^K3Config has no field\(s\) \['moe_experts'\]"),
+    (dict(moe_latent_size=128), r"^K3Config.moe_latent_size 128 is wider than hidden_size 64"),
 ], ids=["qb-top-k-equals-experts", "init-std-zero", "latent-width", "expert-hidden", "full-width-experts",
-        "unknown-field"])
+        "unknown-field", "latent-wider"])
 def test_config_refuses_what_the_model_cannot_build(overrides, match):
     """These configs were accepted and failed only at K3Model(config) or its first forward, with a message
     naming a class or a width (expert_ffn's d, h) the user never set; an unknown override was dataclasses'

@@ -188,6 +188,7 @@ def test_a_non_finite_bias_is_refused_not_left_to_win_every_top_k(value):
     (dict(n_experts=0), "n_experts"), (dict(activation="silu"), "activation"), (dict(balance="aux2"), "balance"),
     (dict(n_shared=True), r"n_shared must be an int >= 0, got True"),
     (dict(renormalize="no"), r"renormalize must be a bool, got 'no'"),
+    (dict(latent_dim=32), r"latent_dim 32 is wider than d_model 16"),
 ])
 def test_bad_configs_name_the_argument(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -207,9 +207,9 @@ def test_keep_checkpoints_leaves_the_newest_complete_ones(tmp_path, one_thread):
     with one_thread():
         train(TrainConfig(**BASE, ckpt_dir=str(tmp_path / "keep"), ckpt_every=2, keep_checkpoints=2))
         train(TrainConfig(**BASE, ckpt_dir=str(tmp_path / "all"), ckpt_every=2))
-    assert sorted(p.name for p in (tmp_path / "keep").iterdir()) == ["notes", "step_00000006", "step_00000008"]
+    assert sorted(p.name for p in (tmp_path / "keep").iterdir()) == [".lock", "notes", "step_00000006", "step_00000008"]
     assert latest_checkpoint(tmp_path / "keep").name == "step_00000008"
-    assert sorted(p.name for p in (tmp_path / "all").iterdir()) == [f"step_{n:08d}" for n in (2, 4, 6, 8)]
+    assert sorted(p.name for p in (tmp_path / "all").iterdir()) == [".lock"] + [f"step_{n:08d}" for n in (2, 4, 6, 8)]
 
 
 def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(tmp_path, capsys):
@@ -233,6 +233,31 @@ def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(tmp_path,
     (partial / "step_00000001").mkdir()
     assert main(["--batch-size", "2", "--seq-len", "16", "--no-progress", "--ckpt-dir", str(partial), "--steps", "1"]) == 0
     assert latest_checkpoint(partial).name == "step_00000001"
+
+
+@pytest.mark.parametrize("held", ["ckpt", "log"])
+def test_a_second_run_into_the_same_outputs_is_refused(tmp_path, capsys, monkeypatch, held):
+    """Two runs started together into one --ckpt-dir: one crashed in the other's half-written save
+    (FileNotFoundError .metadata.tmp), and one --log-jsonl held both runs' records interleaved."""
+    import fcntl
+
+    ckpt, log = tmp_path / "run", tmp_path / "run.jsonl"
+    ckpt.mkdir()
+    lock_path = ckpt / ".lock" if held == "ckpt" else log
+    flags = ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--steps", "1", "--ckpt-dir", str(ckpt),
+             "--log-jsonl", str(log)]
+    with open(lock_path, "a") as other:  # the other run's lock
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _forbid_steps(monkeypatch)
+        with pytest.raises(SystemExit) as e:
+            main(flags)
+        assert e.value.code == 2
+        what = f"--ckpt-dir {ckpt}" if held == "ckpt" else f"--log-jsonl {log}"
+        err = capsys.readouterr().err
+        assert f"{what} is in use by another run (its lock {lock_path} is held)" in err, err[-800:]
+    monkeypatch.undo()
+    assert main(flags) == 0  # the lock went with its holder
+    assert latest_checkpoint(ckpt).name == "step_00000001"
 
 
 def _forbid_steps(monkeypatch):

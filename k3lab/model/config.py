@@ -168,6 +168,9 @@ class K3Config:
                 raise ValueError(f"K3Config.{name} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}")
         check_lower_bound(self.kda_gate_lower_bound)
         check_chunk_size(self.kda_chunk_size, name="K3Config.kda_chunk_size")
+        if self.moe_latent_size and self.moe_latent_size > self.hidden_size:
+            raise ValueError(f"K3Config.moe_latent_size {self.moe_latent_size} is wider than hidden_size "
+                             f"{self.hidden_size}: the latent projection narrows the token (None: full width)")
         # The routed experts' grouped GEMMs need 16-byte rows (k3lab.moe.expert_ffn): 8 elements in bf16. Checked
         # here so the message names the config's fields, not the layer's d and h at the first forward.
         expert_width = ("moe_latent_size", self.moe_latent_size) if self.moe_latent_size else ("hidden_size",

@@ -50,7 +50,8 @@ class MoEConfig:
         norm_eps (float): the latent RMSNorm's eps.
 
     Raises:
-        ValueError: a size not a positive int, n_shared not an int >= 0, renormalize not a bool,
+        ValueError: a size not a positive int, latent_dim above d_model, n_shared not an int >= 0, renormalize
+            not a bool,
             top_k > n_experts, an unknown activation, balance or
             estimator, bins < 2, routed_scaling, init_std or norm_eps not a finite number > 0, sign_lr or
             aux_coef not a finite number >= 0, Quantile Balancing with top_k = n_experts.
@@ -83,6 +84,9 @@ class MoEConfig:
         if self.latent_dim is not None and not (
                 isinstance(self.latent_dim, int) and not isinstance(self.latent_dim, bool) and self.latent_dim > 0):
             raise ValueError(f"MoEConfig.latent_dim must be a positive int or None (full width), got {self.latent_dim!r}")
+        if self.latent_dim is not None and self.latent_dim > self.d_model:
+            raise ValueError(f"MoEConfig.latent_dim {self.latent_dim} is wider than d_model {self.d_model}: the latent "
+                             f"projection narrows the token (K3: 7168 -> 3584); use latent_dim=None for full width")
         if not (isinstance(self.n_shared, int) and not isinstance(self.n_shared, bool) and self.n_shared >= 0):
             raise ValueError(f"MoEConfig.n_shared must be an int >= 0, got {self.n_shared!r}")
         if not isinstance(self.renormalize, bool):

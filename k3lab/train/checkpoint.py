@@ -4,6 +4,7 @@ Layout under the checkpoint folder::
 
     step_00000040/      a complete checkpoint (DCP files + .metadata), made by one rename
     .tmp-step_00000050/ a save in progress, or one killed mid-way: never read, removed by the next save
+    .lock               held by the run writing here (``k3lab.train.loop``): a second run is refused
 
 Every rank writes its shards into the temporary folder; after ``dcp.save`` returns on all ranks (its
 coordinator has written ``.metadata``) and a barrier, rank 0 renames it to ``step_N``. A rename within one

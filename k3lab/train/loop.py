@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import logging
 import math
 import os
@@ -243,11 +244,30 @@ def _compile_caches(config: TrainConfig):
     return contextlib.nullcontext()
 
 
-def _output_problem(config: TrainConfig) -> str | None:
+# Held by the run writing a --ckpt-dir (rank 0), so a second run there is refused at start-up.
+LOCK = ".lock"
+
+
+def _claim(path: Path, what: str, held: list) -> str | None:
+    """Take an exclusive advisory lock on ``path`` (created if missing) for the run, appending the open file
+    to ``held``; why not (None: taken). The lock goes with the process, so a killed run leaves none behind."""
+    f = open(path, "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return (f"{what} is in use by another run (its lock {path} is held): two runs writing one place would mix "
+                f"their checkpoints and records; wait for it or choose another path")
+    held.append(f)
+    return None
+
+
+def _output_problem(config: TrainConfig, held: list) -> str | None:
     """Why the run may not write where ``config`` says (None: it may), having made what it needs there: the
     --ckpt-dir folder and the --log-jsonl file (empty if new), which the first checkpoint and the first record
     would otherwise meet only after training (the checks of ``TrainConfig`` see only the existing folders above
-    a path, not a name too long or a file system that refuses new entries)."""
+    a path, not a name too long or a file system that refuses new entries), each locked for the run (``held``:
+    the open lock files)."""
     if config.ckpt_dir:
         try:
             # A fresh run among another run's checkpoints would mix with them: --keep-checkpoints would delete
@@ -258,33 +278,43 @@ def _output_problem(config: TrainConfig) -> str | None:
                         f"{int(found.name.removeprefix('step_'))}): pass --resume to continue that run, or choose an "
                         f"empty folder")
             Path(config.ckpt_dir).mkdir(parents=True, exist_ok=True)
+            problem = _claim(Path(config.ckpt_dir) / LOCK, f"--ckpt-dir {config.ckpt_dir}", held)
+            if problem:
+                return problem
         except OSError as e:
             return f"--ckpt-dir {config.ckpt_dir} cannot be created ({e.strerror or e})"
     if config.log_jsonl:
         try:
             Path(config.log_jsonl).parent.mkdir(parents=True, exist_ok=True)
-            with open(config.log_jsonl, "a"):
-                pass
+            return _claim(Path(config.log_jsonl), f"--log-jsonl {config.log_jsonl}", held)
         except OSError as e:
             return f"--log-jsonl {config.log_jsonl} cannot be created ({e.strerror or e})"
     return None
 
 
-def prepare_outputs(config: TrainConfig) -> None:
+@contextlib.contextmanager
+def prepare_outputs(config: TrainConfig):
     """Make the run's checkpoint folder and log file before its first step, on rank 0 (the rank that writes
-    them); its verdict is broadcast, so every rank stops alike (the default process group initialised).
+    them), and hold a lock on each while the context is open; the verdict is broadcast, so every rank stops
+    alike (the default process group initialised).
 
     Raises:
-        ConfigError: --ckpt-dir or --log-jsonl cannot be created, or a run without --resume would start in a
-            --ckpt-dir that already holds complete checkpoints.
+        ConfigError: --ckpt-dir or --log-jsonl cannot be created or is in use by another run (locked), or a run
+            without --resume would start in a --ckpt-dir that already holds complete checkpoints.
     """
-    problem = _output_problem(config) if dist.get_rank() == 0 else None
-    if dist.get_world_size() > 1:
-        box = [problem]
-        dist.broadcast_object_list(box, src=0)
-        problem = box[0]
-    if problem:
-        raise ConfigError(problem)
+    held: list = []
+    try:
+        problem = _output_problem(config, held) if dist.get_rank() == 0 else None
+        if dist.get_world_size() > 1:
+            box = [problem]
+            dist.broadcast_object_list(box, src=0)
+            problem = box[0]
+        if problem:
+            raise ConfigError(problem)
+        yield
+    finally:
+        for f in held:
+            f.close()
 
 
 def build_run(config: TrainConfig, device: torch.device) -> tuple[Parallel, TokenLoader, list, PipelineRun | None]:
@@ -444,10 +474,10 @@ def train(config: TrainConfig) -> TrainRecords:
     # Muon orthogonalises each expert stack as its full logical tensor; the 2-step all-gather of a
     # (dp, ep)-sharded DTensor is expected there, and torch warns about it on every step.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    with process_group(device), _compile_caches(config):
+    with process_group(device), _compile_caches(config), contextlib.ExitStack() as outputs:
         world = dist.get_world_size()
         par, loader, parts, pipe = build_run(config, device)
-        prepare_outputs(config)
+        outputs.enter_context(prepare_outputs(config))
         rank0 = dist.get_rank() == 0
         opts = build_optimizers(parts, config)
         start = 0
