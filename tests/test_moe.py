@@ -313,6 +313,18 @@ def test_grouped_gemm_equals_the_loop_forward_and_backward_with_empty_experts_an
         expert_ffn(x.double(), offsets, *[w.double() for w in ws])
 
 
+@pytest.mark.parametrize("d, h, match", [(12, 6, r"expert_ffn: h=6 must be a multiple of 4 for torch.float32"),
+                                          (6, 12, r"expert_ffn: d=6 must be a multiple of 4"),
+                                          (6, 6, r"expert_ffn: d=6 and h=6 must be a multiple of 4")])
+def test_expert_ffn_names_the_width_off_the_grid(d, h, match):
+    """d=12, h=6 was reported as "d=12 and h=6 must be multiples of 4": only h was off."""
+    E, N = 2, 5
+    offsets = torch.tensor([2, N], dtype=torch.int32)
+    ws = [torch.randn(E, d, h), torch.randn(E, d, h), torch.randn(E, h, d)]
+    with pytest.raises(ValueError, match=match):
+        expert_ffn(torch.randn(N, d), offsets, *ws)
+
+
 def test_unpadded_rows_skip_the_zeroing_and_give_the_same_result():
     g = _gen(11)
     E, d, h, N = 4, 8, 16, 30

@@ -266,9 +266,10 @@ def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_u
         raise ValueError(f"expert_ffn: x and the weights must share one dtype of {GROUPED_DTYPES}, got x "
                          f"{x.dtype}, weights {w_gate.dtype}/{w_up.dtype}/{w_down.dtype}")
     align = row_alignment(x.dtype)
-    if x.shape[1] % align or w_gate.shape[2] % align:
-        raise ValueError(f"expert_ffn: d={x.shape[1]} and h={w_gate.shape[2]} must be multiples of {align} for "
-                         f"{x.dtype} (grouped_mm needs 16-byte row strides)")
+    bad = [f"{n}={v}" for n, v in (("d", x.shape[1]), ("h", w_gate.shape[2])) if v % align]
+    if bad:
+        raise ValueError(f"expert_ffn: {' and '.join(bad)} must be a multiple of {align} for {x.dtype} (grouped_mm "
+                         f"needs 16-byte row strides)")
     x = _row_major(x)
     N = x.shape[0]
     end = offsets[-1:].long()

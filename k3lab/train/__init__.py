@@ -4,8 +4,8 @@ Commands (from the repository root; build the shards first with ``python -m k3la
 
     python -m k3lab.train --preset k3-tiny --steps 200 --batch-size 8 --seq-len 128
     torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --dp 2 --steps 200 --batch-size 8 --seq-len 128
-    torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --ep 2 --ep-mode moonep --ckpt-dir ckpt --ckpt-every 50 --keep-checkpoints 2 --log-jsonl train.jsonl
-    torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --ep 2 --ckpt-dir ckpt --resume --log-jsonl train.jsonl
+    torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --ep 2 --ep-mode moonep --ckpt-dir build/ckpt --ckpt-every 50 --keep-checkpoints 2 --log-jsonl build/train.jsonl
+    torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --ep 2 --ep-mode moonep --ckpt-dir build/ckpt --ckpt-every 50 --keep-checkpoints 2 --resume --log-jsonl build/train.jsonl
     torchrun --nproc-per-node 4 -m k3lab.train --preset k3-tiny --cp 2 --ep 2 --doc-mask --batch-size 4 --seq-len 256
     torchrun --nproc-per-node 4 -m k3lab.train --preset k3-tiny --pp 2 --dp 2 --microbatches 4 --batch-size 16 --seq-len 128
     torchrun --nproc-per-node 2 -m k3lab.train --preset k3-tiny --pp 2 --pp-schedule interleaved-1f1b --microbatches 4
@@ -15,9 +15,12 @@ Commands (from the repository root; build the shards first with ``python -m k3la
     python -m k3lab.train --preset k3-1b --steps 2000 --log-every 10 --ckpt-dir build/run --stop-after-minutes 8 --resume --log-jsonl build/run/metrics.jsonl
 
 One process runs gloo on CPU (float32) or NCCL on GPU (bf16 autocast, one GPU per rank via LOCAL_RANK).
-The ``--stop-after-minutes`` command is one run in parts under a wall-clock limit: run it again (the same
-command) until its summary's stopped_at is None; each part stops at a --log-every step with a checkpoint and
-appends to the same JSONL (``k3lab.train.metrics.summarize_log`` sums the parts).
+A resume repeats the run's command with ``--resume`` (its saving flags too: without ``--ckpt-every`` the
+resumed part would save only at its end). The ``--stop-after-minutes`` command is one run in parts under a
+wall-clock limit: run it again (the same command) until its summary's stopped_at reads n/a (``train``'s
+``stopped_at`` None); each part stops at a --log-every step with a checkpoint and appends to the same JSONL
+(``k3lab.train.metrics.summarize_log`` sums the parts). One run at a time writes a --ckpt-dir or --log-jsonl
+(a lock file; a second is refused).
 
     config.py      TrainConfig and the command line
     parallel.py    the mesh (k3lab.dist.make_mesh) and its groups; FSDP2 and expert parallelism on a K3Model;
