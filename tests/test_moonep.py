@@ -148,6 +148,23 @@ def test_triton_layout_at_benchmark_widths(kind, R, E, S, K):
     assert_same_layouts(make_routing(kind, R, S, K, E, torch.Generator().manual_seed(R)), R, S, K, E)
 
 
+def test_dense_moe_checks_its_arguments_as_the_ep_entry_does():
+    """float64 weights with float32 x came back float64; a topk_idx of other N failed in a bare broadcast."""
+    g = torch.Generator().manual_seed(3)
+    E, d, h, N, K = 4, 8, 8, 6, 2
+    ws = [torch.randn(E, d, h, generator=g), torch.randn(E, d, h, generator=g), torch.randn(E, h, d, generator=g)]
+    x = torch.randn(N, d, generator=g)
+    idx = torch.randint(0, E, (N, K), generator=g)
+    w = torch.rand(N, K, generator=g)
+    y = dense_moe(x, idx, w.double(), *ws)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, dense_moe(x, idx, w, *ws))
+    with pytest.raises(ValueError, match=r"topk_idx must be \[S=6, K\] int64"):
+        dense_moe(x, idx[:4], w[:4], *ws)
+    with pytest.raises(ValueError, match=r"topk_weight must be \[S=6, K=2\] float"):
+        dense_moe(x, idx, w[:, :1], *ws)
+
+
 def test_the_reference_planner_names_negative_counts():
     """Rows summing to S*K with a negative entry were refused with only the (valid) row sums shown."""
     with pytest.raises(ValueError, match=r"row sums \[16, 16\] and negative counts at \[rank, expert\] \[\(0, 1\)\]"):
@@ -472,7 +489,7 @@ def test_entry_names_mismatched_expert_weights_and_dtypes(one_rank_group):
         return e
 
     for bad in (experts(L_up=3), experts(h_down=5)):
-        with pytest.raises(ValueError, match=r"experts must hold w_gate, w_up \[L, d, h\] and w_down \[L, h, d\]"):
+        with pytest.raises(ValueError, match=r"experts must hold w_gate, w_up \[n, d, h\] and w_down \[n, h, d\] \(n experts\)"):
             moonep_experts(x, idx, w, bad, one_rank_group)
     with pytest.raises(ValueError, match="x and the expert weights must share one dtype, got x torch.float64"):
         moonep_experts(x.double(), idx, w, experts(), one_rank_group)

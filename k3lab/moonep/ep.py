@@ -7,6 +7,7 @@ import torch.distributed as dist
 from k3lab.dist import all_gather_stacked
 from k3lab.moonep.alltoall import alltoall_step
 from k3lab.moonep.dispatch import moonep_step
+from k3lab.moonep.naive import check_routed
 
 MODES = ("moonep", "alltoall")
 
@@ -63,25 +64,10 @@ def moonep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.T
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     R, rank = dist.get_world_size(group), dist.get_rank(group)
     w_gate, w_up, w_down = experts.w_gate, experts.w_up, experts.w_down
-    if w_gate.ndim != 3 or w_up.shape != w_gate.shape or w_down.shape != (w_gate.shape[0], w_gate.shape[2],
-                                                                            w_gate.shape[1]):
-        raise ValueError(f"experts must hold w_gate, w_up [L, d, h] and w_down [L, h, d], got {list(w_gate.shape)}, "
-                         f"{list(w_up.shape)}, {list(w_down.shape)}")
+    topk_weight = check_routed(x, topk_idx, topk_weight, w_gate, w_up, w_down)
     L = w_gate.shape[0]
     E = R * L
-    if x.ndim != 2 or x.shape[1] != w_gate.shape[1]:
-        raise ValueError(f"x must be [S, d={w_gate.shape[1]}], got {list(x.shape)}")
-    if not (x.dtype == w_gate.dtype == w_up.dtype == w_down.dtype):
-        raise ValueError(f"x and the expert weights must share one dtype, got x {x.dtype}, weights "
-                         f"{w_gate.dtype}/{w_up.dtype}/{w_down.dtype}")
     S = x.shape[0]
-    if topk_idx.ndim != 2 or topk_idx.shape[0] != S or topk_idx.shape[1] < 1 or topk_idx.dtype != torch.int64:
-        raise ValueError(f"topk_idx must be [S={S}, K] int64 with K >= 1, got {list(topk_idx.shape)} {topk_idx.dtype}")
-    if topk_weight.shape != topk_idx.shape or not topk_weight.is_floating_point():
-        raise ValueError(f"topk_weight must be [S={S}, K={topk_idx.shape[1]}] float, got "
-                         f"{list(topk_weight.shape)} {topk_weight.dtype}")
-    # The router's weights are float32 (k3lab.moe.Routing); the weighted sum runs in x's dtype.
-    topk_weight = topk_weight.to(x.dtype)
     if pad_mask is not None:
         if pad_mask.shape != (S,) or pad_mask.dtype != torch.bool:
             raise ValueError(f"pad_mask must be [S={S}] bool, got {list(pad_mask.shape)} {pad_mask.dtype}")
