@@ -111,6 +111,8 @@ print(" ".join(["torchrun"] + cmd[cmd.index("--nproc-per-node"):]).replace(str(R
 # closed, as when a node dies. Checkpoints are written every `ckpt_every` steps with
 # `torch.distributed.checkpoint` into a temporary folder that rank 0 renames to `step_NNNNNNNN` once all
 # ranks are done: a save cut short leaves only a `.tmp-` folder, which is never taken as the latest.
+# The `.lock` file beside them is held by the run while it writes there (the lock dies with the process),
+# so a second run started into the same folder is refused instead of mixing its checkpoints with these.
 
 # %% tags=["nbval-ignore-output"]
 # `check` raises with the run's stderr unless its log ends at the kill step: a crash exits nonzero too.
