@@ -7,7 +7,6 @@ import torch.distributed as dist
 from k3lab.dist import all_gather_stacked
 from k3lab.moonep.alltoall import alltoall_step
 from k3lab.moonep.dispatch import moonep_step
-from k3lab.moonep.naive import check_routed
 
 MODES = ("moonep", "alltoall")
 
@@ -18,6 +17,30 @@ def _run_ffn(x, offsets, w_gate, w_up, w_down, activation="situ"):
     # grouped_mm takes float32/bf16/fp16 only; float64 (references) goes through the loop.
     fn = naive_expert_ffn if x.dtype == torch.float64 else expert_ffn
     return fn(x, offsets, w_gate, w_up, w_down, activation=activation)
+
+
+def check_routed(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w_gate: torch.Tensor,
+                 w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """ValueError unless x [S, d], topk_idx [S, K >= 1] int64, topk_weight [S, K] float and the expert
+    weights w_gate, w_up [n, d, h], w_down [n, h, d] (n experts) fit together, x sharing the weights' dtype;
+    returns topk_weight in x's dtype (the router's weights are float32; the weighted sum runs in x's dtype).
+    The ids' values are not read (that is a host sync)."""
+    if w_gate.ndim != 3 or w_up.shape != w_gate.shape or w_down.shape != (w_gate.shape[0], w_gate.shape[2],
+                                                                            w_gate.shape[1]):
+        raise ValueError(f"experts must hold w_gate, w_up [n, d, h] and w_down [n, h, d] (n experts), got "
+                         f"{list(w_gate.shape)}, {list(w_up.shape)}, {list(w_down.shape)}")
+    if x.ndim != 2 or x.shape[1] != w_gate.shape[1]:
+        raise ValueError(f"x must be [S, d={w_gate.shape[1]}], got {list(x.shape)}")
+    if not (x.dtype == w_gate.dtype == w_up.dtype == w_down.dtype):
+        raise ValueError(f"x and the expert weights must share one dtype, got x {x.dtype}, weights "
+                         f"{w_gate.dtype}/{w_up.dtype}/{w_down.dtype}")
+    S = x.shape[0]
+    if topk_idx.ndim != 2 or topk_idx.shape[0] != S or topk_idx.shape[1] < 1 or topk_idx.dtype != torch.int64:
+        raise ValueError(f"topk_idx must be [S={S}, K] int64 with K >= 1, got {list(topk_idx.shape)} {topk_idx.dtype}")
+    if topk_weight.shape != topk_idx.shape or not topk_weight.is_floating_point():
+        raise ValueError(f"topk_weight must be [S={S}, K={topk_idx.shape[1]}] float, got "
+                         f"{list(topk_weight.shape)} {topk_weight.dtype}")
+    return topk_weight.to(x.dtype)
 
 
 def moonep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts, group,
