@@ -378,14 +378,9 @@ class GatedMLA(nn.Module):
             k_nope, v = kv.split([self.Dn, self.Dv], dim=-1)
             k = torch.cat([k_nope, k_shared[:, :, None].expand(-1, -1, self.H, -1)], dim=-1)
             q = torch.cat([q_nope, q_shared], dim=-1)
-            pad = q.shape[-1] - self.Dv
-            if mask is None and x.device.type == "cpu" and pad > 0:
-                # The CPU's fused causal kernel takes v only as wide as q and k; otherwise SDPA falls back to
-                # the math path, which holds [B, H, T, T] scores (T = 100K filled the machine's memory).
-                v = F.pad(v, (0, pad))
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                attn_mask=mask, is_causal=mask is None,
-                                               scale=self.scale).transpose(1, 2)[..., :self.Dv]
+                                               scale=self.scale).transpose(1, 2)
         # The gate multiplies in float32: the attention output is kept in FP32 in training (K3 report).
         gate = torch.sigmoid(widen(self.g_proj(x)))
         y = self.o_proj((gate * widen(o.flatten(-2))).to(x.dtype))
