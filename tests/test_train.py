@@ -20,6 +20,7 @@ from k3lab.testing import assert_close
 from k3lab.train import (TokenLoader, TrainConfig, build_parser, latest_checkpoint, lr_at, main, parse_args,
                          train)
 from k3lab.train.loader import pack_documents
+from k3lab.train.loop import build_model
 from k3lab.train.runner import RunResult, torchrun_command
 from k3lab.train.workers import clocked_train_worker, first_step_grads, train_worker
 
@@ -57,7 +58,8 @@ BASE = dict(preset="k3-tiny", steps=8, batch_size=4, seq_len=32, lr=3e-3, progre
     (["--seed", "-1"], "--seed must be an int in [0, 4294967295]"),
     (["--mtp", "32", "--seq-len", "32"], "--mtp must be < --seq-len 32"),
     (["--mtp", "100000"], "--mtp must be < --seq-len 128"),
-], ids=["preset", "steps", "ep-mode", "ckpt-every", "resume", "lr", "kill", "policy", "rule", "rule-twice", "log-every", "cp",
+    (["--attnres-buffer", "float16"], "invalid choice"),
+], ids=["attnres-buffer", "preset", "steps", "ep-mode", "ckpt-every", "resume", "lr", "kill", "policy", "rule", "rule-twice", "log-every", "cp",
         "mtp-cp", "clip-negative", "clip-inf", "stop-no-ckpt", "stop-zero", "keep-no-ckpt", "keep-negative",
         "lr-overflow", "lr-one", "seed-overflow", "seed-negative", "mtp-seq-len", "mtp-huge"])
 def test_bad_flags_exit_with_the_reason(argv, message, capsys):
@@ -127,6 +129,25 @@ def test_metrics_read_every_n_steps_and_activation_policies_keep_the_losses():
     # An MTP depth adds its weighted loss: a different, finite curve from the same start.
     mtp = _losses(train(TrainConfig(**cfg, mtp=1)))
     assert np.isfinite(mtp).all() and mtp[0] > _losses(plain)[0]
+
+
+def test_attnres_options_reach_the_model_and_keep_the_curve():
+    # Keeping the sublayers' inputs gives the recomputed ones' gradients; a bf16 block buffer rounds the
+    # residual stream's block sums, a lossy but close curve.
+    cfg = dict(BASE, steps=3, batch_size=2)
+    model = build_model(TrainConfig(**cfg, attnres_buffer="bfloat16", attnres_keep_inputs=True), torch.device("cpu"))
+    assert model.residual.buffer_dtype == torch.bfloat16 and model.residual.recompute_input is False
+    plain = _losses(train(TrainConfig(**cfg)))
+    kept = _losses(train(TrainConfig(**cfg, attnres_keep_inputs=True)))
+    bf16 = _losses(train(TrainConfig(**cfg, attnres_buffer="bfloat16")))
+    np.testing.assert_allclose(kept, plain, rtol=1e-5)
+    rel = np.abs(bf16 - plain) / plain
+    assert 0 < rel.max() < 2e-2, (bf16, plain)
+    with pytest.raises(ValueError, match="--attnres-buffer must be one of"):
+        TrainConfig(**cfg, attnres_buffer="float16")
+    with pytest.raises(ValueError, match="--attnres-keep-inputs must be a bool"):
+        TrainConfig(**cfg, attnres_keep_inputs=1)
+    assert "--attnres-keep-inputs" in torchrun_command(2, attnres_keep_inputs=True)
 
 
 def test_lr_schedule_warms_up_then_decays_to_a_tenth():
@@ -358,7 +379,6 @@ def _torchrun(cfg: dict, timeout=120):
 
 def _model_from(path):
     from k3lab.train.checkpoint import load_checkpoint
-    from k3lab.train.loop import build_model
 
     model = build_model(TrainConfig(**BASE), torch.device("cpu"))
     load_checkpoint(path, model, None, {"step": 0})

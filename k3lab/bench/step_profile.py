@@ -34,7 +34,7 @@ from k3lab.bench.train import BF16_LOSS_BOUND
 from k3lab.model import flops_per_token, mfu
 from k3lab.moe import update_biases
 from k3lab.train import TrainConfig
-from k3lab.train.config import ConfigError
+from k3lab.train.config import ATTNRES_BUFFERS, ConfigError
 from k3lab.train.loop import (build_optimizers, build_run, counted_once, forward_backward, optimizer_step,
                               process_group)
 from k3lab.train.metrics import FLOPS_CONVENTION, peak_key
@@ -228,8 +228,10 @@ def table(r: dict) -> str:
         return f"{label:<26}{cells}" + (f"{100 * share:>8.1f}%" if share is not None else "")
 
     dev = r["mean"]["device_ms"]
+    attnres = "".join([f", AttnRes buffer {r['attnres_buffer']}" if r.get("attnres_buffer", "float32") != "float32"
+                       else "", ", AttnRes inputs kept" if r.get("attnres_keep_inputs") else ""])
     lines = [f"Step profile, {r['preset']}, B x T = {r['batch_size']} x {r['seq_len']}, {r['microbatches']} "
-             f"micro-batch(es){', compiled' if r['compile'] else ''}, on {r['device']} ({r['date']}): {n} profiled "
+             f"micro-batch(es){', compiled' if r['compile'] else ''}{attnres}, on {r['device']} ({r['date']}): {n} profiled "
              f"steps after {r['warmup']} warm-up; time: {r['time_kind']}",
              f"check: loss vs eager float32 forward, max rel err {r['check']['loss_max_rel_err']:.1e} (bound "
              f"{r['check']['loss_bound']:.0e}); weights changed by every step",
@@ -269,6 +271,10 @@ def main(argv=None) -> dict:
     p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default 2048; --small 32)")
     p.add_argument("--steps", type=positive_int, default=None, help="profiled steps (default 3; --small 2)")
     p.add_argument("--compile", action="store_true", help="torch.compile each sublayer (k3lab.train.compile_blocks)")
+    p.add_argument("--attnres-buffer", choices=ATTNRES_BUFFERS, default="float32",
+                   help="Block AttnRes's buffer dtype (the trainer's --attnres-buffer)")
+    p.add_argument("--attnres-keep-inputs", action="store_true",
+                   help="keep the sublayers' inputs for backward (the trainer's --attnres-keep-inputs)")
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default "
                    "data/results/step_profile[_compile]_<card>.json after the device (with --small: nothing)")
     args = p.parse_args(argv)
@@ -280,7 +286,8 @@ def main(argv=None) -> dict:
     try:
         config = TrainConfig(preset="k3-tiny" if small else "k3-1b", batch_size=M * B, microbatches=M,
                              seq_len=args.seq_len or (32 if small else 2048), progress=False, compile=args.compile,
-                             steps=warmup + steps)
+                             steps=warmup + steps, attnres_buffer=args.attnres_buffer,
+                             attnres_keep_inputs=args.attnres_keep_inputs)
     except ValueError as e:
         p.error(str(e))
     try:
@@ -289,7 +296,7 @@ def main(argv=None) -> dict:
         p.error(str(e))
     result = run_info(device)
     result.update(preset=config.preset, batch_size=B, microbatches=M, seq_len=config.seq_len, compile=config.compile,
-                  warmup=warmup, tokens_per_step=config.batch_size * config.seq_len, flops_convention=FLOPS_CONVENTION,
+                  attnres_buffer=config.attnres_buffer, attnres_keep_inputs=config.attnres_keep_inputs, warmup=warmup, tokens_per_step=config.batch_size * config.seq_len, flops_convention=FLOPS_CONVENTION,
                   time_kind="CUDA kernel + memcpy + memset time" if device.type == "cuda" else "CPU self time per op",
                   categories=[list(c) for c in CATEGORIES], **r)
     mean = lambda key: {k: sum(s[key][k] for s in r["steps"]) / steps for k in r["steps"][0][key]}  # noqa: E731

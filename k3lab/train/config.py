@@ -16,6 +16,9 @@ from k3lab.train.loader import MAX_SEED
 TRAIN_PRESETS = ("k3-tiny", "k3-1b")
 # torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B (two stages per rank), ScheduleGPipe.
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+ATTNRES_BUFFERS = ("float32", "bfloat16")
+# The bool fields given as bare flags (``--compile``); ``progress`` is the one given as ``--no-progress``.
+SWITCHES = ("resume", "doc_mask", "sync_debug", "compile", "attnres_keep_inputs")
 
 
 class ConfigError(ValueError):
@@ -66,6 +69,12 @@ class TrainConfig:
             synchronisation there raises.
         compile (bool): regional compilation (``k3lab.train.parallel.compile_blocks``): each sublayer and MTP
             module under ``torch.compile`` after the model is parallelised; the first steps then compile.
+        attnres_buffer (str): storage dtype of Block AttnRes's block buffer, "float32" (the residual stream's
+            own dtype) or "bfloat16" (half the bytes its two phases read and write; the partial sums of a block
+            are then rounded to bf16, as a bf16 residual stream's would be).
+        attnres_keep_inputs (bool): keep each sublayer's input for its backward instead of rebuilding it from
+            the block buffer (``BlockAttnRes(recompute_input=False)``): one [B, T, d] tensor per sublayer more
+            memory, one mixing pass per sublayer less in backward.
         stop_after_minutes (float | None): a wall-clock budget for this invocation (a job's time limit):
             at the first ``log_every`` step (the steps that read back anyway) at or after this many minutes
             since ``train`` started, by rank 0's clock, every rank saves a checkpoint there and the run
@@ -107,6 +116,8 @@ class TrainConfig:
     activations: str | None = None
     sync_debug: bool = False
     compile: bool = False
+    attnres_buffer: str = "float32"
+    attnres_keep_inputs: bool = False
     stop_after_minutes: float | None = None
 
     def __post_init__(self):
@@ -181,6 +192,10 @@ class TrainConfig:
                 raise ValueError(f"--activations {e}") from None
         if not isinstance(self.compile, bool):
             bad("compile", "must be a bool")
+        if self.attnres_buffer not in ATTNRES_BUFFERS:
+            bad("attnres_buffer", f"must be one of {ATTNRES_BUFFERS}")
+        if not isinstance(self.attnres_keep_inputs, bool):
+            bad("attnres_keep_inputs", "must be a bool")
         if self.stop_after_minutes is not None:
             m = self.stop_after_minutes
             if not (isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) and m > 0):
@@ -253,6 +268,10 @@ HELP = {
     "sync_debug": "CUDA: steps between log steps run under torch.cuda.set_sync_debug_mode('error')",
     "compile": "torch.compile each sublayer and MTP module (regional, torchtitan's per-block compile) after "
                "parallelising; the KDA operator, expert GEMMs, expert-parallel exchange and Block AttnRes stay eager",
+    "attnres_buffer": "storage dtype of Block AttnRes's block buffer: float32 (the residual stream's) or bfloat16 "
+                      "(half the bytes of its mixing passes, block sums rounded to bf16)",
+    "attnres_keep_inputs": "keep each sublayer's input for backward instead of rebuilding it from the block buffer "
+                           "(one [B, T, d] tensor per sublayer more memory, one mixing pass less)",
     "stop_after_minutes": "wall-clock budget of this invocation (a job's time limit): at the first --log-every step "
                           "past it (rank 0's clock) save a checkpoint and exit 0; rerun with --resume to continue; "
                           "leave room for one --log-every window and a save; needs --ckpt-dir",
@@ -272,14 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-progress", dest="progress", action="store_false",
                            help="no progress bar (the JSONL log and the summary table stay)")
             continue
-        if f.name in ("resume", "doc_mask", "sync_debug", "compile"):
+        if f.name in SWITCHES:
             p.add_argument(flag, action="store_true", help=HELP[f.name])
             continue
         kind = {"preset": str, "ep_mode": str, "pp_schedule": str, "ckpt_dir": str, "log_jsonl": str, "data_dir": str,
-                "activations": str,
+                "activations": str, "attnres_buffer": str,
                 "lr": float, "weight_decay": float, "warmup": float, "max_grad_norm": float,
                 "stop_after_minutes": float}.get(f.name, int)
-        choices = {"preset": TRAIN_PRESETS, "ep_mode": MODES, "pp_schedule": PP_SCHEDULES}.get(f.name)
+        choices = {"preset": TRAIN_PRESETS, "ep_mode": MODES, "pp_schedule": PP_SCHEDULES,
+                   "attnres_buffer": ATTNRES_BUFFERS}.get(f.name)
         default = f.default
         p.add_argument(flag, type=kind, default=default, choices=choices,
                        help=HELP[f.name] + ("" if default is None else f" (default {default})"))

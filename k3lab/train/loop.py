@@ -195,11 +195,14 @@ def process_group(device: torch.device):
 
 def build_model(config: TrainConfig, device: torch.device) -> K3Model:
     """The run's ``K3Model`` (preset, the data's vocabulary), initialised from ``config.seed``; the same
-    weights on every rank before sharding; ``config.activations``' policies attached (``k3lab.memory``)."""
+    weights on every rank before sharding; Block AttnRes's buffer dtype and input recompute as configured;
+    ``config.activations``' policies attached (``k3lab.memory``)."""
     torch.manual_seed(config.seed)
     cfg = K3Config.preset(config.preset, vocab_size=vocab_size(resolve_data_dir(config.data_dir)),
                           num_nextn_predict_layers=config.mtp)
     model = K3Model(cfg).to(device)
+    model.residual.buffer_dtype = torch.bfloat16 if config.attnres_buffer == "bfloat16" else None
+    model.residual.recompute_input = not config.attnres_keep_inputs
     rules = config.activation_rules()
     if rules:
         try:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k3lab.train.config import TrainConfig
+from k3lab.train.config import SWITCHES, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def torchrun_command(nproc: int, **flags) -> list[str]:
     """``python -m torch.distributed.run --nproc-per-node nproc -m k3lab.train --flag value ...``.
 
     ``flags`` are ``TrainConfig`` fields (``progress=False`` gives ``--no-progress``, ``resume=True``
-    gives ``--resume``, ``doc_mask=True`` ``--doc-mask``, ``compile=True`` ``--compile``, None values are left out); they are validated by building the ``TrainConfig``.
+    gives ``--resume``, ``doc_mask=True`` ``--doc-mask``, ``compile=True`` ``--compile``, as every bool field, None values are left out); they are validated by building the ``TrainConfig``.
 
     Raises:
         ValueError: nproc < 1, an unknown field or a value ``TrainConfig`` refuses.
@@ -37,7 +37,7 @@ def torchrun_command(nproc: int, **flags) -> list[str]:
     for k, v in flags.items():
         if k == "progress":
             args += [] if v else ["--no-progress"]
-        elif k in ("resume", "doc_mask", "sync_debug", "compile"):
+        elif k in SWITCHES:
             args += [f"--{k.replace('_', '-')}"] if v else []
         elif v is not None:
             args += [f"--{k.replace('_', '-')}", str(v)]
