@@ -224,6 +224,23 @@ def test_entry_points_reject_wrong_argument_types():
         kcp_short_conv(torch.randn(1, T, 6), torch.randn(6, 0), ctx)
 
 
+def test_second_derivative_is_refused():
+    """The backward recomputes with autograd passes of its own, so a create_graph=True gradient held none
+    of KDA's second-order terms: a penalty on dx gave dA 0.229 where the one-process layer gives 0.448.
+    Differentiating it again must raise, as for kcp_flash_kda."""
+    T = 16
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(1, T, 1, 8, dtype=torch.float64) for _ in range(3))
+    g = -torch.rand(1, T, 1, 8, dtype=torch.float64)
+    beta = torch.rand(1, T, 1, dtype=torch.float64)
+    q.requires_grad_()
+    g.requires_grad_()
+    o, _ = kcp_kda(q, k, v, g, beta, make_context(T), chunk_size=4)
+    (dq,) = torch.autograd.grad((o**2).sum() + (q**3).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice KCPFunction"):
+        torch.autograd.grad(dq.square().sum() + 0 * g.sum(), g)
+
+
 def test_bad_world_size_and_layout_only_contexts_are_refused():
     """make_context(world_size=0) said "rank must be in [0, 0)" and world_size=True passed as 1. A
     layout-only context (rank/world_size without a group) handed to kcp_kda or kcp_short_conv failed

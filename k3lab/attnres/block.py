@@ -52,7 +52,8 @@ class BlockAttnRes(nn.Module):
             (default) instead of keeping it (one more d-vector per token per sublayer, no recompute).
             Under ``torch.compile`` the inputs are kept: compile does not carry the saved-tensor
             hooks that rebuild them (with them, h0's gradient was lost).
-            The memory path is differentiable once: second-order gradients need path="naive".
+            The memory path is differentiable once (a backward with ``create_graph=True`` raises
+            RuntimeError): second-order gradients need path="naive".
         buffer_dtype (torch.dtype | None): memory path: storage dtype of the block buffer, default
             h0's; ``torch.bfloat16`` halves the bytes phase 1 moves (blocks are rounded to bf16
             when stored; sums, softmax and the partial sum stay in h0's dtype / float32).

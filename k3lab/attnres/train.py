@@ -28,10 +28,11 @@ it, the others adding; a stored block's node (whose backward autograd runs after
 hands its slot on. The nodes' contexts reference the buffer and the blocks, never the graph's
 tensors: a reference cycle through autograd's C++ graph could not be collected.
 
-The path is differentiable once: its backwards write into shared buffers in place, so they are
-``differentiable_once`` (``create_graph=True`` gives the right first-order gradients; differentiating
-those again raises, whether or not the incoming gradients require grad). Gradient penalties and other
-second-order uses need the naive path.
+The path is differentiable once: its backwards write into shared buffers in place and keep no tensors
+that a second derivative could be traced through, so a backward with ``create_graph=True`` raises
+RuntimeError (``differentiable_once(create_graph=False)``) rather than return gradients whose
+second-order terms would be silently missing. Gradient penalties and other second-order uses need the
+naive path.
 """
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ class _StoreFirst(torch.autograd.Function):
         return h0.new_empty(0)
 
     @staticmethod
-    @differentiable_once
+    @differentiable_once(create_graph=False)
     def backward(ctx, _):
         # A copy: h0 may be a leaf whose .grad would otherwise keep the whole accumulator alive.
         acc = ctx.store.acc
@@ -118,7 +119,7 @@ class _StoreSum(torch.autograd.Function):
         return v.new_empty(0)
 
     @staticmethod
-    @differentiable_once
+    @differentiable_once(create_graph=False)
     def backward(ctx, _):
         # No later backward writes this slot: its view is handed on without a copy.
         g = ctx.store.acc[ctx.i]
@@ -191,7 +192,7 @@ class _Phase1(torch.autograd.Function):
         return (h, *(h.new_empty(0) for _ in range(blk.S - 1)))
 
     @staticmethod
-    @differentiable_once
+    @differentiable_once(create_graph=False)
     def backward(ctx, dh, *_):
         dW = ctx.blk.backward(dh)
         return (dW, None, *(torch.empty(0, dtype=dt, device=dev) for dt, dev in ctx.taps))
@@ -209,7 +210,7 @@ class _AddMerge(torch.autograd.Function):
         return p, h
 
     @staticmethod
-    @differentiable_once
+    @differentiable_once(create_graph=False)
     def backward(ctx, dp_in, dh):
         p, w = ctx.saved_tensors
         dp, dv, dw = ctx.blk.merge_backward(ctx.k, dh, dp_in, p, w, ctx.v_dtype)
@@ -286,13 +287,14 @@ def block_attnres_train(h0: torch.Tensor, sublayers, queries: torch.Tensor, n_bl
         (up to float rounding; under autocast the o_k and their gradients are stored in the autocast
         dtype, and phase 1's backward takes its offsets delta_k from the o_k and h_0 as stored, so with
         bf16 o_k or a bf16 h0 the gradients carry that rounding).
-        Differentiable once: a second differentiation raises RuntimeError (use the naive path).
+        Differentiable once: a backward with ``create_graph=True`` raises RuntimeError (use the naive path).
 
     Raises:
         ValueError: N < 1 or N > L or bad block sizes, h0 or queries not a floating-point tensor, queries not [L + 1, d],
             h0 not [B, T, d], eps not a finite number > 0, unknown backend, buffer_dtype not a
             floating-point dtype or None, a sublayer returning anything but a tensor of h0's shape; with
             ``check_values``, NaN/inf in h0 or queries or an h0 beyond RMSNorm's range.
+        RuntimeError: in backward, under ``create_graph=True``.
     """
     L = len(sublayers)
     sizes = block_sizes(L, n_blocks)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from k3lab.autograd import differentiable_once
 from k3lab.dist import all_gather_stacked, reduce_scatter_sum
 from k3lab.kcp.affine import fold_scan, fold_sequential, segment_map
 from k3lab.kcp.context import KCPContext, _is_int, check_context
@@ -143,6 +144,8 @@ class KCPFunction(torch.autograd.Function):
         return o, out_final
 
     @staticmethod
+    # The recompute below runs its own autograd passes: their gradients hold no second-order terms.
+    @differentiable_once
     def backward(fctx, d_o, d_final):
         q, k, v, g, beta, h0, maps, *entering = fctx.saved_tensors
         ctx, scale, fold, chunk_size, slab_tokens, op, local_cu, bounds = fctx.args
