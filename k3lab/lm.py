@@ -394,7 +394,8 @@ def train(
         ValueError: non-positive steps/batch_size/seq_len/log_every/eval_batches, microbatches not a positive
             int dividing batch_size, lr or grad_clip <= 0
             or not finite, weight_decay < 0 or not finite, warmup not an int >= 0, max_seconds not None or
-            > 0, data not two 1-D integer np.ndarrays, token ids >= the model's ``config.vocab_size``.
+            > 0, data not two 1-D integer np.ndarrays, token ids < 0 or >= the model's ``config.vocab_size``
+            (named by split), device "cuda" where torch sees no CUDA device.
         FileNotFoundError: the token shards are missing (from ``k3lab.data``; it names the build command).
     """
     from tqdm.auto import tqdm
@@ -416,13 +417,16 @@ def train(
     if not (isinstance(eval_batches, int) and eval_batches > 0):
         raise ValueError(f"eval_batches must be a positive int, got {eval_batches!r}")
     # A negative max norm would flip every gradient (clip_grad_norm_ scales by it): gradient ascent.
-    if not (grad_clip > 0 and math.isfinite(grad_clip)):
-        raise ValueError(f"grad_clip must be positive and finite, got {grad_clip}")
-    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
-        raise ValueError(f"weight_decay must be >= 0 and finite, got {weight_decay}")
+    real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    if not (real(grad_clip) and grad_clip > 0 and math.isfinite(grad_clip)):
+        raise ValueError(f"grad_clip must be a positive finite number, got {grad_clip!r}")
+    if not (real(weight_decay) and weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
     if warmup is not None and not (isinstance(warmup, int) and warmup >= 0):
         raise ValueError(f"warmup must be an int >= 0 or None, got {warmup!r}")
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} but torch sees no CUDA device here; pass device='cpu'")
     if data is not None and not (isinstance(data, (tuple, list)) and len(data) == 2 and all(
             isinstance(t, np.ndarray) and t.ndim == 1 and np.issubdtype(t.dtype, np.integer) for t in data)):
         raise ValueError(f"data must be (train_tokens, val_tokens), two 1-D integer np.ndarrays, got "
@@ -431,6 +435,8 @@ def train(
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     for name, tokens in (("train", train_tokens), ("val", val_tokens)):
         # Checked once here: a window with an out-of-range id could otherwise fail at any step.
+        if len(tokens) and int(tokens.min()) < 0:
+            raise ValueError(f"the {name} tokens hold id {int(tokens.min())}: token ids must be >= 0")
         if vocab is not None and len(tokens) and int(tokens.max()) >= vocab:
             raise ValueError(f"the {name} tokens hold id {int(tokens.max())}, beyond the model's "
                              f"vocab_size={vocab} (build the LM with vocab_size=k3lab.data.vocab_size())")

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.kda import chunk_kda, lower_bounded_gate
+from k3lab.kda import chunk_kda, lower_bounded_gate, naive_fused_kda
 from k3lab.kernels.kda import flash_kda
 from k3lab.kernels.kda.chunk_fwd import inverse_precisions, kda_intra_fwd, unit_lower_inverse
 from k3lab.kernels.kda.utils import chunk_index
@@ -88,8 +88,12 @@ def test_bad_inputs_same_errors_as_k3lab_kda(i, kda_inputs):
     ref_kwargs["g"] = -ref_kwargs["g"].abs()
     with pytest.raises(ValueError) as ref:
         chunk_kda(**ref_kwargs)
-    # The same check and message, each naming its own op's arguments.
+    # The same check and message, each naming its own op's arguments; the reference too.
     assert str(ours.value) == str(ref.value).replace("g must", "z must").replace("beta must", "beta_logits must")
+    if i != 3:  # value checks are flash_kda's own
+        with pytest.raises(ValueError) as naive:
+            naive_fused_kda(A_log=A_log.cpu(), dt_bias=dt_bias.cpu(), **{n: x.cpu() for n, x in kwargs.items()})
+        assert str(naive.value) == str(ours.value)
 
 
 def test_bad_gate_parameters(kda_inputs):

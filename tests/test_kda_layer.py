@@ -168,6 +168,12 @@ def test_bad_forward_inputs():
     layer = make_layer(seed=14)
     with pytest.raises(ValueError, match="x must be"):
         layer(x_of(1, 4, d=23))
+    # T = 0 reached the operator ("B, T, H, K, HV and V must be positive"); use_cache=0 was reported as
+    # the operator's output_final_state.
+    with pytest.raises(ValueError, match=r"x must be \[B, T, d_model=24\] with B, T >= 1, got \[1, 0, 24\]"):
+        layer(x_of(1, 0))
+    with pytest.raises(ValueError, match="use_cache must be a bool, got int"):
+        layer(x_of(1, 4), use_cache=0)
     with pytest.raises(ValueError, match="cu_seqlens"):
         layer(x_of(2, 4), cu_seqlens=torch.tensor([0, 2, 4]))
     with pytest.raises(ValueError, match="cu_seqlens"):

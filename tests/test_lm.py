@@ -227,6 +227,21 @@ def test_train_rejects_bad_arguments_before_training():
     big[-1] = VOCAB
     with pytest.raises(ValueError, match="vocab_size"):
         lm.train(model, lr=1e-3, **dict(kw, data=(big, stream)))
+    # A negative id failed at the step that first sampled it, after the model had trained in place.
+    neg = np.tile(np.arange(VOCAB, dtype=np.int64), 50)
+    neg[-1] = -1
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="the val tokens hold id -1: token ids must be >= 0"):
+        lm.train(model, lr=1e-3, **dict(kw, data=(stream, neg)))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # grad_clip=None or "1" raised TypeError from a comparison; device="cuda" without CUDA an AssertionError.
+    for bad, match in ((dict(grad_clip=None), "grad_clip"), (dict(grad_clip="1"), "grad_clip"),
+                       (dict(weight_decay=None), "weight_decay")):
+        with pytest.raises(ValueError, match=match):
+            lm.train(model, lr=1e-3, **kw, **bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda' but torch sees no CUDA device"):
+            lm.train(model, lr=1e-3, **dict(kw, device="cuda"))
     # steps=True trained one step; lr="1e-3" raised TypeError; max_seconds=NaN never stopped early and -1
     # stopped after one step; data as lists raised AttributeError, one array a tuple-unpacking error.
     for bad, match in ((dict(steps=True), "steps"), (dict(lr="1e-3"), "lr"), (dict(max_seconds=float("nan")),

@@ -349,7 +349,8 @@ class KDALayer(nn.Module):
             (y [B, T, d] in x's dtype, KDACache | None).
 
         Raises:
-            ValueError: x is not [B, T, d_model] or not in the weights' dtype (outside autocast); a
+            ValueError: x is not [B, T, d_model] with B, T >= 1 or not in the weights' dtype (outside
+                autocast); use_cache not a bool; a
                 cache that is not a KDACache, or a field of it (named ``cache.<field>``) not a
                 floating-point tensor of its shape on x's device; bad cu_seqlens, B > 1 with cu_seqlens;
                 cp with B > 1, a cache, cu_seqlens or use_cache;
@@ -358,8 +359,11 @@ class KDALayer(nn.Module):
                 operator's internal q, k, v or initial_state).
         """
         d = self.q_proj.in_features
-        if x.ndim != 3 or x.shape[-1] != d:
-            raise ValueError(f"x must be [B, T, d_model={d}], got {list(x.shape)}")
+        if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != d or 0 in x.shape[:2]:
+            raise ValueError(f"x must be [B, T, d_model={d}] with B, T >= 1, got "
+                             f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if not isinstance(use_cache, bool):
+            raise ValueError(f"use_cache must be a bool, got {type(use_cache).__name__}")
         w_dtype = self.q_proj.weight.dtype
         if not x.is_floating_point() or (x.dtype != w_dtype and not torch.is_autocast_enabled(x.device.type)):
             raise ValueError(f"x must be a floating-point tensor in the layer's dtype {w_dtype} "

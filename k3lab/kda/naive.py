@@ -128,9 +128,13 @@ def naive_fused_kda(
         (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] in the compute dtype, or None).
 
     Raises:
-        ValueError: what ``lower_bounded_gate`` and ``naive_recurrent_kda`` raise.
+        ValueError: what ``check_kda_inputs`` raises for q, k, v, z, beta_logits (named so: shapes, floating
+            dtypes, one device), then what ``lower_bounded_gate`` and ``naive_recurrent_kda`` raise.
     """
     from k3lab.kda.gate import lower_bounded_gate
+
+    check_kda_inputs(q, k, v, z, beta_logits, initial_state, cu_seqlens, check_values=False, scale=scale,
+                     output_final_state=output_final_state, names=("z", "beta_logits"))
 
     qn = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
     kn = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
