@@ -226,8 +226,8 @@ def train_tokenizer(texts: list[str], vocab_size: int = DEFAULT_VOCAB_SIZE):
 
     texts = _check_texts("train_tokenizer", texts)
 
-    if not 257 <= vocab_size <= 65536:
-        raise ValueError(f"vocab_size must be in [257, 65536] (uint16 ids, 256 bytes + EOT), got {vocab_size}")
+    if not (isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and 257 <= vocab_size <= 65536):
+        raise ValueError(f"vocab_size must be an int in [257, 65536] (uint16 ids, 256 bytes + EOT), got {vocab_size!r}")
     if not texts:
         raise ValueError("texts must hold at least one document")
     tok = Tokenizer(models.BPE())

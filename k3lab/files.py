@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -17,9 +18,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Replace ``path`` with ``data`` in one step: a reader sees the old file or the new one, never a mix.
 
     ``data`` goes to a hidden temporary file beside ``path`` (same folder, so same file system; a unique
-    name, so concurrent writers never share one), with the mode an ordinary ``open()`` would give, is
-    flushed to disk, then renamed over ``path`` with ``os.replace``, which is atomic. Missing parent
-    folders are created. On any exception, KeyboardInterrupt included, the temporary file is removed
+    name, so concurrent writers never share one), with the mode an ordinary ``open()`` would give (an
+    existing file's own mode, else 0666 less the umask), is flushed to disk, then renamed over ``path``
+    with ``os.replace``, which is atomic. A symbolic link is written through, as ``open()`` would: its
+    target is replaced and the link stays. Missing parent folders are created. On any exception, KeyboardInterrupt included, the temporary file is removed
     and ``path`` keeps its previous bytes (or stays absent). Folders created before the failure stay.
 
     Args:
@@ -33,13 +35,19 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # mkstemp creates 0600; give the file the mode an ordinary open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

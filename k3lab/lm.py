@@ -49,7 +49,8 @@ class LMConfig:
         mixer (str): "kda", "attention", or "hybrid" (K3's layout: every 4th layer and the last one
             are attention, the others KDA).
         ffn_mult (float): SwiGLU hidden width = ffn_mult * d_model, rounded up to a multiple of 16.
-        max_seq_len (int): longest sequence (RoPE table size for attention).
+        max_seq_len (int): longest sequence the attention layers take (their RoPE table size; KDA layers
+            have no limit).
         n_v_heads (int | None): KDA value heads HV (GVA), default n_heads.
         kda_gate (str): "lower_bounded" (K3) or "kimi_linear".
         kda_chunk_size (int): chunk C of the chunkwise KDA.

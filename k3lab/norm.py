@@ -27,9 +27,16 @@ class RMSNorm(nn.RMSNorm):
     Shapes: x [..., *normalized_shape] (any float dtype) -> y, same shape as x; y's dtype is x's, except
     under autocast on x's device, where a float32 x gives y in autocast's dtype (computed in float32, then
     cast once: what each matmul consuming y would cast it to).
+
+    Raises:
+        ValueError: in forward, x not a floating-point tensor (an integer x reached torch's
+            NotImplementedError; casting the weight to it would truncate it).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+            raise ValueError(f"RMSNorm: x must be a floating-point tensor, got "
+                             f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
         w = self.weight
         if w is not None and w.dtype != x.dtype:
             w = w.to(x.dtype)

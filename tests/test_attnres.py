@@ -281,6 +281,17 @@ def test_bool_block_counts_are_refused():
         block_sizes(4, True)
 
 
+def test_depth_attention_names_bad_sources_and_queries():
+    """An empty list raised IndexError, a w of the wrong width torch's matmul RuntimeError."""
+    v = [torch.randn(2, 3, 4, dtype=torch.float64) for _ in range(3)]
+    for sources, w, match in (([], torch.randn(4), "sources must be a non-empty list"),
+                              (v, torch.randn(5), r"w must be a floating-point \[d=4\] tensor, got \[5\]"),
+                              (v + [torch.randn(2, 3, 5)], torch.randn(4), "sources must share one shape"),
+                              (v, torch.ones(4, dtype=torch.long), "w must be a floating-point")):
+        with pytest.raises(ValueError, match=match):
+            depth_attention(sources, w)
+
+
 def test_memory_path_refuses_create_graph():
     """autograd.grad(..., create_graph=True) through the memory path once failed with "modified by an
     inplace operation", then returned first-order gradients whose second derivatives silently missed the

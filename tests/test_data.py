@@ -221,10 +221,12 @@ def test_get_batch_refuses_ids_that_would_come_out_negative(tokens, match):
     (lambda: data.encode_documents(data.load_tokenizer(), "abc"), "encode_documents: texts must be a list of str"),
     (lambda: data.encode_documents(data.load_tokenizer(), ["a", 1]), "got items of type int"),
     (lambda: data.split_files([("a", "x")], 2.5), "val_every must be an int >= 2, got 2.5"),
-], ids=["train-on-a-str", "encode-a-str", "encode-an-int", "float-val-every"])
+    (lambda: data.train_tokenizer(["abc"], 300.5), r"vocab_size must be an int in \[257, 65536\].*got 300.5"),
+    (lambda: data.train_tokenizer(["abc"], "300"), r"vocab_size must be an int in \[257, 65536\].*got '300'"),
+], ids=["train-on-a-str", "encode-a-str", "encode-an-int", "float-val-every", "float-vocab", "str-vocab"])
 def test_text_inputs_of_the_wrong_kind_are_named(call, match):
     """A str was trained on as one document per character; encode_documents raised tokenizers' "Can't extract
-    `str` to `Vec`"; a float val_every was taken."""
+    `str` to `Vec`"; a float val_every was taken; a float or str vocab_size raised TypeError."""
     with pytest.raises(ValueError, match=match):
         call()
 

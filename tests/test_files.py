@@ -107,6 +107,23 @@ def test_bytes_rejects_text_and_keeps_the_mode_of_an_ordinary_open(tmp_path):
     assert target.read_bytes() == b"ok" and target.stat().st_mode == plain.stat().st_mode
 
 
+def test_an_existing_files_mode_and_a_symlink_are_kept_as_open_keeps_them(tmp_path):
+    """A 0755 script lost its exec bit (reset to 0644), and a symlink was replaced by a regular file while
+    its target kept the old bytes."""
+    script = tmp_path / "run.sh"
+    script.write_bytes(b"old")
+    script.chmod(0o755)
+    files.atomic_write_bytes(script, b"new")
+    assert script.read_bytes() == b"new" and script.stat().st_mode & 0o777 == 0o755
+    target, link = tmp_path / "data" / "target.txt", tmp_path / "link.txt"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    link.symlink_to(target)
+    files.atomic_write_text(link, "new")
+    assert link.is_symlink() and target.read_bytes() == b"new" and link.read_bytes() == b"new"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["target.txt"]
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
 def test_a_folder_that_refuses_new_files_is_named_before_the_run():
     # /proc passes os.access's write check when run as root, yet refuses every new file.

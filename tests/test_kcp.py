@@ -224,6 +224,17 @@ def test_entry_points_reject_wrong_argument_types():
         kcp_short_conv(torch.randn(1, T, 6), torch.randn(6, 0), ctx)
 
 
+def test_context_lookups_name_an_index_out_of_range():
+    """doc_of(100) and rank_of(-1) raised a bare StopIteration, pieces(5) an IndexError."""
+    ctx = make_context(16, (0, 5, 16), rank=0, world_size=2)
+    assert (ctx.doc_of(7), ctx.rank_of(9), ctx.pieces(1)) == (1, 1, [(1, 8, 16)])
+    for call, match in ((lambda: ctx.doc_of(100), r"t must be an int in \[0, 16\), got 100"),
+                        (lambda: ctx.rank_of(-1), r"t must be an int in \[0, 16\), got -1"),
+                        (lambda: ctx.pieces(5), r"rank must be an int in \[0, 2\), got 5")):
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
 def test_second_derivative_is_refused():
     """The backward recomputes with autograd passes of its own, so a create_graph=True gradient held none
     of KDA's second-order terms: a penalty on dx gave dA 0.229 where the one-process layer gives 0.448.

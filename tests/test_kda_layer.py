@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from k3lab.kda import KDACache, KDALayer, naive_recurrent_kda
-from k3lab.kda.layer import causal_short_conv
+from k3lab.kda.layer import causal_short_conv, reference_kda_op
 from k3lab.testing import assert_close
 
 TOL = 1e-12
@@ -190,6 +190,22 @@ def test_bad_forward_inputs():
     bad = KDACache(cache.conv_q, cache.conv_k, cache.conv_v.int(), cache.state)
     with pytest.raises(ValueError, match="cache.conv_v must be a floating-point tensor, got dtype torch.int32"):
         layer(x_of(2, 1), cache=bad)
+
+
+def test_integer_convolution_inputs_and_reference_op_inputs_are_refused():
+    """An integer conv_state or weight was taken (truncating the convolution), a list conv_state raised
+    AttributeError; the reference operator raised TypeError from torch.finfo on an integer q."""
+    x = torch.randn(1, 5, 3)
+    for kw, match in ((dict(conv_state=[[0]]), "conv_state must be a floating-point"),
+                      (dict(conv_state=torch.zeros(1, 3, 3, dtype=torch.long)), "conv_state must be a floating-point"),
+                      (dict(weight=torch.ones(3, 4, dtype=torch.long)), "weight must be a floating-point")):
+        with pytest.raises(ValueError, match=match):
+            causal_short_conv(x, **dict(dict(weight=torch.randn(3, 4)), **kw))
+    q, k, v, z = (torch.randn(1, 5, 2, 4) for _ in range(4))
+    with pytest.raises(ValueError, match="q must be a floating-point tensor, got dtype torch.int64"):
+        reference_kda_op(q.long(), k, v, z, torch.randn(1, 5, 2), torch.randn(2), torch.randn(8))
+    with pytest.raises(ValueError, match="beta_logits must be a torch.Tensor, got list"):
+        reference_kda_op(q, k, v, z, [1.0], torch.randn(2), torch.randn(8))
 
 
 def poisoned(cache: KDACache, field: str, value: float) -> KDACache:

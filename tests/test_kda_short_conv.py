@@ -133,7 +133,7 @@ def test_torch_reference_names_bad_inputs():
     cases = [
         ((torch.randn(5, 4), w), r"x must be a floating-point \[B, T, C\] tensor, got \[5, 4\]"),
         ((x.long(), w), r"x must be a floating-point \[B, T, C\] tensor, got \[1, 5, 4\] torch.int64"),
-        ((x, torch.randn(3, 4)), r"weight must be \[C, W\] with C = x.shape\[-1\] = 4 and W >= 1, got \[3, 4\]"),
+        ((x, torch.randn(3, 4)), r"weight must be a floating-point \[C, W\] with C = x.shape\[-1\] = 4 and W >= 1, got \[3, 4\]"),
         ((x, w, None, torch.tensor([0, 3, 4])), r"cu_seqlens must start at 0 and end at T=5, got 0 ... 4"),
         ((torch.randn(2, 5, 4), w, None, torch.tensor([0, 5])), r"x must be \[1, T, C\], got B = 2"),
     ]

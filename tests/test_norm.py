@@ -1,6 +1,7 @@
 """k3lab.norm.RMSNorm: torch's RMSNorm whose weight follows a low-precision input onto the fused kernel."""
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -45,3 +46,9 @@ def test_bf16_input_takes_the_fused_path_and_matches_float64():
     werr, xerr = rel_rms_error(w64.grad, ours.weight.grad.double()), rel_rms_error(xr.grad, x.grad.double())
     print(f"weight grad {werr:.1e}, input grad {xerr:.1e}")
     assert werr < 2e-2 and xerr < 2e-2
+
+
+def test_integer_input_is_refused_by_name():
+    """An integer x reached torch's NotImplementedError from inside rms_norm."""
+    with pytest.raises(ValueError, match="RMSNorm: x must be a floating-point tensor, got torch.int64"):
+        RMSNorm(3)(torch.ones(2, 3, dtype=torch.long))

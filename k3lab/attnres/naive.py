@@ -77,7 +77,22 @@ def depth_attention(sources: list[torch.Tensor], w: torch.Tensor, eps: float = 1
     Returns:
         (h, alpha): h [..., d] in ``sources[0]``'s dtype (computed in float32, float64 stays float64);
         alpha [S, ...] the depth weights in the compute dtype.
+
+    Raises:
+        ValueError: sources not a non-empty list of floating-point tensors of one shape [..., d]; w not a
+            floating-point [d] tensor.
     """
+    if not (isinstance(sources, (list, tuple)) and sources and all(
+            isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim >= 1 for v in sources)):
+        raise ValueError("sources must be a non-empty list of floating-point tensors [..., d], got "
+                         f"{type(sources).__name__} of {len(sources) if isinstance(sources, (list, tuple)) else '?'}")
+    if len({v.shape for v in sources}) > 1:
+        raise ValueError(f"sources must share one shape, got {sorted({tuple(v.shape) for v in sources})}")
+    d = sources[0].shape[-1]
+    if not (isinstance(w, torch.Tensor) and w.is_floating_point() and tuple(w.shape) == (d,)):
+        raise ValueError(f"w must be a floating-point [d={d}] tensor, got "
+                         f"{list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}"
+                         f"{'' if not isinstance(w, torch.Tensor) else ' ' + str(w.dtype)}")
     dt = torch.float64 if sources[0].dtype == torch.float64 else torch.float32
     # float32 even under autocast (which would run the logits' matmul in bf16).
     with torch.autocast(sources[0].device.type, enabled=False):

@@ -81,17 +81,36 @@ class KCPContext:
     def T_local(self) -> int:
         return self.stop - self.start
 
+    def _check_index(self, name: str, i, stop: int) -> int:
+        if not (_is_int(i) and 0 <= i < stop):
+            raise ValueError(f"{name} must be an int in [0, {stop}), got {i!r}")
+        return int(i)
+
     def doc_of(self, t: int) -> int:
-        """Index of the document holding global token t."""
+        """Index of the document holding global token t.
+
+        Raises:
+            ValueError: t not an int in [0, T).
+        """
+        t = self._check_index("t", t, self.seq_bounds[-1])
         return next(n for n in range(self.N) if self.seq_bounds[n] <= t < self.seq_bounds[n + 1])
 
     def rank_of(self, t: int) -> int:
-        """The rank holding global token t."""
+        """The rank holding global token t.
+
+        Raises:
+            ValueError: t not an int in [0, T).
+        """
+        t = self._check_index("t", t, self.rank_bounds[-1])
         return next(r for r in range(self.world_size) if self.rank_bounds[r] <= t < self.rank_bounds[r + 1])
 
     def pieces(self, rank: int | None = None) -> list[tuple[int, int, int]]:
-        """``(doc, global start, global stop)`` of each piece of ``rank`` (default: this rank)."""
-        r = self.rank if rank is None else rank
+        """``(doc, global start, global stop)`` of each piece of ``rank`` (default: this rank).
+
+        Raises:
+            ValueError: rank not None or an int in [0, world_size).
+        """
+        r = self.rank if rank is None else self._check_index("rank", rank, self.world_size)
         lo, hi = self.rank_bounds[r], self.rank_bounds[r + 1]
         out = []
         for n in range(self.N):

@@ -232,7 +232,8 @@ def kcp_kda(
 
     Raises:
         ValueError: ctx not a KCPContext or layout-only (``check_context``), bad shapes (see
-            ``check_kda_inputs``, output_final_state not a bool included), B != 1, T_local != ctx.T_local,
+            ``check_kda_inputs``, output_final_state not a bool and scale not a finite positive number
+            included), B != 1, T_local != ctx.T_local,
             initial_state not a floating-point [N, HV, K, V] tensor on q's device, unknown ``fold``,
             slab_tokens not a multiple of chunk_size, a bad chunk_size (``check_chunk_size``), local_op not
             callable.
@@ -243,7 +244,7 @@ def kcp_kda(
         raise ValueError(f"q must be a tensor [1, T_local={ctx.T_local}, H, K] on rank {ctx.rank}, got "
                          f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     local_cu = torch.tensor(ctx.local_cu_seqlens) if len(ctx.local_docs) > 1 else None
-    check_kda_inputs(q, k, v, g, beta, None, local_cu, output_final_state=output_final_state)
+    check_kda_inputs(q, k, v, g, beta, None, local_cu, scale=scale, output_final_state=output_final_state)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     check_initial_state(initial_state, (ctx.N, HV, K, V), q.device)
     if fold not in FOLDS:

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from k3lab.kda.checks import NonFiniteError, _shape, check_chunk_size, check_cu_seqlens
+from k3lab.kda.checks import NonFiniteError, _shape, check_chunk_size, check_cu_seqlens, check_kda_inputs
 from k3lab.kda.chunk import chunk_kda
 from k3lab.kda.gate import check_lower_bound, kimi_linear_gate, lower_bounded_gate
 from k3lab.norm import RMSNorm
@@ -85,13 +85,17 @@ def reference_kda_op(
     """
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+    if cp is not None and cu_seqlens is not None:
+        raise ValueError("cu_seqlens must be None with cp: the context's seq_bounds place the documents")
+    # The operator's own names and checks before any arithmetic (an integer q reached torch.finfo).
+    check_kda_inputs(q, k, v, z, beta_logits, None if cp is not None else initial_state, cu_seqlens,
+                     check_values=False, scale=scale, output_final_state=output_final_state,
+                     names=("z", "beta_logits"))
     z = widen(z)
     g = (lower_bounded_gate(z, A_log, dt_bias, lower_bound) if gate == "lower_bounded"
          else kimi_linear_gate(z, A_log, dt_bias))
     q, k, beta = _l2norm(q), _l2norm(k), torch.sigmoid(widen(beta_logits))
     if cp is not None:
-        if cu_seqlens is not None:
-            raise ValueError("cu_seqlens must be None with cp: the context's seq_bounds place the documents")
         from k3lab.kcp import kcp_kda  # noqa: PLC0415  (k3lab.kcp imports this package)
 
         return kcp_kda(q, k, v, g, beta, cp, scale=scale, initial_state=initial_state,
@@ -162,16 +166,18 @@ def causal_short_conv(
         sequence (earlier state rows or zeros fill in when a sequence is shorter than W-1).
 
     Raises:
-        ValueError: ``x`` not [B, T, C] floating point; ``weight`` not [C, W] with W >= 1; ``cu_seqlens`` not
-            valid offsets for T (``check_cu_seqlens``) or given with B > 1; ``conv_state`` not [N, W-1, C].
+        ValueError: ``x`` not [B, T, C] floating point; ``weight`` not a floating-point [C, W] with W >= 1;
+            ``cu_seqlens`` not valid offsets for T (``check_cu_seqlens``) or given with B > 1; ``conv_state`` not
+            a floating-point [N, W-1, C] tensor.
     """
     if not (isinstance(x, torch.Tensor) and x.ndim == 3 and x.is_floating_point()):
         raise ValueError(f"causal_short_conv: x must be a floating-point [B, T, C] tensor, got {_shape(x)}"
                          + (f" {x.dtype}" if isinstance(x, torch.Tensor) else ""))
     B, T, C = x.shape
-    if not (isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.shape[0] == C and weight.shape[1] >= 1):
-        raise ValueError(f"causal_short_conv: weight must be [C, W] with C = x.shape[-1] = {C} and W >= 1, got "
-                         f"{_shape(weight)}")
+    if not (isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.shape[0] == C and weight.shape[1] >= 1
+            and weight.is_floating_point()):
+        raise ValueError(f"causal_short_conv: weight must be a floating-point [C, W] with C = x.shape[-1] = {C} and "
+                         f"W >= 1, got {_shape(weight)}{' ' + str(weight.dtype) if isinstance(weight, torch.Tensor) else ''}")
     W = weight.shape[1]
     if cu_seqlens is not None:
         if B != 1:
@@ -182,8 +188,10 @@ def causal_short_conv(
     N = B if seqs is None else len(seqs)
     if conv_state is None:
         conv_state = x.new_zeros(N, W - 1, C)
-    elif conv_state.shape != (N, W - 1, C):
-        raise ValueError(f"conv_state must be [N, W-1, C] = {[N, W - 1, C]}, got {list(conv_state.shape)}")
+    elif not (isinstance(conv_state, torch.Tensor) and conv_state.is_floating_point()
+              and conv_state.shape == (N, W - 1, C)):
+        raise ValueError(f"conv_state must be a floating-point [N, W-1, C] = {[N, W - 1, C]} tensor, got "
+                         f"{_shape(conv_state)}{' ' + str(conv_state.dtype) if isinstance(conv_state, torch.Tensor) else ''}")
     w = weight.to(x.dtype)
     if cu_seqlens is None:
         # [B, W-1 + T, C]: the carried inputs, then the sequence.
