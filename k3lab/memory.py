@@ -32,7 +32,8 @@ wins, so a specific pattern goes before a broad one: {"sublayers.1": "offload", 
 given two policies is an error (``parse_rules``). Between nested modules the innermost policy wins: a module's
 policy replaces its parent's for the tensors its own forward saves. Inside a recompute region nested policies
 are switched off, because checkpoint must see (and recompute) every tensor of the region itself. Parameters
-(and views of them) are never copied, quantised or counted: they are not activations and live anyway.
+(and views of them, and copies of them made for the call alone: autocast's cast of a weight, a concatenation of
+weights) are never copied, quantised or counted: they are not activations, and the weights live anyway.
 
 Counters (``ActivationManager.stats()``), per policy: ``live_bytes`` (held for backward now, on the
 device the tensor came from: for offload this is 0 and the copy is counted in ``host_bytes``; for
@@ -181,6 +182,35 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# How far back a saved tensor's history is searched for parameters alone (autocast's cast of a weight is one
+# node, ``expert_ffn``'s cat of two cast weights three); longer histories are activations.
+_WEIGHT_HISTORY_NODES = 8
+
+
+def _from_parameters(fn) -> bool:
+    """True when the autograd history ``fn`` (a saved tensor's grad_fn) reaches only parameters within
+    ``_WEIGHT_HISTORY_NODES`` nodes: a weight's copy made for this call (autocast's bf16 cast, a concatenation
+    of weights), which lives as long as the weights do in substance and is no activation. An input that does
+    not require grad (a None edge) or a leaf that is not a parameter makes it an activation."""
+    if fn is None:
+        return False
+    todo, seen = [fn], 0
+    while todo:
+        node = todo.pop()
+        seen += 1
+        if seen > _WEIGHT_HISTORY_NODES:
+            return False
+        if type(node).__name__ == "AccumulateGrad":
+            if not isinstance(node.variable, nn.Parameter):
+                return False
+            continue
+        edges = node.next_functions
+        if not edges or any(n is None for n, _ in edges):
+            return False
+        todo.extend(n for n, _ in edges)
+    return True
+
+
 class ActivationManager:
     """Holds the counters, the cache that dedupes repeated saves, and (on CUDA) the offload stream.
 
@@ -246,7 +276,9 @@ class ActivationManager:
     def _is_param(self, t: torch.Tensor) -> bool:
         if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
             return True
-        return t.device.type != "meta" and t.untyped_storage().data_ptr() in self._param_ptrs
+        if t.device.type != "meta" and t.untyped_storage().data_ptr() in self._param_ptrs:
+            return True
+        return _from_parameters(t.grad_fn)
 
     def _pack(self, policy: str, t: torch.Tensor):
         if self._is_param(t):
