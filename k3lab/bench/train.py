@@ -58,7 +58,7 @@ from k3lab.moe import update_biases
 from k3lab.optim import per_head_muon
 from k3lab.testing import rel_rms_error
 from k3lab.train import TokenLoader, TrainConfig, compile_blocks, train
-from k3lab.train.config import ConfigError
+from k3lab.train.config import ATTNRES_BUFFERS, ConfigError
 from k3lab.train.loop import build_model, train_autocast
 from k3lab.train.metrics import FLOPS_CONVENTION, after_first_window, peak_key, run_parts
 
@@ -594,6 +594,8 @@ def table(r: dict) -> str:
             ("peak GiB", r["peak_GiB"], r.get("peer_peak_GiB"), ".1f", 1.0)]
     accumulate = f", {r['microbatches']} micro-batches a step" if accumulating else ""
     compiled = ", sublayers compiled (--compile)" if r.get("compile") else ""
+    compiled += f", AttnRes buffer {r['attnres_buffer']}" if r.get("attnres_buffer", "float32") != "float32" else ""
+    compiled += ", AttnRes inputs kept" if r.get("attnres_keep_inputs") else ""
     lines = [f"End-to-end training, {r['preset']}, B x T = {r['batch_size']} x {r['seq_len']}{accumulate}{compiled}, on {r['device']} "
              f"({r['date']}): {r['steps']} steps, {r['minutes']:.1f} min on the corpus ({r['epochs']:.1f} epochs)"
              + (f" in {r['parts']} parts" if r.get("parts", 1) > 1 else ""),
@@ -697,6 +699,10 @@ def main(argv=None) -> dict:
                         "same command continues it, and the invocation that finishes it measures the rest (the "
                         "AttnRes overhead and the peer: leave them a few minutes) and writes the JSON (a run longer "
                         "than one job's time limit)")
+    p.add_argument("--attnres-buffer", choices=ATTNRES_BUFFERS, default="float32",
+                   help="Block AttnRes's buffer dtype (the trainer's --attnres-buffer)")
+    p.add_argument("--attnres-keep-inputs", action="store_true",
+                   help="keep the sublayers' inputs for backward (the trainer's --attnres-keep-inputs)")
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default data/results/train_<card>.json "
                    "after the device, train_compile_<card>.json with --compile (with --small: nothing)")
     args = p.parse_args(argv)
@@ -720,7 +726,8 @@ def main(argv=None) -> dict:
         config = TrainConfig(preset="k3-tiny" if small else "k3-1b",
                              batch_size=M * (args.batch_size or (4 if small else 16)), microbatches=M,
                              seq_len=args.seq_len or (32 if small else 2048), progress=False,
-                             log_every=args.log_every or (2 if small else 10), compile=args.compile)
+                             log_every=args.log_every or (2 if small else 10), compile=args.compile,
+                             attnres_buffer=args.attnres_buffer, attnres_keep_inputs=args.attnres_keep_inputs)
     except ValueError as e:
         p.error(str(e))
     if args.run_dir:
@@ -735,9 +742,11 @@ def main(argv=None) -> dict:
 
     result = run_info(device)
     result.update(preset=config.preset, flops_convention=FLOPS_CONVENTION, peer=PEER if with_peer else None,
-                  compile=config.compile)
+                  compile=config.compile, attnres_buffer=config.attnres_buffer,
+                  attnres_keep_inputs=config.attnres_keep_inputs)
     settings = dict(preset=config.preset, batch_size=args.batch_size, microbatches=M, seq_len=config.seq_len,
-                    log_every=config.log_every, compile=config.compile, minutes=args.minutes, steps=args.steps)
+                    log_every=config.log_every, compile=config.compile, minutes=args.minutes, steps=args.steps,
+                    attnres_buffer=config.attnres_buffer, attnres_keep_inputs=config.attnres_keep_inputs)
     plan = read_plan(args.run_dir, settings) if args.run_dir else None
     if plan is None:
         print(f"== correctness: {config.preset} bf16 autocast vs float32", flush=True)
