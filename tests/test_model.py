@@ -72,6 +72,10 @@ def test_flops_per_token_by_hand(full_table):
     # 2 MLA layers, 2 heads, q/k 16 + 8, v 16.
     assert flops_per_token(c, 100) == 6 * active + 2 * 6 * 2 * (16 + 8 + 16) * 100
     assert flops_per_token(c, 100, causal=True) == 6 * active + 2 * 6 * 2 * 40 * 100 / 2
+    # An MTP depth runs the shared head once more (not in the activated parameters) and its own MLA layer.
+    m = K3Config.preset("k3-tiny", num_nextn_predict_layers=1)
+    assert flops_per_token(m, 100) == (6 * count_params(m)["total"][1] + 6 * m.hidden_size * m.vocab_size
+                                       + 3 * 6 * 2 * (16 + 8 + 16) * 100)
     f = flops_per_token("k3-full", 8192)
     assert f == 6 * full_table["total"][1] + 24 * 6 * 96 * 320 * 8192
     # ~0.68 PFLOP per token: 6 x 104.2B plus ~9% for attention at 8K.
@@ -81,6 +85,15 @@ def test_flops_per_token_by_hand(full_table):
         mfu(1.0, 1.0, "a100")
     with pytest.raises(ValueError, match="seq_len"):
         flops_per_token(c, 0)
+
+
+def test_packed_documents_with_use_cache_are_refused():
+    """The KDA layers returned a state per document and the MLA layers one cache of every packed document
+    together: no later call could continue from them."""
+    model = K3Model(K3Config.preset("k3-tiny"))
+    idx = torch.randint(0, model.config.vocab_size, (1, 8))
+    with pytest.raises(ValueError, match="cu_seqlens with use_cache is not supported"):
+        model(idx, cu_seqlens=torch.tensor([0, 3, 8]), use_cache=True)
 
 
 def tiny(dtype=torch.float32, seed=0, **overrides):

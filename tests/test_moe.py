@@ -776,6 +776,37 @@ def test_checkpoint_recompute_counts_each_token_once(reentrant):
     assert x.grad is not None
 
 
+def test_aux_loss_under_non_reentrant_recompute_gives_the_plain_gradients():
+    """The replay skipped the auxiliary loss, so checkpoint saw fewer tensors than the forward had saved
+    ("A different number of tensors was saved ... 57 vs 52")."""
+    import copy
+
+    m = MoE(_config(balance="aux")).train()
+    x = torch.randn(20, 16, generator=_gen(12))
+    other = copy.deepcopy(m)
+    (m(x).square().mean() + balance_loss(m)).backward()
+    y = checkpoint(other, x, use_reentrant=False)
+    (y.square().mean() + balance_loss(other)).backward()
+    for (name, a), b in zip(m.named_parameters(), other.parameters()):
+        assert_close(name, b.grad, a.grad, 1e-6)
+    assert torch.equal(m.balance.counts, other.balance.counts)
+
+
+def test_a_forward_that_raises_counts_nothing_and_exact_qb_refuses_a_group_before_reducing():
+    """The counts were recorded before the expert-width check, so a failed forward's tokens moved the next
+    bias; the exact estimator all-reduced the counts in place, then refused the group."""
+    m = MoE(MoEConfig(d_model=6, n_experts=4, top_k=2, expert_hidden=6, estimator="exact")).train()
+    with pytest.raises(ValueError, match="multiple of"):
+        m(torch.randn(3, 6, generator=_gen(13)))
+    assert m.balance.counts.sum() == 0 and not m.balance._kept
+    m = MoE(_config(estimator="exact")).train()
+    m(torch.randn(3, 16, generator=_gen(14)))
+    before = m.balance.counts.clone()
+    with pytest.raises(ValueError, match="exact Quantile Balancing estimator runs in one process"):
+        m.balance.update(m.router.bias, group=object())
+    assert torch.equal(m.balance.counts, before)
+
+
 def test_padding_is_not_counted_and_bias_stays_float32_in_bf16():
     m = MoE(_config()).to(torch.bfloat16)
     assert m.router.bias.dtype == torch.float32 and m.experts.w_gate.dtype == torch.bfloat16

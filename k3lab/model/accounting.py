@@ -130,8 +130,9 @@ def flops_per_token(config: K3Config | str, seq_len: int, causal: bool = False) 
     """Training FLOPs per token of ``config`` at sequence length ``seq_len`` (forward + backward).
 
     Convention: 6 x activated parameters (``count_params``'s: the input embedding excluded, routed
-    experts K of E at their real latent width, the LM head included) plus, for the Gated MLA layers
-    only, the attention scores and weighted sum: 6 * H * (Dn + Dr + Dv) * seq_len per MLA layer
+    experts K of E at their real latent width, the LM head included) plus the shared head's matmul once
+    more per MTP depth (6 * d * vocab each: every depth predicts through the one head) plus, for the Gated
+    MLA layers (and the MTP modules' MLA) only, the attention scores and weighted sum: 6 * H * (Dn + Dr + Dv) * seq_len per MLA layer
     (forward 2 * H * (Dqk + Dv) * seq_len, backward twice that; the PaLM/torchtitan convention, which
     does not halve for the causal mask unless ``causal=True``). KDA's chunkwise state work is linear in
     T and not counted (its projections are in the 6N term), nor are the element-wise ops, norms and the
@@ -158,7 +159,8 @@ def flops_per_token(config: K3Config | str, seq_len: int, causal: bool = False) 
     active = count_params(config)["total"][1]
     c = config
     attn = 6 * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * seq_len
-    return 6 * active + (c.num_mla_layers + c.num_nextn_predict_layers) * attn * (0.5 if causal else 1.0)
+    head = 6 * c.hidden_size * c.vocab_size * c.num_nextn_predict_layers
+    return 6 * active + head + (c.num_mla_layers + c.num_nextn_predict_layers) * attn * (0.5 if causal else 1.0)
 
 
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float | str = "h100", n_gpus: int = 1) -> float:

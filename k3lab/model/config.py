@@ -64,7 +64,8 @@ class K3Config:
 
     Attributes (k3lab names):
         moe_latent_size (int | None): LatentMoE's routed width l, 3584 (None: a full-width MoE).
-        moe_balance (str): "qb" (Quantile Balancing, K3), "sign", "aux" or "none".
+        moe_balance (str): "qb" (Quantile Balancing, K3), "sign", "aux" or "none". With "aux" the MoE layers compute
+            their auxiliary loss, which K3Model's loss does not include: add ``k3lab.moe.balance_loss(model)`` to it.
         kda_gate_lower_bound (float): g_min of K3's lower-bounded KDA gate, -5.
         kda_gate_rank (int | None): rank of KDA's output gate, 128 (Kimi Linear's low-rank gate; see
             ``k3lab.model.count_params`` for why); None: full rank.

@@ -280,7 +280,7 @@ class K3Model(nn.Module):
             ValueError: idx or the model on the meta device (no values to run on: count parameters and FLOPs
                 with ``count_params`` and ``flops_per_token``); idx not [B, T] with B, T >= 1, ids out of range,
                 targets of another shape, use_cache not a bool,
-                cu_seqlens with B > 1, with caches, or invalid; caches not a list of L caches; cp with
+                cu_seqlens with B > 1, with caches or use_cache, or invalid; caches not a list of L caches; cp with
                 cu_seqlens, caches or use_cache, or idx not [1, cp.T_local].
         """
         c = self.config
@@ -304,6 +304,10 @@ class K3Model(nn.Module):
                 raise ValueError(f"with cu_seqlens the documents must be packed into B=1, got B={idx.shape[0]}")
             if caches is not None:
                 raise ValueError("cu_seqlens with caches is not supported (decode documents as a batch)")
+            if use_cache:
+                # The KDA layers would return a state per document, the MLA layers one cache of every packed
+                # document together: no later call could continue either.
+                raise ValueError("cu_seqlens with use_cache is not supported (prefill documents as a batch)")
             check_cu_seqlens(cu_seqlens, idx.shape[1])
         if caches is not None and not (isinstance(caches, list) and len(caches) == c.num_hidden_layers
                                        and all(isinstance(x, (KDACache, MLACache)) for x in caches)):

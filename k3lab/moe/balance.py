@@ -266,6 +266,13 @@ class Balancing(nn.Module):
             keep = slice(None) if mask is None else mask.reshape(-1)
             self._kept.append((routing.scores.detach()[keep], routing.cutoff.detach()[keep]))
 
+    def replay(self, routing: Routing, mask: torch.Tensor | None = None) -> None:
+        """A recompute's replay of a counted forward (activation checkpointing): nothing is counted, but the
+        auxiliary loss's ops run again, their result dropped, so that non-reentrant checkpoint sees the
+        tensors the forward saved (without them it raised "a different number of tensors was saved")."""
+        if self.method == "aux":
+            aux_loss(routing.scores, routing.topk_idx, None if mask is None else mask.reshape(-1).long())
+
     @torch.no_grad()
     def update(self, bias: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """Apply the step's bias update in place and reset the statistics.
@@ -278,6 +285,10 @@ class Balancing(nn.Module):
         Returns:
             Tensor [E] int64: the step's load (pairs per expert, summed over ``group``).
         """
+        if group is not None and self.method == "qb" and self.estimator == "exact":
+            # Before the all-reduce: after it, a retry without the group would count the other ranks twice.
+            raise ValueError("the exact Quantile Balancing estimator runs in one process; "
+                             "use estimator='histogram' with a process group")
         if group is not None:
             # One integer all-reduce per layer: the counts ride along with the histogram.
             flat = torch.cat([self.counts, self.hist.reshape(-1)])
@@ -292,9 +303,6 @@ class Balancing(nn.Module):
             bias.copy_(torch.where(load.sum() > 0, histogram_bias(self.hist, lo, hi, self.K), bias))
         elif self.method == "qb" and self._kept and load.sum() > 0:
             # The exact estimator is the one-process reference: reading the load here is fine.
-            if group is not None:
-                raise ValueError("the exact Quantile Balancing estimator runs in one process; "
-                                 "use estimator='histogram' with a process group")
             scores, cutoff = (torch.cat(t) for t in zip(*self._kept))
             bias.copy_(quantile_bias(scores, cutoff, self.K))
         elif self.method == "sign":

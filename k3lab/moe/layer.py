@@ -136,7 +136,10 @@ class MoE(nn.Module):
     padding tokens: they are computed but never counted by the balancer. In training mode (outside a
     backward recompute) the routing is counted for the bias update (``update_biases``), even under
     ``torch.no_grad()``: call ``model.eval()`` before a validation forward, or its tokens move the next bias.
-    ``last_routing`` holds the latest forward's ``Routing``.
+    ``last_routing`` holds the latest forward's ``Routing``. With ``balance="aux"`` the auxiliary loss of the
+    latest forward waits in ``balance.aux`` for ``balance_loss``; under reentrant activation checkpointing
+    (``torch.utils.checkpoint(use_reentrant=True)``, whose forward runs without autograd) it has no gradient:
+    use the non-reentrant form (``k3lab.memory``'s recompute is).
 
     Expert parallelism: with ``ep_group`` set (a process group of R ranks, e.g.
     ``make_mesh(...)["ep"].get_group()``), ``experts`` holds this rank's E/R home experts (plain tensors
@@ -207,11 +210,14 @@ class MoE(nn.Module):
         # routing would hold the replayed graph, and every tensor that graph saved, until the next step.
         if not in_backward():
             self.last_routing = routing
-        if self.training and not in_backward():
-            self.balance.record(routing, self.router.bias, mask)
         z = x2 if self.down is None else self.down(x2)
         if not reference:
             self._check_expert_widths(z)
+        # Counted after the checks: a forward that raises leaves no counts for the next bias update.
+        if self.training and not in_backward():
+            self.balance.record(routing, self.router.bias, mask)
+        elif self.training:
+            self.balance.replay(routing, mask)
         if self.ep_group is not None:
             routed = self._expert_parallel(z, routing, mask, reference)
         else:

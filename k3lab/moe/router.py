@@ -125,7 +125,10 @@ class Router(nn.Module):
 
     The bias is a float32 buffer (saved in the state dict, no gradient) and stays float32 when the
     module is cast (``model.to(torch.bfloat16)``): bf16 has 8 bits of mantissa, too few for the
-    small steps a balancer takes.
+    small steps a balancer takes. The logits W_r x are one matmul in the autocast dtype under autocast
+    (bf16 in the trainer: about 1e-3 of rounding, which can swap a token's
+    expert at a near-tie against the float32 logits); the scores, the choice and the weights are float32
+    from there (``route``). Run the router outside autocast for float32 logits.
     """
 
     def __init__(self, d: int, E: int, K: int, renormalize: bool = True, routed_scaling: float = 1.0,

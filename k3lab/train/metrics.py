@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 FLOPS_CONVENTION = ("6 x activated params (no input embedding; routed experts K of E at the latent width; "
-                    "LM head included) + Gated MLA attention 6*H*(Dn+Dr+Dv)*T per MLA layer, not halved for "
-                    "causality (k3lab.model.flops_per_token); MFU over dense bf16 peak x GPUs")
+                    "LM head included, once more per MTP depth) + Gated MLA attention 6*H*(Dn+Dr+Dv)*T per MLA "
+                    "layer, not halved for causality (k3lab.model.flops_per_token); MFU over dense bf16 peak x GPUs")
 
 
 def peak_memory_gib(device: torch.device) -> tuple[float, str]:
