@@ -612,7 +612,8 @@ def test_maxvio_of_counts_a_list_and_bad_loads():
     """A list failed with AttributeError ('list' object has no attribute 'double')."""
     assert maxvio([3, 1, 2, 2]) == pytest.approx(3 / 2 - 1)
     assert maxvio(torch.tensor([5, 5], dtype=torch.int64)) == 0.0 and maxvio(torch.zeros(4)) == 0.0
-    for bad in ([], [[1, 2]], [1, -1], [1.0, float("nan")]):
+    # A bool tensor (a mask passed by mistake) was read as counts of 0 and 1.
+    for bad in ([], [[1, 2]], [1, -1], [1.0, float("nan")], torch.tensor([True, False])):
         with pytest.raises(ValueError, match="maxvio: load must be"):
             maxvio(bad)
 

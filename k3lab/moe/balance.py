@@ -195,7 +195,10 @@ def maxvio(load: torch.Tensor) -> float:
     Raises:
         ValueError: ``load`` not 1-D with at least one expert, or holding a negative or non-finite count.
     """
-    load = torch.as_tensor(load).double()
+    load = torch.as_tensor(load)
+    if load.dtype == torch.bool or load.is_complex():
+        raise ValueError(f"maxvio: load must be [E] counts, got a {load.dtype} tensor")
+    load = load.double()
     if load.ndim != 1 or load.numel() == 0 or not bool(torch.isfinite(load).all()) or bool((load < 0).any()):
         raise ValueError(f"maxvio: load must be [E] finite counts >= 0 with E >= 1, got shape {list(load.shape)}"
                          + (f", min {load.min().item()}" if load.numel() else ""))
