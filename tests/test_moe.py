@@ -325,6 +325,38 @@ def test_expert_ffn_names_the_width_off_the_grid(d, h, match):
         expert_ffn(torch.randn(N, d), offsets, *ws)
 
 
+@pytest.mark.parametrize("max_rows", [1, 3, 4, 7, 100])
+def test_groups_cut_into_pieces_give_the_loops_result(max_rows):
+    """expert_ffn(max_group_rows=) runs long groups as pieces of the same expert (their weight gradients
+    summed per expert): forward and every gradient equal the per-expert loop, with empty groups and
+    padding rows; the number of pieces is static."""
+    from k3lab.moe.experts import split_groups
+
+    gen = _gen(21)
+    offsets, N, d, h = torch.tensor([3, 3, 20, 22, 22, 30]), 32, 8, 16
+    ends, expert = split_groups(offsets, N, max_rows)
+    assert ends.shape == expert.shape == (6 + N // max_rows,)
+    sizes = ends.diff(prepend=ends.new_zeros(1))
+    real = ends - sizes < offsets[-1]  # pieces of real rows (the rest: padding, or empty)
+    assert sizes.min() >= 0 and sizes[real].max() <= max_rows
+    # Each expert's pieces cover exactly its rows.
+    per_expert = torch.zeros(6, dtype=torch.long).index_add_(0, expert, sizes)
+    assert per_expert[:5].tolist() == offsets.diff(prepend=offsets.new_zeros(1))[:5].tolist()
+    x = torch.randn(N, d, generator=gen)
+    ws = [torch.randn(6, d, h, generator=gen), torch.randn(6, d, h, generator=gen), torch.randn(6, h, d, generator=gen)]
+    dy = torch.randn(N, d, generator=gen)
+    grads = {}
+    for name, fn, kw in (("loop", naive_expert_ffn, {}), ("cut", expert_ffn, dict(max_group_rows=max_rows))):
+        xx, w = x.clone().requires_grad_(), [t.clone().requires_grad_() for t in ws]
+        y = fn(xx, offsets, *w, **kw)
+        y.backward(dy)
+        grads[name] = [y, xx.grad, *(t.grad for t in w)]
+    for label, got, ref in zip(("y", "dx", "dw_gate", "dw_up", "dw_down"), grads["cut"], grads["loop"]):
+        assert_close(label, got, ref, 1e-5)
+    with pytest.raises(ValueError, match="max_rows must be an int >= 1"):
+        expert_ffn(x, offsets, *ws, max_group_rows=0)
+
+
 def test_unpadded_rows_skip_the_zeroing_and_give_the_same_result():
     g = _gen(11)
     E, d, h, N = 4, 8, 16, 30

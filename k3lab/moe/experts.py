@@ -233,11 +233,51 @@ def _check_weights(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_
                          f"{offsets.dtype}")
 
 
+def split_groups(offsets: torch.Tensor, N: int, max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut every group longer than ``max_rows`` rows into pieces of at most ``max_rows``, on the device.
+
+    A grouped GEMM's weight gradient is one [in, out] output per group, reduced over the group's rows: a
+    group far longer than the others is a few long output tiles that run after the rest have finished. As
+    pieces, its rows spread over more tiles; the pieces' gradients are summed per expert.
+
+    Args:
+        offsets (Tensor): [G] int cumulative ends of the groups of rows [0, N), non-decreasing.
+        N (int): rows (``offsets[-1] <= N``).
+        max_rows (int): the longest piece, >= 1.
+
+    Returns:
+        (ends [G + P] int64 cumulative ends of the pieces, non-decreasing, the last real end followed by
+        empty or padding pieces ending at N; expert [G + P] int64 the group each piece belongs to, in
+        [0, G)), P = N // max_rows: a static count (every group of n rows gives ceil(n / max_rows) - 1 <=
+        n // max_rows cuts), so the shapes never depend on the values.
+
+    Raises:
+        ValueError: offsets not a 1-D integer tensor with at least one group, N or max_rows not ints >= 1.
+    """
+    if not (isinstance(offsets, torch.Tensor) and offsets.ndim == 1 and offsets.numel() >= 1
+            and offsets.dtype in (torch.int32, torch.int64)):
+        raise ValueError(f"offsets must be [G >= 1] int32/int64 cumulative ends, got {_typed(offsets)}")
+    for name, v in (("N", N), ("max_rows", max_rows)):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    G, P = offsets.numel(), N // max_rows
+    ends = offsets.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    cuts = starts[:, None] + max_rows * torch.arange(1, P + 1, device=ends.device)
+    # Cuts past a group's end are parked at N: sorted, the at most P real ones come first.
+    cuts = torch.where(cuts < ends[:, None], cuts, N).flatten().sort().values[:P]
+    ends = torch.cat([ends, cuts]).sort().values
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    expert = torch.searchsorted(offsets.long(), starts, right=True).clamp_(max=G - 1)
+    return ends, expert
+
+
 # Eager under torch.compile: three grouped GEMMs (one kernel each) around the GLU, nothing for inductor to fuse,
 # and grouped_mm's fake-tensor kernel accepts bf16 only, so float32 runs cannot be traced.
 @torch.compiler.disable
 def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-               w_down: torch.Tensor, activation: str = "situ", *, padded: bool = True) -> torch.Tensor:
+               w_down: torch.Tensor, activation: str = "situ", *, padded: bool = True,
+               max_group_rows: int | None = None) -> torch.Tensor:
     """Every expert's gated FFN on its rows of ``x``, by grouped GEMMs.
 
     Args:
@@ -250,13 +290,17 @@ def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_u
         activation (str): ``"situ"`` (K3's SiTU-GLU) or ``"swiglu"``.
         padded (bool): False promises ``offsets[-1] == N`` (every row is some expert's, as in a one-process MoE
             layer) and skips zeroing the padding rows, a full pass over the output forward and backward.
+        max_group_rows (int | None): run groups longer than this as pieces of at most this many rows
+            (``split_groups``): the same result (the pieces' weight gradients summed per expert, in the
+            weights' dtype), with a long group's weight gradient spread over more GEMM tiles. None: no cuts.
 
     Returns:
         Tensor [N, d]: row r of expert e is ``glu(x_r W_gate[e], x_r W_up[e]) W_down[e]``.
 
     Raises:
         ValueError: shapes or dtypes disagree, ``x``'s dtype is not one ``grouped_mm`` takes (use
-            ``naive_expert_ffn`` for float64), or d or h is not a multiple of 16 bytes' worth of elements.
+            ``naive_expert_ffn`` for float64), or d or h is not a multiple of 16 bytes' worth of elements;
+            ``max_group_rows`` not None or an int >= 1.
 
     The offsets' values are not checked (that would read them back to the host); ``group_by_expert``
     makes valid ones.
@@ -275,10 +319,14 @@ def expert_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_u
     end = offsets[-1:].long()
     # grouped_mm leaves rows past the last offset uninitialised (and their gradients too): the last
     # expert's group is stretched over the padding and the padding rows are zeroed after the GEMMs.
-    offs = torch.cat([offsets[:-1], offsets.new_full((1,), N)]).to(torch.int32)
     # Gate and up as one GEMM against [W_gate | W_up]: x is read once, and backward's dx is one GEMM rather
     # than two and a sum of their [N, d] outputs.
-    au = grouped_mm(x, torch.cat([w_gate, w_up], dim=2), offs=offs)
+    w_gate_up = torch.cat([w_gate, w_up], dim=2)
+    if max_group_rows is not None:
+        offsets, expert = split_groups(offsets, N, max_group_rows)
+        w_gate_up, w_down = w_gate_up[expert], w_down[expert]
+    offs = torch.cat([offsets[:-1], offsets.new_full((1,), N)]).to(torch.int32)
+    au = grouped_mm(x, w_gate_up, offs=offs)
     y = _RowMajorGrad.apply(grouped_mm(glu_packed(au, activation), w_down, offs=offs))
     if not padded:
         return y
