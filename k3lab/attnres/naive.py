@@ -66,6 +66,21 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def _check_read(sources, w) -> None:
+    """``depth_attention``'s argument checks (ValueError naming sources or w)."""
+    if not (isinstance(sources, (list, tuple)) and sources and all(
+            isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim >= 1 for v in sources)):
+        raise ValueError("sources must be a non-empty list of floating-point tensors [..., d], got "
+                         f"{type(sources).__name__} of {len(sources) if isinstance(sources, (list, tuple)) else '?'}")
+    if len({v.shape for v in sources}) > 1:
+        raise ValueError(f"sources must share one shape, got {sorted({tuple(v.shape) for v in sources})}")
+    d = sources[0].shape[-1]
+    if not (isinstance(w, torch.Tensor) and w.is_floating_point() and tuple(w.shape) == (d,)):
+        raise ValueError(f"w must be a floating-point [d={d}] tensor, got "
+                         f"{list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}"
+                         f"{'' if not isinstance(w, torch.Tensor) else ' ' + str(w.dtype)}")
+
+
 def depth_attention(sources: list[torch.Tensor], w: torch.Tensor, eps: float = 1e-6):
     """One AttnRes read: softmax over depth of w^T RMSNorm(v_i), weighted sum of the raw v_i.
 
@@ -82,17 +97,7 @@ def depth_attention(sources: list[torch.Tensor], w: torch.Tensor, eps: float = 1
         ValueError: sources not a non-empty list of floating-point tensors of one shape [..., d]; w not a
             floating-point [d] tensor.
     """
-    if not (isinstance(sources, (list, tuple)) and sources and all(
-            isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim >= 1 for v in sources)):
-        raise ValueError("sources must be a non-empty list of floating-point tensors [..., d], got "
-                         f"{type(sources).__name__} of {len(sources) if isinstance(sources, (list, tuple)) else '?'}")
-    if len({v.shape for v in sources}) > 1:
-        raise ValueError(f"sources must share one shape, got {sorted({tuple(v.shape) for v in sources})}")
-    d = sources[0].shape[-1]
-    if not (isinstance(w, torch.Tensor) and w.is_floating_point() and tuple(w.shape) == (d,)):
-        raise ValueError(f"w must be a floating-point [d={d}] tensor, got "
-                         f"{list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}"
-                         f"{'' if not isinstance(w, torch.Tensor) else ' ' + str(w.dtype)}")
+    _check_read(sources, w)
     dt = torch.float64 if sources[0].dtype == torch.float64 else torch.float32
     # float32 even under autocast (which would run the logits' matmul in bf16).
     with torch.autocast(sources[0].device.type, enabled=False):
