@@ -23,7 +23,10 @@ FLASH_KDA_TOL_GRAD = 1e-4 if DEVICE == "cpu" else 1e-2
 
 
 def rel_rms_error(ref: torch.Tensor, out: torch.Tensor) -> float:
-    """RMS(out - ref) / RMS(ref), computed in float64. NaN/inf anywhere gives ``inf``."""
+    """RMS(out - ref) / RMS(ref), computed in float64 (broadcast as ``out - ref``; ``assert_close`` checks
+    the shapes). NaN/inf anywhere gives ``inf``; empty tensors give 0."""
+    if ref.numel() == 0 and out.numel() == 0:
+        return 0.0
     ref64, out64 = ref.detach().double(), out.detach().double()
     if not (torch.isfinite(ref64).all() and torch.isfinite(out64).all()):
         return float("inf")
@@ -38,7 +41,10 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, tol: float) ->
     Raises:
         AssertionError: shapes differ, a NaN/inf appears, or the ratio exceeds ``tol``; the message
             gives the ratio and the max absolute error.
+        ValueError: ``tol`` not a finite number >= 0.
     """
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < float("inf"):
+        raise ValueError(f"assert_close: tol must be a finite number >= 0, got {tol!r}")
     if ref.shape != out.shape:
         raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
     err = rel_rms_error(ref, out)

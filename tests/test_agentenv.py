@@ -59,6 +59,11 @@ def test_exec_exit_code_stdout_stderr(pool):
         assert r.ok and len(r.stdout) == 300000, (r.exit_code, r.timed_out, len(r.stdout))
         with pytest.raises(ValueError, match="timeout"):
             sb.exec("true", timeout=0)
+        # The guest's shell dropped the NUL and ran "echo ab".
+        with pytest.raises(ValueError, match="cmd must not contain a NUL"):
+            sb.exec("echo a\0b")
+        with pytest.raises(TypeError, match="root must be a bool"):
+            sb.write_file("/tmp/x", "a", root="yes")
 
 
 def test_exec_timeout_kills_command_not_host(pool):
@@ -298,6 +303,11 @@ def test_hibernate_releases_everything_and_wakes_exactly(pool, cow):
         assert mem["ram_file_cache"] < 4096, mem  # KiB: the RAM file was evicted from the page cache
         with pytest.raises(SandboxStateError):
             sb.exec("true")
+        # A NaN timeout started a QEMU that nothing tracked; 0 left a sandbox that could never wake.
+        for bad in (float("nan"), 0, -1):
+            with pytest.raises(ValueError, match="timeout must be > 0"):
+                sb.wake(timeout=bad)
+        assert sb.state == "hibernated" and sb.pids() == []
         sb.wake()
         r = sb.exec("cat /tmp/m; kill -0 $(cat /tmp/pid) && echo running", timeout=10)
         assert r.stdout == b"hib\nrunning\n"
@@ -366,6 +376,10 @@ def test_pool_many_and_close(tmp_path, pool):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="memory_mib"):
         Sandbox.create(memory_mib=16)
+    with pytest.raises(ValueError, match="boot_timeout must be > 0"):
+        Sandbox.create(boot_timeout=0)
+    with pytest.raises(TypeError, match="snapshot must be a Snapshot"):
+        Sandbox.from_snapshot("/tmp/x")
     with pytest.raises(ValueError, match="vcpus"):
         Sandbox.create(vcpus=0)
 

@@ -17,6 +17,8 @@ from k3lab.bench import shape_bth
     ("flash_kda", ["--rep", "ten"], "--rep: expected a positive int, got 'ten'"),
     ("attnres", ["--steps", "0"], "--steps: expected a positive int"),
     ("agentenv", ["--n", "0"], "--n: expected a positive int"),
+    ("agentenv", ["--paused", "0"], "--paused: expected a positive int"),
+    ("kcp", ["--budget-s", "nan"], "--budget-s: expected a positive"),
     ("moe", ["--rep", "0"], "--rep: expected a positive int, got 0"),
     ("moe", ["--cases", "k3"], "--cases: invalid choice"),
     ("moe_quality", ["--steps", "0"], "--steps: expected a positive int, got 0"),

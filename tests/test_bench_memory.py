@@ -157,7 +157,8 @@ def test_bad_flags_stop_at_parsing(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_an_out_folder_stops_before_the_run(tmp_path):
+def test_an_out_folder_stops_before_the_run(tmp_path, capsys):
     """The JSON is written last: a folder given as --out failed only after the whole run."""
-    with pytest.raises(SystemExit, match="is a folder"):
+    with pytest.raises(SystemExit) as e:
         main(["--device", "cpu", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "is a folder" in capsys.readouterr().err

@@ -125,11 +125,14 @@ def test_an_existing_files_mode_and_a_symlink_are_kept_as_open_keeps_them(tmp_pa
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
-def test_a_folder_that_refuses_new_files_is_named_before_the_run():
+def test_a_folder_that_refuses_new_files_is_named_before_the_run(capsys, tmp_path):
     # /proc passes os.access's write check when run as root, yet refuses every new file.
     assert blocked_parent("/proc/result.json").startswith("folder /proc refuses new files")
-    with pytest.raises(SystemExit, match="--out /proc/result.json: folder /proc refuses new files"):
-        check_out("/proc/result.json")
+    # A usage error: status 2, as argparse's (it was 1).
+    for out, why in (("/proc/result.json", "folder /proc refuses new files"), (str(tmp_path), "is a folder")):
+        with pytest.raises(SystemExit) as e:
+            check_out(out)
+        assert e.value.code == 2 and f"--out {out}: {why}" in capsys.readouterr().err
 
 
 def test_a_writable_folder_passes_and_keeps_nothing(tmp_path):

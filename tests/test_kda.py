@@ -511,3 +511,4 @@ def test_float16_output_overflow_names_q():
     inputs["initial_state"] = inputs["initial_state"] * 100
     with pytest.raises(ValueError, match=r"^q is too large: .*overflowed float16"):
         chunk_kda(**{key: x.half() for key, x in inputs.items()})
+

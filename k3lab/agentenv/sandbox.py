@@ -355,8 +355,9 @@ class Sandbox:
 
         Raises:
             TypeError: ``memory_mib`` or ``vcpus`` not an int (a bool is refused too), ``image`` not
-                an Image or None.
-            ValueError: ``memory_mib`` or ``vcpus`` out of range, ``backend`` not one of the names,
+                an Image or None, ``boot_timeout`` not a number.
+            ValueError: ``memory_mib`` or ``vcpus`` out of range, ``boot_timeout`` not in (0, 1e8] s,
+                ``backend`` not one of the names,
                 ``root`` so deep that the VM's unix sockets would exceed 107 bytes.
             SandboxError: ``backend="firecracker"`` on a host without a firecracker binary, real
                 KVM and ``$K3LAB_FIRECRACKER_KERNEL``; the qemu backend without qemu-system-x86_64
@@ -364,6 +365,7 @@ class Sandbox:
             SandboxCrashed: the VM exited during boot. SandboxTimeout: the guest never got ready.
         """
         _check_vm_shape(memory_mib, vcpus)
+        _check_timeout("boot_timeout", boot_timeout)
         _check_backend_name(backend)
         if image is not None and not isinstance(image, Image):
             raise TypeError(f"image must be an Image (from build_image) or None, got {image!r}")
@@ -397,8 +399,11 @@ class Sandbox:
         Raises:
             SandboxStateError: the snapshot was deleted. SandboxError: the snapshot's backend is
             not usable on this host. SandboxCrashed: the restore failed. ValueError: ``root`` too
-            deep (as in :meth:`create`).
+            deep (as in :meth:`create`), ``timeout`` not in (0, 1e8] s. TypeError: ``snapshot`` not a
+            Snapshot, ``timeout`` not a number.
         """
+        _check_snapshot(snapshot)
+        _check_timeout("timeout", timeout)
         if snapshot.deleted:
             raise SandboxStateError(f"snapshot {snapshot.path} was deleted")
         root = Path(root) if root else snapshot.path.parent.parent
@@ -428,6 +433,10 @@ class Sandbox:
             self.vm.kill()
             raise SandboxTimeout(f"sandbox {self.id} not ready within {timeout:.0f} s ({e});"
                                  f" {self.vm.log_tail()}") from e
+        except BaseException:
+            # Any other failure (an interrupt) must not leave a VM process that nothing tracks.
+            self.vm.kill()
+            raise
         self.state = "running"
 
     def _start_from(self, snap: Snapshot, timeout: float, cow: bool = True) -> None:
@@ -544,6 +553,9 @@ class Sandbox:
         """
         if not isinstance(cmd, str):
             raise TypeError(f"cmd must be a str (a shell script), got {type(cmd).__name__}")
+        # The guest's shell would drop the NUL and run another command.
+        if "\0" in cmd:
+            raise ValueError(f"cmd must not contain a NUL character, got {cmd[:60]!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
         if not 0 < timeout <= MAX_TIMEOUT_S:
@@ -580,6 +592,8 @@ class Sandbox:
         _check_int("mode", mode)
         if not 0 <= mode <= 0o7777:
             raise ValueError(f"mode must be permission bits in [0, 0o7777], got {mode:#o}")
+        if not isinstance(root, bool):
+            raise TypeError(f"root must be a bool, got {root!r}")
         data = data.encode() if isinstance(data, str) else bytes(data)
         what = f"write_file({path!r})"
         r = self._agent_call(what, "write_file", path, data, mode, root=root,
@@ -692,8 +706,11 @@ class Sandbox:
         Raises:
             SandboxStateError: this sandbox is destroyed or the snapshot deleted. SandboxError:
             the snapshot comes from the other backend or a VM of another shape (memory_mib,
-            vcpus); both checked before this sandbox's state is touched.
+            vcpus). TypeError/ValueError: ``snapshot`` not a Snapshot, ``timeout`` not a number in
+            (0, 1e8] s. All checked before this sandbox's state is touched.
         """
+        _check_snapshot(snapshot)
+        _check_timeout("timeout", timeout)
         if self.state == "destroyed":
             raise SandboxStateError(f"sandbox {self.id} is destroyed (restore)")
         if snapshot.deleted:
@@ -750,8 +767,14 @@ class Sandbox:
         self.state = "hibernated"
 
     def wake(self, timeout: float = 60.0) -> None:
-        """Start a hibernated sandbox again, running, exactly where it stopped."""
+        """Start a hibernated sandbox again, running, exactly where it stopped.
+
+        Raises:
+            SandboxStateError: not hibernated. TypeError/ValueError: ``timeout`` not a number in (0, 1e8] s
+            (before anything starts). SandboxCrashed / SandboxTimeout: as in :meth:`create`.
+        """
         self._need("hibernated")
+        _check_timeout("timeout", timeout)
         self._start(self.vm.wake, timeout)
 
     def destroy(self) -> None:
@@ -836,6 +859,20 @@ def _check_guest_path(path) -> None:
     # The guest's shell would drop the NUL and use another file.
     if "\0" in path:
         raise ValueError(f"path must not contain a NUL character, got {path!r}")
+
+
+def _check_timeout(name: str, t) -> None:
+    """TypeError/ValueError unless ``t`` is a number of seconds in (0, MAX_TIMEOUT_S]: checked before a VM
+    starts or a sandbox's state is touched (a NaN one left a QEMU running, 0 a sandbox that could not wake)."""
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {t!r}")
+    if not 0 < t <= MAX_TIMEOUT_S:
+        raise ValueError(f"{name} must be > 0 and <= {MAX_TIMEOUT_S:g} seconds, got {t}")
+
+
+def _check_snapshot(snapshot) -> None:
+    if not isinstance(snapshot, Snapshot):
+        raise TypeError(f"snapshot must be a Snapshot (from Sandbox.snapshot), got {type(snapshot).__name__}")
 
 
 def _check_vm_shape(memory_mib: int, vcpus: int) -> None:

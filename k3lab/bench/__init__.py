@@ -143,19 +143,20 @@ def check_out(out: str | None) -> None:
     take minutes of GPU time. Missing parent folders are fine (they are created).
 
     Raises:
-        SystemExit: ``out`` is an existing directory, or its nearest existing parent is a file or not writable.
+        SystemExit: status 2 (a usage error, as argparse's), the reason on stderr: ``out`` is an existing
+            directory, or its nearest existing parent is a file or not writable.
     """
     import os  # noqa: PLC0415
+    import sys  # noqa: PLC0415
 
     from k3lab.files import blocked_parent  # noqa: PLC0415
 
     if not out:
         return
-    if os.path.isdir(out):
-        raise SystemExit(f"--out {out} is a folder: give the JSON's file path")
-    why = blocked_parent(out)
+    why = "is a folder: give the JSON's file path" if os.path.isdir(out) else blocked_parent(out)
     if why:
-        raise SystemExit(f"--out {out}: {why}")
+        print(f"error: --out {out}: {why}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def write_result(bench: str, result: dict, out: str | None, small: bool = False) -> str | None:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from k3lab.agentenv import Sandbox, Snapshot, build_image, detect_host
 from k3lab.agentenv.sandbox import resident_kib
-from k3lab.bench import positive_int
+from k3lab.bench import check_out, positive_int
 from k3lab.files import write_json
 
 # (anchor text, anchor value in ms or None) per op; K3 report and kvcache-ai/AgentENV README.
@@ -215,12 +215,14 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m k3lab.bench.agentenv", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=positive_int, default=10, help="timed runs per op (>= 10 for the committed JSON)")
-    p.add_argument("--paused", type=int, default=20, help="paused sandboxes for the memory measurement")
-    p.add_argument("--out", default="data/results/agentenv_cpu.json", help="JSON output path")
+    p.add_argument("--paused", type=positive_int, default=20, help="paused sandboxes for the memory measurement")
+    p.add_argument("--out", default="data/results/agentenv_cpu.json", help="JSON output path ('' = write nothing)")
     args = p.parse_args(argv)
+    check_out(args.out)
     res = run(args.n, args.paused)
-    write_json(args.out, res, indent=2)
-    print(f"wrote {args.out}")
+    if args.out:
+        write_json(args.out, res, indent=2)
+        print(f"wrote {args.out}")
     print(table(res))
     return res
 

@@ -35,7 +35,7 @@ import torch
 
 import k3lab
 from k3lab.attnres.traffic import bytes_model, bytes_table, step_ms
-from k3lab.bench import nonnegative_int, positive_int, run_info
+from k3lab.bench import check_out, nonnegative_int, positive_int, run_info
 from k3lab.files import write_json
 from k3lab.norm import RMSNorm
 
@@ -363,7 +363,8 @@ STEP_VARIANTS = [  # (name, N or None for the standard residual, BlockAttnRes kw
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m k3lab.bench.attnres", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="data/results/attnres_h200.json", help="JSON output path")
+    p.add_argument("--out", default="data/results/attnres_h200.json",
+                   help="JSON output path ('' = write nothing; --smoke writes nothing)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU allowed); for checking the script")
     p.add_argument("--bytes-model", action="store_true", help="print the bytes model and exit (no device needed)")
     p.add_argument("--skip-kernels", action="store_true", help="skip the kernel timings (kept from --out)")
@@ -383,12 +384,18 @@ def main(argv=None) -> dict:
             print((f"[{kw}] " if kw else "") + bytes_table(bytes_model(**kw)) + "\n")
         return {}
 
+    check_out(args.out)
+    out = Path(args.out) if args.out else None
+    # The sections this run skips are kept from the file already there: read before the run, not after it.
+    try:
+        earlier = json.loads(out.read_text()) if out is not None and out.exists() else {}
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--out {out} holds no readable JSON to keep skipped sections from ({e})") from None
     device = k3lab.setup(verbose=True)
     if device.type != "cuda" and not args.smoke:
         raise SystemExit("no CUDA device: run with --smoke for a CPU check of the script")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
-    out = Path(args.out)
     d, n_layers, batch, seq = (64, 3, 2, 32) if args.smoke else (2048, 24, args.batch, args.seq)
     result = dict(hardware=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -450,9 +457,8 @@ def main(argv=None) -> dict:
         result["lm_experiment"] = (lm_experiment(device, 64, 2, 4, 32, args.lm_steps, [2]) if args.smoke else
                                    lm_experiment(device, 512, 8, 32, 512, args.lm_steps, [2, 4, 8]))
 
-    if not args.smoke:
+    if not args.smoke and out is not None:
         # Sections this run skipped keep the values the file held, with the date they were measured.
-        earlier = json.loads(out.read_text()) if out.exists() else {}
         step_keys = ("step", "step_overhead_block", "step_overhead_block_precision", "step_overhead_block_by_precision")
         for keys in (("kernel_cases", "bandwidth"), step_keys, ("lm_experiment",)):
             if keys[0] not in result and keys[0] in earlier:

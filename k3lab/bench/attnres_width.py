@@ -20,20 +20,22 @@ import datetime
 import torch
 
 import k3lab
-from k3lab.bench import positive_int, run_info
+from k3lab.bench import check_out, positive_int, run_info
 from k3lab.bench.attnres import PRECISIONS, bench_step
 from k3lab.files import write_json
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m k3lab.bench.attnres_width", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="data/results/attnres_width_h200.json", help="JSON output path")
+    p.add_argument("--out", default="data/results/attnres_width_h200.json",
+                   help="JSON output path ('' = write nothing; --smoke writes nothing)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU allowed); for checking the script")
     p.add_argument("--widths", type=positive_int, nargs="+", default=[2048, 4096, 7168], help="d values")
     p.add_argument("--precisions", nargs="+", choices=["autocast_compiled", "autocast"],
                    default=["autocast_compiled", "autocast"], help="how the steps run (k3lab.bench.attnres.PRECISIONS)")
     p.add_argument("--steps", type=positive_int, default=20, help="timed steps per variant")
     args = p.parse_args(argv)
+    check_out(args.out)
 
     device = k3lab.setup(verbose=True)
     if device.type != "cuda" and not args.smoke:
@@ -57,7 +59,7 @@ def main(argv=None) -> dict:
                 result["rows"].append(dict(d=d, **row))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if not args.smoke:
+    if not args.smoke and args.out:
         write_json(args.out, result, indent=1)
         print(f"wrote {args.out}")
     print("\n" + table(result))

@@ -33,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from k3lab.bench import positive_int, run_info
+from k3lab.bench import check_out, positive_float, positive_int, run_info
 from k3lab.dist import launch
 from k3lab.files import write_json
 from k3lab.kcp import kcp_short_conv, make_context
@@ -310,10 +310,11 @@ def main(argv=None) -> dict:
                    help="float32 check length (default 4096 on cuda, 128 on cpu)")
     p.add_argument("--bf16-check-T", type=positive_int, default=None, dest="bf16_check_T",
                    help="length of the check in the benchmark dtype (default 32768 on cuda, 128 on cpu)")
-    p.add_argument("--budget-s", type=float, default=420.0, dest="budget_s",
+    p.add_argument("--budget-s", type=positive_float, default=420.0, dest="budget_s",
                    help="skip (and record as skipped) cases that would start after this many seconds")
-    p.add_argument("--out", default="data/results/kcp_h200x2.json", help="JSON output path")
+    p.add_argument("--out", default="data/results/kcp_h200x2.json", help="JSON output path ('' = write nothing)")
     cfg = p.parse_args(argv)
+    check_out(cfg.out)
     cuda = cfg.device == "cuda"
     cfg.dtype = getattr(torch, cfg.dtype or ("bfloat16" if cuda else "float32"))
     cfg.check_T = cfg.check_T or (4096 if cuda else 128)
@@ -347,7 +348,8 @@ def main(argv=None) -> dict:
         "baselines_same_run": True,
     }
     result["notes"] = notes(result)
-    write_json(cfg.out, result, indent=2)
+    if cfg.out:
+        write_json(cfg.out, result, indent=2)
     print(json.dumps({k: v for k, v in result["check"].items() if k.endswith("max_rel_err")}, indent=1))
     print(json.dumps(result["fold_vs_scan"], indent=1))
     print(result["notes"])
