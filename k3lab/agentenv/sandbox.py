@@ -556,10 +556,7 @@ class Sandbox:
         # The guest's shell would drop the NUL and run another command.
         if "\0" in cmd:
             raise ValueError(f"cmd must not contain a NUL character, got {cmd[:60]!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
-        if not 0 < timeout <= MAX_TIMEOUT_S:
-            raise ValueError(f"timeout must be > 0 and <= {MAX_TIMEOUT_S:g} seconds, got {timeout}")
+        _check_timeout("timeout", timeout)
         for name, flag in (("root", root), ("keep_background", keep_background)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")

@@ -138,6 +138,17 @@ def timed_flags(p, bench: str, rep: int, small: str = "tiny sizes; for checking 
                    "nothing)")
 
 
+def add_attnres_flags(p) -> None:
+    """The trainer's Block AttnRes options as flags of a benchmark's parser (``--attnres-buffer``,
+    ``--attnres-keep-inputs``), passed on to its ``TrainConfig``."""
+    from k3lab.train.config import ATTNRES_BUFFERS  # noqa: PLC0415
+
+    p.add_argument("--attnres-buffer", choices=ATTNRES_BUFFERS, default="float32",
+                   help="Block AttnRes's buffer dtype (the trainer's --attnres-buffer)")
+    p.add_argument("--attnres-keep-inputs", action="store_true",
+                   help="keep the sublayers' inputs for backward (the trainer's --attnres-keep-inputs)")
+
+
 def check_out(out: str | None) -> None:
     """Stop before any work when ``--out`` cannot be written: the JSON is written at the end of a run that may
     take minutes of GPU time. Missing parent folders are fine (they are created).

@@ -29,12 +29,12 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from k3lab.bench import check_out, gpu_device, positive_int, run_info, write_result
+from k3lab.bench import add_attnres_flags, check_out, gpu_device, positive_int, run_info, write_result
 from k3lab.bench.train import BF16_LOSS_BOUND
 from k3lab.model import flops_per_token, mfu
 from k3lab.moe import update_biases
 from k3lab.train import TrainConfig
-from k3lab.train.config import ATTNRES_BUFFERS, ConfigError
+from k3lab.train.config import ConfigError
 from k3lab.train.loop import (build_optimizers, build_run, counted_once, forward_backward, optimizer_step,
                               process_group)
 from k3lab.train.metrics import FLOPS_CONVENTION, peak_key
@@ -271,10 +271,7 @@ def main(argv=None) -> dict:
     p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default 2048; --small 32)")
     p.add_argument("--steps", type=positive_int, default=None, help="profiled steps (default 3; --small 2)")
     p.add_argument("--compile", action="store_true", help="torch.compile each sublayer (k3lab.train.compile_blocks)")
-    p.add_argument("--attnres-buffer", choices=ATTNRES_BUFFERS, default="float32",
-                   help="Block AttnRes's buffer dtype (the trainer's --attnres-buffer)")
-    p.add_argument("--attnres-keep-inputs", action="store_true",
-                   help="keep the sublayers' inputs for backward (the trainer's --attnres-keep-inputs)")
+    add_attnres_flags(p)
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default "
                    "data/results/step_profile[_compile]_<card>.json after the device (with --small: nothing)")
     args = p.parse_args(argv)

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from k3lab.bench import RoutingReplay, check_out, positive_float, positive_int, run_info, write_result
+from k3lab.bench import RoutingReplay, add_attnres_flags, check_out, positive_float, positive_int, run_info, write_result
 from k3lab.data import load_split, resolve_data_dir
 from k3lab.files import write_json
 from k3lab.lm import PreNormResidual
@@ -58,7 +58,7 @@ from k3lab.moe import update_biases
 from k3lab.optim import per_head_muon
 from k3lab.testing import rel_rms_error
 from k3lab.train import TokenLoader, TrainConfig, compile_blocks, train
-from k3lab.train.config import ATTNRES_BUFFERS, ConfigError
+from k3lab.train.config import ConfigError
 from k3lab.train.loop import build_model, train_autocast
 from k3lab.train.metrics import FLOPS_CONVENTION, after_first_window, peak_key, run_parts
 
@@ -699,10 +699,7 @@ def main(argv=None) -> dict:
                         "same command continues it, and the invocation that finishes it measures the rest (the "
                         "AttnRes overhead and the peer: leave them a few minutes) and writes the JSON (a run longer "
                         "than one job's time limit)")
-    p.add_argument("--attnres-buffer", choices=ATTNRES_BUFFERS, default="float32",
-                   help="Block AttnRes's buffer dtype (the trainer's --attnres-buffer)")
-    p.add_argument("--attnres-keep-inputs", action="store_true",
-                   help="keep the sublayers' inputs for backward (the trainer's --attnres-keep-inputs)")
+    add_attnres_flags(p)
     p.add_argument("--out", default=None, help="JSON path ('' = write nothing); default data/results/train_<card>.json "
                    "after the device, train_compile_<card>.json with --compile (with --small: nothing)")
     args = p.parse_args(argv)
