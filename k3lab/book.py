@@ -12,8 +12,8 @@ Every chapter is ``book/NN_name.py`` (jupytext py:percent, the file to edit) pai
 ``book/NN_name.ipynb`` (the same cells plus stored CPU outputs, which nbval compares). ``run`` first
 copies each ``.py``'s cells into its ``.ipynb`` when they differ (keeping the outputs of cells whose code is unchanged),
 then executes the notebook with papermill (kernel ``python3``, working directory ``book/``) into
-``build/notebooks/``, renders ``build/html/``, and prints a table (notebook, status, seconds). It exits
-nonzero when any notebook failed.
+``build/notebooks/``, renders ``build/html/``, and prints a table (notebook, status, seconds). It exits 1
+when any notebook failed, 2 on a usage error (a bad flag, parameter, parameter file or chapter key).
 
 The GPU parameter file maps ``all`` and notebook prefixes (``"01"``) or names (``"01_kda"``) to
 parameters; ``-p key value`` overrides them. Only parameters a notebook's ``parameters`` cell
@@ -222,17 +222,25 @@ def read_params_file(params_file: Path) -> dict:
     return spec
 
 
+# The Python types a parameter may take, by the kind papermill infers from its declaration's default.
+PARAMETER_KINDS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "list": (list,),
+                   "dict": (dict,)}
+
+
 def notebook_parameters(path: Path, profile: str, overrides: dict, params_file: Path | None) -> dict:
     """Parameters for one notebook: profile, then the parameter file's sections, then ``-p``.
 
-    Only names declared in the notebook's ``parameters`` cell are kept.
+    Only names declared in the notebook's ``parameters`` cell are kept, and each value must have the kind its
+    declaration's default has (``-p steps nan`` or ``-p lr abc`` ran the chapter with a NaN or a string).
 
     Raises:
-        ValueError: the parameter file is missing, not YAML or not a mapping of mappings.
+        ValueError: the parameter file is missing, not YAML or not a mapping of mappings; a value of another
+            kind than its declaration (an int where an int is declared, a finite number where a float is, a
+            bool, a str; lists and mappings only from the parameter file).
     """
     import papermill
 
-    declared = set(papermill.inspect_notebook(str(path)))
+    declared = papermill.inspect_notebook(str(path))
     params = {"profile": profile}
     if params_file is not None:
         spec = read_params_file(params_file)
@@ -240,7 +248,18 @@ def notebook_parameters(path: Path, profile: str, overrides: dict, params_file: 
         for key in ("all", stem.split("_", 1)[0], stem):
             params.update(spec.get(key, {}))
     params.update(overrides)
-    return {k: v for k, v in params.items() if k in declared}
+    params = {k: v for k, v in params.items() if k in declared}
+    for k, v in params.items():
+        kind = declared[k].get("inferred_type_name")
+        if kind not in PARAMETER_KINDS:
+            continue  # declared None or an expression: any value
+        ok = (isinstance(v, PARAMETER_KINDS[kind]) and (kind == "bool" or not isinstance(v, bool))
+              and not (isinstance(v, float) and not math.isfinite(v)))
+        if not ok:
+            hint = " (give lists and mappings in --params-file)" if kind in ("list", "dict") else ""
+            raise ValueError(f"parameter {k} of {path.stem} is declared {kind} (default {declared[k]['default']}), "
+                             f"got {v!r}{hint}")
+    return params
 
 
 def _jupyter_env() -> None:
@@ -594,7 +613,8 @@ def main(argv: list[str] | None = None) -> int:
                       BOOK_DIR)
     except Exception as exc:
         print(f"error: {_error_detail(exc)}", file=sys.stderr)
-        return 1
+        # run, store and check_record raise ValueError only for their arguments: a usage error, as argparse's.
+        return 2 if isinstance(exc, ValueError) else 1
     if not results:
         print(f"no chapters found in {BOOK_DIR}", file=sys.stderr)
         return 1

@@ -97,6 +97,10 @@ def test_parameters_layering_and_filtering(tiny_book, tmp_path):
     params_file.write_text("- not a mapping\n")
     with pytest.raises(ValueError, match="must map"):
         book.notebook_parameters(ipynb, "gpu", {}, params_file)
+    # -p steps nan or -p steps abc ran the chapter with a NaN or a string.
+    for value in (book.parse_value("nan"), book.parse_value("abc"), 2.5, True):
+        with pytest.raises(ValueError, match=r"parameter steps of 01_ok is declared int"):
+            book.notebook_parameters(ipynb, "cpu", {"steps": value}, None)
 
 
 def test_run_checks_its_arguments_before_any_chapter(tiny_book, tmp_path):
@@ -247,7 +251,7 @@ def test_record_path_is_checked_before_any_chapter_runs(tiny_book, tmp_path, mon
         book.check_record(path, "gpu")
     ran = []
     monkeypatch.setattr(book, "run", lambda *a, **k: ran.append(1) or [])
-    assert book.main(["run", "--profile", "gpu", "--record", str(path)]) == 1
+    assert book.main(["run", "--profile", "gpu", "--record", str(path)]) == 2  # a usage error
     err = capsys.readouterr().err
     assert not ran and err.count("\n") == 1 and err.startswith("error: ValueError: ") and str(path) in err
     assert "Traceback" not in err and (tmp_path / "table.json").read_text() == content
